@@ -1,0 +1,134 @@
+"""Argument checks shared by every op, run before any kernel launch.
+
+Each failure names the argument and what was expected: the user's past bugs
+(a TP-local H/8-wide capture, a wrong slot, an embedding capture) must become
+an exception here, never a silently wrong buffer or a CUDA fault. The checks
+read only shapes, strides, dtypes and devices (no host sync), so they are
+legal under CUDA-graph capture, and they also run in the fake
+implementations so that torch.compile reports bad calls at trace time.
+"""
+
+from typing import Optional
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Mirrors eagle_capture.kernels.add_rmsnorm_capture.MAX_HIDDEN_SIZE; kept here so
+# that importing the checks never imports Triton.
+MAX_HIDDEN_SIZE = 65536
+
+
+def _fail(message: str) -> None:
+    raise ValueError(f"eagle_capture: {message}")
+
+
+def _check_row_major_2d(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"eagle_capture: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        _fail(f"{name} must be 2-D [tokens, hidden_size], got shape {tuple(t.shape)}")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        _fail(f"{name} must have a contiguous last dimension (stride 1), got strides "
+              f"{tuple(t.stride())}; rows may be strided, columns may not")
+
+
+def check_aux(aux: torch.Tensor, slot: int, num_tokens: int, hidden_size: int,
+              dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(aux, torch.Tensor):
+        raise TypeError(f"eagle_capture: aux must be a torch.Tensor, got {type(aux).__name__}")
+    if aux.dim() != 3:
+        _fail(f"aux must be the 3-D buffer [max_tokens, num_captures, hidden_size], "
+              f"got shape {tuple(aux.shape)}")
+    rows, num_slots, aux_hidden = aux.shape
+    if aux_hidden > 1 and aux.stride(2) != 1:
+        _fail(f"aux must have a contiguous last dimension, got strides {tuple(aux.stride())}")
+    if isinstance(slot, bool) or not isinstance(slot, int):
+        raise TypeError(f"eagle_capture: slot must be an int, got {type(slot).__name__}")
+    if not 0 <= slot < num_slots:
+        _fail(f"slot {slot} is out of range for aux with {num_slots} capture slots "
+              f"(expected 0 <= slot < {num_slots})")
+    if aux_hidden != hidden_size:
+        _fail(f"hidden_states has width {hidden_size} but aux slots are {aux_hidden} wide; "
+              f"a width of hidden_size / tp_size means a tensor-parallel shard reached the "
+              f"capture point (capture only full, reduced hidden states)")
+    if num_tokens > rows:
+        _fail(f"hidden_states has {num_tokens} tokens but aux has only {rows} rows "
+              f"(allocate the buffer for the largest batch the server runs)")
+    if aux.dtype != dtype:
+        _fail(f"aux dtype {aux.dtype} does not match hidden_states dtype {dtype}")
+    if aux.device != device:
+        _fail(f"aux is on {aux.device} but hidden_states is on {device}")
+
+
+def check_add_inputs(hidden_states: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+    _check_row_major_2d("hidden_states", hidden_states)
+    if hidden_states.dtype not in SUPPORTED_DTYPES:
+        _fail(f"hidden_states dtype must be one of bfloat16, float16, float32, "
+              f"got {hidden_states.dtype}")
+    if hidden_states.shape[1] > MAX_HIDDEN_SIZE:
+        _fail(f"hidden_size {hidden_states.shape[1]} is larger than the supported maximum "
+              f"{MAX_HIDDEN_SIZE} (one row is held in registers)")
+    if hidden_states.device.type not in ("cpu", "cuda"):
+        _fail(f"hidden_states must be on a CPU or CUDA device, got {hidden_states.device}")
+    if residual is None:
+        return
+    _check_row_major_2d("residual", residual)
+    if residual.shape != hidden_states.shape:
+        _fail(f"residual shape {tuple(residual.shape)} does not match hidden_states shape "
+              f"{tuple(hidden_states.shape)}")
+    if residual.dtype != hidden_states.dtype:
+        _fail(f"residual dtype {residual.dtype} does not match hidden_states dtype "
+              f"{hidden_states.dtype}")
+    if residual.device != hidden_states.device:
+        _fail(f"residual is on {residual.device} but hidden_states is on {hidden_states.device}")
+
+
+def check_norm_inputs(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    hidden_size = hidden_states.shape[1]
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"eagle_capture: weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 1 or weight.shape[0] != hidden_size:
+        _fail(f"weight must have shape [{hidden_size}] (hidden_size), got {tuple(weight.shape)}")
+    if hidden_size > 1 and weight.stride(0) != 1:
+        _fail("weight must be contiguous")
+    if weight.dtype not in SUPPORTED_DTYPES:
+        _fail(f"weight dtype must be one of bfloat16, float16, float32, got {weight.dtype}")
+    if weight.device != hidden_states.device:
+        _fail(f"weight is on {weight.device} but hidden_states is on {hidden_states.device}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0.0:
+        _fail(f"eps must be a non-negative float, got {eps!r}")
+
+
+def check_residual_out(residual_out: torch.Tensor, hidden_states: torch.Tensor) -> None:
+    _check_row_major_2d("residual_out", residual_out)
+    if residual_out.shape != hidden_states.shape:
+        _fail(f"residual_out shape {tuple(residual_out.shape)} does not match hidden_states "
+              f"shape {tuple(hidden_states.shape)}")
+    if residual_out.dtype != hidden_states.dtype:
+        _fail(f"residual_out dtype {residual_out.dtype} does not match hidden_states dtype "
+              f"{hidden_states.dtype}")
+    if residual_out.device != hidden_states.device:
+        _fail(f"residual_out is on {residual_out.device} but hidden_states is on "
+              f"{hidden_states.device}")
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except Exception:  # fake / functional tensors under tracing carry no storage
+        return False
+
+
+def check_residual_not_in_aux(residual: torch.Tensor, aux: Optional[torch.Tensor]) -> None:
+    """An in-place residual update must not land in the aux buffer.
+
+    After ``add_rmsnorm_into_slot`` the next layer's residual *is* an aux slot;
+    updating it in place would overwrite that layer's capture with the next
+    layer's residual -- exactly the silent corruption this project exists to
+    prevent.
+    """
+    if aux is not None and _shares_storage(residual, aux):
+        _fail("residual is a view of the aux buffer (the slot written by "
+              "add_rmsnorm_into_slot); updating it in place would overwrite that capture. "
+              "Use add_rmsnorm_out(..., residual_out=<a residual tensor>) for the layer "
+              "that follows an into-slot capture")

@@ -1,0 +1,256 @@
+"""The ``eagle_capture`` torch.library ops and their Python entry points.
+
+Four destination-passing ops, all thin shells over the one Triton kernel in
+``eagle_capture.kernels.add_rmsnorm_capture``. They take the whole aux buffer
+plus a slot index, never a view of it (mutated views of graph inputs alias
+badly under torch.compile: pytorch issues 131192, 139628).
+
+============================  =====================================================  ==================
+op                            effect (T = hidden_states.shape[0], s = h + r)          mutates
+============================  =====================================================  ==================
+add_capture                   aux[:T, slot] = s   (s = h when residual is None)       aux
+add_rmsnorm_capture           r = s; h = rmsnorm(s) * w; aux[:T, slot] = s if aux     h, residual, aux
+add_rmsnorm_into_slot         aux[:T, slot] = s; h = rmsnorm(s) * w (r untouched)     h, aux
+add_rmsnorm_out               residual_out = s; h = rmsnorm(s) * w (r untouched)      h, residual_out
+============================  =====================================================  ==================
+
+``add_rmsnorm_into_slot`` is the zero-extra-write capture: the new residual
+is written only into the slot, and the following layer reads its residual
+from ``aux[:T, slot]`` and writes the next one elsewhere with
+``add_rmsnorm_out`` (an in-place update would overwrite the capture, and is
+refused).
+
+Each op is a ``torch.library.triton_op``: torch.compile sees the Triton
+kernel (Inductor can schedule it; no graph break), and the same body runs a
+torch implementation for CPU tensors (SGLang's CPU backend, CI). In eager
+mode the public functions below skip the dispatcher and launch directly --
+the op layer costs tens of microseconds per call (FACTS.md section 4) --
+while under torch.compile they call the registered op.
+"""
+
+from typing import Optional
+
+import torch
+from torch.library import triton_op, wrap_triton
+
+from . import _checks
+from .kernels import add_rmsnorm_capture_kernel, launch_config
+
+__all__ = [
+    "add_capture",
+    "add_rmsnorm_capture",
+    "add_rmsnorm_into_slot",
+    "add_rmsnorm_out",
+    "launch_kernel",
+]
+
+
+# ----------------------------------------------------------------------------
+# Kernel launch (CUDA, or CPU tensors under TRITON_INTERPRET=1)
+# ----------------------------------------------------------------------------
+
+def launch_kernel(
+    hidden_states: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    *,
+    weight: Optional[torch.Tensor] = None,
+    eps: float = 0.0,
+    normed_out: Optional[torch.Tensor] = None,
+    residual_out: Optional[torch.Tensor] = None,
+    aux: Optional[torch.Tensor] = None,
+    slot: int = 0,
+    _wrap=None,
+) -> None:
+    """Launch the fused kernel on already-validated arguments.
+
+    Features switch on by which outputs are given: ``aux`` -> capture into
+    ``aux[:T, slot]``; ``residual_out`` -> store the new residual;
+    ``weight`` + ``normed_out`` -> RMSNorm. Public so that tests can run the
+    kernel itself under the Triton interpreter on CPU tensors.
+    """
+    num_tokens, hidden_size = hidden_states.shape
+    if num_tokens == 0:
+        return  # a zero-size grid is not a valid launch
+    apply_norm = weight is not None
+    block_h, num_warps = launch_config(hidden_size)
+    # Unused pointers get a valid tensor so the signature never changes; the
+    # constexpr flags compile their accesses away.
+    kernel = add_rmsnorm_capture_kernel if _wrap is None else _wrap(add_rmsnorm_capture_kernel)
+    kernel[(num_tokens,)](
+        hidden_ptr=hidden_states,
+        residual_ptr=residual if residual is not None else hidden_states,
+        weight_ptr=weight if apply_norm else hidden_states,
+        normed_out_ptr=normed_out if apply_norm else hidden_states,
+        residual_out_ptr=residual_out if residual_out is not None else hidden_states,
+        aux_ptr=aux if aux is not None else hidden_states,
+        hidden_size=hidden_size,
+        eps=float(eps),
+        stride_hidden=hidden_states.stride(0),
+        stride_residual=residual.stride(0) if residual is not None else 0,
+        stride_normed_out=normed_out.stride(0) if apply_norm else 0,
+        stride_residual_out=residual_out.stride(0) if residual_out is not None else 0,
+        stride_aux_row=aux.stride(0) if aux is not None else 0,
+        aux_slot_offset=slot * aux.stride(1) if aux is not None else 0,
+        HAS_RESIDUAL=residual is not None,
+        APPLY_NORM=apply_norm,
+        STORE_RESIDUAL=residual_out is not None,
+        CAPTURE=aux is not None,
+        BLOCK_H=block_h,
+        num_warps=num_warps,
+    )
+
+
+# ----------------------------------------------------------------------------
+# CPU implementation (torch), the same numerics as the kernel
+# ----------------------------------------------------------------------------
+
+def _rmsnorm_into(normed_out: torch.Tensor, s: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> None:
+    x = s.float()
+    rstd = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    normed_out.copy_(x * rstd * weight.float())
+
+
+def _torch_impl(hidden_states, residual, *, weight=None, eps=0.0, normed_out=None,
+                residual_out=None, aux=None, slot=0) -> None:
+    num_tokens = hidden_states.shape[0]
+    # torch's same-dtype add rounds once, like the kernel: the captured value
+    # is bit-identical to SGLang's eager hidden_states + residual.
+    s = hidden_states + residual if residual is not None else hidden_states
+    if aux is not None:
+        aux[:num_tokens, slot].copy_(s)
+    if residual_out is not None:
+        residual_out.copy_(s)
+    if weight is not None:
+        _rmsnorm_into(normed_out, s, weight, eps)
+
+
+def _dispatch(hidden_states, residual, *, wrap, **kwargs) -> None:
+    if hidden_states.device.type == "cpu":
+        _torch_impl(hidden_states, residual, **kwargs)
+    else:
+        launch_kernel(hidden_states, residual, _wrap=wrap, **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Argument checking per op (shared by the op bodies and the eager fast path)
+# ----------------------------------------------------------------------------
+
+def _check_add_capture(hidden_states, residual, aux, slot) -> None:
+    _checks.check_add_inputs(hidden_states, residual)
+    _checks.check_aux(aux, slot, hidden_states.shape[0], hidden_states.shape[1],
+                      hidden_states.dtype, hidden_states.device)
+
+
+def _check_norm(hidden_states, residual, weight, eps, aux, slot) -> None:
+    if residual is None:
+        raise TypeError("eagle_capture: residual must be a tensor for the add+RMSNorm ops")
+    _checks.check_add_inputs(hidden_states, residual)
+    _checks.check_norm_inputs(hidden_states, weight, eps)
+    if aux is not None:
+        _checks.check_aux(aux, slot, hidden_states.shape[0], hidden_states.shape[1],
+                          hidden_states.dtype, hidden_states.device)
+
+
+# ----------------------------------------------------------------------------
+# Registered ops
+# ----------------------------------------------------------------------------
+
+@triton_op("eagle_capture::add_capture", mutates_args={"aux"})
+def _add_capture_op(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
+                    aux: torch.Tensor, slot: int) -> None:
+    _check_add_capture(hidden_states, residual, aux, slot)
+    _dispatch(hidden_states, residual, wrap=wrap_triton, aux=aux, slot=slot)
+
+
+@triton_op("eagle_capture::add_rmsnorm_capture",
+           mutates_args={"hidden_states", "residual", "aux"})
+def _add_rmsnorm_capture_op(hidden_states: torch.Tensor, residual: torch.Tensor,
+                            weight: torch.Tensor, eps: float, aux: Optional[torch.Tensor],
+                            slot: int) -> None:
+    _check_norm(hidden_states, residual, weight, eps, aux, slot)
+    _checks.check_residual_not_in_aux(residual, aux)
+    _dispatch(hidden_states, residual, wrap=wrap_triton, weight=weight, eps=eps,
+              normed_out=hidden_states, residual_out=residual, aux=aux, slot=slot)
+
+
+@triton_op("eagle_capture::add_rmsnorm_into_slot", mutates_args={"hidden_states", "aux"})
+def _add_rmsnorm_into_slot_op(hidden_states: torch.Tensor, residual: torch.Tensor,
+                              weight: torch.Tensor, eps: float, aux: torch.Tensor,
+                              slot: int) -> None:
+    _check_norm(hidden_states, residual, weight, eps, aux, slot)
+    _dispatch(hidden_states, residual, wrap=wrap_triton, weight=weight, eps=eps,
+              normed_out=hidden_states, aux=aux, slot=slot)
+
+
+@triton_op("eagle_capture::add_rmsnorm_out", mutates_args={"hidden_states", "residual_out"})
+def _add_rmsnorm_out_op(hidden_states: torch.Tensor, residual: torch.Tensor,
+                        weight: torch.Tensor, eps: float, residual_out: torch.Tensor) -> None:
+    _check_norm(hidden_states, residual, weight, eps, None, 0)
+    _checks.check_residual_out(residual_out, hidden_states)
+    _dispatch(hidden_states, residual, wrap=wrap_triton, weight=weight, eps=eps,
+              normed_out=hidden_states, residual_out=residual_out)
+
+
+# ----------------------------------------------------------------------------
+# Public entry points: direct launch in eager mode, the op under torch.compile
+# ----------------------------------------------------------------------------
+
+def _eager(hidden_states: torch.Tensor) -> bool:
+    return not torch.compiler.is_compiling()
+
+
+def add_capture(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
+                aux: torch.Tensor, slot: int) -> None:
+    """``aux[:T, slot] = hidden_states + residual`` (or ``hidden_states`` when
+    ``residual`` is None: layer 0, whose input is the embedding output)."""
+    if _eager(hidden_states):
+        _check_add_capture(hidden_states, residual, aux, slot)
+        _dispatch(hidden_states, residual, wrap=None, aux=aux, slot=slot)
+    else:
+        torch.ops.eagle_capture.add_capture(hidden_states, residual, aux, slot)
+
+
+def add_rmsnorm_capture(hidden_states: torch.Tensor, residual: torch.Tensor,
+                        weight: torch.Tensor, eps: float,
+                        aux: Optional[torch.Tensor] = None, slot: int = 0) -> None:
+    """SGLang/FlashInfer ``fused_add_rmsnorm`` in place -- ``residual += hidden_states``;
+    ``hidden_states = rmsnorm(residual) * weight`` -- and, when ``aux`` is given,
+    the new residual also stored in ``aux[:T, slot]``."""
+    if _eager(hidden_states):
+        _check_norm(hidden_states, residual, weight, eps, aux, slot)
+        _checks.check_residual_not_in_aux(residual, aux)
+        _dispatch(hidden_states, residual, wrap=None, weight=weight, eps=eps,
+                  normed_out=hidden_states, residual_out=residual, aux=aux, slot=slot)
+    else:
+        torch.ops.eagle_capture.add_rmsnorm_capture(hidden_states, residual, weight, eps,
+                                                    aux, slot)
+
+
+def add_rmsnorm_into_slot(hidden_states: torch.Tensor, residual: torch.Tensor,
+                          weight: torch.Tensor, eps: float, aux: torch.Tensor,
+                          slot: int) -> None:
+    """Fused add+RMSNorm whose residual output *is* ``aux[:T, slot]``: the capture
+    costs no extra write. ``residual`` is left untouched; the next layer must read
+    its residual from the slot and write the next one with :func:`add_rmsnorm_out`."""
+    if _eager(hidden_states):
+        _check_norm(hidden_states, residual, weight, eps, aux, slot)
+        _dispatch(hidden_states, residual, wrap=None, weight=weight, eps=eps,
+                  normed_out=hidden_states, aux=aux, slot=slot)
+    else:
+        torch.ops.eagle_capture.add_rmsnorm_into_slot(hidden_states, residual, weight, eps,
+                                                      aux, slot)
+
+
+def add_rmsnorm_out(hidden_states: torch.Tensor, residual: torch.Tensor,
+                    weight: torch.Tensor, eps: float, residual_out: torch.Tensor) -> None:
+    """Fused add+RMSNorm with an out-of-place residual: ``residual_out = h + r``;
+    ``hidden_states = rmsnorm(residual_out) * weight``; ``residual`` untouched."""
+    if _eager(hidden_states):
+        _check_norm(hidden_states, residual, weight, eps, None, 0)
+        _checks.check_residual_out(residual_out, hidden_states)
+        _dispatch(hidden_states, residual, wrap=None, weight=weight, eps=eps,
+                  normed_out=hidden_states, residual_out=residual_out)
+    else:
+        torch.ops.eagle_capture.add_rmsnorm_out(hidden_states, residual, weight, eps,
+                                                residual_out)

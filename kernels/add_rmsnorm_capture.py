@@ -1,0 +1,106 @@
+"""One Triton kernel for every capture flavour: residual add, optional RMSNorm,
+optional store of the new residual, optional store into an aux-buffer slot.
+
+Per row ``t`` (one program per row; a row of H = 7168 bf16 is 14 KiB, which
+one program streams at full bandwidth once T fills the 132 SMs):
+
+    s            = hidden[t] + residual[t]       (HAS_RESIDUAL; else s = hidden[t])
+    aux[t, slot] = s                              (CAPTURE)
+    res_out[t]   = s                              (STORE_RESIDUAL)
+    normed[t]    = s * rsqrt(mean(s^2) + eps) * weight   (APPLY_NORM, fp32 math)
+
+Numerics
+--------
+* ``s`` is computed in fp32 and rounded once to the storage dtype. That is
+  exactly what torch does for a bf16/fp16 ``h + r`` (upcast, add, round to
+  nearest even), so the captured value is bit-identical to SGLang's eager
+  ``hidden_states + residual`` on the GPU. (Under ``TRITON_INTERPRET=1`` the
+  fp32 -> bf16 cast truncates instead; the tests model that.)
+* The norm is taken of the *rounded* ``s`` -- the value that is stored as the
+  residual and captured -- so ``normed`` is a function of what the next layer
+  and the draft model actually see, as in HF transformers' eager layers.
+* Row offsets are int64: ``rows * K * H`` passes 2^31 for T = 100k, K = 3,
+  H = 7168, and an int32 product would wrap into another request's rows.
+
+In-place use is legal (``normed_out_ptr == hidden_ptr``, ``res_out_ptr ==
+residual_ptr``): a program reads its whole row before it writes any of it, and
+no two programs touch the same row.
+"""
+
+import triton
+import triton.language as tl
+
+# The largest hidden size handled by the one-pass kernel: the whole row lives
+# in registers (BLOCK_H fp32 values spread over num_warps * 32 threads).
+MAX_HIDDEN_SIZE = 65536
+
+
+@triton.jit
+def add_rmsnorm_capture_kernel(
+    hidden_ptr,
+    residual_ptr,
+    weight_ptr,
+    normed_out_ptr,
+    residual_out_ptr,
+    aux_ptr,
+    hidden_size,
+    eps,
+    stride_hidden,
+    stride_residual,
+    stride_normed_out,
+    stride_residual_out,
+    stride_aux_row,
+    aux_slot_offset,
+    HAS_RESIDUAL: tl.constexpr,
+    APPLY_NORM: tl.constexpr,
+    STORE_RESIDUAL: tl.constexpr,
+    CAPTURE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden_size
+
+    # Inputs are read exactly once: no cache reuse, so let them leave L2 first.
+    h = tl.load(hidden_ptr + row * stride_hidden + cols, mask=mask, other=0.0,
+                eviction_policy="evict_first")
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0,
+                    eviction_policy="evict_first")
+        # One fp32 add, one round-to-nearest-even: bit-identical to torch's h + r.
+        s = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+    else:
+        s = h
+
+    if CAPTURE:
+        tl.store(aux_ptr + row * stride_aux_row + aux_slot_offset + cols, s, mask=mask)
+    if STORE_RESIDUAL:
+        tl.store(residual_out_ptr + row * stride_residual_out + cols, s, mask=mask)
+    if APPLY_NORM:
+        x = s.to(tl.float32)
+        mean_sq = tl.sum(x * x, axis=0) / hidden_size
+        rstd = tl.rsqrt(mean_sq + eps)
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = x * rstd * w
+        tl.store(normed_out_ptr + row * stride_normed_out + cols,
+                 y.to(normed_out_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_config(hidden_size: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) for one row of ``hidden_size`` elements.
+
+    Enough warps that each thread holds <= 32 fp32 values of the row (no
+    spills) and issues 16-byte vector accesses.
+    """
+    block_h = triton.next_power_of_2(max(int(hidden_size), 1))
+    if block_h >= 32768:
+        num_warps = 32
+    elif block_h >= 8192:
+        num_warps = 16
+    elif block_h >= 2048:
+        num_warps = 8
+    elif block_h >= 512:
+        num_warps = 4
+    else:
+        num_warps = 1
+    return block_h, num_warps

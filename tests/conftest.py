@@ -1,0 +1,77 @@
+"""Shared test set-up.
+
+Without a GPU, the Triton kernels run under Triton's CPU interpreter: the
+variable must be set before ``eagle_capture`` (and so ``triton.jit``) is
+imported, which is why it is set here at collection time. On a GPU machine
+the kernels run compiled and the interpreter stays off.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+# Tolerances for the *normed* output only (captures and residuals are compared
+# bit-exactly). The kernel computes in fp32 and rounds once; the reference is
+# float64. So the error is one rounding of the output dtype (<= 1/2 ulp,
+# relative 2^-8 for bf16, 2^-11 for fp16) plus fp32 reduction-order noise that
+# can push a value across a rounding boundary: allow one full ulp.
+NORM_TOLERANCES = {
+    torch.bfloat16: dict(rtol=2**-7, atol=1e-5),
+    torch.float16: dict(rtol=2**-10, atol=1e-5),
+    torch.float32: dict(rtol=1e-5, atol=1e-6),
+}
+# Triton's interpreter truncates fp32 -> bf16 (FACTS.md section 5) instead of
+# rounding to nearest even: up to one full ulp from the cast alone, so the
+# interpreter gets one more ulp for bf16. fp16 and fp32 casts are exact there.
+INTERPRETER_NORM_TOLERANCES = dict(NORM_TOLERANCES)
+INTERPRETER_NORM_TOLERANCES[torch.bfloat16] = dict(rtol=2**-6, atol=1e-5)
+
+
+def make_rows(num_tokens: int, hidden_size: int, dtype, device, *, strided: bool = False,
+              generator=None) -> torch.Tensor:
+    """Random ``[T, H]`` rows; ``strided`` gives a row stride of ``2H + 3`` (a view of
+    a wider tensor, as a column slice of a fused projection would be)."""
+    if strided:
+        base = torch.randn(num_tokens, 2 * hidden_size + 3, generator=generator)
+        return base.to(dtype=dtype, device=device)[:, 1:hidden_size + 1]
+    return torch.randn(num_tokens, hidden_size, generator=generator).to(dtype=dtype,
+                                                                        device=device)
+
+
+def poisoned_aux(rows: int, slots: int, hidden_size: int, dtype, device) -> torch.Tensor:
+    return torch.full((rows, slots, hidden_size), float("nan"), dtype=dtype, device=device)
+
+
+def truncate_to_bf16(x_fp32: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 by dropping the low 16 bits: the interpreter's cast."""
+    return (x_fp32.contiguous().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def assert_untouched(aux: torch.Tensor, num_tokens: int, slot: int) -> None:
+    """Everything but ``aux[:T, slot]`` must still be the NaN poison."""
+    mask = torch.ones(aux.shape[:2], dtype=torch.bool, device=aux.device)
+    mask[:num_tokens, slot] = False
+    assert torch.isnan(aux[mask]).all(), "a capture wrote outside its slot"
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equality of the bits, NaN included (torch.equal treats NaN != NaN)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    int_type = {2: torch.int16, 4: torch.int32}[actual.element_size()]
+    a = actual.contiguous().view(int_type)
+    e = expected.contiguous().view(int_type)
+    if not torch.equal(a, e):
+        bad = (a != e).sum().item()
+        raise AssertionError(f"{bad} of {a.numel()} elements differ bitwise")

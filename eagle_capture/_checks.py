@@ -42,7 +42,7 @@ def check_aux(aux: torch.Tensor, slot: int, num_tokens: int, hidden_size: int,
     rows, num_slots, aux_hidden = aux.shape
     if aux_hidden > 1 and aux.stride(2) != 1:
         _fail(f"aux must have a contiguous last dimension, got strides {tuple(aux.stride())}")
-    if isinstance(slot, bool) or not isinstance(slot, int):
+    if isinstance(slot, bool) or not isinstance(slot, (int, torch.SymInt)):
         raise TypeError(f"eagle_capture: slot must be an int, got {type(slot).__name__}")
     if not 0 <= slot < num_slots:
         _fail(f"slot {slot} is out of range for aux with {num_slots} capture slots "
@@ -113,10 +113,12 @@ def check_residual_out(residual_out: torch.Tensor, hidden_states: torch.Tensor) 
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except Exception:  # fake / functional tensors under tracing carry no storage
+    # Fake and functional tensors (opcheck, torch.compile tracing) have no real
+    # storage to compare; the eager call on real tensors is where this is checked.
+    if type(a) is not torch.Tensor or type(b) is not torch.Tensor:
         return False
+    ptr = a.untyped_storage().data_ptr()
+    return ptr != 0 and ptr == b.untyped_storage().data_ptr()
 
 
 def check_residual_not_in_aux(residual: torch.Tensor, aux: Optional[torch.Tensor]) -> None:

@@ -1,0 +1,135 @@
+"""Bad input gets a clear Python error naming the argument -- raised before any
+launch, with the aux buffer left exactly as it was. Both call paths."""
+
+import pytest
+import torch
+
+import eagle_capture as ec
+from conftest import HAS_CUDA, assert_bitwise_equal
+
+T, H, K, ROWS = 4, 16, 3, 8
+BF16 = torch.bfloat16
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def good(device=DEVICE):
+    return dict(
+        hidden_states=torch.randn(T, H, dtype=BF16, device=device),
+        residual=torch.randn(T, H, dtype=BF16, device=device),
+        aux=torch.full((ROWS, K, H), float("nan"), dtype=BF16, device=device),
+        slot=1,
+    )
+
+
+def _with(**changes):
+    def make():
+        args = good()
+        for key, value in changes.items():
+            args[key] = value(args) if callable(value) else value
+        return args
+    return make
+
+
+# (id, args factory, exception, message fragment)
+CAPTURE_CASES = [
+    ("slot-too-large", _with(slot=K), ValueError, "slot 3 is out of range"),
+    ("slot-negative", _with(slot=-1), ValueError, "slot -1 is out of range"),
+    ("slot-not-int", _with(slot=1.0), TypeError, "slot must be an int"),
+    ("tp-shard-width", _with(hidden_states=lambda a: torch.randn(T, H // 8, dtype=BF16, device=DEVICE),
+                             residual=lambda a: torch.randn(T, H // 8, dtype=BF16, device=DEVICE)),
+     ValueError, "tensor-parallel shard"),
+    ("residual-dtype", _with(residual=lambda a: a["residual"].half()), ValueError,
+     "residual dtype torch.float16 does not match"),
+    ("aux-dtype", _with(aux=lambda a: a["aux"].float()), ValueError,
+     "aux dtype torch.float32 does not match"),
+    ("residual-shape", _with(residual=lambda a: torch.randn(T + 1, H, dtype=BF16, device=DEVICE)),
+     ValueError, "residual shape"),
+    ("too-many-tokens", _with(hidden_states=lambda a: torch.randn(ROWS + 1, H, dtype=BF16, device=DEVICE),
+                              residual=lambda a: torch.randn(ROWS + 1, H, dtype=BF16, device=DEVICE)),
+     ValueError, "only 8 rows"),
+    ("hidden-last-dim-strided", _with(hidden_states=lambda a: torch.randn(T, 2 * H, dtype=BF16, device=DEVICE)[:, ::2]),
+     ValueError, "hidden_states must have a contiguous last dimension"),
+    ("residual-last-dim-strided", _with(residual=lambda a: torch.randn(H, T, dtype=BF16, device=DEVICE).t()),
+     ValueError, "residual must have a contiguous last dimension"),
+    ("hidden-3d", _with(hidden_states=lambda a: a["hidden_states"].view(2, 2, H)), ValueError,
+     "hidden_states must be 2-D"),
+    ("aux-2d", _with(aux=lambda a: a["aux"].view(ROWS, K * H)), ValueError, "aux must be the 3-D buffer"),
+    ("hidden-int", _with(hidden_states=lambda a: torch.ones(T, H, dtype=torch.int32, device=DEVICE)),
+     ValueError, "hidden_states dtype must be one of"),
+    ("hidden-not-tensor", _with(hidden_states=[[0.0] * H] * T), TypeError,
+     "hidden_states must be a torch.Tensor"),
+]
+if HAS_CUDA:
+    CAPTURE_CASES.append(("residual-on-cpu", _with(residual=lambda a: a["residual"].cpu()),
+                          ValueError, "residual is on cpu"))
+    CAPTURE_CASES.append(("aux-on-cpu", _with(aux=lambda a: a["aux"].cpu()),
+                          ValueError, "aux is on cpu"))
+else:
+    CAPTURE_CASES.append(("residual-on-meta", _with(residual=lambda a: a["residual"].to("meta")),
+                          ValueError, "residual is on meta"))
+
+
+def _capture(call, args):
+    fn = ec.add_capture if call == "public" else torch.ops.eagle_capture.add_capture
+    fn(args["hidden_states"], args["residual"], args["aux"], args["slot"])
+
+
+@pytest.mark.parametrize("call", ["public", "op"])
+@pytest.mark.parametrize("case", CAPTURE_CASES, ids=[c[0] for c in CAPTURE_CASES])
+def test_add_capture_rejects(call, case):
+    _, make, exc, fragment = case
+    args = make()
+    aux = args["aux"]
+    before = aux.clone() if isinstance(aux, torch.Tensor) else None
+    if call == "op" and exc is TypeError:
+        # The dispatcher type-checks the schema first; its message names the argument.
+        exc, fragment = (TypeError, RuntimeError), "slot|hidden_states"
+    with pytest.raises(exc, match=fragment):
+        _capture(call, args)
+    if before is not None:
+        assert_bitwise_equal(aux, before)
+
+
+NORM_CASES = [
+    ("weight-wrong-length", dict(weight=lambda: torch.ones(H + 1, dtype=BF16, device=DEVICE)),
+     ValueError, r"weight must have shape \[16\]"),
+    ("weight-2d", dict(weight=lambda: torch.ones(1, H, dtype=BF16, device=DEVICE)), ValueError,
+     r"weight must have shape \[16\]"),
+    ("eps-negative", dict(eps=-1.0), ValueError, "eps must be a non-negative float"),
+    ("residual-none", dict(residual=None), TypeError, "residual must be a tensor"),
+    ("slot-out-of-range", dict(slot=7), ValueError, "slot 7 is out of range"),
+]
+
+
+@pytest.mark.parametrize("call", ["public", "op"])
+@pytest.mark.parametrize("case", NORM_CASES, ids=[c[0] for c in NORM_CASES])
+@pytest.mark.parametrize("op", ["add_rmsnorm_capture", "add_rmsnorm_into_slot"])
+def test_norm_ops_reject(call, case, op):
+    _, changes, exc, fragment = case
+    args = good()
+    weight = torch.ones(H, dtype=BF16, device=DEVICE)
+    eps = 1e-6
+    if "weight" in changes:
+        weight = changes["weight"]()
+    eps = changes.get("eps", eps)
+    residual = changes["residual"] if "residual" in changes else args["residual"]
+    slot = changes.get("slot", args["slot"])
+    before = [t.clone() for t in (args["hidden_states"], args["residual"], args["aux"])]
+    fn = getattr(ec, op) if call == "public" else getattr(torch.ops.eagle_capture, op)
+    with pytest.raises(exc, match=fragment):
+        fn(args["hidden_states"], residual, weight, eps, args["aux"], slot)
+    for t, b in zip((args["hidden_states"], args["residual"], args["aux"]), before):
+        assert_bitwise_equal(t, b)
+
+
+@pytest.mark.parametrize("call", ["public", "op"])
+def test_add_rmsnorm_out_rejects_mismatched_residual_out(call):
+    args = good()
+    fn = ec.add_rmsnorm_out if call == "public" else torch.ops.eagle_capture.add_rmsnorm_out
+    w = torch.ones(H, dtype=BF16, device=DEVICE)
+    with pytest.raises(ValueError, match="residual_out shape"):
+        fn(args["hidden_states"], args["residual"], w, 1e-6,
+           torch.empty(T, H + 1, dtype=BF16, device=DEVICE))
+    with pytest.raises(ValueError, match="residual_out dtype"):
+        fn(args["hidden_states"], args["residual"], w, 1e-6,
+           torch.empty(T, H, dtype=torch.float32, device=DEVICE))

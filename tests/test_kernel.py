@@ -1,0 +1,91 @@
+"""The Triton kernel itself, every constexpr flag combination.
+
+On a GPU it runs compiled and the stored residual/capture must equal torch's
+``h + r`` bit for bit. Without a GPU it runs under ``TRITON_INTERPRET=1`` on
+CPU tensors (small shapes: the interpreter is ~1 s per 64 x 7168 row block).
+The interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest
+even (FACTS.md section 5), so for bf16 there the expected value is the fp32
+sum truncated to bf16 -- still compared bit for bit, so an indexing or
+masking bug fails just as it would on the GPU. fp16 and fp32 casts are exact
+in the interpreter and are compared against torch directly.
+"""
+
+import pytest
+import torch
+
+from conftest import (HAS_CUDA, INTERPRETED, INTERPRETER_NORM_TOLERANCES, NORM_TOLERANCES,
+                      DTYPES, assert_bitwise_equal, assert_untouched, make_rows, poisoned_aux,
+                      truncate_to_bf16)
+from eagle_capture import add_rmsnorm_reference
+from eagle_capture.ops import launch_kernel
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+if not HAS_CUDA and not INTERPRETED:
+    pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
+
+# (T, H): the interpreter gets small shapes, the GPU the full set.
+SHAPES = ([(0, 7), (1, 1), (3, 7), (17, 1000), (2, 7168)] if INTERPRETED else
+          [(t, h) for t in (0, 1, 3, 257) for h in (1, 7, 1000, 7168)] + [(4099, 7168)])
+EPS = 1e-6
+
+
+def expected_sum(h: torch.Tensor, r) -> torch.Tensor:
+    if r is None:
+        return h.clone()
+    if INTERPRETED and h.dtype == torch.bfloat16:
+        return truncate_to_bf16(h.float() + r.float())
+    return h + r
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden_size", SHAPES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_capture_only(dtype, num_tokens, hidden_size, with_residual):
+    h = make_rows(num_tokens, hidden_size, dtype, DEVICE, strided=True)
+    r = make_rows(num_tokens, hidden_size, dtype, DEVICE) if with_residual else None
+    aux = poisoned_aux(num_tokens + 3, 3, hidden_size, dtype, DEVICE)
+    launch_kernel(h, r, aux=aux, slot=2)
+    assert_bitwise_equal(aux[:num_tokens, 2], expected_sum(h, r))
+    assert_untouched(aux, num_tokens, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden_size", SHAPES)
+@pytest.mark.parametrize("capture", [True, False])
+@pytest.mark.parametrize("store_residual", [True, False])
+def test_add_rmsnorm(dtype, num_tokens, hidden_size, capture, store_residual):
+    h = make_rows(num_tokens, hidden_size, dtype, DEVICE, strided=True)
+    r = make_rows(num_tokens, hidden_size, dtype, DEVICE, strided=True)
+    w = (1 + 0.1 * torch.randn(hidden_size)).to(dtype=dtype, device=DEVICE)
+    s = expected_sum(h, r)
+    # Reference normed from the value the kernel actually stored (bit-equal to s).
+    normed_ref = add_rmsnorm_reference(s, torch.zeros_like(s), w, EPS)[0]
+    aux = poisoned_aux(num_tokens + 1, 2, hidden_size, dtype, DEVICE) if capture else None
+    residual_out = torch.full_like(s, float("nan")) if store_residual else None
+    normed = torch.full_like(s, float("nan"))
+
+    launch_kernel(h, r, weight=w, eps=EPS, normed_out=normed, residual_out=residual_out,
+                  aux=aux, slot=1)
+
+    tol = (INTERPRETER_NORM_TOLERANCES if INTERPRETED else NORM_TOLERANCES)[dtype]
+    torch.testing.assert_close(normed.double(), normed_ref, **tol)
+    if store_residual:
+        assert_bitwise_equal(residual_out, s)
+    if capture:
+        assert_bitwise_equal(aux[:num_tokens, 1], s)
+        assert_untouched(aux, num_tokens, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_in_place(dtype):
+    """normed_out aliasing hidden and residual_out aliasing residual (the
+    fused_add_rmsnorm form) read each row fully before writing it."""
+    h = make_rows(5, 1000, dtype, DEVICE, strided=True)
+    r = make_rows(5, 1000, dtype, DEVICE, strided=True)
+    w = torch.ones(1000, dtype=dtype, device=DEVICE)
+    s = expected_sum(h, r)
+    normed_ref = add_rmsnorm_reference(s, torch.zeros_like(s), w, EPS)[0]
+    launch_kernel(h, r, weight=w, eps=EPS, normed_out=h, residual_out=r)
+    assert_bitwise_equal(r, s)
+    tol = (INTERPRETER_NORM_TOLERANCES if INTERPRETED else NORM_TOLERANCES)[dtype]
+    torch.testing.assert_close(h.double(), normed_ref, **tol)

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# One device-tool call: GPU tests, the benchmark and the launch sweep, logs to $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.limit --format=csv > "$OUT/smi.txt" 2>&1
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/smi.txt"
+bash scripts/test.sh -rs -p no:logging -p no:cacheprovider > "$OUT/tests.log" 2>&1; echo "tests rc=$?" >> "$OUT/tests.log"
+tail -5 "$OUT/tests.log"
+bash scripts/bench.sh --out "$OUT" "$@" > "$OUT/bench.log" 2>"$OUT/bench.err"; echo "bench rc=$?"
+python3 benchmarks/tune_kernel.py > "$OUT/tune.log" 2>&1; echo "tune rc=$?"
+cat "$OUT/smi.txt" "$OUT/bench.log" "$OUT/tune.log"; tail -3 "$OUT/bench.err"

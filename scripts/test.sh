@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup_env.sh) and run the test suite. Without a GPU the
+# Triton kernels run under the interpreter (tests/conftest.py sets it); on a
+# GPU machine the GPU tests run too. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=$(bash scripts/setup_env.sh)
+exec $PY -m pytest -q tests "$@"

@@ -36,8 +36,8 @@ if [ -n "$missing" ]; then
 fi
 
 # The package itself, editable, without touching dependencies or the network.
-if ! $PY -c "import eagle_capture.kernels" >/dev/null 2>&1 || \
-   [ "$($PY -c 'import eagle_capture, os; print(os.path.realpath(eagle_capture.__file__))' 2>/dev/null)" != "$(realpath eagle_capture/__init__.py)" ]; then
+if ! (cd / && $PY -c "import eagle_capture.kernels") >/dev/null 2>&1 || \
+   [ "$(cd / && $PY -c 'import eagle_capture, os; print(os.path.realpath(eagle_capture.__file__))' 2>/dev/null)" != "$(realpath eagle_capture/__init__.py)" ]; then
     $PY -m pip install -q --no-deps --no-build-isolation -e . >&2
 fi
 echo "$PY"

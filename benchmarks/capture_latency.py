@@ -106,11 +106,12 @@ def make_inputs(num_tokens: int, hidden_size: int, num_captures: int, dtype, dev
     )
 
 
-def _eager_add_rmsnorm(h: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> None:
+def _eager_add_rmsnorm(h: torch.Tensor, r: torch.Tensor, w: torch.Tensor):
+    """Out of place (fresh outputs): Inductor's best case -- the in-place form
+    made it copy back into the inputs, slower at every T on the H200."""
     s = h + r
-    r.copy_(s)
     x = s.float()
-    h.copy_(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w.float())
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w.float()).to(h.dtype), s
 
 
 _compiled_add_rmsnorm = None
@@ -163,8 +164,7 @@ def build_step(path: str, x: Inputs) -> Callable[[], object]:
         fn = compiled_add_rmsnorm()
 
         def step():
-            for k in k_range:
-                fn(h[k], r[k], w[k])
+            return [fn(h[k], r[k], w[k]) for k in k_range]
     else:
         raise ValueError(path)
     return step
@@ -177,9 +177,12 @@ def check_path(path: str, x: Inputs) -> None:
                torch.full_like(x.aux, float("nan")), x.num_tokens)
     out = build_step(path, y)()
     expected = [h + r for h, r in zip(x.hidden, x.residual)]
-    if path == "a":
+    if path == "g":  # out of place: (normed, residual) per layer
+        y.hidden = [normed for normed, _ in out]
+        got = torch.cat([res for _, res in out], -1)
+    elif path == "a":
         got = out
-    elif path in ("d", "g"):
+    elif path == "d":
         got = torch.cat(y.residual, -1)
     else:
         got = y.aux[:x.num_tokens].flatten(1)
@@ -197,18 +200,20 @@ def check_path(path: str, x: Inputs) -> None:
 # Timing
 # ----------------------------------------------------------------------------
 
-def time_graph_replay(step: Callable, steps_per_graph: int, replays: int) -> float:
-    """Median GPU microseconds per step from CUDA-graph replays."""
+def time_graph_replay(steps: list, steps_per_graph: int, replays: int) -> float:
+    """Median GPU microseconds per step from CUDA-graph replays; the graph walks
+    the rotated input sets in ``steps`` round-robin."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for step in steps:
             step()
     torch.cuda.current_stream().wait_stream(side)
+    steps_per_graph = max(steps_per_graph, len(steps))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(steps_per_graph):
-            step()
+        for i in range(steps_per_graph):
+            steps[i % len(steps)]()
     for _ in range(3):
         graph.replay()
     start = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
@@ -223,15 +228,15 @@ def time_graph_replay(step: Callable, steps_per_graph: int, replays: int) -> flo
     return statistics.median(times)
 
 
-def time_events(step: Callable, reps: int) -> float:
+def time_events(steps: list, reps: int) -> float:
     """Median microseconds per eager step, CUDA events around each step."""
-    for _ in range(5):
+    for step in steps:
         step()
     start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
         start[i].record()
-        step()
+        steps[i % len(steps)]()
         end[i].record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(start, end))
@@ -241,7 +246,7 @@ def measure_copy_roofline(device, nbytes: int = 2 << 30, reps: int = 20) -> dict
     """Device-to-device copy bandwidth, bytes read + written, in this run."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    us = time_events(lambda: dst.copy_(src), reps)
+    us = time_events([lambda: dst.copy_(src)], reps)
     del src, dst
     torch.cuda.empty_cache()
     return {"bytes": 2 * nbytes, "us": us, "gbps": 2 * nbytes / us / 1e3}
@@ -327,16 +332,26 @@ def run_gpu(args) -> dict:
     dtype = DTYPES[args.dtype]
     elem = torch.tensor([], dtype=dtype).element_size()
     roofline = measure_copy_roofline(device)
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
     rows = []
     for num_tokens in progress(args.tokens, len(args.tokens), "T sweep"):
-        x = make_inputs(num_tokens, args.hidden_size, args.num_captures, dtype, device)
-        row = {"T": num_tokens, "paths": {}}
+        # Rotate input sets whose total is several times L2, so that no step
+        # reads what the previous one left in cache (the model's layers read
+        # fresh activations); all sets share one aux buffer, as SGLang does.
+        per_set = 2 * args.num_captures * num_tokens * args.hidden_size * elem
+        num_sets = max(1, min(16, -(-args.rotate_l2 * l2_bytes // per_set)))
+        sets = [make_inputs(num_tokens, args.hidden_size, args.num_captures, dtype, device)
+                for _ in range(num_sets)]
+        for x in sets[1:]:
+            x.aux = sets[0].aux
+        x = sets[0]
+        row = {"T": num_tokens, "input_sets": num_sets, "paths": {}}
         for path in args.paths:
             check_path(path, x)
-            step = build_step(path, x)
+            steps = [build_step(path, s) for s in sets]
             steps_per_graph = max(1, min(20, 4096 // num_tokens))
-            graph_us = time_graph_replay(step, steps_per_graph, args.replays)
-            event_us = time_events(step, args.reps)
+            graph_us = time_graph_replay(steps, steps_per_graph, args.replays)
+            event_us = time_events(steps, args.reps)
             nbytes = bytes_moved(path, num_tokens, args.hidden_size, args.num_captures, elem)
             row["paths"][path] = {
                 "graph_us": graph_us, "event_us": event_us, "bytes": nbytes,
@@ -351,7 +366,7 @@ def run_gpu(args) -> dict:
             row["capture_cost_us"] = {p: paths[p]["graph_us"] - paths["d"]["graph_us"]
                                       for p in ("b", "e", "f") if p in paths}
         rows.append(row)
-        del x
+        del x, sets, steps
         torch.cuda.empty_cache()
     host = measure_host_overhead(args.hidden_size, dtype, device)
     return {"roofline": roofline, "rows": rows, "host_us_per_call": host}
@@ -461,6 +476,9 @@ def parse_args(argv=None):
     p.add_argument("--paths", default="abcdefg", help="which paths to run (default abcdefg)")
     p.add_argument("--reps", type=int, default=100, help="eager repetitions per point")
     p.add_argument("--replays", type=int, default=30, help="graph replays per point")
+    p.add_argument("--rotate-l2", type=int, default=4,
+                   help="rotate input sets totalling this many L2 sizes (default 4; 0: "
+                        "one set, warm cache)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"),
                    help="folder for the JSON and PNG (default benchmarks/out)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")

@@ -28,12 +28,13 @@ the op layer costs tens of microseconds per call (FACTS.md section 4) --
 while under torch.compile they call the registered op.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.library import triton_op, wrap_triton
 
 from . import _checks
+from ._launcher import CachedLauncher
 from .kernels import add_rmsnorm_capture_kernel, launch_config
 
 __all__ = [
@@ -49,6 +50,39 @@ __all__ = [
 # Kernel launch (CUDA, or CPU tensors under TRITON_INTERPRET=1)
 # ----------------------------------------------------------------------------
 
+def _launch_args(hidden_states, residual, weight, eps, normed_out, residual_out, aux, slot):
+    """(grid, positional kernel arguments, num_warps) for validated arguments.
+
+    Unused pointers get a valid tensor (hidden_states) so the signature never
+    changes; the constexpr flags compile their accesses away.
+    """
+    num_tokens, hidden_size = hidden_states.shape
+    apply_norm = weight is not None
+    block_h, num_warps, col_blocks = launch_config(hidden_size, apply_norm)
+    args = (
+        hidden_states,
+        residual if residual is not None else hidden_states,
+        weight if apply_norm else hidden_states,
+        normed_out if apply_norm else hidden_states,
+        residual_out if residual_out is not None else hidden_states,
+        aux if aux is not None else hidden_states,
+        hidden_size,
+        float(eps),
+        hidden_states.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        normed_out.stride(0) if apply_norm else 0,
+        residual_out.stride(0) if residual_out is not None else 0,
+        aux.stride(0) if aux is not None else 0,
+        slot * aux.stride(1) if aux is not None else 0,
+        residual is not None,       # HAS_RESIDUAL
+        apply_norm,                 # APPLY_NORM
+        residual_out is not None,   # STORE_RESIDUAL
+        aux is not None,            # CAPTURE
+        block_h,                    # BLOCK_H
+    )
+    return (num_tokens, col_blocks), args, num_warps
+
+
 def launch_kernel(
     hidden_states: torch.Tensor,
     residual: Optional[torch.Tensor],
@@ -61,43 +95,55 @@ def launch_kernel(
     slot: int = 0,
     _wrap=None,
 ) -> None:
-    """Launch the fused kernel on already-validated arguments.
+    """Launch the fused kernel on already-validated arguments, through Triton's
+    normal entry point (or ``wrap_triton`` inside the registered ops).
 
     Features switch on by which outputs are given: ``aux`` -> capture into
     ``aux[:T, slot]``; ``residual_out`` -> store the new residual;
     ``weight`` + ``normed_out`` -> RMSNorm. Public so that tests can run the
     kernel itself under the Triton interpreter on CPU tensors.
     """
-    num_tokens, hidden_size = hidden_states.shape
-    if num_tokens == 0:
+    if hidden_states.shape[0] == 0:
         return  # a zero-size grid is not a valid launch
-    apply_norm = weight is not None
-    block_h, num_warps = launch_config(hidden_size)
-    # Unused pointers get a valid tensor so the signature never changes; the
-    # constexpr flags compile their accesses away.
+    grid, args, num_warps = _launch_args(hidden_states, residual, weight, eps, normed_out,
+                                         residual_out, aux, slot)
     kernel = add_rmsnorm_capture_kernel if _wrap is None else _wrap(add_rmsnorm_capture_kernel)
-    kernel[(num_tokens,)](
-        hidden_ptr=hidden_states,
-        residual_ptr=residual if residual is not None else hidden_states,
-        weight_ptr=weight if apply_norm else hidden_states,
-        normed_out_ptr=normed_out if apply_norm else hidden_states,
-        residual_out_ptr=residual_out if residual_out is not None else hidden_states,
-        aux_ptr=aux if aux is not None else hidden_states,
-        hidden_size=hidden_size,
-        eps=float(eps),
-        stride_hidden=hidden_states.stride(0),
-        stride_residual=residual.stride(0) if residual is not None else 0,
-        stride_normed_out=normed_out.stride(0) if apply_norm else 0,
-        stride_residual_out=residual_out.stride(0) if residual_out is not None else 0,
-        stride_aux_row=aux.stride(0) if aux is not None else 0,
-        aux_slot_offset=slot * aux.stride(1) if aux is not None else 0,
-        HAS_RESIDUAL=residual is not None,
-        APPLY_NORM=apply_norm,
-        STORE_RESIDUAL=residual_out is not None,
-        CAPTURE=aux is not None,
-        BLOCK_H=block_h,
-        num_warps=num_warps,
-    )
+    kernel[grid](*args, num_warps=num_warps)
+
+
+_cached_launch = CachedLauncher(add_rmsnorm_capture_kernel)
+
+
+class _EagerPlan(NamedTuple):
+    """What a validated eager CUDA call signature launches with: everything but
+    the tensors' addresses, computed once per signature."""
+    grid: tuple
+    scalars: tuple      # kernel arguments after the six pointers (eps included)
+    num_warps: int
+    device_index: int
+    dtypes: tuple       # pointer dtypes that Triton specialises on
+
+
+def _make_plan(hidden_states, residual, weight, eps, normed_out, residual_out, aux, slot):
+    grid, args, num_warps = _launch_args(hidden_states, residual, weight, eps, normed_out,
+                                         residual_out, aux, slot)
+    return _EagerPlan(grid, args[6:], num_warps, hidden_states.device.index,
+                      (hidden_states.dtype, args[2].dtype))
+
+
+def _launch_planned(plan: _EagerPlan, pointers: tuple) -> None:
+    if plan.grid[0] == 0:
+        return  # a zero-size grid is not a valid launch
+    if plan.device_index != torch.cuda.current_device():
+        # Triton launches on the *current* device: a tensor elsewhere would be
+        # an illegal address, not an error.
+        raise ValueError(f"eagle_capture: hidden_states is on cuda:{plan.device_index} but "
+                         f"the current CUDA device is cuda:{torch.cuda.current_device()}; "
+                         f"call torch.cuda.set_device({plan.device_index}) first")
+    aligned = tuple(p.data_ptr() & 15 == 0 for p in pointers)
+    # eps (scalars[1]) is a float: Triton does not specialise on it.
+    key = (plan.device_index, plan.dtypes, aligned, plan.scalars[0], plan.scalars[2:])
+    _cached_launch(plan.grid, pointers + plan.scalars, key, plan.num_warps, plan.device_index)
 
 
 # ----------------------------------------------------------------------------
@@ -152,6 +198,11 @@ def _check_norm(hidden_states, residual, weight, eps, aux, slot) -> None:
                           hidden_states.dtype, hidden_states.device)
 
 
+def _check_norm_out(hidden_states, residual, weight, eps, residual_out) -> None:
+    _check_norm(hidden_states, residual, weight, eps, None, 0)
+    _checks.check_residual_out(residual_out, hidden_states)
+
+
 # ----------------------------------------------------------------------------
 # Registered ops
 # ----------------------------------------------------------------------------
@@ -186,8 +237,7 @@ def _add_rmsnorm_into_slot_op(hidden_states: torch.Tensor, residual: torch.Tenso
 @triton_op("eagle_capture::add_rmsnorm_out", mutates_args={"hidden_states", "residual_out"})
 def _add_rmsnorm_out_op(hidden_states: torch.Tensor, residual: torch.Tensor,
                         weight: torch.Tensor, eps: float, residual_out: torch.Tensor) -> None:
-    _check_norm(hidden_states, residual, weight, eps, None, 0)
-    _checks.check_residual_out(residual_out, hidden_states)
+    _check_norm_out(hidden_states, residual, weight, eps, residual_out)
     _dispatch(hidden_states, residual, wrap=wrap_triton, weight=weight, eps=eps,
               normed_out=hidden_states, residual_out=residual_out)
 
@@ -195,20 +245,64 @@ def _add_rmsnorm_out_op(hidden_states: torch.Tensor, residual: torch.Tensor,
 # ----------------------------------------------------------------------------
 # Public entry points: direct launch in eager mode, the op under torch.compile
 # ----------------------------------------------------------------------------
+#
+# Eager calls skip the dispatcher (tens of us per call) and memoise validation:
+# every check depends only on the arguments' shapes, strides, dtypes, devices,
+# the slot and eps, so a call whose signature already passed the checks
+# needs none again. The memo key is that signature; the aliasing check, which
+# depends on storage, runs on every call.
 
-def _eager(hidden_states: torch.Tensor) -> bool:
-    return not torch.compiler.is_compiling()
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+def _eager_call(check, key_tensors: tuple, key_scalars: tuple, hidden_states, residual,
+                weight=None, eps=0.0, normed_out=None, residual_out=None, aux=None,
+                slot=0) -> None:
+    """Validate (once per call signature) and run one eager call.
+
+    ``key_scalars`` starts with the op's name and holds every non-tensor
+    argument the checks look at (with its type: ``1.0 == 1`` must not pass
+    for an int slot); with the tensors' shapes, strides, dtypes and devices
+    it is everything ``check`` depends on.
+    """
+    try:
+        key = (key_scalars,) + tuple(
+            (t.shape, t.stride(), t.dtype, t.device) if t is not None else None
+            for t in key_tensors)
+    except AttributeError:  # a non-tensor argument: let the full check name it
+        key = None
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        check()
+        plan = (_make_plan(hidden_states, residual, weight, eps, normed_out, residual_out,
+                           aux, slot) if hidden_states.is_cuda else "cpu")
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    if plan == "cpu":
+        _torch_impl(hidden_states, residual, weight=weight, eps=eps, normed_out=normed_out,
+                    residual_out=residual_out, aux=aux, slot=slot)
+    else:
+        h = hidden_states
+        _launch_planned(plan, (h, residual if residual is not None else h,
+                               weight if weight is not None else h,
+                               normed_out if normed_out is not None else h,
+                               residual_out if residual_out is not None else h,
+                               aux if aux is not None else h))
 
 
 def add_capture(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
                 aux: torch.Tensor, slot: int) -> None:
     """``aux[:T, slot] = hidden_states + residual`` (or ``hidden_states`` when
     ``residual`` is None: layer 0, whose input is the embedding output)."""
-    if _eager(hidden_states):
-        _check_add_capture(hidden_states, residual, aux, slot)
-        _dispatch(hidden_states, residual, wrap=None, aux=aux, slot=slot)
-    else:
+    if torch.compiler.is_compiling():
         torch.ops.eagle_capture.add_capture(hidden_states, residual, aux, slot)
+        return
+    _eager_call(lambda: _check_add_capture(hidden_states, residual, aux, slot),
+                (hidden_states, residual, aux), ("add_capture", type(slot), slot),
+                hidden_states, residual, aux=aux, slot=slot)
 
 
 def add_rmsnorm_capture(hidden_states: torch.Tensor, residual: torch.Tensor,
@@ -217,14 +311,16 @@ def add_rmsnorm_capture(hidden_states: torch.Tensor, residual: torch.Tensor,
     """SGLang/FlashInfer ``fused_add_rmsnorm`` in place -- ``residual += hidden_states``;
     ``hidden_states = rmsnorm(residual) * weight`` -- and, when ``aux`` is given,
     the new residual also stored in ``aux[:T, slot]``."""
-    if _eager(hidden_states):
-        _check_norm(hidden_states, residual, weight, eps, aux, slot)
-        _checks.check_residual_not_in_aux(residual, aux)
-        _dispatch(hidden_states, residual, wrap=None, weight=weight, eps=eps,
-                  normed_out=hidden_states, residual_out=residual, aux=aux, slot=slot)
-    else:
+    if torch.compiler.is_compiling():
         torch.ops.eagle_capture.add_rmsnorm_capture(hidden_states, residual, weight, eps,
                                                     aux, slot)
+        return
+    if aux is not None:
+        _checks.check_residual_not_in_aux(residual, aux)
+    _eager_call(lambda: _check_norm(hidden_states, residual, weight, eps, aux, slot),
+                (hidden_states, residual, weight, aux), ("capture", type(slot), slot, type(eps), eps),
+                hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
+                residual_out=residual, aux=aux, slot=slot)
 
 
 def add_rmsnorm_into_slot(hidden_states: torch.Tensor, residual: torch.Tensor,
@@ -233,24 +329,27 @@ def add_rmsnorm_into_slot(hidden_states: torch.Tensor, residual: torch.Tensor,
     """Fused add+RMSNorm whose residual output *is* ``aux[:T, slot]``: the capture
     costs no extra write. ``residual`` is left untouched; the next layer must read
     its residual from the slot and write the next one with :func:`add_rmsnorm_out`."""
-    if _eager(hidden_states):
-        _check_norm(hidden_states, residual, weight, eps, aux, slot)
-        _dispatch(hidden_states, residual, wrap=None, weight=weight, eps=eps,
-                  normed_out=hidden_states, aux=aux, slot=slot)
-    else:
+    if torch.compiler.is_compiling():
         torch.ops.eagle_capture.add_rmsnorm_into_slot(hidden_states, residual, weight, eps,
                                                       aux, slot)
+        return
+    if aux is None:
+        raise TypeError("eagle_capture: aux must be a tensor for add_rmsnorm_into_slot")
+    _eager_call(lambda: _check_norm(hidden_states, residual, weight, eps, aux, slot),
+                (hidden_states, residual, weight, aux), ("into_slot", type(slot), slot, type(eps), eps),
+                hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
+                aux=aux, slot=slot)
 
 
 def add_rmsnorm_out(hidden_states: torch.Tensor, residual: torch.Tensor,
                     weight: torch.Tensor, eps: float, residual_out: torch.Tensor) -> None:
     """Fused add+RMSNorm with an out-of-place residual: ``residual_out = h + r``;
     ``hidden_states = rmsnorm(residual_out) * weight``; ``residual`` untouched."""
-    if _eager(hidden_states):
-        _check_norm(hidden_states, residual, weight, eps, None, 0)
-        _checks.check_residual_out(residual_out, hidden_states)
-        _dispatch(hidden_states, residual, wrap=None, weight=weight, eps=eps,
-                  normed_out=hidden_states, residual_out=residual_out)
-    else:
+    if torch.compiler.is_compiling():
         torch.ops.eagle_capture.add_rmsnorm_out(hidden_states, residual, weight, eps,
                                                 residual_out)
+        return
+    _eager_call(lambda: _check_norm_out(hidden_states, residual, weight, eps, residual_out),
+                (hidden_states, residual, weight, residual_out), ("out", type(eps), eps),
+                hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
+                residual_out=residual_out)

@@ -1,8 +1,10 @@
 """One Triton kernel for every capture flavour: residual add, optional RMSNorm,
 optional store of the new residual, optional store into an aux-buffer slot.
 
-Per row ``t`` (one program per row; a row of H = 7168 bf16 is 14 KiB, which
-one program streams at full bandwidth once T fills the 132 SMs):
+Per row ``t`` (a row of H = 7168 bf16 is 14 KiB; with the norm, one program
+owns a whole row because the RMS needs all of it; without the norm, programs
+tile the row in column blocks, ``grid = (T, cdiv(H, BLOCK_H))``, so more,
+smaller programs keep every SM streaming to the end of the grid):
 
     s            = hidden[t] + residual[t]       (HAS_RESIDUAL; else s = hidden[t])
     aux[t, slot] = s                              (CAPTURE)
@@ -27,12 +29,17 @@ residual_ptr``): a program reads its whole row before it writes any of it, and
 no two programs touch the same row.
 """
 
+import functools
+
 import triton
 import triton.language as tl
 
 # The largest hidden size handled by the one-pass kernel: the whole row lives
 # in registers (BLOCK_H fp32 values spread over num_warps * 32 threads).
 MAX_HIDDEN_SIZE = 65536
+# Column block of the norm-free (pure capture) launch.
+COPY_BLOCK_H = 2048
+COPY_NUM_WARPS = 4
 
 
 @triton.jit
@@ -58,8 +65,13 @@ def add_rmsnorm_capture_kernel(
     BLOCK_H: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
+    # Without the norm, axis 1 walks column blocks; with it, the grid has one.
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < hidden_size
+    if APPLY_NORM:
+        # Issued first so its latency overlaps the row loads (decode sizes are
+        # latency-bound: one DRAM round trip fewer per launch).
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
 
     # Inputs are read exactly once: no cache reuse, so let them leave L2 first.
     h = tl.load(hidden_ptr + row * stride_hidden + cols, mask=mask, other=0.0,
@@ -80,19 +92,23 @@ def add_rmsnorm_capture_kernel(
         x = s.to(tl.float32)
         mean_sq = tl.sum(x * x, axis=0) / hidden_size
         rstd = tl.rsqrt(mean_sq + eps)
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = x * rstd * w
+        y = x * rstd * w.to(tl.float32)
         tl.store(normed_out_ptr + row * stride_normed_out + cols,
                  y.to(normed_out_ptr.dtype.element_ty), mask=mask)
 
 
-def launch_config(hidden_size: int) -> tuple[int, int]:
-    """(BLOCK_H, num_warps) for one row of ``hidden_size`` elements.
+@functools.lru_cache(maxsize=None)
+def launch_config(hidden_size: int, apply_norm: bool = True) -> tuple[int, int, int]:
+    """(BLOCK_H, num_warps, column blocks) for rows of ``hidden_size`` elements.
 
-    Enough warps that each thread holds <= 32 fp32 values of the row (no
-    spills) and issues 16-byte vector accesses.
+    With the norm: the whole row in one program, with enough warps that each
+    thread holds <= 32 fp32 values (no spills) and issues 16-byte accesses.
+    Without it: column blocks of at most COPY_BLOCK_H elements (see
+    benchmarks/NOTES.md for the sweep that chose it).
     """
     block_h = triton.next_power_of_2(max(int(hidden_size), 1))
+    if not apply_norm and block_h > COPY_BLOCK_H:
+        return COPY_BLOCK_H, COPY_NUM_WARPS, triton.cdiv(hidden_size, COPY_BLOCK_H)
     if block_h >= 32768:
         num_warps = 32
     elif block_h >= 8192:
@@ -103,4 +119,4 @@ def launch_config(hidden_size: int) -> tuple[int, int]:
         num_warps = 4
     else:
         num_warps = 1
-    return block_h, num_warps
+    return block_h, num_warps, 1

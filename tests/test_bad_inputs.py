@@ -78,6 +78,7 @@ def _capture(call, args):
 @pytest.mark.parametrize("case", CAPTURE_CASES, ids=[c[0] for c in CAPTURE_CASES])
 def test_add_capture_rejects(call, case):
     _, make, exc, fragment = case
+    _capture(call, good())  # a valid call first: the eager validation memo must not hide errors
     args = make()
     aux = args["aux"]
     before = aux.clone() if isinstance(aux, torch.Tensor) else None

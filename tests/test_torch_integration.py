@@ -140,3 +140,39 @@ def test_eager_fast_path_equals_op_path_on_gpu():
     for a, b in ((h1, h2), (r1, r2), (a1, a2)):
         assert_bitwise_equal(a, b)
     assert_untouched(a1, 33, 1)
+
+
+@requires_cuda
+@pytest.mark.parametrize("offset", [0, 8, 1, 3])
+def test_eager_fast_path_alignment_and_reuse(offset):
+    """The eager launcher reuses a compiled kernel per specialisation key; the
+    same shapes and strides at another alignment (offset in elements into a
+    larger buffer: 8 -> 16-byte aligned, 1 and 3 -> not) must not reuse a
+    kernel compiled for 16-byte-aligned pointers."""
+    dtype, device, num_tokens, hidden_size = torch.bfloat16, "cuda", 37, 7168
+    base_h = torch.randn(num_tokens * hidden_size + 16, device=device).to(dtype)
+    base_r = torch.randn(num_tokens * hidden_size + 16, device=device).to(dtype)
+    for off in (0, offset):  # aligned first, so a wrong cache hit would be used
+        h = base_h[off:off + num_tokens * hidden_size].view(num_tokens, hidden_size)
+        r = base_r[off:off + num_tokens * hidden_size].view(num_tokens, hidden_size)
+        aux = poisoned_aux(num_tokens, 3, hidden_size, dtype, device)
+        ec.add_capture(h, r, aux, 2)
+        assert_bitwise_equal(aux[:, 2], h + r)
+        assert_untouched(aux, num_tokens, 2)
+        w = torch.ones(hidden_size, dtype=dtype, device=device)
+        hh, rr = h.clone(), r.clone()
+        expected = hh + rr
+        ec.add_rmsnorm_capture(h, r, w, EPS, aux, 0)
+        assert_bitwise_equal(r, expected)
+        assert_bitwise_equal(aux[:, 0], expected)
+
+
+@requires_cuda
+def test_eager_fast_path_refuses_a_tensor_off_the_current_device():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    with torch.cuda.device(1):
+        h = torch.randn(2, 64, device="cuda:1", dtype=torch.bfloat16)
+        aux = torch.empty(2, 1, 64, device="cuda:1", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="current CUDA device"):
+        ec.add_capture(h, None, aux, 0)

@@ -1,0 +1,67 @@
+"""Low-overhead eager launches of a compiled Triton kernel.
+
+``kernel[grid](...)`` re-binds and re-specialises every argument on every
+call (~19 us of host time per launch on the H200 machine's CPU, FACTS.md
+section 4); the layer loop calls the capture ops once per layer, so in eager
+prefill that is paid K times a step. This launcher lets Triton compile and
+launch the first call for a given *specialisation key* the normal way, keeps
+the ``CompiledKernel`` it returns, and later calls its launcher directly.
+
+Correctness rests on the key: it must determine Triton's specialisation of
+every argument. Triton specialises a pointer on its dtype and on 16-byte
+alignment, and an int on its value being 1, divisible by 16, or needing 64
+bits; floats are not specialised. The key therefore holds the device, the
+pointer dtypes, the pointers' 16-byte alignment bits, the int arguments'
+*values* (a superset of what Triton looks at; there are few distinct ones
+per model) and the constexprs. Anything not covered -- an unknown Triton
+version, launch hooks installed by a profiler -- takes the normal path.
+"""
+
+from typing import Any, Sequence
+
+import torch
+import triton
+
+try:  # Triton >= 3.4 keeps the launch hooks in knobs
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older Triton
+    _knobs = None
+
+
+def _direct_launch_supported() -> bool:
+    # CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata,
+    # launch_metadata, enter_hook, exit_hook, *all_args) is the launcher call
+    # of Triton 3.3 .. 3.x (read from triton/runtime/jit.py of 3.3 - 3.9).
+    try:
+        major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+    except ValueError:
+        return False
+    return major == 3 and minor >= 3 and _knobs is not None
+
+
+class CachedLauncher:
+    """Launch a ``triton.jit`` function, bypassing JITFunction.run after the
+    first call of each specialisation key."""
+
+    MAX_ENTRIES = 1024  # distinct (shape, stride, alignment) combinations kept
+
+    def __init__(self, jit_fn) -> None:
+        self._fn = jit_fn
+        self._compiled: dict[Any, Any] = {}
+        self.direct = _direct_launch_supported()
+
+    def __call__(self, grid: tuple[int, int], args: Sequence[Any], key: Any,
+                 num_warps: int, device_index: int) -> None:
+        compiled = self._compiled.get(key) if self.direct else None
+        hooks = self.direct and (_knobs.runtime.launch_enter_hook is not None
+                                 or _knobs.runtime.launch_exit_hook is not None)
+        if compiled is None or hooks:
+            compiled = self._fn[grid](*args, num_warps=num_warps)
+            if self.direct and compiled is not None and not hasattr(compiled, "result"):
+                if len(self._compiled) >= self.MAX_ENTRIES:
+                    self._compiled.clear()
+                self._compiled[key] = compiled
+            return
+        stream = torch._C._cuda_getCurrentRawStream(device_index)
+        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata,
+                     None, None, None, *args)

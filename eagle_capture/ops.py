@@ -58,7 +58,9 @@ def _launch_args(hidden_states, residual, weight, eps, normed_out, residual_out,
     """
     num_tokens, hidden_size = hidden_states.shape
     apply_norm = weight is not None
-    block_h, num_warps, col_blocks = launch_config(hidden_size, apply_norm)
+    # int(): under dynamic-shape tracing H may be a SymInt; the constexpr
+    # BLOCK_H depends on it, so specialising on the model's hidden size is right.
+    block_h, num_warps, col_blocks = launch_config(int(hidden_size), apply_norm)
     args = (
         hidden_states,
         residual if residual is not None else hidden_states,

@@ -1,0 +1,75 @@
+"""Where the host time of one eager capture call goes (GPU machine, T = 1).
+
+Times each layer of the eager call stack separately -- Triton's own
+``kernel[grid]``, the cached launcher, the raw compiled launcher, the
+public op -- and prints a cProfile of the public call. Used to drive the
+host-overhead work; results in benchmarks/NOTES.md.
+"""
+
+import cProfile
+import pstats
+import time
+
+import torch
+
+import eagle_capture as ec
+from eagle_capture import ops
+from eagle_capture.kernels import add_rmsnorm_capture_kernel
+
+
+def per_call_us(fn, calls=3000):
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls // 5):
+            fn()
+        best = min(best, (time.perf_counter() - t0) * 1e6 / (calls // 5))
+        torch.cuda.synchronize()
+    return best
+
+
+def main():
+    H = 7168
+    h = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(h)
+    aux = torch.empty(8, 3, H, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(h)
+    ec.add_capture(h, r, aux, 0)
+    grid, args, num_warps = ops._launch_args(h, r, None, 0.0, None, None, aux, 0)
+    compiled = add_rmsnorm_capture_kernel[grid](*args, num_warps=num_warps)
+    launcher = ops._cached_launch
+    print(f"direct launch supported: {launcher.direct}; cached kernels: {len(launcher._compiled)}")
+    try:
+        from triton import knobs
+        print(f"launch hooks: {knobs.runtime.launch_enter_hook} {knobs.runtime.launch_exit_hook}")
+    except ImportError:
+        pass
+    stream = torch._C._cuda_getCurrentRawStream(0)
+    key = next(iter(launcher._compiled), None)
+    rows = {
+        "torch.add(out=)": lambda: torch.add(h, r, out=out),
+        "kernel[grid](...) (Triton's entry)": lambda: add_rmsnorm_capture_kernel[grid](
+            *args, num_warps=num_warps),
+        "compiled.run(...) (raw launcher)": lambda: compiled.run(
+            grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata,
+            None, None, None, *args),
+        "CachedLauncher call": lambda: launcher(grid, args, key, num_warps, 0),
+        "ec.add_capture (public)": lambda: ec.add_capture(h, r, aux, 0),
+        "torch.cuda.current_device()": torch.cuda.current_device,
+    }
+    for name, fn in rows.items():
+        print(f"  {name:<40} {per_call_us(fn):6.2f} us")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(3000):
+        ec.add_capture(h, r, aux, 0)
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
+if __name__ == "__main__":
+    main()

@@ -11,10 +11,14 @@ Correctness rests on the key: it must determine Triton's specialisation of
 every argument. Triton specialises a pointer on its dtype and on 16-byte
 alignment, and an int on its value being 1, divisible by 16, or needing 64
 bits; floats are not specialised. The key therefore holds the device, the
-pointer dtypes, the pointers' 16-byte alignment bits, the int arguments'
-*values* (a superset of what Triton looks at; there are few distinct ones
-per model) and the constexprs. Anything not covered -- an unknown Triton
-version, launch hooks installed by a profiler -- takes the normal path.
+pointer dtypes, the int arguments' *values* (a superset of what Triton looks
+at; there are few distinct ones per model) and the constexprs, and only
+all-aligned launches use it. Anything not covered -- unaligned pointers, an
+unknown Triton version, launch hooks installed by a profiler -- takes the
+normal path.
+
+Measured on the H200 machine (Triton 3.6, T = 1): Triton's entry point 33.6
+us per launch, its raw compiled launcher alone 11.8 us, torch.add 10.7 us.
 """
 
 from typing import Any, Sequence
@@ -39,25 +43,39 @@ def _direct_launch_supported() -> bool:
     return major == 3 and minor >= 3 and _knobs is not None
 
 
+def _hook_active(hook) -> bool:
+    # Triton 3.6+ keeps launch hooks in an always-present HookChain; it is
+    # active only when something (a profiler such as proton) added a call.
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class CachedLauncher:
     """Launch a ``triton.jit`` function, bypassing JITFunction.run after the
-    first call of each specialisation key."""
+    first call of each specialisation key.
 
-    MAX_ENTRIES = 1024  # distinct (shape, stride, alignment) combinations kept
+    Only launches whose pointers are all 16-byte aligned (the normal case:
+    the caching allocator aligns every block) take the direct path, so the
+    key need not carry per-pointer alignment; any other launch goes through
+    Triton's own entry point, which specialises it correctly.
+    """
+
+    MAX_ENTRIES = 1024  # distinct (shape, stride) combinations kept
 
     def __init__(self, jit_fn) -> None:
         self._fn = jit_fn
         self._compiled: dict[Any, Any] = {}
         self.direct = _direct_launch_supported()
 
-    def __call__(self, grid: tuple[int, int], args: Sequence[Any], key: Any,
-                 num_warps: int, device_index: int) -> None:
-        compiled = self._compiled.get(key) if self.direct else None
-        hooks = self.direct and (_knobs.runtime.launch_enter_hook is not None
-                                 or _knobs.runtime.launch_exit_hook is not None)
-        if compiled is None or hooks:
+    def __call__(self, grid: tuple[int, int], args: Sequence[Any], key: Any, num_warps: int,
+                 device_index: int, aligned: bool) -> None:
+        if (not (self.direct and aligned) or _hook_active(_knobs.runtime.launch_enter_hook)
+                or _hook_active(_knobs.runtime.launch_exit_hook)):
+            self._fn[grid](*args, num_warps=num_warps)
+            return
+        compiled = self._compiled.get(key)
+        if compiled is None:
             compiled = self._fn[grid](*args, num_warps=num_warps)
-            if self.direct and compiled is not None and not hasattr(compiled, "result"):
+            if compiled is not None and not hasattr(compiled, "result"):  # not an async future
                 if len(self._compiled) >= self.MAX_ENTRIES:
                     self._compiled.clear()
                 self._compiled[key] = compiled

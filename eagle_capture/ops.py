@@ -142,10 +142,13 @@ def _launch_planned(plan: _EagerPlan, pointers: tuple) -> None:
         raise ValueError(f"eagle_capture: hidden_states is on cuda:{plan.device_index} but "
                          f"the current CUDA device is cuda:{torch.cuda.current_device()}; "
                          f"call torch.cuda.set_device({plan.device_index}) first")
-    aligned = tuple(p.data_ptr() & 15 == 0 for p in pointers)
+    h, r, w, n, ro, a = pointers
+    aligned = (h.data_ptr() | r.data_ptr() | w.data_ptr() | n.data_ptr() | ro.data_ptr()
+               | a.data_ptr()) & 15 == 0
     # eps (scalars[1]) is a float: Triton does not specialise on it.
-    key = (plan.device_index, plan.dtypes, aligned, plan.scalars[0], plan.scalars[2:])
-    _cached_launch(plan.grid, pointers + plan.scalars, key, plan.num_warps, plan.device_index)
+    key = (plan.device_index, plan.dtypes, plan.scalars[0], plan.scalars[2:])
+    _cached_launch(plan.grid, pointers + plan.scalars, key, plan.num_warps, plan.device_index,
+                   aligned)
 
 
 # ----------------------------------------------------------------------------

@@ -1,0 +1,74 @@
+"""CachedLauncher's decisions, with a stand-in for the Triton kernel (runs
+anywhere): which launches may reuse a compiled kernel and which must go
+through Triton's own entry point. The real launches are covered on the GPU
+by test_torch_integration.py::test_eager_fast_path_alignment_and_reuse."""
+
+import pytest
+
+from eagle_capture import _launcher
+
+
+class FakeCompiled:
+    def __init__(self, log):
+        self.log, self.function, self.packed_metadata = log, "fn", "meta"
+
+    def run(self, gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter, exit_,
+            *args):
+        self.log.append(("direct", (gx, gy), args))
+
+
+class FakeJit:
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps):
+            self.log.append(("triton", grid, args))
+            return FakeCompiled(self.log)
+        return launch
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setattr(_launcher.torch._C, "_cuda_getCurrentRawStream", lambda i: 0,
+                        raising=False)
+    jit = FakeJit()
+    launcher = _launcher.CachedLauncher(jit)
+    if not launcher.direct:
+        pytest.skip("this Triton has no direct-launch support; every launch is Triton's own")
+    return jit, launcher
+
+
+def test_first_call_compiles_then_reuses(fake):
+    jit, launcher = fake
+    launcher((2, 1), (1, 2), key="k", num_warps=4, device_index=0, aligned=True)
+    launcher((3, 1), (5, 6), key="k", num_warps=4, device_index=0, aligned=True)
+    assert [kind for kind, *_ in jit.log] == ["triton", "direct"]
+    assert jit.log[1][1:] == ((3, 1), (5, 6))  # the new grid and arguments are used
+
+
+def test_unaligned_launches_never_reuse(fake):
+    jit, launcher = fake
+    launcher((2, 1), (1,), key="k", num_warps=4, device_index=0, aligned=True)
+    launcher((2, 1), (1,), key="k", num_warps=4, device_index=0, aligned=False)
+    launcher((2, 1), (1,), key="k", num_warps=4, device_index=0, aligned=False)
+    assert [kind for kind, *_ in jit.log] == ["triton", "triton", "triton"]
+
+
+def test_a_new_key_compiles_again(fake):
+    jit, launcher = fake
+    launcher((1, 1), (1,), key="a", num_warps=4, device_index=0, aligned=True)
+    launcher((1, 1), (1,), key="b", num_warps=4, device_index=0, aligned=True)
+    assert [kind for kind, *_ in jit.log] == ["triton", "triton"]
+
+
+def test_active_profiler_hooks_take_tritons_path(fake, monkeypatch):
+    jit, launcher = fake
+    hook = _launcher._knobs.runtime.launch_enter_hook
+    launcher((1, 1), (1,), key="k", num_warps=4, device_index=0, aligned=True)
+    if hasattr(hook, "calls"):
+        monkeypatch.setattr(hook, "calls", [lambda *a: None])
+    else:
+        monkeypatch.setattr(_launcher._knobs.runtime, "launch_enter_hook", lambda *a: None)
+    launcher((1, 1), (1,), key="k", num_warps=4, device_index=0, aligned=True)
+    assert [kind for kind, *_ in jit.log] == ["triton", "triton"]

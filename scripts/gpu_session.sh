@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device-tool call: GPU tests, the benchmark and the launch sweep, logs to $OUT.
+# One device-tool call: GPU tests, the benchmark and the host-overhead breakdown, logs to $OUT
+# (benchmarks/tune_kernel.py is the launch-parameter sweep, run separately).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
@@ -8,5 +9,5 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" 
 bash scripts/test.sh -rs -p no:logging -p no:cacheprovider > "$OUT/tests.log" 2>&1; echo "tests rc=$?" >> "$OUT/tests.log"
 tail -5 "$OUT/tests.log"
 bash scripts/bench.sh --out "$OUT" "$@" > "$OUT/bench.log" 2>"$OUT/bench.err"; echo "bench rc=$?"
-python3 benchmarks/tune_kernel.py > "$OUT/tune.log" 2>&1; echo "tune rc=$?"
-cat "$OUT/smi.txt" "$OUT/bench.log" "$OUT/tune.log"; tail -3 "$OUT/bench.err"
+python3 benchmarks/host_overhead.py > "$OUT/host.log" 2>&1; echo "host rc=$?"
+cat "$OUT/smi.txt" "$OUT/bench.log"; head -8 "$OUT/host.log"; tail -3 "$OUT/bench.err"

@@ -56,7 +56,7 @@ def main():
         "compiled.run(...) (raw launcher)": lambda: compiled.run(
             grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata,
             None, None, None, *args),
-        "CachedLauncher call": lambda: launcher(grid, args, key, num_warps, 0),
+        "CachedLauncher call": lambda: launcher(grid, args, key, num_warps, 0, True),
         "ec.add_capture (public)": lambda: ec.add_capture(h, r, aux, 0),
         "torch.cuda.current_device()": torch.cuda.current_device,
     }

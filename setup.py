@@ -14,7 +14,7 @@ setup(
     packages=["eagle_capture", "eagle_capture.kernels"],
     install_requires=["torch>=2.6", "triton>=3.2"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "numpy"],
+        "test": ["pytest>=8", "hypothesis>=6", "numpy", "transformers>=4.57"],
         "bench": ["nvidia-ml-py>=12", "matplotlib>=3.7", "tqdm>=4.60", "numpy"],
     },
 )

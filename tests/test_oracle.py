@@ -13,7 +13,7 @@ from conftest import HAS_CUDA, assert_bitwise_equal
 from eagle_capture.plan import CapturePlanError, build_plan, specforge_default_ids
 from eagle_capture.reference_loop import SGLangDeepseekLoop, hf_training_capture
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (a test dependency: scripts/setup_env.sh installs it)
 
 
 def tiny_deepseek(num_layers: int, dtype=torch.float32, device="cpu", seed=0):

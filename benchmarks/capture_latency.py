@@ -14,6 +14,7 @@ Paths (all K captured layers of one forward step, bf16 by default):
   e  norm+store   add+RMSNorm that also stores the residual into the slot
   f  norm->slot   add+RMSNorm whose residual output *is* the slot (no extra write)
   g  compile      torch.compile of an eager add+RMSNorm (the kernel to beat for d)
+  h  liger        Liger-Kernel's fused add+RMSNorm, when liger-kernel is installed
 
 For b, e and f the figure that matters is the capture's own cost: the time
 over d. Bytes are counted explicitly per path (every input read once, every
@@ -56,7 +57,17 @@ PATHS = {
     "e": "add+RMSNorm + slot store",
     "f": "add+RMSNorm -> slot",
     "g": "torch.compile add+RMSNorm",
+    "h": "Liger fused add+RMSNorm",
 }
+
+
+def liger_fused_add_rmsnorm():
+    """Liger-Kernel's fused add+RMSNorm (out of place), or None if not installed."""
+    try:
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+    except ImportError:
+        return None
+    return LigerFusedAddRMSNormFunction
 
 
 def bytes_moved(path: str, num_tokens: int, hidden_size: int, num_captures: int,
@@ -72,6 +83,7 @@ def bytes_moved(path: str, num_tokens: int, hidden_size: int, num_captures: int,
         "e": 5 * row + weight,                     # d + w slot
         "f": 4 * row + weight,                     # r h, r r, w h, w slot
         "g": 4 * row + weight,
+        "h": 4 * row + weight + num_tokens * 4,   # + its fp32 rstd per row
     }[path]
     return num_captures * per_layer
 
@@ -165,6 +177,12 @@ def build_step(path: str, x: Inputs) -> Callable[[], object]:
 
         def step():
             return [fn(h[k], r[k], w[k]) for k in k_range]
+    elif path == "h":
+        liger = liger_fused_add_rmsnorm()
+
+        def step():
+            with torch.no_grad():
+                return [liger.apply(h[k], r[k], w[k], EPS) for k in k_range]
     else:
         raise ValueError(path)
     return step
@@ -177,7 +195,7 @@ def check_path(path: str, x: Inputs) -> None:
                torch.full_like(x.aux, float("nan")), x.num_tokens)
     out = build_step(path, y)()
     expected = [h + r for h, r in zip(x.hidden, x.residual)]
-    if path == "g":  # out of place: (normed, residual) per layer
+    if path in ("g", "h"):  # out of place: (normed, residual) per layer
         y.hidden = [normed for normed, _ in out]
         got = torch.cat([res for _, res in out], -1)
     elif path == "a":
@@ -188,7 +206,7 @@ def check_path(path: str, x: Inputs) -> None:
         got = y.aux[:x.num_tokens].flatten(1)
     if not torch.equal(got, torch.cat(expected, -1)):
         raise AssertionError(f"path {path}: captured values differ from eager h + r")
-    if path in ("b", "d", "e", "f", "g"):
+    if path in ("b", "d", "e", "f", "g", "h"):
         for k, s in enumerate(expected):
             ref = ec.add_rmsnorm_reference(s, torch.zeros_like(s), x.weight[k], EPS)[0]
             rel = ((y.hidden[k].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -380,7 +398,7 @@ def run_cpu(args) -> dict:
     for num_tokens in progress(args.tokens, len(args.tokens), "T sweep (CPU)"):
         x = make_inputs(num_tokens, args.hidden_size, args.num_captures, dtype, device)
         row = {"T": num_tokens, "paths": {}}
-        for path in [p for p in args.paths if p != "g"]:
+        for path in [p for p in args.paths if p not in ("g", "h")]:
             check_path(path, x)
             step = build_step(path, x)
             for _ in range(3):
@@ -427,7 +445,7 @@ def print_gpu_table(result: dict, args) -> None:
 
 
 def print_cpu_table(result: dict, args) -> None:
-    paths = [p for p in args.paths if p != "g"]
+    paths = [p for p in args.paths if p not in ("g", "h")]
     print(f"\nCPU path (torch implementation), H = {args.hidden_size}, K = "
           f"{args.num_captures}, {args.dtype}: wall-clock us per step, median")
     print(f"{'T':>6} | " + " | ".join(f"{p}: {PATHS[p][:18]:<18}" for p in paths))
@@ -473,7 +491,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help="T values (default 1 2 4 .. 16384 on a GPU, 1 .. 256 on CPU)")
-    p.add_argument("--paths", default="abcdefg", help="which paths to run (default abcdefg)")
+    p.add_argument("--paths", default="abcdefgh",
+                   help="which paths to run (default abcdefgh; h only where liger-kernel is installed)")
     p.add_argument("--reps", type=int, default=100, help="eager repetitions per point")
     p.add_argument("--replays", type=int, default=30, help="graph replays per point")
     p.add_argument("--rotate-l2", type=int, default=4,
@@ -484,6 +503,9 @@ def parse_args(argv=None):
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     args = p.parse_args(argv)
     args.paths = [c for c in args.paths if c in PATHS]
+    if "h" in args.paths and liger_fused_add_rmsnorm() is None:
+        print("liger-kernel is not installed: path h (Liger fused add+RMSNorm) skipped")
+        args.paths.remove("h")
     return args
 
 

@@ -18,7 +18,7 @@ Used by the oracle tests (training/serving skew) and the tensor-parallel tests.
 transformers is needed only for the model the loop runs over.
 """
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -63,13 +63,21 @@ class SGLangDeepseekLoop:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, layers_to_capture, *, capture: str = "fused",
-                buffer: Optional[AuxCaptureBuffer] = None):
+                buffer: Optional[AuxCaptureBuffer] = None, tp=None,
+                partial: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None):
         """Returns ``(final_hidden_states [T, H], aux [T, K*H])``.
 
         ``input_ids`` is ``[1, T]`` (one sequence); ``capture`` is ``"eager"``
         (SGLang <= 0.5.13: append ``h + r``, ``torch.cat``) or ``"fused"``
         (into ``buffer``, allocated here when not given).
+
+        Tensor parallelism is simulated with ``tp`` (a :class:`~eagle_capture.tp.TPCapture`
+        whose buffer receives the captures) and ``partial(i, mlp_out)``, which returns
+        this rank's row-parallel share of layer i's output: every layer boundary then
+        all-reduces before its add+RMSNorm, as SGLang's layers do.
         """
+        if tp is not None:
+            capture, buffer = "fused", tp.buffer
         if capture not in ("eager", "fused"):
             raise ValueError(f"capture must be 'eager' or 'fused', got {capture!r}")
         layers_to_capture = sorted(layers_to_capture)
@@ -91,6 +99,8 @@ class SGLangDeepseekLoop:
                     buffer.capture(i, hidden, None)
                 residual = hidden.clone()
                 hidden = _rmsnorm(hidden, w_in, self.eps)
+            elif tp is not None:                                  # reduce, then add, then store
+                tp.reduce_add_rmsnorm(i, hidden, residual, w_in, self.eps)
             elif capture == "fused" and captured:
                 buffer.add_rmsnorm_capture(i, hidden, residual, w_in, self.eps)
             else:
@@ -100,6 +110,10 @@ class SGLangDeepseekLoop:
             ops.add_rmsnorm_capture(hidden, residual, layer.post_attention_layernorm.weight,
                                     self.eps)
             hidden = layer.mlp(hidden.unsqueeze(0))[0].contiguous()
+            if partial is not None:
+                hidden = partial(i, hidden).contiguous()
+        if tp is not None:
+            torch.distributed.all_reduce(hidden, group=tp.group)
         ops.add_rmsnorm_capture(hidden, residual, self.model.norm.weight, self.eps)
         if capture == "eager":
             aux = torch.cat(eager_aux, dim=-1)

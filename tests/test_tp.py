@@ -1,0 +1,139 @@
+"""Tensor-parallel capture over torch.distributed (gloo on CPU), world sizes 2
+and 4, in spawned processes with a bounded timeout.
+
+Every rank runs the SGLang-style DeepseekV2 loop over the same tiny HF model;
+each layer's output is split into random row-parallel partials (rank r gets
+part r; the parts sum to the true output), so only a correct all-reduce
+before the add gives the TP = 1 captures. The consistency checker must stay
+silent on that run and catch each corruption class."""
+
+import os
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 240
+
+
+def _partial_split(world, rank):
+    def partial(layer, full):
+        g = torch.Generator().manual_seed(1000 + layer)
+        parts = [torch.randn(full.shape, generator=g, dtype=full.dtype) for _ in range(world - 1)]
+        last = full - sum(parts) if parts else full
+        return (parts + [last])[rank]
+    return partial
+
+
+def _scenarios(rank, world):
+    from eagle_capture import AuxCaptureBuffer
+    from eagle_capture.reference_loop import SGLangDeepseekLoop
+    from eagle_capture.tp import CaptureConsistencyError, TPCapture, check_capture_consistency
+    from test_oracle import input_ids, tiny_deepseek
+
+    hidden_size, num_tokens, layers = 64, 9, [2, 4, 6]
+    model = tiny_deepseek(8)                    # same seed: same weights on every rank
+    ids = input_ids(num_tokens)
+    loop = SGLangDeepseekLoop(model)
+    _, reference = loop.forward(ids, layers)    # TP = 1
+
+    # 1. Correct run: reduce, then add, then store. Equals TP = 1; checker silent.
+    buf = AuxCaptureBuffer(16, hidden_size, layers, dtype=torch.float32)
+    _, got = loop.forward(ids, layers, tp=TPCapture(buf), partial=_partial_split(world, rank))
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+    check_capture_consistency(buf, num_tokens, hidden_size)
+
+    # 2. An unreduced partial sum captured (SGLang <= 0.5.13 with the deferred
+    #    all-reduce): every rank differs, the checker says so.
+    class CapturesBeforeReducing(TPCapture):
+        def reduce_add_rmsnorm(self, layer_id, partial_hidden, residual, weight, eps):
+            if self.buffer.captures_layer(layer_id):
+                self.buffer.capture(layer_id, partial_hidden, residual)
+            dist.all_reduce(partial_hidden)
+            from eagle_capture import ops
+            ops.add_rmsnorm_capture(partial_hidden, residual, weight, eps)
+
+    bad = AuxCaptureBuffer(16, hidden_size, layers, dtype=torch.float32)
+    loop.forward(ids, layers, tp=CapturesBeforeReducing(bad), partial=_partial_split(world, rank))
+    try:
+        check_capture_consistency(bad, num_tokens, hidden_size)
+        raise AssertionError("unreduced capture not caught")
+    except CaptureConsistencyError as exc:
+        assert "layer 2 (slot 0)" in str(exc) and "unreduced" in str(exc), exc
+
+    # 3. An H/tp-wide capture.
+    narrow = AuxCaptureBuffer(16, hidden_size // world, layers, dtype=torch.float32)
+    try:
+        check_capture_consistency(narrow, num_tokens, hidden_size)
+        raise AssertionError("TP-shard width not caught")
+    except CaptureConsistencyError as exc:
+        assert "tensor-parallel shard" in str(exc), exc
+
+    # 4. One rank diverging (here: the last rank's slot 1 off by one element).
+    if rank == world - 1:
+        buf.aux[3, 1, 5] += 1.0
+    try:
+        check_capture_consistency(buf, num_tokens, hidden_size)
+        raise AssertionError("diverging rank not caught")
+    except CaptureConsistencyError as exc:
+        msg = str(exc)
+        assert "layer 4 (slot 1)" in msg and "layer 2" not in msg, msg
+        if world > 2:
+            assert f"rank(s) [{world - 1}] diverge" in msg, msg
+
+    # 5. Token-scattered rows gathered over the attention-TP group equal the
+    #    full-rows capture. With world 4: two attention-TP groups {0,1}, {2,3},
+    #    each holding its own batch (DP attention); gathering over all 4 would mix them.
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])] if world == 4 else [None]
+    group_index = rank // 2 if world == 4 else 0
+    attn_group = groups[group_index]
+    attn_world, attn_rank = dist.get_world_size(attn_group), dist.get_rank(attn_group)
+    tokens = 7                                  # not divisible: the last block is padded
+    g = torch.Generator().manual_seed(77 + group_index)
+    h_full = torch.randn(tokens, hidden_size, generator=g)
+    r_full = torch.randn(tokens, hidden_size, generator=g)
+    w = 1 + 0.1 * torch.randn(hidden_size, generator=g)
+    rows = -(-tokens // attn_world)
+    pad = lambda t: torch.cat([t, t.new_zeros(rows * attn_world - tokens, hidden_size)])
+    h_local = pad(h_full)[attn_rank * rows:(attn_rank + 1) * rows].clone()
+    r_local = pad(r_full)[attn_rank * rows:(attn_rank + 1) * rows].clone()
+    scattered = AuxCaptureBuffer(8, hidden_size, [3], dtype=torch.float32)
+    scattered.aux.fill_(float("nan"))
+    TPCapture(scattered, attn_tp_group=attn_group).add_rmsnorm_gather(
+        3, h_local, r_local, w, 1e-6, tokens)
+    full = AuxCaptureBuffer(8, hidden_size, [3], dtype=torch.float32)
+    full.add_rmsnorm_capture(3, h_full.clone(), r_full.clone(), w, 1e-6)
+    assert torch.equal(scattered.slot_view(3, tokens), full.slot_view(3, tokens))
+    assert torch.isnan(scattered.aux[tokens:]).all(), "padding rows reached the buffer"
+    check_capture_consistency(scattered, tokens, hidden_size, group=attn_group)
+
+
+def _worker(rank, world, store_dir):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
+    try:
+        _scenarios(rank, world)
+        dist.barrier()
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_capture_gloo(world, tmp_path):
+    ctx = mp.start_processes(_worker, args=(world, str(tmp_path)), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"tensor-parallel test did not finish within {TIMEOUT_S} s")

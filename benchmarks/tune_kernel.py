@@ -10,35 +10,17 @@ results are recorded in benchmarks/NOTES.md.
 """
 
 import argparse
-import statistics
-
 import torch
 import triton
+
+from capture_latency import time_graph_replay  # benchmarks/ is on sys.path when run as a script
 
 from eagle_capture.kernels import add_rmsnorm_capture_kernel, launch_config
 
 
 def graph_time_us(fns, replays=20):
     """Median us per call of a graph that calls each fn in ``fns`` once."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    g.replay()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(replays)]
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 / len(fns) for a, b in ev)
+    return time_graph_replay(fns, len(fns), replays)
 
 
 def main():

@@ -89,10 +89,11 @@ def _fingerprint(x: torch.Tensor) -> torch.Tensor:
     """Two exact int64 checksums of a capture's bits: their sum, and a sum
     weighted by position (so swapped rows or columns also show)."""
     int_type = {2: torch.int16, 4: torch.int32}[x.element_size()]
-    bits = x.contiguous().view(int_type).to(torch.int64)
-    weights = torch.arange(1, bits.numel() + 1, device=x.device, dtype=torch.int64) % 65521 + 1
-    flat = bits.flatten()
-    return torch.stack([flat.sum(), (flat * weights.view(-1)).sum()])
+    flat = x.view(int_type).to(torch.int64).flatten()   # a same-size dtype view keeps strides
+    weights = torch.arange(flat.numel(), device=x.device, dtype=torch.int64)
+    weights.remainder_(65521).add_(1)
+    # int64 sums may wrap; the wrap is deterministic, so equal bits still give equal sums.
+    return torch.stack([flat.sum(), (flat * weights).sum()])
 
 
 def check_capture_consistency(buffer: AuxCaptureBuffer, num_tokens: int,
@@ -101,9 +102,12 @@ def check_capture_consistency(buffer: AuxCaptureBuffer, num_tokens: int,
     """Raise :class:`CaptureConsistencyError` unless every rank of ``group`` holds
     bit-identical captures of width ``hidden_size`` (the model's, not H / tp).
 
-    Cost per captured layer: one read of the ``[T, H]`` slot and two int64
-    reductions; then one all-gather of ``2 * K`` int64 per rank and a host sync
-    for the whole buffer. A debug flag, not for every step.
+    Cost (counted from the code, not measured): per captured layer 8 kernel
+    launches and ~90 bytes of device-memory traffic per captured element (the
+    slot widened to int64, a position-weight vector, a product, two sums) --
+    for T = 4096, H = 7168 about 2.6 GB, ~0.7 ms on an H200 -- then, for the
+    whole buffer, one all-gather of ``2 * K`` int64 per rank and one host sync.
+    A debug flag, not for every step.
     """
     if buffer.hidden_size != hidden_size:
         raise CaptureConsistencyError(

@@ -56,6 +56,7 @@ def check_aux(aux: torch.Tensor, slot: int, num_tokens: int, hidden_size: int,
               f"(allocate the buffer for the largest batch the server runs)")
     if aux.dtype != dtype:
         _fail(f"aux dtype {aux.dtype} does not match hidden_states dtype {dtype}")
+    check_no_internal_overlap("aux", aux)
     if aux.device != device:
         _fail(f"aux is on {aux.device} but hidden_states is on {device}")
 
@@ -112,25 +113,74 @@ def check_residual_out(residual_out: torch.Tensor, hidden_states: torch.Tensor) 
               f"{hidden_states.device}")
 
 
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+def check_no_internal_overlap(name: str, t: torch.Tensor) -> None:
+    """An output must not map two elements to one address (expanded rows, a
+    stride smaller than a row): programs would race on it. Sufficient test for
+    a contiguous last dimension: ordered by stride, each dimension's stride
+    spans at least the extent of the ones inside it."""
+    extent = t.shape[-1]
+    dims = sorted(((st, sz) for sz, st in zip(t.shape[:-1], t.stride()[:-1]) if sz > 1))
+    for stride, size in dims:
+        if stride < extent:
+            _fail(f"{name} has overlapping rows or slots (shape {tuple(t.shape)}, strides "
+                  f"{tuple(t.stride())}); outputs need every element at its own address")
+        extent = stride * size
+
+
+def _span(t: torch.Tensor):
+    """[first byte, last byte + 1) that ``t`` can touch, or None when empty."""
+    if t.numel() == 0:
+        return None
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + (last + 1) * t.element_size()
+
+
+def _overlap(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
     # Fake and functional tensors (opcheck, torch.compile tracing) have no real
-    # storage to compare; the eager call on real tensors is where this is checked.
-    if type(a) is not torch.Tensor or type(b) is not torch.Tensor:
+    # addresses; the eager call on real tensors is where aliasing is checked.
+    if a is None or b is None or type(a) is not torch.Tensor or type(b) is not torch.Tensor:
         return False
-    ptr = a.untyped_storage().data_ptr()
-    return ptr != 0 and ptr == b.untyped_storage().data_ptr()
+    sa, sb = _span(a), _span(b)
+    return sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]
 
 
-def check_residual_not_in_aux(residual: torch.Tensor, aux: Optional[torch.Tensor]) -> None:
-    """An in-place residual update must not land in the aux buffer.
+def _slot_touched(view: torch.Tensor, aux: torch.Tensor) -> Optional[int]:
+    """The aux slot a ``[T, H]`` view of aux lies in, or None if it is not a slot view."""
+    offset = (view.data_ptr() - aux.data_ptr()) // aux.element_size()
+    if (offset < 0 or view.dim() != 2 or aux.dim() != 3 or view.stride(0) != aux.stride(0)
+            or aux.stride(1) == 0):
+        return None
+    slot, col = divmod(offset % aux.stride(0), aux.stride(1))
+    return slot if col == 0 and slot < aux.shape[1] else None
 
-    After ``add_rmsnorm_into_slot`` the next layer's residual *is* an aux slot;
-    updating it in place would overwrite that layer's capture with the next
-    layer's residual -- exactly the silent corruption this project exists to
-    prevent.
-    """
-    if aux is not None and _shares_storage(residual, aux):
-        _fail("residual is a view of the aux buffer (the slot written by "
-              "add_rmsnorm_into_slot); updating it in place would overwrite that capture. "
-              "Use add_rmsnorm_out(..., residual_out=<a residual tensor>) for the layer "
-              "that follows an into-slot capture")
+
+def check_aliasing(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
+                   aux: Optional[torch.Tensor], slot: int, *, residual_mutated: bool,
+                   hidden_mutated: bool, residual_out: Optional[torch.Tensor] = None) -> None:
+    """Memory shared between arguments that would corrupt a capture. Runs on
+    every eager call (addresses change); reads only pointers and strides."""
+    if aux is not None and _overlap(hidden_states, aux):
+        _fail("hidden_states lies inside the aux buffer; the captures would be overwritten "
+              "or read back as inputs")
+    if residual is not None and aux is not None and _overlap(residual, aux):
+        if residual_mutated:
+            _fail("residual is a view of the aux buffer (the slot written by "
+                  "add_rmsnorm_into_slot); updating it in place would overwrite that capture. "
+                  "Use add_rmsnorm_out(..., residual_out=<a residual tensor>) for the layer "
+                  "that follows an into-slot capture")
+        touched = _slot_touched(residual, aux)
+        if touched is None or touched == slot:
+            _fail(f"residual overlaps aux slot {slot}, the slot being written: that slot's "
+                  f"capture would be overwritten by this layer's residual")
+    if hidden_mutated and residual is not None and _overlap(hidden_states, residual):
+        _fail("hidden_states and residual share memory; the normed output would overwrite "
+              "the residual")
+    if residual_out is not None:
+        if _overlap(residual_out, hidden_states):
+            _fail("residual_out shares memory with hidden_states; the normed output would "
+                  "overwrite the new residual")
+        if residual is not None and _overlap(residual_out, residual) and not (
+                residual_out.data_ptr() == residual.data_ptr()
+                and residual_out.stride() == residual.stride()):
+            _fail("residual_out partially overlaps residual")

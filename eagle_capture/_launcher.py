@@ -13,9 +13,11 @@ alignment, and an int on its value being 1, divisible by 16, or needing 64
 bits; floats are not specialised. The key therefore holds the device, the
 pointer dtypes, the int arguments' *values* (a superset of what Triton looks
 at; there are few distinct ones per model) and the constexprs, and only
-all-aligned launches use it. Anything not covered -- unaligned pointers, an
-unknown Triton version, launch hooks installed by a profiler -- takes the
-normal path.
+all-aligned launches use it. Anything not covered -- unaligned pointers, a
+Triton outside 3.3 - 3.x (read on 3.6 and 3.9, run on 3.6; a later 3.x is assumed
+to keep the launcher call), launch hooks installed by a profiler -- takes the
+normal path. Triton debug or instrumentation settings changed after the first
+launch of a key are not picked up by the cached kernel.
 
 Measured on the H200 machine (Triton 3.6, T = 1): Triton's entry point 33.6
 us per launch, its raw compiled launcher alone 11.8 us, torch.add 10.7 us.

@@ -193,11 +193,15 @@ def _check_add_capture(hidden_states, residual, aux, slot) -> None:
                       hidden_states.dtype, hidden_states.device)
 
 
-def _check_norm(hidden_states, residual, weight, eps, aux, slot) -> None:
+def _check_norm(hidden_states, residual, weight, eps, aux, slot,
+                residual_mutated: bool = False) -> None:
     if residual is None:
         raise TypeError("eagle_capture: residual must be a tensor for the add+RMSNorm ops")
     _checks.check_add_inputs(hidden_states, residual)
     _checks.check_norm_inputs(hidden_states, weight, eps)
+    _checks.check_no_internal_overlap("hidden_states", hidden_states)  # the normed output
+    if residual_mutated:
+        _checks.check_no_internal_overlap("residual", residual)
     if aux is not None:
         _checks.check_aux(aux, slot, hidden_states.shape[0], hidden_states.shape[1],
                           hidden_states.dtype, hidden_states.device)
@@ -206,6 +210,7 @@ def _check_norm(hidden_states, residual, weight, eps, aux, slot) -> None:
 def _check_norm_out(hidden_states, residual, weight, eps, residual_out) -> None:
     _check_norm(hidden_states, residual, weight, eps, None, 0)
     _checks.check_residual_out(residual_out, hidden_states)
+    _checks.check_no_internal_overlap("residual_out", residual_out)
 
 
 # ----------------------------------------------------------------------------
@@ -216,6 +221,8 @@ def _check_norm_out(hidden_states, residual, weight, eps, residual_out) -> None:
 def _add_capture_op(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
                     aux: torch.Tensor, slot: int) -> None:
     _check_add_capture(hidden_states, residual, aux, slot)
+    _checks.check_aliasing(hidden_states, residual, aux, slot, residual_mutated=False,
+                           hidden_mutated=False)
     _dispatch(hidden_states, residual, wrap=wrap_triton, aux=aux, slot=slot)
 
 
@@ -224,8 +231,9 @@ def _add_capture_op(hidden_states: torch.Tensor, residual: Optional[torch.Tensor
 def _add_rmsnorm_capture_op(hidden_states: torch.Tensor, residual: torch.Tensor,
                             weight: torch.Tensor, eps: float, aux: Optional[torch.Tensor],
                             slot: int) -> None:
-    _check_norm(hidden_states, residual, weight, eps, aux, slot)
-    _checks.check_residual_not_in_aux(residual, aux)
+    _check_norm(hidden_states, residual, weight, eps, aux, slot, residual_mutated=True)
+    _checks.check_aliasing(hidden_states, residual, aux, slot, residual_mutated=True,
+                           hidden_mutated=True)
     _dispatch(hidden_states, residual, wrap=wrap_triton, weight=weight, eps=eps,
               normed_out=hidden_states, residual_out=residual, aux=aux, slot=slot)
 
@@ -235,6 +243,8 @@ def _add_rmsnorm_into_slot_op(hidden_states: torch.Tensor, residual: torch.Tenso
                               weight: torch.Tensor, eps: float, aux: torch.Tensor,
                               slot: int) -> None:
     _check_norm(hidden_states, residual, weight, eps, aux, slot)
+    _checks.check_aliasing(hidden_states, residual, aux, slot, residual_mutated=False,
+                           hidden_mutated=True)
     _dispatch(hidden_states, residual, wrap=wrap_triton, weight=weight, eps=eps,
               normed_out=hidden_states, aux=aux, slot=slot)
 
@@ -243,6 +253,8 @@ def _add_rmsnorm_into_slot_op(hidden_states: torch.Tensor, residual: torch.Tenso
 def _add_rmsnorm_out_op(hidden_states: torch.Tensor, residual: torch.Tensor,
                         weight: torch.Tensor, eps: float, residual_out: torch.Tensor) -> None:
     _check_norm_out(hidden_states, residual, weight, eps, residual_out)
+    _checks.check_aliasing(hidden_states, residual, None, 0, residual_mutated=False,
+                           hidden_mutated=True, residual_out=residual_out)
     _dispatch(hidden_states, residual, wrap=wrap_triton, weight=weight, eps=eps,
               normed_out=hidden_states, residual_out=residual_out)
 
@@ -305,6 +317,8 @@ def add_capture(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
     if torch.compiler.is_compiling():
         torch.ops.eagle_capture.add_capture(hidden_states, residual, aux, slot)
         return
+    _checks.check_aliasing(hidden_states, residual, aux, slot, residual_mutated=False,
+                           hidden_mutated=False)
     _eager_call(lambda: _check_add_capture(hidden_states, residual, aux, slot),
                 (hidden_states, residual, aux), ("add_capture", type(slot), slot),
                 hidden_states, residual, aux=aux, slot=slot)
@@ -320,9 +334,9 @@ def add_rmsnorm_capture(hidden_states: torch.Tensor, residual: torch.Tensor,
         torch.ops.eagle_capture.add_rmsnorm_capture(hidden_states, residual, weight, eps,
                                                     aux, slot)
         return
-    if aux is not None:
-        _checks.check_residual_not_in_aux(residual, aux)
-    _eager_call(lambda: _check_norm(hidden_states, residual, weight, eps, aux, slot),
+    _checks.check_aliasing(hidden_states, residual, aux, slot, residual_mutated=True,
+                           hidden_mutated=True)
+    _eager_call(lambda: _check_norm(hidden_states, residual, weight, eps, aux, slot, True),
                 (hidden_states, residual, weight, aux), ("capture", type(slot), slot, type(eps), eps),
                 hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
                 residual_out=residual, aux=aux, slot=slot)
@@ -340,6 +354,8 @@ def add_rmsnorm_into_slot(hidden_states: torch.Tensor, residual: torch.Tensor,
         return
     if aux is None:
         raise TypeError("eagle_capture: aux must be a tensor for add_rmsnorm_into_slot")
+    _checks.check_aliasing(hidden_states, residual, aux, slot, residual_mutated=False,
+                           hidden_mutated=True)
     _eager_call(lambda: _check_norm(hidden_states, residual, weight, eps, aux, slot),
                 (hidden_states, residual, weight, aux), ("into_slot", type(slot), slot, type(eps), eps),
                 hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
@@ -354,6 +370,8 @@ def add_rmsnorm_out(hidden_states: torch.Tensor, residual: torch.Tensor,
         torch.ops.eagle_capture.add_rmsnorm_out(hidden_states, residual, weight, eps,
                                                 residual_out)
         return
+    _checks.check_aliasing(hidden_states, residual, None, 0, residual_mutated=False,
+                           hidden_mutated=True, residual_out=residual_out)
     _eager_call(lambda: _check_norm_out(hidden_states, residual, weight, eps, residual_out),
                 (hidden_states, residual, weight, residual_out), ("out", type(eps), eps),
                 hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,

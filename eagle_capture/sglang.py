@@ -25,7 +25,8 @@ Packer, SGLang >= 0.5.18 -- :func:`install_packer_capture`
     ``copy_`` at ~40% of the copy roofline (FACTS.md section 4). The adapter
     makes that add+RMSNorm write its residual into the packer's slot directly:
     it takes the slot with ``packer.slot(residual)`` (so ``finalize()``'s count
-    check still holds) and runs the fused add+RMSNorm+capture on it.
+    check still holds) and runs the fused add+RMSNorm+capture on it, while
+    SGLang's ``prepare_attn`` (all-reduce, scatter, attention inputs) still runs.
     Only for plain tensor parallelism, where the capture-point gather is the
     identity; with DP attention or all-to-all MoE the rows must be gathered
     first (the tensor-parallel issue), so pass ``when`` to keep those batches
@@ -40,30 +41,44 @@ from . import ops
 from .buffer import AuxCaptureBuffer
 
 
-class CapturingRMSNorm(torch.nn.Module):
-    """Stand-in for a captured layer's ``input_layernorm`` (SGLang ``RMSNorm``):
-    same weight, same call signature and in-place semantics
-    (``forward(x, residual) -> (x, residual)``), plus the capture store."""
+class _NormProxy(torch.nn.Module):
+    """Wraps an SGLang ``RMSNorm``: attributes and methods it does not define
+    (``weight``, ``variance_epsilon``, ``forward_with_allreduce_fusion``, ...) are
+    the wrapped norm's, so every path SGLang may take still reaches the norm."""
 
-    def __init__(self, norm: torch.nn.Module, buffer: AuxCaptureBuffer, layer_id: int) -> None:
+    def __init__(self, norm: torch.nn.Module) -> None:
         super().__init__()
-        self.norm = norm                      # keeps .weight / .variance_epsilon reachable
+        self.norm = norm
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("norm"), name)
+
+
+class CapturingRMSNorm(_NormProxy):
+    """Stand-in for a captured layer's ``input_layernorm`` (classic loop): same
+    weight, same call signature and in-place semantics
+    (``forward(x, residual) -> (x, residual)``), plus the capture store.
+
+    Any other path (e.g. ``forward_with_allreduce_fusion``) goes to the wrapped
+    norm *without* a capture; the model-level count check in
+    :func:`install_classic_capture` turns that into an error instead of a stale
+    buffer."""
+
+    def __init__(self, norm: torch.nn.Module, buffer: AuxCaptureBuffer, layer_id: int,
+                 counter: list) -> None:
+        super().__init__(norm)
         self.buffer = buffer
         self.layer_id = layer_id
         self.slot = buffer.slot_of(layer_id)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.norm.weight
-
-    @property
-    def variance_epsilon(self) -> float:
-        return self.norm.variance_epsilon
+        self._counter = counter
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, *args, **kwargs):
         if args or kwargs:
-            raise TypeError("eagle_capture: CapturingRMSNorm supports forward(x, residual) only; "
-                            f"got extra arguments {args} {list(kwargs)}")
+            return self.norm(x, residual, *args, **kwargs)   # not ours: no capture, counted missing
+        self._counter[0] += 1
         if residual is None:
             # Layer 0: the capture is the layer's input (the embedding output).
             self.buffer.capture(self.layer_id, x, None)
@@ -80,7 +95,11 @@ def install_classic_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
 
     Call after ``causal_lm.set_eagle3_layers_to_capture(...)``. Returns the
     buffer (``max_tokens`` rows: the largest batch the server runs, CUDA-graph
-    batches included).
+    batches included). The captured layers' input norm is replaced both on the
+    layer and on its ``layer_communicator`` (which holds its own reference and is
+    what the layer calls); every eager forward then checks that each captured
+    layer really ran the capturing norm, so a path that bypasses it (e.g. the
+    fused all-reduce + RMSNorm) is an error, not a stale buffer.
     """
     model = causal_lm.model
     if not getattr(causal_lm, "capture_aux_hidden_states", False):
@@ -97,23 +116,40 @@ def install_classic_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
     if outside:
         raise ValueError(f"eagle_capture: layers {outside} are captured but this rank runs "
                          f"layers [{start}, {end}); they would be missing from the draft input")
-    first_norm = model.layers[layer_ids[0]].input_layernorm
-    weight = first_norm.weight
+    weight = model.layers[layer_ids[0]].input_layernorm.weight
     buffer = AuxCaptureBuffer(max_tokens, weight.shape[0], layer_ids,
                               dtype=dtype or weight.dtype, device=device or weight.device)
+    counter = [0]
     for i in layer_ids:
         layer = model.layers[i]
-        layer.input_layernorm = CapturingRMSNorm(layer.input_layernorm, buffer, i)
+        norm = layer.input_layernorm
+        comm = getattr(layer, "layer_communicator", None)
+        if comm is not None and getattr(comm, "input_layernorm", norm) is not norm:
+            raise ValueError(f"eagle_capture: layer {i}'s layer_communicator holds another "
+                             f"input_layernorm than the layer; this SGLang version is not "
+                             f"supported by install_classic_capture")
+        capturing = CapturingRMSNorm(norm, buffer, i, counter)
+        layer.input_layernorm = capturing
+        if comm is not None:
+            comm.input_layernorm = capturing
     # The loop's own `aux.append(hidden_states + residual)` is no longer needed.
     model.layers_to_capture = []
     model._eagle_capture_buffer = buffer
     inner_forward = model.forward
 
     def forward(*args, **kwargs):
+        counter[0] = 0
         hidden_states = inner_forward(*args, **kwargs)
         if isinstance(hidden_states, tuple):  # something else still captured: refuse to mix
             raise RuntimeError("eagle_capture: the model captured through its own list too; "
                                "layers_to_capture was changed after install")
+        if counter[0] != len(layer_ids) and not torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"eagle_capture: only {counter[0]} of the {len(layer_ids)} captured layers "
+                f"{layer_ids} stored their capture in this forward: a captured layer ran its "
+                f"input norm through another path (e.g. the fused all-reduce + RMSNorm); the "
+                f"buffer would be stale. Disable that fusion at captured layers or use the "
+                f"tensor-parallel entry points (eagle_capture.tp)")
         return hidden_states, [buffer.result(hidden_states.shape[0])]
 
     model.forward = forward
@@ -136,15 +172,39 @@ def _slot_index_and_buffer(packer, residual: torch.Tensor):
     return index, whole
 
 
+class PackerSlotNorm(_NormProxy):
+    """A layer communicator's ``input_layernorm`` that, when handed a packer for
+    this call (``pending``), writes the new residual straight into the packer's
+    next slot from inside the fused add+RMSNorm."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__(norm)
+        self.pending = None
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, *args, **kwargs):
+        packer = self.pending
+        if packer is None or residual is None or args or kwargs:
+            return self.norm(x, residual, *args, **kwargs)
+        self.pending = None
+        slot, whole = _slot_index_and_buffer(packer, residual)
+        ops.add_rmsnorm_capture(x, residual, self.norm.weight, self.norm.variance_epsilon,
+                                whole, slot)
+        return x, residual
+
+
 def install_packer_capture(model: torch.nn.Module, *,
                            when: Callable[[object], bool] = lambda forward_batch: True) -> int:
     """Fused capture for SGLang >= 0.5.18's packer path.
 
-    Wraps ``layer.layer_communicator.prepare_attn_and_capture_last_layer_outputs``
-    of every layer of ``model`` (a ``DeepseekV2Model``): when the layer is handed a
-    packer and ``when(forward_batch)`` holds, the input add+RMSNorm writes the
-    capture itself; otherwise SGLang's own method runs. Returns the number of
-    layers wrapped.
+    For every layer of ``model`` (a ``DeepseekV2Model``) with a
+    ``layer_communicator``: its ``input_layernorm`` becomes a :class:`PackerSlotNorm`
+    and ``prepare_attn_and_capture_last_layer_outputs`` is wrapped. When a layer is
+    handed a packer and ``when(forward_batch)`` holds, SGLang's own method still
+    runs (all-reduce, scatter and attention-input handling unchanged) but without
+    the capture; the norm, if it runs through its plain ``forward``, stores the
+    capture itself. If the method took another path (e.g. the fused all-reduce +
+    RMSNorm), the reduced residual it returns is appended to the packer as SGLang
+    would have done. Returns the number of layers wrapped.
     """
     wrapped = 0
     for layer in model.layers:
@@ -154,18 +214,25 @@ def install_packer_capture(model: torch.nn.Module, *,
         original = comm.prepare_attn_and_capture_last_layer_outputs
         if getattr(original, "_eagle_capture", False):
             continue
+        norm = comm.input_layernorm
+        if not isinstance(norm, PackerSlotNorm):
+            norm = PackerSlotNorm(norm)
+            comm.input_layernorm = norm
 
         def fused(hidden_states, residual, forward_batch, captured_last_layer_outputs=None,
-                  *args, _original=original, _comm=comm, **kwargs):
+                  *args, _original=original, _norm=norm, **kwargs):
             acc = captured_last_layer_outputs
-            if (acc is None or residual is None or not hasattr(acc, "slot") or args or kwargs
-                    or not when(forward_batch)):
+            if acc is None or residual is None or not hasattr(acc, "slot") or not when(forward_batch):
                 return _original(hidden_states, residual, forward_batch, acc, *args, **kwargs)
-            norm = _comm.input_layernorm
-            slot, whole = _slot_index_and_buffer(acc, residual)
-            ops.add_rmsnorm_capture(hidden_states, residual, norm.weight, norm.variance_epsilon,
-                                    whole, slot)
-            return hidden_states, residual
+            _norm.pending = acc
+            try:
+                out = _original(hidden_states, residual, forward_batch, None, *args, **kwargs)
+            finally:
+                missed = _norm.pending is not None
+                _norm.pending = None
+            if missed:  # the norm ran through another path: SGLang's own capture
+                acc.append(out[1])
+            return out
 
         fused._eagle_capture = True
         comm.prepare_attn_and_capture_last_layer_outputs = fused

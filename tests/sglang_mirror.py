@@ -35,6 +35,12 @@ class RMSNorm(nn.Module):
         x.copy_(self._norm(residual))
         return x, residual
 
+    def forward_with_allreduce_fusion(self, x, residual):
+        """Stands for FlashInfer's all-reduce + add + RMSNorm (world size 1 here):
+        fresh outputs, not a call of ``forward``."""
+        new_residual = x + residual
+        return self._norm(new_residual).to(x.dtype), new_residual
+
 
 class Block(nn.Module):
     """Stand-in for attention or MoE: a fixed linear map."""
@@ -49,6 +55,40 @@ class Block(nn.Module):
 
 # ---------------------------------------------------------------- <= 0.5.13
 
+class LayerCommunicator:
+    """Holds its own references to the layer's norms (as SGLang's does): the
+    decoder layer runs its input norm through ``prepare_attn``, never directly.
+    ``allreduce_fusion=True`` stands for the FlashInfer fused all-reduce path."""
+
+    def __init__(self, input_layernorm, post_attention_layernorm, allreduce_fusion=False):
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+        self.allreduce_fusion = allreduce_fusion
+
+    def prepare_attn(self, hidden_states, residual, forward_batch):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        elif self.allreduce_fusion:
+            hidden_states, residual = self.input_layernorm.forward_with_allreduce_fusion(
+                hidden_states, residual)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        return hidden_states, residual
+
+    def prepare_attn_and_capture_last_layer_outputs(self, hidden_states, residual, forward_batch,
+                                                    captured_last_layer_outputs=None):
+        hidden_states, residual = self.prepare_attn(hidden_states, residual, forward_batch)
+        if captured_last_layer_outputs is not None:
+            gathered = residual                    # plain TP: the gather is the identity
+            if gathered is residual and not getattr(captured_last_layer_outputs,
+                                                    "copies_on_append", False):
+                gathered = residual.clone()        # the norm updates residual in place
+            captured_last_layer_outputs.append(gathered)
+        return hidden_states, residual
+
+
+
 class ClassicDecoderLayer(nn.Module):
     def __init__(self, hidden_size):
         super().__init__()
@@ -56,13 +96,12 @@ class ClassicDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size)
         self.self_attn = Block(hidden_size)
         self.mlp = Block(hidden_size)
+        self.layer_communicator = LayerCommunicator(self.input_layernorm,
+                                                    self.post_attention_layernorm)
 
     def forward(self, positions, hidden_states, forward_batch, residual):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = self.layer_communicator.prepare_attn(
+            hidden_states, residual, forward_batch)
         hidden_states = self.self_attn(hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
@@ -177,37 +216,7 @@ class AuxHiddenStatePacker:
         return self._buffer
 
 
-class LayerCommunicator:
-    def __init__(self, input_layernorm, post_attention_layernorm):
-        self.input_layernorm = input_layernorm
-        self.post_attention_layernorm = post_attention_layernorm
-
-    def prepare_attn(self, hidden_states, residual, forward_batch):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        return hidden_states, residual
-
-    def prepare_attn_and_capture_last_layer_outputs(self, hidden_states, residual, forward_batch,
-                                                    captured_last_layer_outputs=None):
-        hidden_states, residual = self.prepare_attn(hidden_states, residual, forward_batch)
-        if captured_last_layer_outputs is not None:
-            gathered = residual                    # plain TP: the gather is the identity
-            if gathered is residual and not getattr(captured_last_layer_outputs,
-                                                    "copies_on_append", False):
-                gathered = residual.clone()        # the norm updates residual in place
-            captured_last_layer_outputs.append(gathered)
-        return hidden_states, residual
-
-
 class PackerDecoderLayer(ClassicDecoderLayer):
-    def __init__(self, hidden_size):
-        super().__init__(hidden_size)
-        self.layer_communicator = LayerCommunicator(self.input_layernorm,
-                                                    self.post_attention_layernorm)
-
     def forward(self, positions, hidden_states, forward_batch, residual,
                 captured_last_layer_outputs=None):
         hidden_states, residual = self.layer_communicator.prepare_attn_and_capture_last_layer_outputs(

@@ -134,3 +134,74 @@ def test_add_rmsnorm_out_rejects_mismatched_residual_out(call):
     with pytest.raises(ValueError, match="residual_out dtype"):
         fn(args["hidden_states"], args["residual"], w, 1e-6,
            torch.empty(T, H, dtype=torch.float32, device=DEVICE))
+
+
+# ----------------------------------------------------------------------------
+# Memory shared between arguments, and outputs that overlap themselves
+# ----------------------------------------------------------------------------
+
+def _aliasing_cases():
+    def base():
+        return (torch.randn(T, H, dtype=BF16, device=DEVICE), torch.randn(T, H, dtype=BF16, device=DEVICE),
+                torch.ones(H, dtype=BF16, device=DEVICE),
+                torch.full((ROWS, K, H), float("nan"), dtype=BF16, device=DEVICE))
+
+    def into_slot_reads_its_own_slot():
+        h, r, w, aux = base()
+        aux[:T, 1] = r
+        return aux, lambda: ec.add_rmsnorm_into_slot(h, aux[:T, 1], w, 1e-6, aux, 1)
+
+    def hidden_inside_aux():
+        h, r, w, aux = base()
+        return aux, lambda: ec.add_rmsnorm_into_slot(aux[:T, 1], r, w, 1e-6, aux, 1)
+
+    def residual_out_is_hidden():
+        h, r, w, aux = base()
+        return h, lambda: ec.add_rmsnorm_out(h, r, w, 1e-6, h)
+
+    def expanded_aux_slots():
+        h, r, w, _ = base()
+        aux = torch.zeros(ROWS, 1, H, dtype=BF16, device=DEVICE).expand(ROWS, K, H)
+        return aux, lambda: ec.add_capture(h, r, aux, 1)
+
+    def expanded_hidden_rows_normed():
+        _, r, w, aux = base()
+        h = torch.randn(1, H, dtype=BF16, device=DEVICE).expand(T, H)
+        return aux, lambda: ec.add_rmsnorm_capture(h, r, w, 1e-6, aux, 0)
+
+    def hidden_is_residual():
+        h, r, w, aux = base()
+        return aux, lambda: ec.add_rmsnorm_capture(h, h, w, 1e-6, aux, 0)
+
+    return [
+        ("into-slot-reads-its-own-slot", into_slot_reads_its_own_slot, "slot being written"),
+        ("hidden-inside-aux", hidden_inside_aux, "hidden_states lies inside the aux buffer"),
+        ("residual-out-is-hidden", residual_out_is_hidden, "residual_out shares memory"),
+        ("expanded-aux-slots", expanded_aux_slots, "aux has overlapping rows or slots"),
+        ("expanded-hidden-rows", expanded_hidden_rows_normed, "hidden_states has overlapping"),
+        ("hidden-is-residual", hidden_is_residual, "share memory"),
+    ]
+
+
+@pytest.mark.parametrize("case", _aliasing_cases(), ids=[c[0] for c in _aliasing_cases()])
+def test_aliasing_is_refused_before_launch(case):
+    _, make, fragment = case
+    guarded, call = make()
+    before = guarded.clone()
+    with pytest.raises(ValueError, match=fragment):
+        call()
+    assert_bitwise_equal(guarded, before)
+
+
+def test_a_residual_read_from_another_slot_is_allowed():
+    """The documented chain: after an into-slot capture the next layer reads its
+    residual from that slot and writes elsewhere."""
+    h = torch.randn(T, H, dtype=BF16, device=DEVICE)
+    aux = torch.randn(ROWS, K, H, dtype=BF16, device=DEVICE)
+    w = torch.ones(H, dtype=BF16, device=DEVICE)
+    expected = h + aux[:T, 0]
+    ec.add_capture(h, aux[:T, 0], aux, 2)
+    assert_bitwise_equal(aux[:T, 2], expected)
+    out = torch.empty(T, H, dtype=BF16, device=DEVICE)
+    ec.add_rmsnorm_out(h, aux[:T, 0], w, 1e-6, out)
+    assert_bitwise_equal(out, expected)

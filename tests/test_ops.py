@@ -93,8 +93,13 @@ def test_add_rmsnorm_into_slot(call, device, dtype, hidden_size, num_tokens, str
     r0 = r.clone()
     aux = poisoned_aux(num_tokens + 1, 2, hidden_size, dtype, device)
 
+    base_h0 = h._base.clone() if strided else None
+
     _call(call, "add_rmsnorm_into_slot", h, r, w, EPS, aux, 0)
 
+    if strided:  # the columns around a strided row view are not touched
+        assert_bitwise_equal(h._base[:, 0], base_h0[:, 0])
+        assert_bitwise_equal(h._base[:, hidden_size + 1:], base_h0[:, hidden_size + 1:])
     assert_bitwise_equal(aux[:num_tokens, 0], residual_ref)
     assert_untouched(aux, num_tokens, 0)
     assert_bitwise_equal(r, r0)                      # the residual input is left alone
@@ -213,3 +218,18 @@ def test_import_does_not_initialise_cuda():
     code = ("import torch, eagle_capture; "
             "assert not torch.cuda.is_initialized(), 'import initialised CUDA'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float16])
+def test_weight_in_another_dtype(call, device, weight_dtype):
+    """An fp32 (or fp16) norm weight with bf16 activations: the weight is read in
+    its own dtype and the math stays fp32."""
+    h, r, _, _, residual_ref = _norm_case(device, torch.bfloat16, 1000, 9, True)
+    w = (1 + 0.1 * torch.randn(1000)).to(dtype=weight_dtype, device=device)
+    normed_ref = ec.add_rmsnorm_reference(h, r, w, EPS)[0]
+    aux = poisoned_aux(9, 2, 1000, torch.bfloat16, device)
+    _call(call, "add_rmsnorm_capture", h, r, w, EPS, aux, 1)
+    assert_bitwise_equal(r, residual_ref)
+    assert_bitwise_equal(aux[:, 1], residual_ref)
+    _assert_normed(h, normed_ref)

@@ -79,7 +79,7 @@ def _packer_model(layers_to_capture, seed=0):
 
 @pytest.mark.parametrize("layers_to_capture", [[2, 4, 6], [0, 3, 7], [1, 2]])
 @pytest.mark.parametrize("shared_buffer", [False, True])
-def test_packer_adapter_equals_sglang_packer(layers_to_capture, shared_buffer):
+def test_packer_adapter_equals_sglang_packer(layers_to_capture, shared_buffer, monkeypatch):
     num_tokens = 6
     ids = torch.randint(0, VOCAB, (num_tokens,))
 
@@ -93,8 +93,14 @@ def test_packer_adapter_equals_sglang_packer(layers_to_capture, shared_buffer):
     ref_hidden, ref_aux = _packer_model(layers_to_capture)(ids, None, batch())
     model = _packer_model(layers_to_capture)
     assert install_packer_capture(model) == NUM_LAYERS
+    appends = []
+    original_append = sg.AuxHiddenStatePacker.append
+    monkeypatch.setattr(sg.AuxHiddenStatePacker, "append",
+                        lambda self, x: (appends.append(1), original_append(self, x)))
     fb = batch()
     hidden, aux = model(ids, None, fb)
+    # Only layer 0 (no residual yet: the embedding) goes through SGLang's append copy.
+    assert len(appends) == (1 if 0 in layers_to_capture else 0)
     assert_bitwise_equal(aux, ref_aux)
     assert_bitwise_equal(hidden, ref_hidden)
     if shared_buffer:
@@ -118,3 +124,44 @@ def test_packer_adapter_defers_to_sglang_when_told():
                          ref(ids, None, sg.ForwardBatch())[1])
     # Installing twice wraps nothing more.
     assert install_packer_capture(model) == 0
+
+
+def test_classic_adapter_patches_the_norm_the_layer_really_calls():
+    """SGLang's decoder layer runs its input norm through layer_communicator,
+    which holds its own reference: the buffer must be written every step (here
+    poisoned in between), not left stale."""
+    ids = torch.randint(0, VOCAB, (6,))
+    expected = _classic([1, 3, 5])(ids, None, None)["hidden_states"]
+    model = _classic([1, 3, 5])
+    buffer = install_classic_capture(model, max_tokens=16)
+    for layer in (2, 4, 6):
+        assert model.model.layers[layer].layer_communicator.input_layernorm is \
+            model.model.layers[layer].input_layernorm
+    for _ in range(2):
+        buffer.aux.fill_(float("nan"))
+        assert_bitwise_equal(model(ids, None, None)["hidden_states"], expected)
+
+
+def test_classic_adapter_refuses_a_norm_path_that_skips_the_capture():
+    """With the fused all-reduce + RMSNorm path the capturing norm's forward is not
+    called: an error, never a stale buffer."""
+    model = _classic([1, 3, 5])
+    for layer in model.model.layers:
+        layer.layer_communicator.allreduce_fusion = True
+    install_classic_capture(model, max_tokens=16)
+    with pytest.raises(RuntimeError, match="only 0 of the 3 captured layers"):
+        model(torch.arange(4), None, None)
+
+
+def test_packer_adapter_falls_back_to_sglangs_capture_on_another_norm_path():
+    ids = torch.randint(0, VOCAB, (5,))
+    ref = _packer_model([2, 4, 6])
+    model = _packer_model([2, 4, 6])
+    for m in (ref, model):
+        for layer in m.layers:
+            layer.layer_communicator.allreduce_fusion = True
+    install_packer_capture(model)
+    ref_hidden, ref_aux = ref(ids, None, sg.ForwardBatch())
+    hidden, aux = model(ids, None, sg.ForwardBatch())
+    assert_bitwise_equal(aux, ref_aux)
+    assert_bitwise_equal(hidden, ref_hidden)

@@ -102,7 +102,8 @@ def launch_config(hidden_size: int, apply_norm: bool = True) -> tuple[int, int, 
     """(BLOCK_H, num_warps, column blocks) for rows of ``hidden_size`` elements.
 
     With the norm: the whole row in one program, with enough warps that each
-    thread holds <= 32 fp32 values up to H = 32768 (64 above; not profiled) and issues 16-byte accesses.
+    thread holds <= 32 fp32 values up to H = 32768 (64 above; not profiled)
+    and issues 16-byte accesses.
     Without it: column blocks of at most COPY_BLOCK_H elements (see
     benchmarks/NOTES.md for the sweep that chose it).
     """

@@ -127,13 +127,21 @@ def check_no_internal_overlap(name: str, t: torch.Tensor) -> None:
         extent = stride * size
 
 
+def byte_extent(t: Optional[torch.Tensor]) -> int:
+    """Bytes from ``t``'s first element to just past its last (0 when empty or None)."""
+    if t is None or t.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
 def _span(t: torch.Tensor):
     """[first byte, last byte + 1) that ``t`` can touch, or None when empty."""
-    if t.numel() == 0:
+    extent = byte_extent(t)
+    if not extent:
         return None
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     start = t.data_ptr()
-    return start, start + (last + 1) * t.element_size()
+    return start, start + extent
 
 
 def _overlap(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
@@ -157,9 +165,15 @@ def _slot_touched(view: torch.Tensor, aux: torch.Tensor) -> Optional[int]:
 
 def check_aliasing(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
                    aux: Optional[torch.Tensor], slot: int, *, residual_mutated: bool,
-                   hidden_mutated: bool, residual_out: Optional[torch.Tensor] = None) -> None:
-    """Memory shared between arguments that would corrupt a capture. Runs on
-    every eager call (addresses change); reads only pointers and strides."""
+                   hidden_mutated: bool, residual_out: Optional[torch.Tensor] = None,
+                   weight: Optional[torch.Tensor] = None) -> None:
+    """Memory shared between arguments that would corrupt a capture. Reads
+    only pointers and strides; the eager path runs it when byte ranges overlap."""
+    for name, out in (("aux", aux), ("residual_out", residual_out),
+                      ("hidden_states", hidden_states if hidden_mutated else None),
+                      ("residual", residual if residual_mutated else None)):
+        if weight is not None and _overlap(weight, out):
+            _fail(f"weight shares memory with {name}, which this op writes")
     if aux is not None and _overlap(hidden_states, aux):
         _fail("hidden_states lies inside the aux buffer; the captures would be overwritten "
               "or read back as inputs")

@@ -232,8 +232,8 @@ def _add_rmsnorm_capture_op(hidden_states: torch.Tensor, residual: torch.Tensor,
                             weight: torch.Tensor, eps: float, aux: Optional[torch.Tensor],
                             slot: int) -> None:
     _check_norm(hidden_states, residual, weight, eps, aux, slot, residual_mutated=True)
-    _checks.check_aliasing(hidden_states, residual, aux, slot, residual_mutated=True,
-                           hidden_mutated=True)
+    _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
+                           residual_mutated=True, hidden_mutated=True)
     _dispatch(hidden_states, residual, wrap=wrap_triton, weight=weight, eps=eps,
               normed_out=hidden_states, residual_out=residual, aux=aux, slot=slot)
 
@@ -243,8 +243,8 @@ def _add_rmsnorm_into_slot_op(hidden_states: torch.Tensor, residual: torch.Tenso
                               weight: torch.Tensor, eps: float, aux: torch.Tensor,
                               slot: int) -> None:
     _check_norm(hidden_states, residual, weight, eps, aux, slot)
-    _checks.check_aliasing(hidden_states, residual, aux, slot, residual_mutated=False,
-                           hidden_mutated=True)
+    _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
+                           residual_mutated=False, hidden_mutated=True)
     _dispatch(hidden_states, residual, wrap=wrap_triton, weight=weight, eps=eps,
               normed_out=hidden_states, aux=aux, slot=slot)
 
@@ -253,8 +253,8 @@ def _add_rmsnorm_into_slot_op(hidden_states: torch.Tensor, residual: torch.Tenso
 def _add_rmsnorm_out_op(hidden_states: torch.Tensor, residual: torch.Tensor,
                         weight: torch.Tensor, eps: float, residual_out: torch.Tensor) -> None:
     _check_norm_out(hidden_states, residual, weight, eps, residual_out)
-    _checks.check_aliasing(hidden_states, residual, None, 0, residual_mutated=False,
-                           hidden_mutated=True, residual_out=residual_out)
+    _checks.check_aliasing(hidden_states, residual, None, 0, weight=weight,
+                           residual_mutated=False, hidden_mutated=True, residual_out=residual_out)
     _dispatch(hidden_states, residual, wrap=wrap_triton, weight=weight, eps=eps,
               normed_out=hidden_states, residual_out=residual_out)
 
@@ -273,15 +273,18 @@ _PLANS: dict = {}
 _MAX_PLANS = 4096
 
 
-def _eager_call(check, key_tensors: tuple, key_scalars: tuple, hidden_states, residual,
-                weight=None, eps=0.0, normed_out=None, residual_out=None, aux=None,
+def _eager_call(check, alias_check, key_tensors: tuple, key_scalars: tuple, hidden_states,
+                residual, weight=None, eps=0.0, normed_out=None, residual_out=None, aux=None,
                 slot=0) -> None:
-    """Validate (once per call signature) and run one eager call.
+    """Validate (once per call signature), check aliasing (every call) and run.
 
     ``key_scalars`` starts with the op's name and holds every non-tensor
     argument the checks look at (with its type: ``1.0 == 1`` must not pass
     for an int slot); with the tensors' shapes, strides, dtypes and devices
-    it is everything ``check`` depends on.
+    it is everything ``check`` depends on. Aliasing depends on addresses, so
+    each call compares the tensors' byte ranges (their extents are part of the
+    memoised entry) and runs ``alias_check`` -- which knows which overlaps the
+    op allows -- only when two ranges do overlap.
     """
     try:
         key = (key_scalars,) + tuple(
@@ -289,16 +292,29 @@ def _eager_call(check, key_tensors: tuple, key_scalars: tuple, hidden_states, re
             for t in key_tensors)
     except AttributeError:  # a non-tensor argument: let the full check name it
         key = None
-    plan = _PLANS.get(key) if key is not None else None
-    if plan is None:
+    entry = _PLANS.get(key) if key is not None else None
+    if entry is None:
         check()
+        alias_check()
         plan = (_make_plan(hidden_states, residual, weight, eps, normed_out, residual_out,
-                           aux, slot) if hidden_states.is_cuda else "cpu")
+                           aux, slot) if hidden_states.is_cuda else None)
+        entry = (plan, tuple(_checks.byte_extent(t) for t in key_tensors))
         if key is not None:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
-            _PLANS[key] = plan
-    if plan == "cpu":
+            _PLANS[key] = entry
+    else:
+        plan, extents = entry
+        spans = sorted((t.data_ptr(), extent) for t, extent in zip(key_tensors, extents)
+                       if extent)
+        end = 0
+        for start, extent in spans:
+            if start < end:
+                alias_check()  # raises, or allows (e.g. a residual read from another slot)
+                break
+            end = max(end, start + extent)
+    plan = entry[0]
+    if plan is None:
         _torch_impl(hidden_states, residual, weight=weight, eps=eps, normed_out=normed_out,
                     residual_out=residual_out, aux=aux, slot=slot)
     else:
@@ -317,9 +333,9 @@ def add_capture(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
     if torch.compiler.is_compiling():
         torch.ops.eagle_capture.add_capture(hidden_states, residual, aux, slot)
         return
-    _checks.check_aliasing(hidden_states, residual, aux, slot, residual_mutated=False,
-                           hidden_mutated=False)
     _eager_call(lambda: _check_add_capture(hidden_states, residual, aux, slot),
+                lambda: _checks.check_aliasing(hidden_states, residual, aux, slot,
+                                               residual_mutated=False, hidden_mutated=False),
                 (hidden_states, residual, aux), ("add_capture", type(slot), slot),
                 hidden_states, residual, aux=aux, slot=slot)
 
@@ -334,9 +350,9 @@ def add_rmsnorm_capture(hidden_states: torch.Tensor, residual: torch.Tensor,
         torch.ops.eagle_capture.add_rmsnorm_capture(hidden_states, residual, weight, eps,
                                                     aux, slot)
         return
-    _checks.check_aliasing(hidden_states, residual, aux, slot, residual_mutated=True,
-                           hidden_mutated=True)
     _eager_call(lambda: _check_norm(hidden_states, residual, weight, eps, aux, slot, True),
+                lambda: _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
+                                               residual_mutated=True, hidden_mutated=True),
                 (hidden_states, residual, weight, aux), ("capture", type(slot), slot, type(eps), eps),
                 hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
                 residual_out=residual, aux=aux, slot=slot)
@@ -354,9 +370,9 @@ def add_rmsnorm_into_slot(hidden_states: torch.Tensor, residual: torch.Tensor,
         return
     if aux is None:
         raise TypeError("eagle_capture: aux must be a tensor for add_rmsnorm_into_slot")
-    _checks.check_aliasing(hidden_states, residual, aux, slot, residual_mutated=False,
-                           hidden_mutated=True)
     _eager_call(lambda: _check_norm(hidden_states, residual, weight, eps, aux, slot),
+                lambda: _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
+                                               residual_mutated=False, hidden_mutated=True),
                 (hidden_states, residual, weight, aux), ("into_slot", type(slot), slot, type(eps), eps),
                 hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
                 aux=aux, slot=slot)
@@ -370,9 +386,10 @@ def add_rmsnorm_out(hidden_states: torch.Tensor, residual: torch.Tensor,
         torch.ops.eagle_capture.add_rmsnorm_out(hidden_states, residual, weight, eps,
                                                 residual_out)
         return
-    _checks.check_aliasing(hidden_states, residual, None, 0, residual_mutated=False,
-                           hidden_mutated=True, residual_out=residual_out)
     _eager_call(lambda: _check_norm_out(hidden_states, residual, weight, eps, residual_out),
+                lambda: _checks.check_aliasing(hidden_states, residual, None, 0, weight=weight,
+                                               residual_mutated=False, hidden_mutated=True,
+                                               residual_out=residual_out),
                 (hidden_states, residual, weight, residual_out), ("out", type(eps), eps),
                 hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
                 residual_out=residual_out)

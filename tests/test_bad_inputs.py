@@ -141,6 +141,9 @@ def test_add_rmsnorm_out_rejects_mismatched_residual_out(call):
 # ----------------------------------------------------------------------------
 
 def _aliasing_cases():
+    """(id, factory -> (guarded tensor, op, args), message). Cross-tensor cases are
+    also run after a valid call of the same signature (memoised validation), with
+    every tensor argument replaced by an unaliased copy of identical strides."""
     def base():
         return (torch.randn(T, H, dtype=BF16, device=DEVICE), torch.randn(T, H, dtype=BF16, device=DEVICE),
                 torch.ones(H, dtype=BF16, device=DEVICE),
@@ -149,47 +152,63 @@ def _aliasing_cases():
     def into_slot_reads_its_own_slot():
         h, r, w, aux = base()
         aux[:T, 1] = r
-        return aux, lambda: ec.add_rmsnorm_into_slot(h, aux[:T, 1], w, 1e-6, aux, 1)
+        return aux, ec.add_rmsnorm_into_slot, (h, aux[:T, 1], w, 1e-6, aux, 1)
 
     def hidden_inside_aux():
         h, r, w, aux = base()
-        return aux, lambda: ec.add_rmsnorm_into_slot(aux[:T, 1], r, w, 1e-6, aux, 1)
+        return aux, ec.add_rmsnorm_into_slot, (aux[:T, 1], r, w, 1e-6, aux, 1)
 
     def residual_out_is_hidden():
         h, r, w, aux = base()
-        return h, lambda: ec.add_rmsnorm_out(h, r, w, 1e-6, h)
+        return h, ec.add_rmsnorm_out, (h, r, w, 1e-6, h)
+
+    def hidden_is_residual():
+        h, r, w, aux = base()
+        return aux, ec.add_rmsnorm_capture, (h, h, w, 1e-6, aux, 0)
+
+    def weight_inside_hidden():
+        h, r, w, aux = base()
+        return aux, ec.add_rmsnorm_capture, (h, r, h[0], 1e-6, aux, 0)
 
     def expanded_aux_slots():
         h, r, w, _ = base()
         aux = torch.zeros(ROWS, 1, H, dtype=BF16, device=DEVICE).expand(ROWS, K, H)
-        return aux, lambda: ec.add_capture(h, r, aux, 1)
+        return aux, ec.add_capture, (h, r, aux, 1)
 
     def expanded_hidden_rows_normed():
         _, r, w, aux = base()
         h = torch.randn(1, H, dtype=BF16, device=DEVICE).expand(T, H)
-        return aux, lambda: ec.add_rmsnorm_capture(h, r, w, 1e-6, aux, 0)
-
-    def hidden_is_residual():
-        h, r, w, aux = base()
-        return aux, lambda: ec.add_rmsnorm_capture(h, h, w, 1e-6, aux, 0)
+        return aux, ec.add_rmsnorm_capture, (h, r, w, 1e-6, aux, 0)
 
     return [
-        ("into-slot-reads-its-own-slot", into_slot_reads_its_own_slot, "slot being written"),
-        ("hidden-inside-aux", hidden_inside_aux, "hidden_states lies inside the aux buffer"),
-        ("residual-out-is-hidden", residual_out_is_hidden, "residual_out shares memory"),
-        ("expanded-aux-slots", expanded_aux_slots, "aux has overlapping rows or slots"),
-        ("expanded-hidden-rows", expanded_hidden_rows_normed, "hidden_states has overlapping"),
-        ("hidden-is-residual", hidden_is_residual, "share memory"),
+        ("into-slot-reads-its-own-slot", into_slot_reads_its_own_slot, "slot being written", True),
+        ("hidden-inside-aux", hidden_inside_aux, "hidden_states lies inside the aux buffer", True),
+        ("residual-out-is-hidden", residual_out_is_hidden, "residual_out shares memory", True),
+        ("hidden-is-residual", hidden_is_residual, "share memory", True),
+        ("weight-inside-hidden", weight_inside_hidden, "weight shares memory", True),
+        ("expanded-aux-slots", expanded_aux_slots, "aux has overlapping rows or slots", False),
+        ("expanded-hidden-rows", expanded_hidden_rows_normed, "hidden_states has overlapping", False),
     ]
 
 
+def _unaliased_copy(x):
+    if not isinstance(x, torch.Tensor):
+        return x
+    return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+
+
 @pytest.mark.parametrize("case", _aliasing_cases(), ids=[c[0] for c in _aliasing_cases()])
-def test_aliasing_is_refused_before_launch(case):
-    _, make, fragment = case
-    guarded, call = make()
+@pytest.mark.parametrize("after_valid_call", [False, True])
+def test_aliasing_is_refused_before_launch(case, after_valid_call):
+    _, make, fragment, cross_tensor = case
+    if after_valid_call and not cross_tensor:
+        pytest.skip("self-overlap is a property of the strides alone")
+    guarded, op, args = make()
+    if after_valid_call:
+        op(*[_unaliased_copy(a) for a in args])  # the same signature, memoised as valid
     before = guarded.clone()
     with pytest.raises(ValueError, match=fragment):
-        call()
+        op(*args)
     assert_bitwise_equal(guarded, before)
 
 

@@ -229,9 +229,15 @@ def time_graph_replay(steps: list, steps_per_graph: int, replays: int) -> float:
     torch.cuda.current_stream().wait_stream(side)
     steps_per_graph = max(steps_per_graph, len(steps))
     graph = torch.cuda.CUDAGraph()
+    # Out-of-place paths (a, g, h) return fresh outputs. Kept alive, each step
+    # of the graph writes to its own memory; dropped, the graph pool would hand
+    # every step the same block, whose dirty lines can be rewritten in L2
+    # without ever reaching DRAM -- a write discount no layer of a model gets
+    # (benchmarks/NOTES.md, "Output reuse in graph replay").
+    outputs = []
     with torch.cuda.graph(graph):
         for i in range(steps_per_graph):
-            steps[i % len(steps)]()
+            outputs.append(steps[i % len(steps)]())
     for _ in range(3):
         graph.replay()
     start = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
@@ -241,7 +247,7 @@ def time_graph_replay(steps: list, steps_per_graph: int, replays: int) -> float:
         graph.replay()
         end[i].record()
     torch.cuda.synchronize()
-    del graph
+    del graph, outputs
     times = [s.elapsed_time(e) * 1e3 / steps_per_graph for s, e in zip(start, end)]
     return statistics.median(times)
 

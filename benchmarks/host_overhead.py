@@ -49,6 +49,12 @@ def main():
         pass
     stream = torch._C._cuda_getCurrentRawStream(0)
     key = next(iter(launcher._compiled), None)
+    int_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    try:
+        import inspect
+        print("".join(inspect.getsource(type(compiled.run).__call__).splitlines(True)[:60]))
+    except (TypeError, OSError) as exc:
+        print(f"launcher source not available: {exc}")
     rows = {
         "torch.add(out=)": lambda: torch.add(h, r, out=out),
         "kernel[grid](...) (Triton's entry)": lambda: add_rmsnorm_capture_kernel[grid](
@@ -56,6 +62,14 @@ def main():
         "compiled.run(...) (raw launcher)": lambda: compiled.run(
             grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata,
             None, None, None, *args),
+        "compiled.run(...) int pointers": lambda: compiled.run(
+            grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata,
+            None, None, None, *int_args),
+        "6x tensor.data_ptr()": lambda: [t.data_ptr() for t in args[:6]],
+        "key of 3 tensors (shape, stride, dtype, device)": lambda: tuple(
+            (t.shape, t.stride(), t.dtype, t.device) for t in (h, r, aux)),
+        "key of 3 tensors (shape, stride, dtype, get_device)": lambda: tuple(
+            (t.shape, t.stride(), t.dtype, t.get_device()) for t in (h, r, aux)),
         "CachedLauncher call": lambda: launcher(grid, args, key, num_warps, 0, True),
         "ec.add_capture (public)": lambda: ec.add_capture(h, r, aux, 0),
         "torch.cuda.current_device()": torch.cuda.current_device,

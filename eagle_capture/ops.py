@@ -28,14 +28,18 @@ the op layer costs tens of microseconds per call (FACTS.md section 4) --
 while under torch.compile they call the registered op.
 """
 
+import functools
+import itertools
+import operator
+import os
 from typing import NamedTuple, Optional
 
 import torch
 from torch.library import triton_op, wrap_triton
 
 from . import _checks
-from ._launcher import CachedLauncher
-from .kernels import add_rmsnorm_capture_kernel, launch_config
+from ._launcher import CachedLauncher, hooks_active
+from .kernels import HAS_PDL, add_rmsnorm_capture_kernel, launch_config
 
 __all__ = [
     "add_capture",
@@ -50,7 +54,8 @@ __all__ = [
 # Kernel launch (CUDA, or CPU tensors under TRITON_INTERPRET=1)
 # ----------------------------------------------------------------------------
 
-def _launch_args(hidden_states, residual, weight, eps, normed_out, residual_out, aux, slot):
+def _launch_args(hidden_states, residual, weight, eps, normed_out, residual_out, aux, slot,
+                 use_pdl=False):
     """(grid, positional kernel arguments, num_warps) for validated arguments.
 
     Unused pointers get a valid tensor (hidden_states) so the signature never
@@ -81,8 +86,23 @@ def _launch_args(hidden_states, residual, weight, eps, normed_out, residual_out,
         residual_out is not None,   # STORE_RESIDUAL
         aux is not None,            # CAPTURE
         block_h,                    # BLOCK_H
+        use_pdl,                    # USE_PDL
     )
     return (num_tokens, col_blocks), args, num_warps
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_enabled(device_index: int) -> bool:
+    """Whether eager launches on this CUDA device use programmatic dependent
+    launch: Hopper or newer, a Triton with the intrinsics, not the interpreter,
+    and not switched off with ``EAGLE_CAPTURE_PDL=0``. (Launches from inside
+    the registered ops -- torch.compile, the dispatcher -- never use it:
+    ``wrap_triton`` has no PDL launch option.)"""
+    if not HAS_PDL or os.environ.get("EAGLE_CAPTURE_PDL", "1") == "0":
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def launch_kernel(
@@ -107,10 +127,15 @@ def launch_kernel(
     """
     if hidden_states.shape[0] == 0:
         return  # a zero-size grid is not a valid launch
+    use_pdl = (_wrap is None and hidden_states.is_cuda
+               and pdl_enabled(hidden_states.device.index))
     grid, args, num_warps = _launch_args(hidden_states, residual, weight, eps, normed_out,
-                                         residual_out, aux, slot)
+                                         residual_out, aux, slot, use_pdl)
     kernel = add_rmsnorm_capture_kernel if _wrap is None else _wrap(add_rmsnorm_capture_kernel)
-    kernel[grid](*args, num_warps=num_warps)
+    if use_pdl:
+        kernel[grid](*args, num_warps=num_warps, launch_pdl=True)
+    else:
+        kernel[grid](*args, num_warps=num_warps)
 
 
 _cached_launch = CachedLauncher(add_rmsnorm_capture_kernel)
@@ -124,31 +149,25 @@ class _EagerPlan(NamedTuple):
     num_warps: int
     device_index: int
     dtypes: tuple       # pointer dtypes that Triton specialises on
+    use_pdl: bool
 
 
 def _make_plan(hidden_states, residual, weight, eps, normed_out, residual_out, aux, slot):
+    device_index = hidden_states.device.index
+    use_pdl = pdl_enabled(device_index)
     grid, args, num_warps = _launch_args(hidden_states, residual, weight, eps, normed_out,
-                                         residual_out, aux, slot)
-    return _EagerPlan(grid, args[6:], num_warps, hidden_states.device.index,
-                      (hidden_states.dtype, args[2].dtype))
+                                         residual_out, aux, slot, use_pdl)
+    return _EagerPlan(grid, args[6:], num_warps, device_index,
+                      (hidden_states.dtype, args[2].dtype), use_pdl)
 
 
-def _launch_planned(plan: _EagerPlan, pointers: tuple) -> None:
-    if plan.grid[0] == 0:
-        return  # a zero-size grid is not a valid launch
-    if plan.device_index != torch.cuda.current_device():
-        # Triton launches on the *current* device: a tensor elsewhere would be
-        # an illegal address, not an error.
-        raise ValueError(f"eagle_capture: hidden_states is on cuda:{plan.device_index} but "
-                         f"the current CUDA device is cuda:{torch.cuda.current_device()}; "
-                         f"call torch.cuda.set_device({plan.device_index}) first")
-    h, r, w, n, ro, a = pointers
-    aligned = (h.data_ptr() | r.data_ptr() | w.data_ptr() | n.data_ptr() | ro.data_ptr()
-               | a.data_ptr()) & 15 == 0
+def _launch_planned(plan: _EagerPlan, pointers: tuple, aligned: bool):
+    """Launch through the CachedLauncher (tensors as pointer arguments); returns
+    its DirectLaunch for the plan's key when one is cached."""
     # eps (scalars[1]) is a float: Triton does not specialise on it.
     key = (plan.device_index, plan.dtypes, plan.scalars[0], plan.scalars[2:])
-    _cached_launch(plan.grid, pointers + plan.scalars, key, plan.num_warps, plan.device_index,
-                   aligned)
+    return _cached_launch(plan.grid, pointers + plan.scalars, key, plan.num_warps,
+                          plan.device_index, aligned, plan.use_pdl)
 
 
 # ----------------------------------------------------------------------------
@@ -271,11 +290,36 @@ def _add_rmsnorm_out_op(hidden_states: torch.Tensor, residual: torch.Tensor,
 
 _PLANS: dict = {}
 _MAX_PLANS = 4096
+_PAIRS = {n: tuple(itertools.combinations(range(n), 2)) for n in range(2, 5)}
+# The raw getter: torch.cuda.current_device() (0.24 - 0.56 us per call measured on
+# the H200 host) adds a lazy-init check; CUDA is initialised once a CUDA plan exists.
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
-def _eager_call(check, alias_check, key_tensors: tuple, key_scalars: tuple, hidden_states,
-                residual, weight=None, eps=0.0, normed_out=None, residual_out=None, aux=None,
-                slot=0) -> None:
+class _Entry:
+    """Memo of one validated call signature."""
+    __slots__ = ("plan", "extents", "direct")
+
+    def __init__(self, plan, extents):
+        self.plan = plan          # _EagerPlan, or None for CPU tensors
+        self.extents = extents    # byte extent of each key tensor (0 for None / empty)
+        self.direct = None        # DirectLaunch once the kernel is compiled for this plan
+
+
+# The kernel's six pointer arguments (hidden, residual, weight, normed_out,
+# residual_out, aux) as indices into each op's key tensors; an absent one
+# repeats hidden_states (index 0), as in _launch_args.
+_PTRS_CAPTURE = operator.itemgetter(0, 1, 0, 0, 0, 2)             # (h, r, aux)
+_PTRS_CAPTURE_NO_RESIDUAL = operator.itemgetter(0, 0, 0, 0, 0, 2)
+_PTRS_NORM_CAPTURE = operator.itemgetter(0, 1, 2, 0, 1, 3)        # (h, r, w, aux)
+_PTRS_NORM_NO_AUX = operator.itemgetter(0, 1, 2, 0, 1, 0)
+_PTRS_INTO_SLOT = operator.itemgetter(0, 1, 2, 0, 0, 3)           # (h, r, w, aux)
+_PTRS_NORM_OUT = operator.itemgetter(0, 1, 2, 0, 3, 0)            # (h, r, w, residual_out)
+
+
+def _eager_call(check, alias_check, key_tensors: tuple, key_scalars: tuple, pointer_map,
+                hidden_states, residual, weight=None, eps=0.0, normed_out=None,
+                residual_out=None, aux=None, slot=0) -> None:
     """Validate (once per call signature), check aliasing (every call) and run.
 
     ``key_scalars`` starts with the op's name and holds every non-tensor
@@ -285,6 +329,10 @@ def _eager_call(check, alias_check, key_tensors: tuple, key_scalars: tuple, hidd
     each call compares the tensors' byte ranges (their extents are part of the
     memoised entry) and runs ``alias_check`` -- which knows which overlaps the
     op allows -- only when two ranges do overlap.
+
+    After the first launch of a signature, the entry holds the compiled
+    kernel's DirectLaunch, and a call costs: the memo key, one ``data_ptr``
+    per tensor, the overlap scan and the raw launch with integer addresses.
     """
     try:
         key = (key_scalars,) + tuple(
@@ -296,34 +344,48 @@ def _eager_call(check, alias_check, key_tensors: tuple, key_scalars: tuple, hidd
     if entry is None:
         check()
         alias_check()
-        plan = (_make_plan(hidden_states, residual, weight, eps, normed_out, residual_out,
-                           aux, slot) if hidden_states.is_cuda else None)
-        entry = (plan, tuple(_checks.byte_extent(t) for t in key_tensors))
+        entry = _Entry(_make_plan(hidden_states, residual, weight, eps, normed_out, residual_out,
+                                  aux, slot) if hidden_states.is_cuda else None,
+                       tuple(_checks.byte_extent(t) for t in key_tensors))
         if key is not None:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = entry
+        ptrs = [t.data_ptr() if t is not None else 0 for t in key_tensors]
     else:
-        plan, extents = entry
-        spans = sorted((t.data_ptr(), extent) for t, extent in zip(key_tensors, extents)
-                       if extent)
-        end = 0
-        for start, extent in spans:
-            if start < end:
+        ptrs = [t.data_ptr() if t is not None else 0 for t in key_tensors]
+        ext = entry.extents
+        for i, j in _PAIRS[len(ptrs)]:
+            # Byte ranges [p, p + extent) intersect: the full check decides (an
+            # empty tensor inside another's range lands here too, and is allowed).
+            if ptrs[i] < ptrs[j] + ext[j] and ptrs[j] < ptrs[i] + ext[i]:
                 alias_check()  # raises, or allows (e.g. a residual read from another slot)
                 break
-            end = max(end, start + extent)
-    plan = entry[0]
+    plan = entry.plan
     if plan is None:
         _torch_impl(hidden_states, residual, weight=weight, eps=eps, normed_out=normed_out,
                     residual_out=residual_out, aux=aux, slot=slot)
+        return
+    if plan.grid[0] == 0:
+        return  # a zero-size grid is not a valid launch
+    if plan.device_index != _current_device():
+        # Triton launches on the *current* device: a tensor elsewhere would be
+        # an illegal address, not an error.
+        raise ValueError(f"eagle_capture: hidden_states is on cuda:{plan.device_index} but "
+                         f"the current CUDA device is cuda:{torch.cuda.current_device()}; "
+                         f"call torch.cuda.set_device({plan.device_index}) first")
+    aligned = not any(p & 15 for p in ptrs)
+    direct = entry.direct
+    if direct is not None and aligned and not hooks_active():
+        # The entry's key implies the CachedLauncher key the kernel was compiled
+        # for (dtypes, int arguments, constexprs; all pointers 16-byte aligned).
+        direct.launch(plan.grid[0], plan.grid[1], 1,
+                      torch._C._cuda_getCurrentRawStream(plan.device_index), *direct.mid,
+                      *pointer_map(ptrs), *plan.scalars)
     else:
-        h = hidden_states
-        _launch_planned(plan, (h, residual if residual is not None else h,
-                               weight if weight is not None else h,
-                               normed_out if normed_out is not None else h,
-                               residual_out if residual_out is not None else h,
-                               aux if aux is not None else h))
+        direct = _launch_planned(plan, pointer_map(key_tensors), aligned)
+        if direct is not None:
+            entry.direct = direct
 
 
 def add_capture(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
@@ -337,6 +399,7 @@ def add_capture(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
                 lambda: _checks.check_aliasing(hidden_states, residual, aux, slot,
                                                residual_mutated=False, hidden_mutated=False),
                 (hidden_states, residual, aux), ("add_capture", type(slot), slot),
+                _PTRS_CAPTURE if residual is not None else _PTRS_CAPTURE_NO_RESIDUAL,
                 hidden_states, residual, aux=aux, slot=slot)
 
 
@@ -354,6 +417,7 @@ def add_rmsnorm_capture(hidden_states: torch.Tensor, residual: torch.Tensor,
                 lambda: _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
                                                residual_mutated=True, hidden_mutated=True),
                 (hidden_states, residual, weight, aux), ("capture", type(slot), slot, type(eps), eps),
+                _PTRS_NORM_CAPTURE if aux is not None else _PTRS_NORM_NO_AUX,
                 hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
                 residual_out=residual, aux=aux, slot=slot)
 
@@ -374,6 +438,7 @@ def add_rmsnorm_into_slot(hidden_states: torch.Tensor, residual: torch.Tensor,
                 lambda: _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
                                                residual_mutated=False, hidden_mutated=True),
                 (hidden_states, residual, weight, aux), ("into_slot", type(slot), slot, type(eps), eps),
+                _PTRS_INTO_SLOT,
                 hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
                 aux=aux, slot=slot)
 
@@ -391,5 +456,6 @@ def add_rmsnorm_out(hidden_states: torch.Tensor, residual: torch.Tensor,
                                                residual_mutated=False, hidden_mutated=True,
                                                residual_out=residual_out),
                 (hidden_states, residual, weight, residual_out), ("out", type(eps), eps),
+                _PTRS_NORM_OUT,
                 hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
                 residual_out=residual_out)

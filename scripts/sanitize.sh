@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over every
 # kernel flavour (scripts/sanitizer_sweep.py). GPU machine only. Usage:
-#   bash scripts/sanitize.sh [--quick] [TOOLS...]
+#   bash scripts/sanitize.sh [--quick | --dtypes "fp16 fp32"] [TOOLS...]
 # The first tool compiles the kernels (Triton's cache serves the rest).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 quick=""
 if [ "${1:-}" = "--quick" ]; then quick="--quick"; shift; fi
+if [ "${1:-}" = "--dtypes" ]; then quick="--dtypes $2"; shift 2; fi
 tools=${*:-memcheck racecheck initcheck synccheck}
 compute-sanitizer --version | tail -1
 status=0

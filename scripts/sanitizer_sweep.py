@@ -4,7 +4,8 @@ Run under each tool by scripts/sanitize.sh. Cases: T = 0, 1, 7, 257 (and a
 2048-row case), H = 1, 7, 7168, contiguous and strided rows, bf16/fp16/fp32,
 every slot, aux present or not, each op. Every result is also checked against
 the reference, so a run that finishes with 0 sanitizer errors and "all N
-cases ok" is clean and correct. ``--quick``: bf16 only.
+cases ok" is clean and correct. ``--quick``: bf16 only; ``--dtypes fp16 fp32``:
+those dtypes only.
 """
 
 import argparse
@@ -15,12 +16,15 @@ import torch
 
 import eagle_capture as ec
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="bf16 only")
+    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=sorted(DTYPES))
     args = p.parse_args()
-    dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float16, torch.float32]
+    dtypes = [torch.bfloat16] if args.quick else [DTYPES[d] for d in args.dtypes]
     shapes = [(0, 7), (1, 1), (7, 7), (257, 7168), (2048, 7168), (7, 7168), (1, 7168)]
     K, device, n = 3, "cuda", 0
     for dtype, (T, H), strided, slot in itertools.product(dtypes, shapes, (False, True),

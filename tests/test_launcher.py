@@ -72,3 +72,59 @@ def test_active_profiler_hooks_take_tritons_path(fake, monkeypatch):
         monkeypatch.setattr(_launcher._knobs.runtime, "launch_enter_hook", lambda *a: None)
     launcher((1, 1), (1,), key="k", num_warps=4, device_index=0, aligned=True)
     assert [kind for kind, *_ in jit.log] == ["triton", "triton"]
+
+
+class RawForwardingLauncher:
+    """Triton 3.6's CudaLauncher.__call__, in shape: scratch, then the C launch."""
+
+    def __init__(self, log):
+        self.log, self.global_scratch_size, self.profile_scratch_size = log, 0, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+    def launch(self, *args):
+        self.log.append(("raw", args))
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        global_scratch = profile_scratch = None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    global_scratch, profile_scratch, *args)
+
+
+class OtherLauncher(RawForwardingLauncher):
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        self.log.append(("wrapped", args))
+
+
+def _compiled_with(run):
+    compiled = FakeCompiled(run.log)
+    compiled.run = run
+    return compiled
+
+
+def test_raw_launch_is_called_directly_only_for_the_known_forwarding_form():
+    log = []
+    run = RawForwardingLauncher(log)
+    direct = _launcher.direct_launch_of(_compiled_with(run))
+    assert direct.launch == run.launch  # the C launch itself, no Python frame between
+    direct.launch(2, 1, 1, "stream", *direct.mid, 11, 12)
+    # Exactly what the forwarding __call__ would have passed to launch.
+    run(2, 1, 1, "stream", "fn", "meta", None, None, None, 11, 12)
+    assert log[0] == log[1]
+
+    other = OtherLauncher(log)
+    direct = _launcher.direct_launch_of(_compiled_with(other))
+    assert direct.launch == other  # anything else goes through the launcher object
+
+
+def test_scratch_space_keeps_the_launcher_object():
+    run = RawForwardingLauncher([])
+    run.global_scratch_size = 128
+    assert _launcher.direct_launch_of(_compiled_with(run)).launch == run
+
+
+def test_cached_launch_returns_the_direct_launch_for_memoising(fake):
+    jit, launcher = fake
+    assert launcher((2, 1), (1,), key="k", num_warps=4, device_index=0, aligned=True) is None
+    direct = launcher((2, 1), (1,), key="k", num_warps=4, device_index=0, aligned=True)
+    assert direct is not None and direct.mid[0] == "fn"
+    assert launcher((2, 1), (1,), key="k", num_warps=4, device_index=0, aligned=False) is None

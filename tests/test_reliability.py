@@ -157,3 +157,55 @@ def test_two_streams_capture_different_slots_of_one_buffer():
     torch.cuda.synchronize()
     for slot, (h, r) in enumerate(inputs):
         assert_bitwise_equal(aux[:, slot], h + r)
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_dependent_chain_of_launches(mode):
+    """Each launch reads what the launch just before it wrote: aux[:, k] =
+    h + aux[:, k-1] (a residual read from the previous slot), then an add+RMSNorm chain in place. With programmatic
+    dependent launch a missing or misplaced ``gdc_wait`` lets a kernel start
+    while its predecessor runs and read stale (here NaN-poisoned) rows."""
+    from eagle_capture import ops
+    T, H, K, device, dtype = 4096, 7168, 12, "cuda", torch.bfloat16
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert ops.pdl_enabled(torch.cuda.current_device()) == ops.HAS_PDL
+    h = torch.randn(T, H, device=device, dtype=dtype)
+    r = torch.randn(T, H, device=device, dtype=dtype)
+    w = (1 + 0.1 * torch.randn(H, device=device)).to(dtype)
+    aux = torch.full((T, K, H), float("nan"), device=device, dtype=dtype)
+    hn, rn = h.clone(), r.clone()
+
+    def chain():
+        ec.add_capture(h, r, aux, 0)
+        for k in range(1, K):
+            ec.add_capture(h, aux[:T, k - 1], aux, k)
+        for _ in range(6):
+            ec.add_rmsnorm_capture(hn, rn, w, 1e-6)
+
+    if mode == "eager":
+        for _ in range(3):  # first call compiles, later ones take the direct launch
+            aux.fill_(float("nan"))
+            hn.copy_(h)
+            rn.copy_(r)
+            chain()
+    else:
+        chain()  # compile and memoise outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()
+        aux.fill_(float("nan"))
+        hn.copy_(h)
+        rn.copy_(r)
+        graph.replay()
+    expected = h + r
+    for k in range(K):
+        assert_bitwise_equal(aux[:, k], expected)
+        expected = h + expected
+    # The norm chain against the same kernel one launch at a time, synchronised.
+    he, re_ = h.clone(), r.clone()
+    for _ in range(6):
+        ec.add_rmsnorm_capture(he, re_, w, 1e-6)
+        torch.cuda.synchronize()
+    assert_bitwise_equal(rn, re_)
+    assert_bitwise_equal(hn, he)

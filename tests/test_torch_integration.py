@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import eagle_capture as ec
+from eagle_capture.reference import add_rmsnorm_reference
 from conftest import (HAS_CUDA, NORM_TOLERANCES, assert_bitwise_equal, assert_untouched,
                       make_rows, poisoned_aux, requires_cuda)
 
@@ -165,6 +166,38 @@ def test_eager_fast_path_alignment_and_reuse(offset):
         ec.add_rmsnorm_capture(h, r, w, EPS, aux, 0)
         assert_bitwise_equal(r, expected)
         assert_bitwise_equal(aux[:, 0], expected)
+
+
+@requires_cuda
+def test_eager_direct_launch_on_repeated_calls():
+    """From its third call a signature launches through the memoised DirectLaunch
+    (integer addresses, Triton's C launcher); alignment changes between calls of
+    one signature fall back to Triton's entry. Every call, new values each time,
+    is exact."""
+    from eagle_capture import ops
+    dtype, device, num_tokens, hidden_size = torch.bfloat16, "cuda", 37, 4096
+    n = num_tokens * hidden_size
+    base_h = torch.empty(n + 16, device=device, dtype=dtype)
+    base_r = torch.empty(n + 16, device=device, dtype=dtype)
+    w = (1 + 0.1 * torch.randn(hidden_size, device=device)).to(dtype)
+    out = torch.empty(num_tokens, hidden_size, device=device, dtype=dtype)
+    for off in (0, 0, 0, 0, 1, 0, 8, 3, 0):
+        base_h.normal_()
+        base_r.normal_()
+        h = base_h[off:off + n].view(num_tokens, hidden_size)
+        r = base_r[off:off + n].view(num_tokens, hidden_size)
+        aux = poisoned_aux(num_tokens, 3, hidden_size, dtype, device)
+        ec.add_capture(h, r, aux, 1)
+        assert_bitwise_equal(aux[:, 1], h + r)
+        assert_untouched(aux, num_tokens, 1)
+        normed_ref, _ = add_rmsnorm_reference(h, r, w, EPS)
+        hh = h.clone()
+        out.fill_(float("nan"))
+        ec.add_rmsnorm_out(hh, r, w, EPS, out)
+        assert_bitwise_equal(out, h + r)
+        torch.testing.assert_close(hh.double(), normed_ref, **NORM_TOLERANCES[dtype])
+    if ops._cached_launch.direct:
+        assert any(entry.direct is not None for entry in ops._PLANS.values())
 
 
 @requires_cuda

@@ -44,10 +44,15 @@ class TPCapture:
     """An :class:`AuxCaptureBuffer` written only through reducing entry points."""
 
     def __init__(self, buffer: AuxCaptureBuffer, group: Optional[dist.ProcessGroup] = None,
-                 attn_tp_group: Optional[dist.ProcessGroup] = None) -> None:
+                 attn_tp_group: Optional[dist.ProcessGroup] = None,
+                 fused_allreduce=None) -> None:
+        """``fused_allreduce``: an :class:`eagle_capture.symm.SymmAllReduceCapture`
+        over ``group``; :meth:`reduce_add_rmsnorm` then runs all-reduce + add +
+        RMSNorm + capture as one kernel for the T it covers."""
         self.buffer = buffer
         self.group = group
         self.attn_tp_group = attn_tp_group if attn_tp_group is not None else group
+        self.fused_allreduce = fused_allreduce
 
     def reduce_add_rmsnorm(self, layer_id: int, partial_hidden: torch.Tensor,
                            residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -55,6 +60,12 @@ class TPCapture:
         row-parallel share of layer ``layer_id - 1``'s output) is all-reduced in
         place, then ``residual += hidden; hidden = rmsnorm(residual) * w`` with the
         new residual also stored in the slot when ``layer_id`` is captured."""
+        if self.fused_allreduce is not None:
+            captured = self.buffer.captures_layer(layer_id)
+            self.fused_allreduce.reduce_add_rmsnorm(
+                partial_hidden, residual, weight, eps, self.buffer.aux if captured else None,
+                self.buffer.slot_of(layer_id) if captured else 0)
+            return
         dist.all_reduce(partial_hidden, group=self.group)
         if self.buffer.captures_layer(layer_id):
             self.buffer.add_rmsnorm_capture(layer_id, partial_hidden, residual, weight, eps)

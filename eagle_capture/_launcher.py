@@ -72,6 +72,7 @@ class DirectLaunch(NamedTuple):
     kernel; kernel pointer arguments may be passed as ints (device addresses)."""
     launch: Callable
     mid: tuple
+    compiled: Any = None  # keeps the CompiledKernel (and its loaded module) alive
 
 
 # Triton 3.6's CudaLauncher.__call__ only allocates scratch (none when both
@@ -100,8 +101,9 @@ def direct_launch_of(compiled) -> DirectLaunch:
             and getattr(run, "profile_scratch_size", 1) == 0):
         return DirectLaunch(run.launch, (compiled.function, run.launch_cooperative_grid,
                                          run.launch_pdl, None, None, compiled.packed_metadata,
-                                         None, None, None))
-    return DirectLaunch(run, (compiled.function, compiled.packed_metadata, None, None, None))
+                                         None, None, None), compiled)
+    return DirectLaunch(run, (compiled.function, compiled.packed_metadata, None, None, None),
+                        compiled)
 
 
 class CachedLauncher:

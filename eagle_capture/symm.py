@@ -79,14 +79,18 @@ class SymmAllReduceCapture:
                                          device=self.device)
         self._signal_pad_ptrs = torch.tensor(self.handle.signal_pad_ptrs, dtype=torch.int64,
                                              device=self.device)
-        # Programs: one signal slot per (program, rank) in the pad, and few enough
-        # that every program of every rank is resident at once (a program spinning
-        # in the barrier must never wait for a peer program that cannot start):
-        # two per SM -- 2 x 16 warps of the H = 7168 configuration fit in one SM's
-        # 64 warps and 64K registers.
+        # Programs: one signal slot per (program, rank) in the pad, and at most one
+        # per SM so that every program of every rank is resident at once (a
+        # program spinning in the barrier must never wait for a peer program that
+        # cannot start; see the kernel's docstring). All ranks must launch the
+        # same grid: agree on the smallest bound in the group.
         pad_slots = symm_mem.get_signal_pad_size() // 4
         sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.max_programs = max(1, min(2 * sm_count, pad_slots // self.world_size))
+        bound = torch.tensor([min(sm_count, pad_slots // self.world_size)], dtype=torch.int64,
+                             device="cpu" if dist.get_backend(self.group) == "gloo"
+                             else self.device)
+        dist.all_reduce(bound, op=dist.ReduceOp.MIN, group=self.group)
+        self.max_programs = max(1, int(bound.item()))
         self.one_shot_max_tokens = (max_tokens if one_shot_max_tokens is None
                                     else min(int(one_shot_max_tokens), max_tokens))
         self._block_h, self._num_warps, _ = ops.launch_config(hidden_size, True)
@@ -119,10 +123,19 @@ class SymmAllReduceCapture:
             raise ValueError(f"eagle_capture: partial must be [T, {self.hidden_size}] "
                              f"{self.dtype} on {self.device}, got {tuple(partial.shape)} "
                              f"{partial.dtype} on {partial.device}")
+        if torch.cuda.current_device() != self.device.index:
+            raise ValueError(f"eagle_capture: this SymmAllReduceCapture lives on {self.device} "
+                             f"but the current CUDA device is cuda:{torch.cuda.current_device()}")
         one_shot = num_tokens <= self.one_shot_max_tokens
         in_buffer = self._overlaps_buffer(partial)
         if out is None:
             out = torch.empty_like(partial) if in_buffer else partial
+        # The kernel reads the peers' buffers as the residual's dtype: all must match.
+        for name, t in (("out", out), ("residual", residual)):
+            if not isinstance(t, torch.Tensor) or t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(f"eagle_capture: {name} must be a {self.dtype} tensor on "
+                                 f"{self.device} (the symmetric buffer's dtype), got "
+                                 f"{getattr(t, 'dtype', type(t))} on {getattr(t, 'device', '-')}")
         if self._overlaps_buffer(out) or self._overlaps_buffer(residual) or (
                 aux is not None and self._overlaps_buffer(aux)):
             raise ValueError("eagle_capture: out, residual and aux must not lie in the "
@@ -141,9 +154,16 @@ class SymmAllReduceCapture:
                 raise ValueError(f"eagle_capture: T = {num_tokens} > one_shot_max_tokens = "
                                  f"{self.one_shot_max_tokens} takes the NCCL path, which "
                                  f"reduces in place: partial must not be the symmetric buffer")
-            dist.all_reduce(partial, group=self.group)
-            if out is not partial:
-                out.copy_(partial)
+            # Reduce into `out` (partial itself by default), as the one-shot path
+            # leaves an explicit out's partial untouched; the collective needs a
+            # dense tensor.
+            reduced = out if out.is_contiguous() else torch.empty_like(
+                out, memory_format=torch.contiguous_format)
+            if reduced is not partial:
+                reduced.copy_(partial)
+            dist.all_reduce(reduced, group=self.group)
+            if reduced is not out:
+                out.copy_(reduced)
             ops.add_rmsnorm_capture(out, residual, weight, eps, aux, slot)
             return out
         staged = self.buffer[:num_tokens]

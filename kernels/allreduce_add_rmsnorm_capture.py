@@ -31,9 +31,13 @@ are loaded ``volatile`` so no stale L1 line survives between calls.
 
 The grid is persistent: G = min(T, max_programs) programs walk rows t = pid,
 pid + G, ...; all ranks launch the same G (T is the same on all ranks under
-TP), and G is bounded by the signal pad size and by what the GPU keeps
-resident, so programs spinning in a barrier never wait on a peer program that
-cannot be scheduled.
+TP; max_programs is agreed across the group), and G is at most one program
+per SM -- which fits whatever the register count (16 warps x 80 registers <
+64K) -- so, on an otherwise idle GPU, every program of every rank is resident
+and no program spinning in a barrier waits on a peer program that cannot be
+scheduled. There is no spin limit: a rank that never launches (an exception
+on one rank only, a different T) leaves its peers spinning, as with any
+collective that one rank skips.
 
 NVLink multicast is never used (no multimem instructions; see
 eagle_capture.symm for the environment it sets).
@@ -69,7 +73,9 @@ def _barrier(signal_pad_ptrs, block_id, rank, WORLD_SIZE: tl.constexpr):
     tl.debug_barrier()   # every thread's later loads after the acquire
 
 
-@triton.jit
+# `rank` is not specialised: rank 1 would compile as a constant and ranks 0/16 as
+# multiples of 16 -- different binaries on different ranks of one group.
+@triton.jit(do_not_specialize=["rank"])
 def oneshot_allreduce_add_rmsnorm_capture_kernel(
     buffer_ptrs,          # int64[W]: each rank's symmetric buffer ([max_tokens, H], row-major)
     signal_pad_ptrs,      # int64[W]: each rank's signal pad (uint32)
@@ -99,15 +105,19 @@ def oneshot_allreduce_add_rmsnorm_capture_kernel(
 
     _barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pid64 = pid.to(tl.int64)
     for row in range(pid, num_tokens, num_programs):
-        row64 = row.to(tl.int64)
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        row64 = pid64 + (row - pid)  # int64 row offsets (row is a plain int in the interpreter)
         for peer in tl.static_range(WORLD_SIZE):
             # Symmetric allocations are page-aligned: say so, or the loads of a
             # pointer made from an integer stay scalar (2-byte) instead of 16-byte.
             base = tl.multiple_of(tl.load(buffer_ptrs + peer).to(tl.pointer_type(dtype)), 16)
-            acc += tl.load(base + row64 * hidden_size + cols, mask=mask, other=0.0,
+            part = tl.load(base + row64 * hidden_size + cols, mask=mask, other=0.0,
                            cache_modifier=".cv").to(tl.float32)
+            if peer == 0:
+                acc = part
+            else:
+                acc += part
         # The all-reduce result in the storage dtype, as the NCCL path hands it
         # to the add; then one fp32 add and one rounding, as torch's h + r.
         h = acc.to(dtype)

@@ -75,3 +75,19 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
     if not torch.equal(a, e):
         bad = (a != e).sum().item()
         raise AssertionError(f"{bad} of {a.numel()} elements differ bitwise")
+
+
+def run_spawned(fn, args, nprocs: int, timeout_s: float, what: str) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; fail the test
+    (killing them) if they have not all finished within ``timeout_s`` -- a hung
+    collective or barrier must not hang CI. A worker's exception fails the join."""
+    import time
+
+    import torch.multiprocessing as mp
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=2):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{what} did not finish within {timeout_s} s")

@@ -4,16 +4,14 @@ group, so the NCCL-free fallback path runs too). GPU only; the multicast guard
 runs anywhere."""
 
 import os
-import time
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, run_spawned
 
 TIMEOUT_S = int(os.environ.get("EAGLE_CAPTURE_SYMM_TEST_TIMEOUT", "180"))
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
@@ -40,7 +38,7 @@ def _scenarios(rank, world, device):
     from eagle_capture.tp import check_capture_consistency
     from eagle_capture import AuxCaptureBuffer
 
-    dtype, eps, K = torch.bfloat16, 1e-6, 3
+    dtype, eps = torch.bfloat16, 1e-6
     for H in (7168, 100):
         ar = SymmAllReduceCapture(300, H, dtype, device=device, one_shot_max_tokens=260)
         g = torch.Generator(device="cpu").manual_seed(H)
@@ -122,6 +120,11 @@ def _scenarios(rank, world, device):
         with pytest.raises(ValueError, match="symmetric buffer"):
             ar.reduce_add_rmsnorm(partials[rank][:2].clone(), residual[:2].clone(), weight, eps,
                                   out=ar.input_buffer(2))
+        with pytest.raises(ValueError, match="residual must be"):  # read as the buffer's dtype
+            ar.reduce_add_rmsnorm(partials[rank][:2].clone(), residual[:2].float(), weight, eps)
+        with pytest.raises(ValueError, match="must not be the symmetric"):
+            TPCapture(buf, fused_allreduce=ar).reduce_add_rmsnorm(30, ar.input_buffer(2),
+                                                                 residual[:2].clone(), weight, eps)
     # CUDA graph: capture one call, replay with new partials copied in.
     H, T = 7168, 16
     ar = SymmAllReduceCapture(32, H, dtype, device=device)
@@ -170,11 +173,4 @@ def test_one_shot_allreduce_add_rmsnorm_capture(world, tmp_path):
         # Measured on the H200 machine: torch's CUDA symmetric memory refuses two
         # ranks on one device ("detected allocations from overlapping devices").
         pytest.skip(f"needs {world} GPUs")
-    ctx = mp.start_processes(_worker, args=(world, str(tmp_path)), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"symmetric-memory test did not finish within {TIMEOUT_S} s")
+    run_spawned(_worker, (world, str(tmp_path)), world, TIMEOUT_S, "symmetric-memory test")

@@ -8,14 +8,14 @@ before the add gives the TP = 1 captures. The consistency checker must stay
 silent on that run and catch each corruption class."""
 
 import os
-import time
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from conftest import run_spawned
 
 TIMEOUT_S = 240
 
@@ -129,11 +129,4 @@ def _worker(rank, world, store_dir):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_capture_gloo(world, tmp_path):
-    ctx = mp.start_processes(_worker, args=(world, str(tmp_path)), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"tensor-parallel test did not finish within {TIMEOUT_S} s")
+    run_spawned(_worker, (world, str(tmp_path)), world, TIMEOUT_S, "tensor-parallel test")

@@ -55,7 +55,7 @@ __all__ = [
 # ----------------------------------------------------------------------------
 
 def _launch_args(hidden_states, residual, weight, eps, normed_out, residual_out, aux, slot,
-                 use_pdl=False):
+                 use_pdl=False, norm_fp32_sum=False):
     """(grid, positional kernel arguments, num_warps) for validated arguments.
 
     Unused pointers get a valid tensor (hidden_states) so the signature never
@@ -87,6 +87,7 @@ def _launch_args(hidden_states, residual, weight, eps, normed_out, residual_out,
         aux is not None,            # CAPTURE
         block_h,                    # BLOCK_H
         use_pdl,                    # USE_PDL
+        bool(norm_fp32_sum) and apply_norm and residual is not None,  # NORM_FP32_SUM
     )
     return (num_tokens, col_blocks), args, num_warps
 
@@ -115,6 +116,7 @@ def launch_kernel(
     residual_out: Optional[torch.Tensor] = None,
     aux: Optional[torch.Tensor] = None,
     slot: int = 0,
+    norm_fp32_sum: bool = False,
     _wrap=None,
 ) -> None:
     """Launch the fused kernel on already-validated arguments, through Triton's
@@ -122,7 +124,8 @@ def launch_kernel(
 
     Features switch on by which outputs are given: ``aux`` -> capture into
     ``aux[:T, slot]``; ``residual_out`` -> store the new residual;
-    ``weight`` + ``normed_out`` -> RMSNorm. Public so that tests can run the
+    ``weight`` + ``normed_out`` -> RMSNorm (of the unrounded fp32 sum with
+    ``norm_fp32_sum``, FlashInfer's choice; else of the rounded residual). Public so that tests can run the
     kernel itself under the Triton interpreter on CPU tensors.
     """
     if hidden_states.shape[0] == 0:
@@ -130,7 +133,7 @@ def launch_kernel(
     use_pdl = (_wrap is None and hidden_states.is_cuda
                and pdl_enabled(hidden_states.device.index))
     grid, args, num_warps = _launch_args(hidden_states, residual, weight, eps, normed_out,
-                                         residual_out, aux, slot, use_pdl)
+                                         residual_out, aux, slot, use_pdl, norm_fp32_sum)
     kernel = add_rmsnorm_capture_kernel if _wrap is None else _wrap(add_rmsnorm_capture_kernel)
     if use_pdl:
         kernel[grid](*args, num_warps=num_warps, launch_pdl=True)
@@ -152,11 +155,12 @@ class _EagerPlan(NamedTuple):
     use_pdl: bool
 
 
-def _make_plan(hidden_states, residual, weight, eps, normed_out, residual_out, aux, slot):
+def _make_plan(hidden_states, residual, weight, eps, normed_out, residual_out, aux, slot,
+               norm_fp32_sum=False):
     device_index = hidden_states.device.index
     use_pdl = pdl_enabled(device_index)
     grid, args, num_warps = _launch_args(hidden_states, residual, weight, eps, normed_out,
-                                         residual_out, aux, slot, use_pdl)
+                                         residual_out, aux, slot, use_pdl, norm_fp32_sum)
     return _EagerPlan(grid, args[6:], num_warps, device_index,
                       (hidden_states.dtype, args[2].dtype), use_pdl)
 
@@ -174,25 +178,30 @@ def _launch_planned(plan: _EagerPlan, pointers: tuple, aligned: bool):
 # CPU implementation (torch), the same numerics as the kernel
 # ----------------------------------------------------------------------------
 
-def _rmsnorm_into(normed_out: torch.Tensor, s: torch.Tensor, weight: torch.Tensor,
+def _rmsnorm_into(normed_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                   eps: float) -> None:
-    x = s.float()
+    # (x * rstd) * w in fp32, rounded once: the operation order of SGLang's
+    # RMSNorm.forward_native, so the CPU path is bit-identical to it.
+    x = x.float()
     rstd = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
     normed_out.copy_(x * rstd * weight.float())
 
 
 def _torch_impl(hidden_states, residual, *, weight=None, eps=0.0, normed_out=None,
-                residual_out=None, aux=None, slot=0) -> None:
+                residual_out=None, aux=None, slot=0, norm_fp32_sum=False) -> None:
     num_tokens = hidden_states.shape[0]
     # torch's same-dtype add rounds once, like the kernel: the captured value
     # is bit-identical to SGLang's eager hidden_states + residual.
     s = hidden_states + residual if residual is not None else hidden_states
+    # Before any store: residual_out / normed_out may alias the inputs (in place).
+    norm_input = (hidden_states.float() + residual.float()
+                  if norm_fp32_sum and residual is not None and weight is not None else s)
     if aux is not None:
         aux[:num_tokens, slot].copy_(s)
     if residual_out is not None:
         residual_out.copy_(s)
     if weight is not None:
-        _rmsnorm_into(normed_out, s, weight, eps)
+        _rmsnorm_into(normed_out, norm_input, weight, eps)
 
 
 def _dispatch(hidden_states, residual, *, wrap, **kwargs) -> None:
@@ -249,12 +258,13 @@ def _add_capture_op(hidden_states: torch.Tensor, residual: Optional[torch.Tensor
            mutates_args={"hidden_states", "residual", "aux"})
 def _add_rmsnorm_capture_op(hidden_states: torch.Tensor, residual: torch.Tensor,
                             weight: torch.Tensor, eps: float, aux: Optional[torch.Tensor],
-                            slot: int) -> None:
+                            slot: int, norm_fp32_sum: bool = False) -> None:
     _check_norm(hidden_states, residual, weight, eps, aux, slot, residual_mutated=True)
     _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
                            residual_mutated=True, hidden_mutated=True)
     _dispatch(hidden_states, residual, wrap=wrap_triton, weight=weight, eps=eps,
-              normed_out=hidden_states, residual_out=residual, aux=aux, slot=slot)
+              normed_out=hidden_states, residual_out=residual, aux=aux, slot=slot,
+              norm_fp32_sum=norm_fp32_sum)
 
 
 @triton_op("eagle_capture::add_rmsnorm_into_slot", mutates_args={"hidden_states", "aux"})
@@ -319,7 +329,7 @@ _PTRS_NORM_OUT = operator.itemgetter(0, 1, 2, 0, 3, 0)            # (h, r, w, re
 
 def _eager_call(check, alias_check, key_tensors: tuple, key_scalars: tuple, pointer_map,
                 hidden_states, residual, weight=None, eps=0.0, normed_out=None,
-                residual_out=None, aux=None, slot=0) -> None:
+                residual_out=None, aux=None, slot=0, norm_fp32_sum=False) -> None:
     """Validate (once per call signature), check aliasing (every call) and run.
 
     ``key_scalars`` starts with the op's name and holds every non-tensor
@@ -345,7 +355,7 @@ def _eager_call(check, alias_check, key_tensors: tuple, key_scalars: tuple, poin
         check()
         alias_check()
         entry = _Entry(_make_plan(hidden_states, residual, weight, eps, normed_out, residual_out,
-                                  aux, slot) if hidden_states.is_cuda else None,
+                                  aux, slot, norm_fp32_sum) if hidden_states.is_cuda else None,
                        tuple(_checks.byte_extent(t) for t in key_tensors))
         if key is not None:
             if len(_PLANS) >= _MAX_PLANS:
@@ -364,7 +374,7 @@ def _eager_call(check, alias_check, key_tensors: tuple, key_scalars: tuple, poin
     plan = entry.plan
     if plan is None:
         _torch_impl(hidden_states, residual, weight=weight, eps=eps, normed_out=normed_out,
-                    residual_out=residual_out, aux=aux, slot=slot)
+                    residual_out=residual_out, aux=aux, slot=slot, norm_fp32_sum=norm_fp32_sum)
         return
     if plan.grid[0] == 0:
         return  # a zero-size grid is not a valid launch
@@ -405,21 +415,28 @@ def add_capture(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
 
 def add_rmsnorm_capture(hidden_states: torch.Tensor, residual: torch.Tensor,
                         weight: torch.Tensor, eps: float,
-                        aux: Optional[torch.Tensor] = None, slot: int = 0) -> None:
+                        aux: Optional[torch.Tensor] = None, slot: int = 0,
+                        norm_fp32_sum: bool = False) -> None:
     """SGLang/FlashInfer ``fused_add_rmsnorm`` in place -- ``residual += hidden_states``;
     ``hidden_states = rmsnorm(residual) * weight`` -- and, when ``aux`` is given,
-    the new residual also stored in ``aux[:T, slot]``."""
+    the new residual also stored in ``aux[:T, slot]``.
+
+    ``norm_fp32_sum=True`` normalises the unrounded fp32 sum, as FlashInfer's
+    kernel and SGLang's ``forward_native`` do; the default normalises the
+    rounded residual (HF transformers, vLLM). The residual and the capture are
+    the rounded sum either way."""
     if torch.compiler.is_compiling():
         torch.ops.eagle_capture.add_rmsnorm_capture(hidden_states, residual, weight, eps,
-                                                    aux, slot)
+                                                    aux, slot, norm_fp32_sum)
         return
     _eager_call(lambda: _check_norm(hidden_states, residual, weight, eps, aux, slot, True),
                 lambda: _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
                                                residual_mutated=True, hidden_mutated=True),
-                (hidden_states, residual, weight, aux), ("capture", type(slot), slot, type(eps), eps),
+                (hidden_states, residual, weight, aux),
+                ("capture", type(slot), slot, type(eps), eps, bool(norm_fp32_sum)),
                 _PTRS_NORM_CAPTURE if aux is not None else _PTRS_NORM_NO_AUX,
                 hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
-                residual_out=residual, aux=aux, slot=slot)
+                residual_out=residual, aux=aux, slot=slot, norm_fp32_sum=norm_fp32_sum)
 
 
 def add_rmsnorm_into_slot(hidden_states: torch.Tensor, residual: torch.Tensor,

@@ -1,240 +1,355 @@
-"""Drop-in adapters for SGLang's DeepseekV2 model (DeepSeek-V3, Kimi-K2/K2.5).
+"""Drop-in fused EAGLE-3 capture for SGLang's ``DeepseekV2ForCausalLM``
+(DeepSeek-V3, Kimi-K2/K2.5).
 
-Each adapter touches only the attributes and calls named here (read from the
-sglang wheels, FACTS.md section 2); everything else of the model is left as
-it is. SGLang cannot be installed on our machines, so the tests run them
-against a faithful mirror of exactly that surface (tests/sglang_mirror.py).
+One entry point, :func:`install_eagle3_capture`, for every SGLang line whose
+source we read and run in CI (``tests/sglang_real``: the real wheels on CPU,
+SGLang's own forward as the reference). What SGLang does, per line, read from
+the wheels (``sglang/srt/models/deepseek_v2.py``, ``layers/communicator.py``,
+``layers/layer_boundary/``, ``layers/layernorm.py``, ``layers/aux_hidden_states.py``,
+``compilation/compile.py``):
 
-Classic loop, SGLang <= 0.5.13 -- :func:`install_classic_capture`
-    ``DeepseekV2Model.forward`` appends ``hidden_states + residual`` for each
-    ``i in self.layers_to_capture`` and returns ``(hidden_states, aux_list)``;
-    ``LogitsProcessor`` concatenates the list. The adapter swaps each captured
-    layer's ``input_layernorm`` for one that stores the new residual into the
-    buffer slot from inside the fused add+RMSNorm the layer runs anyway, empties
-    ``layers_to_capture`` (no extra add, no list), and makes the model return
-    ``[buffer.result(T)]``: the packed ``[T, K*H]`` view. The classic
-    ``LogitsProcessor`` still calls ``torch.cat`` on that one-element list,
-    which is one copy of ``[T, K*H]``; newer SGLang passes a one-element list
-    through unchanged (``pack_aux_hidden_states``).
+* 0.5.9 - 0.5.13: ``DeepseekV2Model.forward`` appends ``hidden_states + residual``
+  to a list for each ``i in self.layers_to_capture`` (an extra add per layer)
+  and returns ``(hidden_states, list)`` -- or a bare tensor when the list is
+  empty; the classic ``LogitsProcessor`` ``torch.cat``\\ s the list.
+* 0.5.18 - 0.5.20: the loop hands captured layers an ``AuxHiddenStatePacker``;
+  ``LayerCommunicator.prepare_attn_and_capture_last_layer_outputs`` runs the
+  input norm and then ``packer.append(residual)``, a strided ``copy_`` into a
+  ``[T, K*H]`` buffer allocated per forward.
+* 0.5.22 - 0.5.23: ``layer_communicator`` is gone; ``attn_boundary.prepare``
+  (``layer_boundary/stage.py``) runs the norm and ``capture_gathered.capture``
+  copies the residual into the packer.
 
-Packer, SGLang >= 0.5.18 -- :func:`install_packer_capture`
-    The layer loop hands layer i an ``AuxHiddenStatePacker`` (sharing the CUDA
-    graph runner's ``aux_hidden_states_buffer`` via ``for_batch``) when i is
-    captured, and ``LayerCommunicator.prepare_attn_and_capture_last_layer_outputs``
-    runs the input add+RMSNorm and then ``packer.append(residual)`` -- a strided
-    ``copy_`` at ~40% of the copy roofline (FACTS.md section 4). The adapter
-    makes that add+RMSNorm write its residual into the packer's slot directly:
-    it takes the slot with ``packer.slot(residual)`` (so ``finalize()``'s count
-    check still holds) and runs the fused add+RMSNorm+capture on it, while
-    SGLang's ``prepare_attn`` (all-reduce, scatter, attention inputs) still runs.
-    Only for plain tensor parallelism, where the capture-point gather is the
-    identity; with DP attention or all-to-all MoE the rows must be gathered
-    first (the tensor-parallel issue), so pass ``when`` to keep those batches
-    on SGLang's own path.
+In every line the decoder layer's input norm -- ``layer.input_layernorm``, the
+same object as ``layer.layer_communicator.input_layernorm`` (<= 0.5.20) and
+``layer.attn_boundary.plan.norm`` (>= 0.5.22) -- is called as
+``norm(x, residual, post_residual_addition)`` and writes the new residual, which
+is exactly the value SGLang captures. So the install:
+
+1. swaps each captured layer's input-norm *class* for a capturing subclass of
+   its real class (same class name, ``[eagle_capture]`` in its qualname): names, ``state_dict`` keys, weight
+   loading and ``isinstance`` checks are unchanged; the plain call runs our
+   fused add + RMSNorm + slot store (normalising the unrounded fp32 sum, as
+   FlashInfer's ``fused_add_rmsnorm`` and ``forward_native`` do), the fused
+   all-reduce path (``forward_with_allreduce_fusion``) and every other branch
+   run SGLang's own code and then store the reduced residual into the slot;
+2. empties ``model.layers_to_capture`` and clears
+   ``causal_lm.capture_aux_hidden_states``, so SGLang's own capture (add,
+   list or packer copy) never runs and the model returns its hidden states alone;
+3. swaps the ``LogitsProcessor``'s class for a subclass that hands it the
+   packed ``[T, K*H]`` view of our buffer as ``aux_hidden_states`` (a list of
+   one tensor for <= 0.5.13, the tensor itself from 0.5.18).
+
+Nothing is put on an instance ``forward``: SGLang's piecewise CUDA graphs
+(``install_torch_compiled``) set ``module.forward`` to a trampoline that calls
+the class's ``forward`` captured at its own install time, so instance-level
+patches are discarded or bypassed; the class swaps above sit inside the
+modules that forward calls, so installing before or after it works.
+
+Refused at install, with the reason: a capture not enabled, layers another
+pipeline stage owns, layer 0 (the embedding output: no SpecForge draft is
+trained on it) unless ``allow_embedding=True``, two-batch overlap (the norm
+would see half-batches), DP attention, all-to-all MoE and context parallelism
+(the captured rows must be gathered first). Checked on every eager forward:
+each captured layer stored exactly T rows (a path that bypassed the norm, such
+as a backend fusion provider that only reads its weight, raises instead of
+handing the draft a stale buffer), and SGLang's own capture was not re-enabled.
 """
 
-from typing import Callable, Optional
+import sys
+from typing import Optional
 
 import torch
 
 from . import ops
 from .buffer import AuxCaptureBuffer
 
-
-class _NormProxy(torch.nn.Module):
-    """Wraps an SGLang ``RMSNorm``: attributes and methods it does not define
-    (``weight``, ``variance_epsilon``, ``forward_with_allreduce_fusion``, ...) are
-    the wrapped norm's, so every path SGLang may take still reaches the norm."""
-
-    def __init__(self, norm: torch.nn.Module) -> None:
-        super().__init__()
-        self.norm = norm
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("norm"), name)
+__all__ = ["CaptureState", "install_eagle3_capture"]
 
 
-class CapturingRMSNorm(_NormProxy):
-    """Stand-in for a captured layer's ``input_layernorm`` (classic loop): same
-    weight, same call signature and in-place semantics
-    (``forward(x, residual) -> (x, residual)``), plus the capture store.
+class CaptureState:
+    """What the capturing norms and logits processor of one model share: the
+    buffer, the captured layers, and the rows each layer stored in the current
+    eager forward (for the completeness check)."""
 
-    Any other path (e.g. ``forward_with_allreduce_fusion``) goes to the wrapped
-    norm *without* a capture; the model-level count check in
-    :func:`install_classic_capture` turns that into an error instead of a stale
-    buffer."""
-
-    def __init__(self, norm: torch.nn.Module, buffer: AuxCaptureBuffer, layer_id: int,
-                 counter: list) -> None:
-        super().__init__(norm)
+    def __init__(self, buffer: AuxCaptureBuffer, layer_ids: list[int], surface: str,
+                 packed_tensor: bool) -> None:
         self.buffer = buffer
-        self.layer_id = layer_id
-        self.slot = buffer.slot_of(layer_id)
-        self._counter = counter
+        self.layer_ids = layer_ids
+        self.surface = surface
+        self.packed_tensor = packed_tensor   # hand the LogitsProcessor a tensor (>= 0.5.18)
+        self.stored_rows: dict[int, int] = {}
+        self.fused_calls = 0      # captures done by our fused kernel (tests count these)
+        self.fallback_calls = 0   # SGLang's own norm path + a slot store
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, *args, **kwargs):
-        if args or kwargs:
-            return self.norm(x, residual, *args, **kwargs)   # not ours: no capture, counted missing
-        self._counter[0] += 1
-        if residual is None:
-            # Layer 0: the capture is the layer's input (the embedding output).
-            self.buffer.capture(self.layer_id, x, None)
-            return self.norm(x)
-        ops.add_rmsnorm_capture(x, residual, self.norm.weight, self.norm.variance_epsilon,
-                                self.buffer.aux, self.slot)
+    def record(self, layer_id: int, rows: int, fused: bool) -> None:
+        # Under dynamo (piecewise CUDA graphs, --enable-torch-compile) Python
+        # state must not be mutated from traced code; the check is eager-only.
+        if torch.compiler.is_compiling():
+            return
+        self.stored_rows[layer_id] = rows
+        if fused:
+            self.fused_calls += 1
+        else:
+            self.fallback_calls += 1
+
+    def check_complete(self, num_tokens: int) -> None:
+        """Every captured layer stored ``num_tokens`` rows in this forward."""
+        stored, self.stored_rows = self.stored_rows, {}
+        if torch.compiler.is_compiling() or (not stored and _in_compiled_region()):
+            return  # compiled region: the norms' Python did not run
+        if num_tokens == 0:
+            return  # SGLang skips the norms of an empty (idle) batch: nothing to store
+        missing = [i for i in self.layer_ids if i not in stored]
+        wrong = {i: n for i, n in stored.items() if n != num_tokens}
+        if missing or wrong:
+            raise RuntimeError(
+                f"eagle_capture: in this forward the captured layers {missing} did not store "
+                f"their capture and {sorted(wrong)} stored {sorted(wrong.values())} rows instead "
+                f"of {num_tokens}: a path bypassed the captured input norm ({self.surface}); "
+                f"the draft would read a stale buffer. Disable that path (fusion provider, "
+                f"two-batch overlap, scattered rows) or uninstall the fused capture")
+
+
+def _in_compiled_region() -> bool:
+    """Whether SGLang is running the piecewise-compiled layer loop now (its
+    compiled code does not rerun our norms' Python)."""
+    compile_module = sys.modules.get("sglang.srt.compilation.compile")
+    flag = getattr(compile_module, "is_in_piecewise_cuda_graph", None)
+    try:
+        return bool(flag()) if flag is not None else False
+    except Exception:  # noqa: BLE001 - a flag we cannot read is "not compiled"
+        return False
+
+
+def _batch_invariant_mode(norm: torch.nn.Module) -> bool:
+    """SGLang's batch-invariant mode routes residual norms to forward_native;
+    keep its own path there (read from the norm's module, as layernorm.py does)."""
+    flag = getattr(sys.modules.get(type(norm).__module__), "is_batch_invariant_mode_enabled", None)
+    return bool(flag()) if flag is not None else False
+
+
+class _CapturingNormMixin:
+    """Methods of the capturing subclass; ``_eagle_capture`` (state) and
+    ``_eagle_layer_id`` are set on the instance at install."""
+
+    def _eagle_fusable(self, x, residual, post_residual_addition, extra) -> bool:
+        """The plain fused_add_rmsnorm case our kernel reproduces; anything else
+        (SGLang's special norms and modes) runs SGLang's own code."""
+        return (residual is not None and not extra and x.dim() == 2 and residual.dim() == 2
+                and x.dtype == residual.dtype and x.shape == residual.shape
+                and x.stride(-1) == 1 and residual.stride(-1) == 1
+                and (post_residual_addition is None or post_residual_addition.shape == x.shape)
+                and getattr(self, "has_weight", True)
+                and getattr(self, "variance_size_override", None) is None
+                and not getattr(self, "cast_x_before_out_mul", False)
+                and not getattr(self, "fp32_residual", False)
+                and getattr(self, "override_orig_dtype", None) is None
+                and not getattr(self, "x_pad_to_multiple", 0)
+                and self.weight.shape == (x.shape[1],)
+                and not _batch_invariant_mode(self))
+
+    def _eagle_store(self, value: torch.Tensor, fused: bool) -> None:
+        state = self._eagle_capture
+        ops.add_capture(value, None, state.buffer.aux, state.buffer.slot_of(self._eagle_layer_id))
+        state.record(self._eagle_layer_id, value.shape[0], fused)
+
+    def forward(self, x, residual=None, post_residual_addition=None, **kwargs):
+        state = self._eagle_capture
+        if not self._eagle_fusable(x, residual, post_residual_addition,
+                                   [v for v in kwargs.values() if v is not None]):
+            out = super().forward(x, residual, post_residual_addition, **kwargs)
+            # The capture is the residual this norm leaves: the input itself when
+            # called without one (layer 0's embedding, or a residual updated
+            # elsewhere first, as layer_boundary's non-plain updates do).
+            new_residual = out[1] if residual is not None else x
+            self._eagle_store(new_residual, fused=False)
+            return out
+        if post_residual_addition is not None:
+            # SGLang adds it to the residual first, out of place (forward_cuda):
+            # h + (r + p); the caller's residual is left as it was.
+            residual = residual + post_residual_addition
+        ops.add_rmsnorm_capture(x, residual, self.weight, self.variance_epsilon,
+                                state.buffer.aux, state.buffer.slot_of(self._eagle_layer_id),
+                                norm_fp32_sum=True)
+        state.record(self._eagle_layer_id, x.shape[0], fused=True)
         return x, residual
 
+    def forward_with_allreduce_fusion(self, x, residual, *args, **kwargs):
+        # SGLang's fused all-reduce + add + RMSNorm writes a fresh, *reduced*
+        # residual_out: capture that (never the per-rank partial input).
+        out = super().forward_with_allreduce_fusion(x, residual, *args, **kwargs)
+        self._eagle_store(out[1], fused=False)
+        return out
 
-def install_classic_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
-                            dtype: Optional[torch.dtype] = None,
-                            device: Optional[torch.device] = None) -> AuxCaptureBuffer:
-    """Fused capture for SGLang <= 0.5.13's ``DeepseekV2ForCausalLM``.
 
-    Call after ``causal_lm.set_eagle3_layers_to_capture(...)``. Returns the
-    buffer (``max_tokens`` rows: the largest batch the server runs, CUDA-graph
-    batches included). The captured layers' input norm is replaced both on the
-    layer and on its ``layer_communicator`` (which holds its own reference and is
-    what the layer calls); every eager forward then checks that each captured
-    layer really ran the capturing norm, so a path that bypasses it (e.g. the
-    fused all-reduce + RMSNorm) is an error, not a stale buffer.
+_NORM_CLASSES: dict[type, type] = {}
+_LOGITS_CLASSES: dict[type, type] = {}
+
+
+def _capturing_norm_class(cls: type) -> type:
+    if cls not in _NORM_CLASSES:
+        _NORM_CLASSES[cls] = type(cls.__name__, (_CapturingNormMixin, cls),
+                                  {"__module__": cls.__module__,
+                                   "__qualname__": f"{cls.__qualname__}[eagle_capture]"})
+    return _NORM_CLASSES[cls]
+
+
+class _CapturingLogitsMixin:
+    def forward(self, input_ids, hidden_states, lm_head, logits_metadata,
+                aux_hidden_states=None, *args, **kwargs):
+        state = self._eagle_capture
+        if aux_hidden_states is not None:
+            raise RuntimeError("eagle_capture: the model handed the LogitsProcessor its own aux "
+                               "hidden states: set_eagle3_layers_to_capture was called again "
+                               "after install_eagle3_capture; install again after it")
+        num_tokens = hidden_states.shape[0]
+        state.check_complete(num_tokens)
+        packed = state.buffer.result(num_tokens)
+        aux_hidden_states = packed if state.packed_tensor else [packed]
+        return super().forward(input_ids, hidden_states, lm_head, logits_metadata,
+                               aux_hidden_states, *args, **kwargs)
+
+
+def _capturing_logits_class(cls: type) -> type:
+    if cls not in _LOGITS_CLASSES:
+        _LOGITS_CLASSES[cls] = type(cls.__name__, (_CapturingLogitsMixin, cls),
+                                    {"__module__": cls.__module__,
+                                     "__qualname__": f"{cls.__qualname__}[eagle_capture]"})
+    return _LOGITS_CLASSES[cls]
+
+
+def _input_norm(layer: torch.nn.Module, layer_id: int) -> tuple[torch.nn.Module, str]:
+    """The captured layer's input norm and the surface it was found on."""
+    norm = getattr(layer, "input_layernorm", None)
+    comm = getattr(layer, "layer_communicator", None)
+    boundary = getattr(layer, "attn_boundary", None)
+    if comm is not None:
+        surface, held = "layer_communicator (SGLang 0.5.9 - 0.5.20)", getattr(comm, "input_layernorm", None)
+    elif boundary is not None:
+        surface = "attn_boundary (SGLang 0.5.22 - 0.5.23)"
+        held = getattr(getattr(boundary, "plan", None), "norm", None)
+    else:
+        raise TypeError(f"eagle_capture: decoder layer {layer_id} ({type(layer).__name__}) has "
+                        f"neither layer_communicator (SGLang <= 0.5.20) nor attn_boundary "
+                        f"(SGLang 0.5.22 - 0.5.23): unsupported SGLang version")
+    if norm is None or held is not norm:
+        raise TypeError(f"eagle_capture: layer {layer_id}'s {surface.split()[0]} calls another "
+                        f"input norm than layer.input_layernorm; unsupported SGLang version")
+    for attr in ("weight", "variance_epsilon", "forward_native"):
+        if not hasattr(norm, attr):
+            raise TypeError(f"eagle_capture: layer {layer_id}'s input norm "
+                            f"({type(norm).__name__}) has no {attr!r}: not SGLang's RMSNorm")
+    return norm, surface
+
+
+def _server_args():
+    """SGLang's server arguments where this version exposes them (the accessor
+    moved: ``runtime_context.get_server_args`` in 0.5.22+, before that
+    ``server_args.get_global_server_args``); None outside a server."""
+    for module_name, getter in (("sglang.srt.runtime_context", "get_server_args"),
+                                ("sglang.srt.server_args", "get_global_server_args")):
+        fn = getattr(sys.modules.get(module_name), getter, None)
+        if fn is None:
+            continue
+        try:
+            args = fn()
+        except Exception:  # noqa: BLE001 - retired or not initialised
+            continue
+        if args is not None:
+            return args
+    return None
+
+
+def _refuse_unsupported_modes() -> None:
+    args = _server_args()
+    if args is None:
+        return
+    refused = []
+    if getattr(args, "enable_two_batch_overlap", False):
+        refused.append("two-batch overlap (enable_two_batch_overlap): the input norm runs on "
+                       "half-batches, each of which would overwrite the slot's first rows")
+    if getattr(args, "enable_dp_attention", False):
+        refused.append("DP attention (enable_dp_attention): the captured rows may be scattered "
+                       "over the attention-TP group and must be gathered first")
+    if getattr(args, "moe_a2a_backend", "none") not in (None, "none"):
+        refused.append(f"all-to-all MoE (moe_a2a_backend={args.moe_a2a_backend!r}): rows are "
+                       f"token-scattered after sparse layers and must be gathered first")
+    if getattr(args, "attn_cp_size", 1) not in (None, 1):
+        refused.append(f"context parallelism (attn_cp_size={args.attn_cp_size}): each rank "
+                       f"holds a slice of the tokens")
+    if refused:
+        raise ValueError("eagle_capture: install_eagle3_capture does not support "
+                         + "; ".join(refused) + ". Keep SGLang's own capture for this server")
+
+
+def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
+                           allow_embedding: bool = False,
+                           dtype: Optional[torch.dtype] = None,
+                           device: Optional[torch.device] = None) -> AuxCaptureBuffer:
+    """Replace SGLang's EAGLE-3 capture in ``causal_lm`` (a ``DeepseekV2ForCausalLM``)
+    by the fused one; returns the buffer (``max_tokens`` rows: the most tokens one
+    forward runs, chunked prefill and CUDA-graph batches included).
+
+    Call it where SGLang's model runner has just called
+    ``model.set_eagle3_layers_to_capture(...)`` (end of ``load_model``; from 0.5.20
+    in ``configure_aux_hidden_state_capture``) and before CUDA graphs are
+    captured: a graph captured earlier replays SGLang's own capture.
     """
-    model = causal_lm.model
-    if not getattr(causal_lm, "capture_aux_hidden_states", False):
-        raise ValueError("eagle_capture: capture is not enabled on this model; call "
-                         "set_eagle3_layers_to_capture(...) first (on the last PP rank)")
-    if getattr(model, "_eagle_capture_buffer", None) is not None:
+    model = getattr(causal_lm, "model", None)
+    if model is None or not hasattr(model, "layers") or not hasattr(model, "layers_to_capture"):
+        raise TypeError("eagle_capture: expected SGLang's DeepseekV2ForCausalLM (with "
+                        ".model.layers and .model.layers_to_capture)")
+    if isinstance(getattr(causal_lm, "_eagle_capture", None), CaptureState):
         raise ValueError("eagle_capture: the fused capture is already installed on this model")
-    layer_ids = sorted(model.layers_to_capture)
-    if not layer_ids:
-        raise ValueError("eagle_capture: model.layers_to_capture is empty")
+    if not getattr(causal_lm, "capture_aux_hidden_states", False) or not model.layers_to_capture:
+        raise ValueError("eagle_capture: EAGLE-3 capture is not enabled on this model; install "
+                         "after set_eagle3_layers_to_capture(...) (on the last PP rank)")
+    logits = getattr(causal_lm, "logits_processor", None)
+    if not isinstance(logits, torch.nn.Module):
+        raise TypeError("eagle_capture: the model has no logits_processor module")
+    layer_ids = sorted(set(model.layers_to_capture))
     start = getattr(model, "start_layer", 0)
     end = getattr(model, "end_layer", len(model.layers))
+    if layer_ids[0] < 0:
+        raise ValueError(f"eagle_capture: layers_to_capture holds {layer_ids[0]}: no layer has "
+                         f"that index, so SGLang never captures it (0.5.13 drops it silently, "
+                         f"later lines raise). It comes from a draft id of -1 (the embedding "
+                         f"output) that this SGLang line does not shift; no SpecForge draft is "
+                         f"trained on it: fix the draft's eagle_aux_hidden_state_layer_ids")
     outside = [i for i in layer_ids if not start <= i < end]
     if outside:
         raise ValueError(f"eagle_capture: layers {outside} are captured but this rank runs "
                          f"layers [{start}, {end}); they would be missing from the draft input")
-    weight = model.layers[layer_ids[0]].input_layernorm.weight
+    if 0 in layer_ids and not allow_embedding:
+        raise ValueError("eagle_capture: layer 0 is captured: its input is the embedding "
+                         "output, which no SpecForge draft is trained on (a draft id of -1, or "
+                         "0 in the input convention). Fix the draft's "
+                         "eagle_aux_hidden_state_layer_ids, or pass allow_embedding=True if "
+                         "the draft really was trained on it")
+    _refuse_unsupported_modes()
+
+    norms, surfaces = [], set()
+    for i in layer_ids:
+        norm, surface = _input_norm(model.layers[i], i)
+        norms.append(norm)
+        surfaces.add(surface)
+    weight = norms[0].weight
     buffer = AuxCaptureBuffer(max_tokens, weight.shape[0], layer_ids,
                               dtype=dtype or weight.dtype, device=device or weight.device)
-    counter = [0]
-    for i in layer_ids:
-        layer = model.layers[i]
-        norm = layer.input_layernorm
-        comm = getattr(layer, "layer_communicator", None)
-        if comm is not None and getattr(comm, "input_layernorm", norm) is not norm:
-            raise ValueError(f"eagle_capture: layer {i}'s layer_communicator holds another "
-                             f"input_layernorm than the layer; this SGLang version is not "
-                             f"supported by install_classic_capture")
-        capturing = CapturingRMSNorm(norm, buffer, i, counter)
-        layer.input_layernorm = capturing
-        if comm is not None:
-            comm.input_layernorm = capturing
-    # The loop's own `aux.append(hidden_states + residual)` is no longer needed.
+    # Hand the LogitsProcessor what the model itself would have: a packed tensor
+    # where the model builds an AuxHiddenStatePacker (0.5.18+), else a list.
+    packed_tensor = hasattr(sys.modules.get(type(model).__module__), "AuxHiddenStatePacker")
+    state = CaptureState(buffer, layer_ids, surfaces.pop(), packed_tensor)
+
+    for i, norm in zip(layer_ids, norms):
+        norm.__class__ = _capturing_norm_class(type(norm))
+        norm._eagle_capture = state
+        norm._eagle_layer_id = i
+    logits.__class__ = _capturing_logits_class(type(logits))
+    logits._eagle_capture = state
+    # SGLang's own capture off: no add/list (<= 0.5.13), no packer copy (>= 0.5.18).
     model.layers_to_capture = []
-    model._eagle_capture_buffer = buffer
-    inner_forward = model.forward
-
-    def forward(*args, **kwargs):
-        counter[0] = 0
-        hidden_states = inner_forward(*args, **kwargs)
-        if isinstance(hidden_states, tuple):  # something else still captured: refuse to mix
-            raise RuntimeError("eagle_capture: the model captured through its own list too; "
-                               "layers_to_capture was changed after install")
-        if counter[0] != len(layer_ids) and not torch.compiler.is_compiling():
-            raise RuntimeError(
-                f"eagle_capture: only {counter[0]} of the {len(layer_ids)} captured layers "
-                f"{layer_ids} stored their capture in this forward: a captured layer ran its "
-                f"input norm through another path (e.g. the fused all-reduce + RMSNorm); the "
-                f"buffer would be stale. Disable that fusion at captured layers or use the "
-                f"tensor-parallel entry points (eagle_capture.tp)")
-        return hidden_states, [buffer.result(hidden_states.shape[0])]
-
-    model.forward = forward
+    causal_lm.capture_aux_hidden_states = False
+    causal_lm._eagle_capture = state
     return buffer
-
-
-def _slot_index_and_buffer(packer, residual: torch.Tensor):
-    """Take the packer's next slot (it counts the capture, as ``append`` would)
-    and return ``(slot index, [T, K, H] view of the packer's buffer)``."""
-    index = len(packer)
-    view = packer.slot(residual)
-    num_tokens, hidden_size = view.shape
-    row_stride = view.stride(0)
-    num_slots = row_stride // hidden_size
-    if row_stride % hidden_size or not index < num_slots or view.stride(1) != 1:
-        raise ValueError(f"eagle_capture: packer slot has strides {view.stride()}, expected "
-                         f"({num_slots * hidden_size}, 1) for a [T, {num_slots}*{hidden_size}] buffer")
-    whole = view.as_strided((num_tokens, num_slots, hidden_size), (row_stride, hidden_size, 1),
-                            view.storage_offset() - index * hidden_size)
-    return index, whole
-
-
-class PackerSlotNorm(_NormProxy):
-    """A layer communicator's ``input_layernorm`` that, when handed a packer for
-    this call (``pending``), writes the new residual straight into the packer's
-    next slot from inside the fused add+RMSNorm."""
-
-    def __init__(self, norm: torch.nn.Module) -> None:
-        super().__init__(norm)
-        self.pending = None
-
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, *args, **kwargs):
-        packer = self.pending
-        if packer is None or residual is None or args or kwargs:
-            return self.norm(x, residual, *args, **kwargs)
-        self.pending = None
-        slot, whole = _slot_index_and_buffer(packer, residual)
-        ops.add_rmsnorm_capture(x, residual, self.norm.weight, self.norm.variance_epsilon,
-                                whole, slot)
-        return x, residual
-
-
-def install_packer_capture(model: torch.nn.Module, *,
-                           when: Callable[[object], bool] = lambda forward_batch: True) -> int:
-    """Fused capture for SGLang >= 0.5.18's packer path.
-
-    For every layer of ``model`` (a ``DeepseekV2Model``) with a
-    ``layer_communicator``: its ``input_layernorm`` becomes a :class:`PackerSlotNorm`
-    and ``prepare_attn_and_capture_last_layer_outputs`` is wrapped. When a layer is
-    handed a packer and ``when(forward_batch)`` holds, SGLang's own method still
-    runs (all-reduce, scatter and attention-input handling unchanged) but without
-    the capture; the norm, if it runs through its plain ``forward``, stores the
-    capture itself. If the method took another path (e.g. the fused all-reduce +
-    RMSNorm), the reduced residual it returns is appended to the packer as SGLang
-    would have done. Returns the number of layers wrapped.
-    """
-    wrapped = 0
-    for layer in model.layers:
-        comm = getattr(layer, "layer_communicator", None)
-        if comm is None:
-            continue
-        original = comm.prepare_attn_and_capture_last_layer_outputs
-        if getattr(original, "_eagle_capture", False):
-            continue
-        norm = comm.input_layernorm
-        if not isinstance(norm, PackerSlotNorm):
-            norm = PackerSlotNorm(norm)
-            comm.input_layernorm = norm
-
-        def fused(hidden_states, residual, forward_batch, captured_last_layer_outputs=None,
-                  *args, _original=original, _norm=norm, **kwargs):
-            acc = captured_last_layer_outputs
-            if acc is None or residual is None or not hasattr(acc, "slot") or not when(forward_batch):
-                return _original(hidden_states, residual, forward_batch, acc, *args, **kwargs)
-            _norm.pending = acc
-            try:
-                out = _original(hidden_states, residual, forward_batch, None, *args, **kwargs)
-            finally:
-                missed = _norm.pending is not None
-                _norm.pending = None
-            if missed:  # the norm ran through another path: SGLang's own capture
-                acc.append(out[1])
-            return out
-
-        fused._eagle_capture = True
-        comm.prepare_attn_and_capture_last_layer_outputs = fused
-        wrapped += 1
-    return wrapped

@@ -18,9 +18,16 @@ Numerics
   nearest even), so the captured value is bit-identical to SGLang's eager
   ``hidden_states + residual`` on the GPU. (Under ``TRITON_INTERPRET=1`` the
   fp32 -> bf16 cast truncates instead; the tests model that.)
-* The norm is taken of the *rounded* ``s`` -- the value that is stored as the
-  residual and captured -- so ``normed`` is a function of what the next layer
-  and the draft model actually see, as in HF transformers' eager layers.
+* By default the norm is taken of the *rounded* ``s`` -- the value that is
+  stored as the residual and captured -- so ``normed`` is a function of what
+  the next layer and the draft model actually see, as in HF transformers'
+  eager layers (and vLLM's fused_add_rms_norm, which re-reads the rounded
+  residual). With ``NORM_FP32_SUM`` the variance and the normed output come
+  from the unrounded fp32 sum instead: FlashInfer's ``FusedAddRMSNormKernel``
+  (``norm.cuh``: ``x = float(input) + float(residual)``, ``sum_sq += x * x``,
+  the fp32 ``x`` kept in shared memory for the output) and SGLang's
+  ``RMSNorm.forward_native`` both do that, so the SGLang drop-in sets it and
+  changes the model's normed outputs by nothing but rsqrt/reduction-order noise.
 * Row offsets are int64: ``rows * K * H`` passes 2^31 for T = 100k, K = 3,
   H = 7168, and an int32 product would wrap into another request's rows.
 
@@ -83,6 +90,7 @@ def add_rmsnorm_capture_kernel(
     CAPTURE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr,
+    NORM_FP32_SUM: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     # Without the norm, axis 1 walks column blocks; with it, the grid has one.
@@ -103,7 +111,8 @@ def add_rmsnorm_capture_kernel(
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         # One fp32 add, one round-to-nearest-even: bit-identical to torch's h + r.
-        s = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+        s_fp32 = h.to(tl.float32) + r.to(tl.float32)
+        s = s_fp32.to(h.dtype)
     else:
         s = h
 
@@ -112,7 +121,10 @@ def add_rmsnorm_capture_kernel(
     if STORE_RESIDUAL:
         tl.store(residual_out_ptr + row * stride_residual_out + cols, s, mask=mask)
     if APPLY_NORM:
-        x = s.to(tl.float32)
+        if NORM_FP32_SUM and HAS_RESIDUAL:
+            x = s_fp32          # FlashInfer / SGLang: normalise the unrounded sum
+        else:
+            x = s.to(tl.float32)
         mean_sq = tl.sum(x * x, axis=0) / hidden_size
         rstd = tl.rsqrt(mean_sq + eps)
         y = x * rstd * w.to(tl.float32)

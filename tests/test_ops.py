@@ -233,3 +233,30 @@ def test_weight_in_another_dtype(call, device, weight_dtype):
     assert_bitwise_equal(r, residual_ref)
     assert_bitwise_equal(aux[:, 1], residual_ref)
     _assert_normed(h, normed_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm_fp32_sum", [False, True])
+def test_add_rmsnorm_capture_norm_input(call, device, dtype, norm_fp32_sum):
+    """``norm_fp32_sum`` reaches the kernel / CPU body through both call paths:
+    the normed output agrees exactly with the matching float64 reference (rounded
+    once) on nearly every element and visibly less with the other one; the
+    residual and the capture are the rounded sum either way."""
+    gen = torch.Generator().manual_seed(11)
+    h = (3 * torch.randn(16, 1000, generator=gen)).to(dtype).to(device)
+    r = torch.randn(16, 1000, generator=gen).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(1000, generator=gen)).to(dtype).to(device)
+    refs = {flag: ec.add_rmsnorm_reference(h, r, w, EPS, norm_fp32_sum=flag)[0].to(dtype)
+            for flag in (False, True)}
+    residual_ref = h + r
+    aux = poisoned_aux(17, 2, 1000, dtype, device)
+    if call == "public":
+        ec.add_rmsnorm_capture(h, r, w, EPS, aux, 1, norm_fp32_sum=norm_fp32_sum)
+    else:
+        torch.ops.eagle_capture.add_rmsnorm_capture(h, r, w, EPS, aux, 1, norm_fp32_sum)
+    assert_bitwise_equal(r, residual_ref)
+    assert_bitwise_equal(aux[:16, 1], residual_ref)
+    assert_untouched(aux, 16, 1)
+    assert (h == refs[norm_fp32_sum]).double().mean().item() >= 0.99
+    assert (h == refs[not norm_fp32_sum]).double().mean().item() < 0.95

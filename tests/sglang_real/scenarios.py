@@ -1,0 +1,343 @@
+"""``eagle_capture.sglang.install_eagle3_capture`` against the REAL SGLang code.
+
+Run in a child process with one SGLang version's overlay first on the path
+(``tests/test_sglang_real.py`` does that)::
+
+    PYTHONPATH=$(scripts/sglang_real_env.sh 0.5.13) .venv/bin/python -m tests.sglang_real.scenarios --json out.json
+
+Each scenario builds SGLang's own ``DeepseekV2ForCausalLM`` (harness.py: real
+layers, communicator / layer boundary, RMSNorm, capture loop; attention and MLP
+stood in) twice from the same seed: one runs SGLang's own EAGLE-3 capture (the
+reference), the other gets our install. Results go to a JSON file, one entry per
+scenario: ``{"ok": bool, "detail": str, ...measurements}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import traceback
+
+import torch
+
+from tests.sglang_real import harness
+
+NUM_LAYERS = 7
+HIDDEN = 64
+CAPTURE_IDS = (1, 3, 5)   # SpecForge ids: output of layers 1, 3, 5
+MAX_TOKENS = 16
+
+
+def _build(dtype, capture_ids=CAPTURE_IDS):
+    return harness.build_model(num_layers=NUM_LAYERS, hidden_size=HIDDEN, dtype=dtype,
+                               capture_ids=capture_ids, seed=3)
+
+
+def _packed(aux) -> torch.Tensor:
+    """What SGLang's LogitsProcessor makes of it: one ``[T, K*H]`` tensor."""
+    if isinstance(aux, torch.Tensor):
+        return aux
+    return torch.cat(list(aux), dim=-1)
+
+
+def _run(model, num_tokens, mode="extend", seed=0):
+    batch = harness.make_batch(model, num_tokens, mode, seed=seed)
+    final, aux = harness.run(model, batch)
+    return final.clone(), None if aux is None else _packed(aux).clone()
+
+
+def _install(model, **kwargs):
+    from eagle_capture.sglang import install_eagle3_capture
+    return install_eagle3_capture(model, MAX_TOKENS, **kwargs)
+
+
+def _state(model):
+    return model._eagle_capture
+
+
+def _expect_raises(exc_type, fn, match: str) -> str:
+    try:
+        fn()
+    except exc_type as e:  # noqa: PERF203
+        if match not in str(e):
+            raise AssertionError(f"raised {exc_type.__name__} without {match!r}: {e}") from e
+        return str(e)
+    raise AssertionError(f"did not raise {exc_type.__name__} ({match!r})")
+
+
+# ----------------------------------------------------------------- scenarios
+
+def same_as_sglang(dtype_name: str):
+    """Our buffer vs SGLang's own capture, and the final hidden state vs SGLang's
+    own path, over extend / decode / idle batches and several sizes."""
+    dtype = getattr(torch, dtype_name)
+    ref, ours = _build(dtype), _build(dtype)
+    _install(ours)
+    state = _state(ours)
+    out = {"cases": [], "max_final_abs_dev": 0.0, "max_aux_abs_dev": 0.0}
+    for num_tokens, mode in ((5, "extend"), (1, "decode"), (3, "decode"), (11, "extend"),
+                             (0, "extend")):
+        fused_before = state.fused_calls
+        final_ref, aux_ref = _run(ref, num_tokens, mode, seed=num_tokens)
+        final, aux = _run(ours, num_tokens, mode, seed=num_tokens)
+        assert aux is not None and aux.shape == (num_tokens, len(CAPTURE_IDS) * HIDDEN), \
+            f"aux shape {None if aux is None else tuple(aux.shape)}"
+        if num_tokens:
+            assert aux_ref is not None and aux_ref.shape == aux.shape
+            assert torch.equal(aux, aux_ref), "aux differs from SGLang's own capture"
+        final_dev = (final.float() - final_ref.float()).abs().max().item() if num_tokens else 0.0
+        if dtype == torch.float32:
+            assert torch.equal(final, final_ref), f"final hidden differs by {final_dev}"
+        out["max_final_abs_dev"] = max(out["max_final_abs_dev"], final_dev)
+        fused = state.fused_calls - fused_before
+        # Proof that our kernel did the capture: one fused call per captured layer
+        # (zero-row batches skip the norm in SGLang), and SGLang captured nothing.
+        if num_tokens:
+            assert fused == len(CAPTURE_IDS), f"{fused} fused captures, want {len(CAPTURE_IDS)}"
+        assert state.fallback_calls == 0, f"{state.fallback_calls} fallback captures"
+        assert ours.model.layers_to_capture == [] and not ours.capture_aux_hidden_states
+        out["cases"].append({"T": num_tokens, "mode": mode, "fused_captures": fused,
+                             "final_abs_dev": final_dev})
+    out["final_scale"] = final_ref.float().abs().max().item() if final_ref.numel() else None
+    return out
+
+
+def norm_paths():
+    """Every way SGLang calls a captured layer's input norm, on the real RMSNorm
+    class: post_residual_addition (added to the residual first, out of place),
+    no residual (the input is the new residual), the fused all-reduce path
+    (its reduced residual_out is captured), a non-plain norm configuration
+    (SGLang's own code, then a slot store), zero rows."""
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    model = _build(torch.float32)
+    buffer = _install(model)
+    layer_id = model._eagle_capture.layer_ids[0]
+    slot = buffer.slot_of(layer_id)
+    norm = model.model.layers[layer_id].input_layernorm
+    assert isinstance(norm, RMSNorm) and type(norm) is not RMSNorm
+    plain = RMSNorm(HIDDEN, eps=norm.variance_epsilon)
+    plain.weight.data.copy_(norm.weight.data)
+    g = torch.Generator().manual_seed(5)
+    x, r, p = (torch.randn(4, HIDDEN, generator=g) for _ in range(3))
+    out = {}
+
+    # post_residual_addition: on the GPU SGLang's RMSNorm.forward_cuda adds it to
+    # the residual first (a new tensor), then runs fused_add_rmsnorm: h + (r + p).
+    # (forward_native, its CPU path, rounds (h + r) + p once instead; the drop-in
+    # follows the GPU engine it replaces.)
+    r0 = r.clone()
+    x_ref, r_ref = plain.forward_native(x.clone(), r + p)
+    xo, ro = norm(x.clone(), r, p)
+    assert torch.equal(r, r0), "the caller's residual was modified"
+    assert torch.equal(ro, r_ref) and torch.equal(xo, x_ref)
+    assert torch.equal(buffer.aux[:4, slot], r_ref)
+    out["post_residual_addition"] = "captured h + (r + p), as forward_cuda"
+
+    # no residual: the input is the residual
+    buffer.aux.fill_(float("nan"))
+    y = norm(x.clone())
+    assert torch.equal(y, plain.forward_native(x.clone()))
+    assert torch.equal(buffer.aux[:4, slot], x)
+    out["no_residual"] = "captured the input"
+
+    # the fused all-reduce + add + RMSNorm path (flashinfer is GPU-only: stand in
+    # for its kernel at world size 1 -- reduce = identity, fresh residual_out)
+    original = RMSNorm.forward_with_allreduce_fusion
+
+    def allreduce_standin(self, x, residual, post_residual_addition=None, **kwargs):
+        return self.forward_native(x, residual, post_residual_addition)
+
+    RMSNorm.forward_with_allreduce_fusion = allreduce_standin
+    try:
+        buffer.aux.fill_(float("nan"))
+        before = model._eagle_capture.fallback_calls
+        xo, ro = norm.forward_with_allreduce_fusion(x.clone(), r.clone())
+        assert torch.equal(buffer.aux[:4, slot], ro)
+        assert model._eagle_capture.fallback_calls == before + 1
+    finally:
+        RMSNorm.forward_with_allreduce_fusion = original
+    out["allreduce_fusion"] = "captured the reduced residual_out"
+
+    # a norm configuration our kernel does not reproduce: SGLang's own code runs
+    norm.cast_x_before_out_mul = True
+    try:
+        buffer.aux.fill_(float("nan"))
+        xo, ro = norm(x.clone(), r.clone())
+        plain.cast_x_before_out_mul = True
+        x_ref, r_ref = plain.forward_native(x.clone(), r.clone())
+        assert torch.equal(xo, x_ref) and torch.equal(buffer.aux[:4, slot], r_ref)
+    finally:
+        norm.cast_x_before_out_mul = False
+    out["non_plain_norm"] = "SGLang's own norm, then the slot store"
+
+    # zero rows
+    xo, ro = norm(x[:0].clone(), r[:0].clone())
+    assert xo.shape == (0, HIDDEN) and ro.shape == (0, HIDDEN)
+    out["zero_rows"] = "ok"
+    return out
+
+
+def names_and_weights():
+    """state_dict keys, parameter names and a load_state_dict round trip are
+    unchanged by the install (weight loading by name, RL weight sync)."""
+    ref, ours = _build(torch.float32), _build(torch.float32)
+    keys_before = list(ours.state_dict().keys())
+    params_before = [n for n, _ in ours.named_parameters()]
+    _install(ours)
+    assert list(ours.state_dict().keys()) == keys_before
+    assert [n for n, _ in ours.named_parameters()] == params_before
+    # New weights loaded by name reach the fused kernel.
+    sd = {k: v.clone() for k, v in ref.state_dict().items()}
+    for k in sd:
+        if k.endswith("input_layernorm.weight"):
+            sd[k].mul_(1.5)
+    ref.load_state_dict(sd, strict=True)
+    ours.load_state_dict(sd, strict=True)
+    final_ref, aux_ref = _run(ref, 5)
+    final, aux = _run(ours, 5)
+    assert torch.equal(aux, aux_ref) and torch.equal(final, final_ref)
+    return {"state_dict_keys": len(keys_before)}
+
+
+def torch_compiled_install_order(order: str):
+    """SGLang's piecewise-CUDA-graph install (``install_torch_compiled`` sets an
+    instance ``forward`` trampoline on the layer model) before or after ours;
+    the eager trampoline path runs the layer loop either way."""
+    from sglang.srt.compilation.compile import install_torch_compiled
+
+    ref, ours = _build(torch.float32), _build(torch.float32)
+
+    def piecewise(model):
+        install_torch_compiled(model.model, dynamic_arg_dims={"input_ids": 0},
+                               backend_factory=lambda gm, example_inputs: gm)
+        assert "forward" in vars(model.model)   # SGLang's trampoline is in place
+
+    if order == "before":
+        _install(ours)
+        piecewise(ours)
+    else:
+        piecewise(ours)
+        _install(ours)
+    final_ref, aux_ref = _run(ref, 5)
+    final, aux = _run(ours, 5)
+    assert torch.equal(aux, aux_ref) and torch.equal(final, final_ref)
+    assert _state(ours).fused_calls == len(CAPTURE_IDS)
+    return {"order": order}
+
+
+def refusals():
+    """Clear errors instead of silent wrong captures."""
+    out = {}
+    model = _build(torch.float32)
+    out["not_enabled"] = _expect_raises(
+        ValueError, lambda: _install(_build_without_capture()), "not enabled")
+    # A draft id of -1 (the user's embedding "fix"): each SGLang line maps it its
+    # own way (<= 0.5.12: +1 -> layer 0; >= 0.5.13: kept as -1, never matched).
+    emb = _build(torch.float32, capture_ids=(-1, 3))
+    out["draft_ids_-1_3"] = f"layers_to_capture = {emb.model.layers_to_capture}"
+    if 0 in emb.model.layers_to_capture:
+        out["embedding"] = _expect_raises(ValueError, lambda: _install(emb), "embedding")
+    else:
+        out["negative_id"] = _expect_raises(ValueError, lambda: _install(emb), "-1")
+    # Layer 0 captured on purpose (input-convention ids [0, 3]: ids[0] != 1, used raw
+    # from 0.5.13): refused unless allowed; then the slot holds the embedding output.
+    layer0 = _build(torch.float32, capture_ids=(0, 3))
+    if 0 in layer0.model.layers_to_capture:
+        out["layer_0"] = _expect_raises(ValueError, lambda: _install(layer0), "embedding")
+        _install(layer0, allow_embedding=True)
+        final, aux = _run(layer0, 4, seed=0)
+        assert aux.shape == (4, 2 * HIDDEN)
+        with torch.no_grad():
+            embedding = layer0.model.embed_tokens(harness.make_batch(layer0, 4, seed=0)[0])
+        assert torch.equal(aux[:, :HIDDEN], embedding), "slot 0 is not the embedding output"
+    _install(model)
+    out["twice"] = _expect_raises(ValueError, lambda: _install(model), "already installed")
+
+    # SGLang's own capture re-enabled after install
+    again = _build(torch.float32)
+    _install(again)
+    again.set_eagle3_layers_to_capture(list(CAPTURE_IDS))
+    out["reenabled"] = _expect_raises(RuntimeError, lambda: _run(again, 3), "called again")
+
+    # a captured layer whose norm is bypassed (as a fusion provider reading only
+    # the weight would): the eager forward raises instead of a stale buffer
+    bypass = _build(torch.float32)
+    _install(bypass)
+    layer_id = _state(bypass).layer_ids[1]
+    norm = bypass.model.layers[layer_id].input_layernorm
+    norm.__class__ = type(norm).__mro__[2]    # back to SGLang's RMSNorm
+    out["bypass"] = _expect_raises(RuntimeError, lambda: _run(bypass, 3), f"[{layer_id}]")
+
+    # two-batch overlap: the norm would see half-batches
+    # Modes read from SGLang's server arguments, through the accessor this line
+    # has (the install must find them: None would mean no refusal at all).
+    from eagle_capture.sglang import _server_args
+    args = _server_args()
+    assert args is not None, "eagle_capture cannot read this SGLang line's server args"
+    for field, value, match in (("enable_two_batch_overlap", True, "two-batch overlap"),
+                                ("enable_dp_attention", True, "DP attention"),
+                                ("moe_a2a_backend", "deepep", "all-to-all MoE")):
+        model = _build(torch.float32)
+        old = getattr(args, field)
+        _force_setattr(args, field, value)
+        try:
+            out[field] = _expect_raises(ValueError, lambda: _install(model), match)
+        finally:
+            _force_setattr(args, field, old)
+    too_many = _build(torch.float32)
+    _install(too_many)
+    out["too_many_tokens"] = _expect_raises(ValueError, lambda: _run(too_many, MAX_TOKENS + 1),
+                                            "rows")
+    return out
+
+
+def _force_setattr(obj, name, value) -> None:
+    """From 0.5.18 resolved server args are a read-only msgspec Struct; a test
+    may still flip a field."""
+    try:
+        setattr(obj, name, value)
+    except (AttributeError, TypeError):
+        import msgspec
+        msgspec.structs.force_setattr(obj, name, value)
+
+
+def _build_without_capture():
+    model = _build(torch.float32)
+    model.capture_aux_hidden_states = False
+    model.model.layers_to_capture = []
+    return model
+
+
+SCENARIOS = {
+    "same_as_sglang_fp32": lambda: same_as_sglang("float32"),
+    "same_as_sglang_bf16": lambda: same_as_sglang("bfloat16"),
+    "norm_paths": norm_paths,
+    "names_and_weights": names_and_weights,
+    "install_before_torch_compiled": lambda: torch_compiled_install_order("before"),
+    "install_after_torch_compiled": lambda: torch_compiled_install_order("after"),
+    "refusals": refusals,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--only", nargs="*")
+    args = parser.parse_args()
+    harness.setup()
+    results = {"version": harness.sglang_version()}
+    for name, fn in SCENARIOS.items():
+        if args.only and name not in args.only:
+            continue
+        try:
+            results[name] = {"ok": True, **(fn() or {})}
+        except Exception as e:  # noqa: BLE001 - reported per scenario
+            results[name] = {"ok": False, "detail": f"{type(e).__name__}: {e}",
+                             "traceback": traceback.format_exc()}
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

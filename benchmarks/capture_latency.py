@@ -58,6 +58,7 @@ PATHS = {
     "f": "add+RMSNorm -> slot",
     "g": "torch.compile add+RMSNorm",
     "h": "Liger fused add+RMSNorm",
+    "i": "e, norm of fp32 sum (SGLang drop-in)",
 }
 
 
@@ -81,6 +82,7 @@ def bytes_moved(path: str, num_tokens: int, hidden_size: int, num_captures: int,
         "c": 3 * row,                              # r h, r r, w slot
         "d": 4 * row + weight,                     # r h, r r, w h, w r
         "e": 5 * row + weight,                     # d + w slot
+        "i": 5 * row + weight,                     # e, FlashInfer's norm input
         "f": 4 * row + weight,                     # r h, r r, w h, w slot
         "g": 4 * row + weight,
         "h": 4 * row + weight + num_tokens * 4,   # + its fp32 rstd per row
@@ -168,6 +170,10 @@ def build_step(path: str, x: Inputs) -> Callable[[], object]:
         def step():
             for k in k_range:
                 ec.add_rmsnorm_capture(h[k], r[k], w[k], EPS, aux, k)
+    elif path == "i":
+        def step():
+            for k in k_range:
+                ec.add_rmsnorm_capture(h[k], r[k], w[k], EPS, aux, k, norm_fp32_sum=True)
     elif path == "f":
         def step():
             for k in k_range:
@@ -206,7 +212,7 @@ def check_path(path: str, x: Inputs) -> None:
         got = y.aux[:x.num_tokens].flatten(1)
     if not torch.equal(got, torch.cat(expected, -1)):
         raise AssertionError(f"path {path}: captured values differ from eager h + r")
-    if path in ("b", "d", "e", "f", "g", "h"):
+    if path in ("b", "d", "e", "f", "g", "h", "i"):
         for k, s in enumerate(expected):
             ref = ec.add_rmsnorm_reference(s, torch.zeros_like(s), x.weight[k], EPS)[0]
             rel = ((y.hidden[k].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -497,8 +503,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help="T values (default 1 2 4 .. 16384 on a GPU, 1 .. 256 on CPU)")
-    p.add_argument("--paths", default="abcdefgh",
-                   help="which paths to run (default abcdefgh; h only where liger-kernel is installed)")
+    p.add_argument("--paths", default="abcdefghi",
+                   help="which paths to run (default abcdefghi; h only where liger-kernel is installed)")
     p.add_argument("--reps", type=int, default=100, help="eager repetitions per point")
     p.add_argument("--replays", type=int, default=30, help="graph replays per point")
     p.add_argument("--rotate-l2", type=int, default=4,

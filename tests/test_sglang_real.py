@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# The lines whose DeepseekV2 capture surface differs: classic loop +
-# layer_communicator (0.5.13), communicator + AuxHiddenStatePacker (0.5.20),
-# attn_boundary / layer_boundary (0.5.23).
-VERSIONS = ["0.5.13", "0.5.20", "0.5.23"]
+# Every release line whose DeepseekV2 capture surface we read: classic loop +
+# layer_communicator (0.5.9: ids always +1; 0.5.13: +1 only when ids[0] == 1),
+# communicator + AuxHiddenStatePacker with append (0.5.18, 0.5.20),
+# attn_boundary / layer_boundary (0.5.22; 0.5.23 adds packer.slot).
+VERSIONS = ["0.5.9", "0.5.13", "0.5.18", "0.5.20", "0.5.22", "0.5.23"]
 SCENARIOS = ["same_as_sglang_fp32", "same_as_sglang_bf16", "norm_paths", "names_and_weights",
              "install_before_torch_compiled", "install_after_torch_compiled", "refusals"]
 

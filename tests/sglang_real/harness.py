@@ -1,69 +1,119 @@
 """Run the REAL SGLang DeepseekV2 model code on CPU with EAGLE-3 capture on.
 
-(README; the per-version verification table is at the end of this docstring.)
-
 What this is
 ------------
 A harness that imports SGLang's own wheel (one version per process: run each
 version in its own subprocess), builds SGLang's own
 ``sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM`` from a tiny
-``transformers.DeepseekV3Config`` on CPU, turns EAGLE-3 capture on with the
-model's own ``set_eagle3_layers_to_capture(ids)``, runs the model's own
-``forward`` and returns what the model hands to its LogitsProcessor.
+``transformers.DeepseekV3Config`` (6 layers, hidden 64, vocab 128, q_lora_rank
+48, kv_lora_rank 32, yarn rope with rope_theta, first_k_dense_replace 2, 4
+routed experts) on CPU, turns EAGLE-3 capture on with the model's own
+``set_eagle3_layers_to_capture(ids)``, runs the model's own ``forward`` and
+returns what the model hands to its LogitsProcessor.
+
+API: ``setup(version=None, dtype=None, hf_config=None, version_dir=None)``,
+``build_model(num_layers, hidden_size, dtype, capture_ids, seed)``,
+``make_batch(model, num_tokens, mode="extend"|"decode", seed=0)`` ->
+(input_ids, positions, forward_batch), ``run(model, batch)`` ->
+(final_hidden_states, aux) as passed to the LogitsProcessor,
+``sglang_version()``, ``build(...)`` = build_model + ``SURFACE`` filled in.
 
 Set-up (outside this file)::
 
     OVERLAY=$(scripts/sglang_real_env.sh 0.5.13)       # cached, idempotent
     PYTHONPATH=$OVERLAY .venv/bin/python -m tests.sglang_real.harness --version 0.5.13
-    .venv/bin/python tests/sglang_real/smoke.py 0.5.13   # does the above itself
+    .venv/bin/python tests/sglang_real/smoke.py 0.5.13   # does both itself
 
 Real (SGLang's code, unmodified)
     * the import graph of ``sglang.srt.models.deepseek_v2`` (GPU-only
       packages stubbed by ``stubs.py``; a stub raises ``StubCalled`` if ever
       called, so no GPU path can run silently);
-    * ``ServerArgs(model_path="dummy", device="cpu")`` +
-      ``set_global_server_args_for_scheduler``; ``init_distributed_environment``
-      (world 1, backend "gloo", tcp://127.0.0.1:<free port>),
-      ``initialize_model_parallel(1)``, ``initialize_dp_attention`` (model
-      config: a namespace with hidden_size and dtype, the only fields it
-      reads), ``initialize_moe_config`` where present;
-    * ``DeepseekV2ForCausalLM.__init__`` (all layers incl. MLA attention and
-      the MoE blocks are really constructed), ``DeepseekV2ForCausalLM.forward``,
-      ``DeepseekV2Model.forward`` with its own capture loop,
-      ``DeepseekV2DecoderLayer.forward``, the layer communicator / boundary
-      (``prepare_attn``, ``prepare_mlp``, ``postprocess_layer``, ...),
-      SGLang's ``RMSNorm`` for input_layernorm, post_attention_layernorm and the
-      final norm (CPU dispatch: ``MultiPlatformOp.dispatch_forward`` ->
-      ``forward_native``, a pure torch path -- checked at build time, see
-      ``SURFACE['rmsnorm_forward_method']``), the VocabParallelEmbedding, a real
-      ``ForwardBatch`` dataclass with a real ``ForwardMode``.
+    * process set-up as SGLang's scheduler / model runner does it, per
+      version (``SURFACE['init_calls']`` lists what ran):
+      ``ServerArgs(model_path="dummy", device="cpu")`` published with
+      ``set_global_server_args_for_scheduler`` (<= 0.5.20) or
+      ``runtime_context.publish(role="scheduler", ranks=SpawnRanks(0))``
+      (0.5.22, 0.5.23: the legacy shim publishes no rank placement);
+      ``init_distributed_environment`` (world 1, backend "gloo",
+      tcp://127.0.0.1:<free port>); ``initialize_model_parallel`` (TP 1);
+      ``initialize_dp_attention``; ``initialize_layernorm_sp`` (0.5.20) /
+      ``bootstrap.init_layer_runtime`` (0.5.22, 0.5.23);
+      ``initialize_moe_config``. Where these read a ModelConfig, they get a
+      namespace with hidden_size, dtype and hf_config (the fields they read);
+    * ``DeepseekV2ForCausalLM.__init__`` (every layer, incl. MLA attention and
+      the MoE blocks, is really constructed), ``DeepseekV2ForCausalLM.forward``,
+      ``DeepseekV2Model.forward`` with its own capture loop / packer,
+      ``DeepseekV2DecoderLayer.forward``, the ``LayerCommunicator``
+      (<= 0.5.20) or the ``attn_boundary``/``ffn_boundary`` StageBoundary and
+      the residual stream (0.5.22, 0.5.23), SGLang's ``RMSNorm`` for
+      input_layernorm, post_attention_layernorm and the final norm,
+      ``VocabParallelEmbedding``, a real ``ForwardBatch`` with a real
+      ``ForwardMode`` (EXTEND, DECODE, IDLE for T = 0).
+    * RMSNorm runs ``forward_native`` (pure torch) in every version: on a
+      machine without CUDA/HIP/NPU/XPU/MUSA and without
+      ``SGLANG_USE_CPU_ENGINE=1`` (which this module unsets), the dispatch
+      (``MultiPlatformOp.dispatch_forward`` <= 0.5.13,
+      ``BaseFusedOp._resolve_forward_method`` >= 0.5.18) falls through to
+      ``forward_native``. smoke.py asserts it for every norm that ran.
 
 Stood in
     * ``layer.self_attn`` and ``layer.mlp`` of every decoder layer: a
       ``StandIn`` module that accepts the real call's *args/**kwargs, takes
       ``hidden_states`` (keyword or first positional) and returns
       ``0.5 * tanh(h @ W^T)`` computed in fp32 and cast back, W seeded per
-      layer and role (deterministic, row-wise: token t's output depends only on
-      token t's input);
+      layer and role (deterministic, row-wise). Other attributes are read
+      from the replaced real module (e.g. >= 0.5.20's
+      ``self_attn.maybe_use_decode_attn_tp(forward_batch)`` runs for real).
+      Since ``isinstance(layer.mlp, DeepseekV2MoE)`` is False, the layer's
+      MoE-only branch (``moe_output_buffer_ctx``) is not taken;
     * ``causal_lm.logits_processor``: a ``Recorder`` that stores and returns
       ``(hidden_states, aux_hidden_states)``, the output sink;
-    * weights: not loaded from a checkpoint; the embedding is N(0, 1), every
-      RMSNorm weight is 1 + 0.1 * N(0, 1) (so a wrong norm weight is visible).
+    * weights: not loaded; the embedding is N(0, 1), every RMSNorm weight is
+      1 + 0.1 * N(0, 1) (so a wrong norm weight is visible). The real
+      attention / MoE weights are never used.
 
 Not covered
-    TP > 1, DP attention, TBO, PP, the CUDA / AMX fused norm kernels, the
-    flashinfer all-reduce + RMSNorm fusion (never taken at TP = 1; see
-    ``SURFACE``).
+    TP > 1, DP attention, TBO, PP, CUDA graphs, the CUDA / AMX fused norm
+    kernels, the flashinfer / aiter all-reduce + RMSNorm fusion (it needs
+    TP > 1 and sm90/sm100 + flashinfer or ROCm aiter, so it is never taken
+    here).
 
-Verified (``tests/sglang_real/smoke.py VERSION``; T = 0 (idle), 1, 5;
-extend and decode; bf16 and fp32): see VERIFIED below, filled in from
-actual smoke runs.
+Per-version surface (from ``SURFACE``, smoke runs)
+    ==========  =====================  ======================  =================
+    version     decoder layer          aux to LogitsProcessor  capture point
+    ==========  =====================  ======================  =================
+    0.5.9       LayerCommunicator      list of K [T, H]        model loop:
+                                                               hidden + residual
+    0.5.13      LayerCommunicator      list of K [T, H]        model loop:
+                                                               hidden + residual
+    0.5.18      LayerCommunicator      packed [T, K*H]         communicator
+                                       (AuxHiddenStatePacker)  prepare_attn_and_
+                                                               capture_last_...
+    0.5.20      LayerCommunicator      packed [T, K*H]         same
+    0.5.22      attn_boundary          packed [T, K*H]         StageBoundary.
+                (StageBoundary; plan.                          _prepare_attention
+                norm is input_layernorm)                       capture_gathered
+    0.5.23      attn_boundary          packed [T, K*H]         same
+    ==========  =====================  ======================  =================
+
+    ``layer.input_layernorm is layer.layer_communicator.input_layernorm`` (<=
+    0.5.20) and ``layer.attn_boundary.plan.norm is layer.input_layernorm``
+    (0.5.22, 0.5.23): True in every version. set_eagle3_layers_to_capture:
+    0.5.9 always adds 1 to the ids; >= 0.5.13 adds 1 only when ids[0] == 1.
+    0.5.13 cannot capture layer 0 (``hidden_states + residual`` with residual
+    None: TypeError); >= 0.5.18 can.
+
+VERIFIED (``python tests/sglang_real/smoke.py VERSION``: T = 0 (IDLE), 1, 5;
+extend and decode; bf16 and fp32; aux == hidden + residual at the captured
+layers' input bit for bit, and == an independent pure-torch recomputation;
+final hidden states == the recomputation; every norm ran forward_native):
+0.5.9, 0.5.13, 0.5.18, 0.5.20, 0.5.22, 0.5.23 all PASS on torch 2.13.0+cpu,
+python 3.11 (see ``VERIFIED``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import socket
 import sys
@@ -90,7 +140,15 @@ EXTRA_STUBS = {
     "0.5.23": ("xgrammar", "tvm_ffi"),
 }
 
-VERIFIED = {}  # filled in below the code, from smoke runs
+# smoke.py results on this machine (torch 2.13.0+cpu, python 3.11, 2 cores).
+VERIFIED = {
+    "0.5.9": "PASS (transformers 4.57.1, huggingface_hub <1, tokenizers <=0.23.0)",
+    "0.5.13": "PASS (transformers 5.8.1)",
+    "0.5.18": "PASS (transformers 5.12.1; xgrammar stubbed)",
+    "0.5.20": "PASS (transformers 5.12.1; xgrammar stubbed)",
+    "0.5.22": "PASS (transformers 5.19.0; xgrammar stubbed)",
+    "0.5.23": "PASS (transformers 5.19.0; xgrammar, tvm_ffi stubbed)",
+}
 
 _STATE: dict = {}
 
@@ -121,6 +179,12 @@ def _free_port() -> int:
 # --------------------------------------------------------------------- set-up
 
 
+def _ensure_stubs():
+    """Install the GPU-only stubs before anything imports transformers or
+    sglang (transformers caches package availability at import time)."""
+    stubs.install(EXTRA_STUBS.get(_detect_version_from_path(), ()))
+
+
 def use_overlay(version_dir: str) -> None:
     """Put an overlay made by scripts/sglang_real_env.sh first on sys.path.
     Must run before anything imports sglang or transformers."""
@@ -145,7 +209,7 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
     import torch
 
     version = version or _detect_version_from_path()
-    stubs.install(EXTRA_STUBS.get(version, ()))
+    _ensure_stubs()
     real = _detect_version_from_path()
     if real != version:
         raise RuntimeError(f"asked for sglang {version}, the path has {real}")
@@ -307,6 +371,7 @@ def _define_modules():
 
 def make_config(num_layers: int = 6, hidden_size: int = 64, vocab_size: int = 128,
                 first_k_dense_replace: int = 2):
+    _ensure_stubs()
     import transformers
 
     rope = {

@@ -20,7 +20,12 @@ top-level name returns a spec (that is how the import system works), so
 ``find_spec("flashinfer") is not None`` is true; in SGLang that check is
 always and-ed with ``is_cuda()`` (false here), see the harness docstring.
 ``importlib.metadata.version(name)`` is not faked (raises
-``PackageNotFoundError`` as for any missing package).
+``PackageNotFoundError`` as for any missing package). transformers'
+``is_torchvision_available()`` (find_spec based) therefore answers True once
+the hook is installed, and that is needed: sglang's multimodal modules, imported
+by the model registry, touch transformers' image-processor classes, which
+raise "requires the Torchvision library" otherwise. Install the hook before
+anything imports transformers (the harness does).
 
 Only names that are really absent are stubbed: a package that is installed
 (found by the other finders) is imported for real.

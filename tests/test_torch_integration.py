@@ -66,18 +66,17 @@ def test_compile_fullgraph_matches_eager(device, dynamic):
         inputs_compiled = [t.clone() for t in (h, r, w, aux, delta)]
         out_eager = _layer_boundary(*inputs_eager)
         out_compiled = compiled(*inputs_compiled)
-        # Captures before the first norm are exact on every device. On the GPU the
-        # same Triton kernel runs in both, so everything is exact; on the CPU,
-        # Inductor regenerates the torch implementation's fp32 norm with another
-        # reduction order, so values downstream of a norm agree to rounding.
+        # Captures before the first norm are exact on every device. Values
+        # downstream of a norm agree to rounding: on the CPU Inductor regenerates
+        # the torch implementation's fp32 norm with another reduction order; on
+        # the GPU the eager launcher and Inductor compile the same Triton kernel
+        # separately (their own specialisations), and the H200 showed one element
+        # in ~300 calls 1 bf16 ulp apart (benchmarks/NOTES.md), PDL on or off.
         aux_c, aux_e = inputs_compiled[3], inputs_eager[3]
         assert_bitwise_equal(aux_c[:, :2], aux_e[:, :2])
         for a, b in list(zip(out_compiled, out_eager)) + list(zip(inputs_compiled, inputs_eager)):
-            if device == "cuda":
-                assert_bitwise_equal(a, b)
-            else:  # one bf16 ulp at a norm output, carried through later adds
-                rel = (a.double() - b.double()).norm() / b.double().norm()
-                assert rel < 2**-7, f"compiled CPU path differs from eager: rel err {rel:.2e}"
+            rel = (a.double() - b.double()).norm() / b.double().norm()
+            assert rel < 2**-7, f"compiled path differs from eager: rel err {rel:.2e}"
 
 
 @requires_cuda

@@ -3,6 +3,8 @@
 # (benchmarks/tune_kernel.py is the launch-parameter sweep, run separately).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+# The GPU machine has no PyPI: the real-SGLang tests (CPU-only anyway) run in CI.
+export EAGLE_CAPTURE_SKIP_SGLANG_REAL=1
 OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.limit --format=csv > "$OUT/smi.txt" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/smi.txt"

@@ -115,7 +115,11 @@ def _in_compiled_region() -> bool:
     """Whether SGLang is running the piecewise-compiled layer loop now (its
     compiled code does not rerun our norms' Python)."""
     compile_module = sys.modules.get("sglang.srt.compilation.compile")
-    flag = getattr(compile_module, "is_in_piecewise_cuda_graph", None)
+    # The trampoline's own switch: the _COMPILE_ENABLED context variable in 0.5.9,
+    # is_in_piecewise_cuda_graph() in 0.5.13, is_in_tc_piecewise_cuda_graph() from 0.5.18.
+    flag = (getattr(compile_module, "is_in_tc_piecewise_cuda_graph", None)
+            or getattr(compile_module, "is_in_piecewise_cuda_graph", None)
+            or getattr(getattr(compile_module, "_COMPILE_ENABLED", None), "get", None))
     try:
         return bool(flag()) if flag is not None else False
     except Exception:  # noqa: BLE001 - a flag we cannot read is "not compiled"

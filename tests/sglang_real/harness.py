@@ -182,7 +182,10 @@ def _free_port() -> int:
 def _ensure_stubs():
     """Install the GPU-only stubs before anything imports transformers or
     sglang (transformers caches package availability at import time)."""
-    stubs.install(EXTRA_STUBS.get(_detect_version_from_path(), ()))
+    # torchada (MUSA) only so that is_musa()'s try-import does not break a dynamo
+    # trace (an import that fails is unsupported there); is_musa() stays False,
+    # as torch.version has no musa.
+    stubs.install(("torchada",) + tuple(EXTRA_STUBS.get(_detect_version_from_path(), ())))
 
 
 def use_overlay(version_dir: str) -> None:

@@ -28,7 +28,12 @@ launch overhead included once the GPU runs ahead of the host). Host time per
 op call is measured separately in eager mode.
 
 Without a GPU the script runs the CPU path (the ops' torch implementation) on
-small sizes and says so: GPU figures need a GPU.
+small sizes and says so: GPU figures need a GPU. It prints min / median / max
+per point and a warning, for CPU timings swing a lot between runs.
+
+The printed tables fit 100 columns: a legend above each table keys the
+columns (the path letters), and every requested path that is not run gets a
+one-line reason.
 """
 
 import argparse
@@ -60,6 +65,23 @@ PATHS = {
     "h": "Liger fused add+RMSNorm",
     "i": "e, norm of fp32 sum (SGLang drop-in)",
 }
+
+# What each path's figure tells the reader (the legend's last column).
+PATH_MEASURES = {
+    "a": "SGLang <= 0.5.13's capture: h + r per layer, then cat",
+    "b": "SGLang >= 0.5.18's capture: the norm, then a copy_",
+    "c": "the capture alone, fused: add + store, no norm",
+    "d": "baseline: the layer's own add+RMSNorm, no capture",
+    "e": "d + a store of the residual into the slot",
+    "f": "d whose residual output is the slot: no extra write",
+    "g": "Inductor's kernel for d: the one to beat",
+    "h": "Liger-Kernel's kernel for d",
+    "i": "e, normalising the fp32 sum (SGLang drop-in's kernel)",
+}
+
+WIDTH = 100  # every printed line fits this many columns (tests/test_benchmark_cli.py)
+
+CPU_WARNING = "WARNING: CPU figures are not performance figures: timings swing between runs"
 
 
 def liger_fused_add_rmsnorm():
@@ -403,14 +425,15 @@ def run_gpu(args) -> dict:
 
 
 def run_cpu(args) -> dict:
-    """The ops' CPU path (torch) at small sizes; wall-clock medians."""
+    """The ops' CPU path (torch) at small sizes; wall-clock median, min and max
+    per point (the spread is part of the answer: CPU timings swing a lot)."""
     device = torch.device("cpu")
     dtype = DTYPES[args.dtype]
     rows = []
     for num_tokens in progress(args.tokens, len(args.tokens), "T sweep (CPU)"):
         x = make_inputs(num_tokens, args.hidden_size, args.num_captures, dtype, device)
         row = {"T": num_tokens, "paths": {}}
-        for path in [p for p in args.paths if p not in ("g", "h")]:
+        for path in [p for p in args.paths if p not in GPU_ONLY_PATHS]:
             check_path(path, x)
             step = build_step(path, x)
             for _ in range(3):
@@ -420,50 +443,151 @@ def run_cpu(args) -> dict:
                 t0 = time.perf_counter()
                 step()
                 samples.append((time.perf_counter() - t0) * 1e6)
-            row["paths"][path] = {"wall_us": statistics.median(samples)}
+            row["paths"][path] = {"wall_us": statistics.median(samples),
+                                  "min_us": min(samples), "max_us": max(samples),
+                                  "reps": len(samples)}
         rows.append(row)
     return {"rows": rows}
 
 
+# Paths the CPU run leaves out, and why (printed under "Not run").
+GPU_ONLY_PATHS = {
+    "g": "GPU only (on CPU it would time Inductor's C++ code)",
+    "h": "GPU only (Liger-Kernel's kernels are Triton GPU kernels)",
+}
+LIGER_MISSING = "liger-kernel is not installed (pip install liger-kernel)"
+
+
+def select_paths(requested: list, has_gpu: bool, has_liger: bool) -> tuple:
+    """(paths to run, {path: one-line reason} for every requested path not run)."""
+    skipped = {}
+    for p in requested:
+        if p == "h" and not has_liger:
+            skipped[p] = LIGER_MISSING
+        elif p in GPU_ONLY_PATHS and not has_gpu:
+            skipped[p] = GPU_ONLY_PATHS[p]
+    return [p for p in requested if p not in skipped], skipped
+
+
+def legend_lines(paths: list, skipped: dict) -> list:
+    """The key to the table's columns, one line per path, then the reason for
+    every requested path that is not run."""
+    lines = []
+    if paths:
+        w = max(len(PATHS[p]) for p in paths)
+        lines.append("Paths (key, what runs, what it measures):")
+        lines += [f"  {p}  {PATHS[p]:<{w}}  {PATH_MEASURES[p]}" for p in paths]
+    if skipped:
+        lines.append("Not run:")
+        lines += [f"  {p}  {PATHS[p]}: {why}" for p, why in skipped.items()]
+    return lines
+
+
+def align_parts(parts: list) -> list:
+    """Right-align each position of equal-length string lists to that position's
+    widest entry (so that e.g. "min / median / max" line up down a column)."""
+    widths = [max(len(row[i]) for row in parts) for i in range(len(parts[0]))] if parts else []
+    return [[x.rjust(w) for x, w in zip(row, widths)] for row in parts]
+
+
+def pack_columns(key_header: str, keys: list, columns: list, width: int = WIDTH,
+                 sep: str = " | ") -> list:
+    """A table of right-aligned columns, ``columns`` = [(header, [cell per key])],
+    laid out in blocks of at most ``width`` characters: the key column (T) starts
+    every block and the columns that do not fit go on to the next block."""
+    key_w = max([len(key_header)] + [len(k) for k in keys])
+    blocks, block, used = [], [], key_w
+    for header, cells in columns:
+        w = max([len(header)] + [len(c) for c in cells])
+        if block and used + len(sep) + w > width:
+            blocks.append(block)
+            block, used = [], key_w
+        block.append((header, cells, w))
+        used += len(sep) + w
+    if block:
+        blocks.append(block)
+    lines = []
+    for i, block in enumerate(blocks):
+        if i:
+            lines.append("")
+        head = key_header.rjust(key_w) + "".join(sep + h.rjust(w) for h, _, w in block)
+        lines += [head, "-" * len(head)]
+        lines += [key.rjust(key_w) + "".join(sep + cells[r].rjust(w) for _, cells, w in block)
+                  for r, key in enumerate(keys)]
+    return lines
+
+
+def format_gpu_table(result: dict, args) -> list:
+    """The GPU report as lines of at most WIDTH characters (pure: no GPU needed)."""
+    roof, rows, paths = result["roofline"], result["rows"], list(args.paths)
+    lines = [f"copy roofline (this run): {roof['gbps']:.0f} GB/s "
+             f"(device-to-device, {roof['bytes'] / 2**30:.0f} GiB read + written)",
+             f"H = {args.hidden_size}, K = {args.num_captures} captured layers, {args.dtype}.",
+             ""]
+    lines += legend_lines(paths, result.get("skipped", {}))
+    lines += ["",
+              "Cells: GPU us per forward step (all K layers), CUDA-graph replay, median "
+              "[% of copy roofline].",
+              "cost b / e / f: us over path d (the capture's own cost); "
+              "(floor): one extra write at roofline.",
+              ""]
+    keys = [str(row["T"]) for row in rows]
+    columns = [(p, [f"{row['paths'][p]['graph_us']:.1f} "
+                    f"[{row['paths'][p]['graph_pct_roofline']:3.0f}%]" for row in rows])
+               for p in paths]
+    costs = align_parts([[f"{row.get('capture_cost_us', {})[p]:+.1f}"
+                          if p in row.get("capture_cost_us", {}) else "-" for p in "bef"]
+                         + [f"({row['extra_write_floor_us']:.1f})"] for row in rows])
+    columns.append(("cost b / e / f (floor) us",
+                    [" / ".join(c[:3]) + " " + c[3] for c in costs]))
+    lines += pack_columns("T", keys, columns)
+    if paths:
+        lines += ["", "Eager (CUDA events, launch overhead included), us per step:"]
+        lines += pack_columns("T", keys, [(p, [f"{row['paths'][p]['event_us']:.1f}"
+                                               for row in rows]) for p in paths])
+    lines += ["", "Host time per op call, eager, T = 1 (us):"]
+    lines += [f"  {name:<42} {us:6.1f}" for name, us in result["host_us_per_call"].items()]
+    return lines
+
+
+def cpu_spread(result: dict) -> float:
+    """The largest max/min ratio over all points of a CPU run (1.0 if none)."""
+    ratios = [d["max_us"] / d["min_us"] for row in result["rows"]
+              for d in row["paths"].values() if d.get("min_us", 0) > 0]
+    return max(ratios, default=1.0)
+
+
+def format_cpu_table(result: dict, args) -> list:
+    """The CPU report as lines of at most WIDTH characters."""
+    rows, paths = result["rows"], [p for p in args.paths if p not in GPU_ONLY_PATHS]
+    lines = [f"CPU path (the ops' torch implementation), H = {args.hidden_size}, "
+             f"K = {args.num_captures} captured layers, {args.dtype}.", ""]
+    lines += legend_lines(paths, result.get("skipped", {}))
+    if not paths:
+        return lines + ["", "No path to run."]
+    spread = cpu_spread(result)
+    lines += ["",
+              f"Cells: wall-clock us per step (all K layers): min / median / max "
+              f"over {args.reps} reps.",
+              f"{CPU_WARNING} (max/min {spread:.{1 if spread < 10 else 0}f}x here).",
+              ""]
+    columns = []
+    for p in paths:
+        parts = align_parts([[f"{row['paths'][p]['min_us']:.1f}",
+                              f"{row['paths'][p]['wall_us']:.1f}",
+                              f"{row['paths'][p]['max_us']:.1f}"] for row in rows])
+        columns.append((p, [" / ".join(c) for c in parts]))
+    return lines + pack_columns("T", [str(row["T"]) for row in rows], columns)
+
+
 def print_gpu_table(result: dict, args) -> None:
-    roof = result["roofline"]
-    print(f"\ncopy roofline (this run): {roof['gbps']:.0f} GB/s "
-          f"(device-to-device, {roof['bytes'] / 2**30:.0f} GiB read + written)")
-    print(f"H = {args.hidden_size}, K = {args.num_captures} captured layers, {args.dtype}. "
-          f"GPU us per forward step (all K layers), CUDA-graph replay, median;")
-    print("[% of copy roofline]; capture cost = time over path d; floor = one extra write.\n")
-    paths = args.paths
-    header = f"{'T':>6} | " + " | ".join(f"{p}: {PATHS[p][:18]:<18}" for p in paths)
-    header += " | cost b / e / f (floor) us"
-    print(header)
-    print("-" * len(header))
-    for row in result["rows"]:
-        cells = []
-        for p in paths:
-            d = row["paths"][p]
-            cells.append(f"{d['graph_us']:8.1f} [{d['graph_pct_roofline']:3.0f}%]     ")
-        cost = row.get("capture_cost_us", {})
-        cost_s = " / ".join(f"{cost[p]:+6.1f}" if p in cost else "   -  " for p in "bef")
-        print(f"{row['T']:>6} | " + " | ".join(f"{c:<21}" for c in cells)
-              + f" | {cost_s} ({row['extra_write_floor_us']:.1f})")
-    print("\nEager (CUDA events, launch overhead included), us per step:")
-    print(f"{'T':>6} | " + " | ".join(f"{p:>8}" for p in paths))
-    for row in result["rows"]:
-        print(f"{row['T']:>6} | " + " | ".join(f"{row['paths'][p]['event_us']:8.1f}"
-                                               for p in paths))
-    print("\nHost time per op call, eager, T = 1 (us):")
-    for name, us in result["host_us_per_call"].items():
-        print(f"  {name:<42} {us:6.1f}")
+    print()
+    print("\n".join(format_gpu_table(result, args)))
 
 
 def print_cpu_table(result: dict, args) -> None:
-    paths = [p for p in args.paths if p not in ("g", "h")]
-    print(f"\nCPU path (torch implementation), H = {args.hidden_size}, K = "
-          f"{args.num_captures}, {args.dtype}: wall-clock us per step, median")
-    print(f"{'T':>6} | " + " | ".join(f"{p}: {PATHS[p][:18]:<18}" for p in paths))
-    for row in result["rows"]:
-        print(f"{row['T']:>6} | " + " | ".join(f"{row['paths'][p]['wall_us']:<21.1f}"
-                                               for p in paths))
+    print()
+    print("\n".join(format_cpu_table(result, args)))
 
 
 def plot(result: dict, args, path: str) -> None:
@@ -480,23 +604,38 @@ def plot(result: dict, args, path: str) -> None:
             title=f"Capture of K={args.num_captures} layers, H={args.hidden_size}, {args.dtype}")
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(fontsize=8)
+    # A capture cost can be zero or negative (f often ties d, within noise). A
+    # log axis cannot show those, and clipping them to a small floor drew them
+    # as tiny positive costs. So: a symlog axis (linear within +-1 us, log
+    # beyond), every cost at its true value, a zero line, and each cost <= 0
+    # circled in red so that it cannot be mistaken for a small positive one.
+    nonpositive = False
     for p in ("b", "e", "f"):
         if all(p in r.get("capture_cost_us", {}) for r in rows):
-            ax2.plot(tokens, [max(r["capture_cost_us"][p], 0.05) for r in rows], marker="o",
-                     ms=3, label=f"{p}: {PATHS[p]}")
+            costs = [r["capture_cost_us"][p] for r in rows]
+            ax2.plot(tokens, costs, marker="o", ms=3, label=f"{p}: {PATHS[p]}")
+            low = [(t, c) for t, c in zip(tokens, costs) if c <= 0]
+            if low:
+                ax2.scatter(*zip(*low), s=60, facecolors="none", edgecolors="red", zorder=3,
+                            label=None if nonpositive else "cost <= 0 (no slower than d)")
+                nonpositive = True
     ax2.plot(tokens, [r["extra_write_floor_us"] for r in rows], "k--", label="one extra write at roofline")
-    ax2.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="capture cost over d (us)",
+    ax2.axhline(0, color="grey", lw=0.8)
+    ax2.set_xscale("log")
+    ax2.set_yscale("symlog", linthresh=1.0)
+    ax2.set(xlabel="tokens T", ylabel="capture cost over d (us; symlog, linear within +-1)",
             title="Capture overhead vs the layer's add+RMSNorm")
     ax2.grid(True, which="both", alpha=0.3)
     ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(f"  {k}  {v}" for k, v in PATHS.items()))
+                                epilog="\n".join(legend_lines(list(PATHS), {})))
     p.add_argument("--hidden-size", type=int, default=7168,
                    help="H: 7168 DeepSeek-V3/Kimi-K2 (default), 4096 / 5120 Llama-class")
     p.add_argument("--num-captures", type=int, default=3, help="K captured layers (default 3)")
@@ -504,7 +643,8 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help="T values (default 1 2 4 .. 16384 on a GPU, 1 .. 256 on CPU)")
     p.add_argument("--paths", default="abcdefghi",
-                   help="which paths to run (default abcdefghi; h only where liger-kernel is installed)")
+                   help="which paths to run, as letters (default abcdefghi; g and h on a GPU "
+                        "only, h only where liger-kernel is installed)")
     p.add_argument("--reps", type=int, default=100, help="eager repetitions per point")
     p.add_argument("--replays", type=int, default=30, help="graph replays per point")
     p.add_argument("--rotate-l2", type=int, default=4,
@@ -514,10 +654,17 @@ def parse_args(argv=None):
                    help="folder for the JSON and PNG (default benchmarks/out)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     args = p.parse_args(argv)
-    args.paths = [c for c in args.paths if c in PATHS]
-    if "h" in args.paths and liger_fused_add_rmsnorm() is None:
-        print("liger-kernel is not installed: path h (Liger fused add+RMSNorm) skipped")
-        args.paths.remove("h")
+    letters = [c for c in args.paths if c not in ", "]  # "a,b,c" and "a b c" work too
+    bad = sorted(set(letters) - set(PATHS))
+    if bad:
+        p.error(f"--paths {args.paths!r}: unknown path letter(s) {', '.join(bad)}; "
+                f"valid letters: {''.join(PATHS)}")
+    if not letters:
+        p.error(f"--paths: no path letter given; valid letters: {''.join(PATHS)}")
+    # What the user asked for, in their order, once each; main() narrows
+    # args.paths to what runs here and says why the rest does not.
+    args.requested_paths = list(dict.fromkeys(letters))
+    args.paths = list(args.requested_paths)
     return args
 
 
@@ -525,12 +672,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     has_gpu = torch.cuda.is_available()
+    has_liger = "h" in args.paths and liger_fused_add_rmsnorm() is not None
+    args.paths, skipped = select_paths(args.requested_paths, has_gpu, has_liger)
     info = device_identity()
     print(f"device: {info['device']}  torch {info['torch']}  triton {info['triton']}"
           + (f"  driver {info.get('driver')}" if has_gpu else ""))
     if has_gpu:
         args.tokens = args.tokens or DEFAULT_TOKENS
         result = run_gpu(args)
+        result["skipped"] = skipped
         print_gpu_table(result, args)
     else:
         print("No GPU: running the CPU path (torch implementation) on small sizes. "
@@ -538,9 +688,12 @@ def main(argv=None) -> int:
         args.tokens = args.tokens or [1, 4, 16, 64, 256]
         args.reps = min(args.reps, 20)
         result = run_cpu(args)
+        result["skipped"] = skipped
+        result["warning"] = CPU_WARNING
         print_cpu_table(result, args)
+    command = sys.argv if argv is None else [__file__] + list(argv)
     result.update(config={k: v for k, v in vars(args).items()}, device=info,
-                  date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command=" ".join(sys.argv))
+                  date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command=" ".join(command))
     stem = os.path.join(args.out, f"capture_latency_{'gpu' if has_gpu else 'cpu'}_H{args.hidden_size}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
@@ -551,6 +704,8 @@ def main(argv=None) -> int:
             print(f"wrote {stem}.png")
         except ImportError:
             print("matplotlib not installed: no plot")
+    elif not args.no_plot:
+        print("no plot on CPU: it shows GPU figures")
     return 0
 
 

@@ -204,6 +204,64 @@ def _torch_impl(hidden_states, residual, *, weight=None, eps=0.0, normed_out=Non
         _rmsnorm_into(normed_out, norm_input, weight, eps)
 
 
+# The add+RMSNorm ops' CPU path under torch.compile: an opaque custom op per
+# registered op (same schema, same mutated arguments) whose CPU kernel is
+# _torch_impl. A triton_op's body is decomposed into the graph when traced,
+# so Inductor used to regenerate _torch_impl for CPU tensors, and torch 2.13's
+# C++ backend crashes on that graph (InductorError: KeyError: 'buf0'): the
+# residual (or captured) sum reads hidden_states, which the op overwrites with
+# the norm, and the outer-loop fusion of that sum with the row reduction tries
+# to promote the in-place write's mutation buffer to a local buffer whose
+# users load another buffer name. Upstream: pytorch/pytorch#196570 (also
+# #188228; fix proposed in #196639), and no eagle_capture is needed for it:
+#
+#     def f(x, out):                  # x, out: torch.randn(5, 64), CPU
+#         y = x * 2
+#         out.copy_(y)
+#         x.copy_(y * y.sum(-1, keepdim=True))
+#     torch.compile(f)(x, out)        # InductorError: KeyError: 'buf1'
+#
+# No rewrite of _torch_impl avoids it (copy_, out=, functional + copy and
+# F.rms_norm all functionalise to the same graph), so the CPU kernel is hidden
+# from Inductor instead: the compiled graph calls it as an extern kernel, and
+# compiled CPU results are bit-identical to eager. add_capture (no reduction)
+# stays decomposed, which compiles fine and lets Inductor fuse the copy.
+
+@torch.library.custom_op("eagle_capture::_add_rmsnorm_capture_cpu",
+                         mutates_args=("hidden_states", "residual", "aux"), device_types="cpu")
+def _add_rmsnorm_capture_cpu(hidden_states: torch.Tensor, residual: torch.Tensor,
+                             weight: torch.Tensor, eps: float, aux: Optional[torch.Tensor],
+                             slot: int, norm_fp32_sum: bool) -> None:
+    _torch_impl(hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
+                residual_out=residual, aux=aux, slot=slot, norm_fp32_sum=norm_fp32_sum)
+
+
+@torch.library.custom_op("eagle_capture::_add_rmsnorm_into_slot_cpu",
+                         mutates_args=("hidden_states", "aux"), device_types="cpu")
+def _add_rmsnorm_into_slot_cpu(hidden_states: torch.Tensor, residual: torch.Tensor,
+                               weight: torch.Tensor, eps: float, aux: torch.Tensor,
+                               slot: int) -> None:
+    _torch_impl(hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
+                aux=aux, slot=slot)
+
+
+@torch.library.custom_op("eagle_capture::_add_rmsnorm_out_cpu",
+                         mutates_args=("hidden_states", "residual_out"), device_types="cpu")
+def _add_rmsnorm_out_cpu(hidden_states: torch.Tensor, residual: torch.Tensor,
+                         weight: torch.Tensor, eps: float, residual_out: torch.Tensor) -> None:
+    _torch_impl(hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
+                residual_out=residual_out)
+
+
+def _mutates_only(*args) -> None:
+    """Fake implementation of the CPU ops: they only write their arguments."""
+    return None
+
+
+for _cpu_op in (_add_rmsnorm_capture_cpu, _add_rmsnorm_into_slot_cpu, _add_rmsnorm_out_cpu):
+    _cpu_op.register_fake(_mutates_only)
+
+
 def _dispatch(hidden_states, residual, *, wrap, **kwargs) -> None:
     if hidden_states.device.type == "cpu":
         _torch_impl(hidden_states, residual, **kwargs)
@@ -262,9 +320,13 @@ def _add_rmsnorm_capture_op(hidden_states: torch.Tensor, residual: torch.Tensor,
     _check_norm(hidden_states, residual, weight, eps, aux, slot, residual_mutated=True)
     _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
                            residual_mutated=True, hidden_mutated=True)
-    _dispatch(hidden_states, residual, wrap=wrap_triton, weight=weight, eps=eps,
-              normed_out=hidden_states, residual_out=residual, aux=aux, slot=slot,
-              norm_fp32_sum=norm_fp32_sum)
+    if hidden_states.device.type == "cpu":
+        torch.ops.eagle_capture._add_rmsnorm_capture_cpu(hidden_states, residual, weight, eps,
+                                                         aux, slot, norm_fp32_sum)
+        return
+    launch_kernel(hidden_states, residual, _wrap=wrap_triton, weight=weight, eps=eps,
+                  normed_out=hidden_states, residual_out=residual, aux=aux, slot=slot,
+                  norm_fp32_sum=norm_fp32_sum)
 
 
 @triton_op("eagle_capture::add_rmsnorm_into_slot", mutates_args={"hidden_states", "aux"})
@@ -274,8 +336,12 @@ def _add_rmsnorm_into_slot_op(hidden_states: torch.Tensor, residual: torch.Tenso
     _check_norm(hidden_states, residual, weight, eps, aux, slot)
     _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
                            residual_mutated=False, hidden_mutated=True)
-    _dispatch(hidden_states, residual, wrap=wrap_triton, weight=weight, eps=eps,
-              normed_out=hidden_states, aux=aux, slot=slot)
+    if hidden_states.device.type == "cpu":
+        torch.ops.eagle_capture._add_rmsnorm_into_slot_cpu(hidden_states, residual, weight, eps,
+                                                           aux, slot)
+        return
+    launch_kernel(hidden_states, residual, _wrap=wrap_triton, weight=weight, eps=eps,
+                  normed_out=hidden_states, aux=aux, slot=slot)
 
 
 @triton_op("eagle_capture::add_rmsnorm_out", mutates_args={"hidden_states", "residual_out"})
@@ -284,8 +350,12 @@ def _add_rmsnorm_out_op(hidden_states: torch.Tensor, residual: torch.Tensor,
     _check_norm_out(hidden_states, residual, weight, eps, residual_out)
     _checks.check_aliasing(hidden_states, residual, None, 0, weight=weight,
                            residual_mutated=False, hidden_mutated=True, residual_out=residual_out)
-    _dispatch(hidden_states, residual, wrap=wrap_triton, weight=weight, eps=eps,
-              normed_out=hidden_states, residual_out=residual_out)
+    if hidden_states.device.type == "cpu":
+        torch.ops.eagle_capture._add_rmsnorm_out_cpu(hidden_states, residual, weight, eps,
+                                                     residual_out)
+        return
+    launch_kernel(hidden_states, residual, _wrap=wrap_triton, weight=weight, eps=eps,
+                  normed_out=hidden_states, residual_out=residual_out)
 
 
 # ----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Capture plans: which layers to capture, in which slot, under which convention.
 
-Two conventions for an EAGLE-3 layer id are in use (FACTS.md sections 2-3):
+Two conventions for an EAGLE-3 layer id are in use:
 
 * ``output`` -- id X is the *output of decoder layer X* (SpecForge drafts,
   TensorRT-LLM). That is HF transformers' ``output_hidden_states[X + 1]`` and
@@ -27,9 +27,10 @@ from ~47% to ~19%, silently.
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 CONVENTIONS = ("output", "input")
 
@@ -165,18 +166,22 @@ def build_plan(layer_ids: Optional[Iterable[int]], num_layers: int, *,
         if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
             raise CapturePlanError(f"layer ids must be integers, got {ids!r}")
         negative = [i for i in ids if i < 0]
-        if negative:
+        shift, rule = _rule_shift(ids, convention, sglang_version)
+        # -1 read as an output id is the embedding output (capture layer 0); that
+        # one is allowed on request, any other negative id names no layer at all.
+        if negative and not (allow_embedding and negative == [-1] and shift == 1):
             raise CapturePlanError(
                 f"layer id {negative[0]} in {ids} asks for the embedding output, which no "
                 f"SpecForge-trained draft uses (SpecForge requires non-negative ids); adding it "
-                f"dropped acceptance from ~47% to ~19% in the field. Use the ids the draft was "
-                f"trained on -- for a {num_layers}-layer target SpecForge's default is "
-                f"{specforge_default_ids(num_layers)}")
+                f"dropped acceptance from ~47% to ~19% in the field (a field report). Use the ids "
+                f"the draft was trained on -- for a {num_layers}-layer target SpecForge's default "
+                f"is {specforge_default_ids(num_layers)}. Only for a draft really trained on the "
+                f"embedding: --allow-embedding (allow_embedding=True), read as an output id. "
+                f"`python -m eagle_capture.doctor` shows what each SGLang line does with it")
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
             raise CapturePlanError(f"layer id {dupes[0]} appears more than once in {ids}; each "
                                    f"captured layer fills one slot of the draft's input")
-        shift, rule = _rule_shift(ids, convention, sglang_version)
         capture = [i + shift for i in ids]
         configured = list(ids)
         if ids[0] != 1:
@@ -192,8 +197,9 @@ def build_plan(layer_ids: Optional[Iterable[int]], num_layers: int, *,
         if layer == 0 and not allow_embedding:
             raise CapturePlanError(
                 f"id {cid} captures the input to layer 0, i.e. the embedding output, which no "
-                f"SpecForge-trained draft uses (and SGLang <= 0.5.13 crashes on: residual is "
-                f"None at layer 0). Pass allow_embedding=True only for a draft trained on it")
+                f"SpecForge-trained draft uses. SGLang 0.5.9 - 0.5.17 fail at the first forward "
+                f"on it (residual is None at layer 0); 0.5.18 and later capture the embedding. "
+                f"Only for a draft trained on it: --allow-embedding (allow_embedding=True)")
         if not 0 <= layer < num_layers:
             hint = (f"the last usable id is {num_layers - 2} in the output convention "
                     f"(capture at the start of layer {num_layers - 1})")
@@ -222,8 +228,27 @@ def ids_from_draft_config(config: dict) -> Optional[list[int]]:
     return list(ids) if ids is not None else None
 
 
-def plan_from_draft_config(config: dict, num_layers: int, **kwargs) -> CapturePlan:
-    return build_plan(ids_from_draft_config(config), num_layers, **kwargs)
+def load_draft_config(config: Union[dict, str, os.PathLike]) -> dict:
+    """A draft config as a dict: given as one, or read from a ``config.json`` path
+    (or the model folder holding it)."""
+    if isinstance(config, dict):
+        return config
+    if not isinstance(config, (str, os.PathLike)):
+        raise CapturePlanError(f"draft config must be a dict or a path, got {type(config).__name__}")
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        loaded = json.load(f)
+    if not isinstance(loaded, dict):
+        raise CapturePlanError(f"{path} does not hold a JSON object")
+    return loaded
+
+
+def plan_from_draft_config(config: Union[dict, str, os.PathLike], num_layers: int,
+                           **kwargs) -> CapturePlan:
+    """:func:`build_plan` for a draft config (a dict, a config.json path or its folder)."""
+    return build_plan(ids_from_draft_config(load_draft_config(config)), num_layers, **kwargs)
 
 
 # ----------------------------------------------------------------------------
@@ -247,10 +272,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="accept a capture of the embedding output (only for drafts trained on it)")
     args = p.parse_args(argv)
     try:
-        with open(args.draft_config) as f:
-            config = json.load(f)
         plan = plan_from_draft_config(
-            config, args.num_layers, convention=args.convention,
+            args.draft_config, args.num_layers, convention=args.convention,
             sglang_version=args.sglang_version,
             pp_layers=tuple(args.pp_layers) if args.pp_layers else None,
             allow_embedding=args.allow_embedding)

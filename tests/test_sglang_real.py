@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VERSIONS = ["0.5.9", "0.5.13", "0.5.18", "0.5.20", "0.5.22", "0.5.23"]
 SCENARIOS = ["same_as_sglang_fp32", "same_as_sglang_bf16", "norm_paths", "names_and_weights",
              "install_before_torch_compiled", "install_after_torch_compiled",
-             "piecewise_compiled", "refusals"]
+             "piecewise_compiled", "layer_id_rules", "refusals"]
 
 pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL") == "1",
                                 reason="EAGLE_CAPTURE_SKIP_SGLANG_REAL=1 (no PyPI here)")

@@ -293,6 +293,46 @@ def piecewise_compiled():
     return out
 
 
+def layer_id_rules():
+    """The doctor's per-line rules (eagle_capture.doctor.SGLANG_LINES) against this
+    wheel's own code: the layers_to_capture that set_eagle3_layers_to_capture sets
+    for several draft ids, and what SGLang's own first forward then does."""
+    from eagle_capture.doctor import line_of
+
+    line = line_of(harness.sglang_version())
+    assert harness.sglang_version() in line.read_versions
+    out = {}
+    for ids in ([1, 3, 5], [2, 3, 5], [0, 3, 5], [-1, 3, 5], [-1, 2, 4], None):
+        model = _build(torch.float32)
+        model.set_eagle3_layers_to_capture(None if ids is None else list(ids))
+        got = list(model.model.layers_to_capture)
+        predicted = line.capture_layers(ids, NUM_LAYERS)
+        assert got == predicted, f"ids {ids}: SGLang captures {got}, the doctor says {predicted}"
+        try:
+            final, aux = _run(model, 3)
+            outcome = ("embedding" if 0 in got else
+                       "dropped" if aux.shape[1] < len(got) * HIDDEN else "captured")
+            if outcome == "embedding":
+                with torch.no_grad():
+                    emb = model.model.embed_tokens(harness.make_batch(model, 3, seed=0)[0])
+                assert torch.equal(aux[:, :HIDDEN], emb), "slot 0 is not the embedding output"
+        except TypeError:
+            outcome = "crash"
+        except (RuntimeError, AssertionError) as e:
+            if "aux hidden states" not in str(e):
+                raise
+            outcome = "error"
+        if 0 in got:
+            expected = line.layer0
+        elif any(layer < 0 for layer in got):
+            expected = line.missing_capture
+        else:
+            expected = "captured"
+        assert outcome == expected, f"ids {ids}: SGLang's forward {outcome}, doctor: {expected}"
+        out[str(ids)] = f"{got}: {outcome}"
+    return out
+
+
 def refusals():
     """Clear errors instead of silent wrong captures."""
     out = {}
@@ -384,6 +424,7 @@ SCENARIOS = {
     "install_before_torch_compiled": lambda: torch_compiled_install_order("before"),
     "install_after_torch_compiled": lambda: torch_compiled_install_order("after"),
     "piecewise_compiled": piecewise_compiled,
+    "layer_id_rules": layer_id_rules,
     "refusals": refusals,
 }
 

@@ -89,7 +89,16 @@ def check_norm_inputs(hidden_states: torch.Tensor, weight: torch.Tensor, eps: fl
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"eagle_capture: weight must be a torch.Tensor, got {type(weight).__name__}")
     if weight.dim() != 1 or weight.shape[0] != hidden_size:
-        _fail(f"weight must have shape [{hidden_size}] (hidden_size), got {tuple(weight.shape)}")
+        message = f"weight must have shape [{hidden_size}] (hidden_size), got {tuple(weight.shape)}"
+        if (weight.dim() == 1 and 0 < hidden_size < weight.shape[0]
+                and weight.shape[0] % hidden_size == 0):
+            # The full-width norm weight against H/tp-wide hidden states: the
+            # same user bug as a TP-local capture (check_aux's hint).
+            message += (f"; the weight is {weight.shape[0] // hidden_size} x {hidden_size} wide: "
+                        f"hidden states of width hidden_size / tp_size mean a tensor-parallel "
+                        f"shard reached the capture point (normalise and capture only full, "
+                        f"reduced hidden states)")
+        _fail(message)
     if hidden_size > 1 and weight.stride(0) != 1:
         _fail("weight must be contiguous")
     if weight.dtype not in SUPPORTED_DTYPES:

@@ -29,11 +29,24 @@ engine's defaults ran at 1.2% instead of 58.9% (vLLM issue 50170).
 
 import argparse
 import json
+import re
 import sys
+import textwrap
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .plan import CapturePlanError, default_capture_layers, load_draft_config, parse_version
+
+
+WIDTH = 100   # output columns
+
+
+def _wrap(text: str, first: str, rest: str) -> str:
+    """Wrap at WIDTH without breaking inside ``[...]`` or ``(...)``."""
+    keep = re.sub(r"[\[(][^\])]*[\])]", lambda m: m.group(0).replace(" ", "\0"), text)
+    wrapped = textwrap.fill(keep, WIDTH, initial_indent=first, subsequent_indent=rest,
+                            break_long_words=False, break_on_hyphens=False)
+    return wrapped.replace("\0", " ")
 
 
 @dataclass(frozen=True)
@@ -149,13 +162,13 @@ class Diagnosis:
         ids = "none (field absent)" if self.ids is None else self.ids
         out = [f"draft ids (output convention, as SpecForge writes them): {ids}; "
                f"target: {self.num_layers} layers"]
-        out += [f"note: {n}" for n in self.notes]
+        out += [_wrap(f"note: {n}", "", "      ") for n in self.notes]
         for v in self.verdicts:
             status = ("PROBLEM" if not v.ok else
                       "UNVERIFIED (the draft's layers are unknown)" if self.ids is None else "OK")
-            out.append(f"SGLang {v.line.name} (read from {', '.join(v.line.read_versions)}): "
-                       f"layers_to_capture = {v.capture_layers} -> {status}")
-            out += [f"    {text}" for text in v.lines]
+            out.append(f"SGLang {v.line.name} (read from {', '.join(v.line.read_versions)}):")
+            out.append(f"  layers_to_capture = {v.capture_layers} -> {status}")
+            out += [_wrap(text, "    ", "      ") for text in v.lines]
         if not self.ok:
             verdict = "problems above; do not serve this as is"
         elif self.ids is None:

@@ -23,9 +23,11 @@ def _config(tmp_path, ids, nested=True):
 
 
 def _doctor(capsys, *argv):
+    """(exit code, stdout with its line wrapping undone, stderr)."""
     code = doctor.main([str(a) for a in argv])
     out = capsys.readouterr()
-    return code, out.out, out.err
+    assert all(len(line) <= doctor.WIDTH for line in out.out.splitlines())
+    return code, " ".join(out.out.split()), out.err
 
 
 def test_the_users_config_minus_one(tmp_path, capsys):

@@ -1,8 +1,8 @@
 """Low-overhead eager launches of a compiled Triton kernel.
 
 ``kernel[grid](...)`` re-binds and re-specialises every argument on every
-call (~19 us of host time per launch on the H200 machine's CPU, FACTS.md
-section 4); the layer loop calls the capture ops once per layer, so in eager
+call (~19 us of host time per launch on the H200 machine's CPU,
+benchmarks/NOTES.md); the layer loop calls the capture ops once per layer, so in eager
 prefill that is paid K times a step. This launcher lets Triton compile and
 launch the first call for a given *specialisation key* the normal way, keeps
 the ``CompiledKernel`` it returns, and later calls its launcher directly.

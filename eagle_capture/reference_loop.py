@@ -1,6 +1,6 @@
 """An SGLang-style DeepseekV2 layer loop over HF transformers' DeepseekV3 layers.
 
-The structure is SGLang's ``DeepseekV2Model.forward`` (FACTS.md section 2),
+The structure is SGLang's ``DeepseekV2Model.forward`` (docs/engine_facts.md section 1),
 the modules are HF's (``DeepseekV3Model``: embedding, MLA attention, MoE/MLP,
 RMSNorm weights), so the same weights can be run both ways:
 

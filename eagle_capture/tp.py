@@ -1,6 +1,6 @@
 """Tensor-parallel capture: reduce first, then add, then store -- by construction.
 
-At the capture point the hidden axis is never sharded (FACTS.md section 2),
+At the capture point the hidden axis is never sharded (docs/engine_facts.md section 3),
 but the value arriving there is a *row-parallel partial sum* (each rank's
 share of layer i-1's output projection) until it is all-reduced. SGLang up to
 0.5.13 captured ``hidden_states + residual`` from such per-rank partials when

@@ -32,7 +32,7 @@ NORM_TOLERANCES = {
     torch.float16: dict(rtol=2**-10, atol=1e-5),
     torch.float32: dict(rtol=1e-5, atol=1e-6),
 }
-# Triton's interpreter truncates fp32 -> bf16 (FACTS.md section 5) instead of
+# Triton's interpreter truncates fp32 -> bf16 (docs/engine_facts.md section 4) instead of
 # rounding to nearest even: up to one full ulp from the cast alone, so the
 # interpreter gets one more ulp for bf16. fp16 and fp32 casts are exact there.
 INTERPRETER_NORM_TOLERANCES = dict(NORM_TOLERANCES)

@@ -4,7 +4,7 @@ On a GPU it runs compiled and the stored residual/capture must equal torch's
 ``h + r`` bit for bit. Without a GPU it runs under ``TRITON_INTERPRET=1`` on
 CPU tensors (small shapes: the interpreter is ~1 s per 64 x 7168 row block).
 The interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest
-even (FACTS.md section 5), so for bf16 there the expected value is the fp32
+even (docs/engine_facts.md section 4), so for bf16 there the expected value is the fp32
 sum truncated to bf16 -- still compared bit for bit, so an indexing or
 masking bug fails just as it would on the GPU. fp16 and fp32 casts are exact
 in the interpreter and are compared against torch directly.

@@ -1,4 +1,18 @@
+from pathlib import Path
+
+import setuptools
 from setuptools import setup
+
+HERE = Path(__file__).resolve().parent
+URL = "https://github.com/eagle-capture/eagle-capture"
+
+# License-Expression (PEP 639) from setuptools 77 on; older setuptools (an
+# offline --no-build-isolation install uses whatever is there) has only the
+# free-text License field.
+if int(setuptools.__version__.split(".")[0]) >= 77:
+    LICENSE = {"license_expression": "Apache-2.0"}
+else:
+    LICENSE = {"license": "Apache-2.0"}
 
 # The Triton kernels live in the top-level folder kernels/ (the architecture at a
 # glance) but ship as eagle_capture.kernels: a top-level import name "kernels"
@@ -10,7 +24,32 @@ setup(
     name="eagle-capture",
     version="0.1.0",
     description="Fused EAGLE-3 aux-hidden-state capture kernels and torch.library ops",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    url=URL,
+    project_urls={
+        "Source": URL,
+        "Issues": f"{URL}/issues",
+    },
+    # No license classifier: setuptools refuses one next to a License-Expression.
+    **LICENSE,
+    license_files=["LICENSE"],
     python_requires=">=3.10",
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Environment :: GPU :: NVIDIA CUDA",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Programming Language :: Python :: 3.13",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+    keywords=["eagle-3", "speculative-decoding", "triton", "torch.compile", "sglang"],
     packages=["eagle_capture", "eagle_capture.kernels"],
     install_requires=["torch>=2.6", "triton>=3.2"],
     extras_require={

@@ -22,9 +22,12 @@ refused).
 
 Each op is a ``torch.library.triton_op``: torch.compile sees the Triton
 kernel (Inductor can schedule it; no graph break), and the same body runs a
-torch implementation for CPU tensors (SGLang's CPU backend, CI). In eager
+torch implementation for CPU tensors (SGLang's CPU backend, CI) -- for the
+add+RMSNorm ops through a private CPU op that Inductor calls as it is rather
+than regenerating (torch 2.13's C++ backend crashes on the regenerated graph;
+see "CPU implementation" below). In eager
 mode the public functions below skip the dispatcher and launch directly --
-the op layer costs tens of microseconds per call (FACTS.md section 4) --
+the op layer costs tens of microseconds per call (docs/engine_facts.md section 5) --
 while under torch.compile they call the registered op.
 """
 

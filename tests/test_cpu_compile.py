@@ -143,7 +143,8 @@ def test_upstream_repro_plain_torch():
 # ----------------------------------------------------------------------------
 
 FULL_H = 7168
-TP_HINT = r"weight must have shape \[{w}\] \(hidden_size\), got \({full},\); .*tensor-parallel shard"
+TP_HINT = (r"weight must have shape \[{w}\] \(hidden_size\), got \({full},\); "
+           r".*tensor-parallel shard")
 
 
 def _norm_call(op, call, h, r, w):

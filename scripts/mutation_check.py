@@ -1,0 +1,110 @@
+"""Break the code on purpose and check that the CPU test suite notices.
+
+    python scripts/mutation_check.py            # every mutant, CPU tests
+    python scripts/mutation_check.py --list     # the mutants
+    python scripts/mutation_check.py -k slot    # mutants whose name contains "slot"
+
+Each mutant is one exact text replacement in one source file, applied to a copy
+of the checkout (the working tree is never touched); the copy's tests then run on
+CPU (kernels under TRITON_INTERPRET=1). A mutant is *caught* when at least one
+test fails. Exit status 1 if any mutant survives.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (name, file, original text, mutated text, tests that should catch it)
+MUTANTS = [
+    ("launch writes slot + 1", "eagle_capture/ops.py",
+     "slot * aux.stride(1) if aux is not None else 0,",
+     "(slot + 1) * aux.stride(1) if aux is not None else 0,",
+     ["tests/test_kernel.py", "tests/test_ops.py"]),
+    ("kernel drops eps", "kernels/add_rmsnorm_capture.py",
+     "rstd = tl.rsqrt(mean_sq + eps)",
+     "rstd = tl.rsqrt(mean_sq)",
+     ["tests/test_kernel.py", "tests/test_ops.py"]),
+    ("residual output points at hidden_states", "eagle_capture/ops.py",
+     "residual_out if residual_out is not None else hidden_states,",
+     "hidden_states,",
+     ["tests/test_kernel.py", "tests/test_ops.py"]),
+    ("kernel ignores the weight", "kernels/add_rmsnorm_capture.py",
+     "y = x * rstd * w.to(tl.float32)",
+     "y = x * rstd",
+     ["tests/test_kernel.py", "tests/test_ops.py"]),
+    ("kernel ignores NORM_FP32_SUM", "kernels/add_rmsnorm_capture.py",
+     "if NORM_FP32_SUM and HAS_RESIDUAL:",
+     "if False:",
+     ["tests/test_kernel.py"]),
+    ("CPU path ignores norm_fp32_sum", "eagle_capture/ops.py",
+     "if norm_fp32_sum and residual is not None and weight is not None else s)",
+     "if False else s)",
+     ["tests/test_ops.py"]),
+    ("SGLang drop-in stores into slot 0", "eagle_capture/sglang.py",
+     "state.buffer.aux, state.buffer.slot_of(self._eagle_layer_id),\n",
+     "state.buffer.aux, 0,\n",
+     ["tests/test_sglang_real.py"]),
+    ("SGLang drop-in normalises the rounded residual", "eagle_capture/sglang.py",
+     "norm_fp32_sum=True)",
+     "norm_fp32_sum=False)",
+     ["tests/test_sglang_real.py"]),
+    ("doctor forgets 0.5.9's +1", "eagle_capture/doctor.py",
+     "shift = 1 if self.shift_always or (ids and ids[0] == 1) else 0",
+     "shift = 1 if (ids and ids[0] == 1) else 0",
+     ["tests/test_doctor.py", "tests/test_sglang_real.py"]),
+]
+
+
+def _copy_checkout(dest: Path) -> None:
+    ignore = shutil.ignore_patterns(".git", ".venv", ".cache", "__pycache__", "*.egg-info",
+                                    ".pytest_cache", ".hypothesis", "out")
+    shutil.copytree(ROOT, dest, ignore=ignore, symlinks=True)
+    # The real-SGLang overlays are large and read-only: share them.
+    if (ROOT / ".cache").exists():
+        os.symlink(ROOT / ".cache", dest / ".cache")
+
+
+def run_mutant(name, rel, original, mutated, tests, python) -> tuple[bool, str]:
+    with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
+        copy = Path(tmp) / "checkout"
+        _copy_checkout(copy)
+        path = copy / rel
+        text = path.read_text()
+        if text.count(original) != 1:
+            return False, f"original text found {text.count(original)} times in {rel}: stale mutant"
+        path.write_text(text.replace(original, mutated))
+        env = dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
+        env.pop("TRITON_INTERPRET", None)   # tests/conftest.py sets it on CPU
+        result = subprocess.run([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                                 *tests], cwd=copy, env=env, capture_output=True, text=True)
+        last = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
+        return result.returncode != 0, last
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--list", action="store_true")
+    p.add_argument("-k", default="", help="only mutants whose name contains this")
+    args = p.parse_args(argv)
+    mutants = [m for m in MUTANTS if args.k in m[0]]
+    if args.list:
+        for name, rel, *_ , tests in mutants:
+            print(f"{name:48s} {rel:36s} {' '.join(tests)}")
+        return 0
+    survived = 0
+    for name, rel, original, mutated, tests in mutants:
+        caught, detail = run_mutant(name, rel, original, mutated, tests, sys.executable)
+        survived += not caught
+        print(f"{'caught  ' if caught else 'SURVIVED'} {name:48s} {detail}", flush=True)
+    print(f"{len(mutants) - survived} of {len(mutants)} mutants caught")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

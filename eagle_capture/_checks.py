@@ -57,8 +57,24 @@ def check_aux(aux: torch.Tensor, slot: int, num_tokens: int, hidden_size: int,
     if aux.dtype != dtype:
         _fail(f"aux dtype {aux.dtype} does not match hidden_states dtype {dtype}")
     check_no_internal_overlap("aux", aux)
+    # Rows outermost, slots inside a row: result(T) is then a [T, K*H] view, and the
+    # aliasing checks can tell which slot a [T, H] view lies in.
+    if ((num_slots > 1 and aux.stride(1) < aux_hidden)
+            or (rows > 1 and aux.stride(0) < num_slots * max(aux.stride(1), aux_hidden))):
+        _fail(f"aux must be laid out [max_tokens, num_captures, hidden_size] with rows "
+              f"outermost (strides >= ({num_slots} * {aux_hidden}, {aux_hidden}, 1)), got strides "
+              f"{tuple(aux.stride())}; a slot-major buffer such as "
+              f"torch.empty(K, rows, H).permute(1, 0, 2) is not supported")
     if aux.device != device:
         _fail(f"aux is on {aux.device} but hidden_states is on {device}")
+
+
+def refuse_autograd(op: str, tensors) -> None:
+    """The ops have no autograd formula and update tensors in place."""
+    raise RuntimeError(
+        f"eagle_capture: {op} got a tensor that requires grad while grad mode is on; the ops "
+        f"have no backward and write in place. Call them under torch.no_grad() or "
+        f"torch.inference_mode() (as serving does), or detach the inputs")
 
 
 def check_add_inputs(hidden_states: torch.Tensor, residual: Optional[torch.Tensor]) -> None:

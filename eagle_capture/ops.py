@@ -268,6 +268,12 @@ for _cpu_op in (_add_rmsnorm_capture_cpu, _add_rmsnorm_into_slot_cpu, _add_rmsno
 def _dispatch(hidden_states, residual, *, wrap, **kwargs) -> None:
     if hidden_states.device.type == "cpu":
         _torch_impl(hidden_states, residual, **kwargs)
+    elif (not torch.compiler.is_compiling()
+          and hidden_states.device.index != torch.cuda.current_device()):
+        # Triton launches on the *current* device: tensors on another one would be
+        # read at illegal addresses. (Compiled code sets its own device guard.)
+        with torch.cuda.device(hidden_states.device):
+            launch_kernel(hidden_states, residual, _wrap=wrap, **kwargs)
     else:
         launch_kernel(hidden_states, residual, _wrap=wrap, **kwargs)
 
@@ -423,6 +429,13 @@ def _eager_call(check, alias_check, key_tensors: tuple, key_scalars: tuple, poin
             for t in key_tensors)
     except AttributeError:  # a non-tensor argument: let the full check name it
         key = None
+    else:
+        # The fast path writes through raw pointers: autograd would neither record
+        # the op nor see the in-place update. (Under no_grad / inference_mode, as in
+        # serving, parameters that require grad are fine.)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in key_tensors):
+            _checks.refuse_autograd(key_scalars[0], key_tensors)
     entry = _PLANS.get(key) if key is not None else None
     if entry is None:
         check()

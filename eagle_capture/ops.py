@@ -31,6 +31,7 @@ the op layer costs tens of microseconds per call (docs/engine_facts.md section 5
 while under torch.compile they call the registered op.
 """
 
+import contextlib
 import functools
 import itertools
 import operator
@@ -138,10 +139,18 @@ def launch_kernel(
     grid, args, num_warps = _launch_args(hidden_states, residual, weight, eps, normed_out,
                                          residual_out, aux, slot, use_pdl, norm_fp32_sum)
     kernel = add_rmsnorm_capture_kernel if _wrap is None else _wrap(add_rmsnorm_capture_kernel)
-    if use_pdl:
-        kernel[grid](*args, num_warps=num_warps, launch_pdl=True)
-    else:
-        kernel[grid](*args, num_warps=num_warps)
+    # Triton launches on the *current* device: tensors on another GPU would be read at
+    # illegal addresses. The registered ops (the dispatcher path) may be called so;
+    # compiled code sets its own device guard.
+    guard = (torch.cuda.device(hidden_states.device)
+             if (hidden_states.is_cuda and not torch.compiler.is_compiling()
+                 and hidden_states.device.index != torch.cuda.current_device())
+             else contextlib.nullcontext())
+    with guard:
+        if use_pdl:
+            kernel[grid](*args, num_warps=num_warps, launch_pdl=True)
+        else:
+            kernel[grid](*args, num_warps=num_warps)
 
 
 _cached_launch = CachedLauncher(add_rmsnorm_capture_kernel)
@@ -268,12 +277,6 @@ for _cpu_op in (_add_rmsnorm_capture_cpu, _add_rmsnorm_into_slot_cpu, _add_rmsno
 def _dispatch(hidden_states, residual, *, wrap, **kwargs) -> None:
     if hidden_states.device.type == "cpu":
         _torch_impl(hidden_states, residual, **kwargs)
-    elif (not torch.compiler.is_compiling()
-          and hidden_states.device.index != torch.cuda.current_device()):
-        # Triton launches on the *current* device: tensors on another one would be
-        # read at illegal addresses. (Compiled code sets its own device guard.)
-        with torch.cuda.device(hidden_states.device):
-            launch_kernel(hidden_states, residual, _wrap=wrap, **kwargs)
     else:
         launch_kernel(hidden_states, residual, _wrap=wrap, **kwargs)
 

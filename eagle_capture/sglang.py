@@ -103,12 +103,16 @@ class CaptureState:
         missing = [i for i in self.layer_ids if i not in stored]
         wrong = {i: n for i, n in stored.items() if n != num_tokens}
         if missing or wrong:
+            problems = []
+            if missing:
+                problems.append(f"captured layer(s) {missing} stored nothing")
+            problems += [f"layer {i} stored {n} rows" for i, n in sorted(wrong.items())]
             raise RuntimeError(
-                f"eagle_capture: in this forward the captured layers {missing} did not store "
-                f"their capture and {sorted(wrong)} stored {sorted(wrong.values())} rows instead "
-                f"of {num_tokens}: a path bypassed the captured input norm ({self.surface}); "
-                f"the draft would read a stale buffer. Disable that path (fusion provider, "
-                f"two-batch overlap, scattered rows) or uninstall the fused capture")
+                f"eagle_capture: in this forward of {num_tokens} tokens "
+                f"{'; '.join(problems)}: a path bypassed the captured input norm "
+                f"({self.surface}) and the draft would read a stale buffer. Disable that path "
+                f"(a backend fusion provider, two-batch overlap, scattered rows) or keep "
+                f"SGLang's own capture")
 
 
 def _in_compiled_region() -> bool:

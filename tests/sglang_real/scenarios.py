@@ -102,6 +102,7 @@ def same_as_sglang(dtype_name: str):
     return out
 
 
+@torch.no_grad()   # as SGLang's model runner calls the model (its norm weights require grad)
 def norm_paths():
     """Every way SGLang calls a captured layer's input norm, on the real RMSNorm
     class: post_residual_addition (added to the residual first, out of place),

@@ -13,7 +13,8 @@ nccl+fused is faster than one-kernel) and writes JSON.
     torchrun --nproc-per-node 8 benchmarks/allreduce_capture.py --out results/
     python benchmarks/allreduce_capture.py      # world size 1: a smoke test only
 
-NVLink multicast stays off (eagle_capture.symm sets and checks the variables).
+NVLink multicast stays off (main() sets and checks the variables with
+eagle_capture.symm.ensure_multicast_disabled before NCCL starts).
 """
 
 import argparse
@@ -25,9 +26,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from eagle_capture import symm  # sets the multicast-off defaults before NCCL starts
+from eagle_capture import symm
 import eagle_capture as ec
-from capture_latency import time_graph_replay  # benchmarks/ is on sys.path when run as a script
+from eagle_capture.bench import time_graph_replay
 
 
 def main() -> int:
@@ -40,7 +41,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("allreduce_capture: needs CUDA GPUs (one per rank)")
         return 0
-    symm.check_multicast_disabled()
+    symm.ensure_multicast_disabled()  # before init_process_group: NCCL reads it then
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

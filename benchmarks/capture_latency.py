@@ -49,6 +49,8 @@ from typing import Callable
 import torch
 
 import eagle_capture as ec
+from eagle_capture.bench import (host_us_per_call, measure_copy_roofline, time_events,
+                                 time_graph_replay)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_TOKENS = [2**i for i in range(15)]  # 1 .. 16384
@@ -145,6 +147,7 @@ def make_inputs(num_tokens: int, hidden_size: int, num_captures: int, dtype, dev
 def _eager_add_rmsnorm(h: torch.Tensor, r: torch.Tensor, w: torch.Tensor):
     """Out of place (fresh outputs): Inductor's best case -- the in-place form
     made it copy back into the inputs, slower at every T on the H200."""
+    # Spelled out, not eagle_capture.reference.rmsnorm_fp32: these plain torch ops are path g.
     s = h + r
     x = s.float()
     return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w.float()).to(h.dtype), s
@@ -246,64 +249,6 @@ def check_path(path: str, x: Inputs) -> None:
 # Timing
 # ----------------------------------------------------------------------------
 
-def time_graph_replay(steps: list, steps_per_graph: int, replays: int) -> float:
-    """Median GPU microseconds per step from CUDA-graph replays; the graph walks
-    the rotated input sets in ``steps`` round-robin."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for step in steps:
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    steps_per_graph = max(steps_per_graph, len(steps))
-    graph = torch.cuda.CUDAGraph()
-    # Out-of-place paths (a, g, h) return fresh outputs. Kept alive, each step
-    # of the graph writes to its own memory; dropped, the graph pool would hand
-    # every step the same block, whose dirty lines can be rewritten in L2
-    # without ever reaching DRAM -- a write discount no layer of a model gets
-    # (benchmarks/NOTES.md, "Output reuse in graph replay").
-    outputs = []
-    with torch.cuda.graph(graph):
-        for i in range(steps_per_graph):
-            outputs.append(steps[i % len(steps)]())
-    for _ in range(3):
-        graph.replay()
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    end = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    for i in range(replays):
-        start[i].record()
-        graph.replay()
-        end[i].record()
-    torch.cuda.synchronize()
-    del graph, outputs
-    times = [s.elapsed_time(e) * 1e3 / steps_per_graph for s, e in zip(start, end)]
-    return statistics.median(times)
-
-
-def time_events(steps: list, reps: int) -> float:
-    """Median microseconds per eager step, CUDA events around each step."""
-    for step in steps:
-        step()
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        start[i].record()
-        steps[i % len(steps)]()
-        end[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(start, end))
-
-
-def measure_copy_roofline(device, nbytes: int = 2 << 30, reps: int = 20) -> dict:
-    """Device-to-device copy bandwidth, bytes read + written, in this run."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    us = time_events([lambda: dst.copy_(src)], reps)
-    del src, dst
-    torch.cuda.empty_cache()
-    return {"bytes": 2 * nbytes, "us": us, "gbps": 2 * nbytes / us / 1e3}
-
-
 def measure_host_overhead(hidden_size: int, dtype, device, calls: int = 2000) -> dict:
     """Host microseconds per call in eager mode, T = 1 (the GPU never limits)."""
     x = make_inputs(1, hidden_size, 1, dtype, device)
@@ -317,21 +262,9 @@ def measure_host_overhead(hidden_size: int, dtype, device, calls: int = 2000) ->
         "add_rmsnorm_capture (public)": lambda: ec.add_rmsnorm_capture(h, r, w, EPS, aux, 0),
         "add_rmsnorm_capture (torch.ops)": lambda: ops.add_rmsnorm_capture(h, r, w, EPS, aux, 0),
     }
-    result = {}
-    for name, fn in candidates.items():
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize() if device.type == "cuda" else None
-        samples = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls // 5):
-                fn()
-            samples.append((time.perf_counter() - t0) * 1e6 / (calls // 5))
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-        result[name] = statistics.median(samples)
-    return result
+    return {name: host_us_per_call(fn, calls, warmup=50, summary=statistics.median,
+                                   sync=device.type == "cuda")
+            for name, fn in candidates.items()}
 
 
 def device_identity() -> dict:

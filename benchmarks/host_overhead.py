@@ -8,27 +8,13 @@ host-overhead work; results in benchmarks/NOTES.md.
 
 import cProfile
 import pstats
-import time
 
 import torch
 
 import eagle_capture as ec
 from eagle_capture import ops
+from eagle_capture.bench import host_us_per_call
 from eagle_capture.kernels import add_rmsnorm_capture_kernel
-
-
-def per_call_us(fn, calls=3000):
-    for _ in range(100):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls // 5):
-            fn()
-        best = min(best, (time.perf_counter() - t0) * 1e6 / (calls // 5))
-        torch.cuda.synchronize()
-    return best
 
 
 def main():
@@ -41,14 +27,15 @@ def main():
     grid, args, num_warps = ops._launch_args(h, r, None, 0.0, None, None, aux, 0)
     compiled = add_rmsnorm_capture_kernel[grid](*args, num_warps=num_warps)
     launcher = ops._cached_launch
-    print(f"direct launch supported: {launcher.direct}; cached kernels: {len(launcher._compiled)}")
+    keys = launcher.cached_keys()
+    print(f"direct launch supported: {launcher.direct}; cached kernels: {len(keys)}")
     try:
         from triton import knobs
         print(f"launch hooks: {knobs.runtime.launch_enter_hook} {knobs.runtime.launch_exit_hook}")
     except ImportError:
         pass
     stream = torch._C._cuda_getCurrentRawStream(0)
-    key = next(iter(launcher._compiled), None)
+    key = keys[0] if keys else None
     int_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
     try:
         import inspect
@@ -75,7 +62,9 @@ def main():
         "torch.cuda.current_device()": torch.cuda.current_device,
     }
     for name, fn in rows.items():
-        print(f"  {name:<40} {per_call_us(fn):6.2f} us")
+        # The best of 5 chunks (capture_latency.py reports their median).
+        us = host_us_per_call(fn, 3000, warmup=100, summary=min)
+        print(f"  {name:<40} {us:6.2f} us")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(3000):

@@ -13,8 +13,7 @@ import argparse
 import torch
 import triton
 
-from capture_latency import time_graph_replay  # benchmarks/ is on sys.path when run as a script
-
+from eagle_capture.bench import time_graph_replay
 from eagle_capture.kernels import add_rmsnorm_capture_kernel, launch_config
 
 
@@ -58,7 +57,7 @@ def main():
                     h, r, w, h, r, aux, H, 1e-6, h.stride(0), r.stride(0), h.stride(0),
                     r.stride(0), aux.stride(0), aux.stride(1),
                     HAS_RESIDUAL=True, APPLY_NORM=norm, STORE_RESIDUAL=norm,
-                    CAPTURE=capture, BLOCK_H=blk, num_warps=nw)
+                    CAPTURE=capture, BLOCK_H=blk, USE_PDL=False, num_warps=nw)
             us = graph_time_us([lambda h=h, r=r: launch(h, r) for h, r in data])
             nbytes = {"norm": 4, "norm+cap": 5, "cap": 3}[kind] * T * H * 2
             cells.append(f"{us:8.2f} {100 * nbytes / us / 1e3 / roof:4.0f}%   ")

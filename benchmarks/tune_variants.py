@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-# benchmarks/ is on sys.path when run as a script
-from capture_latency import measure_copy_roofline, time_graph_replay
+from eagle_capture.bench import measure_copy_roofline, time_graph_replay
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

@@ -12,10 +12,10 @@ from typing import Optional
 
 import torch
 
+# The kernel's limit (one row in registers), defined with the kernel.
+from .kernels.add_rmsnorm_capture import MAX_HIDDEN_SIZE
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Mirrors eagle_capture.kernels.add_rmsnorm_capture.MAX_HIDDEN_SIZE; kept here so
-# that importing the checks never imports Triton.
-MAX_HIDDEN_SIZE = 65536
 
 
 def _fail(message: str) -> None:
@@ -87,17 +87,8 @@ def check_add_inputs(hidden_states: torch.Tensor, residual: Optional[torch.Tenso
               f"{MAX_HIDDEN_SIZE} (one row is held in registers)")
     if hidden_states.device.type not in ("cpu", "cuda"):
         _fail(f"hidden_states must be on a CPU or CUDA device, got {hidden_states.device}")
-    if residual is None:
-        return
-    _check_row_major_2d("residual", residual)
-    if residual.shape != hidden_states.shape:
-        _fail(f"residual shape {tuple(residual.shape)} does not match hidden_states shape "
-              f"{tuple(hidden_states.shape)}")
-    if residual.dtype != hidden_states.dtype:
-        _fail(f"residual dtype {residual.dtype} does not match hidden_states dtype "
-              f"{hidden_states.dtype}")
-    if residual.device != hidden_states.device:
-        _fail(f"residual is on {residual.device} but hidden_states is on {hidden_states.device}")
+    if residual is not None:
+        _check_like_hidden("residual", residual, hidden_states)
 
 
 def check_norm_inputs(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -126,16 +117,20 @@ def check_norm_inputs(hidden_states: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 def check_residual_out(residual_out: torch.Tensor, hidden_states: torch.Tensor) -> None:
-    _check_row_major_2d("residual_out", residual_out)
-    if residual_out.shape != hidden_states.shape:
-        _fail(f"residual_out shape {tuple(residual_out.shape)} does not match hidden_states "
-              f"shape {tuple(hidden_states.shape)}")
-    if residual_out.dtype != hidden_states.dtype:
-        _fail(f"residual_out dtype {residual_out.dtype} does not match hidden_states dtype "
-              f"{hidden_states.dtype}")
-    if residual_out.device != hidden_states.device:
-        _fail(f"residual_out is on {residual_out.device} but hidden_states is on "
-              f"{hidden_states.device}")
+    _check_like_hidden("residual_out", residual_out, hidden_states)
+
+
+def _check_like_hidden(name: str, t: torch.Tensor, hidden_states: torch.Tensor) -> None:
+    """``t`` (a residual input or output) must be a row-major 2-D tensor of
+    hidden_states' shape, dtype and device."""
+    _check_row_major_2d(name, t)
+    if t.shape != hidden_states.shape:
+        _fail(f"{name} shape {tuple(t.shape)} does not match hidden_states shape "
+              f"{tuple(hidden_states.shape)}")
+    if t.dtype != hidden_states.dtype:
+        _fail(f"{name} dtype {t.dtype} does not match hidden_states dtype {hidden_states.dtype}")
+    if t.device != hidden_states.device:
+        _fail(f"{name} is on {t.device} but hidden_states is on {hidden_states.device}")
 
 
 def check_no_internal_overlap(name: str, t: torch.Tensor) -> None:
@@ -160,8 +155,8 @@ def byte_extent(t: Optional[torch.Tensor]) -> int:
     return (last + 1) * t.element_size()
 
 
-def _span(t: torch.Tensor):
-    """[first byte, last byte + 1) that ``t`` can touch, or None when empty."""
+def _span(t: Optional[torch.Tensor]):
+    """[first byte, last byte + 1) that ``t`` can touch, or None when empty or None."""
     extent = byte_extent(t)
     if not extent:
         return None
@@ -169,13 +164,19 @@ def _span(t: torch.Tensor):
     return start, start + extent
 
 
+def ranges_overlap(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    """Whether the byte ranges ``a`` and ``b`` can touch intersect: from each
+    tensor's first element to just past its last, by ``data_ptr`` and strides
+    (so two interleaved views of one buffer count as overlapping). False when
+    either is None or empty. Reads addresses: real tensors only."""
+    sa, sb = _span(a), _span(b)
+    return sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]
+
+
 def _overlap(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
     # Fake and functional tensors (opcheck, torch.compile tracing) have no real
     # addresses; the eager call on real tensors is where aliasing is checked.
-    if a is None or b is None or type(a) is not torch.Tensor or type(b) is not torch.Tensor:
-        return False
-    sa, sb = _span(a), _span(b)
-    return sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]
+    return type(a) is torch.Tensor and type(b) is torch.Tensor and ranges_overlap(a, b)
 
 
 def _slot_touched(view: torch.Tensor, aux: torch.Tensor) -> Optional[int]:

@@ -29,6 +29,15 @@ see "CPU implementation" below). In eager
 mode the public functions below skip the dispatcher and launch directly --
 the op layer costs tens of microseconds per call (docs/engine_facts.md section 5) --
 while under torch.compile they call the registered op.
+
+Tests can run the kernel on CPU tensors through the ops themselves: inside
+``with eagle_capture.ops.kernel_on_cpu():`` (needs ``TRITON_INTERPRET=1`` before
+``eagle_capture`` is imported) CPU tensors take the launch code that CUDA
+tensors take -- ``launch_kernel(..., _wrap=wrap_triton)`` in the registered ops,
+the memoised plan and ``_PTRS_*`` pointer maps on the eager path -- with the
+kernel run by Triton's interpreter. Only the direct C launch of a cached
+compiled kernel (and PDL) is GPU-only. The eager CUDA path is unchanged by it;
+the registered ops read one flag.
 """
 
 import contextlib
@@ -50,6 +59,7 @@ __all__ = [
     "add_rmsnorm_capture",
     "add_rmsnorm_into_slot",
     "add_rmsnorm_out",
+    "kernel_on_cpu",
     "launch_kernel",
 ]
 
@@ -169,8 +179,8 @@ class _EagerPlan(NamedTuple):
 
 def _make_plan(hidden_states, residual, weight, eps, normed_out, residual_out, aux, slot,
                norm_fp32_sum=False):
-    device_index = hidden_states.device.index
-    use_pdl = pdl_enabled(device_index)
+    device_index = hidden_states.device.index   # None for CPU tensors (kernel_on_cpu)
+    use_pdl = hidden_states.is_cuda and pdl_enabled(device_index)
     grid, args, num_warps = _launch_args(hidden_states, residual, weight, eps, normed_out,
                                          residual_out, aux, slot, use_pdl, norm_fp32_sum)
     return _EagerPlan(grid, args[6:], num_warps, device_index,
@@ -184,6 +194,68 @@ def _launch_planned(plan: _EagerPlan, pointers: tuple, aligned: bool):
     key = (plan.device_index, plan.dtypes, plan.scalars[0], plan.scalars[2:])
     return _cached_launch(plan.grid, pointers + plan.scalars, key, plan.num_warps,
                           plan.device_index, aligned, plan.use_pdl)
+
+
+def _launch_planned_on_cpu(plan: _EagerPlan, pointers: tuple) -> None:
+    """The eager launch of CPU tensors under :func:`kernel_on_cpu`: the CUDA
+    path's arguments (pointer map + plan scalars) through the CachedLauncher's
+    non-direct branch, i.e. Triton's own entry point (here its interpreter)."""
+    if plan.grid[0] == 0:
+        return  # a zero-size grid is not a valid launch
+    _launch_planned(plan, pointers, aligned=False)
+
+
+# ----------------------------------------------------------------------------
+# The kernel on CPU tensors, for tests (Triton interpreter)
+# ----------------------------------------------------------------------------
+
+_KERNEL_ON_CPU = False          # read by the registered ops and on an eager memo miss
+_PLANS_KERNEL_ON_CPU: dict = {}  # the eager memo while kernel_on_cpu() is active
+
+
+def _kernel_interpreted() -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - a Triton without the interpreter
+        return False
+    return isinstance(add_rmsnorm_capture_kernel, InterpretedFunction)
+
+
+@contextlib.contextmanager
+def kernel_on_cpu():
+    """Test-facing: within this block, the public ops and ``torch.ops.eagle_capture``
+    run CPU tensors through the Triton kernel (Triton's interpreter) instead of
+    the torch implementation, by the CUDA tensors' launch code: the registered ops
+    call ``launch_kernel(..., _wrap=wrap_triton)``; the eager functions memoise
+    the same ``_EagerPlan`` and build the kernel arguments from the ``_PTRS_*``
+    pointer map + plan scalars, launched through Triton's entry point (the direct
+    C launch is GPU-only). PDL is off. Needs ``TRITON_INTERPRET=1`` set before
+    ``eagle_capture`` is imported (tests/conftest.py does so without a GPU).
+
+    The interpreter truncates fp32 -> bf16 (docs/engine_facts.md section 4): bf16
+    captures and residuals are then the truncated fp32 sum. Eager mode only; not
+    thread-safe (it switches module state); nests. CUDA tensors are unaffected,
+    and the CUDA fast path pays nothing for it: the eager memo is swapped for a
+    separate one while the block runs, so no key or check is added.
+    """
+    global _KERNEL_ON_CPU, _PLANS
+    if not _kernel_interpreted():
+        raise RuntimeError("eagle_capture.ops.kernel_on_cpu() needs Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before eagle_capture is imported")
+    if _KERNEL_ON_CPU:  # nested
+        yield
+        return
+    saved = _PLANS
+    _KERNEL_ON_CPU, _PLANS = True, _PLANS_KERNEL_ON_CPU
+    try:
+        yield
+    finally:
+        _KERNEL_ON_CPU, _PLANS = False, saved
+
+
+def _torch_path(hidden_states) -> bool:
+    """CPU tensors run the torch implementation, except under kernel_on_cpu()."""
+    return hidden_states.device.type == "cpu" and not _KERNEL_ON_CPU
 
 
 # ----------------------------------------------------------------------------
@@ -275,7 +347,7 @@ for _cpu_op in (_add_rmsnorm_capture_cpu, _add_rmsnorm_into_slot_cpu, _add_rmsno
 
 
 def _dispatch(hidden_states, residual, *, wrap, **kwargs) -> None:
-    if hidden_states.device.type == "cpu":
+    if _torch_path(hidden_states):
         _torch_impl(hidden_states, residual, **kwargs)
     else:
         launch_kernel(hidden_states, residual, _wrap=wrap, **kwargs)
@@ -332,7 +404,7 @@ def _add_rmsnorm_capture_op(hidden_states: torch.Tensor, residual: torch.Tensor,
     _check_norm(hidden_states, residual, weight, eps, aux, slot, residual_mutated=True)
     _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
                            residual_mutated=True, hidden_mutated=True)
-    if hidden_states.device.type == "cpu":
+    if _torch_path(hidden_states):
         torch.ops.eagle_capture._add_rmsnorm_capture_cpu(hidden_states, residual, weight, eps,
                                                          aux, slot, norm_fp32_sum)
         return
@@ -348,7 +420,7 @@ def _add_rmsnorm_into_slot_op(hidden_states: torch.Tensor, residual: torch.Tenso
     _check_norm(hidden_states, residual, weight, eps, aux, slot)
     _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
                            residual_mutated=False, hidden_mutated=True)
-    if hidden_states.device.type == "cpu":
+    if _torch_path(hidden_states):
         torch.ops.eagle_capture._add_rmsnorm_into_slot_cpu(hidden_states, residual, weight, eps,
                                                            aux, slot)
         return
@@ -362,7 +434,7 @@ def _add_rmsnorm_out_op(hidden_states: torch.Tensor, residual: torch.Tensor,
     _check_norm_out(hidden_states, residual, weight, eps, residual_out)
     _checks.check_aliasing(hidden_states, residual, None, 0, weight=weight,
                            residual_mutated=False, hidden_mutated=True, residual_out=residual_out)
-    if hidden_states.device.type == "cpu":
+    if _torch_path(hidden_states):
         torch.ops.eagle_capture._add_rmsnorm_out_cpu(hidden_states, residual, weight, eps,
                                                      residual_out)
         return
@@ -380,7 +452,7 @@ def _add_rmsnorm_out_op(hidden_states: torch.Tensor, residual: torch.Tensor,
 # needs none again. The memo key is that signature; the aliasing check, which
 # depends on storage, runs on every call.
 
-_PLANS: dict = {}
+_PLANS: dict = {}   # kernel_on_cpu() swaps in _PLANS_KERNEL_ON_CPU while it is active
 _MAX_PLANS = 4096
 _PAIRS = {n: tuple(itertools.combinations(range(n), 2)) for n in range(2, 5)}
 # The raw getter: torch.cuda.current_device() (0.24 - 0.56 us per call measured on
@@ -390,12 +462,16 @@ _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device
 
 class _Entry:
     """Memo of one validated call signature."""
-    __slots__ = ("plan", "extents", "direct")
+    __slots__ = ("plan", "extents", "direct", "cpu_plan")
 
     def __init__(self, plan, extents):
-        self.plan = plan          # _EagerPlan, or None for CPU tensors
+        on_cpu = plan is not None and plan.device_index is None
+        self.plan = None if on_cpu else plan  # _EagerPlan, or None for CPU tensors
         self.extents = extents    # byte extent of each key tensor (0 for None / empty)
         self.direct = None        # DirectLaunch once the kernel is compiled for this plan
+        # kernel_on_cpu(): the CPU tensors' _EagerPlan (kept out of .plan, so that
+        # the CUDA path below needs no test for it).
+        self.cpu_plan = plan if on_cpu else None
 
 
 # The kernel's six pointer arguments (hidden, residual, weight, normed_out,
@@ -444,7 +520,8 @@ def _eager_call(check, alias_check, key_tensors: tuple, key_scalars: tuple, poin
         check()
         alias_check()
         entry = _Entry(_make_plan(hidden_states, residual, weight, eps, normed_out, residual_out,
-                                  aux, slot, norm_fp32_sum) if hidden_states.is_cuda else None,
+                                  aux, slot, norm_fp32_sum)
+                       if hidden_states.is_cuda or _KERNEL_ON_CPU else None,
                        tuple(_checks.byte_extent(t) for t in key_tensors))
         if key is not None:
             if len(_PLANS) >= _MAX_PLANS:
@@ -461,9 +538,13 @@ def _eager_call(check, alias_check, key_tensors: tuple, key_scalars: tuple, poin
                 alias_check()  # raises, or allows (e.g. a residual read from another slot)
                 break
     plan = entry.plan
-    if plan is None:
-        _torch_impl(hidden_states, residual, weight=weight, eps=eps, normed_out=normed_out,
-                    residual_out=residual_out, aux=aux, slot=slot, norm_fp32_sum=norm_fp32_sum)
+    if plan is None:  # CPU tensors
+        if entry.cpu_plan is not None:  # kernel_on_cpu()
+            _launch_planned_on_cpu(entry.cpu_plan, pointer_map(key_tensors))
+        else:
+            _torch_impl(hidden_states, residual, weight=weight, eps=eps, normed_out=normed_out,
+                        residual_out=residual_out, aux=aux, slot=slot,
+                        norm_fp32_sum=norm_fp32_sum)
         return
     if plan.grid[0] == 0:
         return  # a zero-size grid is not a valid launch

@@ -5,7 +5,8 @@
 layer, appended to a list, ``torch.cat(aux, -1)`` at the end.
 ``add_rmsnorm_reference`` is a float64 fused add+RMSNorm with the kernel's
 semantics: the residual rounded to the storage dtype once, the norm taken of
-that rounded value.
+that rounded value. ``rmsnorm_fp32`` is a plain RMSNorm in fp32, in the
+operation order of SGLang's ``RMSNorm.forward_native``.
 """
 
 from typing import Optional, Sequence
@@ -34,3 +35,11 @@ def add_rmsnorm_reference(
          else new_residual.double())
     rstd = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
     return x * rstd * weight.double(), new_residual
+
+
+def rmsnorm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` in fp32, unrounded: the operation
+    order of SGLang's ``RMSNorm.forward_native`` (and of the ops' CPU path, which
+    rounds this once into its output). Round with ``.to(dtype)`` or ``out.copy_``."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()

@@ -24,12 +24,7 @@ import torch
 
 from . import ops
 from .buffer import AuxCaptureBuffer
-
-
-def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Layer 0's plain RMSNorm (no residual yet), fp32 math like the kernel."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+from .reference import rmsnorm_fp32
 
 
 class SGLangDeepseekLoop:
@@ -98,7 +93,8 @@ class SGLangDeepseekLoop:
                 if capture == "fused" and captured:
                     buffer.capture(i, hidden, None)
                 residual = hidden.clone()
-                hidden = _rmsnorm(hidden, w_in, self.eps)
+                # Layer 0's plain RMSNorm (no residual yet), fp32 math like the kernel.
+                hidden = rmsnorm_fp32(hidden, w_in, self.eps).to(hidden.dtype)
             elif tp is not None:                                  # reduce, then add, then store
                 tp.reduce_add_rmsnorm(i, hidden, residual, w_in, self.eps)
             elif capture == "fused" and captured:

@@ -19,11 +19,15 @@ which is only right for decode sizes. It has not been measured: no machine
 with more than one GPU was available when this was written.
 
 NVLink multicast stays off: on the shared hosts it can take GPUs out of
-service. This module sets ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
-``NCCL_NVLS_ENABLE=0`` and ``NVSHMEM_DISABLE_NVLS=1`` as defaults when it is
-imported, refuses to run when one of them is set to enable multicast, and the
-kernel uses no multimem instruction. NCCL reads its variable when a
-communicator is created: set them in the launcher's environment too.
+service. Constructing a :class:`SymmAllReduceCapture` sets
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NCCL_NVLS_ENABLE=0`` and
+``NVSHMEM_DISABLE_NVLS=1`` where they are unset and refuses to run when one of
+them is set to enable multicast (:func:`ensure_multicast_disabled`), before
+any symmetric-memory allocation; the kernel uses no multimem instruction.
+Importing the module leaves ``os.environ`` alone. NCCL reads its variable when
+a communicator is created, which is usually before this object exists: set
+them in the launcher's environment too, or call
+:func:`ensure_multicast_disabled` before ``init_process_group``.
 """
 
 import os
@@ -33,20 +37,30 @@ import torch
 import torch.distributed as dist
 
 from . import _checks, ops
+from .kernels.add_rmsnorm_capture import MAX_HIDDEN_SIZE, launch_config
 from .kernels.allreduce_add_rmsnorm_capture import oneshot_allreduce_add_rmsnorm_capture_kernel
 
 _MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
                   "NVSHMEM_DISABLE_NVLS": "1"}
-for _name, _value in _MULTICAST_OFF.items():
-    os.environ.setdefault(_name, _value)
 
 
 def check_multicast_disabled() -> None:
-    """Raise if the environment enables NVLink multicast (NVLS)."""
+    """Raise unless every multicast-off variable holds its safe value (an unset
+    one fails too: :func:`ensure_multicast_disabled` sets the defaults)."""
     for name, value in _MULTICAST_OFF.items():
         if os.environ.get(name) != value:
             raise RuntimeError(f"eagle_capture: {name}={os.environ.get(name)!r}; NVLink "
                                f"multicast must stay off on these hosts: set {name}={value}")
+
+
+def ensure_multicast_disabled() -> None:
+    """Set each multicast-off variable that is unset to its safe value, then
+    :func:`check_multicast_disabled`: a value the user set to enable multicast
+    is refused, never overridden. Run by :class:`SymmAllReduceCapture` before it
+    allocates; call it before ``init_process_group`` for NCCL to see it too."""
+    for name, value in _MULTICAST_OFF.items():
+        os.environ.setdefault(name, value)
+    check_multicast_disabled()
 
 
 class SymmAllReduceCapture:
@@ -55,19 +69,20 @@ class SymmAllReduceCapture:
 
     Collective: every rank of ``group`` must construct it (symmetric
     allocation and rendezvous) and call :meth:`reduce_add_rmsnorm` with the same
-    T in the same order, as with any collective.
+    T in the same order, as with any collective. Construction first runs
+    :func:`ensure_multicast_disabled`.
     """
 
     def __init__(self, max_tokens: int, hidden_size: int, dtype: torch.dtype,
                  group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device] = None,
                  one_shot_max_tokens: Optional[int] = None) -> None:
+        ensure_multicast_disabled()  # before torch's symmetric memory is touched
         import torch.distributed._symmetric_memory as symm_mem
 
-        check_multicast_disabled()
-        if max_tokens < 1 or not 1 <= hidden_size <= _checks.MAX_HIDDEN_SIZE:
+        if max_tokens < 1 or not 1 <= hidden_size <= MAX_HIDDEN_SIZE:
             raise ValueError(f"eagle_capture: max_tokens must be >= 1 and hidden_size in "
-                             f"[1, {_checks.MAX_HIDDEN_SIZE}], got {max_tokens}, {hidden_size}")
+                             f"[1, {MAX_HIDDEN_SIZE}], got {max_tokens}, {hidden_size}")
         self.group = group if group is not None else dist.group.WORLD
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda", torch.cuda.current_device())
@@ -93,7 +108,7 @@ class SymmAllReduceCapture:
         self.max_programs = max(1, int(bound.item()))
         self.one_shot_max_tokens = (max_tokens if one_shot_max_tokens is None
                                     else min(int(one_shot_max_tokens), max_tokens))
-        self._block_h, self._num_warps, _ = ops.launch_config(hidden_size, True)
+        self._block_h, self._num_warps, _ = launch_config(hidden_size, True)
 
     def input_buffer(self, num_tokens: int) -> torch.Tensor:
         """``[num_tokens, H]`` view of this rank's symmetric buffer: a projection
@@ -103,11 +118,10 @@ class SymmAllReduceCapture:
                              f"got {num_tokens}")
         return self.buffer[:num_tokens]
 
-    def _overlaps_buffer(self, t: torch.Tensor) -> bool:
-        extent = _checks.byte_extent(t)
-        start, end = self.buffer.data_ptr(), self.buffer.data_ptr() + _checks.byte_extent(
-            self.buffer)
-        return extent > 0 and t.data_ptr() < end and start < t.data_ptr() + extent
+    def overlaps_buffer(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` shares bytes with this rank's symmetric buffer (which the
+        peers read during a one-shot call): :func:`eagle_capture._checks.ranges_overlap`."""
+        return _checks.ranges_overlap(t, self.buffer)
 
     def reduce_add_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor,
                            weight: torch.Tensor, eps: float, aux: Optional[torch.Tensor] = None,
@@ -127,7 +141,7 @@ class SymmAllReduceCapture:
             raise ValueError(f"eagle_capture: this SymmAllReduceCapture lives on {self.device} "
                              f"but the current CUDA device is cuda:{torch.cuda.current_device()}")
         one_shot = num_tokens <= self.one_shot_max_tokens
-        in_buffer = self._overlaps_buffer(partial)
+        in_buffer = self.overlaps_buffer(partial)
         if out is None:
             out = torch.empty_like(partial) if in_buffer else partial
         # The kernel reads the peers' buffers as the residual's dtype: all must match.
@@ -136,12 +150,18 @@ class SymmAllReduceCapture:
                 raise ValueError(f"eagle_capture: {name} must be a {self.dtype} tensor on "
                                  f"{self.device} (the symmetric buffer's dtype), got "
                                  f"{getattr(t, 'dtype', type(t))} on {getattr(t, 'device', '-')}")
-        if self._overlaps_buffer(out) or self._overlaps_buffer(residual) or (
-                aux is not None and self._overlaps_buffer(aux)):
+        if self.overlaps_buffer(out) or self.overlaps_buffer(residual) or (
+                aux is not None and self.overlaps_buffer(aux)):
             raise ValueError("eagle_capture: out, residual and aux must not lie in the "
                              "symmetric buffer (peers read it while this rank writes)")
-        # The same contract as the single-GPU op, with `out` as the normed output.
-        ops._check_norm(out, residual, weight, eps, aux, slot, residual_mutated=True)
+        # The same contract as the single-GPU add_rmsnorm_capture, with `out` as the
+        # normed output (named hidden_states in the messages, as there).
+        _checks.check_add_inputs(out, residual)
+        _checks.check_norm_inputs(out, weight, eps)
+        _checks.check_no_internal_overlap("hidden_states", out)
+        _checks.check_no_internal_overlap("residual", residual)
+        if aux is not None:
+            _checks.check_aux(aux, slot, out.shape[0], out.shape[1], out.dtype, out.device)
         _checks.check_aliasing(out, residual, aux, slot, weight=weight, residual_mutated=True,
                                hidden_mutated=True)
         if out.shape != partial.shape:

@@ -61,7 +61,7 @@ class TPCapture:
         place, then ``residual += hidden; hidden = rmsnorm(residual) * w`` with the
         new residual also stored in the slot when ``layer_id`` is captured."""
         if self.fused_allreduce is not None:
-            if self.fused_allreduce._overlaps_buffer(partial_hidden):
+            if self.fused_allreduce.overlaps_buffer(partial_hidden):
                 # The normed output must land in partial_hidden (this method's
                 # contract), and peers may still read the symmetric buffer.
                 raise ValueError("eagle_capture: TPCapture.reduce_add_rmsnorm writes the normed "

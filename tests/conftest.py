@@ -40,11 +40,13 @@ INTERPRETER_NORM_TOLERANCES[torch.bfloat16] = dict(rtol=2**-6, atol=1e-5)
 
 
 def make_rows(num_tokens: int, hidden_size: int, dtype, device, *, strided: bool = False,
-              generator=None) -> torch.Tensor:
-    """Random ``[T, H]`` rows; ``strided`` gives a row stride of ``2H + 3`` (a view of
-    a wider tensor, as a column slice of a fused projection would be)."""
+              generator=None, pad: int = 3) -> torch.Tensor:
+    """Random ``[T, H]`` rows; ``strided`` gives a row stride of ``2H + pad`` (a view of
+    a wider tensor, as a column slice of a fused projection would be). Two inputs
+    with different ``pad`` have different strides, so a kernel reading one through
+    the other's pointer or stride goes wrong."""
     if strided:
-        base = torch.randn(num_tokens, 2 * hidden_size + 3, generator=generator)
+        base = torch.randn(num_tokens, 2 * hidden_size + pad, generator=generator)
         return base.to(dtype=dtype, device=device)[:, 1:hidden_size + 1]
     return torch.randn(num_tokens, hidden_size, generator=generator).to(dtype=dtype,
                                                                         device=device)

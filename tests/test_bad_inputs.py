@@ -140,6 +140,20 @@ def test_add_rmsnorm_out_rejects_mismatched_residual_out(call):
 # Memory shared between arguments, and outputs that overlap themselves
 # ----------------------------------------------------------------------------
 
+def test_ranges_overlap():
+    """The byte-range test behind the aliasing checks and SymmAllReduceCapture."""
+    from eagle_capture._checks import ranges_overlap
+    buf = torch.zeros(ROWS, K, H, dtype=BF16, device=DEVICE)
+    rows = buf.view(ROWS, K * H)
+    assert ranges_overlap(buf, buf[2:3, 1])
+    assert ranges_overlap(buf[:, 0], buf[:, 2])          # interleaved slots share a range
+    assert not ranges_overlap(rows[:2], rows[2:])        # adjacent, not overlapping
+    assert ranges_overlap(rows[:3], rows[2:])
+    assert not ranges_overlap(buf, buf[:0]) and not ranges_overlap(buf[:0], buf)
+    assert not ranges_overlap(buf, None) and not ranges_overlap(None, None)
+    assert not ranges_overlap(buf, torch.zeros_like(buf))
+
+
 def _aliasing_cases():
     """(id, factory -> (guarded tensor, op, args), message). Cross-tensor cases are
     also run after a valid call of the same signature (memoised validation), with

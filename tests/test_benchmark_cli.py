@@ -16,8 +16,6 @@ MAX_COLUMNS = 100
 
 
 def _load():
-    if "capture_latency" in sys.modules:  # imported by another benchmark module already
-        return sys.modules["capture_latency"]
     spec = importlib.util.spec_from_file_location("capture_latency", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules["capture_latency"] = module  # dataclasses look the module up by name
@@ -236,3 +234,10 @@ def test_plot_marks_non_positive_costs(tmp_path, monkeypatch):
     for line in cost_ax.get_lines():  # costs drawn at their value, not clipped
         if line.get_label().startswith("f:"):
             assert min(line.get_ydata()) == pytest.approx(-0.3)
+
+
+def test_host_timer_runs_warmup_then_chunks_and_summarises():
+    from eagle_capture.bench import host_us_per_call
+    calls = []
+    us = host_us_per_call(lambda: calls.append(1), 103, warmup=7, summary=min, sync=False)
+    assert len(calls) == 7 + 5 * (103 // 5) and us > 0

@@ -4,6 +4,7 @@ through Triton's own entry point. The real launches are covered on the GPU
 by test_torch_integration.py::test_eager_fast_path_alignment_and_reuse."""
 
 import pytest
+import triton
 
 from eagle_capture import _launcher
 
@@ -47,6 +48,14 @@ def test_first_call_compiles_then_reuses(fake):
     assert jit.log[1][1:] == ((3, 1), (5, 6))  # the new grid and arguments are used
 
 
+def test_cached_keys_lists_what_was_compiled(fake):
+    jit, launcher = fake
+    assert launcher.cached_keys() == []
+    launcher((2, 1), (1,), key="a", num_warps=4, device_index=0, aligned=True)
+    launcher((2, 1), (1,), key="b", num_warps=4, device_index=0, aligned=False)  # not cached
+    assert launcher.cached_keys() == ["a"]
+
+
 def test_unaligned_launches_never_reuse(fake):
     jit, launcher = fake
     launcher((2, 1), (1,), key="k", num_warps=4, device_index=0, aligned=True)
@@ -64,12 +73,12 @@ def test_a_new_key_compiles_again(fake):
 
 def test_active_profiler_hooks_take_tritons_path(fake, monkeypatch):
     jit, launcher = fake
-    hook = _launcher._knobs.runtime.launch_enter_hook
+    hook = triton.knobs.runtime.launch_enter_hook
     launcher((1, 1), (1,), key="k", num_warps=4, device_index=0, aligned=True)
     if hasattr(hook, "calls"):
         monkeypatch.setattr(hook, "calls", [lambda *a: None])
     else:
-        monkeypatch.setattr(_launcher._knobs.runtime, "launch_enter_hook", lambda *a: None)
+        monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
     launcher((1, 1), (1,), key="k", num_warps=4, device_index=0, aligned=True)
     assert [kind for kind, *_ in jit.log] == ["triton", "triton"]
 

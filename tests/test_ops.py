@@ -1,26 +1,110 @@
-"""The ops against the eager references, through both call paths.
+"""The ops against the eager references, through both call paths, on each device:
 
-On CPU the ops run their torch implementation; on a GPU the Triton kernel.
+* ``cpu``: CPU tensors, the ops' torch implementation (what CPU tensors run);
+* ``cpu-kernel``: CPU tensors through the Triton kernel under Triton's
+  interpreter (``eagle_capture.ops.kernel_on_cpu()``; TRITON_INTERPRET=1 is set
+  by conftest.py without a GPU), by the launch code CUDA tensors take -- the
+  registered ops' ``launch_kernel``, the eager path's plan memo and ``_PTRS_*``
+  pointer maps -- so CPU CI tests the op layer's kernel launch too. Small
+  shapes (the interpreter takes ~5 ms per program). Its fp32 -> bf16 cast
+  truncates instead of rounding (docs/engine_facts.md section 4): bf16 sums are
+  expected truncated, still bit for bit, and the normed bf16 output gets one
+  ulp more of tolerance;
+* ``cuda``: the compiled kernel, on a GPU machine.
+
 ``call`` picks the public function (eager fast path: direct launch) or the
 registered ``torch.ops.eagle_capture`` op (what torch.compile sees).
+
+The data is chosen so that launch bugs show: every slot of a 3-slot aux buffer
+(poisoned with NaN elsewhere, with spare rows past T, so that a write one slot or
+row too far lands in the poison rather than outside the buffer), non-unit
+weights, zero rows, residual rows with another row stride than hidden_states (a
+swapped pointer or stride reads the wrong rows), and every other row tiny
+(|x| ~ 1e-3), where eps = 1e-6 is a third of mean(s^2): an eps dropped or
+misplaced changes the normed output by ~20%.
 """
+
+import contextlib
 
 import pytest
 import torch
 
 import eagle_capture as ec
-from conftest import (DTYPES, HAS_CUDA, NORM_TOLERANCES, assert_bitwise_equal,
-                      assert_untouched, make_rows, poisoned_aux)
+from conftest import (DTYPES, HAS_CUDA, INTERPRETED, INTERPRETER_NORM_TOLERANCES,
+                      NORM_TOLERANCES, assert_bitwise_equal, assert_untouched, make_rows,
+                      poisoned_aux, truncate_to_bf16)
+from eagle_capture import ops
 
-DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+DEVICES = ["cpu"] + (["cpu-kernel"] if INTERPRETED else []) + (["cuda"] if HAS_CUDA else [])
 TOKENS = [0, 1, 3, 257]
 HIDDEN = [1, 7, 1000, 7168]
+SHAPES = [(t, h) for t in TOKENS for h in HIDDEN]
+# The interpreter's shapes: zero rows, H = 1, a masked tail (7, 1000), and rows of
+# several column blocks in the norm-free launch (7168 > COPY_BLOCK_H).
+KERNEL_SHAPES = [(0, 7), (1, 1), (3, 7), (3, 1000), (2, 7168)]
+SLOTS = (0, 1, 2)
 EPS = 1e-6
+R_PAD = 5  # residual rows: stride 2H + 5, hidden_states rows 2H + 3 (when strided)
 
 
-def _call(call: str, name: str, *args):
+def _cases(slots, shapes=SHAPES, kernel_shapes=KERNEL_SHAPES):
+    """(device, num_tokens, hidden_size, slot) for every device. The kernel
+    devices get every shape at every slot; the torch path (where the slot is
+    plain indexing) every shape once per slot kind -- no aux (None) when listed,
+    and one of the slots, spread over the shapes."""
+    cases = []
+    for device in DEVICES:
+        if device == "cpu":
+            real = [s for s in slots if s is not None]
+            if None in slots:
+                cases += [(device, t, h, None) for t, h in shapes]
+            if real:
+                cases += [(device, t, h, real[(i + i // len(real)) % len(real)])
+                          for i, (t, h) in enumerate(shapes)]
+        else:
+            cases += [(device, t, h, s)
+                      for t, h in (kernel_shapes if device == "cpu-kernel" else shapes)
+                      for s in slots]
+    return [pytest.param(*c, id=f"{c[0]}-{c[1]}x{c[2]}-slot{c[3]}") for c in cases]
+
+
+def _tensor_device(device: str) -> str:
+    return "cpu" if device == "cpu-kernel" else device
+
+
+def _mode(device: str):
+    """CPU tensors run the kernel inside kernel_on_cpu() ("cpu-kernel")."""
+    return ops.kernel_on_cpu() if device == "cpu-kernel" else contextlib.nullcontext()
+
+
+def _call(call: str, device: str, name: str, *args):
     fn = getattr(ec, name) if call == "public" else getattr(torch.ops.eagle_capture, name)
-    return fn(*args)
+    with _mode(device):
+        return fn(*args)
+
+
+def _sum(device: str, h: torch.Tensor, r) -> torch.Tensor:
+    """What the op stores for ``h + r``: torch's same-dtype add (the kernel's fp32
+    add, rounded once), or for bf16 under the interpreter the truncated fp32 sum."""
+    if r is None:
+        return h.clone()
+    if device == "cpu-kernel" and h.dtype == torch.bfloat16:
+        return truncate_to_bf16(h.float() + r.float())
+    return h + r
+
+
+def _tolerance(device: str, dtype):
+    return (INTERPRETER_NORM_TOLERANCES if device == "cpu-kernel" else NORM_TOLERANCES)[dtype]
+
+
+def _rows(num_tokens, hidden_size, dtype, device, strided, pad=3):
+    """Random rows, every other one (from row 0) scaled to ~1e-3, where eps matters."""
+    x = make_rows(num_tokens, hidden_size, torch.float32, "cpu", strided=strided, pad=pad)
+    x[0::2] *= 1e-3
+    if strided:  # keep the row stride: scale and cast the underlying buffer
+        base = x._base.to(dtype=dtype, device=_tensor_device(device))
+        return base[:, 1:hidden_size + 1]
+    return x.to(dtype=dtype, device=_tensor_device(device))
 
 
 @pytest.fixture(params=["public", "op"])
@@ -28,23 +112,19 @@ def call(request):
     return request.param
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,num_tokens,hidden_size,slot", _cases(SLOTS))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden_size", HIDDEN)
-@pytest.mark.parametrize("num_tokens", TOKENS)
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_add_capture(call, device, dtype, hidden_size, num_tokens, strided, with_residual):
-    h = make_rows(num_tokens, hidden_size, dtype, device, strided=strided)
-    r = make_rows(num_tokens, hidden_size, dtype, device, strided=strided) if with_residual else None
+def test_add_capture(call, device, dtype, hidden_size, num_tokens, slot, strided, with_residual):
+    h = _rows(num_tokens, hidden_size, dtype, device, strided)
+    r = _rows(num_tokens, hidden_size, dtype, device, strided, R_PAD) if with_residual else None
     h0, r0 = h.clone(), (r.clone() if r is not None else None)
-    slots, slot = 3, 1
-    aux = poisoned_aux(num_tokens + 5, slots, hidden_size, dtype, device)
+    aux = poisoned_aux(num_tokens + 2, 3, hidden_size, dtype, _tensor_device(device))
 
-    _call(call, "add_capture", h, r, aux, slot)
+    _call(call, device, "add_capture", h, r, aux, slot)
 
-    expected = h0 + r0 if with_residual else h0
-    assert_bitwise_equal(aux[:num_tokens, slot], expected)  # SGLang's eager h + r, to the bit
+    assert_bitwise_equal(aux[:num_tokens, slot], _sum(device, h0, r0))  # SGLang's h + r, to the bit
     assert_untouched(aux, num_tokens, slot)
     assert_bitwise_equal(h, h0)
     if r is not None:
@@ -52,74 +132,138 @@ def test_add_capture(call, device, dtype, hidden_size, num_tokens, strided, with
 
 
 def _norm_case(device, dtype, hidden_size, num_tokens, strided):
-    h = make_rows(num_tokens, hidden_size, dtype, device, strided=strided)
-    r = make_rows(num_tokens, hidden_size, dtype, device, strided=strided)
-    w = (1.0 + 0.1 * torch.randn(hidden_size)).to(dtype=dtype, device=device)
-    normed_ref, residual_ref = ec.add_rmsnorm_reference(h, r, w, EPS)
+    """h, r, w, the normed reference (float64) and the new residual."""
+    h = _rows(num_tokens, hidden_size, dtype, device, strided)
+    r = _rows(num_tokens, hidden_size, dtype, device, strided, R_PAD)
+    w = (1.0 + 0.1 * torch.randn(hidden_size)).to(dtype=dtype, device=_tensor_device(device))
+    residual_ref = _sum(device, h, r)
+    # The norm of the value actually stored (bit-equal to residual_ref).
+    normed_ref = ec.add_rmsnorm_reference(residual_ref, torch.zeros_like(residual_ref), w, EPS)[0]
     return h, r, w, normed_ref, residual_ref
 
 
-def _assert_normed(actual, normed_ref):
-    torch.testing.assert_close(actual.double(), normed_ref, **NORM_TOLERANCES[actual.dtype])
+def _assert_normed(device, actual, normed_ref):
+    torch.testing.assert_close(actual.double(), normed_ref, **_tolerance(device, actual.dtype))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,num_tokens,hidden_size,slot", _cases((None,) + SLOTS))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden_size", HIDDEN)
-@pytest.mark.parametrize("num_tokens", TOKENS)
 @pytest.mark.parametrize("strided", [False, True])
-@pytest.mark.parametrize("capture", [True, False])
-def test_add_rmsnorm_capture(call, device, dtype, hidden_size, num_tokens, strided, capture):
+def test_add_rmsnorm_capture(call, device, dtype, hidden_size, num_tokens, slot, strided):
+    """slot None: no aux (the plain fused_add_rmsnorm)."""
     h, r, w, normed_ref, residual_ref = _norm_case(device, dtype, hidden_size, num_tokens, strided)
-    slot = 2
-    aux = poisoned_aux(num_tokens + 2, 3, hidden_size, dtype, device) if capture else None
+    aux = (poisoned_aux(num_tokens + 2, 3, hidden_size, dtype, _tensor_device(device))
+           if slot is not None else None)
 
-    _call(call, "add_rmsnorm_capture", h, r, w, EPS, aux, slot)
+    _call(call, device, "add_rmsnorm_capture", h, r, w, EPS, aux, slot or 0)
 
     assert_bitwise_equal(r, residual_ref)            # residual <- h + r, in place
-    _assert_normed(h, normed_ref)                    # hidden <- rmsnorm(residual) * w
-    if capture:
+    _assert_normed(device, h, normed_ref)            # hidden <- rmsnorm(residual) * w
+    if aux is not None:
         assert_bitwise_equal(aux[:num_tokens, slot], residual_ref)
         assert_untouched(aux, num_tokens, slot)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,num_tokens,hidden_size,slot", _cases(SLOTS))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden_size", HIDDEN)
-@pytest.mark.parametrize("num_tokens", TOKENS)
 @pytest.mark.parametrize("strided", [False, True])
-def test_add_rmsnorm_into_slot(call, device, dtype, hidden_size, num_tokens, strided):
+def test_add_rmsnorm_into_slot(call, device, dtype, hidden_size, num_tokens, slot, strided):
     h, r, w, normed_ref, residual_ref = _norm_case(device, dtype, hidden_size, num_tokens, strided)
     r0 = r.clone()
-    aux = poisoned_aux(num_tokens + 1, 2, hidden_size, dtype, device)
+    aux = poisoned_aux(num_tokens + 1, 3, hidden_size, dtype, _tensor_device(device))
 
     base_h0 = h._base.clone() if strided else None
 
-    _call(call, "add_rmsnorm_into_slot", h, r, w, EPS, aux, 0)
+    _call(call, device, "add_rmsnorm_into_slot", h, r, w, EPS, aux, slot)
 
     if strided:  # the columns around a strided row view are not touched
         assert_bitwise_equal(h._base[:, 0], base_h0[:, 0])
         assert_bitwise_equal(h._base[:, hidden_size + 1:], base_h0[:, hidden_size + 1:])
-    assert_bitwise_equal(aux[:num_tokens, 0], residual_ref)
-    assert_untouched(aux, num_tokens, 0)
+    assert_bitwise_equal(aux[:num_tokens, slot], residual_ref)
+    assert_untouched(aux, num_tokens, slot)
     assert_bitwise_equal(r, r0)                      # the residual input is left alone
-    _assert_normed(h, normed_ref)
+    _assert_normed(device, h, normed_ref)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,num_tokens,hidden_size,slot",
+                         _cases((None,), shapes=[(t, h) for t in (0, 3, 257) for h in (7, 1000)]))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden_size", [7, 1000])
-@pytest.mark.parametrize("num_tokens", [0, 3, 257])
-def test_add_rmsnorm_out(call, device, dtype, hidden_size, num_tokens):
+def test_add_rmsnorm_out(call, device, dtype, hidden_size, num_tokens, slot):
     h, r, w, normed_ref, residual_ref = _norm_case(device, dtype, hidden_size, num_tokens, True)
     r0 = r.clone()
     residual_out = torch.full_like(r0, float("nan"))
 
-    _call(call, "add_rmsnorm_out", h, r, w, EPS, residual_out)
+    _call(call, device, "add_rmsnorm_out", h, r, w, EPS, residual_out)
 
     assert_bitwise_equal(residual_out, residual_ref)
     assert_bitwise_equal(r, r0)
-    _assert_normed(h, normed_ref)
+    _assert_normed(device, h, normed_ref)
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
+@pytest.mark.parametrize("op", ["add_capture", "add_capture_no_residual", "add_rmsnorm_capture",
+                                "add_rmsnorm_capture_no_aux", "add_rmsnorm_into_slot",
+                                "add_rmsnorm_out"])
+def test_eager_memo_hit_launches_the_new_tensors(device, op):
+    """The public functions' second call of a signature (the memoised plan,
+    the pointer map applied to the new tensors) after a first one (the miss):
+    each call's outputs are its own, in every slot."""
+    dtype, num_tokens, hidden_size = torch.bfloat16, 3, 40
+    aux = poisoned_aux(num_tokens + 1, 3, hidden_size, dtype, _tensor_device(device))
+    for slot in SLOTS * 2:  # each slot twice: misses, then hits
+        h, r, w, normed_ref, residual_ref = _norm_case(device, dtype, hidden_size, num_tokens,
+                                                       strided=True)
+        h0, r0 = h.clone(), r.clone()
+        with _mode(device):
+            if op == "add_capture":
+                ec.add_capture(h, r, aux, slot)
+            elif op == "add_capture_no_residual":
+                ec.add_capture(h, None, aux, slot)
+                residual_ref = h0
+            elif op == "add_rmsnorm_capture":
+                ec.add_rmsnorm_capture(h, r, w, EPS, aux, slot)
+            elif op == "add_rmsnorm_capture_no_aux":
+                ec.add_rmsnorm_capture(h, r, w, EPS)
+            elif op == "add_rmsnorm_into_slot":
+                ec.add_rmsnorm_into_slot(h, r, w, EPS, aux, slot)
+            else:
+                residual_out = torch.full_like(r0, float("nan"))
+                ec.add_rmsnorm_out(h, r, w, EPS, residual_out)
+        if op.startswith("add_capture"):
+            assert_bitwise_equal(h, h0)
+        else:
+            _assert_normed(device, h, normed_ref)
+        if op != "add_capture_no_residual":
+            expected_r = residual_ref if op.startswith("add_rmsnorm_capture") else r0
+            assert_bitwise_equal(r, expected_r)
+        if op == "add_rmsnorm_out":
+            assert_bitwise_equal(residual_out, residual_ref)
+        if op in ("add_rmsnorm_capture_no_aux", "add_rmsnorm_out"):
+            assert torch.isnan(aux).all()
+        else:
+            assert_bitwise_equal(aux[:num_tokens, slot], residual_ref)
+            assert_untouched(aux, num_tokens, slot)
+            aux[:num_tokens, slot] = float("nan")  # re-poisoned for the next call
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs Triton's interpreter")
+@pytest.mark.parametrize("call", ["public", "op"])
+def test_kernel_on_cpu_runs_the_kernel_then_the_torch_path_again(call):
+    """Inside kernel_on_cpu() CPU tensors reach the kernel (bf16 sums come out
+    truncated, the interpreter's cast); after it, the same call signature takes the
+    torch path again (rounded to nearest: the memo of the block is not used)."""
+    h = make_rows(4, 64, torch.bfloat16, "cpu")
+    r = make_rows(4, 64, torch.bfloat16, "cpu")
+    truncated, rounded = truncate_to_bf16(h.float() + r.float()), h + r
+    assert not torch.equal(truncated, rounded)
+    aux = poisoned_aux(4, 3, 64, torch.bfloat16, "cpu")
+    _call(call, "cpu-kernel", "add_capture", h, r, aux, 1)
+    assert_bitwise_equal(aux[:, 1], truncated)
+    _call(call, "cpu", "add_capture", h, r, aux, 1)
+    assert_bitwise_equal(aux[:, 1], rounded)
+    with ops.kernel_on_cpu(), ops.kernel_on_cpu():  # nests
+        pass
+    assert not ops._KERNEL_ON_CPU
 
 
 def _sglang_layer_inputs(num_layers, num_tokens, hidden_size, dtype, device):
@@ -142,12 +286,13 @@ def test_layer_loop_into_slot_matches_in_place_capture(device, dtype):
     next residual out of place)."""
     num_layers, num_tokens, hidden_size, capture_ids = 6, 9, 64, (1, 2, 4)
     embed, deltas, weights = _sglang_layer_inputs(num_layers, num_tokens, hidden_size,
-                                                  dtype, device)
+                                                  dtype, _tensor_device(device))
 
     eager_captures = []
 
     def run(into_slot: bool) -> torch.Tensor:
-        buf = ec.AuxCaptureBuffer(16, hidden_size, capture_ids, dtype=dtype, device=device)
+        buf = ec.AuxCaptureBuffer(16, hidden_size, capture_ids, dtype=dtype,
+                                  device=_tensor_device(device))
         buf.aux.fill_(float("nan"))
         hidden = embed.clone()
         residual = embed.clone()
@@ -164,14 +309,16 @@ def test_layer_loop_into_slot_matches_in_place_capture(device, dtype):
                                    residual)
                 residual_in_slot = False
             elif buf.captures_layer(i):
-                eager_captures.append(hidden + residual)  # SGLang's aux.append(h + r)
+                # SGLang's aux.append(h + r) (truncated for bf16 under the interpreter)
+                eager_captures.append(_sum(device, hidden, residual))
                 buf.add_rmsnorm_capture(i, hidden, residual, weights[i], EPS)
             else:
                 ec.add_rmsnorm_capture(hidden, residual, weights[i], EPS)
             hidden += deltas[i]
         return buf.result(num_tokens).clone()
 
-    in_place, zero_write = run(False), run(True)
+    with _mode(device):
+        in_place, zero_write = run(False), run(True)
     assert_bitwise_equal(in_place, torch.cat(eager_captures, -1))
     assert_bitwise_equal(zero_write, in_place)
 
@@ -186,18 +333,23 @@ def test_in_place_update_of_a_slot_is_refused():
 @pytest.mark.parametrize("device", DEVICES)
 def test_buffer_result_is_a_view_in_ascending_layer_order(device):
     hidden_size, num_tokens = 16, 5
-    buf = ec.AuxCaptureBuffer(8, hidden_size, [30, 2, 58], dtype=torch.bfloat16, device=device)
+    buf = ec.AuxCaptureBuffer(8, hidden_size, [30, 2, 58], dtype=torch.bfloat16,
+                              device=_tensor_device(device))
     assert buf.layer_ids == (2, 30, 58) and buf.slot_of(30) == 1
     captures = []
     for layer in (2, 30, 58):  # loop order
-        h = make_rows(num_tokens, hidden_size, torch.bfloat16, device)
-        r = make_rows(num_tokens, hidden_size, torch.bfloat16, device)
-        buf.capture(layer, h, r)
+        h = make_rows(num_tokens, hidden_size, torch.bfloat16, _tensor_device(device))
+        r = make_rows(num_tokens, hidden_size, torch.bfloat16, _tensor_device(device))
+        with _mode(device):
+            buf.capture(layer, h, r)
         captures.append((h, r))
     out = buf.result(num_tokens)
     assert out.shape == (num_tokens, 3 * hidden_size)
     assert out.data_ptr() == buf.aux.data_ptr()      # no copy
-    assert_bitwise_equal(out, ec.sglang_eager_capture(captures))
+    if device == "cpu-kernel":  # SGLang's h + r, with the interpreter's bf16 truncation
+        assert_bitwise_equal(out, torch.cat([_sum(device, h, r) for h, r in captures], -1))
+    else:
+        assert_bitwise_equal(out, ec.sglang_eager_capture(captures))
     with pytest.raises(ValueError, match="do not fit"):
         buf.result(9)
     with pytest.raises(KeyError, match="layer 3 is not captured"):
@@ -225,14 +377,15 @@ def test_import_does_not_initialise_cuda():
 def test_weight_in_another_dtype(call, device, weight_dtype):
     """An fp32 (or fp16) norm weight with bf16 activations: the weight is read in
     its own dtype and the math stays fp32."""
-    h, r, _, _, residual_ref = _norm_case(device, torch.bfloat16, 1000, 9, True)
-    w = (1 + 0.1 * torch.randn(1000)).to(dtype=weight_dtype, device=device)
-    normed_ref = ec.add_rmsnorm_reference(h, r, w, EPS)[0]
-    aux = poisoned_aux(9, 2, 1000, torch.bfloat16, device)
-    _call(call, "add_rmsnorm_capture", h, r, w, EPS, aux, 1)
+    h, r, _, _, residual_ref = _norm_case(device, torch.bfloat16, 1000, 5, True)
+    w = (1 + 0.1 * torch.randn(1000)).to(dtype=weight_dtype, device=_tensor_device(device))
+    normed_ref = ec.add_rmsnorm_reference(residual_ref, torch.zeros_like(residual_ref), w, EPS)[0]
+    aux = poisoned_aux(6, 3, 1000, torch.bfloat16, _tensor_device(device))
+    _call(call, device, "add_rmsnorm_capture", h, r, w, EPS, aux, 1)
     assert_bitwise_equal(r, residual_ref)
-    assert_bitwise_equal(aux[:, 1], residual_ref)
-    _assert_normed(h, normed_ref)
+    assert_bitwise_equal(aux[:5, 1], residual_ref)
+    assert_untouched(aux, 5, 1)
+    _assert_normed(device, h, normed_ref)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -241,20 +394,32 @@ def test_weight_in_another_dtype(call, device, weight_dtype):
 def test_add_rmsnorm_capture_norm_input(call, device, dtype, norm_fp32_sum):
     """``norm_fp32_sum`` reaches the kernel / CPU body through both call paths:
     the normed output agrees exactly with the matching float64 reference (rounded
-    once) on nearly every element and visibly less with the other one; the
-    residual and the capture are the rounded sum either way."""
+    once; truncated for bf16 under the interpreter) on nearly every element and
+    visibly less with the other one; the residual and the capture are the rounded
+    sum either way."""
     gen = torch.Generator().manual_seed(11)
-    h = (3 * torch.randn(16, 1000, generator=gen)).to(dtype).to(device)
-    r = torch.randn(16, 1000, generator=gen).to(dtype).to(device)
-    w = (1 + 0.1 * torch.randn(1000, generator=gen)).to(dtype).to(device)
-    refs = {flag: ec.add_rmsnorm_reference(h, r, w, EPS, norm_fp32_sum=flag)[0].to(dtype)
-            for flag in (False, True)}
-    residual_ref = h + r
-    aux = poisoned_aux(17, 2, 1000, dtype, device)
-    if call == "public":
-        ec.add_rmsnorm_capture(h, r, w, EPS, aux, 1, norm_fp32_sum=norm_fp32_sum)
-    else:
-        torch.ops.eagle_capture.add_rmsnorm_capture(h, r, w, EPS, aux, 1, norm_fp32_sum)
+    dev = _tensor_device(device)
+    h = (3 * torch.randn(16, 1000, generator=gen)).to(dtype).to(dev)
+    r = torch.randn(16, 1000, generator=gen).to(dtype).to(dev)
+    w = (1 + 0.1 * torch.randn(1000, generator=gen)).to(dtype).to(dev)
+
+    def cast(ref):
+        if device == "cpu-kernel" and dtype == torch.bfloat16:
+            return truncate_to_bf16(ref.float())
+        return ref.to(dtype)
+
+    residual_ref = _sum(device, h, r)
+    refs = {  # the norm of the stored residual, or of the exact sum
+        False: cast(ec.add_rmsnorm_reference(residual_ref, torch.zeros_like(residual_ref), w,
+                                             EPS)[0]),
+        True: cast(ec.add_rmsnorm_reference(h, r, w, EPS, norm_fp32_sum=True)[0]),
+    }
+    aux = poisoned_aux(17, 2, 1000, dtype, dev)
+    with _mode(device):
+        if call == "public":
+            ec.add_rmsnorm_capture(h, r, w, EPS, aux, 1, norm_fp32_sum=norm_fp32_sum)
+        else:
+            torch.ops.eagle_capture.add_rmsnorm_capture(h, r, w, EPS, aux, 1, norm_fp32_sum)
     assert_bitwise_equal(r, residual_ref)
     assert_bitwise_equal(aux[:16, 1], residual_ref)
     assert_untouched(aux, 16, 1)

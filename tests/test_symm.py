@@ -1,7 +1,7 @@
 """The one-shot all-reduce + add + RMSNorm + capture (eagle_capture.symm) in
 spawned processes, world size 1 and 2 (one GPU per rank; gloo for the process
 group, so the NCCL-free fallback path runs too). GPU only; the multicast guard
-runs anywhere."""
+and its place in construction run anywhere."""
 
 import os
 import traceback
@@ -17,12 +17,44 @@ TIMEOUT_S = int(os.environ.get("EAGLE_CAPTURE_SYMM_TEST_TIMEOUT", "180"))
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
 
 
+# The documented multicast-off values (README, eagle_capture/symm.py).
+MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _unset_multicast_variables(monkeypatch):
+    for name in MULTICAST_OFF:
+        monkeypatch.setenv(name, "")  # records the original value for the undo
+        monkeypatch.delenv(name)
+
+
 def test_multicast_guard(monkeypatch):
     from eagle_capture import symm
-    symm.check_multicast_disabled()  # the import set the safe defaults
+    _unset_multicast_variables(monkeypatch)
+    with pytest.raises(RuntimeError, match="must stay off"):
+        symm.check_multicast_disabled()  # unset is not off
+    symm.ensure_multicast_disabled()  # sets the safe defaults
+    assert {name: os.environ[name] for name in MULTICAST_OFF} == MULTICAST_OFF
+    symm.check_multicast_disabled()
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
     with pytest.raises(RuntimeError, match="NCCL_NVLS_ENABLE"):
         symm.check_multicast_disabled()
+    with pytest.raises(RuntimeError, match="NCCL_NVLS_ENABLE"):
+        symm.ensure_multicast_disabled()  # a user's value is refused, never overridden
+    assert os.environ["NCCL_NVLS_ENABLE"] == "1"
+
+
+def test_construction_sets_the_multicast_defaults_before_anything_else(monkeypatch):
+    """Runs anywhere: the environment is handled before the arguments are
+    checked and before any symmetric-memory allocation."""
+    from eagle_capture import symm
+    _unset_multicast_variables(monkeypatch)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        symm.SymmAllReduceCapture(0, 64, torch.bfloat16)
+    assert {name: os.environ[name] for name in MULTICAST_OFF} == MULTICAST_OFF
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")
+    with pytest.raises(RuntimeError, match="TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+        symm.SymmAllReduceCapture(0, 64, torch.bfloat16)
 
 
 def _reference(partials, residual, weight, eps):

@@ -56,6 +56,7 @@ as a backend fusion provider that only reads its weight, raises instead of
 handing the draft a stale buffer), and SGLang's own capture was not re-enabled.
 """
 
+import functools
 import sys
 from typing import Optional
 
@@ -191,16 +192,14 @@ class _CapturingNormMixin:
         return out
 
 
-_NORM_CLASSES: dict[type, type] = {}
-_LOGITS_CLASSES: dict[type, type] = {}
-
-
-def _capturing_norm_class(cls: type) -> type:
-    if cls not in _NORM_CLASSES:
-        _NORM_CLASSES[cls] = type(cls.__name__, (_CapturingNormMixin, cls),
-                                  {"__module__": cls.__module__,
-                                   "__qualname__": f"{cls.__qualname__}[eagle_capture]"})
-    return _NORM_CLASSES[cls]
+@functools.lru_cache(maxsize=None)
+def _with_mixin(mixin: type, cls: type) -> type:
+    """``cls`` with ``mixin``'s methods first in the MRO: same name and module,
+    ``isinstance`` of ``cls`` still holds (one class per pair, so repeated
+    installs share it)."""
+    return type(cls.__name__, (mixin, cls),
+                {"__module__": cls.__module__,
+                 "__qualname__": f"{cls.__qualname__}[eagle_capture]"})
 
 
 class _CapturingLogitsMixin:
@@ -217,14 +216,6 @@ class _CapturingLogitsMixin:
         aux_hidden_states = packed if state.packed_tensor else [packed]
         return super().forward(input_ids, hidden_states, lm_head, logits_metadata,
                                aux_hidden_states, *args, **kwargs)
-
-
-def _capturing_logits_class(cls: type) -> type:
-    if cls not in _LOGITS_CLASSES:
-        _LOGITS_CLASSES[cls] = type(cls.__name__, (_CapturingLogitsMixin, cls),
-                                    {"__module__": cls.__module__,
-                                     "__qualname__": f"{cls.__qualname__}[eagle_capture]"})
-    return _LOGITS_CLASSES[cls]
 
 
 def _input_norm(layer: torch.nn.Module, layer_id: int) -> tuple[torch.nn.Module, str]:
@@ -351,10 +342,10 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
     state = CaptureState(buffer, layer_ids, surfaces.pop(), packed_tensor)
 
     for i, norm in zip(layer_ids, norms):
-        norm.__class__ = _capturing_norm_class(type(norm))
+        norm.__class__ = _with_mixin(_CapturingNormMixin, type(norm))
         norm._eagle_capture = state
         norm._eagle_layer_id = i
-    logits.__class__ = _capturing_logits_class(type(logits))
+    logits.__class__ = _with_mixin(_CapturingLogitsMixin, type(logits))
     logits._eagle_capture = state
     # SGLang's own capture off: no add/list (<= 0.5.13), no packer copy (>= 0.5.18).
     model.layers_to_capture = []

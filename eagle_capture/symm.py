@@ -3,20 +3,27 @@
 :class:`SymmAllReduceCapture` owns a symmetric-memory buffer (torch
 ``_symmetric_memory``) on every rank of a tensor-parallel group. At a layer
 boundary, :meth:`~SymmAllReduceCapture.reduce_add_rmsnorm` takes this rank's
-row-parallel *partial* hidden states and
+row-parallel *partial* hidden states and, by the path chosen for (world
+size, T) by a :class:`PathTable`,
 
-* for ``T <= one_shot_max_tokens``: copies them into the symmetric buffer (or
-  finds them already there: :meth:`input_buffer` lets the projection write
-  straight into it) and launches the one-shot kernel
-  (kernels/allreduce_add_rmsnorm_capture.py): every rank reads every rank's
-  buffer over NVLink, sums, adds the residual, normalises and stores the
-  capture -- one launch instead of all-reduce + add+RMSNorm;
-* above it: NCCL all-reduce, then :func:`eagle_capture.add_rmsnorm_capture`.
+* ``one_shot``: one launch of the Lamport kernel
+  (kernels/allreduce_add_rmsnorm_capture.py): every rank pushes its partial
+  into every rank's buffer over NVLink, polls its own buffer until the rows
+  have arrived, sums, adds the residual, normalises and stores the capture.
+  No barrier, no staging copy (the partial is read where it lies);
+* ``nccl``: NCCL all-reduce, then :func:`eagle_capture.add_rmsnorm_capture`.
 
-The crossover must be measured on the machine (``benchmarks/allreduce_capture.py``
-prints it); the default keeps the one-shot path for every T the buffer holds,
-which is only right for decode sizes. It has not been measured: no machine
-with more than one GPU was available when this was written.
+The path table is measured on the machine
+(``torchrun --nproc-per-node W benchmarks/allreduce_capture.py --write-table F``)
+and passed as ``table=F`` (or ``EAGLE_CAPTURE_ALLREDUCE_TABLE=F``); without one,
+:data:`DEFAULT_ONE_SHOT_MAX_TOKENS` decides (benchmarks/RESULTS.md has the
+measurements behind it).
+
+Under ``torch.compile`` the one-shot path is the custom op
+``torch.ops.eagle_capture.allreduce_add_rmsnorm_capture`` (fake implementation,
+no graph break); eagerly the method launches the kernel through the same
+cached launcher as the single-GPU ops. Both are CUDA-graph capturable: the
+kernel's epoch lives in device memory.
 
 NVLink multicast stays off: on the shared hosts it can take GPUs out of
 service. Constructing a :class:`SymmAllReduceCapture` sets
@@ -30,20 +37,32 @@ them in the launcher's environment too, or call
 :func:`ensure_multicast_disabled` before ``init_process_group``.
 """
 
+import itertools
+import json
 import os
-from typing import Optional
+import weakref
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from . import _checks, ops
+from ._launcher import CachedLauncher
 from .kernels.add_rmsnorm_capture import MAX_HIDDEN_SIZE, launch_config
-from .kernels.allreduce_add_rmsnorm_capture import oneshot_allreduce_add_rmsnorm_capture_kernel
+from .kernels.allreduce_add_rmsnorm_capture import (
+    NUM_BUFFERS, STATE_INTS, lamport_allreduce_add_rmsnorm_capture_kernel)
 
 _MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
                   "NVSHMEM_DISABLE_NVLS": "1"}
 
-
+PATHS = ("one_shot", "nccl")
+TABLE_FORMAT = "eagle_capture.allreduce_paths/1"
+TABLE_ENV = "EAGLE_CAPTURE_ALLREDUCE_TABLE"
+# Largest T that takes the one-shot kernel when no measured table is given, per
+# world size (the largest listed world size <= W applies). Measured on 2 H200s
+# (benchmarks/RESULTS.md); the larger world sizes are unmeasured guesses that
+# follow the shape of TensorRT-LLM's SM90 table (one-shot's traffic grows with W).
+DEFAULT_ONE_SHOT_MAX_TOKENS = {1: 2048, 2: 2048, 4: 256, 8: 64}
 def check_multicast_disabled() -> None:
     """Raise unless every multicast-off variable holds its safe value (an unset
     one fails too: :func:`ensure_multicast_disabled` sets the defaults)."""
@@ -63,120 +82,236 @@ def ensure_multicast_disabled() -> None:
     check_multicast_disabled()
 
 
+class PathTable:
+    """The fastest path per (world size, T), measured on the machine.
+
+    JSON written by ``benchmarks/allreduce_capture.py --write-table``:
+    ``{"format": TABLE_FORMAT, "hidden_size": H, "dtype": "bfloat16",
+    "device": ..., "paths": {"2": [[1, "one_shot"], [2, "one_shot"], ...]}}``.
+    A T between two measured sizes takes the path of the next larger one
+    (above the largest: the largest's); a world size not in the table takes
+    the default rule."""
+
+    def __init__(self, paths: dict, hidden_size: Optional[int] = None,
+                 dtype: Optional[str] = None, source: str = "<dict>") -> None:
+        self.hidden_size, self.dtype, self.source = hidden_size, dtype, source
+        self.paths: dict[int, list[tuple[int, str]]] = {}
+        for world, rows in paths.items():
+            entries = sorted((int(t), str(p)) for t, p in rows)
+            bad = [p for _, p in entries if p not in PATHS]
+            if bad or not entries or entries[0][0] < 1:
+                raise ValueError(f"eagle_capture: path table {source}: world size {world} needs "
+                                 f"[[T >= 1, path], ...] with path in {PATHS}, got {rows!r}")
+            self.paths[int(world)] = entries
+
+    @classmethod
+    def load(cls, table: Union[str, os.PathLike, dict, "PathTable"]) -> "PathTable":
+        if isinstance(table, PathTable):
+            return table
+        source = "<dict>"
+        if not isinstance(table, dict):
+            source = os.fspath(table)
+            with open(source) as f:
+                table = json.load(f)
+        if table.get("format") != TABLE_FORMAT:
+            raise ValueError(f"eagle_capture: {source} is not a path table (format "
+                             f"{table.get('format')!r}, expected {TABLE_FORMAT!r})")
+        return cls(table["paths"], table.get("hidden_size"), table.get("dtype"), source)
+
+    def path(self, world_size: int, num_tokens: int) -> Optional[str]:
+        entries = self.paths.get(world_size)
+        if entries is None:
+            return None
+        for t, p in entries:
+            if num_tokens <= t:
+                return p
+        return entries[-1][1]
+
+
+def default_one_shot_max_tokens(world_size: int) -> int:
+    known = [w for w in DEFAULT_ONE_SHOT_MAX_TOKENS if w <= world_size]
+    return DEFAULT_ONE_SHOT_MAX_TOKENS[max(known)] if known else 0
+
+
+# Live objects by name: the custom op takes a name (as torch's symm_mem ops take
+# a group name), since a Python object cannot be an op argument.
+_INSTANCES: "weakref.WeakValueDictionary[str, SymmAllReduceCapture]" = weakref.WeakValueDictionary()
+_NAMES = itertools.count()
+_launch = CachedLauncher(lamport_allreduce_add_rmsnorm_capture_kernel)
+
+
 class SymmAllReduceCapture:
-    """One-shot all-reduce + add + RMSNorm + capture for a TP group, NCCL above
-    ``one_shot_max_tokens``.
+    """All-reduce + add + RMSNorm + capture for a TP group: the one-shot kernel
+    or NCCL + the fused op, per T.
 
     Collective: every rank of ``group`` must construct it (symmetric
     allocation and rendezvous) and call :meth:`reduce_add_rmsnorm` with the same
     T in the same order, as with any collective. Construction first runs
     :func:`ensure_multicast_disabled`.
+
+    ``one_shot_max_tokens`` caps the one-shot path (and sizes its buffer:
+    ``3 * W * rows * H`` elements per rank); ``table`` (a path, dict or
+    :class:`PathTable`; default ``$EAGLE_CAPTURE_ALLREDUCE_TABLE``) picks the
+    path per T below the cap. ``watchdog_s`` (opt-in): a poll that waits longer
+    gives up and every later call raises, instead of a silent hang when a peer
+    never arrives; results of the call that tripped it are garbage.
     """
 
     def __init__(self, max_tokens: int, hidden_size: int, dtype: torch.dtype,
                  group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device] = None,
-                 one_shot_max_tokens: Optional[int] = None) -> None:
+                 one_shot_max_tokens: Optional[int] = None,
+                 table=None, watchdog_s: Optional[float] = None) -> None:
         ensure_multicast_disabled()  # before torch's symmetric memory is touched
         import torch.distributed._symmetric_memory as symm_mem
 
         if max_tokens < 1 or not 1 <= hidden_size <= MAX_HIDDEN_SIZE:
             raise ValueError(f"eagle_capture: max_tokens must be >= 1 and hidden_size in "
                              f"[1, {MAX_HIDDEN_SIZE}], got {max_tokens}, {hidden_size}")
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"eagle_capture: dtype must be bfloat16, float16 or float32, "
+                             f"got {dtype}")
+        if watchdog_s is not None and not watchdog_s > 0:
+            raise ValueError(f"eagle_capture: watchdog_s must be > 0 or None, got {watchdog_s}")
+        table = table if table is not None else os.environ.get(TABLE_ENV) or None
+        self.table = PathTable.load(table) if table is not None else None
+        if self.table is not None and self.table.hidden_size not in (None, hidden_size):
+            raise ValueError(f"eagle_capture: path table {self.table.source} was measured for "
+                             f"hidden_size {self.table.hidden_size}, not {hidden_size}")
         self.group = group if group is not None else dist.group.WORLD
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda", torch.cuda.current_device())
         self.max_tokens, self.hidden_size, self.dtype = max_tokens, hidden_size, dtype
-        self.buffer = symm_mem.empty(max_tokens, hidden_size, dtype=dtype, device=self.device)
+        self.world_size = dist.get_world_size(self.group)
+        cap = (self._one_shot_limit_from_rule() if one_shot_max_tokens is None
+               else int(one_shot_max_tokens))
+        self.one_shot_max_tokens = max(0, min(cap, max_tokens))
+        rows = max(self.one_shot_max_tokens, 1)
+        # [NUM_BUFFERS, W senders, rows, H], -0.0 everywhere ("not arrived").
+        self.buffer = symm_mem.empty(NUM_BUFFERS * self.world_size * rows * hidden_size,
+                                     dtype=dtype, device=self.device)
+        self.buffer.fill_(-0.0)
         self.handle = symm_mem.rendezvous(self.buffer, self.group)
-        self.rank, self.world_size = self.handle.rank, self.handle.world_size
-        self._buffer_ptrs = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64,
-                                         device=self.device)
-        self._signal_pad_ptrs = torch.tensor(self.handle.signal_pad_ptrs, dtype=torch.int64,
-                                             device=self.device)
-        # Programs: one signal slot per (program, rank) in the pad, and at most one
-        # per SM so that every program of every rank is resident at once (a
-        # program spinning in the barrier must never wait for a peer program that
-        # cannot start; see the kernel's docstring). All ranks must launch the
-        # same grid: agree on the smallest bound in the group.
-        pad_slots = symm_mem.get_signal_pad_size() // 4
+        self.rank = self.handle.rank
+        self._rows = rows
+        self.state = torch.zeros(STATE_INTS, dtype=torch.int32, device=self.device)
+        # The watchdog flag: pinned host memory the kernel writes through its
+        # device address (unified addressing), so the host reads it without a sync.
+        self._watchdog_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._timeout_ns = int(watchdog_s * 1e9) if watchdog_s is not None else 0
+        self._ptr_table = torch.tensor(list(self.handle.buffer_ptrs)
+                                       + [self._watchdog_flag.data_ptr()],
+                                       dtype=torch.int64, device=self.device)
+        # At most one program per SM (all co-resident on an idle GPU, see the
+        # kernel's docstring); every rank must launch the same grid.
         sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        bound = torch.tensor([min(sm_count, pad_slots // self.world_size)], dtype=torch.int64,
+        bound = torch.tensor([sm_count], dtype=torch.int64,
                              device="cpu" if dist.get_backend(self.group) == "gloo"
                              else self.device)
         dist.all_reduce(bound, op=dist.ReduceOp.MIN, group=self.group)
         self.max_programs = max(1, int(bound.item()))
-        self.one_shot_max_tokens = (max_tokens if one_shot_max_tokens is None
-                                    else min(int(one_shot_max_tokens), max_tokens))
         self._block_h, self._num_warps, _ = launch_config(hidden_size, True)
+        # Every rank's buffer holds -0.0 before any peer may push into it.
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        self.name = f"symm{next(_NAMES)}"
+        _INSTANCES[self.name] = self
 
-    def input_buffer(self, num_tokens: int) -> torch.Tensor:
-        """``[num_tokens, H]`` view of this rank's symmetric buffer: a projection
-        that writes its partial output here saves the copy."""
-        if not 0 <= num_tokens <= self.max_tokens:
-            raise ValueError(f"eagle_capture: num_tokens must be in [0, {self.max_tokens}], "
-                             f"got {num_tokens}")
-        return self.buffer[:num_tokens]
+    def _one_shot_limit_from_rule(self) -> int:
+        if self.table is not None and self.world_size in self.table.paths:
+            one_shot = [t for t, p in self.table.paths[self.world_size] if p == "one_shot"]
+            return max(one_shot, default=0)
+        return default_one_shot_max_tokens(self.world_size)
+
+    def path_for(self, num_tokens: int) -> str:
+        """``"one_shot"`` or ``"nccl"`` for a call with ``num_tokens`` rows."""
+        if num_tokens > self.one_shot_max_tokens:
+            return "nccl"
+        if self.table is not None:
+            chosen = self.table.path(self.world_size, num_tokens)
+            if chosen is not None:
+                return chosen
+        return "one_shot"
 
     def overlaps_buffer(self, t: torch.Tensor) -> bool:
         """Whether ``t`` shares bytes with this rank's symmetric buffer (which the
-        peers read during a one-shot call): :func:`eagle_capture._checks.ranges_overlap`."""
+        peers write during a one-shot call): :func:`eagle_capture._checks.ranges_overlap`."""
         return _checks.ranges_overlap(t, self.buffer)
 
-    def reduce_add_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor,
-                           weight: torch.Tensor, eps: float, aux: Optional[torch.Tensor] = None,
-                           slot: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``h = all_reduce(partial)``; ``residual = h + residual`` (in place);
-        ``aux[:T, slot] = residual`` when ``aux`` is given; returns
-        ``rmsnorm(residual) * weight`` written into ``out`` (default: ``partial``,
-        unless ``partial`` is this object's symmetric buffer, which peers may
-        still be reading: then a new tensor)."""
-        num_tokens = partial.shape[0] if partial.dim() == 2 else -1
-        if partial.dim() != 2 or partial.shape[1] != self.hidden_size or \
-                partial.dtype != self.dtype or partial.device != self.device:
-            raise ValueError(f"eagle_capture: partial must be [T, {self.hidden_size}] "
-                             f"{self.dtype} on {self.device}, got {tuple(partial.shape)} "
-                             f"{partial.dtype} on {partial.device}")
+    def watchdog_tripped(self) -> bool:
+        """Whether a poll gave up waiting (host read of pinned memory, no sync)."""
+        return bool(self._watchdog_flag.item())
+
+    def _check_watchdog(self) -> None:
+        if self._timeout_ns and self.watchdog_tripped():
+            raise RuntimeError(
+                f"eagle_capture: rank {self.rank}: a one-shot all-reduce waited more than "
+                f"{self._timeout_ns / 1e9:g} s for a peer's rows and gave up (a rank that never "
+                f"arrived, or programs that could not all be resident). The results of that "
+                f"call are garbage and this SymmAllReduceCapture can no longer be used")
+
+    def _validate(self, partial, residual, weight, eps, aux, slot, out) -> None:
+        if not isinstance(partial, torch.Tensor) or partial.dim() != 2 or \
+                partial.shape[1] != self.hidden_size or partial.dtype != self.dtype or \
+                partial.device != self.device or partial.stride(1) != 1:
+            raise ValueError(f"eagle_capture: partial must be a row-major [T, {self.hidden_size}] "
+                             f"{self.dtype} tensor on {self.device}, got "
+                             f"{getattr(partial, 'shape', type(partial))} "
+                             f"{getattr(partial, 'dtype', '')} on {getattr(partial, 'device', '-')}")
         if torch.cuda.current_device() != self.device.index:
             raise ValueError(f"eagle_capture: this SymmAllReduceCapture lives on {self.device} "
                              f"but the current CUDA device is cuda:{torch.cuda.current_device()}")
-        one_shot = num_tokens <= self.one_shot_max_tokens
-        in_buffer = self.overlaps_buffer(partial)
-        if out is None:
-            out = torch.empty_like(partial) if in_buffer else partial
-        # The kernel reads the peers' buffers as the residual's dtype: all must match.
+        # The kernel writes the buffer's dtype into residual, out and aux.
         for name, t in (("out", out), ("residual", residual)):
             if not isinstance(t, torch.Tensor) or t.dtype != self.dtype or t.device != self.device:
                 raise ValueError(f"eagle_capture: {name} must be a {self.dtype} tensor on "
                                  f"{self.device} (the symmetric buffer's dtype), got "
                                  f"{getattr(t, 'dtype', type(t))} on {getattr(t, 'device', '-')}")
-        if self.overlaps_buffer(out) or self.overlaps_buffer(residual) or (
-                aux is not None and self.overlaps_buffer(aux)):
-            raise ValueError("eagle_capture: out, residual and aux must not lie in the "
-                             "symmetric buffer (peers read it while this rank writes)")
+        if out.shape != partial.shape:
+            raise ValueError(f"eagle_capture: out must have partial's shape "
+                             f"{tuple(partial.shape)}, got {tuple(out.shape)}")
         # The same contract as the single-GPU add_rmsnorm_capture, with `out` as the
         # normed output (named hidden_states in the messages, as there).
         _checks.check_add_inputs(out, residual)
         _checks.check_norm_inputs(out, weight, eps)
-        _checks.check_no_internal_overlap("hidden_states", out)
-        _checks.check_no_internal_overlap("residual", residual)
         if aux is not None:
             _checks.check_aux(aux, slot, out.shape[0], out.shape[1], out.dtype, out.device)
+        if torch.compiler.is_compiling():
+            return  # address checks need real tensors; eager calls made them
+        for name, t in (("partial", partial), ("out", out), ("residual", residual),
+                        ("aux", aux)):
+            if t is not None and self.overlaps_buffer(t):
+                raise ValueError(f"eagle_capture: {name} must not lie in the symmetric buffer "
+                                 f"(peers write into it during a one-shot call)")
+        _checks.check_no_internal_overlap("hidden_states", out)
+        _checks.check_no_internal_overlap("residual", residual)
         _checks.check_aliasing(out, residual, aux, slot, weight=weight, residual_mutated=True,
                                hidden_mutated=True)
-        if out.shape != partial.shape:
-            raise ValueError(f"eagle_capture: out must have partial's shape "
-                             f"{tuple(partial.shape)}, got {tuple(out.shape)}")
+        if out is not partial and _checks.ranges_overlap(out, partial) and \
+                out.data_ptr() != partial.data_ptr():
+            raise ValueError("eagle_capture: out must be partial itself or not overlap it")
+        if _checks.ranges_overlap(partial, residual) or (
+                aux is not None and _checks.ranges_overlap(partial, aux)):
+            raise ValueError("eagle_capture: partial must not overlap residual or aux "
+                             "(both are written while peers' rows are still arriving)")
+
+    def reduce_add_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor,
+                           weight: torch.Tensor, eps: float, aux: Optional[torch.Tensor] = None,
+                           slot: int = 0, out: Optional[torch.Tensor] = None,
+                           norm_fp32_sum: bool = False) -> torch.Tensor:
+        """``h = all_reduce(partial)``; ``residual = h + residual`` (in place);
+        ``aux[:T, slot] = residual`` when ``aux`` is given; returns
+        ``rmsnorm(residual) * weight`` written into ``out`` (default: ``partial``).
+        ``norm_fp32_sum`` as in :func:`eagle_capture.add_rmsnorm_capture`."""
+        self._check_watchdog()
+        out = partial if out is None else out
+        self._validate(partial, residual, weight, eps, aux, slot, out)
+        num_tokens = partial.shape[0]
         if num_tokens == 0:
             return out
-        if not one_shot:
-            if in_buffer:
-                raise ValueError(f"eagle_capture: T = {num_tokens} > one_shot_max_tokens = "
-                                 f"{self.one_shot_max_tokens} takes the NCCL path, which "
-                                 f"reduces in place: partial must not be the symmetric buffer")
-            # Reduce into `out` (partial itself by default), as the one-shot path
-            # leaves an explicit out's partial untouched; the collective needs a
-            # dense tensor.
+        if self.path_for(num_tokens) == "nccl":
+            # Reduce into `out` (partial itself by default); the collective needs
+            # a dense tensor.
             reduced = out if out.is_contiguous() else torch.empty_like(
                 out, memory_format=torch.contiguous_format)
             if reduced is not partial:
@@ -184,22 +319,55 @@ class SymmAllReduceCapture:
             dist.all_reduce(reduced, group=self.group)
             if reduced is not out:
                 out.copy_(reduced)
-            ops.add_rmsnorm_capture(out, residual, weight, eps, aux, slot)
+            ops.add_rmsnorm_capture(out, residual, weight, eps, aux, slot, norm_fp32_sum)
             return out
-        staged = self.buffer[:num_tokens]
-        if not (in_buffer and partial.data_ptr() == staged.data_ptr()
-                and partial.is_contiguous()):
-            if in_buffer:
-                raise ValueError("eagle_capture: partial lies in the symmetric buffer but is "
-                                 "not input_buffer(T)")
-            staged.copy_(partial)
-        grid = (min(num_tokens, self.max_programs),)
-        oneshot_allreduce_add_rmsnorm_capture_kernel[grid](
-            self._buffer_ptrs, self._signal_pad_ptrs, residual, weight, out, residual,
-            aux if aux is not None else residual, num_tokens, self.hidden_size, float(eps),
-            self.rank, residual.stride(0), out.stride(0), residual.stride(0),
-            aux.stride(0) if aux is not None else 0,
-            slot * aux.stride(1) if aux is not None else 0,
-            WORLD_SIZE=self.world_size, CAPTURE=aux is not None, BLOCK_H=self._block_h,
-            num_warps=self._num_warps)
+        if torch.compiler.is_compiling():
+            torch.ops.eagle_capture.allreduce_add_rmsnorm_capture(
+                partial, residual, weight, eps, aux, slot, out, self.state, self.name,
+                norm_fp32_sum)
+        else:
+            self._launch_one_shot(partial, residual, weight, eps, aux, slot, out, self.state,
+                                  norm_fp32_sum)
         return out
+
+    def _launch_one_shot(self, partial, residual, weight, eps, aux, slot, out, state,
+                         norm_fp32_sum, debug_spin: int = 0, debug_rank: int = -1) -> None:
+        num_tokens = partial.shape[0]
+        aux_t = aux if aux is not None else residual
+        args = (self._ptr_table, state, partial, residual, weight, out, residual, aux_t,
+                num_tokens, self.hidden_size, self._rows, float(eps), self.rank,
+                partial.stride(0), residual.stride(0), out.stride(0), residual.stride(0),
+                aux.stride(0) if aux is not None else 0,
+                slot * aux.stride(1) if aux is not None else 0, self._timeout_ns, debug_rank)
+        constexprs = dict(WORLD_SIZE=self.world_size, CAPTURE=aux is not None,
+                          NORM_FP32_SUM=bool(norm_fp32_sum), USE_GLOBALTIMER=True,
+                          DEBUG_SPIN=int(debug_spin), BLOCK_H=self._block_h)
+        tensors = (partial, residual, weight, out, aux_t)
+        # The key fixes every argument Triton specialises: dtypes, the ints not in
+        # do_not_specialize (values), the constexprs; num_tokens/rank/rows vary freely.
+        key = (self.device.index, self.dtype, weight.dtype, out.dtype, self.hidden_size,
+               args[13:20], tuple(constexprs.items()))
+        aligned = all(t.data_ptr() % 16 == 0 for t in tensors)
+        _launch((min(num_tokens, self.max_programs), 1), args + tuple(constexprs.values()),
+                key, self._num_warps, self.device.index, aligned)
+
+
+@torch.library.custom_op("eagle_capture::allreduce_add_rmsnorm_capture",
+                         mutates_args=("residual", "aux", "out", "state"), device_types="cuda")
+def _allreduce_add_rmsnorm_capture_op(partial: torch.Tensor, residual: torch.Tensor,
+                                      weight: torch.Tensor, eps: float,
+                                      aux: Optional[torch.Tensor], slot: int, out: torch.Tensor,
+                                      state: torch.Tensor, name: str,
+                                      norm_fp32_sum: bool) -> None:
+    """The one-shot path of :meth:`SymmAllReduceCapture.reduce_add_rmsnorm` as an
+    op: ``name`` is the object's :attr:`~SymmAllReduceCapture.name`, ``state``
+    its device-side epoch (declared mutated, so calls keep their order)."""
+    ar = _INSTANCES.get(name)
+    if ar is None:
+        raise ValueError(f"eagle_capture: no live SymmAllReduceCapture named {name!r}")
+    ar._launch_one_shot(partial, residual, weight, eps, aux, slot, out, state, norm_fp32_sum)
+
+
+@_allreduce_add_rmsnorm_capture_op.register_fake
+def _(partial, residual, weight, eps, aux, slot, out, state, name, norm_fp32_sum) -> None:
+    return None

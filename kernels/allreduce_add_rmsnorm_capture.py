@@ -1,84 +1,154 @@
-"""One-shot all-reduce + residual add + RMSNorm + capture over symmetric memory.
+"""One-shot all-reduce + residual add + RMSNorm + capture, Lamport style.
 
 Under tensor parallelism the row-parallel projection ending each layer leaves
 every rank with a *partial* sum of the hidden states. SGLang then runs an
 all-reduce (NCCL, or a custom one-shot kernel for small T) followed by the next
-layer's fused add+RMSNorm. For decode-sized T both are latency-bound; this
-kernel does them in one launch:
+layer's fused add+RMSNorm. At decode sizes both are latency-bound; this kernel
+does them in one launch, with no barrier:
 
-    each rank has copied its partial [T, H] into its symmetric buffer
-    barrier        every program signals its peers' programs of the same index
-    per row t      h = sum over ranks 0..W-1 of buffer_rank[t]  (fp32, rounded once)
-                   s = h + residual[t]                           (fp32, rounded once)
-                   aux[t, slot] = s; residual_out[t] = s; normed[t] = rmsnorm(s) * w
-    barrier        no rank may overwrite its buffer while a peer still reads it
+    push    each program stores its rows of this rank's partial into every
+            rank's symmetric buffer, in the sender slab ``[epoch % 3][rank]``
+    clear   it fills its share of *this* rank's slabs of the previous call
+            (``[(epoch - 1) % 3]``, T_prev rows per sender) with -0.0
+    poll    per row t and sender r (rank order), it re-reads the row from the
+            local slab ``[epoch % 3][r]`` until no element is -0.0
+    reduce  h = sum over r of the rows (fp32, rounded once)
+            s = h + residual[t]  (fp32, rounded once)
+            aux[t, slot] = s; residual_out[t] = s; normed[t] = rmsnorm(s) * w
+    arrive  the last program of the launch to finish bumps the epoch
 
-Numerics: every rank sums the W partials in the same order (rank 0 first), so
-all ranks hold bit-identical results -- what the tensor-parallel consistency
-check demands. The sum is rounded once from fp32; NCCL's bf16 ring all-reduce
-rounds at each step, so at W > 1 the result can differ from the NCCL path in
-the last bit (at W = 1 it is identical).
+Protocol (the data carries its own ready flag)
+----------------------------------------------
+Every buffer element is -0.0 at rest. A pushed partial has its -0.0 turned
+into +0.0 (the sum can then differ from NCCL's only in the sign of an exact
+zero), so an element is "arrived" exactly when it is not -0.0; each element
+is written by one store, so a row read while the peer is still writing it
+shows sentinels and is re-read. No flag, no fence, no barrier: one NVLink
+write per element and a local poll.
 
-Barrier: a program's signal slots are ``pad[block * W + rank]`` in each peer's
-signal pad (uint32, zero at rest). Sending is a compare-and-swap 0 -> 1 that
-spins while the slot is still 1 (the peer has not consumed the previous
-signal); waiting is a compare-and-swap 1 -> 0 on the local pad. Every signal
-is consumed exactly once, so the same slots serve the start and the end
-barrier of every call. Triton executes a scalar atomic in one thread and
-broadcasts its result; ``tl.debug_barrier()`` (bar.sync) orders the other
-threads' loads after the acquire and their loads before the release. Peer rows
-are loaded ``volatile`` so no stale L1 line survives between calls.
+Three buffers make reuse safe without a closing barrier. At call n a rank
+writes into its peers' slabs n % 3 and clears its own slabs (n - 1) % 3,
+which every peer finished writing in call n - 1 (this rank saw all of their
+elements) and which no peer can write again before call n + 2 -- for that a
+peer needs this rank's call-(n + 1) push, issued after this kernel ends. A
+fast peer in call n + 1 writes slabs (n + 1) % 3: neither the slabs being
+read (n % 3) nor those being cleared. The epoch lives in device memory (the
+``state`` tensor: epoch, arrivals, T_prev, watchdog flag), so a CUDA graph
+holding any number of calls replays correctly; a host-side parity would be
+frozen into the graph.
 
-The grid is persistent: G = min(T, max_programs) programs walk rows t = pid,
-pid + G, ...; all ranks launch the same G (T is the same on all ranks under
-TP; max_programs is agreed across the group), and G is at most one program
-per SM -- which fits whatever the register count (16 warps x 80 registers <
-64K) -- so, on an otherwise idle GPU, every program of every rank is resident
-and no program spinning in a barrier waits on a peer program that cannot be
-scheduled. There is no spin limit: a rank that never launches (an exception
-on one rank only, a different T) leaves its peers spinning, as with any
-collective that one rank skips.
+Numerics: every rank sums the W rows in rank order (rank 0 first), so all
+ranks hold bit-identical results -- what the tensor-parallel consistency check
+demands. The sum is rounded once from fp32 (NCCL's bf16 ring rounds at each
+step: at W > 2 the paths can differ in the last bit). With ``NORM_FP32_SUM``
+the norm is of the unrounded fp32 ``h + residual``, as in the single-GPU
+kernel (FlashInfer / SGLang forward_native).
 
-NVLink multicast is never used (no multimem instructions; see
-eagle_capture.symm for the environment it sets).
+Scheduling: the grid is G = min(T, max_programs), the same on every rank (T
+is the same under TP; max_programs is agreed across the group). Program i
+only waits for rows pushed by program i of each peer, after it has pushed its
+own. With G at most one program per SM all programs are co-resident on an
+idle GPU; when fewer SMs are available (MPS limits, green contexts, a
+persistent kernel beside it) the programs that do run are served by the
+same-index programs on the peers as long as each GPU dispatches programs in
+index order, which CUDA does in practice but does not promise. For that case
+and for a rank that never arrives, the opt-in watchdog bounds every poll.
+
+Watchdog (``timeout_ns`` > 0): a poll that has waited longer than timeout_ns
+(``%globaltimer`` on the GPU; one poll ~ 1 us on the interpreter) sets the
+flag at ``ptr_table[W]`` (a host-visible int32) and gives up: the outputs
+are then garbage and the caller must raise. With timeout_ns = 0 the check is
+one integer compare per poll.
+
+``DEBUG_SPIN`` (tests only): the rank ``debug_rank`` waits about DEBUG_SPIN
+us (GPU; DEBUG_SPIN volatile loads on the interpreter) between its push and its
+clear, making it the slow rank on demand: the reuse race becomes certain.
+
+NVLink multicast is never used (no multimem instructions).
 """
 
 import triton
 import triton.language as tl
 
+NUM_BUFFERS = 3          # see the reuse argument in the module docstring
+STATE_INTS = 4           # epoch (mod NUM_BUFFERS), arrivals, T_prev, unused
+STATE_EPOCH, STATE_ARRIVED, STATE_PREV_TOKENS = 0, 1, 2
+
 
 @triton.jit
-def _signal_peers(signal_pad_ptrs, block_id, rank, WORLD_SIZE: tl.constexpr):
-    for peer in tl.static_range(WORLD_SIZE):
-        pad = tl.load(signal_pad_ptrs + peer).to(tl.pointer_type(tl.uint32))
-        slot = pad + block_id * WORLD_SIZE + rank
-        while tl.atomic_cas(slot, 0, 1, sem="release", scope="sys") != 0:
+def _globaltimer_ns():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _is_sentinel(x):
+    """Elements equal to -0.0 (the "not arrived" mark), by bits."""
+    if x.dtype.primitive_bitwidth == 16:
+        bits = x.to(tl.int16, bitcast=True)
+        return bits == -32768
+    else:
+        bits = x.to(tl.int32, bitcast=True)
+        return bits == -2147483648
+
+
+@triton.jit
+def _neg_zeros(BLOCK_H: tl.constexpr, dtype: tl.constexpr):
+    """-0.0 built from its bits (a float -0.0 literal may be folded into +0.0)."""
+    if dtype.primitive_bitwidth == 16:
+        return tl.full([BLOCK_H], -32768, tl.int16).to(dtype, bitcast=True)
+    else:
+        return tl.full([BLOCK_H], -2147483648, tl.int32).to(dtype, bitcast=True)
+
+
+@triton.jit
+def _poll_row(ptr, mask, timeout_ns, error_ptr, USE_GLOBALTIMER: tl.constexpr):
+    """Re-read a row until none of its elements is -0.0; returns it (fp32)."""
+    x = tl.load(ptr, mask=mask, other=0.0, volatile=True)
+    pending = tl.sum(_is_sentinel(x).to(tl.int32), axis=0)
+    if pending != 0:
+        spins = 0
+        if USE_GLOBALTIMER:
+            start = _globaltimer_ns()
+        while pending != 0:
+            x = tl.load(ptr, mask=mask, other=0.0, volatile=True)
+            pending = tl.sum(_is_sentinel(x).to(tl.int32), axis=0)
+            if timeout_ns > 0:
+                spins += 1
+                if USE_GLOBALTIMER:
+                    waited = _globaltimer_ns() - start
+                else:
+                    waited = spins * 1000
+                if waited > timeout_ns:
+                    tl.atomic_xchg(error_ptr, 1, sem="relaxed", scope="sys")
+                    pending = 0
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _debug_delay(state_ptr, error_ptr, DEBUG_SPIN: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
+    """About DEBUG_SPIN us on the GPU; DEBUG_SPIN volatile loads on the interpreter.
+    The loads' sum feeds a store that never happens, so no compiler drops them."""
+    if USE_GLOBALTIMER:
+        start = _globaltimer_ns()
+        while _globaltimer_ns() - start < DEBUG_SPIN * 1000:
             pass
+    else:
+        total = 0
+        for _ in range(DEBUG_SPIN):
+            total += tl.load(state_ptr + STATE_EPOCH, volatile=True)
+        if total < 0:
+            tl.store(error_ptr, 2)
 
 
-@triton.jit
-def _wait_for_peers(signal_pad_ptrs, block_id, rank, WORLD_SIZE: tl.constexpr):
-    pad = tl.load(signal_pad_ptrs + rank).to(tl.pointer_type(tl.uint32))
-    for peer in tl.static_range(WORLD_SIZE):
-        slot = pad + block_id * WORLD_SIZE + peer
-        while tl.atomic_cas(slot, 1, 0, sem="acquire", scope="sys") != 1:
-            pass
-
-
-@triton.jit
-def _barrier(signal_pad_ptrs, block_id, rank, WORLD_SIZE: tl.constexpr):
-    tl.debug_barrier()   # this program's earlier loads/stores before the release
-    _signal_peers(signal_pad_ptrs, block_id, rank, WORLD_SIZE)
-    _wait_for_peers(signal_pad_ptrs, block_id, rank, WORLD_SIZE)
-    tl.debug_barrier()   # every thread's later loads after the acquire
-
-
-# `rank` is not specialised: rank 1 would compile as a constant and ranks 0/16 as
-# multiples of 16 -- different binaries on different ranks of one group.
-@triton.jit(do_not_specialize=["rank"])
-def oneshot_allreduce_add_rmsnorm_capture_kernel(
-    buffer_ptrs,          # int64[W]: each rank's symmetric buffer ([max_tokens, H], row-major)
-    signal_pad_ptrs,      # int64[W]: each rank's signal pad (uint32)
+# `rank` and `debug_rank` are not specialised: rank 1 would compile as a constant
+# and ranks 0/16 as multiples of 16 -- different binaries on different ranks.
+# max_tokens must stay a runtime int64-convertible value (a 1 would be a constexpr).
+@triton.jit(do_not_specialize=["rank", "debug_rank", "num_tokens", "max_tokens", "timeout_ns"])
+def lamport_allreduce_add_rmsnorm_capture_kernel(
+    ptr_table,            # int64[W + 1]: each rank's symmetric buffer, then the watchdog flag
+    state_ptr,            # int32[STATE_INTS], this rank's, device memory
+    partial_ptr,
     residual_ptr,
     weight_ptr,
     normed_out_ptr,
@@ -86,15 +156,22 @@ def oneshot_allreduce_add_rmsnorm_capture_kernel(
     aux_ptr,
     num_tokens,
     hidden_size,
+    max_tokens,           # rows per sender slab of the symmetric buffer
     eps,
     rank,
+    stride_partial,
     stride_residual,
     stride_normed_out,
     stride_residual_out,
     stride_aux_row,
     aux_slot_offset,
+    timeout_ns,
+    debug_rank,
     WORLD_SIZE: tl.constexpr,
     CAPTURE: tl.constexpr,
+    NORM_FP32_SUM: tl.constexpr,
+    USE_GLOBALTIMER: tl.constexpr,
+    DEBUG_SPIN: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -102,19 +179,47 @@ def oneshot_allreduce_add_rmsnorm_capture_kernel(
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden_size
     dtype = residual_ptr.dtype.element_ty
-
-    _barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    epoch = tl.load(state_ptr + STATE_EPOCH, volatile=True)
+    prev_tokens = tl.load(state_ptr + STATE_PREV_TOKENS, volatile=True)
+    cur = epoch % NUM_BUFFERS
+    prev = (epoch + NUM_BUFFERS - 1) % NUM_BUFFERS
+    error_ptr = tl.load(ptr_table + WORLD_SIZE).to(tl.pointer_type(tl.int32))
+    # Symmetric allocations are page-aligned: say so, or the loads and stores of a
+    # pointer made from an integer stay scalar (2-byte) instead of 16-byte.
+    local = tl.multiple_of(tl.load(ptr_table + rank).to(tl.pointer_type(dtype)), 16)
+    slab = max_tokens.to(tl.int64) * hidden_size          # elements per (buffer, sender)
     pid64 = pid.to(tl.int64)
+
+    # Push: this rank's rows into slab [cur][rank] of every rank's buffer.
     for row in range(pid, num_tokens, num_programs):
         row64 = pid64 + (row - pid)  # int64 row offsets (row is a plain int in the interpreter)
+        x = tl.load(partial_ptr + row64 * stride_partial + cols, mask=mask, other=0.0)
+        x = tl.where(_is_sentinel(x), 0.0, x).to(dtype)    # -0.0 is the "not arrived" mark
         for peer in tl.static_range(WORLD_SIZE):
-            # Symmetric allocations are page-aligned: say so, or the loads of a
-            # pointer made from an integer stay scalar (2-byte) instead of 16-byte.
-            base = tl.multiple_of(tl.load(buffer_ptrs + peer).to(tl.pointer_type(dtype)), 16)
-            part = tl.load(base + row64 * hidden_size + cols, mask=mask, other=0.0,
-                           cache_modifier=".cv").to(tl.float32)
-            if peer == 0:
+            base = tl.multiple_of(tl.load(ptr_table + peer).to(tl.pointer_type(dtype)), 16)
+            tl.store(base + (cur * WORLD_SIZE + rank) * slab + row64 * hidden_size + cols, x,
+                     mask=mask)
+
+    if DEBUG_SPIN > 0:
+        if rank == debug_rank:
+            _debug_delay(state_ptr, error_ptr, DEBUG_SPIN, USE_GLOBALTIMER)
+
+    # Clear: this program's share of the previous call's rows, every sender.
+    neg_zero = _neg_zeros(BLOCK_H, dtype)
+    for i in range(pid, prev_tokens * WORLD_SIZE, num_programs):
+        sender = i // prev_tokens
+        row64 = (i - sender * prev_tokens).to(tl.int64)
+        tl.store(local + (prev * WORLD_SIZE + sender) * slab + row64 * hidden_size + cols,
+                 neg_zero, mask=mask)
+
+    # Poll, reduce in rank order, then the add+RMSNorm+capture epilogue.
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    for row in range(pid, num_tokens, num_programs):
+        row64 = pid64 + (row - pid)
+        for sender in tl.static_range(WORLD_SIZE):
+            part = _poll_row(local + (cur * WORLD_SIZE + sender) * slab + row64 * hidden_size
+                             + cols, mask, timeout_ns, error_ptr, USE_GLOBALTIMER)
+            if sender == 0:
                 acc = part
             else:
                 acc += part
@@ -122,12 +227,23 @@ def oneshot_allreduce_add_rmsnorm_capture_kernel(
         # to the add; then one fp32 add and one rounding, as torch's h + r.
         h = acc.to(dtype)
         r = tl.load(residual_ptr + row64 * stride_residual + cols, mask=mask, other=0.0)
-        s = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        s32 = h.to(tl.float32) + r.to(tl.float32)
+        s = s32.to(dtype)
         if CAPTURE:
             tl.store(aux_ptr + row64 * stride_aux_row + aux_slot_offset + cols, s, mask=mask)
         tl.store(residual_out_ptr + row64 * stride_residual_out + cols, s, mask=mask)
-        x = s.to(tl.float32)
+        if NORM_FP32_SUM:
+            x = s32
+        else:
+            x = s.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
         tl.store(normed_out_ptr + row64 * stride_normed_out + cols,
                  (x * rstd * w).to(normed_out_ptr.dtype.element_ty), mask=mask)
-    _barrier(signal_pad_ptrs, pid, rank, WORLD_SIZE)
+
+    # Arrive: the last program bumps the epoch for the next launch (which starts
+    # after this one has finished, so every program here has read the old one).
+    arrived = tl.atomic_add(state_ptr + STATE_ARRIVED, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_programs - 1:
+        tl.store(state_ptr + STATE_ARRIVED, 0)
+        tl.store(state_ptr + STATE_PREV_TOKENS, num_tokens)
+        tl.store(state_ptr + STATE_EPOCH, (epoch + 1) % NUM_BUFFERS)   # never overflows

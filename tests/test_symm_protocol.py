@@ -1,18 +1,26 @@
-"""The one-shot all-reduce kernel's cross-rank protocol on CPU, at world sizes
-2 and 4: one process per rank, each running the kernel under Triton's
-interpreter, over buffers and signal pads in shared memory.
+"""The one-shot (Lamport) all-reduce kernel's cross-rank protocol on CPU, at
+world sizes 2 and 4: one process per rank, each running the kernel under
+Triton's interpreter, over buffers, states and watchdog flags in shared memory.
 
 Each process maps the shared tensors at its own addresses and builds its own
-pointer tables from them -- exactly what symmetric memory gives each GPU --
-and the interpreter's compare-and-swap is a real atomic on that memory, so
-the barrier, the rank-ordered sum and the slot store run as they do across
-GPUs (programs run one after another within a rank, in the same order on
-every rank). Two calls in a row, with new partials written right after a
-rank's first call returns: a kernel without barriers fails here. (A missing
-*closing* barrier is a narrower race -- a peer still reading when the buffer is
-rewritten -- that equal-speed processes rarely hit; making one rank slow with
-``nice`` made the test take minutes on two cores.) Runs anywhere (the GPU machine too: the worker
-processes select the interpreter themselves)."""
+pointer table from them -- exactly what symmetric memory gives each GPU -- so
+the push into peers' buffers, the -0.0 polling, the rank-ordered sum, the
+clearing of the previous buffer and the device-side epoch run as they do
+across GPUs (programs run one after another within a rank, in the same order
+on every rank).
+
+Seven calls in a row with a new partial per rank and call and a changing T
+(every buffer of the three is used at least twice, after calls with more and
+with fewer rows): a stale row (no clearing, clearing the wrong rows or the
+wrong buffer, a host-side epoch) shows as a wrong sum. Rank 1 is made slow
+*inside* the kernel on every call (``DEBUG_SPIN`` between its push and its
+clear), so a fast peer's next push lands while it is still reading: with one
+or two buffers instead of three that overwrites rows not yet read (a wrong
+sum) or rows cleared after the push (a lost row: the poll waits forever). The
+watchdog bounds every poll, so a protocol that loses a row fails in seconds
+with the flag set instead of hanging. scripts/mutation_check.py checks that
+each of these mutants fails here. Runs anywhere (the GPU machine too: the
+worker processes select the interpreter themselves)."""
 
 import os
 import traceback
@@ -22,35 +30,40 @@ import torch
 
 from conftest import run_spawned, truncate_to_bf16
 
-TIMEOUT_S = 240
-T, H, K, SLOT, PROGRAMS, EPS = 5, 48, 3, 1, 3, 1e-6
+TIMEOUT_S = 300
+H, K, SLOT, PROGRAMS, ROWS, EPS = 48, 3, 1, 3, 6, 1e-6
+CALL_TOKENS = [5, 2, 1, 6, 6, 3, 5]   # per call; ROWS rows per sender slab
+SLOW_RANK, SLOW_SPIN = 1, 400          # volatile loads between push and clear
+TIMEOUT_SPINS = 40 * SLOW_SPIN          # watchdog: polls (~1 us each by the kernel's count)
 
 
 def _expected(partials, residual):
     """What the interpreter computes: fp32 sum in rank order, then the add; its
-    fp32 -> bf16 casts truncate."""
-    h = truncate_to_bf16(torch.stack([p.float() for p in partials]).sum(0))
+    fp32 -> bf16 casts truncate. -0.0 partials count as +0.0."""
+    parts = [torch.where(p == 0, torch.zeros_like(p), p) for p in partials]
+    h = truncate_to_bf16(torch.stack([p.float() for p in parts]).sum(0))
     return truncate_to_bf16(h.float() + residual.float())
 
 
-def _rank(rank, world, shared, new_partials):
+def _rank(rank, world, shared):
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported in this process
     try:
         from eagle_capture.kernels.allreduce_add_rmsnorm_capture import (
-            oneshot_allreduce_add_rmsnorm_capture_kernel as kernel)
-        bufs, pads, residuals, outs, auxes, weight = shared
-        buffer_ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-        pad_ptrs = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
-        for call in range(2):
-            if call == 1:
-                # Right after this rank's first call returned: peers may still be
-                # inside theirs unless the closing barrier held us back.
-                bufs[rank].copy_(new_partials[rank])
-            aux = auxes[rank][call]
-            kernel[(PROGRAMS,)](
-                buffer_ptrs, pad_ptrs, residuals[rank][call], weight, outs[rank][call],
-                residuals[rank][call], aux, T, H, EPS, rank, H, H, H, aux.stride(0),
-                SLOT * aux.stride(1), WORLD_SIZE=world, CAPTURE=True, BLOCK_H=64, num_warps=1)
+            lamport_allreduce_add_rmsnorm_capture_kernel as kernel)
+        bufs, states, flags, partials, residuals, outs, auxes, weight = shared
+        ptr_table = torch.tensor([b.data_ptr() for b in bufs] + [flags[rank].data_ptr()],
+                                 dtype=torch.int64)
+        for call, tokens in enumerate(CALL_TOKENS):
+            aux, partial = auxes[rank][call], partials[call][rank]
+            kernel[(min(tokens, PROGRAMS),)](
+                ptr_table, states[rank], partial, residuals[rank][call], weight,
+                outs[rank][call], residuals[rank][call], aux, tokens, H, ROWS, EPS, rank,
+                partial.stride(0), H, H, H, aux.stride(0), SLOT * aux.stride(1),
+                TIMEOUT_SPINS * 1000, SLOW_RANK, WORLD_SIZE=world, CAPTURE=True,
+                NORM_FP32_SUM=False, USE_GLOBALTIMER=False, DEBUG_SPIN=SLOW_SPIN,
+                BLOCK_H=64, num_warps=1)
+            if flags[rank].item():
+                raise RuntimeError(f"rank {rank} call {call}: the watchdog gave up on a row")
     except Exception:
         traceback.print_exc()
         raise
@@ -58,39 +71,50 @@ def _rank(rank, world, shared, new_partials):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_one_shot_protocol_across_processes(world):
+    from eagle_capture.kernels.allreduce_add_rmsnorm_capture import NUM_BUFFERS, STATE_INTS
     g = torch.Generator().manual_seed(world)
-    partials = [torch.randn(T, H, generator=g).bfloat16() for _ in range(world)]
-    new_partials = [torch.randn(T, H, generator=g).bfloat16() for _ in range(world)]
-    residual = torch.randn(T, H, generator=g).bfloat16()
+    calls = len(CALL_TOKENS)
+    partials = [[torch.randn(t, H, generator=g).bfloat16().share_memory_()
+                 for _ in range(world)] for t in CALL_TOKENS]
+    partials[0][0][0, :4] = -0.0   # a -0.0 in a partial must not read as "not arrived"
+    residual_in = [torch.randn(t, H, generator=g).bfloat16() for t in CALL_TOKENS]
     weight = (1 + 0.1 * torch.randn(H, generator=g)).bfloat16().share_memory_()
-    bufs = [p.clone().share_memory_() for p in partials]
-    # Room for PROGRAMS x world uint32 slots per rank, all zero at rest.
-    pads = [torch.zeros(PROGRAMS * world, dtype=torch.int32).share_memory_()
+    bufs = [torch.full((NUM_BUFFERS * world * ROWS * H,), -0.0,
+                       dtype=torch.bfloat16).share_memory_() for _ in range(world)]
+    states = [torch.zeros(STATE_INTS, dtype=torch.int32).share_memory_() for _ in range(world)]
+    flags = [torch.zeros(1, dtype=torch.int32).share_memory_() for _ in range(world)]
+    residuals = [[r.clone().share_memory_() for r in residual_in] for _ in range(world)]
+    outs = [[torch.empty(t, H, dtype=torch.bfloat16).share_memory_() for t in CALL_TOKENS]
             for _ in range(world)]
-    residuals = [[residual.clone().share_memory_() for _ in range(2)] for _ in range(world)]
-    outs = [[torch.empty(T, H, dtype=torch.bfloat16).share_memory_() for _ in range(2)]
-            for _ in range(world)]
-    auxes = [[torch.full((T + 2, K, H), float("nan"), dtype=torch.bfloat16).share_memory_()
-              for _ in range(2)] for _ in range(world)]
-    shared = (bufs, pads, residuals, outs, auxes, weight)
-    run_spawned(_rank, (world, shared, new_partials), world, TIMEOUT_S,
-                "the ranks (barrier hang?)")
-    for call, parts in enumerate((partials, new_partials)):
-        expected = _expected(parts, residual)
+    auxes = [[torch.full((t + 2, K, H), float("nan"), dtype=torch.bfloat16).share_memory_()
+              for t in CALL_TOKENS] for _ in range(world)]
+    shared = (bufs, states, flags, partials, residuals, outs, auxes, weight)
+    run_spawned(_rank, (world, shared), world, TIMEOUT_S, "the ranks (lost row? hang?)")
+    for call, tokens in enumerate(CALL_TOKENS):
+        expected = _expected(partials[call], residual_in[call])
         for rank in range(world):
             got = residuals[rank][call]
             assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), \
                 f"call {call} rank {rank}: residual differs from the rank-ordered sum + add"
             aux = auxes[rank][call]
-            assert torch.equal(aux[:T, SLOT].view(torch.int16), expected.view(torch.int16))
-            untouched = torch.ones(T + 2, K, dtype=torch.bool)
-            untouched[:T, SLOT] = False
+            assert torch.equal(aux[:tokens, SLOT].view(torch.int16), expected.view(torch.int16))
+            untouched = torch.ones(tokens + 2, K, dtype=torch.bool)
+            untouched[:tokens, SLOT] = False
             assert torch.isnan(aux[untouched]).all(), "the kernel wrote outside its slot"
             x = expected.double()
             normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
             torch.testing.assert_close(outs[rank][call].double(), normed, rtol=2**-6, atol=1e-5)
-        # Every rank holds the same bits (the TP consistency requirement).
-        for rank in range(1, world):
+        for rank in range(1, world):  # every rank holds the same bits (TP consistency)
             assert torch.equal(residuals[rank][call], residuals[0][call])
-    for rank, pad in enumerate(pads):
-        assert (pad == 0).all(), f"rank {rank}: signals left in the pad: {pad.tolist()}"
+    for rank in range(world):
+        assert flags[rank].item() == 0
+        # Device-side epoch: advanced once per call (mod 3), arrivals reset, T_prev kept.
+        assert states[rank].tolist()[:3] == [calls % NUM_BUFFERS, 0, CALL_TOKENS[-1]]
+        # At rest only the last call's slabs hold data; the previous two are -0.0 again
+        # (the one before the last call was cleared by it; the older one by its successor).
+        slabs = bufs[rank].view(NUM_BUFFERS, world, ROWS, H)
+        last = (calls - 1) % NUM_BUFFERS
+        for b in range(NUM_BUFFERS):
+            if b != last:
+                assert (slabs[b].view(torch.int16) == -32768).all(), \
+                    f"rank {rank}: buffer {b} not cleared back to -0.0"

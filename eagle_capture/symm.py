@@ -322,9 +322,11 @@ class SymmAllReduceCapture:
             ops.add_rmsnorm_capture(out, residual, weight, eps, aux, slot, norm_fp32_sum)
             return out
         if torch.compiler.is_compiling():
+            # The op takes out=None for "into partial": one tensor passed as two
+            # arguments, one of them mutated, is an aliasing error for a custom op.
             torch.ops.eagle_capture.allreduce_add_rmsnorm_capture(
-                partial, residual, weight, eps, aux, slot, out, self.state, self.name,
-                norm_fp32_sum)
+                partial, residual, weight, eps, aux, slot, None if out is partial else out,
+                self.state, self.name, norm_fp32_sum)
         else:
             self._launch_one_shot(partial, residual, weight, eps, aux, slot, out, self.state,
                                   norm_fp32_sum)
@@ -353,19 +355,23 @@ class SymmAllReduceCapture:
 
 
 @torch.library.custom_op("eagle_capture::allreduce_add_rmsnorm_capture",
-                         mutates_args=("residual", "aux", "out", "state"), device_types="cuda")
+                         mutates_args=("partial", "residual", "aux", "out", "state"),
+                         device_types="cuda")
 def _allreduce_add_rmsnorm_capture_op(partial: torch.Tensor, residual: torch.Tensor,
                                       weight: torch.Tensor, eps: float,
-                                      aux: Optional[torch.Tensor], slot: int, out: torch.Tensor,
-                                      state: torch.Tensor, name: str,
-                                      norm_fp32_sum: bool) -> None:
+                                      aux: Optional[torch.Tensor], slot: int,
+                                      out: Optional[torch.Tensor], state: torch.Tensor,
+                                      name: str, norm_fp32_sum: bool) -> None:
     """The one-shot path of :meth:`SymmAllReduceCapture.reduce_add_rmsnorm` as an
     op: ``name`` is the object's :attr:`~SymmAllReduceCapture.name`, ``state``
-    its device-side epoch (declared mutated, so calls keep their order)."""
+    its device-side epoch (declared mutated, so calls keep their order); the
+    normed output goes to ``out``, or into ``partial`` when ``out`` is None
+    (``partial`` is declared mutated for that case)."""
     ar = _INSTANCES.get(name)
     if ar is None:
         raise ValueError(f"eagle_capture: no live SymmAllReduceCapture named {name!r}")
-    ar._launch_one_shot(partial, residual, weight, eps, aux, slot, out, state, norm_fp32_sum)
+    ar._launch_one_shot(partial, residual, weight, eps, aux, slot,
+                        partial if out is None else out, state, norm_fp32_sum)
 
 
 @_allreduce_add_rmsnorm_capture_op.register_fake

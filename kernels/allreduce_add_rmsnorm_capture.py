@@ -72,7 +72,9 @@ import triton.language as tl
 
 NUM_BUFFERS = 3          # see the reuse argument in the module docstring
 STATE_INTS = 4           # epoch (mod NUM_BUFFERS), arrivals, T_prev, unused
-STATE_EPOCH, STATE_ARRIVED, STATE_PREV_TOKENS = 0, 1, 2
+# The same values as constexprs: a jit function may only read constexpr globals.
+_NUM_BUFFERS = tl.constexpr(NUM_BUFFERS)
+_EPOCH, _ARRIVED, _PREV_TOKENS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -107,6 +109,11 @@ def _poll_row(ptr, mask, timeout_ns, error_ptr, USE_GLOBALTIMER: tl.constexpr):
     x = tl.load(ptr, mask=mask, other=0.0, volatile=True)
     pending = tl.sum(_is_sentinel(x).to(tl.int32), axis=0)
     if pending != 0:
+        if timeout_ns > 0:
+            # An earlier poll of this launch gave up: the call is lost anyway;
+            # do not wait out the bound again for every row (one host-memory read).
+            if tl.load(error_ptr, volatile=True) != 0:
+                pending = 0
         spins = 0
         if USE_GLOBALTIMER:
             start = _globaltimer_ns()
@@ -136,7 +143,7 @@ def _debug_delay(state_ptr, error_ptr, DEBUG_SPIN: tl.constexpr, USE_GLOBALTIMER
     else:
         total = 0
         for _ in range(DEBUG_SPIN):
-            total += tl.load(state_ptr + STATE_EPOCH, volatile=True)
+            total += tl.load(state_ptr + _EPOCH, volatile=True)
         if total < 0:
             tl.store(error_ptr, 2)
 
@@ -179,10 +186,10 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden_size
     dtype = residual_ptr.dtype.element_ty
-    epoch = tl.load(state_ptr + STATE_EPOCH, volatile=True)
-    prev_tokens = tl.load(state_ptr + STATE_PREV_TOKENS, volatile=True)
-    cur = epoch % NUM_BUFFERS
-    prev = (epoch + NUM_BUFFERS - 1) % NUM_BUFFERS
+    epoch = tl.load(state_ptr + _EPOCH, volatile=True)
+    prev_tokens = tl.load(state_ptr + _PREV_TOKENS, volatile=True)
+    cur = epoch % _NUM_BUFFERS
+    prev = (epoch + _NUM_BUFFERS - 1) % _NUM_BUFFERS
     error_ptr = tl.load(ptr_table + WORLD_SIZE).to(tl.pointer_type(tl.int32))
     # Symmetric allocations are page-aligned: say so, or the loads and stores of a
     # pointer made from an integer stay scalar (2-byte) instead of 16-byte.
@@ -242,8 +249,8 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
 
     # Arrive: the last program bumps the epoch for the next launch (which starts
     # after this one has finished, so every program here has read the old one).
-    arrived = tl.atomic_add(state_ptr + STATE_ARRIVED, 1, sem="acq_rel", scope="gpu")
+    arrived = tl.atomic_add(state_ptr + _ARRIVED, 1, sem="acq_rel", scope="gpu")
     if arrived == num_programs - 1:
-        tl.store(state_ptr + STATE_ARRIVED, 0)
-        tl.store(state_ptr + STATE_PREV_TOKENS, num_tokens)
-        tl.store(state_ptr + STATE_EPOCH, (epoch + 1) % NUM_BUFFERS)   # never overflows
+        tl.store(state_ptr + _ARRIVED, 0)
+        tl.store(state_ptr + _PREV_TOKENS, num_tokens)
+        tl.store(state_ptr + _EPOCH, (epoch + 1) % _NUM_BUFFERS)   # never overflows

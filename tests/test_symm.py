@@ -1,9 +1,16 @@
-"""The one-shot all-reduce + add + RMSNorm + capture (eagle_capture.symm) in
-spawned processes, world size 1 and 2 (one GPU per rank; gloo for the process
-group, so the NCCL-free fallback path runs too). GPU only; the multicast guard
-and its place in construction run anywhere."""
+"""The all-reduce + add + RMSNorm + capture (eagle_capture.symm) in spawned
+processes, world size 1 and 2 (one GPU per rank, NCCL): the one-shot Lamport
+kernel against a float reference, bit-identical ranks, both norm numerics,
+-0.0 partials, the reuse guard under a rank slowed inside the kernel, a rank
+late on the host, a rank that never arrives (watchdog), 100,000 calls with
+changing T checked by exact checksums, CUDA graphs holding an odd number of
+calls, torch.compile(fullgraph) through the custom op, the NCCL path above the
+one-shot limit, and bad inputs. GPU only; the multicast guard, the path
+table and the construction order run anywhere."""
 
+import json
 import os
+import time
 import traceback
 from datetime import timedelta
 
@@ -57,75 +64,166 @@ def test_construction_sets_the_multicast_defaults_before_anything_else(monkeypat
         symm.SymmAllReduceCapture(0, 64, torch.bfloat16)
 
 
-def _reference(partials, residual, weight, eps):
-    """Sum in rank order in fp32, round once; then the single-GPU op's add+RMSNorm."""
+def test_path_table(tmp_path):
+    """Runs anywhere: the table's lookup rule and its refusals."""
+    from eagle_capture.symm import TABLE_FORMAT, PathTable, default_one_shot_max_tokens
+    table = {"format": TABLE_FORMAT, "hidden_size": 7168, "dtype": "bfloat16",
+             "paths": {"2": [[1, "one_shot"], [64, "one_shot"], [128, "nccl"], [512, "one_shot"]]}}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(table))
+    t = PathTable.load(str(path))
+    assert [t.path(2, n) for n in (1, 2, 64, 65, 128, 129, 512, 4096)] == \
+        ["one_shot", "one_shot", "one_shot", "nccl", "nccl", "one_shot", "one_shot", "one_shot"]
+    assert t.path(8, 1) is None                      # not measured: the default rule applies
+    with pytest.raises(ValueError, match="not a path table"):
+        PathTable.load({"paths": {}})
+    with pytest.raises(ValueError, match="path in"):
+        PathTable.load(dict(table, paths={"2": [[1, "two_shot"]]}))
+    assert default_one_shot_max_tokens(3) == default_one_shot_max_tokens(2)
+    assert default_one_shot_max_tokens(16) == default_one_shot_max_tokens(8)
+
+
+def _reference(partials, residual, weight, eps, norm_fp32_sum=False):
+    """Sum in rank order in fp32 (a -0.0 partial counts as +0.0), round once;
+    then the single-GPU op's add+RMSNorm."""
     from eagle_capture.reference import add_rmsnorm_reference
-    h = torch.stack([p.float() for p in partials]).sum(0).to(residual.dtype)
-    return add_rmsnorm_reference(h, residual, weight, eps)
+    h = torch.stack([p.float() + 0.0 for p in partials]).sum(0).to(residual.dtype)
+    return add_rmsnorm_reference(h, residual, weight, eps, norm_fp32_sum)
+
+
+def _rand(g, *shape, dtype=torch.bfloat16, device="cpu"):
+    return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+
+def _check_one_shot_numerics(ar, rank, world, device):
+    from conftest import assert_bitwise_equal
+    from eagle_capture import AuxCaptureBuffer
+    from eagle_capture.tp import check_capture_consistency
+    dtype, eps, H = ar.dtype, 1e-6, ar.hidden_size
+    g = torch.Generator().manual_seed(H)
+    weight = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype).to(device)
+    for T in (1, 5, 133, 257, 0):
+        for with_aux, fp32_sum in ((True, False), (False, False), (True, True)):
+            # Same residual on every rank (it is replicated under TP); partials differ.
+            g = torch.Generator().manual_seed(T)
+            residual = _rand(g, T, H, device=device)
+            partials = [_rand(g, T, H, device=device) for _ in range(world)]
+            if T:
+                partials[0][0, :8] = -0.0                  # the sentinel value as data
+                residual[0, :4] = -0.0
+            normed_ref, res_ref = _reference(partials, residual, weight, eps, fp32_sum)
+            buf = AuxCaptureBuffer(300, H, [2, 30, 58], dtype=dtype, device=device)
+            buf.aux.fill_(float("nan"))
+            mine, r = partials[rank].clone(), residual.clone()
+            assert ar.path_for(T) == "one_shot"
+            out = ar.reduce_add_rmsnorm(mine, r, weight, eps, buf.aux if with_aux else None, 1,
+                                        norm_fp32_sum=fp32_sum)
+            assert out is mine
+            assert_bitwise_equal(r, res_ref)
+            torch.testing.assert_close(out.double(), normed_ref, rtol=2**-7, atol=1e-5)
+            if with_aux:
+                assert_bitwise_equal(buf.aux[:T, 1], res_ref)
+                assert torch.isnan(buf.aux[:T, [0, 2]]).all()
+                assert torch.isnan(buf.aux[T:]).all()
+                buf.aux[:T, 0] = res_ref
+                buf.aux[:T, 2] = res_ref
+                check_capture_consistency(buf, T, H)
+            else:
+                assert torch.isnan(buf.aux).all()
+    # An explicit out leaves the partial alone; strided residual/out rows.
+    T = 9
+    g = torch.Generator().manual_seed(9)
+    residual = _rand(g, T, H, device=device)
+    partials = [_rand(g, T, H, device=device) for _ in range(world)]
+    normed_ref, res_ref = _reference(partials, residual, weight, eps)
+    wide_r = torch.full((T, H + 16), 7.0, dtype=dtype, device=device)
+    wide_r[:, :H] = residual
+    wide_o = torch.full((T, H + 16), 7.0, dtype=dtype, device=device)
+    mine = partials[rank].clone()
+    ar.reduce_add_rmsnorm(mine, wide_r[:, :H], weight, eps, out=wide_o[:, :H])
+    assert_bitwise_equal(mine, partials[rank])
+    assert_bitwise_equal(wide_r[:, :H], res_ref)
+    assert (wide_r[:, H:] == 7).all() and (wide_o[:, H:] == 7).all()
+    torch.testing.assert_close(wide_o[:, :H].double(), normed_ref, rtol=2**-7, atol=1e-5)
+
+
+def _check_reuse_guard(ar, rank, world, device):
+    """A slow rank (spinning inside the kernel between its push and its clear),
+    new partials every call, T changing: every call must see its own partials.
+    Without three buffers a fast peer's next push overwrites unread rows."""
+    from conftest import assert_bitwise_equal
+    H, eps, dtype = ar.hidden_size, 1e-6, ar.dtype
+    weight = torch.ones(H, dtype=dtype, device=device)
+    for call, T in enumerate((4, 1, 7, 7, 2, 5, 3)):
+        g = torch.Generator().manual_seed(500 + call)
+        residual = _rand(g, T, H, device=device)
+        partials = [_rand(g, T, H, device=device) for _ in range(world)]
+        _, res_ref = _reference(partials, residual, weight, eps)
+        r = residual.clone()
+        ar._launch_one_shot(partials[rank].clone(), r, weight, eps, None, 0,
+                            torch.empty_like(r), ar.state, False,
+                            debug_spin=2000, debug_rank=call % world)   # ~2 ms
+        torch.cuda.synchronize()
+        assert_bitwise_equal(r, res_ref)
+
+
+def _check_many_calls(ar, rank, world, device, graphs_replays):
+    """100 calls with changing T in one CUDA graph, replayed; integer-valued data
+    makes every sum exact, so an int64 checksum per call, accumulated on the GPU
+    over all replays, equals replays x the NCCL-reduced reference exactly."""
+    H, eps, dtype = ar.hidden_size, 1e-6, ar.dtype
+    weight = torch.ones(H, dtype=dtype, device=device)
+    sizes = [(1, 3, 64, 7, 128, 2, 33, 1, 16, 100)[i % 10] for i in range(100)]
+    g = torch.Generator().manual_seed(1234 + rank)
+    partials = [torch.randint(-8, 9, (T, H), generator=g).to(dtype).to(device) for T in sizes]
+    g = torch.Generator().manual_seed(99)               # residuals replicated
+    pristine = [torch.randint(-8, 9, (T, H), generator=g).to(dtype).to(device) for T in sizes]
+    residuals = [p.clone() for p in pristine]
+    outs = [torch.empty_like(p) for p in pristine]
+    checksum = torch.zeros(len(sizes), dtype=torch.int64, device=device)
+    expected = torch.empty_like(checksum)
+    for i, p in enumerate(partials):                    # the NCCL reference
+        reduced = p.clone()
+        dist.all_reduce(reduced)
+        expected[i] = (reduced.to(torch.int64) + pristine[i].to(torch.int64)).sum()
+
+    def step():
+        for i in range(len(sizes)):
+            residuals[i].copy_(pristine[i])
+            ar.reduce_add_rmsnorm(partials[i], residuals[i], weight, eps, out=outs[i])
+            checksum[i] += residuals[i].to(torch.int64).sum()
+
+    step()
+    torch.cuda.synchronize()
+    checksum.zero_()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(graphs_replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(checksum, expected * graphs_replays), \
+        (checksum - expected * graphs_replays).nonzero().flatten().tolist()
 
 
 def _scenarios(rank, world, device):
     from conftest import assert_bitwise_equal
-    from eagle_capture.symm import SymmAllReduceCapture
-    from eagle_capture.tp import check_capture_consistency
     from eagle_capture import AuxCaptureBuffer
+    from eagle_capture.symm import SymmAllReduceCapture
+    from eagle_capture.tp import TPCapture
 
     dtype, eps = torch.bfloat16, 1e-6
     for H in (7168, 100):
         ar = SymmAllReduceCapture(300, H, dtype, device=device, one_shot_max_tokens=260)
-        g = torch.Generator(device="cpu").manual_seed(H)
-        weight = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype).to(device)
-        for T in (1, 5, 133, 257, 0):
-            for with_aux in (True, False):
-                # Same residual on every rank (it is replicated under TP); partials differ.
-                g = torch.Generator(device="cpu").manual_seed(T)
-                residual = torch.randn(T, H, generator=g).to(dtype).to(device)
-                partials = [torch.randn(T, H, generator=g).to(dtype).to(device)
-                            for _ in range(world)]
-                normed_ref, res_ref = _reference(partials, residual, weight, eps)
-                buf = AuxCaptureBuffer(300, H, [2, 30, 58], dtype=dtype, device=device)
-                buf.aux.fill_(float("nan"))
-                mine, r = partials[rank].clone(), residual.clone()
-                out = ar.reduce_add_rmsnorm(mine, r, weight, eps,
-                                            buf.aux if with_aux else None, 1)
-                assert out is mine
-                assert_bitwise_equal(r, res_ref)
-                torch.testing.assert_close(out.double(), normed_ref, rtol=2**-7, atol=1e-5)
-                if with_aux:
-                    assert_bitwise_equal(buf.aux[:T, 1], res_ref)
-                    assert torch.isnan(buf.aux[:T, [0, 2]]).all()
-                    assert torch.isnan(buf.aux[T:]).all()
-                    buf.aux[:T, 0] = res_ref
-                    buf.aux[:T, 2] = res_ref
-                    check_capture_consistency(buf, T, H)
-                else:
-                    assert torch.isnan(buf.aux).all()
-        # Many calls in a row reuse the barrier slots: no hang, no stale rows.
-        # Each call adds 1 (1/world from each rank) to the residual: exact in bf16
-        # up to 256, so any call that read a stale or missing partial shows.
-        T = 64
-        r = torch.zeros(T, H, dtype=dtype, device=device)
-        for i in range(200):
-            mine = torch.full((T, H), 1.0 / world, dtype=dtype, device=device)
-            ar.reduce_add_rmsnorm(mine, r, weight, eps)
-        torch.cuda.synchronize()
-        assert (r.float() == 200).all(), "a call read another call's partials"
-        # Zero copy: the projection wrote into input_buffer(T); the normed output
-        # goes to a new tensor (peers may still read the buffer).
-        T = 7
-        g = torch.Generator(device="cpu").manual_seed(7)
-        residual = torch.randn(T, H, generator=g).to(dtype).to(device)
-        partials = [torch.randn(T, H, generator=g).to(dtype).to(device) for _ in range(world)]
-        normed_ref, res_ref = _reference(partials, residual, weight, eps)
-        staged = ar.input_buffer(T)
-        staged.copy_(partials[rank])
-        r = residual.clone()
-        out = ar.reduce_add_rmsnorm(staged, r, weight, eps)
-        assert out.data_ptr() != staged.data_ptr()
-        assert_bitwise_equal(r, res_ref)
-        torch.testing.assert_close(out.double(), normed_ref, rtol=2**-7, atol=1e-5)
+        _check_one_shot_numerics(ar, rank, world, device)
+        weight = torch.ones(H, dtype=dtype, device=device)
         # Through TPCapture: the captured layer's slot gets the reduced residual.
-        from eagle_capture.tp import TPCapture
+        T = 7
+        g = torch.Generator().manual_seed(7)
+        residual = _rand(g, T, H, device=device)
+        partials = [_rand(g, T, H, device=device) for _ in range(world)]
+        _, res_ref = _reference(partials, residual, weight, eps)
         buf = AuxCaptureBuffer(300, H, [2, 30, 58], dtype=dtype, device=device)
         buf.aux.fill_(float("nan"))
         r = residual.clone()
@@ -133,17 +231,18 @@ def _scenarios(rank, world, device):
                                                              weight, eps)
         assert_bitwise_equal(buf.slot_view(30, T), res_ref)
         assert_bitwise_equal(r, res_ref)
-        # Above the one-shot limit: all-reduce (the process group's) + the fused op.
+        # Above the one-shot limit: NCCL all-reduce + the fused op.
         T = 280
-        g = torch.Generator(device="cpu").manual_seed(280)
-        residual = torch.randn(T, H, generator=g).to(dtype).to(device)
-        partials = [torch.randn(T, H, generator=g).to(dtype).to(device) for _ in range(world)]
-        normed_ref, res_ref = _reference(partials, residual, weight, eps)
+        assert ar.path_for(T) == "nccl"
+        g = torch.Generator().manual_seed(280)
+        residual = _rand(g, T, H, device=device)
+        partials = [_rand(g, T, H, device=device) for _ in range(world)]
+        _, res_ref = _reference(partials, residual, weight, eps)
         r = residual.clone()
-        out = ar.reduce_add_rmsnorm(partials[rank].clone(), r, weight, eps)
+        ar.reduce_add_rmsnorm(partials[rank].clone(), r, weight, eps)
         if world == 1:
             assert_bitwise_equal(r, res_ref)
-        else:  # the backend's all-reduce rounds its own way
+        else:  # NCCL rounds its own way
             torch.testing.assert_close(r.float(), res_ref.float(), rtol=2**-6, atol=2**-6)
         # Bad inputs raise before any launch or collective.
         with pytest.raises(ValueError, match="partial must be"):
@@ -151,43 +250,84 @@ def _scenarios(rank, world, device):
                                   residual[:2].clone(), weight, eps)
         with pytest.raises(ValueError, match="symmetric buffer"):
             ar.reduce_add_rmsnorm(partials[rank][:2].clone(), residual[:2].clone(), weight, eps,
-                                  out=ar.input_buffer(2))
-        with pytest.raises(ValueError, match="residual must be"):  # read as the buffer's dtype
+                                  out=ar.buffer[:2 * H].view(2, H))
+        with pytest.raises(ValueError, match="residual must be"):  # written as the buffer's dtype
             ar.reduce_add_rmsnorm(partials[rank][:2].clone(), residual[:2].float(), weight, eps)
-        with pytest.raises(ValueError, match="must not be the symmetric"):
-            TPCapture(buf, fused_allreduce=ar).reduce_add_rmsnorm(30, ar.input_buffer(2),
-                                                                 residual[:2].clone(), weight, eps)
-    # CUDA graph: capture one call, replay with new partials copied in.
-    H, T = 7168, 16
-    ar = SymmAllReduceCapture(32, H, dtype, device=device)
-    weight = torch.ones(H, dtype=dtype, device=device)
-    static_p = torch.zeros(T, H, dtype=dtype, device=device)
-    static_r = torch.zeros(T, H, dtype=dtype, device=device)
-    ar.reduce_add_rmsnorm(static_p.clone(), static_r.clone(), weight, eps)  # compile
+        with pytest.raises(ValueError, match="partial must not overlap"):
+            x = residual[:2].clone()
+            ar.reduce_add_rmsnorm(x, x, weight, eps, out=torch.empty_like(x))
+    # The reuse guard under a rank slowed inside the kernel.
+    ar = SymmAllReduceCapture(16, 7168, dtype, device=device)
+    _check_reuse_guard(ar, rank, world, device)
+    # A rank late on the host: the other waits in the kernel, results still exact.
+    g = torch.Generator().manual_seed(11)
+    weight = torch.ones(7168, dtype=dtype, device=device)
+    residual = _rand(g, 3, 7168, device=device)
+    partials = [_rand(g, 3, 7168, device=device) for _ in range(world)]
+    _, res_ref = _reference(partials, residual, weight, eps)
+    if rank == world - 1:
+        time.sleep(0.5)
+    r = residual.clone()
+    ar.reduce_add_rmsnorm(partials[rank].clone(), r, weight, eps)
     torch.cuda.synchronize()
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ar.reduce_add_rmsnorm(static_p, static_r, weight, eps)
-    for step in range(5):
-        g = torch.Generator(device="cpu").manual_seed(100 + step)
-        residual = torch.randn(T, H, generator=g).to(dtype).to(device)
-        partials = [torch.randn(T, H, generator=g).to(dtype).to(device) for _ in range(world)]
-        static_p.copy_(partials[rank])
-        static_r.copy_(residual)
-        graph.replay()
+    assert_bitwise_equal(r, res_ref)
+    # 100 calls with changing T per graph, 1000 replays: 100,000 calls.
+    _check_many_calls(SymmAllReduceCapture(128, 7168, dtype, device=device), rank, world,
+                      device, 1000)
+    # torch.compile(fullgraph): the one-shot path is one custom op, no graph break.
+    ar = SymmAllReduceCapture(32, 256, dtype, device=device)
+    weight = (1 + 0.1 * torch.randn(256, generator=g)).to(dtype).to(device)
+    aux = torch.full((32, 3, 256), float("nan"), dtype=dtype, device=device)
+
+    def layer_boundary(p, r):
+        out = ar.reduce_add_rmsnorm(p, r, weight, eps, aux, 2, norm_fp32_sum=True)
+        return out * 2
+
+    compiled = torch.compile(layer_boundary, fullgraph=True)
+    for T in (4, 9):
+        residual = _rand(g, T, 256, device=device)
+        partials = [_rand(g, T, 256, device=device) for _ in range(world)]
+        normed_ref, res_ref = _reference(partials, residual, weight, eps, True)
+        r = residual.clone()
+        got = compiled(partials[rank].clone(), r)
+        assert_bitwise_equal(r, res_ref)
+        assert_bitwise_equal(aux[:T, 2], res_ref)
+        torch.testing.assert_close(got.double(), 2 * normed_ref, rtol=2**-7, atol=1e-5)
+    if world > 1:
+        _check_watchdog(rank, world, device)
+
+
+def _check_watchdog(rank, world, device):
+    """The last rank skips one call: the others give up after the watchdog's
+    bound instead of hanging, and every later call on them raises."""
+    from eagle_capture.symm import SymmAllReduceCapture
+    ar = SymmAllReduceCapture(8, 7168, torch.bfloat16, device=device, watchdog_s=0.3)
+    x = torch.randn(2, 7168, dtype=torch.bfloat16, device=device)
+    w = torch.ones(7168, dtype=torch.bfloat16, device=device)
+    ar.reduce_add_rmsnorm(x.clone(), x.clone(), w, 1e-6)          # everyone: fine
+    torch.cuda.synchronize()
+    assert not ar.watchdog_tripped()
+    if rank != world - 1:
+        t0 = time.monotonic()
+        ar.reduce_add_rmsnorm(x.clone(), x.clone(), w, 1e-6)      # the peer never comes
         torch.cuda.synchronize()
-        _, res_ref = _reference(partials, residual, weight, eps)
-        assert_bitwise_equal(static_r, res_ref)
+        waited = time.monotonic() - t0
+        assert ar.watchdog_tripped() and 0.25 < waited < 10, waited
+        with pytest.raises(RuntimeError, match="gave up"):
+            ar.reduce_add_rmsnorm(x.clone(), x.clone(), w, 1e-6)
+    dist.barrier()
 
 
 def _worker(rank, world, store_dir):
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
+    from eagle_capture.symm import ensure_multicast_disabled
+    ensure_multicast_disabled()                      # before NCCL starts
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group("nccl", init_method=f"file://{store_dir}/store", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=TIMEOUT_S),
+                            device_id=device)
     try:
         _scenarios(rank, world, device)
         dist.barrier()
@@ -200,7 +340,7 @@ def _worker(rank, world, store_dir):
 
 @requires_cuda
 @pytest.mark.parametrize("world", [1, 2])
-def test_one_shot_allreduce_add_rmsnorm_capture(world, tmp_path):
+def test_allreduce_add_rmsnorm_capture(world, tmp_path):
     if torch.cuda.device_count() < world:
         # Measured on the H200 machine: torch's CUDA symmetric memory refuses two
         # ranks on one device ("detected allocations from overlapping devices").

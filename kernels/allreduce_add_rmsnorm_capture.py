@@ -56,9 +56,11 @@ and for a rank that never arrives, the opt-in watchdog bounds every poll.
 
 Watchdog (``timeout_ns`` > 0): a poll that has waited longer than timeout_ns
 (``%globaltimer`` on the GPU; one poll ~ 1 us on the interpreter) sets the
-flag at ``ptr_table[W]`` (a host-visible int32) and gives up: the outputs
-are then garbage and the caller must raise. With timeout_ns = 0 the check is
-one integer compare per poll.
+flag at ``ptr_table[W]`` (a host-visible int32, read by the host without a
+sync) and its device copy ``state[3]``, and gives up; later polls of any
+launch that find the device copy set give up at once. The outputs are then
+garbage and the caller must raise. With timeout_ns = 0 the check is one
+integer compare per poll.
 
 ``DEBUG_SPIN`` (tests only): the rank ``debug_rank`` waits about DEBUG_SPIN
 us (GPU; DEBUG_SPIN volatile loads on the interpreter) between its push and its
@@ -71,10 +73,10 @@ import triton
 import triton.language as tl
 
 NUM_BUFFERS = 3          # see the reuse argument in the module docstring
-STATE_INTS = 4           # epoch (mod NUM_BUFFERS), arrivals, T_prev, unused
+STATE_INTS = 4           # epoch (mod NUM_BUFFERS), arrivals, T_prev, watchdog tripped
 # The same values as constexprs: a jit function may only read constexpr globals.
 _NUM_BUFFERS = tl.constexpr(NUM_BUFFERS)
-_EPOCH, _ARRIVED, _PREV_TOKENS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+_EPOCH, _ARRIVED, _PREV_TOKENS, _TRIPPED = (tl.constexpr(i) for i in range(STATE_INTS))
 
 
 @triton.jit
@@ -104,15 +106,17 @@ def _neg_zeros(BLOCK_H: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _poll_row(ptr, mask, timeout_ns, error_ptr, USE_GLOBALTIMER: tl.constexpr):
+def _poll_row(ptr, mask, timeout_ns, error_ptr, tripped_ptr, USE_GLOBALTIMER: tl.constexpr):
     """Re-read a row until none of its elements is -0.0; returns it (fp32)."""
     x = tl.load(ptr, mask=mask, other=0.0, volatile=True)
     pending = tl.sum(_is_sentinel(x).to(tl.int32), axis=0)
     if pending != 0:
         if timeout_ns > 0:
-            # An earlier poll of this launch gave up: the call is lost anyway;
-            # do not wait out the bound again for every row (one host-memory read).
-            if tl.load(error_ptr, volatile=True) != 0:
+            # An earlier poll gave up: the call is lost anyway; do not wait out the
+            # bound again for every row. (The device-memory copy of the flag: a
+            # volatile read of the host-memory flag cost ~8 us per waiting program
+            # on the H200s, serialised across programs.)
+            if tl.load(tripped_ptr, volatile=True) != 0:
                 pending = 0
         spins = 0
         if USE_GLOBALTIMER:
@@ -127,6 +131,7 @@ def _poll_row(ptr, mask, timeout_ns, error_ptr, USE_GLOBALTIMER: tl.constexpr):
                 else:
                     waited = spins * 1000
                 if waited > timeout_ns:
+                    tl.atomic_xchg(tripped_ptr, 1, sem="relaxed", scope="gpu")
                     tl.atomic_xchg(error_ptr, 1, sem="relaxed", scope="sys")
                     pending = 0
     return x.to(tl.float32)
@@ -225,7 +230,8 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
         row64 = pid64 + (row - pid)
         for sender in tl.static_range(WORLD_SIZE):
             part = _poll_row(local + (cur * WORLD_SIZE + sender) * slab + row64 * hidden_size
-                             + cols, mask, timeout_ns, error_ptr, USE_GLOBALTIMER)
+                             + cols, mask, timeout_ns, error_ptr, state_ptr + _TRIPPED,
+                             USE_GLOBALTIMER)
             if sender == 0:
                 acc = part
             else:

@@ -59,10 +59,13 @@ PATHS = ("one_shot", "nccl")
 TABLE_FORMAT = "eagle_capture.allreduce_paths/1"
 TABLE_ENV = "EAGLE_CAPTURE_ALLREDUCE_TABLE"
 # Largest T that takes the one-shot kernel when no measured table is given, per
-# world size (the largest listed world size <= W applies). Measured on 2 H200s
-# (benchmarks/RESULTS.md); the larger world sizes are unmeasured guesses that
-# follow the shape of TensorRT-LLM's SM90 table (one-shot's traffic grows with W).
-DEFAULT_ONE_SHOT_MAX_TOKENS = {1: 2048, 2: 2048, 4: 256, 8: 64}
+# world size (the largest listed world size <= W applies). World 1 and 2:
+# measured on two H200s over NVLink, H = 7168 bf16 (benchmarks/RESULTS.md,
+# 2026-11-30): at W = 1 the NCCL path is a no-op all-reduce + the fused op and
+# always wins; at W = 2 the one-shot kernel wins up to T = 512 and ties at 1024.
+# World 4 and 8: unmeasured guesses that follow the shape of TensorRT-LLM's SM90
+# table (one-shot's NVLink traffic grows with W - 1, the ring's does not).
+DEFAULT_ONE_SHOT_MAX_TOKENS = {1: 0, 2: 1024, 4: 256, 8: 64}
 def check_multicast_disabled() -> None:
     """Raise unless every multicast-off variable holds its safe value (an unset
     one fails too: :func:`ensure_multicast_disabled` sets the defaults)."""

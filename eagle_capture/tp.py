@@ -48,7 +48,8 @@ class TPCapture:
                  fused_allreduce=None) -> None:
         """``fused_allreduce``: an :class:`eagle_capture.symm.SymmAllReduceCapture`
         over ``group``; :meth:`reduce_add_rmsnorm` then runs all-reduce + add +
-        RMSNorm + capture as one kernel for the T it covers."""
+        RMSNorm + capture as one kernel for the T its path table gives the
+        one-shot path (NCCL + the fused op otherwise)."""
         self.buffer = buffer
         self.group = group
         self.attn_tp_group = attn_tp_group if attn_tp_group is not None else group
@@ -61,13 +62,6 @@ class TPCapture:
         place, then ``residual += hidden; hidden = rmsnorm(residual) * w`` with the
         new residual also stored in the slot when ``layer_id`` is captured."""
         if self.fused_allreduce is not None:
-            if self.fused_allreduce.overlaps_buffer(partial_hidden):
-                # The normed output must land in partial_hidden (this method's
-                # contract), and peers may still read the symmetric buffer.
-                raise ValueError("eagle_capture: TPCapture.reduce_add_rmsnorm writes the normed "
-                                 "output into partial_hidden, which must not be the symmetric "
-                                 "buffer; call SymmAllReduceCapture.reduce_add_rmsnorm with "
-                                 "out= for the zero-copy path")
             captured = self.buffer.captures_layer(layer_id)
             self.fused_allreduce.reduce_add_rmsnorm(
                 partial_hidden, residual, weight, eps, self.buffer.aux if captured else None,

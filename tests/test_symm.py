@@ -79,6 +79,7 @@ def test_path_table(tmp_path):
         PathTable.load({"paths": {}})
     with pytest.raises(ValueError, match="path in"):
         PathTable.load(dict(table, paths={"2": [[1, "two_shot"]]}))
+    assert default_one_shot_max_tokens(1) == 0       # world 1: the no-op all-reduce + fused op
     assert default_one_shot_max_tokens(3) == default_one_shot_max_tokens(2)
     assert default_one_shot_max_tokens(16) == default_one_shot_max_tokens(8)
 
@@ -210,12 +211,13 @@ def _check_many_calls(ar, rank, world, device, graphs_replays):
 def _scenarios(rank, world, device):
     from conftest import assert_bitwise_equal
     from eagle_capture import AuxCaptureBuffer
-    from eagle_capture.symm import SymmAllReduceCapture
+    from eagle_capture.symm import PathTable, SymmAllReduceCapture
     from eagle_capture.tp import TPCapture
 
     dtype, eps = torch.bfloat16, 1e-6
     for H in (7168, 100):
-        ar = SymmAllReduceCapture(300, H, dtype, device=device, one_shot_max_tokens=260)
+        ar = SymmAllReduceCapture(300, H, dtype, device=device, one_shot_max_tokens=260,
+                                  table=PathTable({}))
         _check_one_shot_numerics(ar, rank, world, device)
         weight = torch.ones(H, dtype=dtype, device=device)
         # Through TPCapture: the captured layer's slot gets the reduced residual.
@@ -257,7 +259,8 @@ def _scenarios(rank, world, device):
             x = residual[:2].clone()
             ar.reduce_add_rmsnorm(x, x, weight, eps, out=torch.empty_like(x))
     # The reuse guard under a rank slowed inside the kernel.
-    ar = SymmAllReduceCapture(16, 7168, dtype, device=device)
+    ar = SymmAllReduceCapture(16, 7168, dtype, device=device, one_shot_max_tokens=16,
+                              table=PathTable({}))
     _check_reuse_guard(ar, rank, world, device)
     # A rank late on the host: the other waits in the kernel, results still exact.
     g = torch.Generator().manual_seed(11)
@@ -272,10 +275,12 @@ def _scenarios(rank, world, device):
     torch.cuda.synchronize()
     assert_bitwise_equal(r, res_ref)
     # 100 calls with changing T per graph, 1000 replays: 100,000 calls.
-    _check_many_calls(SymmAllReduceCapture(128, 7168, dtype, device=device), rank, world,
-                      device, 1000)
+    _check_many_calls(SymmAllReduceCapture(128, 7168, dtype, device=device,
+                                           one_shot_max_tokens=128, table=PathTable({})),
+                      rank, world, device, 1000)
     # torch.compile(fullgraph): the one-shot path is one custom op, no graph break.
-    ar = SymmAllReduceCapture(32, 256, dtype, device=device)
+    ar = SymmAllReduceCapture(32, 256, dtype, device=device, one_shot_max_tokens=32,
+                              table=PathTable({}))
     weight = (1 + 0.1 * torch.randn(256, generator=g)).to(dtype).to(device)
     aux = torch.full((32, 3, 256), float("nan"), dtype=dtype, device=device)
 
@@ -301,7 +306,8 @@ def _check_watchdog(rank, world, device):
     """The last rank skips one call: the others give up after the watchdog's
     bound instead of hanging, and every later call on them raises."""
     from eagle_capture.symm import SymmAllReduceCapture
-    ar = SymmAllReduceCapture(8, 7168, torch.bfloat16, device=device, watchdog_s=0.3)
+    ar = SymmAllReduceCapture(8, 7168, torch.bfloat16, device=device, watchdog_s=0.3,
+                              one_shot_max_tokens=8)
     x = torch.randn(2, 7168, dtype=torch.bfloat16, device=device)
     w = torch.ones(7168, dtype=torch.bfloat16, device=device)
     ar.reduce_add_rmsnorm(x.clone(), x.clone(), w, 1e-6)          # everyone: fine

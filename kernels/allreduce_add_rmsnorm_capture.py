@@ -202,15 +202,19 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
     slab = max_tokens.to(tl.int64) * hidden_size          # elements per (buffer, sender)
     pid64 = pid.to(tl.int64)
 
+    # The row loops are `while` loops: Triton 3.6's interpreter cannot take its
+    # program id as a `range` bound under NumPy 2.5 (1-element arrays are not
+    # 0-d), and compiled code is the same either way.
     # Push: this rank's rows into slab [cur][rank] of every rank's buffer.
-    for row in range(pid, num_tokens, num_programs):
-        row64 = pid64 + (row - pid)  # int64 row offsets (row is a plain int in the interpreter)
+    row64 = pid64
+    while row64 < num_tokens:
         x = tl.load(partial_ptr + row64 * stride_partial + cols, mask=mask, other=0.0)
         x = tl.where(_is_sentinel(x), 0.0, x).to(dtype)    # -0.0 is the "not arrived" mark
         for peer in tl.static_range(WORLD_SIZE):
             base = tl.multiple_of(tl.load(ptr_table + peer).to(tl.pointer_type(dtype)), 16)
             tl.store(base + (cur * WORLD_SIZE + rank) * slab + row64 * hidden_size + cols, x,
                      mask=mask)
+        row64 += num_programs
 
     if DEBUG_SPIN > 0:
         if rank == debug_rank:
@@ -218,16 +222,18 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
 
     # Clear: this program's share of the previous call's rows, every sender.
     neg_zero = _neg_zeros(BLOCK_H, dtype)
-    for i in range(pid, prev_tokens * WORLD_SIZE, num_programs):
+    i = pid
+    while i < prev_tokens * WORLD_SIZE:
         sender = i // prev_tokens
         row64 = (i - sender * prev_tokens).to(tl.int64)
         tl.store(local + (prev * WORLD_SIZE + sender) * slab + row64 * hidden_size + cols,
                  neg_zero, mask=mask)
+        i += num_programs
 
     # Poll, reduce in rank order, then the add+RMSNorm+capture epilogue.
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    for row in range(pid, num_tokens, num_programs):
-        row64 = pid64 + (row - pid)
+    row64 = pid64
+    while row64 < num_tokens:
         for sender in tl.static_range(WORLD_SIZE):
             part = _poll_row(local + (cur * WORLD_SIZE + sender) * slab + row64 * hidden_size
                              + cols, mask, timeout_ns, error_ptr, state_ptr + _TRIPPED,
@@ -252,6 +258,7 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
         tl.store(normed_out_ptr + row64 * stride_normed_out + cols,
                  (x * rstd * w).to(normed_out_ptr.dtype.element_ty), mask=mask)
+        row64 += num_programs
 
     # Arrive: the last program bumps the epoch for the next launch (which starts
     # after this one has finished, so every program here has read the old one).

@@ -17,15 +17,26 @@ Paths (all K captured layers of one forward step, bf16 by default):
   h  liger        Liger-Kernel's fused add+RMSNorm, when liger-kernel is installed
 
 For b, e and f the figure that matters is the capture's own cost: the time
-over d. Bytes are counted explicitly per path (every input read once, every
-output written once) and reported as GB/s and as % of a device-to-device copy
-roofline measured in the same run.
+over d, also given as a multiple of a measured write floor (one write of the
+captured bytes, ``fill_`` in graph replay, less its launch's fixed cost: HBM
+writes are slower than reads, so a copy's rate undercounts a write). Bytes are
+counted explicitly per path (every input read once, every output written once)
+and reported as % of a same-size copy roofline: one ``dst.copy_(src)`` of the
+path's bytes, timed as the paths are. A 2 GiB eager copy is reported as well.
 
-GPU time is measured two ways after warm-up: CUDA-graph replay (several steps
-per graph, median over replays: no launch gaps, what decode under CUDA graphs
-sees) and CUDA events around eager steps (median: what eager prefill sees,
-launch overhead included once the GPU runs ahead of the host). Host time per
-op call is measured separately in eager mode.
+GPU time is measured two ways after warm-up: CUDA-graph replay (at least 8
+steps per graph, every rotated buffer set once per graph, median over replays:
+no launch gaps, what decode under CUDA graphs sees) and CUDA events around
+eager steps (median: what eager prefill sees, launch overhead included once
+the GPU runs ahead of the host). Each step reads, and writes into, its own
+buffer set (aux buffer included); the sets total several L2 sizes at every T.
+Host time per op call is measured separately in eager mode.
+
+PDL (programmatic dependent launch) is used by our kernel's eager launches
+(paths b - f, i) on sm_90+ unless ``EAGLE_CAPTURE_PDL=0``; torch, Inductor and
+Liger (a, g, h) cannot use it. ``--pdl on|off|both`` runs the script with it
+on, off, or both in turn (child processes: ``eagle_capture`` fixes the
+setting at its first launch) and compares the two.
 
 Without a GPU the script runs the CPU path (the ops' torch implementation) on
 small sizes and says so: GPU figures need a GPU. It prints min / median / max
@@ -41,6 +52,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -49,8 +61,10 @@ from typing import Callable
 import torch
 
 import eagle_capture as ec
-from eagle_capture.bench import (host_us_per_call, measure_copy_roofline, time_events,
-                                 time_graph_replay)
+from eagle_capture.bench import (graph_steps, host_us_per_call, measure_copy_graph,
+                                 measure_copy_roofline, measure_write_floor, rotation_sets,
+                                 time_events, time_graph_replay)
+from eagle_capture.ops import pdl_enabled
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_TOKENS = [2**i for i in range(15)]  # 1 .. 16384
@@ -85,6 +99,19 @@ WIDTH = 100  # every printed line fits this many columns (tests/test_benchmark_c
 
 CPU_WARNING = "WARNING: CPU figures are not performance figures: timings swing between runs"
 
+# Each rotated buffer set is one step of the CUDA graph: this bounds the graph
+# (about 1460 sets at T = 1 for H = 7168, K = 3 and 4 x a 60 MiB L2).
+MAX_SETS = 4096
+# Memory kept free for allocations the plan does not count (temporaries of
+# path a, Inductor's and Liger's workspaces, the graphs themselves).
+MEMORY_MARGIN = 0.1
+# A capture cost is shown as a multiple of the write floor only where the floor
+# is this many us: below it, graph-replay jitter is a large part of the floor.
+FLOOR_MIN_US = 1.0
+
+PDL_ENV = "EAGLE_CAPTURE_PDL"
+PDL_PATHS = "bcdefi"  # launch our kernel through the eager entry points
+
 
 def liger_fused_add_rmsnorm():
     """Liger-Kernel's fused add+RMSNorm (out of place), or None if not installed."""
@@ -112,6 +139,15 @@ def bytes_moved(path: str, num_tokens: int, hidden_size: int, num_captures: int,
         "h": 4 * row + weight + num_tokens * 4,   # + its fp32 rstd per row
     }[path]
     return num_captures * per_layer
+
+
+def kept_bytes(path: str, num_tokens: int, hidden_size: int, num_captures: int,
+               elem: int) -> int:
+    """Bytes of the outputs one step of an out-of-place path returns, which the
+    graph keeps alive for its whole length (bench.time_graph_replay); 0 for the
+    in-place paths."""
+    row = num_tokens * hidden_size * elem
+    return num_captures * {"a": row, "g": 2 * row, "h": 2 * row + num_tokens * 4}.get(path, 0)
 
 
 # ----------------------------------------------------------------------------
@@ -312,49 +348,97 @@ def progress(iterable, total, desc):
         return iterable
 
 
+def free_bytes(device) -> int:
+    """Device memory still usable: the driver's free memory plus the caching
+    allocator's unused blocks, less MEMORY_MARGIN of the total."""
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(0, free + cached - int(MEMORY_MARGIN * total))
+
+
+def pdl_report(has_gpu: bool) -> dict:
+    """Whether our kernel's eager launches used PDL in this process, and why."""
+    env = os.environ.get(PDL_ENV)
+    if not has_gpu:
+        return {"state": "n/a", "env": env, "why": "the CPU path launches no GPU kernel"}
+    if pdl_enabled(torch.cuda.current_device()):
+        return {"state": "on", "env": env,
+                "why": f"{PDL_ENV} {'unset' if env is None else '= ' + env}"}
+    return {"state": "off", "env": env,
+            "why": f"{PDL_ENV} = 0" if env == "0" else "needs sm_90+ and Triton's PDL"}
+
+
 def run_gpu(args) -> dict:
     device = torch.device("cuda")
     dtype = DTYPES[args.dtype]
     elem = torch.tensor([], dtype=dtype).element_size()
-    roofline = measure_copy_roofline(device)
+    hidden, captures = args.hidden_size, args.num_captures
+    copy_2gib = measure_copy_roofline(device)
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
     rows = []
     for num_tokens in progress(args.tokens, len(args.tokens), "T sweep"):
-        # Rotate input sets whose total is several times L2, so that no step
-        # reads what the previous one left in cache (the model's layers read
-        # fresh activations); all sets share one aux buffer, as SGLang does.
-        per_set = 2 * args.num_captures * num_tokens * args.hidden_size * elem
-        num_sets = max(1, min(16, -(-args.rotate_l2 * l2_bytes // per_set)))
-        sets = [make_inputs(num_tokens, args.hidden_size, args.num_captures, dtype, device)
+        # Every set has its own hidden, residual, weight and aux buffer: with
+        # one shared aux buffer, steps at small T rewrote aux lines still dirty
+        # in L2, a write discount that no forward step gets (the rest of the
+        # model runs between two captures). Half the free memory at most: the
+        # rest is for kept outputs and the copy roofline's buffers.
+        aux_bytes = num_tokens * captures * hidden * elem
+        set_bytes = 3 * aux_bytes + captures * hidden * elem  # h, r, aux; weights
+        num_sets = rotation_sets(set_bytes, l2_bytes, args.rotate_l2, max_sets=MAX_SETS,
+                                 budget_bytes=free_bytes(device) // 2)
+        sets = [make_inputs(num_tokens, hidden, captures, dtype, device)
                 for _ in range(num_sets)]
-        for x in sets[1:]:
-            x.aux = sets[0].aux
-        x = sets[0]
-        row = {"T": num_tokens, "input_sets": num_sets, "paths": {}}
+        row = {"T": num_tokens, "input_sets": num_sets,
+               "input_l2_multiple": num_sets * set_bytes / l2_bytes, "paths": {}}
+        copies, steps = {}, []
         for path in args.paths:
-            check_path(path, x)
-            steps = [build_step(path, s) for s in sets]
-            steps_per_graph = max(1, min(20, 4096 // num_tokens))
+            check_path(path, sets[0])
+            kept = kept_bytes(path, num_tokens, hidden, captures, elem)
+            steps_per_graph = graph_steps(num_sets, args.steps_per_graph, kept,
+                                          free_bytes(device))
+            # Fewer steps than sets only where kept outputs would not fit.
+            steps = [build_step(path, s) for s in sets[:steps_per_graph]]
             graph_us = time_graph_replay(steps, steps_per_graph, args.replays)
             event_us = time_events(steps, args.reps)
-            nbytes = bytes_moved(path, num_tokens, args.hidden_size, args.num_captures, elem)
+            nbytes = bytes_moved(path, num_tokens, hidden, captures, elem)
+            key = (nbytes, steps_per_graph)
+            if key not in copies:
+                pairs = rotation_sets(nbytes, l2_bytes, args.rotate_l2, max_sets=MAX_SETS,
+                                      budget_bytes=free_bytes(device))
+                copies[key] = measure_copy_graph(nbytes, dtype, device, num_pairs=pairs,
+                                                 steps_per_graph=steps_per_graph,
+                                                 replays=args.replays)
+                torch.cuda.empty_cache()
+            copy, gbps = copies[key], nbytes / graph_us / 1e3
             row["paths"][path] = {
                 "graph_us": graph_us, "event_us": event_us, "bytes": nbytes,
-                "graph_gbps": nbytes / graph_us / 1e3,
-                "graph_pct_roofline": 100 * nbytes / graph_us / 1e3 / roofline["gbps"],
+                "steps_per_graph": steps_per_graph, "input_sets": len(steps),
+                "graph_gbps": gbps, "copy": copy,
+                # bandwidths, not times: the copy rounds to whole elements
+                "graph_pct_roofline": 100 * gbps / copy["gbps"],
+                "graph_pct_copy_2gib": 100 * gbps / copy_2gib["gbps"],
             }
+        # One extra write of the K slots: measured, and (as before) at the
+        # 2 GiB copy's read + write rate.
+        buffers = [torch.empty(num_tokens, captures, hidden, dtype=dtype, device=device)
+                   for _ in range(rotation_sets(aux_bytes, l2_bytes, args.rotate_l2,
+                                                max_sets=MAX_SETS,
+                                                budget_bytes=free_bytes(device)))]
+        row["write_floor"] = measure_write_floor(buffers, args.steps_per_graph, args.replays)
+        row["extra_write_floor_us"] = aux_bytes / copy_2gib["gbps"] / 1e3
         paths = row["paths"]
-        floor_us = (num_tokens * args.hidden_size * elem * args.num_captures
-                    / roofline["gbps"] / 1e3)
-        row["extra_write_floor_us"] = floor_us
         if "d" in paths:
             row["capture_cost_us"] = {p: paths[p]["graph_us"] - paths["d"]["graph_us"]
                                       for p in ("b", "e", "f") if p in paths}
+            floor = row["write_floor"]["net_us"]
+            row["capture_cost_x_floor"] = {p: cost / floor if floor > 0 else None
+                                           for p, cost in row["capture_cost_us"].items()}
         rows.append(row)
-        del x, sets, steps
+        del sets, steps, buffers, copies
         torch.cuda.empty_cache()
-    host = measure_host_overhead(args.hidden_size, dtype, device)
-    return {"roofline": roofline, "rows": rows, "host_us_per_call": host}
+    host = measure_host_overhead(hidden, dtype, device)
+    return {"copy_2gib_eager": copy_2gib, "l2_bytes": l2_bytes, "rows": rows,
+            "host_us_per_call": host}
 
 
 def run_cpu(args) -> dict:
@@ -450,29 +534,58 @@ def pack_columns(key_header: str, keys: list, columns: list, width: int = WIDTH,
     return lines
 
 
+def pdl_line(pdl: dict, paths: list) -> str:
+    """One line: whether this run's PDL-capable paths launched with PDL."""
+    if pdl["state"] == "n/a":
+        return f"PDL: n/a ({pdl['why']})."
+    ours = " ".join(p for p in paths if p in PDL_PATHS) or "no path here"
+    never = " ".join(p for p in paths if p not in PDL_PATHS)
+    return (f"PDL: {pdl['state']} ({pdl['why']}) for {ours}"
+            + (f"; {never} cannot use it" if never else "") + ".")
+
+
+def format_ratio(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def format_gpu_table(result: dict, args) -> list:
     """The GPU report as lines of at most WIDTH characters (pure: no GPU needed)."""
-    roof, rows, paths = result["roofline"], result["rows"], list(args.paths)
-    lines = [f"copy roofline (this run): {roof['gbps']:.0f} GB/s "
-             f"(device-to-device, {roof['bytes'] / 2**30:.0f} GiB read + written)",
-             f"H = {args.hidden_size}, K = {args.num_captures} captured layers, {args.dtype}.",
+    roof, rows, paths = result["copy_2gib_eager"], result["rows"], list(args.paths)
+    l2_multiple = min((row["input_l2_multiple"] for row in rows), default=0.0)
+    lines = ["Roofline ([%] cells): one dst.copy_(src) moving the path's bytes at that T, "
+             "timed as",
+             "the paths are (graph replay, same steps per graph, rotated buffers).",
+             f"2 GiB eager copy (secondary): {roof['gbps']:.0f} GB/s read + written.",
+             f"H = {args.hidden_size}, K = {args.num_captures} captured layers, {args.dtype}; "
+             f">= {args.steps_per_graph} steps per CUDA graph, each step on the next",
+             f"of N buffer sets (h, r, w, aux) that total >= {l2_multiple:.1f} x L2 "
+             f"({result['l2_bytes'] / 2**20:.0f} MiB) at every T.",
+             pdl_line(result["pdl"], paths),
              ""]
     lines += legend_lines(paths, result.get("skipped", {}))
     lines += ["",
               "Cells: GPU us per forward step (all K layers), CUDA-graph replay, median "
-              "[% of copy roofline].",
-              "cost b / e / f: us over path d (the capture's own cost); "
-              "(floor): one extra write at roofline.",
+              "[% of same-size copy].",
+              "cost b / e / f: us over path d (the capture's own cost). floor: one write of "
+              "the K slots'",
+              "bytes, measured: fill_ of a rotated [T, K, H] buffer in graph replay less a "
+              "one-row fill_",
+              f"(the launch's fixed cost). x floor: cost / floor, where the floor >= "
+              f"{FLOOR_MIN_US:g} us.",
               ""]
     keys = [str(row["T"]) for row in rows]
     columns = [(p, [f"{row['paths'][p]['graph_us']:.1f} "
                     f"[{row['paths'][p]['graph_pct_roofline']:3.0f}%]" for row in rows])
                for p in paths]
-    costs = align_parts([[f"{row.get('capture_cost_us', {})[p]:+.1f}"
+    costs = align_parts([[f"{row['capture_cost_us'][p]:+.1f}"
                           if p in row.get("capture_cost_us", {}) else "-" for p in "bef"]
-                         + [f"({row['extra_write_floor_us']:.1f})"] for row in rows])
-    columns.append(("cost b / e / f (floor) us",
-                    [" / ".join(c[:3]) + " " + c[3] for c in costs]))
+                         for row in rows])
+    columns.append(("cost b / e / f us", [" / ".join(c) for c in costs]))
+    columns.append(("floor us", [f"{row['write_floor']['net_us']:.1f}" for row in rows]))
+    ratios = align_parts([[format_ratio(row.get("capture_cost_x_floor", {}).get(p))
+                           if row["write_floor"]["net_us"] >= FLOOR_MIN_US else "-"
+                           for p in "bef"] for row in rows])
+    columns.append(("x floor b / e / f", [" / ".join(r) for r in ratios]))
     lines += pack_columns("T", keys, columns)
     if paths:
         lines += ["", "Eager (CUDA events, launch overhead included), us per step:"]
@@ -481,6 +594,29 @@ def format_gpu_table(result: dict, args) -> list:
     lines += ["", "Host time per op call, eager, T = 1 (us):"]
     lines += [f"  {name:<42} {us:6.1f}" for name, us in result["host_us_per_call"].items()]
     return lines
+
+
+def format_pdl_comparison(on: dict, off: dict) -> list:
+    """``--pdl both``: the two runs side by side, "on / off" per path and T
+    (graph-replay median on a GPU, wall-clock median on the CPU)."""
+    gpu = "copy_2gib_eager" in on
+    figure = "graph_us" if gpu else "wall_us"
+    paths = [p for p in on["config"]["paths"] if p in off["config"]["paths"]]
+    lines = [f"PDL on vs off: two runs of this script, us per step "
+             f"({'CUDA-graph replay' if gpu else 'CPU wall clock'}, median), on / off.",
+             f"on run: {pdl_line(on['pdl'], paths)}",
+             f"off run: {pdl_line(off['pdl'], paths)}"]
+    if any(p not in PDL_PATHS for p in paths):
+        lines.append("Paths that never use PDL: their on / off difference is run-to-run noise.")
+    lines.append("")
+    off_rows = {row["T"]: row for row in off["rows"]}
+    rows = [row for row in on["rows"] if row["T"] in off_rows]
+    columns = []
+    for p in paths:
+        cells = align_parts([[f"{row['paths'][p][figure]:.1f}",
+                              f"{off_rows[row['T']]['paths'][p][figure]:.1f}"] for row in rows])
+        columns.append((p, [" / ".join(c) for c in cells]))
+    return lines + pack_columns("T", [str(row["T"]) for row in rows], columns)
 
 
 def cpu_spread(result: dict) -> float:
@@ -494,7 +630,10 @@ def format_cpu_table(result: dict, args) -> list:
     """The CPU report as lines of at most WIDTH characters."""
     rows, paths = result["rows"], [p for p in args.paths if p not in GPU_ONLY_PATHS]
     lines = [f"CPU path (the ops' torch implementation), H = {args.hidden_size}, "
-             f"K = {args.num_captures} captured layers, {args.dtype}.", ""]
+             f"K = {args.num_captures} captured layers, {args.dtype}."]
+    if "pdl" in result:
+        lines.append(pdl_line(result["pdl"], paths))
+    lines.append("")
     lines += legend_lines(paths, result.get("skipped", {}))
     if not paths:
         return lines + ["", "No path to run."]
@@ -552,7 +691,8 @@ def plot(result: dict, args, path: str) -> None:
                 ax2.scatter(*zip(*low), s=60, facecolors="none", edgecolors="red", zorder=3,
                             label=None if nonpositive else "cost <= 0 (no slower than d)")
                 nonpositive = True
-    ax2.plot(tokens, [r["extra_write_floor_us"] for r in rows], "k--", label="one extra write at roofline")
+    ax2.plot(tokens, [r["write_floor"]["net_us"] for r in rows], "k--",
+             label="one extra write, measured (fill_, launch cost removed)")
     ax2.axhline(0, color="grey", lw=0.8)
     ax2.set_xscale("log")
     ax2.set_yscale("symlog", linthresh=1.0)
@@ -580,13 +720,23 @@ def parse_args(argv=None):
                         "only, h only where liger-kernel is installed)")
     p.add_argument("--reps", type=int, default=100, help="eager repetitions per point")
     p.add_argument("--replays", type=int, default=30, help="graph replays per point")
-    p.add_argument("--rotate-l2", type=int, default=4,
-                   help="rotate input sets totalling this many L2 sizes (default 4; 0: "
+    p.add_argument("--steps-per-graph", type=int, default=8,
+                   help="at least this many steps per CUDA graph (default 8; more where more "
+                        "buffer sets rotate, fewer only where kept outputs would not fit)")
+    p.add_argument("--rotate-l2", type=float, default=4,
+                   help="rotate buffer sets totalling this many L2 sizes (default 4; 0: "
                         "one set, warm cache)")
+    p.add_argument("--pdl", choices=["env", "on", "off", "both"], default="env",
+                   help=f"PDL for our kernel's launches: as {PDL_ENV} says (default: on "
+                        "unless it is 0), on, off, or both in turn and compared; on / off / "
+                        "both rerun the script in child processes where the setting differs "
+                        "from this process's")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"),
                    help="folder for the JSON and PNG (default benchmarks/out)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     args = p.parse_args(argv)
+    if args.steps_per_graph < 1:
+        p.error("--steps-per-graph must be at least 1")
     letters = [c for c in args.paths if c not in ", "]  # "a,b,c" and "a b c" work too
     bad = sorted(set(letters) - set(PATHS))
     if bad:
@@ -601,9 +751,62 @@ def parse_args(argv=None):
     return args
 
 
+def pdl_from_env(environ=os.environ) -> str:
+    """The PDL setting a process with this environment launches with ("on" or
+    "off"), read as eagle_capture.ops reads it."""
+    return "off" if environ.get(PDL_ENV, "1") == "0" else "on"
+
+
+def output_stem(args, has_gpu: bool, pdl: str) -> str:
+    suffix = "" if pdl == "env" else f"_pdl-{pdl}"
+    return os.path.join(args.out, f"capture_latency_{'gpu' if has_gpu else 'cpu'}"
+                                  f"_H{args.hidden_size}{suffix}")
+
+
+def rerun_with_pdl(argv: list, mode: str) -> int:
+    """Run this script again in a child process with PDL ``mode``. Not set in
+    this process: eagle_capture.ops caches the setting at its first launch
+    (``pdl_enabled``) and keeps it in every memoised launch plan. The trailing
+    ``--pdl`` overrides any earlier one (argparse keeps the last)."""
+    env = dict(os.environ, **{PDL_ENV: "1" if mode == "on" else "0"})
+    sys.stdout.flush()
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--pdl", mode]
+    return subprocess.run(cmd, env=env).returncode
+
+
+def run_pdl_both(args, argv: list) -> int:
+    """``--pdl both``: a child run with PDL on, one with it off, then the two
+    side by side and one JSON holding both."""
+    for mode in ("on", "off"):
+        print(f"\n=== PDL {mode}: child run ===", flush=True)
+        rc = rerun_with_pdl(argv, mode)
+        if rc:
+            print(f"the PDL-{mode} run failed (exit {rc})", file=sys.stderr)
+            return rc
+    has_gpu = torch.cuda.is_available()
+    results = {}
+    for mode in ("on", "off"):
+        with open(output_stem(args, has_gpu, mode) + ".json") as f:
+            results[mode] = json.load(f)
+    print()
+    print("\n".join(format_pdl_comparison(results["on"], results["off"])))
+    stem = output_stem(args, has_gpu, "both")
+    with open(stem + ".json", "w") as f:
+        json.dump({"pdl_on": results["on"], "pdl_off": results["off"],
+                   "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                   "command": " ".join([__file__] + argv)}, f, indent=1)
+    print(f"\nwrote {stem}.json")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.pdl == "both":
+        return run_pdl_both(args, argv)
+    if args.pdl in ("on", "off") and pdl_from_env() != args.pdl:
+        return rerun_with_pdl(argv, args.pdl)
     has_gpu = torch.cuda.is_available()
     has_liger = "h" in args.paths and liger_fused_add_rmsnorm() is not None
     args.paths, skipped = select_paths(args.requested_paths, has_gpu, has_liger)
@@ -613,7 +816,7 @@ def main(argv=None) -> int:
     if has_gpu:
         args.tokens = args.tokens or DEFAULT_TOKENS
         result = run_gpu(args)
-        result["skipped"] = skipped
+        result.update(skipped=skipped, pdl=pdl_report(has_gpu))
         print_gpu_table(result, args)
     else:
         print("No GPU: running the CPU path (torch implementation) on small sizes. "
@@ -621,13 +824,12 @@ def main(argv=None) -> int:
         args.tokens = args.tokens or [1, 4, 16, 64, 256]
         args.reps = min(args.reps, 20)
         result = run_cpu(args)
-        result["skipped"] = skipped
-        result["warning"] = CPU_WARNING
+        result.update(skipped=skipped, pdl=pdl_report(has_gpu), warning=CPU_WARNING)
         print_cpu_table(result, args)
-    command = sys.argv if argv is None else [__file__] + list(argv)
     result.update(config={k: v for k, v in vars(args).items()}, device=info,
-                  date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command=" ".join(command))
-    stem = os.path.join(args.out, f"capture_latency_{'gpu' if has_gpu else 'cpu'}_H{args.hidden_size}")
+                  date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                  command=" ".join([__file__] + argv))
+    stem = output_stem(args, has_gpu, args.pdl)
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
     print(f"\nwrote {stem}.json")

@@ -39,20 +39,30 @@ def gpu_args(paths="abcdefghi", **overrides):
 
 
 def synthetic_gpu_result(paths="abcdefghi", tokens=tuple(2**i for i in range(15)),
-                         scale=1.0):
-    """The structure run_gpu builds, with made-up figures; ``scale`` inflates the
-    times (wider cells). Path f beats d (negative cost) at every other T."""
-    roofline = {"bytes": 4 << 30, "us": 2000.0, "gbps": 4277.0}
+                         scale=1.0, pdl_state="on"):
+    """The structure run_gpu builds (plus main's "skipped" and "pdl"), with
+    made-up figures; ``scale`` inflates the times (wider cells). Path f beats d
+    (negative cost) at every other T."""
+    copy_2gib = {"bytes": 4 << 30, "us": 2000.0, "gbps": 4277.0}
     rows = []
     for t in tokens:
         base = (2.0 + t * 0.04) * scale
-        row = {"T": t, "input_sets": max(1, 16 // t), "paths": {}}
+        row = {"T": t, "input_sets": max(1, 1463 // t), "input_l2_multiple": 4.0 + t / 1000,
+               "paths": {}}
         for i, p in enumerate(paths):
             us = base * (1 + 0.15 * i)
-            nbytes = int(us * roofline["gbps"] * 1e3 * 0.9)
+            nbytes = int(us * copy_2gib["gbps"] * 1e3 * 0.9)
+            copy_gbps = copy_2gib["gbps"] * 0.8
+            gbps = nbytes / us / 1e3
             row["paths"][p] = {"graph_us": us, "event_us": us + 40.0, "bytes": nbytes,
-                               "graph_gbps": nbytes / us / 1e3,
-                               "graph_pct_roofline": 100 * nbytes / us / 1e3 / roofline["gbps"]}
+                               "steps_per_graph": max(8, row["input_sets"]),
+                               "input_sets": row["input_sets"], "graph_gbps": gbps,
+                               "copy": {"bytes": nbytes, "us": nbytes / copy_gbps / 1e3,
+                                        "gbps": copy_gbps},
+                               "graph_pct_roofline": 100 * gbps / copy_gbps,
+                               "graph_pct_copy_2gib": 100 * gbps / copy_2gib["gbps"]}
+        floor = t * 0.012 * scale
+        row["write_floor"] = {"us": floor + 2.0, "fixed_us": 2.0, "net_us": floor}
         row["extra_write_floor_us"] = t * 0.01 * scale
         if "d" in row["paths"]:
             d = row["paths"]["d"]["graph_us"]
@@ -60,11 +70,15 @@ def synthetic_gpu_result(paths="abcdefghi", tokens=tuple(2**i for i in range(15)
                                       for p in "bef" if p in row["paths"]}
             if "f" in row["capture_cost_us"] and t % 2 == 0:
                 row["capture_cost_us"]["f"] = -0.3 * scale
+            row["capture_cost_x_floor"] = {p: c / floor for p, c in row["capture_cost_us"].items()}
         rows.append(row)
     host = {"torch.add(out=)": 9.0, "add_capture (public, eager fast path)": 15.9,
             "add_capture (torch.ops, dispatcher)": 136.2,
             "add_rmsnorm_capture (public)": 18.2, "add_rmsnorm_capture (torch.ops)": 186.7}
-    return {"roofline": roofline, "rows": rows, "host_us_per_call": host}
+    why = {"on": "EAGLE_CAPTURE_PDL unset", "off": "EAGLE_CAPTURE_PDL = 0"}[pdl_state]
+    return {"copy_2gib_eager": copy_2gib, "l2_bytes": 60 << 20, "rows": rows,
+            "host_us_per_call": host, "pdl": {"state": pdl_state, "env": None, "why": why},
+            "config": {"paths": list(paths)}}
 
 
 # ---------------------------------------------------------------- arguments
@@ -85,6 +99,20 @@ def test_empty_paths_exit_2(capsys):
         cl.parse_args(["--paths", ""])
     assert exc.value.code == 2
     assert "valid letters: abcdefghi" in capsys.readouterr().err
+
+
+def test_steps_per_graph_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cl.parse_args(["--steps-per-graph", "0"])
+    assert exc.value.code == 2
+
+
+def test_new_flags_defaults():
+    args = cl.parse_args([])
+    assert (args.steps_per_graph, args.rotate_l2, args.pdl) == (8, 4, "env")
+    assert cl.parse_args(["--pdl", "both", "--pdl", "off"]).pdl == "off"  # the last one wins
+    with pytest.raises(SystemExit):
+        cl.parse_args(["--pdl", "maybe"])
 
 
 def test_paths_separators_and_repeats():
@@ -133,6 +161,7 @@ def test_cpu_run_report(capsys, tmp_path, monkeypatch):
         assert len(reason) == 1 and len(reason[0]) > len(f"  {p}  {cl.PATHS[p]}: ") + 10
     # the spread and the warning
     assert "min / median / max over 3 reps" in text
+    assert "PDL: n/a (the CPU path launches no GPU kernel)." in lines
     assert any(line.startswith("WARNING: CPU figures are not performance figures")
                for line in lines[:table_at])
     spread = re.compile(r"\d+\.\d / +\d+\.\d / +\d+\.\d")
@@ -144,6 +173,7 @@ def test_cpu_run_report(capsys, tmp_path, monkeypatch):
     result = json.loads((tmp_path / "capture_latency_cpu_H64.json").read_text())
     assert {"rows", "config", "device", "date", "command", "skipped"} <= set(result)
     assert set(result["skipped"]) == {"g", "h"}
+    assert result["pdl"]["state"] == "n/a" and result["config"]["pdl"] == "env"
     assert result["config"]["paths"] == list("abcdefi")
     assert result["config"]["requested_paths"] == list("abcdefghi")
     for row in result["rows"]:
@@ -164,10 +194,11 @@ def test_cpu_table_with_nothing_to_run():
 
 # ---------------------------------------------------------------- GPU report, no GPU
 
+@pytest.mark.parametrize("pdl_state", ["on", "off"])
 @pytest.mark.parametrize("scale", [1.0, 100.0])
 @pytest.mark.parametrize("paths", ["abcdefghi", "abcdefgi", "adei", "f"])
-def test_gpu_table_fits_and_keeps_everything(paths, scale):
-    result = synthetic_gpu_result(paths, scale=scale)
+def test_gpu_table_fits_and_keeps_everything(paths, scale, pdl_state):
+    result = synthetic_gpu_result(paths, scale=scale, pdl_state=pdl_state)
     result["skipped"] = {"h": cl.LIGER_MISSING} if "h" not in paths else {}
     args = gpu_args(paths)
     lines = cl.format_gpu_table(result, args)
@@ -183,9 +214,17 @@ def test_gpu_table_fits_and_keeps_everything(paths, scale):
                    for line in lines), p
     if "h" not in paths:
         assert f"  h  {cl.PATHS['h']}: {cl.LIGER_MISSING}" in lines
-    assert "cost b / e / f (floor) us" in text
-    assert "[% of copy roofline]" in text
-    # every T, median us and [% roofline] of every path, the cost cell
+    for header in ("cost b / e / f us", "floor us", "x floor b / e / f"):
+        assert header in text
+    assert "[% of same-size copy]" in text
+    assert "one dst.copy_(src) moving the path's bytes" in text
+    assert "2 GiB eager copy (secondary): 4277 GB/s" in text
+    assert "fill_" in text and "one-row fill_" in text  # how the floor is measured
+    assert ">= 8 steps per CUDA graph" in text and ">= 4.0 x L2 (60 MiB)" in text
+    pdl_line = next(line for line in lines if line.startswith("PDL: "))
+    assert pdl_line.startswith(f"PDL: {pdl_state} (")
+    assert all(p in pdl_line for p in paths)
+    # every T, median us and [% roofline] of every path, the cost and floor cells
     for row in result["rows"]:
         t_lines = [line for line in lines if re.match(rf"\s*{row['T']} \| ", line)]
         for p in paths:
@@ -193,12 +232,39 @@ def test_gpu_table_fits_and_keeps_everything(paths, scale):
             assert any(f"{d['graph_us']:.1f} [{d['graph_pct_roofline']:3.0f}%]" in line
                        for line in t_lines), (row["T"], p)
             assert any(f"{d['event_us']:.1f}" in line for line in t_lines)
-        floor = f"({row['extra_write_floor_us']:.1f})"
-        assert any(line.endswith(floor) for line in t_lines)
+        floor = row["write_floor"]["net_us"]
+        assert any(re.search(rf"\| +{floor:.1f}( |$)", line) for line in t_lines)
         for p, cost in row.get("capture_cost_us", {}).items():
             assert any(f"{cost:+.1f}" in line for line in t_lines)
+            ratio = f"{row['capture_cost_x_floor'][p]:.2f}"
+            assert any(ratio in line for line in t_lines) == (floor >= cl.FLOOR_MIN_US), \
+                (row["T"], p)
     for name in result["host_us_per_call"]:
         assert name in text
+
+
+def test_pdl_lines_fit_in_every_state():
+    states = [{"state": "n/a", "why": "the CPU path launches no GPU kernel"},
+              {"state": "on", "why": "EAGLE_CAPTURE_PDL = 1"},
+              {"state": "off", "why": "EAGLE_CAPTURE_PDL = 0"},
+              {"state": "off", "why": "needs sm_90+ and Triton's PDL"}]
+    lines = [cl.pdl_line(s, list(cl.PATHS)) for s in states]
+    assert_fits(lines + ["on run: " + line for line in lines])
+    assert lines[1] == "PDL: on (EAGLE_CAPTURE_PDL = 1) for b c d e f i; a g h cannot use it."
+
+
+def test_pdl_comparison_table():
+    on = synthetic_gpu_result("abcdefghi", pdl_state="on")
+    off = synthetic_gpu_result("abcdefghi", scale=1.5, pdl_state="off")
+    lines = cl.format_pdl_comparison(on, off)
+    assert_fits(lines)
+    assert lines[1].startswith("on run: PDL: on (") and lines[2].startswith("off run: PDL: off (")
+    for row_on, row_off in zip(on["rows"], off["rows"]):
+        t_lines = [line for line in lines if re.match(rf"\s*{row_on['T']} \| ", line)]
+        for p in "abcdefghi":
+            cell = re.compile(rf"{row_on['paths'][p]['graph_us']:.1f} / +"
+                              rf"{row_off['paths'][p]['graph_us']:.1f}")
+            assert any(cell.search(line) for line in t_lines), (row_on["T"], p)
 
 
 def test_pack_columns_wraps_and_repeats_key():
@@ -234,6 +300,9 @@ def test_plot_marks_non_positive_costs(tmp_path, monkeypatch):
     for line in cost_ax.get_lines():  # costs drawn at their value, not clipped
         if line.get_label().startswith("f:"):
             assert min(line.get_ydata()) == pytest.approx(-0.3)
+    floor = [line for line in cost_ax.get_lines() if "measured" in line.get_label()]
+    assert len(floor) == 1
+    assert list(floor[0].get_ydata()) == [r["write_floor"]["net_us"] for r in result["rows"]]
 
 
 def test_host_timer_runs_warmup_then_chunks_and_summarises():
@@ -241,3 +310,152 @@ def test_host_timer_runs_warmup_then_chunks_and_summarises():
     calls = []
     us = host_us_per_call(lambda: calls.append(1), 103, warmup=7, summary=min, sync=False)
     assert len(calls) == 7 + 5 * (103 // 5) and us > 0
+
+
+# ---------------------------------------------------------------- measurement plan
+
+L2_60MIB = 60 << 20
+SET_BYTES_T1 = 3 * (3 * 7168 * 2) + 3 * 7168 * 2  # T = 1, K = 3, bf16: h, r, aux + weights
+
+
+def test_rotation_defeats_l2_at_small_t():
+    from eagle_capture.bench import graph_steps, rotation_sets
+    sets = rotation_sets(SET_BYTES_T1, L2_60MIB, 4, max_sets=cl.MAX_SETS)
+    assert sets > 16 and sets * SET_BYTES_T1 >= 4 * L2_60MIB
+    assert graph_steps(sets, 8) == sets  # the graph walks every set once
+    big = 3 * (16384 * 3 * 7168 * 2)  # T = 16384: one set is many L2 sizes
+    assert rotation_sets(big, L2_60MIB, 4, max_sets=cl.MAX_SETS) == 1
+    assert graph_steps(1, 8) == 8
+    assert rotation_sets(SET_BYTES_T1, L2_60MIB, 0, max_sets=cl.MAX_SETS) == 1  # warm cache
+    assert rotation_sets(1, L2_60MIB, 4, max_sets=100) == 100  # the graph-size bound
+    assert rotation_sets(SET_BYTES_T1, L2_60MIB, 4, max_sets=cl.MAX_SETS,
+                         budget_bytes=10 * SET_BYTES_T1) == 10  # the memory bound
+
+
+def test_graph_steps_keep_outputs_within_memory():
+    from eagle_capture.bench import graph_steps
+    kept = cl.kept_bytes("g", 16384, 7168, 3, 2)
+    assert kept == 2 * 3 * 16384 * 7168 * 2
+    assert graph_steps(1, 8, kept, budget_bytes=100 * kept) == 8
+    assert graph_steps(1, 8, kept, budget_bytes=5 * kept + 1) == 5
+    assert graph_steps(1, 8, kept, budget_bytes=0) == 1
+    assert cl.kept_bytes("e", 16384, 7168, 3, 2) == 0  # in place: nothing kept
+
+
+class _TorchOnCpu:
+    """run_gpu's view of torch with "cuda" mapped to the CPU and a small L2."""
+
+    def __init__(self, l2_bytes):
+        from types import SimpleNamespace
+        self.cuda = SimpleNamespace(
+            get_device_properties=lambda device: SimpleNamespace(L2_cache_size=l2_bytes),
+            empty_cache=lambda: None)
+
+    def device(self, *args):
+        return torch.device("cpu")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def test_gpu_sweep_plan_with_fake_timers(monkeypatch):
+    """run_gpu's bookkeeping without a GPU: CPU tensors, timers replaced by a
+    stand-in that runs the graph's first step and records the plan."""
+    import eagle_capture.bench as bench
+    l2 = 64 << 10
+    graphs = []
+
+    def fake_graph(steps, steps_per_graph, replays):
+        graphs.append((len(steps), steps_per_graph))
+        out = steps[0]()
+        return 1.0 + (out.numel() * 1e-3 if isinstance(out, torch.Tensor) else 0.0)
+
+    monkeypatch.setattr(cl, "torch", _TorchOnCpu(l2))
+    monkeypatch.setattr(cl, "time_graph_replay", fake_graph)
+    monkeypatch.setattr(bench, "time_graph_replay", fake_graph)
+    monkeypatch.setattr(cl, "time_events", lambda steps, reps: 50.0)
+    monkeypatch.setattr(cl, "free_bytes", lambda device: 1 << 30)
+    monkeypatch.setattr(cl, "measure_copy_roofline",
+                        lambda device: {"bytes": 4 << 30, "us": 1e3, "gbps": 4000.0})
+    monkeypatch.setattr(cl, "measure_host_overhead", lambda *a: {"torch.add(out=)": 9.0})
+    args = cl.parse_args(["--paths", "abcdefi", "--hidden-size", "64", "--tokens", "1", "64",
+                          "1024"])
+    result = cl.run_gpu(args)
+    elem = 2
+    for row in result["rows"]:
+        set_bytes = 3 * row["T"] * 3 * 64 * elem + 3 * 64 * elem
+        assert row["input_sets"] * set_bytes >= 4 * l2 or row["input_sets"] == cl.MAX_SETS
+        assert row["input_l2_multiple"] >= 4
+        for p, d in row["paths"].items():
+            assert d["steps_per_graph"] >= max(8, d["input_sets"]) and d["input_sets"] == \
+                row["input_sets"]
+            copy = d["copy"]
+            assert d["bytes"] - 2 * elem < copy["bytes"] <= d["bytes"]
+            assert copy["steps_per_graph"] >= d["steps_per_graph"]
+            assert copy["pairs"] * d["bytes"] >= 4 * l2 or copy["pairs"] == cl.MAX_SETS
+            assert d["graph_pct_roofline"] == pytest.approx(
+                100 * d["graph_gbps"] / copy["gbps"])
+        floor = row["write_floor"]
+        assert floor["bytes"] == row["T"] * 3 * 64 * elem
+        assert floor["net_us"] == pytest.approx(floor["us"] - floor["fixed_us"])
+        assert floor["buffers"] * floor["bytes"] >= 4 * l2 or floor["buffers"] == cl.MAX_SETS
+        assert set(row["capture_cost_x_floor"]) == {"b", "e", "f"}
+    assert row["input_sets"] == 1 or row["T"] < 1024
+    assert result["rows"][0]["input_sets"] > 16  # T = 1
+    assert all(steps_per_graph >= 8 for _, steps_per_graph in graphs)
+    result.update(skipped={}, pdl=cl.pdl_report(has_gpu=False))
+    assert_fits(cl.format_gpu_table(result, args))
+
+
+# ---------------------------------------------------------------- PDL runs
+
+def test_pdl_from_env_matches_the_ops():
+    assert cl.pdl_from_env({}) == "on"
+    assert cl.pdl_from_env({"EAGLE_CAPTURE_PDL": "1"}) == "on"
+    assert cl.pdl_from_env({"EAGLE_CAPTURE_PDL": "0"}) == "off"
+
+
+@pytest.mark.parametrize("env, flag, rerun", [(None, "off", "0"), ("0", "on", "1"),
+                                              ("0", "off", None), (None, "on", None),
+                                              ("0", "env", None)])
+def test_pdl_flag_reruns_only_when_the_setting_differs(env, flag, rerun, monkeypatch, tmp_path):
+    if env is None:
+        monkeypatch.delenv("EAGLE_CAPTURE_PDL", raising=False)
+    else:
+        monkeypatch.setenv("EAGLE_CAPTURE_PDL", env)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls = []
+
+    class Done:
+        returncode = 0
+
+    monkeypatch.setattr(cl.subprocess, "run", lambda cmd, env: calls.append((cmd, env)) or Done)
+    argv = ["--tokens", "1", "--reps", "2", "--hidden-size", "64", "--paths", "a", "--no-plot",
+            "--pdl", flag, "--out", str(tmp_path)]
+    assert cl.main(argv) == 0
+    if rerun is None:
+        assert not calls
+        written = list(tmp_path.iterdir())
+        assert len(written) == 1 and written[0].name.endswith(
+            "_H64.json" if flag == "env" else f"_H64_pdl-{flag}.json")
+    else:
+        (cmd, child_env), = calls
+        assert cmd[-2:] == ["--pdl", flag] and cmd[2:-2] == argv
+        assert child_env["EAGLE_CAPTURE_PDL"] == rerun
+        assert not list(tmp_path.iterdir())
+
+
+def test_pdl_both_runs_two_children_and_compares(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the children run the CPU path too
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = cl.main(["--tokens", "1", "2", "--reps", "2", "--hidden-size", "64", "--paths", "ad",
+                  "--no-plot", "--pdl", "both", "--out", str(tmp_path)])
+    assert rc == 0
+    lines = capfd.readouterr().out.splitlines()
+    assert_fits([line for line in lines if not line.startswith("wrote ")])  # tmp_path is long
+    assert any(line.startswith("PDL on vs off: two runs") for line in lines)
+    both = json.loads((tmp_path / "capture_latency_cpu_H64_pdl-both.json").read_text())
+    assert both["pdl_on"]["pdl"]["env"] == "1" and both["pdl_off"]["pdl"]["env"] == "0"
+    assert both["pdl_on"]["config"]["pdl"] == "on" and both["pdl_off"]["config"]["pdl"] == "off"
+    for t in ("1", "2"):
+        assert any(re.match(rf"\s*{t} \| .* / .*\| .* / ", line) for line in lines), t

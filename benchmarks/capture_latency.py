@@ -21,7 +21,7 @@ over d, also given as a multiple of a measured write floor (one write of the
 captured bytes, ``fill_`` in graph replay, less its launch's fixed cost: HBM
 writes are slower than reads, so a copy's rate undercounts a write). Bytes are
 counted explicitly per path (every input read once, every output written once)
-and reported as % of a same-size copy roofline: one ``dst.copy_(src)`` of the
+and reported as % of a same-size copy roofline: one copy kernel (``src + 0``) of the
 path's bytes, timed as the paths are. A 2 GiB eager copy is reported as well.
 
 GPU time is measured two ways after warm-up: CUDA-graph replay (at least 8
@@ -552,7 +552,7 @@ def format_gpu_table(result: dict, args) -> list:
     """The GPU report as lines of at most WIDTH characters (pure: no GPU needed)."""
     roof, rows, paths = result["copy_2gib_eager"], result["rows"], list(args.paths)
     l2_multiple = min((row["input_l2_multiple"] for row in rows), default=0.0)
-    lines = ["Roofline ([%] cells): one dst.copy_(src) moving the path's bytes at that T, "
+    lines = ["Roofline ([%] cells): one copy kernel (src + 0) moving the path's bytes at that T, "
              "timed as",
              "the paths are (graph replay, same steps per graph, rotated buffers).",
              f"2 GiB eager copy (secondary): {roof['gbps']:.0f} GB/s read + written.",

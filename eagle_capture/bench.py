@@ -88,7 +88,7 @@ def graph_steps(num_sets: int, min_steps: int, kept_bytes: int = 0,
 
 def measure_copy_graph(nbytes: int, dtype, device, *, num_pairs: int, steps_per_graph: int,
                        replays: int) -> dict:
-    """``dst.copy_(src)`` moving ``nbytes`` (read + written, rounded down to
+    """A device copy (``dst = src + 0``) moving ``nbytes`` (read + written, rounded down to
     whole elements), timed as the steps it is a roofline for: CUDA-graph replay
     of ``steps_per_graph`` copies walking ``num_pairs`` (src, dst) pairs
     round-robin. Separate allocations: a row of a shared buffer could start
@@ -97,7 +97,11 @@ def measure_copy_graph(nbytes: int, dtype, device, *, num_pairs: int, steps_per_
     numel = max(1, nbytes // (2 * elem))
     pairs = [(torch.ones(numel, dtype=dtype, device=device),
               torch.empty(numel, dtype=dtype, device=device)) for _ in range(num_pairs)]
-    steps = [lambda src=src, dst=dst: dst.copy_(src) for src, dst in pairs]
+    # An elementwise kernel, not copy_: captured in a CUDA graph, copy_ becomes a
+    # memcpy node, which measured 2.77 TB/s on the H200 at 2.8 GB against 4.28
+    # for the same copy run eagerly -- consistent with the graph handing it to a
+    # copy engine instead of the SMs; the paths it is a roofline for run on SMs.
+    steps = [lambda src=src, dst=dst: torch.add(src, 0, out=dst) for src, dst in pairs]
     us = time_graph_replay(steps, steps_per_graph, replays)
     moved = 2 * numel * elem
     return {"bytes": moved, "us": us, "gbps": moved / us / 1e3, "pairs": num_pairs,

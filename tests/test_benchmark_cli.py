@@ -217,7 +217,7 @@ def test_gpu_table_fits_and_keeps_everything(paths, scale, pdl_state):
     for header in ("cost b / e / f us", "floor us", "x floor b / e / f"):
         assert header in text
     assert "[% of same-size copy]" in text
-    assert "one dst.copy_(src) moving the path's bytes" in text
+    assert "one copy kernel (src + 0) moving the path's bytes" in text
     assert "2 GiB eager copy (secondary): 4277 GB/s" in text
     assert "fill_" in text and "one-row fill_" in text  # how the floor is measured
     assert ">= 8 steps per CUDA graph" in text and ">= 4.0 x L2 (60 MiB)" in text

@@ -217,7 +217,10 @@ class SymmAllReduceCapture:
         # Every rank's buffer holds -0.0 before any peer may push into it.
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
-        self._memo: dict = {}     # eager call signature -> [path, DirectLaunch, grid x, args]
+        self._memo: dict = {}     # eager call signature (no addresses) -> _MemoEntry
+        self._ptr_table_addr, self._state_addr = self._ptr_table.data_ptr(), self.state.data_ptr()
+        self._buffer_addr = self.buffer.data_ptr()
+        self._buffer_bytes = self.buffer.numel() * self.buffer.element_size()
         self.name = f"symm{next(_NAMES)}"
         _INSTANCES[self.name] = self
 
@@ -308,9 +311,11 @@ class SymmAllReduceCapture:
         ``rmsnorm(residual) * weight`` written into ``out`` (default: ``partial``).
         ``norm_fp32_sum`` as in :func:`eagle_capture.add_rmsnorm_capture`.
 
-        Eager calls validate once per call signature (addresses, shapes, strides,
-        dtypes, slot, eps, flags) and then launch the compiled kernel directly,
-        as the single-GPU ops do; a new signature is validated again."""
+        Eager calls validate once per call signature (shapes, strides, dtypes,
+        slot, eps, flags: no addresses) and then launch the compiled kernel
+        directly, as the single-GPU ops do; per call only the arguments' byte
+        ranges are compared (with each other and the symmetric buffer), and an
+        overlap gets the full check."""
         if self._timeout_ns:
             self._check_watchdog()
         out = partial if out is None else out
@@ -327,29 +332,62 @@ class SymmAllReduceCapture:
                 partial, residual, weight, eps, aux, slot, None if out is partial else out,
                 self.state, self.name, norm_fp32_sum)
             return out
-        key = (_signature(partial), _signature(residual), _signature(weight), _signature(out),
-               _signature(aux) if aux is not None else None, slot, type(eps), eps,
-               bool(norm_fp32_sum), torch.cuda.current_device())
-        entry = self._memo.get(key)
+        tensors = (partial, residual, weight, out, aux)
+        try:  # everything the checks depend on except addresses
+            key = (tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+                         if t is not None else None for t in tensors),
+                   out is partial, type(slot), slot, type(eps), eps, bool(norm_fp32_sum),
+                   torch.cuda.current_device())
+        except AttributeError:  # a non-tensor argument: the full check names it
+            key = None
+        entry = self._memo.get(key) if key is not None else None
+        ptrs = [t.data_ptr() if t is not None else 0 for t in tensors] if key else None
         if entry is None:
             self._validate(partial, residual, weight, eps, aux, slot, out)
-            if len(self._memo) >= self.MEMO_ENTRIES:
-                self._memo.clear()
-            entry = self._memo[key] = [self.path_for(partial.shape[0]), None, None]
+            entry = _MemoEntry(self.path_for(partial.shape[0]),
+                               tuple(_checks.byte_extent(t) for t in tensors))
+            if key is not None:
+                if len(self._memo) >= self.MEMO_ENTRIES:
+                    self._memo.clear()
+                self._memo[key] = entry
+        elif self._ranges_meet(ptrs, entry.extents, out is partial):
+            # Addresses change from call to call (eager allocations): any overlap
+            # among the arguments or with the symmetric buffer gets the full
+            # check, which raises or allows it (a residual read from another slot).
+            self._validate(partial, residual, weight, eps, aux, slot, out)
         if partial.shape[0] == 0:
             return out
-        if entry[0] == "nccl":
+        if entry.path == "nccl":
             return self._nccl_path(partial, residual, weight, eps, aux, slot, out, norm_fp32_sum)
-        direct = entry[1]
-        if direct is not None and not hooks_active():
-            direct.launch(entry[2], 1, 1, torch._C._cuda_getCurrentRawStream(self.device.index),
-                          *direct.mid, *entry[3])
+        direct = entry.direct
+        if direct is not None and not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15 \
+                and not hooks_active():
+            direct.launch(entry.grid_x, 1, 1,
+                          torch._C._cuda_getCurrentRawStream(self.device.index), *direct.mid,
+                          self._ptr_table_addr, self._state_addr, ptrs[0], ptrs[1], ptrs[2],
+                          ptrs[3], ptrs[1], ptrs[4] or ptrs[1], *entry.scalars)
             return out
         launched = self._launch_one_shot(partial, residual, weight, eps, aux, slot, out,
                                          self.state, norm_fp32_sum)
         if launched is not None:        # (DirectLaunch, grid x, arguments as addresses)
-            entry[1:] = launched
+            entry.direct, entry.grid_x = launched[0], launched[1]
+            entry.scalars = launched[2][8:]   # everything after the eight pointers
         return out
+
+    def _ranges_meet(self, ptrs, extents, out_is_partial: bool) -> bool:
+        """Whether two argument byte ranges intersect (out == partial excepted),
+        or one meets this rank's symmetric buffer."""
+        buf, buf_end = self._buffer_addr, self._buffer_addr + self._buffer_bytes
+        for i in range(5):
+            if extents[i] and ptrs[i] < buf_end and buf < ptrs[i] + extents[i]:
+                return True
+            for j in range(i + 1, 5):
+                if (i, j) == (0, 3) and out_is_partial:
+                    continue
+                if extents[i] and extents[j] and ptrs[i] < ptrs[j] + extents[j] \
+                        and ptrs[j] < ptrs[i] + extents[i]:
+                    return True
+        return False
 
     MEMO_ENTRIES = 256
 
@@ -396,9 +434,13 @@ class SymmAllReduceCapture:
                                      for a in full_args)
 
 
-def _signature(t: torch.Tensor) -> tuple:
-    """What the validation of a tensor argument depends on."""
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+class _MemoEntry:
+    """One validated eager call signature of :meth:`SymmAllReduceCapture.reduce_add_rmsnorm`."""
+    __slots__ = ("path", "extents", "direct", "grid_x", "scalars")
+
+    def __init__(self, path: str, extents: tuple) -> None:
+        self.path, self.extents = path, extents   # byte extents of the five tensor arguments
+        self.direct, self.grid_x, self.scalars = None, 0, ()
 
 
 @torch.library.custom_op("eagle_capture::allreduce_add_rmsnorm_capture",

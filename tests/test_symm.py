@@ -84,6 +84,24 @@ def test_path_table(tmp_path):
     assert default_one_shot_max_tokens(16) == default_one_shot_max_tokens(8)
 
 
+def test_eager_range_scan():
+    """Runs anywhere: the per-call overlap scan of the eager memo (addresses
+    change between calls with one signature), without symmetric memory."""
+    from eagle_capture.symm import SymmAllReduceCapture
+    ar = object.__new__(SymmAllReduceCapture)
+    ar._buffer_addr, ar._buffer_bytes = 1 << 20, 4096
+    ext = (256, 256, 64, 256, 768)      # partial, residual, weight, out, aux
+    apart = [0, 1024, 2048, 4096, 8192]
+    assert not ar._ranges_meet(apart, ext, out_is_partial=False)
+    assert not ar._ranges_meet([0, 1024, 2048, 0, 8192], ext, out_is_partial=True)
+    assert ar._ranges_meet([0, 1024, 2048, 0, 8192], ext, out_is_partial=False)
+    assert ar._ranges_meet([0, 1024, 2048, 4096, 4096 + 100], ext, out_is_partial=False)
+    assert ar._ranges_meet([0, 1024, 2048, (1 << 20) + 4000, 8192], ext, out_is_partial=False)
+    assert ar._ranges_meet([(1 << 20) - 255, 1024, 2048, 4096, 8192], ext, out_is_partial=True)
+    assert not ar._ranges_meet([(1 << 20) - 256, 1024, 2048, 4096, 8192], ext, True)
+    assert not ar._ranges_meet([0, 1024, 2048, 4096, 0], ext[:4] + (0,), False)  # no aux
+
+
 def _reference(partials, residual, weight, eps, norm_fp32_sum=False):
     """Sum in rank order in fp32 (a -0.0 partial counts as +0.0), round once;
     then the single-GPU op's add+RMSNorm."""
@@ -250,6 +268,10 @@ def _scenarios(rank, world, device):
         with pytest.raises(ValueError, match="partial must be"):
             ar.reduce_add_rmsnorm(torch.zeros(2, H + 1, dtype=dtype, device=device),
                                   residual[:2].clone(), weight, eps)
+        # The same call signature validated before (a memo hit): the per-call range
+        # scan must still catch an out inside the symmetric buffer.
+        ar.reduce_add_rmsnorm(partials[rank][:2].clone(), residual[:2].clone(), weight, eps,
+                              out=torch.empty(2, H, dtype=dtype, device=device))
         with pytest.raises(ValueError, match="symmetric buffer"):
             ar.reduce_add_rmsnorm(partials[rank][:2].clone(), residual[:2].clone(), weight, eps,
                                   out=ar.buffer[:2 * H].view(2, H))

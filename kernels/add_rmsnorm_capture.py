@@ -39,9 +39,10 @@ writes are visible, and only then reads anything -- the weight too: an
 in-place weight update (RL weight sync) may be the kernel just before. It signals
 ``gdc_launch_dependents`` at once, so a PDL-launched kernel after it can be
 scheduled while this one runs; that kernel's own ``gdc_wait`` still waits for
-this one to complete. Measured on an H200 (benchmarks/NOTES.md): three
-back-to-back launches at T = 1 take 4.2 us instead of 6.2 us under graph
-replay. Triton's interpreter has no PDL: CPU launches pass ``USE_PDL=False``.
+this one to complete: back-to-back launches at decode sizes overlap one
+kernel's tail with the next one's launch (the measured gain is in
+benchmarks/NOTES.md). Triton's interpreter has no PDL: CPU launches pass
+``USE_PDL=False``.
 
 In-place use is legal (``normed_out_ptr == hidden_ptr``, ``res_out_ptr ==
 residual_ptr``): a program reads its whole row before it writes any of it, and
@@ -105,17 +106,38 @@ def add_rmsnorm_capture_kernel(
         # latency-bound: one DRAM round trip fewer per launch).
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
 
-    # Default cache policy: evict_first on these loads measured 1.5 - 4.5% slower
-    # at T >= 4096 on the H200 (benchmarks/NOTES.md).
+    # Default cache policy: evict_first on these loads measured slower at large T
+    # on the H200 (benchmarks/NOTES.md).
     h = tl.load(hidden_ptr + row * stride_hidden + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+    else:
+        r = h
+    if not APPLY_NORM:
+        w = h
+    add_rmsnorm_store_row(h, r, w, cols, mask, row, hidden_size, eps, normed_out_ptr,
+                          stride_normed_out, residual_out_ptr, stride_residual_out, aux_ptr,
+                          stride_aux_row, aux_slot_offset, HAS_RESIDUAL, APPLY_NORM,
+                          STORE_RESIDUAL, CAPTURE, NORM_FP32_SUM)
+
+
+@triton.jit
+def add_rmsnorm_store_row(h, r, w, cols, mask, row, hidden_size, eps, normed_out_ptr,
+                          stride_normed_out, residual_out_ptr, stride_residual_out, aux_ptr,
+                          stride_aux_row, aux_slot_offset, HAS_RESIDUAL: tl.constexpr,
+                          APPLY_NORM: tl.constexpr, STORE_RESIDUAL: tl.constexpr,
+                          CAPTURE: tl.constexpr, NORM_FP32_SUM: tl.constexpr):
+    """The row epilogue both kernels share (this one and the all-reduce kernel):
+    ``s = h + r`` (HAS_RESIDUAL; else ``s = h``) in fp32 rounded once to h's
+    dtype, stored into the aux slot (CAPTURE) and the residual output
+    (STORE_RESIDUAL); ``rmsnorm(s) * w`` into the normed output (APPLY_NORM),
+    of the unrounded sum with NORM_FP32_SUM. ``row`` is an int64 row index."""
+    if HAS_RESIDUAL:
         # One fp32 add, one round-to-nearest-even: bit-identical to torch's h + r.
         s_fp32 = h.to(tl.float32) + r.to(tl.float32)
         s = s_fp32.to(h.dtype)
     else:
         s = h
-
     if CAPTURE:
         tl.store(aux_ptr + row * stride_aux_row + aux_slot_offset + cols, s, mask=mask)
     if STORE_RESIDUAL:

@@ -72,6 +72,8 @@ NVLink multicast is never used (no multimem instructions).
 import triton
 import triton.language as tl
 
+from .add_rmsnorm_capture import add_rmsnorm_store_row
+
 NUM_BUFFERS = 3          # see the reuse argument in the module docstring
 STATE_INTS = 4           # epoch (mod NUM_BUFFERS), arrivals, T_prev, watchdog tripped
 # The same values as constexprs: a jit function may only read constexpr globals.
@@ -113,9 +115,8 @@ def _poll_row(ptr, mask, timeout_ns, error_ptr, tripped_ptr, USE_GLOBALTIMER: tl
     if pending != 0:
         if timeout_ns > 0:
             # An earlier poll gave up: the call is lost anyway; do not wait out the
-            # bound again for every row. (The device-memory copy of the flag: a
-            # volatile read of the host-memory flag cost ~8 us per waiting program
-            # on the H200s, serialised across programs.)
+            # bound again for every row. The device-memory copy of the flag: reads
+            # of the host-memory flag serialise across programs (benchmarks/NOTES.md).
             if tl.load(tripped_ptr, volatile=True) != 0:
                 pending = 0
         spins = 0
@@ -231,7 +232,7 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
         i += num_programs
 
     # Poll, reduce in rank order, then the add+RMSNorm+capture epilogue.
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     row64 = pid64
     while row64 < num_tokens:
         for sender in tl.static_range(WORLD_SIZE):
@@ -243,21 +244,14 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
             else:
                 acc += part
         # The all-reduce result in the storage dtype, as the NCCL path hands it
-        # to the add; then one fp32 add and one rounding, as torch's h + r.
+        # to the add; then the single-GPU kernel's epilogue (one fp32 add, one
+        # rounding, the stores, the norm).
         h = acc.to(dtype)
         r = tl.load(residual_ptr + row64 * stride_residual + cols, mask=mask, other=0.0)
-        s32 = h.to(tl.float32) + r.to(tl.float32)
-        s = s32.to(dtype)
-        if CAPTURE:
-            tl.store(aux_ptr + row64 * stride_aux_row + aux_slot_offset + cols, s, mask=mask)
-        tl.store(residual_out_ptr + row64 * stride_residual_out + cols, s, mask=mask)
-        if NORM_FP32_SUM:
-            x = s32
-        else:
-            x = s.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
-        tl.store(normed_out_ptr + row64 * stride_normed_out + cols,
-                 (x * rstd * w).to(normed_out_ptr.dtype.element_ty), mask=mask)
+        add_rmsnorm_store_row(h, r, w, cols, mask, row64, hidden_size, eps, normed_out_ptr,
+                              stride_normed_out, residual_out_ptr, stride_residual_out, aux_ptr,
+                              stride_aux_row, aux_slot_offset, True, True, True, CAPTURE,
+                              NORM_FP32_SUM)
         row64 += num_programs
 
     # Arrive: the last program bumps the epoch for the next launch (which starts

@@ -173,10 +173,14 @@ def ranges_overlap(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool
     return sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]
 
 
+# Tensor classes whose data_ptr is a real address. Fake and functional tensors
+# (opcheck, torch.compile tracing) have none; the eager call on real tensors is
+# where aliasing is checked. nn.Parameter must be here: a norm's weight is one.
+_ADDRESSED = (torch.Tensor, torch.nn.Parameter)
+
+
 def _overlap(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
-    # Fake and functional tensors (opcheck, torch.compile tracing) have no real
-    # addresses; the eager call on real tensors is where aliasing is checked.
-    return type(a) is torch.Tensor and type(b) is torch.Tensor and ranges_overlap(a, b)
+    return type(a) in _ADDRESSED and type(b) in _ADDRESSED and ranges_overlap(a, b)
 
 
 def _slot_touched(view: torch.Tensor, aux: torch.Tensor) -> Optional[int]:

@@ -85,3 +85,18 @@ def test_dispatcher_path_on_a_non_current_gpu(op_name):
     torch.cuda.synchronize(dev)
     assert torch.equal(aux[:5, 2], expected)
     assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.parametrize("where", ["aux slot", "residual"])
+def test_parameter_weight_inside_a_written_tensor_is_refused(where):
+    """A norm's weight is an nn.Parameter: the aliasing checks must read its
+    address (they skipped every tensor subclass, Parameter included)."""
+    aux = torch.zeros(4, 3, 64)
+    residual = make_rows(4, 64, torch.float32, "cpu")
+    inside = aux[0, 1] if where == "aux slot" else residual[1]
+    weight = torch.nn.Parameter(inside, requires_grad=False)
+    h = make_rows(4, 64, torch.float32, "cpu")
+    before = aux.clone()
+    with torch.no_grad(), pytest.raises(ValueError, match="weight shares memory with"):
+        ec.add_rmsnorm_capture(h, residual, weight, EPS, aux, 0)
+    assert torch.equal(aux, before)

@@ -102,6 +102,53 @@ def test_eager_range_scan():
     assert not ar._ranges_meet([0, 1024, 2048, 4096, 0], ext[:4] + (0,), False)  # no aux
 
 
+def test_eager_memo_direct_launch_arguments(monkeypatch):
+    """Runs anywhere: a memo hit launches the cached kernel with this call's
+    addresses in the kernel's pointer order and the first call's scalars -- the
+    argument list Triton's own launch got, with tensors as addresses. (The
+    launcher and the CUDA stream are stand-ins; the GPU tests run the real ones.)"""
+    import eagle_capture.symm as symm
+    ar = object.__new__(symm.SymmAllReduceCapture)
+    H, dtype = 64, torch.bfloat16
+    ar.hidden_size, ar.dtype, ar.device, ar.world_size, ar.rank = H, dtype, torch.device("cpu"), 2, 1
+    ar.max_programs, ar._rows, ar._block_h, ar._num_warps = 4, 8, 64, 1
+    ar.one_shot_max_tokens, ar.table, ar._timeout_ns, ar._memo = 8, None, 0, {}
+    ar.state, ar._ptr_table = torch.zeros(4, dtype=torch.int32), torch.zeros(3, dtype=torch.int64)
+    ar._ptr_table_addr, ar._state_addr = ar._ptr_table.data_ptr(), ar.state.data_ptr()
+    ar._buffer_addr, ar._buffer_bytes = 16, 16                 # nowhere near the tensors
+    monkeypatch.setattr(ar, "_validate", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 777, raising=False)
+    calls = []
+
+    class Direct:
+        mid = ("function", "metadata")
+
+        def launch(self, *args):
+            calls.append(("direct", args))
+
+    def launcher(grid, args, key, num_warps, device_index, aligned, launch_pdl=False):
+        calls.append(("triton", grid, tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
+                                            for a in args)))
+        return Direct()
+
+    monkeypatch.setattr(symm, "_launch", launcher)
+    w = torch.ones(H, dtype=dtype)
+    aux = torch.zeros(8, 3, H, dtype=dtype)
+    p1, r1 = torch.randn(3, H).to(dtype), torch.randn(3, H).to(dtype)
+    ar.reduce_add_rmsnorm(p1, r1, w, 1e-6, aux, 2)
+    p2, r2 = torch.randn(3, H).to(dtype), torch.randn(3, H).to(dtype)
+    ar.reduce_add_rmsnorm(p2, r2, w, 1e-6, aux, 2)
+    (kind1, grid, first), (kind2, second) = calls
+    assert kind1 == "triton" and kind2 == "direct" and grid == (3, 1)
+    # The first launch's arguments with the second call's tensors in their places.
+    swap = {p1.data_ptr(): p2.data_ptr(), r1.data_ptr(): r2.data_ptr()}
+    expected = tuple(swap.get(a, a) if i < 8 else a for i, a in enumerate(first))
+    assert second == (3, 1, 1, 777, "function", "metadata") + expected
+    assert first[:8] == (ar._ptr_table_addr, ar._state_addr, p1.data_ptr(), r1.data_ptr(),
+                         w.data_ptr(), p1.data_ptr(), r1.data_ptr(), aux.data_ptr())
+
+
 def _reference(partials, residual, weight, eps, norm_fp32_sum=False):
     """Sum in rank order in fp32 (a -0.0 partial counts as +0.0), round once;
     then the single-GPU op's add+RMSNorm."""

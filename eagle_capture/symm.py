@@ -274,6 +274,11 @@ class SymmAllReduceCapture:
                 raise ValueError(f"eagle_capture: {name} must be a {self.dtype} tensor on "
                                  f"{self.device} (the symmetric buffer's dtype), got "
                                  f"{getattr(t, 'dtype', type(t))} on {getattr(t, 'device', '-')}")
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
+                                           (partial, residual, weight, out, aux)):
+            # The kernel writes through raw pointers: autograd would see nothing.
+            _checks.refuse_autograd("SymmAllReduceCapture.reduce_add_rmsnorm",
+                                    (partial, residual, weight, out, aux))
         if out.shape != partial.shape:
             raise ValueError(f"eagle_capture: out must have partial's shape "
                              f"{tuple(partial.shape)}, got {tuple(out.shape)}")
@@ -332,29 +337,37 @@ class SymmAllReduceCapture:
                 partial, residual, weight, eps, aux, slot, None if out is partial else out,
                 self.state, self.name, norm_fp32_sum)
             return out
-        tensors = (partial, residual, weight, out, aux)
-        try:  # everything the checks depend on except addresses
-            key = (tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-                         if t is not None else None for t in tensors),
-                   out is partial, type(slot), slot, type(eps), eps, bool(norm_fp32_sum),
-                   torch.cuda.current_device())
+        try:  # everything the checks depend on except addresses (spelled out: a
+            # generator over the five tensors costs ~2 us more per call)
+            key = (partial.shape, partial.stride(), partial.dtype, partial.device,
+                   residual.shape, residual.stride(), residual.dtype, residual.device,
+                   weight.shape, weight.stride(), weight.dtype, weight.device,
+                   None if out is partial else (out.shape, out.stride(), out.dtype, out.device),
+                   None if aux is None else (aux.shape, aux.stride(), aux.dtype, aux.device),
+                   type(slot), slot, type(eps), eps, bool(norm_fp32_sum),
+                   torch.is_grad_enabled(), torch.cuda.current_device())
         except AttributeError:  # a non-tensor argument: the full check names it
             key = None
         entry = self._memo.get(key) if key is not None else None
-        ptrs = [t.data_ptr() if t is not None else 0 for t in tensors] if key else None
         if entry is None:
             self._validate(partial, residual, weight, eps, aux, slot, out)
+            tensors = (partial, residual, weight, out, aux)
             entry = _MemoEntry(self.path_for(partial.shape[0]),
                                tuple(_checks.byte_extent(t) for t in tensors))
+            entry.ptrs = tuple(t.data_ptr() if t is not None else 0 for t in tensors)
             if key is not None:
                 if len(self._memo) >= self.MEMO_ENTRIES:
                     self._memo.clear()
                 self._memo[key] = entry
-        elif self._ranges_meet(ptrs, entry.extents, out is partial):
-            # Addresses change from call to call (eager allocations): any overlap
-            # among the arguments or with the symmetric buffer gets the full
-            # check, which raises or allows it (a residual read from another slot).
-            self._validate(partial, residual, weight, eps, aux, slot, out)
+        ptrs = (partial.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                aux.data_ptr() if aux is not None else 0)
+        if ptrs != entry.ptrs:
+            # Addresses change between calls (eager allocations): any overlap among
+            # the arguments or with the symmetric buffer gets the full check, which
+            # raises or allows it (a residual read from another slot).
+            if self._ranges_meet(ptrs, entry.extents, out is partial):
+                self._validate(partial, residual, weight, eps, aux, slot, out)
+            entry.ptrs = ptrs
         if partial.shape[0] == 0:
             return out
         if entry.path == "nccl":
@@ -376,18 +389,12 @@ class SymmAllReduceCapture:
 
     def _ranges_meet(self, ptrs, extents, out_is_partial: bool) -> bool:
         """Whether two argument byte ranges intersect (out == partial excepted),
-        or one meets this rank's symmetric buffer."""
-        buf, buf_end = self._buffer_addr, self._buffer_addr + self._buffer_bytes
-        for i in range(5):
-            if extents[i] and ptrs[i] < buf_end and buf < ptrs[i] + extents[i]:
-                return True
-            for j in range(i + 1, 5):
-                if (i, j) == (0, 3) and out_is_partial:
-                    continue
-                if extents[i] and extents[j] and ptrs[i] < ptrs[j] + extents[j] \
-                        and ptrs[j] < ptrs[i] + extents[i]:
-                    return True
-        return False
+        or one meets this rank's symmetric buffer: sorted by start, any range
+        reaching past the next one's start."""
+        spans = sorted([(p, p + e) for i, (p, e) in enumerate(zip(ptrs, extents))
+                        if e and not (i == 3 and out_is_partial)]
+                       + [(self._buffer_addr, self._buffer_addr + self._buffer_bytes)])
+        return any(spans[k][1] > spans[k + 1][0] for k in range(len(spans) - 1))
 
     MEMO_ENTRIES = 256
 
@@ -436,10 +443,11 @@ class SymmAllReduceCapture:
 
 class _MemoEntry:
     """One validated eager call signature of :meth:`SymmAllReduceCapture.reduce_add_rmsnorm`."""
-    __slots__ = ("path", "extents", "direct", "grid_x", "scalars")
+    __slots__ = ("path", "extents", "ptrs", "direct", "grid_x", "scalars")
 
     def __init__(self, path: str, extents: tuple) -> None:
         self.path, self.extents = path, extents   # byte extents of the five tensor arguments
+        self.ptrs = ()      # the addresses last found free of overlaps
         self.direct, self.grid_x, self.scalars = None, 0, ()
 
 

@@ -149,6 +149,24 @@ def test_eager_memo_direct_launch_arguments(monkeypatch):
                          w.data_ptr(), p1.data_ptr(), r1.data_ptr(), aux.data_ptr())
 
 
+def test_grad_requiring_tensors_are_refused(monkeypatch):
+    """Runs anywhere: the kernel writes through raw pointers, so a tensor that
+    requires grad in grad mode is refused before any launch (as the ops do)."""
+    import eagle_capture.symm as symm
+    ar = object.__new__(symm.SymmAllReduceCapture)
+    H = 64
+    ar.hidden_size, ar.dtype, ar.device = H, torch.bfloat16, torch.device("cpu")
+    ar._timeout_ns, ar._memo, ar._buffer_addr, ar._buffer_bytes = 0, {}, 16, 16
+    ar.buffer = torch.empty(0, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)   # CPU stand-in
+    monkeypatch.setattr(symm, "_launch", lambda *a, **k: pytest.fail("launched"))
+    p = torch.randn(2, H).bfloat16().requires_grad_()
+    r = torch.randn(2, H).bfloat16()
+    with pytest.raises(RuntimeError, match="requires grad while grad mode is on"):
+        ar.reduce_add_rmsnorm(p, r, torch.ones(H, dtype=torch.bfloat16), 1e-6,
+                              out=torch.empty(2, H, dtype=torch.bfloat16))
+
+
 def _reference(partials, residual, weight, eps, norm_fp32_sum=False):
     """Sum in rank order in fp32 (a -0.0 partial counts as +0.0), round once;
     then the single-GPU op's add+RMSNorm."""

@@ -365,11 +365,22 @@ def test_buffer_rejects_bad_layer_ids(ids, match):
 
 
 def test_import_does_not_initialise_cuda():
+    """Also meaningful without a GPU: torch's lazy CUDA initialisation is made to
+    raise, so importing anything that would initialise CUDA (a device query, a
+    current-device read) fails here too, not only where CUDA exists."""
     import subprocess
     import sys
-    code = ("import torch, eagle_capture; "
-            "assert not torch.cuda.is_initialized(), 'import initialised CUDA'")
+    code = ("import torch\n"
+            "def refuse(*a, **k): raise AssertionError('eagle_capture initialised CUDA at import')\n"
+            "torch.cuda._lazy_init = refuse\n"
+            "import eagle_capture, eagle_capture.symm, eagle_capture.tp, eagle_capture.sglang\n"
+            "import eagle_capture.doctor, eagle_capture.plan, eagle_capture.bench\n"
+            "assert not torch.cuda.is_initialized(), 'import initialised CUDA'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+    # The guard itself works: a CUDA query at import time would have raised.
+    bad = code.replace("import eagle_capture.doctor", "torch.cuda.current_device()\nimport eagle_capture.doctor")
+    result = subprocess.run([sys.executable, "-c", bad], capture_output=True, text=True)
+    assert "eagle_capture initialised CUDA at import" in result.stderr
 
 
 @pytest.mark.parametrize("device", DEVICES)

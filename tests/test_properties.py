@@ -88,13 +88,25 @@ def test_ops_match_reference(device, case):
         assert_untouched(aux, T, slot)
 
 
-INVALID = ["slot_high", "slot_negative", "width", "residual_dtype", "aux_dtype", "residual_rows",
-           "too_many_tokens", "strided_columns", "weight_length", "three_d", "eps_negative"]
+# Each fault and what its message must say (the argument and what was expected).
+INVALID = {
+    "slot_high": r"slot \d+ is out of range for aux with \d+ capture slots",
+    "slot_negative": r"slot -\d+ is out of range for aux",
+    "width": r"hidden_states has width \d+ but aux slots are|weight must have shape",
+    "residual_dtype": r"residual dtype .* does not match hidden_states dtype",
+    "aux_dtype": r"aux dtype .* does not match hidden_states dtype",
+    "residual_rows": r"residual shape \(\d+, \d+\) does not match hidden_states shape",
+    "too_many_tokens": r"hidden_states has \d+ tokens but aux has only \d+ rows",
+    "strided_columns": r"hidden_states must have a contiguous last dimension",
+    "weight_length": r"weight must have shape \[\d+\] \(hidden_size\)",
+    "three_d": r"hidden_states must be 2-D",
+    "eps_negative": r"eps must be a non-negative float",
+}
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @SETTINGS
-@given(case=cases(), fault=st.sampled_from(INVALID))
+@given(case=cases(), fault=st.sampled_from(sorted(INVALID)))
 def test_invalid_input_raises_before_touching_the_buffer(device, case, fault):
     g = torch.Generator().manual_seed(case["seed"])
     T, H, dtype = max(case["num_tokens"], 1), max(case["hidden_size"], 2), case["dtype"]
@@ -133,7 +145,7 @@ def test_invalid_input_raises_before_touching_the_buffer(device, case, fault):
         eps = -1e-6
     before = aux.clone()
     use_norm = fault in ("weight_length", "eps_negative") or case["seed"] % 2
-    with pytest.raises((ValueError, TypeError)):
+    with pytest.raises(ValueError, match=INVALID[fault]):
         if use_norm:
             ec.add_rmsnorm_capture(h, r, w, eps, aux, slot)
         else:

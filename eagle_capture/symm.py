@@ -38,16 +38,18 @@ them in the launcher's environment too, or call
 """
 
 import itertools
-import json
 import os
 import weakref
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from . import _checks, ops
 from ._launcher import CachedLauncher, hooks_active
+# The path table lives in its own module; re-exported here, where callers look.
+from .allreduce_paths import (DEFAULT_ONE_SHOT_MAX_TOKENS, PATHS, TABLE_ENV, TABLE_FORMAT,  # noqa: F401
+                              PathTable, default_one_shot_max_tokens)
 from .kernels.add_rmsnorm_capture import MAX_HIDDEN_SIZE, launch_config
 from .kernels.allreduce_add_rmsnorm_capture import (
     NUM_BUFFERS, STATE_INTS, lamport_allreduce_add_rmsnorm_capture_kernel)
@@ -55,17 +57,7 @@ from .kernels.allreduce_add_rmsnorm_capture import (
 _MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
                   "NVSHMEM_DISABLE_NVLS": "1"}
 
-PATHS = ("one_shot", "nccl")
-TABLE_FORMAT = "eagle_capture.allreduce_paths/1"
-TABLE_ENV = "EAGLE_CAPTURE_ALLREDUCE_TABLE"
-# Largest T that takes the one-shot kernel when no measured table is given, per
-# world size (the largest listed world size <= W applies). World 1 and 2:
-# measured on two H200s over NVLink, H = 7168 bf16 (benchmarks/RESULTS.md,
-# 2026-11-30): at W = 1 the NCCL path is a no-op all-reduce + the fused op and
-# always wins; at W = 2 the one-shot kernel wins up to T = 512 and ties at 1024.
-# World 4 and 8: unmeasured guesses that follow the shape of TensorRT-LLM's SM90
-# table (one-shot's NVLink traffic grows with W - 1, the ring's does not).
-DEFAULT_ONE_SHOT_MAX_TOKENS = {1: 0, 2: 1024, 4: 256, 8: 64}
+
 def check_multicast_disabled() -> None:
     """Raise unless every multicast-off variable holds its safe value (an unset
     one fails too: :func:`ensure_multicast_disabled` sets the defaults)."""
@@ -83,57 +75,6 @@ def ensure_multicast_disabled() -> None:
     for name, value in _MULTICAST_OFF.items():
         os.environ.setdefault(name, value)
     check_multicast_disabled()
-
-
-class PathTable:
-    """The fastest path per (world size, T), measured on the machine.
-
-    JSON written by ``benchmarks/allreduce_capture.py --write-table``:
-    ``{"format": TABLE_FORMAT, "hidden_size": H, "dtype": "bfloat16",
-    "device": ..., "paths": {"2": [[1, "one_shot"], [2, "one_shot"], ...]}}``.
-    A T between two measured sizes takes the path of the next larger one
-    (above the largest: the largest's); a world size not in the table takes
-    the default rule."""
-
-    def __init__(self, paths: dict, hidden_size: Optional[int] = None,
-                 dtype: Optional[str] = None, source: str = "<dict>") -> None:
-        self.hidden_size, self.dtype, self.source = hidden_size, dtype, source
-        self.paths: dict[int, list[tuple[int, str]]] = {}
-        for world, rows in paths.items():
-            entries = sorted((int(t), str(p)) for t, p in rows)
-            bad = [p for _, p in entries if p not in PATHS]
-            if bad or not entries or entries[0][0] < 1:
-                raise ValueError(f"eagle_capture: path table {source}: world size {world} needs "
-                                 f"[[T >= 1, path], ...] with path in {PATHS}, got {rows!r}")
-            self.paths[int(world)] = entries
-
-    @classmethod
-    def load(cls, table: Union[str, os.PathLike, dict, "PathTable"]) -> "PathTable":
-        if isinstance(table, PathTable):
-            return table
-        source = "<dict>"
-        if not isinstance(table, dict):
-            source = os.fspath(table)
-            with open(source) as f:
-                table = json.load(f)
-        if table.get("format") != TABLE_FORMAT:
-            raise ValueError(f"eagle_capture: {source} is not a path table (format "
-                             f"{table.get('format')!r}, expected {TABLE_FORMAT!r})")
-        return cls(table["paths"], table.get("hidden_size"), table.get("dtype"), source)
-
-    def path(self, world_size: int, num_tokens: int) -> Optional[str]:
-        entries = self.paths.get(world_size)
-        if entries is None:
-            return None
-        for t, p in entries:
-            if num_tokens <= t:
-                return p
-        return entries[-1][1]
-
-
-def default_one_shot_max_tokens(world_size: int) -> int:
-    known = [w for w in DEFAULT_ONE_SHOT_MAX_TOKENS if w <= world_size]
-    return DEFAULT_ONE_SHOT_MAX_TOKENS[max(known)] if known else 0
 
 
 # Live objects by name: the custom op takes a name (as torch's symm_mem ops take

@@ -1,0 +1,75 @@
+"""Which all-reduce path a tensor-parallel layer boundary takes, per (world size, T).
+
+:class:`eagle_capture.symm.SymmAllReduceCapture` runs either its one-shot
+kernel or NCCL + the fused add+RMSNorm; which one is faster depends on the
+machine, the world size and T. A :class:`PathTable` holds what was measured
+(``benchmarks/allreduce_capture.py --write-table``); without one,
+:data:`DEFAULT_ONE_SHOT_MAX_TOKENS` decides. Pure Python: no torch needed.
+"""
+
+import json
+import os
+from typing import Optional, Union
+
+PATHS = ("one_shot", "nccl")
+TABLE_FORMAT = "eagle_capture.allreduce_paths/1"
+TABLE_ENV = "EAGLE_CAPTURE_ALLREDUCE_TABLE"
+# Largest T that takes the one-shot kernel when no measured table is given, per
+# world size (the largest listed world size <= W applies). World 1 and 2:
+# measured on two H200s over NVLink, H = 7168 bf16 (benchmarks/RESULTS.md,
+# 2026-11-30): at W = 1 the NCCL path is a no-op all-reduce + the fused op and
+# always wins; at W = 2 the one-shot kernel wins up to T = 512 and ties at 1024.
+# World 4 and 8: unmeasured guesses that follow the shape of TensorRT-LLM's SM90
+# table (one-shot's NVLink traffic grows with W - 1, the ring's does not).
+DEFAULT_ONE_SHOT_MAX_TOKENS = {1: 0, 2: 1024, 4: 256, 8: 64}
+
+
+class PathTable:
+    """The fastest path per (world size, T), measured on the machine.
+
+    JSON written by ``benchmarks/allreduce_capture.py --write-table``:
+    ``{"format": TABLE_FORMAT, "hidden_size": H, "dtype": "bfloat16",
+    "device": ..., "paths": {"2": [[1, "one_shot"], [2, "one_shot"], ...]}}``.
+    A T between two measured sizes takes the path of the next larger one
+    (above the largest: the largest's); a world size not in the table takes
+    the default rule."""
+
+    def __init__(self, paths: dict, hidden_size: Optional[int] = None,
+                 dtype: Optional[str] = None, source: str = "<dict>") -> None:
+        self.hidden_size, self.dtype, self.source = hidden_size, dtype, source
+        self.paths: dict[int, list[tuple[int, str]]] = {}
+        for world, rows in paths.items():
+            entries = sorted((int(t), str(p)) for t, p in rows)
+            bad = [p for _, p in entries if p not in PATHS]
+            if bad or not entries or entries[0][0] < 1:
+                raise ValueError(f"eagle_capture: path table {source}: world size {world} needs "
+                                 f"[[T >= 1, path], ...] with path in {PATHS}, got {rows!r}")
+            self.paths[int(world)] = entries
+
+    @classmethod
+    def load(cls, table: Union[str, os.PathLike, dict, "PathTable"]) -> "PathTable":
+        if isinstance(table, PathTable):
+            return table
+        source = "<dict>"
+        if not isinstance(table, dict):
+            source = os.fspath(table)
+            with open(source) as f:
+                table = json.load(f)
+        if table.get("format") != TABLE_FORMAT:
+            raise ValueError(f"eagle_capture: {source} is not a path table (format "
+                             f"{table.get('format')!r}, expected {TABLE_FORMAT!r})")
+        return cls(table["paths"], table.get("hidden_size"), table.get("dtype"), source)
+
+    def path(self, world_size: int, num_tokens: int) -> Optional[str]:
+        entries = self.paths.get(world_size)
+        if entries is None:
+            return None
+        for t, p in entries:
+            if num_tokens <= t:
+                return p
+        return entries[-1][1]
+
+
+def default_one_shot_max_tokens(world_size: int) -> int:
+    known = [w for w in DEFAULT_ONE_SHOT_MAX_TOKENS if w <= world_size]
+    return DEFAULT_ONE_SHOT_MAX_TOKENS[max(known)] if known else 0

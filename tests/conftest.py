@@ -93,3 +93,43 @@ def run_spawned(fn, args, nprocs: int, timeout_s: float, what: str) -> None:
             for p in ctx.processes:
                 p.kill()
             pytest.fail(f"{what} did not finish within {timeout_s} s")
+
+
+def _rank(rank, world, store_dir, scenarios, timeout_s, backend):
+    """One rank of :func:`run_ranks` (a top-level function: spawn pickles it)."""
+    import os
+    import sys
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    sys.path.insert(0, os.path.dirname(__file__))
+    if backend == "nccl":
+        from eagle_capture.symm import ensure_multicast_disabled
+        ensure_multicast_disabled()                  # before NCCL starts
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        device_id = {"device_id": device}
+    else:                                            # gloo: CPU ranks sharing the cores
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        device, device_id = torch.device("cpu"), {}
+    dist.init_process_group(backend, init_method=f"file://{store_dir}/store", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s), **device_id)
+    try:
+        scenarios(rank, world, device)
+        dist.barrier()
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(scenarios, world: int, store_dir, timeout_s: float, what: str,
+              backend: str = "nccl") -> None:
+    """``scenarios(rank, world, device)`` (a module-level function) in ``world``
+    spawned processes: NCCL with one GPU per rank and multicast off, or gloo on
+    CPU; bounded by ``timeout_s`` (:func:`run_spawned`)."""
+    run_spawned(_rank, (world, str(store_dir), scenarios, timeout_s, backend), world,
+                timeout_s, what)

@@ -11,14 +11,12 @@ table and the construction order run anywhere."""
 import json
 import os
 import time
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import HAS_CUDA, run_spawned
+from conftest import HAS_CUDA, run_ranks
 
 TIMEOUT_S = int(os.environ.get("EAGLE_CAPTURE_SYMM_TEST_TIMEOUT", "180"))
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
@@ -411,26 +409,6 @@ def _check_watchdog(rank, world, device):
     dist.barrier()
 
 
-def _worker(rank, world, store_dir):
-    import sys
-    sys.path.insert(0, os.path.dirname(__file__))
-    from eagle_capture.symm import ensure_multicast_disabled
-    ensure_multicast_disabled()                      # before NCCL starts
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"file://{store_dir}/store", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=TIMEOUT_S),
-                            device_id=device)
-    try:
-        _scenarios(rank, world, device)
-        dist.barrier()
-    except Exception:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
 @requires_cuda
 @pytest.mark.parametrize("world", [1, 2])
 def test_allreduce_add_rmsnorm_capture(world, tmp_path):
@@ -438,4 +416,4 @@ def test_allreduce_add_rmsnorm_capture(world, tmp_path):
         # Measured on the H200 machine: torch's CUDA symmetric memory refuses two
         # ranks on one device ("detected allocations from overlapping devices").
         pytest.skip(f"needs {world} GPUs")
-    run_spawned(_worker, (world, str(tmp_path)), world, TIMEOUT_S, "symmetric-memory test")
+    run_ranks(_scenarios, world, tmp_path, TIMEOUT_S, "symmetric-memory test")

@@ -7,32 +7,45 @@ part r; the parts sum to the true output), so only a correct all-reduce
 before the add gives the TP = 1 captures. The consistency checker must stay
 silent on that run and catch each corruption class."""
 
-import os
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import run_spawned
+from conftest import run_ranks
+from eagle_capture import ops
+from eagle_capture.tp import TPCapture
 
 TIMEOUT_S = 240
 
 
 def _partial_split(world, rank):
+    """``partial(layer, full)``: this rank's random row-parallel share of ``full``
+    (the shares of all ranks sum to it), the same on every rank for a layer."""
     def partial(layer, full):
         g = torch.Generator().manual_seed(1000 + layer)
-        parts = [torch.randn(full.shape, generator=g, dtype=full.dtype) for _ in range(world - 1)]
+        parts = [torch.randn(full.shape, generator=g).to(full.dtype).to(full.device)
+                 for _ in range(world - 1)]
         last = full - sum(parts) if parts else full
         return (parts + [last])[rank]
     return partial
 
 
-def _scenarios(rank, world):
+class CapturesBeforeReducing(TPCapture):
+    """Captures the unreduced per-rank partial, as SGLang <= 0.5.13 did with the
+    deferred all-reduce (the consistency checker must name it)."""
+
+    def reduce_add_rmsnorm(self, layer_id, partial_hidden, residual, weight, eps):
+        if self.buffer.captures_layer(layer_id):
+            self.buffer.capture(layer_id, partial_hidden, residual)
+        dist.all_reduce(partial_hidden)
+        ops.add_rmsnorm_capture(partial_hidden, residual, weight, eps)
+
+
+def _scenarios(rank, world, device):
     from eagle_capture import AuxCaptureBuffer
     from eagle_capture.reference_loop import SGLangDeepseekLoop
-    from eagle_capture.tp import CaptureConsistencyError, TPCapture, check_capture_consistency
+    from eagle_capture.tp import CaptureConsistencyError, check_capture_consistency
     from test_oracle import input_ids, tiny_deepseek
 
     hidden_size, num_tokens, layers = 64, 9, [2, 4, 6]
@@ -49,14 +62,6 @@ def _scenarios(rank, world):
 
     # 2. An unreduced partial sum captured (SGLang <= 0.5.13 with the deferred
     #    all-reduce): every rank differs, the checker says so.
-    class CapturesBeforeReducing(TPCapture):
-        def reduce_add_rmsnorm(self, layer_id, partial_hidden, residual, weight, eps):
-            if self.buffer.captures_layer(layer_id):
-                self.buffer.capture(layer_id, partial_hidden, residual)
-            dist.all_reduce(partial_hidden)
-            from eagle_capture import ops
-            ops.add_rmsnorm_capture(partial_hidden, residual, weight, eps)
-
     bad = AuxCaptureBuffer(16, hidden_size, layers, dtype=torch.float32)
     loop.forward(ids, layers, tp=CapturesBeforeReducing(bad), partial=_partial_split(world, rank))
     try:
@@ -112,21 +117,6 @@ def _scenarios(rank, world):
     check_capture_consistency(scattered, tokens, hidden_size, group=attn_group)
 
 
-def _worker(rank, world, store_dir):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
-    try:
-        _scenarios(rank, world)
-        dist.barrier()
-    except Exception:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_capture_gloo(world, tmp_path):
-    run_spawned(_worker, (world, str(tmp_path)), world, TIMEOUT_S, "tensor-parallel test")
+    run_ranks(_scenarios, world, tmp_path, TIMEOUT_S, "tensor-parallel test", backend="gloo")

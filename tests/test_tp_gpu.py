@@ -7,36 +7,23 @@ buffer must equal the TP = 1 run within rounding, the consistency checker must
 stay silent, and a planted unreduced partial must be named by layer. Needs two
 GPUs; skipped with the reason otherwise."""
 
-import os
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from conftest import run_spawned
+from conftest import run_ranks
 
 TIMEOUT_S = 300
 WORLD = 2
 
 
-def _partial_split(world, rank):
-    def partial(layer, full):
-        g = torch.Generator().manual_seed(1000 + layer)
-        parts = [torch.randn(full.shape, generator=g).to(full.dtype).to(full.device)
-                 for _ in range(world - 1)]
-        last = full - sum(parts) if parts else full
-        return (parts + [last])[rank]
-    return partial
-
-
 def _scenarios(rank, world, device):
-    from eagle_capture import AuxCaptureBuffer, ops
+    from eagle_capture import AuxCaptureBuffer
     from eagle_capture.reference_loop import SGLangDeepseekLoop
     from eagle_capture.symm import PathTable, SymmAllReduceCapture
     from eagle_capture.tp import CaptureConsistencyError, TPCapture, check_capture_consistency
     from test_oracle import input_ids, tiny_deepseek
+    from test_tp import CapturesBeforeReducing, _partial_split
 
     hidden_size, num_tokens, layers = 64, 9, [2, 4, 6]
     ids = input_ids(num_tokens, device=device)
@@ -58,13 +45,6 @@ def _scenarios(rank, world, device):
 
         # A planted unreduced partial (captured before the all-reduce, as SGLang
         # <= 0.5.13 did with the deferred all-reduce): the checker names the layer.
-        class CapturesBeforeReducing(TPCapture):
-            def reduce_add_rmsnorm(self, layer_id, partial_hidden, residual, weight, eps):
-                if self.buffer.captures_layer(layer_id):
-                    self.buffer.capture(layer_id, partial_hidden, residual)
-                dist.all_reduce(partial_hidden)
-                ops.add_rmsnorm_capture(partial_hidden, residual, weight, eps)
-
         bad = AuxCaptureBuffer(16, hidden_size, layers, dtype=dtype, device=device)
         with torch.no_grad():
             loop.forward(ids, layers, tp=CapturesBeforeReducing(bad),
@@ -73,28 +53,8 @@ def _scenarios(rank, world, device):
             check_capture_consistency(bad, num_tokens, hidden_size)
 
 
-def _worker(rank, world, store_dir):
-    import sys
-    sys.path.insert(0, os.path.dirname(__file__))
-    from eagle_capture.symm import ensure_multicast_disabled
-    ensure_multicast_disabled()                      # before NCCL starts
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"file://{store_dir}/store", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=TIMEOUT_S),
-                            device_id=device)
-    try:
-        _scenarios(rank, world, device)
-        dist.barrier()
-    except Exception:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
                     reason=f"needs {WORLD} GPUs (one per rank; torch's symmetric memory "
                            f"refuses two ranks on one GPU)")
 def test_tp2_reference_loop_over_nccl_and_one_shot(tmp_path):
-    run_spawned(_worker, (WORLD, str(tmp_path)), WORLD, TIMEOUT_S, "TP = 2 GPU test")
+    run_ranks(_scenarios, WORLD, tmp_path, TIMEOUT_S, "TP = 2 GPU test")

@@ -101,6 +101,8 @@ class SymmAllReduceCapture:
     never arrives; results of the call that tripped it are garbage.
     """
 
+    MEMO_ENTRIES = 256   # validated eager call signatures kept (cleared when full)
+
     def __init__(self, max_tokens: int, hidden_size: int, dtype: torch.dtype,
                  group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device] = None,
@@ -336,8 +338,6 @@ class SymmAllReduceCapture:
                         if e and not (i == 3 and out_is_partial)]
                        + [(self._buffer_addr, self._buffer_addr + self._buffer_bytes)])
         return any(spans[k][1] > spans[k + 1][0] for k in range(len(spans) - 1))
-
-    MEMO_ENTRIES = 256
 
     def _nccl_path(self, partial, residual, weight, eps, aux, slot, out, norm_fp32_sum):
         # Reduce into `out` (partial itself by default); the collective needs a

@@ -30,7 +30,6 @@ Triton's entry point 18.7 us per launch, its raw launcher 6.5 us with tensors
 and 5.5 us with integer addresses, torch.add 6.2 us.
 """
 
-import functools
 import inspect
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -43,15 +42,20 @@ except ImportError:  # pragma: no cover - older Triton
     _knobs = None
 
 
+def _triton_release() -> Optional[tuple[int, int]]:
+    try:
+        major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+    except ValueError:
+        return None
+    return major, minor
+
+
 def _direct_launch_supported() -> bool:
     # CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata,
     # launch_metadata, enter_hook, exit_hook, *all_args) is the launcher call
     # of Triton 3.3 .. 3.x (read from triton/runtime/jit.py of 3.3 - 3.9).
-    try:
-        major, minor = (int(p) for p in triton.__version__.split(".")[:2])
-    except ValueError:
-        return False
-    return major == 3 and minor >= 3 and _knobs is not None
+    release = _triton_release()
+    return release is not None and release[0] == 3 and release[1] >= 3 and _knobs is not None
 
 
 def _hook_active(hook) -> bool:
@@ -75,33 +79,49 @@ class DirectLaunch(NamedTuple):
     compiled: Any = None  # keeps the CompiledKernel (and its loaded module) alive
 
 
-# Triton 3.6's CudaLauncher.__call__ only allocates scratch (none when both
-# sizes are 0) and forwards to its C ``launch``; calling that directly saves a
-# Python frame and two closures per launch (~1.5 us on the H200 host). Used
-# only when the class's source is exactly that forwarding call.
-_RAW_FORWARD = ("self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, "
-                "self.launch_pdl,")
+# Triton 3.6's CudaLauncher.__call__(gridX, gridY, gridZ, stream, function, *args)
+# only allocates scratch (none when both sizes are 0) and forwards to its C launch
+# as ``self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid,
+# self.launch_pdl, global_scratch, profile_scratch, *args)`` (read from 3.6.0's
+# triton/backends/nvidia/driver.py); calling that directly saves a Python frame and
+# two closures per launch (~1.5 us on the H200 host). That forwarding is known only
+# for the releases listed here -- an earlier driver.py has the same call signature
+# but forwards no PDL flag and no profile scratch; 3.9's call names the launch
+# metadata -- so it is used only on them, for a launcher object of that call
+# signature with a ``launch``, both launch flags and no scratch; everything else
+# calls the CompiledKernel's ``run`` in the form Triton's own JITFunction.run uses.
+_RAW_FORWARDING_RELEASES = frozenset({(3, 6)})
+_RAW_FORWARDING = _triton_release() in _RAW_FORWARDING_RELEASES
+_RAW_FORWARDING_CALL = ("self", "gridX", "gridY", "gridZ", "stream", "function", "args")
 
 
-@functools.lru_cache(maxsize=None)
-def _forwards_to_raw_launch(launcher_cls: type) -> bool:
-    try:
-        call = launcher_cls.__call__
-        params = list(inspect.signature(call).parameters)
-        source = " ".join(inspect.getsource(call).split())
-    except (AttributeError, TypeError, ValueError, OSError):
+def _forwards_to_raw_launch(run) -> bool:
+    """Whether ``run`` (a CompiledKernel's launcher) has the known forwarding
+    form: a release listed above, its class's call signature, a callable
+    ``launch``, the two launch flags, and no scratch to allocate. Structural:
+    no source is read."""
+    if not _RAW_FORWARDING:
         return False
-    return (params == ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
-            and _RAW_FORWARD in source and "global_scratch, profile_scratch, *args)" in source)
+    try:
+        params = inspect.signature(type(run).__call__).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return (tuple(params) == _RAW_FORWARDING_CALL
+            and params["args"].kind is inspect.Parameter.VAR_POSITIONAL
+            and callable(getattr(run, "launch", None))
+            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")
+            and getattr(run, "global_scratch_size", 1) == 0
+            and getattr(run, "profile_scratch_size", 1) == 0)
 
 
 def direct_launch_of(compiled) -> DirectLaunch:
     run = compiled.run
-    if (_forwards_to_raw_launch(type(run)) and getattr(run, "global_scratch_size", 1) == 0
-            and getattr(run, "profile_scratch_size", 1) == 0):
+    if _forwards_to_raw_launch(run):
         return DirectLaunch(run.launch, (compiled.function, run.launch_cooperative_grid,
                                          run.launch_pdl, None, None, compiled.packed_metadata,
                                          None, None, None), compiled)
+    # CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata, launch_metadata,
+    # enter_hook, exit_hook, *args): JITFunction.run's own call (Triton 3.3 - 3.9).
     return DirectLaunch(run, (compiled.function, compiled.packed_metadata, None, None, None),
                         compiled)
 

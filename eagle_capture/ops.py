@@ -20,6 +20,14 @@ from ``aux[:T, slot]`` and writes the next one elsewhere with
 ``add_rmsnorm_out`` (an in-place update would overwrite the capture, and is
 refused).
 
+Each op is described once, by an :class:`OpSpec` (its arguments, which are
+tensors, which kernel pointer each tensor is bound to by role name, what it
+mutates, its checker); the registered op's body, its CPU implementation and
+the eager fast path (memo key, pointer template, launch plan) are all derived
+from the spec. The kernel's arguments are bound by *parameter name*, read from
+the kernel's signature, in one place (:func:`_kernel_arguments`,
+:func:`_bind`): no code here knows an argument's position.
+
 Each op is a ``torch.library.triton_op``: torch.compile sees the Triton
 kernel (Inductor can schedule it; no graph break), and the same body runs a
 torch implementation for CPU tensors (SGLang's CPU backend, CI) -- for the
@@ -33,19 +41,22 @@ while under torch.compile they call the registered op.
 Tests can run the kernel on CPU tensors through the ops themselves: inside
 ``with eagle_capture.ops.kernel_on_cpu():`` (needs ``TRITON_INTERPRET=1`` before
 ``eagle_capture`` is imported) CPU tensors take the launch code that CUDA
-tensors take -- ``launch_kernel(..., _wrap=wrap_triton)`` in the registered ops,
-the memoised plan and ``_PTRS_*`` pointer maps on the eager path -- with the
+tensors take -- the registered ops' launch through ``wrap_triton`` (what
+``launch_kernel(..., _wrap=wrap_triton)`` does), the memoised plan and its
+pointer template on the eager path -- with the
 kernel run by Triton's interpreter. Only the direct C launch of a cached
 compiled kernel (and PDL) is GPU-only. The eager CUDA path is unchanged by it;
 the registered ops read one flag.
 """
 
 import contextlib
+import dataclasses
 import functools
+import inspect
 import itertools
 import operator
 import os
-from typing import NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 from torch.library import triton_op, wrap_triton
@@ -65,45 +76,85 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------
-# Kernel launch (CUDA, or CPU tensors under TRITON_INTERPRET=1)
+# The kernel's arguments, by name (CUDA, or CPU tensors under TRITON_INTERPRET=1)
 # ----------------------------------------------------------------------------
 
-def _launch_args(hidden_states, residual, weight, eps, normed_out, residual_out, aux, slot,
-                 use_pdl=False, norm_fp32_sum=False):
-    """(grid, positional kernel arguments, num_warps) for validated arguments.
+_KERNEL_SIGNATURE = inspect.signature(add_rmsnorm_capture_kernel.fn)
+_KERNEL_PARAMS = tuple(_KERNEL_SIGNATURE.parameters)
+_KERNEL_DEFAULTS = {name: p.default for name, p in _KERNEL_SIGNATURE.parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+_IN_KERNEL_ORDER = operator.itemgetter(*_KERNEL_PARAMS)
 
-    Unused pointers get a valid tensor (hidden_states) so the signature never
-    changes; the constexpr flags compile their accesses away.
-    """
-    num_tokens, hidden_size = hidden_states.shape
+
+def _pointer_arguments(hidden, residual=None, weight=None, normed_out=None, residual_out=None,
+                       aux=None) -> dict:
+    """The kernel's pointer arguments by parameter name, from what each role is
+    bound to (tensors for a launch; the op tensors' positions for the eager
+    pointer template). An absent role (None) gets ``hidden`` -- a valid pointer,
+    so the signature never changes; the constexpr flags compile its accesses
+    away. The norm's output is absent without a weight."""
+    return {
+        "hidden_ptr": hidden,
+        "residual_ptr": residual if residual is not None else hidden,
+        "weight_ptr": weight if weight is not None else hidden,
+        "normed_out_ptr": normed_out if weight is not None else hidden,
+        "residual_out_ptr": residual_out if residual_out is not None else hidden,
+        "aux_ptr": aux if aux is not None else hidden,
+    }
+
+
+# The pointer roles: the kernel's ``<role>_ptr`` parameters.
+_POINTER_ROLES = tuple(inspect.signature(_pointer_arguments).parameters)
+if {f"{role}_ptr" for role in _POINTER_ROLES} != {p for p in _KERNEL_PARAMS if p.endswith("_ptr")}:
+    raise ImportError(f"eagle_capture: the kernel's pointer parameters "
+                      f"{[p for p in _KERNEL_PARAMS if p.endswith('_ptr')]} are not the roles "
+                      f"{_POINTER_ROLES} that eagle_capture.ops binds")
+
+
+def _kernel_arguments(hidden, residual=None, weight=None, normed_out=None, residual_out=None,
+                      aux=None, eps=0.0, slot=0, norm_fp32_sum=False, use_pdl=False):
+    """(grid, {kernel parameter: value}, num_warps) for validated arguments,
+    given by pointer role (``hidden`` ... ``aux``) and scalar name."""
+    num_tokens, hidden_size = hidden.shape
     apply_norm = weight is not None
     # int(): under dynamic-shape tracing H may be a SymInt; the constexpr
     # BLOCK_H depends on it, so specialising on the model's hidden size is right.
     block_h, num_warps, col_blocks = launch_config(int(hidden_size), apply_norm)
-    args = (
-        hidden_states,
-        residual if residual is not None else hidden_states,
-        weight if apply_norm else hidden_states,
-        normed_out if apply_norm else hidden_states,
-        residual_out if residual_out is not None else hidden_states,
-        aux if aux is not None else hidden_states,
-        hidden_size,
-        float(eps),
-        hidden_states.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        normed_out.stride(0) if apply_norm else 0,
-        residual_out.stride(0) if residual_out is not None else 0,
-        aux.stride(0) if aux is not None else 0,
-        slot * aux.stride(1) if aux is not None else 0,
-        residual is not None,       # HAS_RESIDUAL
-        apply_norm,                 # APPLY_NORM
-        residual_out is not None,   # STORE_RESIDUAL
-        aux is not None,            # CAPTURE
-        block_h,                    # BLOCK_H
-        use_pdl,                    # USE_PDL
-        bool(norm_fp32_sum) and apply_norm and residual is not None,  # NORM_FP32_SUM
+    values = _pointer_arguments(hidden, residual, weight, normed_out, residual_out, aux)
+    values.update(
+        hidden_size=hidden_size,
+        eps=float(eps),
+        stride_hidden=hidden.stride(0),
+        stride_residual=residual.stride(0) if residual is not None else 0,
+        stride_normed_out=normed_out.stride(0) if apply_norm else 0,
+        stride_residual_out=residual_out.stride(0) if residual_out is not None else 0,
+        stride_aux_row=aux.stride(0) if aux is not None else 0,
+        aux_slot_offset=slot * aux.stride(1) if aux is not None else 0,
+        HAS_RESIDUAL=residual is not None,
+        APPLY_NORM=apply_norm,
+        STORE_RESIDUAL=residual_out is not None,
+        CAPTURE=aux is not None,
+        BLOCK_H=block_h,
+        USE_PDL=use_pdl,
+        NORM_FP32_SUM=bool(norm_fp32_sum) and apply_norm and residual is not None,
     )
-    return (num_tokens, col_blocks), args, num_warps
+    return (num_tokens, col_blocks), values, num_warps
+
+
+def _bind(values: Mapping[str, Any]) -> tuple:
+    """The kernel's positional arguments: ``values`` in the order of its
+    signature (the one place that knows that order), defaults filled in."""
+    if len(values) == len(_KERNEL_PARAMS):
+        try:
+            return _IN_KERNEL_ORDER(values)  # every parameter given (the launches here)
+        except KeyError:
+            pass
+    unknown = sorted(values.keys() - set(_KERNEL_PARAMS))
+    missing = [p for p in _KERNEL_PARAMS if p not in values and p not in _KERNEL_DEFAULTS]
+    if unknown or missing:
+        raise TypeError(f"eagle_capture: kernel arguments do not match the kernel's signature "
+                        f"(unknown {unknown}, missing {missing})")
+    return _IN_KERNEL_ORDER({**_KERNEL_DEFAULTS, **values})
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,67 +193,32 @@ def launch_kernel(
     ``norm_fp32_sum``, FlashInfer's choice; else of the rounded residual). Public so that tests can run the
     kernel itself under the Triton interpreter on CPU tensors.
     """
-    if hidden_states.shape[0] == 0:
+    _launch(dict(hidden=hidden_states, residual=residual, weight=weight, normed_out=normed_out,
+                 residual_out=residual_out, aux=aux, eps=eps, slot=slot,
+                 norm_fp32_sum=norm_fp32_sum), _wrap)
+
+
+def _launch(call: Mapping[str, Any], wrap=None) -> None:
+    """:func:`launch_kernel` on a call given by role and scalar name."""
+    hidden = call["hidden"]
+    if hidden.shape[0] == 0:
         return  # a zero-size grid is not a valid launch
-    use_pdl = (_wrap is None and hidden_states.is_cuda
-               and pdl_enabled(hidden_states.device.index))
-    grid, args, num_warps = _launch_args(hidden_states, residual, weight, eps, normed_out,
-                                         residual_out, aux, slot, use_pdl, norm_fp32_sum)
-    kernel = add_rmsnorm_capture_kernel if _wrap is None else _wrap(add_rmsnorm_capture_kernel)
+    use_pdl = wrap is None and hidden.is_cuda and pdl_enabled(hidden.device.index)
+    grid, values, num_warps = _kernel_arguments(**call, use_pdl=use_pdl)
+    args = _bind(values)
+    kernel = add_rmsnorm_capture_kernel if wrap is None else wrap(add_rmsnorm_capture_kernel)
     # Triton launches on the *current* device: tensors on another GPU would be read at
     # illegal addresses. The registered ops (the dispatcher path) may be called so;
     # compiled code sets its own device guard.
-    guard = (torch.cuda.device(hidden_states.device)
-             if (hidden_states.is_cuda and not torch.compiler.is_compiling()
-                 and hidden_states.device.index != torch.cuda.current_device())
+    guard = (torch.cuda.device(hidden.device)
+             if (hidden.is_cuda and not torch.compiler.is_compiling()
+                 and hidden.device.index != torch.cuda.current_device())
              else contextlib.nullcontext())
     with guard:
         if use_pdl:
             kernel[grid](*args, num_warps=num_warps, launch_pdl=True)
         else:
             kernel[grid](*args, num_warps=num_warps)
-
-
-_cached_launch = CachedLauncher(add_rmsnorm_capture_kernel)
-
-
-class _EagerPlan(NamedTuple):
-    """What a validated eager CUDA call signature launches with: everything but
-    the tensors' addresses, computed once per signature."""
-    grid: tuple
-    scalars: tuple      # kernel arguments after the six pointers (eps included)
-    num_warps: int
-    device_index: int
-    dtypes: tuple       # pointer dtypes that Triton specialises on
-    use_pdl: bool
-
-
-def _make_plan(hidden_states, residual, weight, eps, normed_out, residual_out, aux, slot,
-               norm_fp32_sum=False):
-    device_index = hidden_states.device.index   # None for CPU tensors (kernel_on_cpu)
-    use_pdl = hidden_states.is_cuda and pdl_enabled(device_index)
-    grid, args, num_warps = _launch_args(hidden_states, residual, weight, eps, normed_out,
-                                         residual_out, aux, slot, use_pdl, norm_fp32_sum)
-    return _EagerPlan(grid, args[6:], num_warps, device_index,
-                      (hidden_states.dtype, args[2].dtype), use_pdl)
-
-
-def _launch_planned(plan: _EagerPlan, pointers: tuple, aligned: bool):
-    """Launch through the CachedLauncher (tensors as pointer arguments); returns
-    its DirectLaunch for the plan's key when one is cached."""
-    # eps (scalars[1]) is a float: Triton does not specialise on it.
-    key = (plan.device_index, plan.dtypes, plan.scalars[0], plan.scalars[2:])
-    return _cached_launch(plan.grid, pointers + plan.scalars, key, plan.num_warps,
-                          plan.device_index, aligned, plan.use_pdl)
-
-
-def _launch_planned_on_cpu(plan: _EagerPlan, pointers: tuple) -> None:
-    """The eager launch of CPU tensors under :func:`kernel_on_cpu`: the CUDA
-    path's arguments (pointer map + plan scalars) through the CachedLauncher's
-    non-direct branch, i.e. Triton's own entry point (here its interpreter)."""
-    if plan.grid[0] == 0:
-        return  # a zero-size grid is not a valid launch
-    _launch_planned(plan, pointers, aligned=False)
 
 
 # ----------------------------------------------------------------------------
@@ -226,10 +242,10 @@ def kernel_on_cpu():
     """Test-facing: within this block, the public ops and ``torch.ops.eagle_capture``
     run CPU tensors through the Triton kernel (Triton's interpreter) instead of
     the torch implementation, by the CUDA tensors' launch code: the registered ops
-    call ``launch_kernel(..., _wrap=wrap_triton)``; the eager functions memoise
-    the same ``_EagerPlan`` and build the kernel arguments from the ``_PTRS_*``
-    pointer map + plan scalars, launched through Triton's entry point (the direct
-    C launch is GPU-only). PDL is off. Needs ``TRITON_INTERPRET=1`` set before
+    launch as ``launch_kernel(..., _wrap=wrap_triton)`` does; the eager functions memoise
+    the same ``_EagerPlan`` and build the kernel arguments with its pointer
+    template, launched through Triton's entry point (the direct C launch is
+    GPU-only). PDL is off. Needs ``TRITON_INTERPRET=1`` set before
     ``eagle_capture`` is imported (tests/conftest.py does so without a GPU).
 
     The interpreter truncates fp32 -> bf16 (docs/engine_facts.md section 4): bf16
@@ -271,14 +287,15 @@ def _rmsnorm_into(normed_out: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
     normed_out.copy_(x * rstd * weight.float())
 
 
-def _torch_impl(hidden_states, residual, *, weight=None, eps=0.0, normed_out=None,
-                residual_out=None, aux=None, slot=0, norm_fp32_sum=False) -> None:
-    num_tokens = hidden_states.shape[0]
+def _torch_impl(hidden, residual=None, weight=None, normed_out=None, residual_out=None, aux=None,
+                eps=0.0, slot=0, norm_fp32_sum=False) -> None:
+    """The kernel's effect in torch, on a call given by role and scalar name."""
+    num_tokens = hidden.shape[0]
     # torch's same-dtype add rounds once, like the kernel: the captured value
     # is bit-identical to SGLang's eager hidden_states + residual.
-    s = hidden_states + residual if residual is not None else hidden_states
+    s = hidden + residual if residual is not None else hidden
     # Before any store: residual_out / normed_out may alias the inputs (in place).
-    norm_input = (hidden_states.float() + residual.float()
+    norm_input = (hidden.float() + residual.float()
                   if norm_fp32_sum and residual is not None and weight is not None else s)
     if aux is not None:
         aux[:num_tokens, slot].copy_(s)
@@ -288,6 +305,177 @@ def _torch_impl(hidden_states, residual, *, weight=None, eps=0.0, normed_out=Non
         _rmsnorm_into(normed_out, norm_input, weight, eps)
 
 
+# ----------------------------------------------------------------------------
+# Argument checking per op (shared by the op bodies and the eager fast path);
+# each takes the op's arguments in schema order
+# ----------------------------------------------------------------------------
+
+def _check_add_capture(hidden_states, residual, aux, slot) -> None:
+    _checks.check_add_inputs(hidden_states, residual)
+    _checks.check_aux(aux, slot, hidden_states.shape[0], hidden_states.shape[1],
+                      hidden_states.dtype, hidden_states.device)
+
+
+def _check_norm(hidden_states, residual, weight, eps, aux, slot,
+                residual_mutated: bool = False) -> None:
+    if residual is None:
+        raise TypeError("eagle_capture: residual must be a tensor for the add+RMSNorm ops")
+    _checks.check_add_inputs(hidden_states, residual)
+    _checks.check_norm_inputs(hidden_states, weight, eps)
+    _checks.check_no_internal_overlap("hidden_states", hidden_states)  # the normed output
+    if residual_mutated:
+        _checks.check_no_internal_overlap("residual", residual)
+    if aux is not None:
+        _checks.check_aux(aux, slot, hidden_states.shape[0], hidden_states.shape[1],
+                          hidden_states.dtype, hidden_states.device)
+
+
+def _check_add_rmsnorm_capture(hidden_states, residual, weight, eps, aux, slot,
+                               norm_fp32_sum=False) -> None:
+    _check_norm(hidden_states, residual, weight, eps, aux, slot, residual_mutated=True)
+
+
+def _check_add_rmsnorm_into_slot(hidden_states, residual, weight, eps, aux, slot) -> None:
+    if aux is None:  # the schema's aux is a Tensor; an eager call would skip the capture
+        raise TypeError("eagle_capture: aux must be a tensor for add_rmsnorm_into_slot")
+    _check_norm(hidden_states, residual, weight, eps, aux, slot)
+
+
+def _check_add_rmsnorm_out(hidden_states, residual, weight, eps, residual_out) -> None:
+    _check_norm(hidden_states, residual, weight, eps, None, 0)
+    _checks.check_residual_out(residual_out, hidden_states)
+    _checks.check_no_internal_overlap("residual_out", residual_out)
+
+
+# ----------------------------------------------------------------------------
+# The op specs
+# ----------------------------------------------------------------------------
+
+# The scalars a call passes to the kernel (by these names; see _kernel_arguments).
+_KERNEL_SCALARS = ("eps", "slot", "norm_fp32_sum")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OpSpec:
+    """One op, from which every path derives its handling of a call.
+
+    ``params`` are the op's arguments in schema order (the registered op's,
+    the public function's and the hidden CPU op's); ``tensors`` the tensor
+    ones (the eager memo key, the aliasing scan, the autograd refusal);
+    ``pointers`` binds kernel pointer roles (``_POINTER_ROLES``) to arguments by
+    name; the other arguments are kernel scalars (``_KERNEL_SCALARS``) of the
+    same name. The kernel's flags follow from which roles are bound to a
+    tensor (HAS_RESIDUAL, APPLY_NORM, STORE_RESIDUAL, CAPTURE) and from
+    ``norm_fp32_sum`` (NORM_FP32_SUM). ``mutates`` is the schema's
+    ``mutates_args``, and decides which aliasing the op refuses. ``check``
+    validates a call (the op's arguments, positionally). ``cpu_op`` names the
+    private CPU op that the registered op calls for CPU tensors (None: the
+    torch implementation in line, which Inductor may regenerate).
+    """
+
+    name: str
+    params: tuple
+    tensors: tuple
+    pointers: Mapping[str, str]
+    mutates: tuple
+    check: Callable[..., None]
+    cpu_op: Optional[str] = None
+    # Derived (getters over a call's argument tuple):
+    tensors_of: Callable = dataclasses.field(init=False, repr=False)
+    scalars_of: Callable = dataclasses.field(init=False, repr=False)
+    positions: Mapping[str, int] = dataclasses.field(init=False, repr=False)
+    _named: tuple = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self):
+        scalars = tuple(p for p in self.params if p not in self.tensors)
+        problems = [f"tensor {t!r} is not an argument" for t in self.tensors
+                    if t not in self.params]
+        problems += [f"role {r!r} is not a kernel pointer" for r in self.pointers
+                     if r not in _POINTER_ROLES]
+        problems += [f"role {r!r} is bound to {a!r}, not a tensor argument"
+                     for r, a in self.pointers.items() if a not in self.tensors]
+        problems += [f"{a!r} is neither a tensor argument nor a kernel scalar" for a in scalars
+                     if a not in _KERNEL_SCALARS]
+        problems += [f"mutated {m!r} is not a tensor argument" for m in self.mutates
+                     if m not in self.tensors]
+        problems += ["no tensor is bound to the hidden role"] * ("hidden" not in self.pointers)
+        problems += [f"tensor {t!r} is bound to no role" for t in self.tensors
+                     if t not in self.pointers.values()]
+        if problems:
+            raise TypeError(f"eagle_capture: op spec {self.name}: " + "; ".join(problems))
+        index = {p: i for i, p in enumerate(self.params)}
+        set_ = functools.partial(object.__setattr__, self)
+        set_("tensors_of", _getter(index[t] for t in self.tensors))
+        set_("scalars_of", _getter(index[s] for s in scalars))
+        # Each role's position in tensors_of(args): the eager pointer template.
+        set_("positions", {role: self.tensors.index(arg) for role, arg in self.pointers.items()})
+        roles = [(role, index[arg]) for role, arg in self.pointers.items()]
+        set_("_named", tuple(roles + [(s, index[s]) for s in scalars]))
+
+    def call(self, args: tuple) -> dict:
+        """The call ``args`` (schema order) by pointer role and scalar name:
+        what :func:`_kernel_arguments` and :func:`_torch_impl` take."""
+        return {name: args[i] for name, i in self._named}
+
+
+def _getter(indices) -> Callable[[tuple], tuple]:
+    """A tuple of the items at ``indices`` (a tuple even for one index)."""
+    indices = tuple(indices)
+    if len(indices) == 1:
+        (i,) = indices
+        return lambda args: (args[i],)
+    return operator.itemgetter(*indices)
+
+
+_NORM_PARAMS = ("hidden_states", "residual", "weight", "eps")
+_NORM_POINTERS = dict(hidden="hidden_states", residual="residual", weight="weight",
+                      normed_out="hidden_states")
+
+ADD_CAPTURE = OpSpec(
+    "add_capture", params=("hidden_states", "residual", "aux", "slot"),
+    tensors=("hidden_states", "residual", "aux"),
+    pointers=dict(hidden="hidden_states", residual="residual", aux="aux"),
+    mutates=("aux",), check=_check_add_capture)
+
+ADD_RMSNORM_CAPTURE = OpSpec(
+    "add_rmsnorm_capture", params=_NORM_PARAMS + ("aux", "slot", "norm_fp32_sum"),
+    tensors=("hidden_states", "residual", "weight", "aux"),
+    pointers=dict(_NORM_POINTERS, residual_out="residual", aux="aux"),
+    mutates=("hidden_states", "residual", "aux"), check=_check_add_rmsnorm_capture,
+    cpu_op="_add_rmsnorm_capture_cpu")
+
+ADD_RMSNORM_INTO_SLOT = OpSpec(
+    "add_rmsnorm_into_slot", params=_NORM_PARAMS + ("aux", "slot"),
+    tensors=("hidden_states", "residual", "weight", "aux"),
+    pointers=dict(_NORM_POINTERS, aux="aux"),
+    mutates=("hidden_states", "aux"), check=_check_add_rmsnorm_into_slot,
+    cpu_op="_add_rmsnorm_into_slot_cpu")
+
+ADD_RMSNORM_OUT = OpSpec(
+    "add_rmsnorm_out", params=_NORM_PARAMS + ("residual_out",),
+    tensors=("hidden_states", "residual", "weight", "residual_out"),
+    pointers=dict(_NORM_POINTERS, residual_out="residual_out"),
+    mutates=("hidden_states", "residual_out"), check=_check_add_rmsnorm_out,
+    cpu_op="_add_rmsnorm_out_cpu")
+
+SPECS = (ADD_CAPTURE, ADD_RMSNORM_CAPTURE, ADD_RMSNORM_INTO_SLOT, ADD_RMSNORM_OUT)
+
+
+def _check_aliasing(spec: OpSpec, args: tuple) -> None:
+    """Memory shared between the call's arguments that the op cannot allow
+    (which depends on what it mutates)."""
+    named = dict(zip(spec.params, args))
+    _checks.check_aliasing(named["hidden_states"], named["residual"], named.get("aux"),
+                           named.get("slot", 0), weight=named.get("weight"),
+                           residual_mutated="residual" in spec.mutates,
+                           hidden_mutated="hidden_states" in spec.mutates,
+                           residual_out=named.get("residual_out"))
+
+
+# ----------------------------------------------------------------------------
+# Registered ops, and the CPU implementation's private ops
+# ----------------------------------------------------------------------------
+#
 # The add+RMSNorm ops' CPU path under torch.compile: an opaque custom op per
 # registered op (same schema, same mutated arguments) whose CPU kernel is
 # _torch_impl. A triton_op's body is decomposed into the graph when traced,
@@ -311,30 +499,19 @@ def _torch_impl(hidden_states, residual, *, weight=None, eps=0.0, normed_out=Non
 # compiled CPU results are bit-identical to eager. add_capture (no reduction)
 # stays decomposed, which compiles fine and lets Inductor fuse the copy.
 
-@torch.library.custom_op("eagle_capture::_add_rmsnorm_capture_cpu",
-                         mutates_args=("hidden_states", "residual", "aux"), device_types="cpu")
-def _add_rmsnorm_capture_cpu(hidden_states: torch.Tensor, residual: torch.Tensor,
-                             weight: torch.Tensor, eps: float, aux: Optional[torch.Tensor],
-                             slot: int, norm_fp32_sum: bool) -> None:
-    _torch_impl(hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
-                residual_out=residual, aux=aux, slot=slot, norm_fp32_sum=norm_fp32_sum)
-
-
-@torch.library.custom_op("eagle_capture::_add_rmsnorm_into_slot_cpu",
-                         mutates_args=("hidden_states", "aux"), device_types="cpu")
-def _add_rmsnorm_into_slot_cpu(hidden_states: torch.Tensor, residual: torch.Tensor,
-                               weight: torch.Tensor, eps: float, aux: torch.Tensor,
-                               slot: int) -> None:
-    _torch_impl(hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
-                aux=aux, slot=slot)
-
-
-@torch.library.custom_op("eagle_capture::_add_rmsnorm_out_cpu",
-                         mutates_args=("hidden_states", "residual_out"), device_types="cpu")
-def _add_rmsnorm_out_cpu(hidden_states: torch.Tensor, residual: torch.Tensor,
-                         weight: torch.Tensor, eps: float, residual_out: torch.Tensor) -> None:
-    _torch_impl(hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
-                residual_out=residual_out)
+def _run_op(spec: OpSpec, args: tuple) -> None:
+    """The body of every registered op: validate, then the torch implementation
+    (CPU tensors) or the kernel through ``wrap_triton``."""
+    spec.check(*args)
+    _check_aliasing(spec, args)
+    call = spec.call(args)
+    if _torch_path(call["hidden"]):
+        if spec.cpu_op is not None:
+            getattr(torch.ops.eagle_capture, spec.cpu_op)(*args)
+        else:
+            _torch_impl(**call)
+        return
+    _launch(call, wrap=wrap_triton)
 
 
 def _mutates_only(*args, **kwargs) -> None:
@@ -342,108 +519,64 @@ def _mutates_only(*args, **kwargs) -> None:
     return None
 
 
-for _cpu_op in (_add_rmsnorm_capture_cpu, _add_rmsnorm_into_slot_cpu, _add_rmsnorm_out_cpu):
-    _cpu_op.register_fake(_mutates_only)
+def _cpu_op(spec: OpSpec):
+    return torch.library.custom_op(f"eagle_capture::{spec.cpu_op}", mutates_args=spec.mutates,
+                                   device_types="cpu")
 
 
-def _dispatch(hidden_states, residual, *, wrap, **kwargs) -> None:
-    if _torch_path(hidden_states):
-        _torch_impl(hidden_states, residual, **kwargs)
-    else:
-        launch_kernel(hidden_states, residual, _wrap=wrap, **kwargs)
+@_cpu_op(ADD_RMSNORM_CAPTURE)
+def _add_rmsnorm_capture_cpu(hidden_states: torch.Tensor, residual: torch.Tensor,
+                             weight: torch.Tensor, eps: float, aux: Optional[torch.Tensor],
+                             slot: int, norm_fp32_sum: bool) -> None:
+    _torch_impl(**ADD_RMSNORM_CAPTURE.call((hidden_states, residual, weight, eps, aux, slot,
+                                            norm_fp32_sum)))
 
 
-# ----------------------------------------------------------------------------
-# Argument checking per op (shared by the op bodies and the eager fast path)
-# ----------------------------------------------------------------------------
-
-def _check_add_capture(hidden_states, residual, aux, slot) -> None:
-    _checks.check_add_inputs(hidden_states, residual)
-    _checks.check_aux(aux, slot, hidden_states.shape[0], hidden_states.shape[1],
-                      hidden_states.dtype, hidden_states.device)
+@_cpu_op(ADD_RMSNORM_INTO_SLOT)
+def _add_rmsnorm_into_slot_cpu(hidden_states: torch.Tensor, residual: torch.Tensor,
+                               weight: torch.Tensor, eps: float, aux: torch.Tensor,
+                               slot: int) -> None:
+    _torch_impl(**ADD_RMSNORM_INTO_SLOT.call((hidden_states, residual, weight, eps, aux, slot)))
 
 
-def _check_norm(hidden_states, residual, weight, eps, aux, slot,
-                residual_mutated: bool = False) -> None:
-    if residual is None:
-        raise TypeError("eagle_capture: residual must be a tensor for the add+RMSNorm ops")
-    _checks.check_add_inputs(hidden_states, residual)
-    _checks.check_norm_inputs(hidden_states, weight, eps)
-    _checks.check_no_internal_overlap("hidden_states", hidden_states)  # the normed output
-    if residual_mutated:
-        _checks.check_no_internal_overlap("residual", residual)
-    if aux is not None:
-        _checks.check_aux(aux, slot, hidden_states.shape[0], hidden_states.shape[1],
-                          hidden_states.dtype, hidden_states.device)
+@_cpu_op(ADD_RMSNORM_OUT)
+def _add_rmsnorm_out_cpu(hidden_states: torch.Tensor, residual: torch.Tensor,
+                         weight: torch.Tensor, eps: float, residual_out: torch.Tensor) -> None:
+    _torch_impl(**ADD_RMSNORM_OUT.call((hidden_states, residual, weight, eps, residual_out)))
 
 
-def _check_norm_out(hidden_states, residual, weight, eps, residual_out) -> None:
-    _check_norm(hidden_states, residual, weight, eps, None, 0)
-    _checks.check_residual_out(residual_out, hidden_states)
-    _checks.check_no_internal_overlap("residual_out", residual_out)
+for _op in (_add_rmsnorm_capture_cpu, _add_rmsnorm_into_slot_cpu, _add_rmsnorm_out_cpu):
+    _op.register_fake(_mutates_only)
 
 
-# ----------------------------------------------------------------------------
-# Registered ops
-# ----------------------------------------------------------------------------
-
-@triton_op("eagle_capture::add_capture", mutates_args={"aux"})
+@triton_op("eagle_capture::add_capture", mutates_args=ADD_CAPTURE.mutates)
 def _add_capture_op(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
                     aux: torch.Tensor, slot: int) -> None:
-    _check_add_capture(hidden_states, residual, aux, slot)
-    _checks.check_aliasing(hidden_states, residual, aux, slot, residual_mutated=False,
-                           hidden_mutated=False)
-    _dispatch(hidden_states, residual, wrap=wrap_triton, aux=aux, slot=slot)
+    _run_op(ADD_CAPTURE, (hidden_states, residual, aux, slot))
 
 
-@triton_op("eagle_capture::add_rmsnorm_capture",
-           mutates_args={"hidden_states", "residual", "aux"})
+@triton_op("eagle_capture::add_rmsnorm_capture", mutates_args=ADD_RMSNORM_CAPTURE.mutates)
 def _add_rmsnorm_capture_op(hidden_states: torch.Tensor, residual: torch.Tensor,
                             weight: torch.Tensor, eps: float, aux: Optional[torch.Tensor],
                             slot: int, norm_fp32_sum: bool = False) -> None:
-    _check_norm(hidden_states, residual, weight, eps, aux, slot, residual_mutated=True)
-    _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
-                           residual_mutated=True, hidden_mutated=True)
-    if _torch_path(hidden_states):
-        torch.ops.eagle_capture._add_rmsnorm_capture_cpu(hidden_states, residual, weight, eps,
-                                                         aux, slot, norm_fp32_sum)
-        return
-    launch_kernel(hidden_states, residual, _wrap=wrap_triton, weight=weight, eps=eps,
-                  normed_out=hidden_states, residual_out=residual, aux=aux, slot=slot,
-                  norm_fp32_sum=norm_fp32_sum)
+    _run_op(ADD_RMSNORM_CAPTURE, (hidden_states, residual, weight, eps, aux, slot, norm_fp32_sum))
 
 
-@triton_op("eagle_capture::add_rmsnorm_into_slot", mutates_args={"hidden_states", "aux"})
+@triton_op("eagle_capture::add_rmsnorm_into_slot", mutates_args=ADD_RMSNORM_INTO_SLOT.mutates)
 def _add_rmsnorm_into_slot_op(hidden_states: torch.Tensor, residual: torch.Tensor,
                               weight: torch.Tensor, eps: float, aux: torch.Tensor,
                               slot: int) -> None:
-    _check_norm(hidden_states, residual, weight, eps, aux, slot)
-    _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
-                           residual_mutated=False, hidden_mutated=True)
-    if _torch_path(hidden_states):
-        torch.ops.eagle_capture._add_rmsnorm_into_slot_cpu(hidden_states, residual, weight, eps,
-                                                           aux, slot)
-        return
-    launch_kernel(hidden_states, residual, _wrap=wrap_triton, weight=weight, eps=eps,
-                  normed_out=hidden_states, aux=aux, slot=slot)
+    _run_op(ADD_RMSNORM_INTO_SLOT, (hidden_states, residual, weight, eps, aux, slot))
 
 
-@triton_op("eagle_capture::add_rmsnorm_out", mutates_args={"hidden_states", "residual_out"})
+@triton_op("eagle_capture::add_rmsnorm_out", mutates_args=ADD_RMSNORM_OUT.mutates)
 def _add_rmsnorm_out_op(hidden_states: torch.Tensor, residual: torch.Tensor,
                         weight: torch.Tensor, eps: float, residual_out: torch.Tensor) -> None:
-    _check_norm_out(hidden_states, residual, weight, eps, residual_out)
-    _checks.check_aliasing(hidden_states, residual, None, 0, weight=weight,
-                           residual_mutated=False, hidden_mutated=True, residual_out=residual_out)
-    if _torch_path(hidden_states):
-        torch.ops.eagle_capture._add_rmsnorm_out_cpu(hidden_states, residual, weight, eps,
-                                                     residual_out)
-        return
-    launch_kernel(hidden_states, residual, _wrap=wrap_triton, weight=weight, eps=eps,
-                  normed_out=hidden_states, residual_out=residual_out)
+    _run_op(ADD_RMSNORM_OUT, (hidden_states, residual, weight, eps, residual_out))
 
 
 # ----------------------------------------------------------------------------
-# Public entry points: direct launch in eager mode, the op under torch.compile
+# The eager fast path: a launch plan per validated call signature
 # ----------------------------------------------------------------------------
 #
 # Eager calls skip the dispatcher (tens of us per call) and memoise validation:
@@ -451,6 +584,67 @@ def _add_rmsnorm_out_op(hidden_states: torch.Tensor, residual: torch.Tensor,
 # the slot and eps, so a call whose signature already passed the checks
 # needs none again. The memo key is that signature; the aliasing check, which
 # depends on storage, runs on every call.
+
+_cached_launch = CachedLauncher(add_rmsnorm_capture_kernel)
+
+
+class _EagerPlan(NamedTuple):
+    """What a validated eager call signature launches with: everything but the
+    tensors' addresses, computed once per signature. The kernel's positional
+    arguments are ``(*head(pointers), *tail)``, where ``pointers`` are the call's
+    tensors (or their addresses) in ``spec.tensors`` order."""
+    grid: tuple
+    head: Callable      # the pointer template (see _template)
+    tail: tuple
+    num_warps: int
+    device_index: Optional[int]  # None for CPU tensors (kernel_on_cpu)
+    key: tuple          # the CachedLauncher key: what Triton specialises on
+    use_pdl: bool
+
+
+def _template(params: tuple, sources: Mapping[str, int], values: Mapping[str, Any],
+              num_pointers: int) -> tuple:
+    """(head, tail) with ``(*head(pointers), *tail)`` the arguments of a kernel
+    with parameters ``params``: ``sources`` gives each pointer parameter's index
+    into ``pointers`` (a sequence of ``num_pointers``), ``values`` every other
+    parameter's value. When the pointer parameters lead the signature (this
+    kernel), head picks just them and tail is the rest (the per-call cost of a
+    hand-written map); otherwise head builds the whole argument list."""
+    fixed = [p for p in params if p not in sources]
+    lead = params[:len(params) - len(fixed)]
+    if all(p in sources for p in lead):
+        return _getter(sources[p] for p in lead), tuple(values[p] for p in fixed)
+    where = dict(sources)
+    where.update((p, num_pointers + i) for i, p in enumerate(fixed))
+    gather = operator.itemgetter(*(where[p] for p in params))
+    rest = [values[p] for p in fixed]
+    return (lambda pointers: gather([*pointers, *rest])), ()
+
+
+def _eager_plan(spec: OpSpec, args: tuple) -> _EagerPlan:
+    call = spec.call(args)
+    device_index = call["hidden"].device.index   # None for CPU tensors (kernel_on_cpu)
+    use_pdl = call["hidden"].is_cuda and pdl_enabled(device_index)
+    grid, values, num_warps = _kernel_arguments(**call, use_pdl=use_pdl)
+    values = dict(zip(_KERNEL_PARAMS, _bind(values)))  # checked against the signature
+    # The launch's pointer binding applied to positions: which of the call's
+    # tensors each pointer argument is (an absent role resolves as in a launch).
+    sources = _pointer_arguments(**{role: spec.positions[role] for role in spec.pointers
+                                    if call[role] is not None})
+    head, tail = _template(_KERNEL_PARAMS, sources, values, len(spec.tensors))
+    # Triton specialises pointers on dtype (alignment: CachedLauncher's `aligned`)
+    # and ints on value; it does not specialise floats (eps).
+    key = (device_index, tuple(values[p].dtype for p in sources),
+           tuple(v for p, v in values.items() if p not in sources and not isinstance(v, float)))
+    return _EagerPlan(grid, head, tail, num_warps, device_index, key, use_pdl)
+
+
+def _launch_planned(plan: _EagerPlan, tensors: tuple, aligned: bool):
+    """Launch through the CachedLauncher (tensors as pointer arguments); returns
+    its DirectLaunch for the plan's key when one is cached."""
+    return _cached_launch(plan.grid, (*plan.head(tensors), *plan.tail), plan.key,
+                          plan.num_warps, plan.device_index, aligned, plan.use_pdl)
+
 
 _PLANS: dict = {}   # kernel_on_cpu() swaps in _PLANS_KERNEL_ON_CPU while it is active
 _MAX_PLANS = 4096
@@ -474,77 +668,63 @@ class _Entry:
         self.cpu_plan = plan if on_cpu else None
 
 
-# The kernel's six pointer arguments (hidden, residual, weight, normed_out,
-# residual_out, aux) as indices into each op's key tensors; an absent one
-# repeats hidden_states (index 0), as in _launch_args.
-_PTRS_CAPTURE = operator.itemgetter(0, 1, 0, 0, 0, 2)             # (h, r, aux)
-_PTRS_CAPTURE_NO_RESIDUAL = operator.itemgetter(0, 0, 0, 0, 0, 2)
-_PTRS_NORM_CAPTURE = operator.itemgetter(0, 1, 2, 0, 1, 3)        # (h, r, w, aux)
-_PTRS_NORM_NO_AUX = operator.itemgetter(0, 1, 2, 0, 1, 0)
-_PTRS_INTO_SLOT = operator.itemgetter(0, 1, 2, 0, 0, 3)           # (h, r, w, aux)
-_PTRS_NORM_OUT = operator.itemgetter(0, 1, 2, 0, 3, 0)            # (h, r, w, residual_out)
-
-
-def _eager_call(check, alias_check, key_tensors: tuple, key_scalars: tuple, pointer_map,
-                hidden_states, residual, weight=None, eps=0.0, normed_out=None,
-                residual_out=None, aux=None, slot=0, norm_fp32_sum=False) -> None:
+def _eager_call(spec: OpSpec, args: tuple) -> None:
     """Validate (once per call signature), check aliasing (every call) and run.
 
-    ``key_scalars`` starts with the op's name and holds every non-tensor
-    argument the checks look at (with its type: ``1.0 == 1`` must not pass
-    for an int slot); with the tensors' shapes, strides, dtypes and devices
-    it is everything ``check`` depends on. Aliasing depends on addresses, so
-    each call compares the tensors' byte ranges (their extents are part of the
-    memoised entry) and runs ``alias_check`` -- which knows which overlaps the
-    op allows -- only when two ranges do overlap.
+    The memo key holds the op, its scalar arguments (with their types: ``1.0 ==
+    1`` must not pass for an int slot) and the tensors' shapes, strides, dtypes
+    and devices: everything ``spec.check`` depends on. Aliasing depends on
+    addresses, so each call compares the tensors' byte ranges (their extents
+    are part of the memoised entry) and runs the aliasing check -- which knows
+    which overlaps the op allows -- only when two ranges do overlap.
 
     After the first launch of a signature, the entry holds the compiled
     kernel's DirectLaunch, and a call costs: the memo key, one ``data_ptr``
     per tensor, the overlap scan and the raw launch with integer addresses.
     """
+    tensors = spec.tensors_of(args)
+    scalars = spec.scalars_of(args)
     try:
-        key = (key_scalars,) + tuple(
-            (t.shape, t.stride(), t.dtype, t.device) if t is not None else None
-            for t in key_tensors)
+        key = (spec, scalars, *map(type, scalars),
+               *[(t.shape, t.stride(), t.dtype, t.device) if t is not None else None
+                 for t in tensors])
     except AttributeError:  # a non-tensor argument: let the full check name it
         key = None
     else:
         # The fast path writes through raw pointers: autograd would neither record
         # the op nor see the in-place update. (Under no_grad / inference_mode, as in
         # serving, parameters that require grad are fine.)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                           for t in key_tensors):
-            _checks.refuse_autograd(key_scalars[0], key_tensors)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+            _checks.refuse_autograd(spec.name, tensors)
     entry = _PLANS.get(key) if key is not None else None
     if entry is None:
-        check()
-        alias_check()
-        entry = _Entry(_make_plan(hidden_states, residual, weight, eps, normed_out, residual_out,
-                                  aux, slot, norm_fp32_sum)
-                       if hidden_states.is_cuda or _KERNEL_ON_CPU else None,
-                       tuple(_checks.byte_extent(t) for t in key_tensors))
+        spec.check(*args)
+        _check_aliasing(spec, args)
+        on_kernel = spec.call(args)["hidden"].is_cuda or _KERNEL_ON_CPU
+        entry = _Entry(_eager_plan(spec, args) if on_kernel else None,
+                       tuple(_checks.byte_extent(t) for t in tensors))
         if key is not None:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = entry
-        ptrs = [t.data_ptr() if t is not None else 0 for t in key_tensors]
+        ptrs = [t.data_ptr() if t is not None else 0 for t in tensors]
     else:
-        ptrs = [t.data_ptr() if t is not None else 0 for t in key_tensors]
+        ptrs = [t.data_ptr() if t is not None else 0 for t in tensors]
         ext = entry.extents
         for i, j in _PAIRS[len(ptrs)]:
             # Byte ranges [p, p + extent) intersect: the full check decides (an
             # empty tensor inside another's range lands here too, and is allowed).
             if ptrs[i] < ptrs[j] + ext[j] and ptrs[j] < ptrs[i] + ext[i]:
-                alias_check()  # raises, or allows (e.g. a residual read from another slot)
+                _check_aliasing(spec, args)  # raises, or allows (a residual from another slot)
                 break
     plan = entry.plan
     if plan is None:  # CPU tensors
-        if entry.cpu_plan is not None:  # kernel_on_cpu()
-            _launch_planned_on_cpu(entry.cpu_plan, pointer_map(key_tensors))
+        cpu_plan = entry.cpu_plan
+        if cpu_plan is not None:  # kernel_on_cpu(): Triton's entry point (its interpreter)
+            if cpu_plan.grid[0]:  # a zero-size grid is not a valid launch
+                _launch_planned(cpu_plan, tensors, aligned=False)
         else:
-            _torch_impl(hidden_states, residual, weight=weight, eps=eps, normed_out=normed_out,
-                        residual_out=residual_out, aux=aux, slot=slot,
-                        norm_fp32_sum=norm_fp32_sum)
+            _torch_impl(**spec.call(args))
         return
     if plan.grid[0] == 0:
         return  # a zero-size grid is not a valid launch
@@ -561,12 +741,16 @@ def _eager_call(check, alias_check, key_tensors: tuple, key_scalars: tuple, poin
         # for (dtypes, int arguments, constexprs; all pointers 16-byte aligned).
         direct.launch(plan.grid[0], plan.grid[1], 1,
                       torch._C._cuda_getCurrentRawStream(plan.device_index), *direct.mid,
-                      *pointer_map(ptrs), *plan.scalars)
+                      *plan.head(ptrs), *plan.tail)
     else:
-        direct = _launch_planned(plan, pointer_map(key_tensors), aligned)
+        direct = _launch_planned(plan, tensors, aligned)
         if direct is not None:
             entry.direct = direct
 
+
+# ----------------------------------------------------------------------------
+# Public entry points: direct launch in eager mode, the op under torch.compile
+# ----------------------------------------------------------------------------
 
 def add_capture(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
                 aux: torch.Tensor, slot: int) -> None:
@@ -574,13 +758,8 @@ def add_capture(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
     ``residual`` is None: layer 0, whose input is the embedding output)."""
     if torch.compiler.is_compiling():
         torch.ops.eagle_capture.add_capture(hidden_states, residual, aux, slot)
-        return
-    _eager_call(lambda: _check_add_capture(hidden_states, residual, aux, slot),
-                lambda: _checks.check_aliasing(hidden_states, residual, aux, slot,
-                                               residual_mutated=False, hidden_mutated=False),
-                (hidden_states, residual, aux), ("add_capture", type(slot), slot),
-                _PTRS_CAPTURE if residual is not None else _PTRS_CAPTURE_NO_RESIDUAL,
-                hidden_states, residual, aux=aux, slot=slot)
+    else:
+        _eager_call(ADD_CAPTURE, (hidden_states, residual, aux, slot))
 
 
 def add_rmsnorm_capture(hidden_states: torch.Tensor, residual: torch.Tensor,
@@ -595,18 +774,11 @@ def add_rmsnorm_capture(hidden_states: torch.Tensor, residual: torch.Tensor,
     kernel and SGLang's ``forward_native`` do; the default normalises the
     rounded residual (HF transformers, vLLM). The residual and the capture are
     the rounded sum either way."""
+    args = (hidden_states, residual, weight, eps, aux, slot, norm_fp32_sum)
     if torch.compiler.is_compiling():
-        torch.ops.eagle_capture.add_rmsnorm_capture(hidden_states, residual, weight, eps,
-                                                    aux, slot, norm_fp32_sum)
-        return
-    _eager_call(lambda: _check_norm(hidden_states, residual, weight, eps, aux, slot, True),
-                lambda: _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
-                                               residual_mutated=True, hidden_mutated=True),
-                (hidden_states, residual, weight, aux),
-                ("add_rmsnorm_capture", type(slot), slot, type(eps), eps, bool(norm_fp32_sum)),
-                _PTRS_NORM_CAPTURE if aux is not None else _PTRS_NORM_NO_AUX,
-                hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
-                residual_out=residual, aux=aux, slot=slot, norm_fp32_sum=norm_fp32_sum)
+        torch.ops.eagle_capture.add_rmsnorm_capture(*args)
+    else:
+        _eager_call(ADD_RMSNORM_CAPTURE, args)
 
 
 def add_rmsnorm_into_slot(hidden_states: torch.Tensor, residual: torch.Tensor,
@@ -615,36 +787,19 @@ def add_rmsnorm_into_slot(hidden_states: torch.Tensor, residual: torch.Tensor,
     """Fused add+RMSNorm whose residual output *is* ``aux[:T, slot]``: the capture
     costs no extra write. ``residual`` is left untouched; the next layer must read
     its residual from the slot and write the next one with :func:`add_rmsnorm_out`."""
+    args = (hidden_states, residual, weight, eps, aux, slot)
     if torch.compiler.is_compiling():
-        torch.ops.eagle_capture.add_rmsnorm_into_slot(hidden_states, residual, weight, eps,
-                                                      aux, slot)
-        return
-    if aux is None:
-        raise TypeError("eagle_capture: aux must be a tensor for add_rmsnorm_into_slot")
-    _eager_call(lambda: _check_norm(hidden_states, residual, weight, eps, aux, slot),
-                lambda: _checks.check_aliasing(hidden_states, residual, aux, slot, weight=weight,
-                                               residual_mutated=False, hidden_mutated=True),
-                (hidden_states, residual, weight, aux),
-                ("add_rmsnorm_into_slot", type(slot), slot, type(eps), eps),
-                _PTRS_INTO_SLOT,
-                hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
-                aux=aux, slot=slot)
+        torch.ops.eagle_capture.add_rmsnorm_into_slot(*args)
+    else:
+        _eager_call(ADD_RMSNORM_INTO_SLOT, args)
 
 
 def add_rmsnorm_out(hidden_states: torch.Tensor, residual: torch.Tensor,
                     weight: torch.Tensor, eps: float, residual_out: torch.Tensor) -> None:
     """Fused add+RMSNorm with an out-of-place residual: ``residual_out = h + r``;
     ``hidden_states = rmsnorm(residual_out) * weight``; ``residual`` untouched."""
+    args = (hidden_states, residual, weight, eps, residual_out)
     if torch.compiler.is_compiling():
-        torch.ops.eagle_capture.add_rmsnorm_out(hidden_states, residual, weight, eps,
-                                                residual_out)
-        return
-    _eager_call(lambda: _check_norm_out(hidden_states, residual, weight, eps, residual_out),
-                lambda: _checks.check_aliasing(hidden_states, residual, None, 0, weight=weight,
-                                               residual_mutated=False, hidden_mutated=True,
-                                               residual_out=residual_out),
-                (hidden_states, residual, weight, residual_out),
-                ("add_rmsnorm_out", type(eps), eps),
-                _PTRS_NORM_OUT,
-                hidden_states, residual, weight=weight, eps=eps, normed_out=hidden_states,
-                residual_out=residual_out)
+        torch.ops.eagle_capture.add_rmsnorm_out(*args)
+    else:
+        _eager_call(ADD_RMSNORM_OUT, args)

@@ -136,6 +136,23 @@ def test_add_rmsnorm_out_rejects_mismatched_residual_out(call):
            torch.empty(T, H, dtype=torch.float32, device=DEVICE))
 
 
+def test_add_rmsnorm_into_slot_needs_an_aux_buffer():
+    """aux is not Optional for the into-slot op, but the dispatcher lets None through
+    for a Tensor argument: without the check both paths would skip the capture that
+    is the op's residual output (the registered op used to, silently)."""
+    args = good()
+    w = torch.ones(H, dtype=BF16, device=DEVICE)
+    ec.add_rmsnorm_into_slot(args["hidden_states"], args["residual"], w, 1e-6, args["aux"], 1)
+    before = args["hidden_states"].clone()
+    with pytest.raises(TypeError, match="aux must be a tensor for add_rmsnorm_into_slot"):
+        ec.add_rmsnorm_into_slot(args["hidden_states"], args["residual"], w, 1e-6, None, 1)
+    assert_bitwise_equal(args["hidden_states"], before)
+    with pytest.raises(TypeError, match="aux must be a tensor for add_rmsnorm_into_slot"):
+        torch.ops.eagle_capture.add_rmsnorm_into_slot(args["hidden_states"], args["residual"], w,
+                                                      1e-6, None, 1)
+    assert_bitwise_equal(args["hidden_states"], before)
+
+
 # ----------------------------------------------------------------------------
 # Memory shared between arguments, and outputs that overlap themselves
 # ----------------------------------------------------------------------------

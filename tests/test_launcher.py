@@ -3,6 +3,8 @@ anywhere): which launches may reuse a compiled kernel and which must go
 through Triton's own entry point. The real launches are covered on the GPU
 by test_torch_integration.py::test_eager_fast_path_alignment_and_reuse."""
 
+import inspect
+
 import pytest
 import triton
 
@@ -99,18 +101,27 @@ class RawForwardingLauncher:
                     global_scratch, profile_scratch, *args)
 
 
-class OtherLauncher(RawForwardingLauncher):
-    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+class MetadataByNameLauncher(RawForwardingLauncher):
+    """Triton 3.9's CudaLauncher.__call__, in shape: the launch metadata by name."""
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+                 launch_enter_hook, launch_exit_hook, *args):
         self.log.append(("wrapped", args))
 
 
 def _compiled_with(run):
-    compiled = FakeCompiled(run.log)
+    compiled = FakeCompiled(getattr(run, "log", []))
     compiled.run = run
     return compiled
 
 
-def test_raw_launch_is_called_directly_only_for_the_known_forwarding_form():
+@pytest.fixture
+def raw_release(monkeypatch):
+    """As on a Triton release whose launcher forwarding is known (3.6)."""
+    monkeypatch.setattr(_launcher, "_RAW_FORWARDING", True)
+
+
+def test_raw_launch_is_called_directly_only_for_the_known_forwarding_form(raw_release):
     log = []
     run = RawForwardingLauncher(log)
     direct = _launcher.direct_launch_of(_compiled_with(run))
@@ -120,15 +131,68 @@ def test_raw_launch_is_called_directly_only_for_the_known_forwarding_form():
     run(2, 1, 1, "stream", "fn", "meta", None, None, None, 11, 12)
     assert log[0] == log[1]
 
-    other = OtherLauncher(log)
+    other = MetadataByNameLauncher(log)
     direct = _launcher.direct_launch_of(_compiled_with(other))
-    assert direct.launch == other  # anything else goes through the launcher object
+    assert direct.launch == other  # another call signature goes through the launcher object
+    assert direct.mid == ("fn", "meta", None, None, None)  # CompiledKernel.run's call form
 
 
-def test_scratch_space_keeps_the_launcher_object():
+def test_scratch_space_keeps_the_launcher_object(raw_release):
     run = RawForwardingLauncher([])
     run.global_scratch_size = 128
     assert _launcher.direct_launch_of(_compiled_with(run)).launch == run
+
+
+class EarlierLauncher:
+    """An earlier driver.py's CudaLauncher, in shape: the same call signature, but
+    ``launch`` takes no PDL flag and no profile scratch (it has neither attribute)."""
+
+    def __init__(self, log):
+        self.log, self.global_scratch_size, self.launch_cooperative_grid = log, 0, False
+
+    def launch(self, *args):
+        self.log.append(("raw", args))
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, None,
+                    *args)
+
+
+def test_an_earlier_forwarding_form_keeps_the_launcher_object(raw_release):
+    run = EarlierLauncher([])
+    assert _launcher.direct_launch_of(_compiled_with(run)).launch == run
+
+
+def test_raw_launch_only_on_a_release_whose_forwarding_is_known(monkeypatch):
+    monkeypatch.setattr(_launcher, "_RAW_FORWARDING", False)
+    run = RawForwardingLauncher([])
+    assert _launcher.direct_launch_of(_compiled_with(run)).launch == run
+    assert _launcher._RAW_FORWARDING_RELEASES == frozenset({(3, 6)})
+
+
+def test_the_forwarding_form_is_recognised_without_reading_source(raw_release, monkeypatch):
+    def no_source(*args, **kwargs):
+        raise OSError("source not available")
+    monkeypatch.setattr(_launcher.inspect, "getsource", no_source)
+    monkeypatch.setattr(_launcher.inspect, "getsourcelines", no_source)
+    run = RawForwardingLauncher([])
+    assert _launcher.direct_launch_of(_compiled_with(run)).launch == run.launch
+
+
+def test_installed_tritons_cuda_launcher_is_judged_by_its_call_signature(raw_release):
+    """The installed Triton's own CudaLauncher class (no GPU needed: its instance is
+    made without __init__): recognised as the raw-forwarding form exactly when its
+    call signature is 3.6's."""
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    run = object.__new__(driver.CudaLauncher)
+    run.launch = lambda *args: None
+    run.launch_cooperative_grid, run.launch_pdl = False, False
+    run.global_scratch_size = run.profile_scratch_size = 0
+    params = tuple(inspect.signature(driver.CudaLauncher.__call__).parameters)
+    raw = params == ("self", "gridX", "gridY", "gridZ", "stream", "function", "args")
+    direct = _launcher.direct_launch_of(_compiled_with(run))
+    assert (direct.launch == run.launch) is raw
+    assert (direct.launch == run) is not raw
 
 
 def test_cached_launch_returns_the_direct_launch_for_memoising(fake):

@@ -4,8 +4,8 @@
 * ``cpu-kernel``: CPU tensors through the Triton kernel under Triton's
   interpreter (``eagle_capture.ops.kernel_on_cpu()``; TRITON_INTERPRET=1 is set
   by conftest.py without a GPU), by the launch code CUDA tensors take -- the
-  registered ops' ``launch_kernel``, the eager path's plan memo and ``_PTRS_*``
-  pointer maps -- so CPU CI tests the op layer's kernel launch too. Small
+  registered ops' ``launch_kernel``, the eager path's plan memo and its pointer
+  template -- so CPU CI tests the op layer's kernel launch too. Small
   shapes (the interpreter takes ~5 ms per program). Its fp32 -> bf16 cast
   truncates instead of rounding (docs/engine_facts.md section 4): bf16 sums are
   expected truncated, still bit for bit, and the normed bf16 output gets one
@@ -436,3 +436,76 @@ def test_add_rmsnorm_capture_norm_input(call, device, dtype, norm_fp32_sum):
     assert_untouched(aux, 16, 1)
     assert (h == refs[norm_fp32_sum]).double().mean().item() >= 0.99
     assert (h == refs[not norm_fp32_sum]).double().mean().item() < 0.95
+
+
+# ----------------------------------------------------------------------------
+# The op specs and the kernel's arguments by name
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ops.SPECS, ids=lambda s: s.name)
+def test_each_spec_matches_its_registered_op_public_function_and_cpu_op(spec):
+    """The spec's arguments and mutated arguments are the registered op's schema,
+    the public function's parameters and (norm ops) the private CPU op's schema."""
+    import inspect
+    schemas = [getattr(torch.ops.eagle_capture, spec.name).default._schema]
+    if spec.cpu_op is not None:
+        schemas.append(getattr(torch.ops.eagle_capture, spec.cpu_op).default._schema)
+    for schema in schemas:
+        assert tuple(a.name for a in schema.arguments) == spec.params
+        mutated = {a.name for a in schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write}
+        assert mutated == set(spec.mutates)
+        tensors = {a.name for a in schema.arguments if "Tensor" in str(a.type)}
+        assert tensors == set(spec.tensors)
+    assert tuple(inspect.signature(getattr(ec, spec.name)).parameters) == spec.params
+
+
+def test_a_spec_binding_an_unknown_role_or_argument_is_refused():
+    kwargs = dict(params=("hidden_states", "aux", "slot"), tensors=("hidden_states", "aux"),
+                  mutates=("aux",), check=lambda *a: None)
+    ops.OpSpec("ok", pointers=dict(hidden="hidden_states", aux="aux"), **kwargs)
+    for pointers, fragment in [(dict(hidden="hidden_states", aux="aux", bias="aux"), "bias"),
+                               (dict(hidden="hidden_states", aux="slot"), "slot"),
+                               (dict(hidden="hidden_states"), "'aux' is bound to no role"),
+                               (dict(aux="aux", residual="hidden_states"), "hidden role")]:
+        with pytest.raises(TypeError, match=fragment):
+            ops.OpSpec("bad", pointers=pointers, **kwargs)
+    with pytest.raises(TypeError, match="'stride'"):
+        ops.OpSpec("bad", **dict(kwargs, params=("hidden_states", "aux", "slot", "stride")),
+                   pointers=dict(hidden="hidden_states", aux="aux"))
+
+
+def test_kernel_arguments_are_bound_by_the_kernels_parameter_names():
+    import inspect
+    from eagle_capture.kernels import add_rmsnorm_capture_kernel
+    names = tuple(inspect.signature(add_rmsnorm_capture_kernel.fn).parameters)
+    h, r, w = torch.randn(2, 8), torch.randn(2, 8), torch.ones(8)
+    aux = torch.zeros(3, 2, 8)
+    _, values, _ = ops._kernel_arguments(h, r, w, normed_out=h, residual_out=r, aux=aux,
+                                         eps=1e-6, slot=1)
+    assert set(values) == set(names)
+    bound = ops._bind(values)
+    assert bound == tuple(values[n] for n in names)
+    assert bound[names.index("aux_ptr")] is aux and bound[names.index("residual_out_ptr")] is r
+    assert bound[names.index("aux_slot_offset")] == 8
+    # A parameter with a default may be left out; an unknown or missing one is refused.
+    values.pop("NORM_FP32_SUM")
+    assert ops._bind(values)[names.index("NORM_FP32_SUM")] is False
+    with pytest.raises(TypeError, match=r"unknown \['bias_ptr'\]"):
+        ops._bind(dict(values, bias_ptr=h))
+    with pytest.raises(TypeError, match=r"missing \['eps'\]"):
+        ops._bind({k: v for k, v in values.items() if k != "eps"})
+
+
+def test_pointer_template_for_any_parameter_order():
+    """The eager pointer template is built from parameter names: with the
+    pointers leading (the kernel) head picks them and tail is the rest; with
+    them anywhere else, head builds the whole argument list."""
+    sources = {"a_ptr": 1, "b_ptr": 0}
+    values = {"n": 7, "FLAG": True}
+    head, tail = ops._template(("a_ptr", "b_ptr", "n", "FLAG"), sources, values, 2)
+    assert (*head(["B", "A"]), *tail) == ("A", "B", 7, True)
+    head, tail = ops._template(("n", "a_ptr", "FLAG", "b_ptr"), sources, values, 2)
+    assert (*head(["B", "A"]), *tail) == (7, "A", True, "B")
+    head, tail = ops._template(("a_ptr", "n"), {"a_ptr": 2}, {"n": 3}, 3)
+    assert (*head(["x", "y", "z"]), *tail) == ("z", 3)

@@ -30,7 +30,10 @@ no launch gaps, what decode under CUDA graphs sees) and CUDA events around
 eager steps (median: what eager prefill sees, launch overhead included once
 the GPU runs ahead of the host). Each step reads, and writes into, its own
 buffer set (aux buffer included); the sets total several L2 sizes at every T.
-Host time per op call is measured separately in eager mode.
+Host time per op call is measured separately in eager mode, T = 1; with
+``--host-breakdown`` the script measures only that, layer by layer down the
+eager call stack (Triton's entry point, its compiled launcher, the cached
+launch), with a cProfile of the public call -- and runs no sweep.
 
 PDL (programmatic dependent launch) is used by our kernel's eager launches
 (paths b - f, i) on sm_90+ unless ``EAGLE_CAPTURE_PDL=0``; torch, Inductor and
@@ -285,22 +288,157 @@ def check_path(path: str, x: Inputs) -> None:
 # Timing
 # ----------------------------------------------------------------------------
 
-def measure_host_overhead(hidden_size: int, dtype, device, calls: int = 2000) -> dict:
-    """Host microseconds per call in eager mode, T = 1 (the GPU never limits)."""
+def host_calls(hidden_size: int, dtype, device, breakdown: bool = False) -> tuple:
+    """({name: zero-argument call}, {fact: value}) for the host-time table, T = 1
+    (the GPU never limits): torch.add and the public ops, eager fast path and
+    dispatcher. ``breakdown`` (CUDA only) adds the layers under the public
+    ``add_capture`` and facts about its launch path (:func:`launch_layers`)."""
     x = make_inputs(1, hidden_size, 1, dtype, device)
     h, r, w, aux = x.hidden[0], x.residual[0], x.weight[0], x.aux
     out = torch.empty_like(h)
     ops = torch.ops.eagle_capture
-    candidates = {
+    calls = {
         "torch.add(out=)": lambda: torch.add(h, r, out=out),
         "add_capture (public, eager fast path)": lambda: ec.add_capture(h, r, aux, 0),
         "add_capture (torch.ops, dispatcher)": lambda: ops.add_capture(h, r, aux, 0),
         "add_rmsnorm_capture (public)": lambda: ec.add_rmsnorm_capture(h, r, w, EPS, aux, 0),
         "add_rmsnorm_capture (torch.ops)": lambda: ops.add_rmsnorm_capture(h, r, w, EPS, aux, 0),
     }
-    return {name: host_us_per_call(fn, calls, warmup=50, summary=statistics.median,
+    if not breakdown:
+        return calls, {}
+    layers, facts = launch_layers(h, r, aux)
+    return {**calls, **layers}, facts
+
+
+def recorded_launch(h: torch.Tensor, r: torch.Tensor, aux: torch.Tensor) -> tuple:
+    """(grid, positional kernel arguments, launch keywords) of the kernel launch
+    behind ``ec.add_capture(h, r, aux, 0)``, recorded from ``ops.launch_kernel``
+    through its ``_wrap`` hook, with USE_PDL / ``launch_pdl`` as the eager path
+    sets them (the hook's path never uses PDL)."""
+    from eagle_capture import ops
+    from eagle_capture.kernels import add_rmsnorm_capture_kernel as kernel
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(grid=grid, args=args, kwargs=kwargs)
+
+    ops.launch_kernel(h, r, aux=aux, slot=0, _wrap=lambda _: Recorder())
+    bound = dict(zip(kernel.arg_names, seen["args"]))
+    options = {k: v for k, v in seen["kwargs"].items() if k not in kernel.arg_names}
+    bound.update((k, v) for k, v in seen["kwargs"].items() if k in kernel.arg_names)
+    use_pdl = h.is_cuda and ops.pdl_enabled(h.device.index)
+    bound["USE_PDL"] = use_pdl
+    if use_pdl:
+        options["launch_pdl"] = True
+    args = tuple(bound[name] for name in kernel.arg_names if name in bound)
+    return tuple(seen["grid"]), args, options
+
+
+def launch_layers(h: torch.Tensor, r: torch.Tensor, aux: torch.Tensor) -> tuple:
+    """The layers under ``ec.add_capture(h, r, aux, 0)`` on a CUDA device, each
+    callable alone, all launching the op's kernel with the op's arguments:
+    Triton's entry point, the compiled kernel's launcher (tensor and integer
+    pointers), eagle_capture's CachedLauncher and the DirectLaunch it keeps
+    (what the eager path calls), pieces of the memo key; and facts about that
+    launch path. ({name: call}, {fact: value})"""
+    from eagle_capture import _launcher
+    from eagle_capture.kernels import add_rmsnorm_capture_kernel as kernel
+    grid, args, options = recorded_launch(h, r, aux)
+    int_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    gx, gy = grid
+    stream = torch._C._cuda_getCurrentRawStream(h.device.index)
+    # A launcher of our own (not the op's): the same code, an empty cache.
+    launcher = _launcher.CachedLauncher(kernel)
+    key = ("host breakdown",)
+    pdl = "launch_pdl" in options
+
+    def cached_launch():
+        return launcher(grid, args, key, options["num_warps"], h.device.index, True, pdl)
+
+    facts = {"PDL": pdl, "direct launch supported": launcher.direct,
+             "launch hooks active (a profiler)": _launcher.hooks_active()}
+    # Top down: Triton's entry, our cached launch, the launcher objects below them.
+    calls = {"kernel[grid](...) (Triton's entry)": lambda: kernel[grid](*args, **options),
+             "CachedLauncher call": cached_launch}
+    cached_launch()  # compiles and caches
+    direct = cached_launch()
+    if direct is not None:
+        facts["DirectLaunch calls the C launch (not compiled.run)"] = \
+            direct.launch is not getattr(direct.compiled, "run", None)
+        calls["DirectLaunch, int pointers (the eager path's launch)"] = lambda: direct.launch(
+            gx, gy, 1, stream, *direct.mid, *int_args)
+    compiled = kernel[grid](*args, **options)
+    if getattr(compiled, "run", None) is not None:  # a CompiledKernel, not a compile future
+        # CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata,
+        # launch_metadata, enter_hook, exit_hook, *args): JITFunction.run's own call.
+        head = (compiled.function, compiled.packed_metadata, None, None, None)
+        calls["compiled.run(...) (raw launcher)"] = lambda: compiled.run(
+            gx, gy, 1, stream, *head, *args)
+        calls["compiled.run(...) int pointers"] = lambda: compiled.run(
+            gx, gy, 1, stream, *head, *int_args)
+    calls.update({
+        "6x tensor.data_ptr()": lambda: [a.data_ptr() for a in args[:6]],
+        "key of 3 tensors (shape, stride, dtype, device)": lambda: tuple(
+            (t.shape, t.stride(), t.dtype, t.device) for t in (h, r, aux)),
+        "key of 3 tensors (shape, stride, dtype, get_device)": lambda: tuple(
+            (t.shape, t.stride(), t.dtype, t.get_device()) for t in (h, r, aux)),
+        "torch.cuda.current_device()": torch.cuda.current_device,
+    })
+    return calls, facts
+
+
+def time_host_calls(calls: dict, device, num_calls: int = 2000,
+                    summary: Callable = statistics.median) -> dict:
+    """{name: host us per call}: ``summary`` of 5 chunks of ``num_calls // 5``
+    calls each (``summary=list`` keeps the chunks)."""
+    return {name: host_us_per_call(fn, num_calls, warmup=50, summary=summary,
                                    sync=device.type == "cuda")
-            for name, fn in candidates.items()}
+            for name, fn in calls.items()}
+
+
+def measure_host_overhead(hidden_size: int, dtype, device, calls: int = 2000) -> dict:
+    """Host microseconds per call in eager mode, T = 1 (the GPU never limits):
+    the report's table, median of the chunks."""
+    return time_host_calls(host_calls(hidden_size, dtype, device)[0], device, calls)
+
+
+def run_host_breakdown(args, num_calls: int = 2000) -> dict:
+    """``--host-breakdown`` (CUDA): where the host time of one eager
+    ``add_capture`` call goes -- each layer's time (median and best chunk),
+    facts about the launch path and a cProfile of the public call."""
+    import cProfile
+    import io
+    import pstats
+    device = torch.device("cuda")
+    calls, facts = host_calls(args.hidden_size, DTYPES[args.dtype], device, breakdown=True)
+    chunks = time_host_calls(calls, device, num_calls, summary=list)
+    public = calls["add_capture (public, eager fast path)"]
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(num_calls):
+        public()
+    prof.disable()
+    torch.cuda.synchronize()
+    profile = io.StringIO()
+    pstats.Stats(prof, stream=profile).sort_stats("tottime").print_stats(14)
+    return {"host_us_per_call": {name: {"median_us": statistics.median(us), "best_us": min(us),
+                                        "chunks_us": us} for name, us in chunks.items()},
+            "facts": facts, "calls": num_calls, "profile": profile.getvalue()}
+
+
+def format_host_breakdown(result: dict, args) -> list:
+    """The ``--host-breakdown`` report as lines (the cProfile's own lines last)."""
+    rows = result["host_us_per_call"]
+    w = max(len(name) for name in rows)
+    lines = [f"Host time per eager call, T = 1, H = {args.hidden_size}, {args.dtype}; "
+             f"{result['calls']} calls in 5 chunks:"]
+    lines += [f"  {fact}: {value}" for fact, value in result["facts"].items()]
+    lines += ["", f"  {'us per call':<{w}}  {'median':>7}  {'best':>7}"]
+    lines += [f"  {name:<{w}}  {d['median_us']:7.2f}  {d['best_us']:7.2f}"
+              for name, d in rows.items()]
+    return lines + ["", f"cProfile of {result['calls']} public add_capture calls:",
+                    result["profile"].strip("\n")]
 
 
 def device_identity() -> dict:
@@ -734,7 +872,12 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"),
                    help="folder for the JSON and PNG (default benchmarks/out)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--host-breakdown", action="store_true",
+                   help="only the host time of an eager call, T = 1, layer by layer down the "
+                        "call stack, and a cProfile of it (GPU only; no sweep)")
     args = p.parse_args(argv)
+    if args.host_breakdown and args.pdl == "both":
+        p.error("--host-breakdown measures one PDL setting: --pdl env, on or off")
     if args.steps_per_graph < 1:
         p.error("--steps-per-graph must be at least 1")
     letters = [c for c in args.paths if c not in ", "]  # "a,b,c" and "a b c" work too
@@ -749,6 +892,24 @@ def parse_args(argv=None):
     args.requested_paths = list(dict.fromkeys(letters))
     args.paths = list(args.requested_paths)
     return args
+
+
+def host_breakdown_main(args, argv: list, info: dict) -> int:
+    """``--host-breakdown``: the report, and its JSON next to the sweep's."""
+    if not torch.cuda.is_available():
+        print("No GPU: --host-breakdown times eager CUDA launches (Triton's launcher layers); "
+              "nothing measured.")
+        return 0
+    result = run_host_breakdown(args)
+    print()
+    print("\n".join(format_host_breakdown(result, args)))
+    result.update(pdl=pdl_report(True), config=vars(args), device=info,
+                  date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command=" ".join([__file__] + argv))
+    stem = output_stem(args, True, args.pdl) + "_host"
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nwrote {stem}.json")
+    return 0
 
 
 def pdl_from_env(environ=os.environ) -> str:
@@ -813,6 +974,8 @@ def main(argv=None) -> int:
     info = device_identity()
     print(f"device: {info['device']}  torch {info['torch']}  triton {info['triton']}"
           + (f"  driver {info.get('driver')}" if has_gpu else ""))
+    if args.host_breakdown:
+        return host_breakdown_main(args, argv, info)
     if has_gpu:
         args.tokens = args.tokens or DEFAULT_TOKENS
         result = run_gpu(args)

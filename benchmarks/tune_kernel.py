@@ -1,70 +1,355 @@
-"""Launch-parameter sweep for the fused kernel on the GPU (H = 7168 bf16).
+"""Tuning sweeps of the production kernel (kernels/add_rmsnorm_capture.py) on a GPU.
 
-* add+RMSNorm (+ slot store): one program per row, num_warps in {4, 8, 16, 32};
-* capture only (no norm): column blocks of 1024 .. 8192 elements x num_warps.
+Every cell launches ``add_rmsnorm_capture_kernel`` itself -- the kernel the
+ops launch, not a copy -- varied only through what it exposes: its constexpr
+flags (which outputs a launch writes, NORM_FP32_SUM, USE_PDL), BLOCK_H, and
+the launch's num_warps, grid and ``launch_pdl``. Two sweeps:
 
-CUDA-graph replay of 20 launches, input sets rotated so that nothing is
-served from L2; us per launch and % of a copy roofline measured in the same
-run. Used to choose ``kernels.add_rmsnorm_capture.launch_config``; the
-results are recorded in benchmarks/NOTES.md.
+  --sweep launch     (default) launch parameters, one launch per step:
+                     add+RMSNorm with and without the slot store (d, e), one
+                     program per row, num_warps 4 - 32; the capture alone (c) in
+                     column blocks of 1024 - 8192 elements x 2 - 16 warps.
+                     What chose ``launch_config``.
+  --sweep variants   named variants, 3 launches per step (the K = 3 captured
+                     layers of a forward step): each kind at the shipped launch
+                     configuration with PDL off and on, another block or warp
+                     count, out-of-place outputs (Liger-Kernel's form).
+
+Kinds (which outputs a launch writes; the letters of capture_latency.py):
+  c  add_capture: h + r into the aux slot
+  d  add+RMSNorm in place, no capture
+  e  add+RMSNorm in place + the residual stored into the slot
+  f  add+RMSNorm whose residual output is the slot (residual untouched)
+  i  e, normalising the unrounded fp32 sum (NORM_FP32_SUM: the SGLang drop-in)
+
+Each cell: CUDA-graph replay, median GPU us per step over --replays replays,
+each step on the next of N buffer sets (h, r, w, aux; outputs of out-of-place
+variants) that total >= --rotate-l2 x L2, so no step reads what an earlier
+one left in cache; and % of an in-run 2 GiB copy's bandwidth (read +
+written). Before its first timing at each T, a variant's outputs are checked
+against torch (the sums bit-exact, the norm to 1%); a variant whose outputs are
+wrong gets a WRONG cell, one that cannot launch an "err" cell, and the reason
+goes to stderr.
+
+Not swept: knobs the kernel does not have. The fork of the kernel this script
+replaces (tune_variants.py; benchmarks/NOTES.md, results/tune_variants_round*.txt)
+also tried evict_first loads, .cs (streaming) stores on all outputs or on the
+capture alone, and 2 or 4 rows per program; none was adopted. Sweeping them
+again means adding them to the kernel as constexprs first.
+
+Without a GPU the script says so and exits 0; ``--list`` prints a sweep's
+variants and their launch settings (no GPU needed). Results: benchmarks/NOTES.md.
 """
 
 import argparse
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import triton
 
-from eagle_capture.bench import time_graph_replay
-from eagle_capture.kernels import add_rmsnorm_capture_kernel, launch_config
+from eagle_capture.bench import measure_copy_roofline, rotation_sets, time_graph_replay
+from eagle_capture.kernels import HAS_PDL, add_rmsnorm_capture_kernel, launch_config
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_TOKENS = [1, 8, 16, 64, 256, 1024, 4096, 16384]
+EPS = 1e-6
+SLOTS = 3          # K: slots of every aux buffer; a variants step launches once per slot
+MAX_SETS = 4096    # rotated buffer sets at the most (each is one graph step)
 
 
-def graph_time_us(fns, replays=20):
-    """Median us per call of a graph that calls each fn in ``fns`` once."""
-    return time_graph_replay(fns, len(fns), replays)
+@dataclass(frozen=True)
+class Kind:
+    """The kernel's output flags for one op (HAS_RESIDUAL is always set)."""
+    what: str
+    apply_norm: bool
+    store_residual: bool
+    capture: bool
+    norm_fp32_sum: bool = False
+
+    @property
+    def rows_moved(self) -> int:
+        """[T, H] tensors read or written per launch: h and r, then each output."""
+        return 2 + self.apply_norm + self.store_residual + self.capture
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--hidden-size", type=int, default=7168)
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 1024, 4096, 16384])
-    args = p.parse_args()
-    H = args.hidden_size
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    roof = 4 * (1 << 30) / graph_time_us([lambda: dst.copy_(src)] * 4) / 1e3
-    del src, dst
-    print(f"copy roofline {roof:.0f} GB/s; launch_config({H}) = {launch_config(H, True)} "
-          f"(norm), {launch_config(H, False)} (capture only)")
-    variants = [("norm", nw, triton.next_power_of_2(H)) for nw in (4, 8, 16, 32)]
-    variants += [("norm+cap", nw, triton.next_power_of_2(H)) for nw in (4, 8, 16, 32)]
-    variants += [("cap", nw, blk) for blk in (1024, 2048, 4096, 8192) for nw in (2, 4, 8, 16)
+KINDS = {
+    "c": Kind("add_capture: h + r into the aux slot", False, False, True),
+    "d": Kind("add+RMSNorm in place, no capture", True, True, False),
+    "e": Kind("add+RMSNorm in place + residual into the slot", True, True, True),
+    "f": Kind("add+RMSNorm, residual output is the slot", True, False, True),
+    "i": Kind("e, norm of the fp32 sum (SGLang drop-in)", True, True, True, True),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str                         # a key of KINDS
+    block_h: Optional[int] = None     # None: launch_config's
+    num_warps: Optional[int] = None   # None: launch_config's
+    pdl: bool = False                 # USE_PDL, launched with launch_pdl=True
+    out_of_place: bool = False        # normed and residual outputs to other tensors
+
+    def launch_shape(self, hidden_size: int) -> tuple:
+        """(BLOCK_H, num_warps, column blocks) at this hidden size."""
+        norm = KINDS[self.kind].apply_norm
+        block_h, num_warps, _ = launch_config(hidden_size, norm)
+        block_h, num_warps = self.block_h or block_h, self.num_warps or num_warps
+        if norm and block_h < hidden_size:
+            raise ValueError(f"{self.name}: the norm needs the whole row in one program "
+                             f"(BLOCK_H {block_h} < H = {hidden_size})")
+        return block_h, num_warps, triton.cdiv(hidden_size, block_h)
+
+
+def launch_sweep(hidden_size: int) -> list:
+    """The launch-parameter grid."""
+    row = triton.next_power_of_2(hidden_size)
+    variants = [Variant(f"{k} w{nw}", k, row, nw) for k in "de" for nw in (4, 8, 16, 32)]
+    # Column blocks: at least 8 elements per thread, except the largest block.
+    variants += [Variant(f"c b{blk} w{nw}", "c", blk, nw)
+                 for blk in (1024, 2048, 4096, 8192) for nw in (2, 4, 8, 16)
                  if blk // (nw * 32) >= 8 or blk >= 8192]
-    print(f"{'T':>6} " + " ".join(f"{v[0]}/w{v[1]}/b{v[2]}".rjust(18) for v in variants))
-    for T in args.tokens:
-        # Rotate input sets so the graph never reads what it just wrote (cold L2).
-        sets = max(1, min(20, (400 << 20) // (T * H * 2 * 3)))
-        data = [(torch.randn(T, H, device="cuda", dtype=torch.bfloat16),
-                 torch.randn(T, H, device="cuda", dtype=torch.bfloat16)) for _ in range(sets)]
-        w = torch.ones(H, device="cuda", dtype=torch.bfloat16)
-        aux = torch.empty(T, 3, H, device="cuda", dtype=torch.bfloat16)
-        cells = []
-        for kind, nw, blk in variants:
-            norm = kind != "cap"
-            capture = kind != "norm"
-            grid = (T, 1) if norm else (T, triton.cdiv(H, blk))
+    return variants
 
-            def launch(h, r):
-                add_rmsnorm_capture_kernel[grid](
-                    h, r, w, h, r, aux, H, 1e-6, h.stride(0), r.stride(0), h.stride(0),
-                    r.stride(0), aux.stride(0), aux.stride(1),
-                    HAS_RESIDUAL=True, APPLY_NORM=norm, STORE_RESIDUAL=norm,
-                    CAPTURE=capture, BLOCK_H=blk, USE_PDL=False, num_warps=nw)
-            us = graph_time_us([lambda h=h, r=r: launch(h, r) for h, r in data])
-            nbytes = {"norm": 4, "norm+cap": 5, "cap": 3}[kind] * T * H * 2
-            cells.append(f"{us:8.2f} {100 * nbytes / us / 1e3 / roof:4.0f}%   ")
-        print(f"{T:>6} " + " ".join(c.rjust(18) for c in cells))
-        del data, aux
+
+def variants_sweep(hidden_size: int) -> list:
+    """Named variants: the shipped configuration of each kind, PDL off and on,
+    then other launch shapes and out-of-place outputs."""
+    variants = [Variant(f"{k}{' pdl' if pdl else ''}", k, pdl=pdl)
+                for k in KINDS for pdl in (False, True)]
+    return variants + [Variant("c b4096 w8", "c", 4096, 8), Variant("d w8", "d", num_warps=8),
+                       Variant("d oop", "d", out_of_place=True),
+                       Variant("e oop", "e", out_of_place=True)]
+
+
+SWEEPS = {"launch": (launch_sweep, 1), "variants": (variants_sweep, SLOTS)}  # launches per step
+
+
+# ----------------------------------------------------------------------------
+# Buffers, launch, check
+# ----------------------------------------------------------------------------
+
+@dataclass
+class BufferSet:
+    """One step's inputs and outputs: h, r [T, H], w [H], aux [T, SLOTS, H];
+    ``normed`` and ``res_out`` [T, H] for out-of-place variants (else None)."""
+    h: torch.Tensor
+    r: torch.Tensor
+    w: torch.Tensor
+    aux: torch.Tensor
+    normed: Optional[torch.Tensor] = None
+    res_out: Optional[torch.Tensor] = None
+
+    def clone(self) -> "BufferSet":
+        return BufferSet(*(t.clone() if t is not None else None for t in
+                           (self.h, self.r, self.w, self.aux, self.normed, self.res_out)))
+
+
+def make_set(num_tokens: int, hidden_size: int, dtype, device, out_of_place: bool) -> BufferSet:
+    def rows():
+        return torch.randn(num_tokens, hidden_size, device=device).to(dtype)
+    return BufferSet(rows(), rows(), (1 + 0.1 * torch.randn(hidden_size, device=device)).to(dtype),
+                     torch.empty(num_tokens, SLOTS, hidden_size, device=device, dtype=dtype),
+                     rows() if out_of_place else None, rows() if out_of_place else None)
+
+
+def set_bytes(num_tokens: int, hidden_size: int, elem: int, out_of_place: bool) -> int:
+    return elem * (num_tokens * hidden_size * (2 + SLOTS + 2 * out_of_place) + hidden_size)
+
+
+def launch(v: Variant, shape: tuple, inputs: BufferSet, aux: torch.Tensor, slot: int) -> None:
+    """One launch of the production kernel: ``inputs``' rows, ``aux[:, slot]``."""
+    kind = KINDS[v.kind]
+    block_h, num_warps, col_blocks = shape
+    h, r = inputs.h, inputs.r
+    normed = inputs.normed if v.out_of_place else h
+    res_out = inputs.res_out if v.out_of_place else r
+    add_rmsnorm_capture_kernel[(h.shape[0], col_blocks)](
+        h, r, inputs.w, normed, res_out, aux, h.shape[1], EPS,
+        h.stride(0), r.stride(0), normed.stride(0), res_out.stride(0),
+        aux.stride(0), slot * aux.stride(1),
+        HAS_RESIDUAL=True, APPLY_NORM=kind.apply_norm, STORE_RESIDUAL=kind.store_residual,
+        CAPTURE=kind.capture, BLOCK_H=block_h, USE_PDL=v.pdl,
+        NORM_FP32_SUM=kind.norm_fp32_sum, num_warps=num_warps,
+        **({"launch_pdl": True} if v.pdl else {}))
+
+
+def check_variant(v: Variant, shape: tuple, inputs: BufferSet) -> None:
+    """One launch on copies of ``inputs``, outputs against torch: the captured
+    and stored sums bit-exact (one fp32 add, one rounding), the normed output
+    to 1% (relative norm of the error). Raises AssertionError."""
+    out = inputs.clone()
+    out.aux.fill_(float("nan"))
+    launch(v, shape, out, out.aux, 0)
+    kind = KINDS[v.kind]
+    s32 = inputs.h.float() + inputs.r.float()
+    s = s32.to(inputs.h.dtype)
+    stored = {"capture": out.aux[:, 0]} if kind.capture else {}
+    if kind.store_residual:
+        stored["residual"] = out.res_out if v.out_of_place else out.r
+    for what, got in stored.items():
+        if not torch.equal(got, s):
+            raise AssertionError(f"{v.name}: the {what} differs from h + r")
+    if not kind.store_residual and not torch.equal(out.r, inputs.r):
+        raise AssertionError(f"{v.name}: the residual input was written")
+    if kind.apply_norm:
+        x = (s32 if kind.norm_fp32_sum else s.float()).double()
+        ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * inputs.w.double()
+        got = (out.normed if v.out_of_place else out.h).double()
+        rel = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        if not rel <= 1e-2:
+            raise AssertionError(f"{v.name}: normed output rel err {rel:.2e}")
+
+
+def graph_steps_of(v: Variant, shape: tuple, sets: list, launches: int) -> list:
+    """One zero-argument step per buffer set: step i launches ``launches`` times,
+    launch k on set i + k's rows (so no launch reads what the one before wrote)
+    into slot k of set i's aux buffer."""
+    def step(i):
+        for k in range(launches):
+            launch(v, shape, sets[(i + k) % len(sets)], sets[i].aux, k % SLOTS)
+    return [lambda i=i: step(i) for i in range(len(sets))]
+
+
+# ----------------------------------------------------------------------------
+# Sweep, report
+# ----------------------------------------------------------------------------
+
+def pdl_unavailable() -> Optional[str]:
+    """Why this machine cannot launch with PDL, or None."""
+    if not HAS_PDL:
+        return "this Triton has no gdc_wait / gdc_launch_dependents"
+    if torch.cuda.get_device_capability()[0] < 9:
+        return "PDL needs sm_90+"
+    return None
+
+
+def measure_cell(v: Variant, shape: tuple, sets: list, launches: int, args) -> float:
+    check_variant(v, shape, sets[0])
+    return time_graph_replay(graph_steps_of(v, shape, sets, launches), args.steps_per_graph,
+                             args.replays)
+
+
+def run(args, variants: list, launches: int) -> None:
+    device, dtype = torch.device("cuda"), DTYPES[args.dtype]
+    elem = torch.tensor([], dtype=dtype).element_size()
+    H = args.hidden_size
+    roof = measure_copy_roofline(device)["gbps"]
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    out_of_place = any(v.out_of_place for v in variants)
+    shapes = {v.name: v.launch_shape(H) for v in variants}
+    print(f"{len(variants)} variants, {per_step(launches)}, H = {H}, {args.dtype}; "
+          f">= {args.steps_per_graph} steps per CUDA graph, {args.replays} replays, buffer sets "
+          f"rotated past {args.rotate_l2:g} x L2 ({l2_bytes / 2**20:.0f} MiB)")
+    print(f"copy roofline {roof:.0f} GB/s (2 GiB eager copy, read + written); cells: median us "
+          f"per step (% of roofline)")
+    width = max(16, max(len(v.name) for v in variants) + 1)
+    print(f"{'T':>6} {'sets':>5} " + " ".join(v.name.rjust(width) for v in variants), flush=True)
+    for T in args.tokens:
+        one_set = set_bytes(T, H, elem, out_of_place)
+        free, _ = torch.cuda.mem_get_info(device)
+        num_sets = max(launches, rotation_sets(one_set, l2_bytes, args.rotate_l2,
+                                               max_sets=MAX_SETS, budget_bytes=free // 2))
+        sets = [make_set(T, H, dtype, device, out_of_place) for _ in range(num_sets)]
+        cells = []
+        for v in variants:
+            try:
+                us = measure_cell(v, shapes[v.name], sets, launches, args)
+            except Exception as exc:  # a variant this GPU / Triton cannot run: say why, go on
+                reason = (str(exc).strip().splitlines() or [""])[0][:200]
+                print(f"T = {T}, {v.name}: {type(exc).__name__}: {reason}", file=sys.stderr)
+                wrong = isinstance(exc, AssertionError)  # check_variant: wrong outputs
+                cells.append("WRONG" if wrong else f"err {type(exc).__name__}"[:width - 1])
+                continue
+            kind = KINDS[v.kind]
+            nbytes = launches * elem * (kind.rows_moved * T * H + H * kind.apply_norm)
+            cells.append(f"{us:8.2f} ({100 * nbytes / us / 1e3 / roof:3.0f}%)")
+        print(f"{T:>6} {num_sets:>5} " + " ".join(c.rjust(width) for c in cells), flush=True)
+        del sets
         torch.cuda.empty_cache()
 
 
+def per_step(launches: int) -> str:
+    return f"{launches} launch{'es' if launches > 1 else ''} per step"
+
+
+def list_lines(variants: list, hidden_size: int, launches: int) -> list:
+    lines = [f"{len(variants)} variants at H = {hidden_size}, {per_step(launches)}:",
+             f"  {'name':<14} {'kind':<4} {'BLOCK_H':>7} {'warps':>5} {'col blocks':>10} "
+             f"{'PDL':>3} {'out of place':>12}"]
+    for v in variants:
+        block_h, num_warps, col_blocks = v.launch_shape(hidden_size)
+        lines.append(f"  {v.name:<14} {v.kind:<4} {block_h:>7} {num_warps:>5} {col_blocks:>10} "
+                     f"{'yes' if v.pdl else 'no':>3} {'yes' if v.out_of_place else 'no':>12}")
+    lines += ["Kinds:"] + [f"  {k}  {kind.what}" for k, kind in KINDS.items()]
+    return lines
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", choices=sorted(SWEEPS), default="launch",
+                   help="launch: launch parameters (default); variants: named variants")
+    p.add_argument("--hidden-size", type=int, default=7168)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--tokens", type=int, nargs="+", default=DEFAULT_TOKENS,
+                   help=f"T values (default {' '.join(map(str, DEFAULT_TOKENS))})")
+    p.add_argument("--only", nargs="+", metavar="NAME",
+                   help="run only these variants of the sweep (names as --list prints them)")
+    p.add_argument("--replays", type=int, default=30, help="graph replays per cell (default 30)")
+    p.add_argument("--steps-per-graph", type=int, default=8,
+                   help="at least this many steps per CUDA graph (default 8; every buffer set "
+                        "once where there are more)")
+    p.add_argument("--rotate-l2", type=float, default=4,
+                   help="rotate buffer sets totalling this many L2 sizes (default 4; 0: one "
+                        "set per launch of a step, warm cache)")
+    p.add_argument("--list", action="store_true",
+                   help="print the sweep's variants and launch settings and exit (no GPU needed)")
+    args = p.parse_args(argv)
+    if args.hidden_size < 1 or args.replays < 1 or args.steps_per_graph < 1:
+        p.error("--hidden-size, --replays and --steps-per-graph must be at least 1")
+    make_variants, args.launches = SWEEPS[args.sweep]
+    args.variants = make_variants(args.hidden_size)
+    if args.only:
+        names = [v.name for v in args.variants]
+        unknown = [n for n in args.only if n not in names]
+        if unknown:
+            p.error(f"--only: no variant {', '.join(map(repr, unknown))} in the {args.sweep} "
+                    f"sweep; its variants: {', '.join(names)}")
+        args.variants = [v for v in args.variants if v.name in args.only]
+    try:
+        for v in args.variants:
+            v.launch_shape(args.hidden_size)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        print("\n".join(list_lines(args.variants, args.hidden_size, args.launches)))
+        return 0
+    if not torch.cuda.is_available():
+        print("tune_kernel: no CUDA GPU here, nothing measured: the sweeps time compiled kernels "
+              "under CUDA-graph replay. --list shows what a sweep runs.")
+        return 0
+    variants = args.variants
+    no_pdl = pdl_unavailable()
+    if no_pdl and any(v.pdl for v in variants):
+        print(f"PDL variants left out: {no_pdl}")
+        variants = [v for v in variants if not v.pdl]
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name}  torch {torch.__version__}  triton {triton.__version__}; "
+          f"sweep: {args.sweep}")
+    if not variants:
+        print("No variant to run.")
+        return 0
+    run(args, variants, args.launches)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,15 +1,188 @@
 #!/usr/bin/env bash
-# One device-tool call: GPU tests, the benchmark and the host-overhead breakdown, logs to $OUT
-# (benchmarks/tune_kernel.py is the launch-parameter sweep, run separately).
+# One device-tool call on a GPU machine: the GPU test suite, the capture-latency
+# benchmark and its host-time breakdown, logs under $OUT (default benchmarks/out).
+#
+#   bash scripts/gpu_session.sh [capture_latency.py arguments]
+#   bash scripts/gpu_session.sh --check-skips LOG [GPUS]
+#
+# Steps (each runs even when one before it failed; the exit status is non-zero
+# when any failed, and the last lines name them):
+#   tests  scripts/test.sh -rs > tests.log. Fails when pytest fails, or when a
+#          test was skipped for a reason a GPU machine should not show (see
+#          EXPECTED_SKIPS below; the message names each such skip).
+#   bench  scripts/bench.sh (benchmarks/capture_latency.py) > bench.log
+#   host   capture_latency.py --host-breakdown > host.log (host time per call,
+#          layer by layer down the eager call stack)
+# The tuning sweeps (benchmarks/tune_kernel.py --sweep launch | variants) take
+# long: run them in a call of their own.
+#
+# --check-skips LOG [GPUS] only checks the skip reasons in a saved pytest -rs log
+# (e.g. benchmarks/results/gpu_tests_*.txt) against a machine with GPUS GPUs
+# (default: as many as torch sees here); exit 0 when every skip is expected.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-# The GPU machine has no PyPI: the real-SGLang tests (CPU-only anyway) run in CI.
-export EAGLE_CAPTURE_SKIP_SGLANG_REAL=1
-OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.limit --format=csv > "$OUT/smi.txt" 2>&1
-python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/smi.txt"
-bash scripts/test.sh -rs -p no:logging -p no:cacheprovider > "$OUT/tests.log" 2>&1; echo "tests rc=$?" >> "$OUT/tests.log"
-tail -5 "$OUT/tests.log"
-bash scripts/bench.sh --out "$OUT" "$@" > "$OUT/bench.log" 2>"$OUT/bench.err"; echo "bench rc=$?"
-python3 benchmarks/host_overhead.py > "$OUT/host.log" 2>&1; echo "host rc=$?"
-cat "$OUT/smi.txt" "$OUT/bench.log"; head -8 "$OUT/host.log"; tail -3 "$OUT/bench.err"
+
+# Skips a GPU machine may show, besides tests that need more GPUs than it has
+# ("needs two GPUs", "needs 4 GPUs (...)": checked against the GPU count).
+# Matched as plain substrings of the reason pytest prints.
+EXPECTED_SKIPS=(
+    "EAGLE_CAPTURE_SKIP_SGLANG_REAL"                   # real-SGLang tests: no PyPI on the GPU machine
+    "needs Triton's interpreter"                       # tests of the CPU interpreter path
+    "self-overlap is a property of the strides alone"  # a CPU-only parametrisation
+    "python3 already has torch and triton"             # setup_env.sh's virtualenv branch
+)
+
+say() { echo "gpu_session: $*"; }
+
+# gpus_needed REASON: the GPU count a "needs N GPUs" reason asks for; fails for other reasons.
+gpus_needed() {
+    local re='needs (one|two|three|four|five|six|seven|eight|[0-9]+) GPUs?'
+    [[ $1 =~ $re ]] || return 1
+    case ${BASH_REMATCH[1]} in
+        one) echo 1 ;; two) echo 2 ;; three) echo 3 ;; four) echo 4 ;;
+        five) echo 5 ;; six) echo 6 ;; seven) echo 7 ;; eight) echo 8 ;;
+        *) echo "${BASH_REMATCH[1]}" ;;
+    esac
+}
+
+# skip_is_expected REASON GPUS: whether a skip for REASON is acceptable on a machine with GPUS GPUs.
+skip_is_expected() {
+    local reason=$1 gpus=$2 pattern needed
+    for pattern in "${EXPECTED_SKIPS[@]}"; do
+        [[ $reason == *"$pattern"* ]] && return 0
+    done
+    needed=$(gpus_needed "$reason") || return 1
+    (( needed > gpus ))
+}
+
+# check_skips LOG GPUS: read the skips from a pytest -rs log -- folded lines
+# "SKIPPED [N] path:line: reason", or "SKIPPED node-id - reason" under
+# --no-fold-skipped -- and fail, naming them, when any is unexpected on a machine
+# with GPUS GPUs, or when the log's final counts hold more skips than those lines
+# (pytest run without -rs: the reasons cannot be checked).
+check_skips() {
+    local log=$1 gpus=$2
+    local folded='^SKIPPED \[([0-9]+)\] [^ ]+: (.*)$' unfolded='^SKIPPED [^ ]+ - (.*)$'
+    local counts='^(=+ )?[0-9]+ (passed|failed|skipped|deselected|xfailed|xpassed|errors?|warnings?)\b.* in [0-9.]+s'
+    local line count reason listed=0 total unexpected=()
+    if [[ ! -r $log ]]; then
+        say "cannot read the test log $log"
+        return 1
+    fi
+    while IFS= read -r line; do
+        line=${line%$'\r'}
+        if [[ $line =~ $folded ]]; then
+            count=${BASH_REMATCH[1]} reason=${BASH_REMATCH[2]}
+        elif [[ $line =~ $unfolded ]]; then
+            count=1 reason=${BASH_REMATCH[1]}
+        else
+            continue
+        fi
+        listed=$((listed + count))
+        skip_is_expected "$reason" "$gpus" || unexpected+=("$line")
+    done < <(sed $'s/\x1b\\[[0-9;]*m//g' "$log")  # without colour codes
+    # pytest's last counts line, e.g. "2504 passed, 3 skipped, 1 xfailed in 209.33s (0:03:29)"
+    total=$(sed $'s/\x1b\\[[0-9;]*m//g' "$log" | grep -E "$counts" | tail -n 1 |
+            grep -oE '[0-9]+ skipped' | grep -oE '[0-9]+')
+    total=${total:-0}
+    if (( ${#unexpected[@]} )); then
+        say "tests FAILED: skipped for a reason not expected on a machine with $gpus GPU(s):"
+        printf '  %s\n' "${unexpected[@]}"
+        say "expected skips: needing more than $gpus GPU(s), or a reason containing one of:"
+        printf '  %s\n' "${EXPECTED_SKIPS[@]}"
+        return 1
+    fi
+    if (( total > listed )); then
+        say "tests FAILED: pytest reports $total skipped, the log gives the reasons of $listed" \
+            "(run pytest with -rs)"
+        return 1
+    fi
+    (( listed == 0 )) || say "skips checked: all $listed expected on a machine with $gpus GPU(s)"
+    return 0
+}
+
+# The GPUs the tests see (torch honours CUDA_VISIBLE_DEVICES); 0 when torch sees none.
+visible_gpus() {
+    local n
+    n=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)
+    if [[ $n =~ ^[0-9]+$ ]]; then echo "$n"; else echo 0; fi
+}
+
+tests_step() {
+    local rc gpus verdict
+    bash scripts/test.sh -rs -p no:logging -p no:cacheprovider > "$OUT/tests.log" 2>&1
+    rc=$?
+    echo "tests rc=$rc" >> "$OUT/tests.log"
+    tail -n 5 "$OUT/tests.log"
+    (( rc == 0 )) || say "tests FAILED: pytest exit status $rc"
+    gpus=$(visible_gpus)
+    if (( gpus == 0 )) && ! nvidia-smi -L > /dev/null 2>&1; then
+        say "no GPU on this machine: skip reasons not checked (a CPU run skips the GPU tests)"
+    else
+        if (( gpus == 0 )); then
+            say "tests FAILED: nvidia-smi lists GPUs but torch sees none"
+            rc=1
+        fi
+        # The verdict goes to the console and to the end of tests.log.
+        verdict=$(check_skips "$OUT/tests.log" "$gpus") || rc=1
+        [[ -z $verdict ]] || echo "$verdict" | tee -a "$OUT/tests.log"
+    fi
+    return $(( rc != 0 ))
+}
+
+bench_step() {
+    bash scripts/bench.sh --out "$OUT" "$@" > "$OUT/bench.log" 2> "$OUT/bench.err"
+    local rc=$?
+    echo "bench rc=$rc"
+    (( rc == 0 ))
+}
+
+host_step() {
+    bash scripts/bench.sh --host-breakdown --out "$OUT" > "$OUT/host.log" 2>&1
+    local rc=$?
+    echo "host rc=$rc"
+    (( rc == 0 ))
+}
+
+main() {
+    cd "$(dirname "$0")/.." || exit 1
+    export PYTHONUNBUFFERED=1
+    # The GPU machine has no PyPI: the real-SGLang tests (CPU-only anyway) run in CI.
+    export EAGLE_CAPTURE_SKIP_SGLANG_REAL=1
+    PY=$(bash scripts/setup_env.sh) || { say "scripts/setup_env.sh failed"; exit 1; }
+    {
+        nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.limit \
+            --format=csv 2>&1
+        "$PY" -c "import torch, triton; print(torch.__version__, triton.__version__)"
+    } > "$OUT/smi.txt"
+
+    local failed=()
+    tests_step || failed+=(tests)
+    bench_step "$@" || failed+=(bench)
+    host_step || failed+=(host)
+
+    cat "$OUT/smi.txt" "$OUT/bench.log"
+    sed '/^cProfile/q' "$OUT/host.log"  # the host table, not the profile
+    tail -n 3 "$OUT/bench.err"
+    if (( ${#failed[@]} )); then
+        say "FAILED: ${failed[*]} (logs in $OUT)"
+        exit 1
+    fi
+    say "all steps passed (logs in $OUT)"
+}
+
+if [[ ${1:-} == --check-skips ]]; then
+    if (( $# < 2 || $# > 3 )) || [[ ! ${3:-0} =~ ^[0-9]+$ ]]; then
+        echo "usage: $0 --check-skips LOG [GPUS]   (GPUS: a whole number)" >&2
+        exit 2
+    fi
+    if (( $# == 3 )); then
+        check_skips "$2" "$3"
+    else
+        PY=${PY:-python3}
+        check_skips "$2" "$(visible_gpus)"
+    fi
+    exit
+fi
+OUT=${OUT:-benchmarks/out}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 1
+main "$@"

@@ -1,0 +1,499 @@
+"""The tuning script (benchmarks/tune_kernel.py), the host-time breakdown of
+benchmarks/capture_latency.py and the skip check of scripts/gpu_session.sh,
+without a GPU: command lines, the kernel launches of every tuning variant
+under Triton's interpreter, the sweep's bookkeeping with a stand-in timer, and
+the skip check on canned pytest logs."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import INTERPRETED
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+BENCH = os.path.join(ROOT, "benchmarks")
+SESSION = os.path.join(ROOT, "scripts", "gpu_session.sh")
+MAX_COLUMNS = 100
+
+
+def _load(name):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look the module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+tk = _load("tune_kernel")
+cl = _load("capture_latency")
+
+
+def run_script(*args, env=None):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+# ---------------------------------------------------------------- one script per job
+
+def test_the_merged_scripts_are_gone():
+    for name in ("tune_variants.py", "host_overhead.py"):
+        assert not os.path.exists(os.path.join(BENCH, name)), name
+
+
+def test_tune_kernel_has_no_kernel_of_its_own():
+    source = open(os.path.join(BENCH, "tune_kernel.py")).read()
+    assert "triton.jit" not in source and "import triton.language" not in source
+    assert "from eagle_capture.kernels import" in source
+
+
+# ---------------------------------------------------------------- tune_kernel: command line
+
+def test_tune_kernel_help():
+    result = run_script("benchmarks/tune_kernel.py", "--help")
+    assert result.returncode == 0
+    for flag in ("--sweep", "--only", "--list", "--rotate-l2", "evict_first"):
+        assert flag in result.stdout
+
+
+def test_tune_kernel_without_gpu_says_so_and_exits_0(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tk.main([]) == 0
+    assert "no CUDA GPU here, nothing measured" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sweep", ["launch", "variants"])
+def test_tune_kernel_list(sweep):
+    result = run_script("benchmarks/tune_kernel.py", "--sweep", sweep, "--list")
+    assert result.returncode == 0, result.stderr
+    names = [v.name for v in tk.SWEEPS[sweep][0](7168)]
+    for name in names:
+        assert any(line.startswith(f"  {name} ") for line in result.stdout.splitlines()), name
+
+
+def test_launch_sweep_keeps_the_old_grid():
+    """What the old tune_kernel.py swept: d and e (norm, +capture) at one program
+    per row x 4 warp counts; c in column blocks 1024 - 8192 x 2 - 16 warps."""
+    variants = tk.launch_sweep(7168)
+    shapes = {(v.kind, *v.launch_shape(7168)[:2]) for v in variants}
+    assert {("d", 8192, nw) for nw in (4, 8, 16, 32)} <= shapes
+    assert {("e", 8192, nw) for nw in (4, 8, 16, 32)} <= shapes
+    capture = {(b, nw) for k, b, nw in shapes if k == "c"}
+    assert capture == {(b, nw) for b in (1024, 2048, 4096, 8192) for nw in (2, 4, 8, 16)
+                       if b // (nw * 32) >= 8 or b >= 8192}
+    assert len(variants) == len(shapes) == 21
+    assert not any(v.pdl or v.out_of_place for v in variants)
+
+
+def test_variants_sweep_covers_what_the_kernel_can_vary():
+    variants = tk.variants_sweep(7168)
+    names = [v.name for v in variants]
+    assert len(set(names)) == len(names)
+    for kind in tk.KINDS:  # every kind at the shipped configuration, PDL off and on
+        assert kind in names and f"{kind} pdl" in names
+    shipped = {v.name: v.launch_shape(7168) for v in variants if v.block_h is None
+               and v.num_warps is None}
+    from eagle_capture.kernels import launch_config
+    for name, shape in shipped.items():
+        assert shape == launch_config(7168, tk.KINDS[name[0]].apply_norm)
+    assert any(v.out_of_place for v in variants)
+
+
+def test_tune_kernel_only_and_bad_names(capsys):
+    args = tk.parse_args(["--sweep", "variants", "--only", "d pdl", "c"])
+    assert [v.name for v in args.variants] == ["c", "d pdl"] and args.launches == 3
+    with pytest.raises(SystemExit) as exc:
+        tk.parse_args(["--only", "c ship"])
+    assert exc.value.code == 2
+    assert "no variant 'c ship' in the launch sweep" in capsys.readouterr().err
+
+
+def test_norm_variant_needs_the_whole_row():
+    with pytest.raises(ValueError, match="whole row"):
+        tk.Variant("d b4096", "d", block_h=4096).launch_shape(7168)
+    assert tk.Variant("c b4096", "c", block_h=4096).launch_shape(7168) == (4096, 4, 2)
+
+
+def test_kinds_match_the_ops_bytes():
+    assert {k: kind.rows_moved for k, kind in tk.KINDS.items()} == \
+        {"c": 3, "d": 4, "e": 5, "f": 4, "i": 5}
+    for k, kind in tk.KINDS.items():  # capture_latency.bytes_moved, weight included
+        weight = 7168 * 2 * kind.apply_norm
+        assert cl.bytes_moved(k, 4, 7168, 1, 2) == kind.rows_moved * 4 * 7168 * 2 + weight
+
+
+# ---------------------------------------------------------------- tune_kernel: launches
+
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs Triton's interpreter")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("sweep", ["launch", "variants"])
+def test_every_variant_launches_the_production_kernel_correctly(sweep):
+    """Each variant's launch, checked by the script's own check (fp16: the
+    interpreter's fp16 casts round like the GPU's; its bf16 cast truncates)."""
+    torch.manual_seed(0)
+    for v in tk.SWEEPS[sweep][0](7168):
+        if v.pdl:
+            continue  # the interpreter has no PDL
+        inputs = tk.make_set(3, 7168, torch.float16, "cpu", v.out_of_place)
+        tk.check_variant(v, v.launch_shape(7168), inputs)
+
+
+@needs_interpreter
+def test_check_catches_a_wrong_launch(monkeypatch):
+    v = tk.Variant("e", "e")
+    inputs = tk.make_set(2, 256, torch.float16, "cpu", False)
+    real = tk.launch
+    monkeypatch.setattr(tk, "launch", lambda v, shape, i, aux, slot: real(v, shape, i, aux, 1))
+    with pytest.raises(AssertionError, match="capture differs"):
+        tk.check_variant(v, v.launch_shape(256), inputs)
+    monkeypatch.setattr(tk, "launch", lambda v, shape, i, aux, slot: real(
+        tk.Variant("f", "f"), shape, i, aux, slot))
+    with pytest.raises(AssertionError, match="residual differs"):
+        tk.check_variant(v, v.launch_shape(256), inputs)
+
+
+def test_steps_rotate_inputs_and_slots(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tk, "launch", lambda v, shape, inputs, aux, slot: calls.append(
+        (inputs, aux, slot)))
+    sets = [SimpleNamespace(aux=f"aux{i}") for i in range(5)]
+    steps = tk.graph_steps_of(tk.Variant("c", "c"), None, sets, 3)
+    assert len(steps) == 5
+    steps[4]()
+    assert calls == [(sets[4], "aux4", 0), (sets[0], "aux4", 1), (sets[1], "aux4", 2)]
+
+
+class _CudaOnCpu:
+    """tune_kernel's view of torch with "cuda" mapped to the CPU and a small L2."""
+
+    def __init__(self, l2_bytes):
+        self.cuda = SimpleNamespace(
+            get_device_properties=lambda device: SimpleNamespace(L2_cache_size=l2_bytes),
+            mem_get_info=lambda device: (1 << 30, 1 << 31), empty_cache=lambda: None)
+
+    def device(self, *args):
+        return torch.device("cpu")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+class _SplitNorm(tk.Variant):
+    """A wrong launch: the norm's row split over two programs (parse_args refuses it)."""
+
+    def launch_shape(self, hidden_size):
+        return hidden_size // 2, 4, 2
+
+
+@needs_interpreter
+def test_sweep_with_a_stand_in_timer(monkeypatch, capsys):
+    """run()'s bookkeeping: rotated sets, the check, one timing per cell, a row per
+    T; a variant with wrong outputs gets a WRONG cell and the reason on stderr."""
+    timed = []
+
+    def fake_timer(steps, steps_per_graph, replays):
+        steps[0]()  # the launches of one step, under the interpreter
+        timed.append((len(steps), steps_per_graph, replays))
+        return 10.0
+
+    monkeypatch.setattr(tk, "torch", _CudaOnCpu(64 << 10))
+    monkeypatch.setattr(tk, "time_graph_replay", fake_timer)
+    monkeypatch.setattr(tk, "measure_copy_roofline", lambda device: {"gbps": 1000.0})
+    args = tk.parse_args(["--sweep", "variants", "--dtype", "fp16", "--hidden-size", "256",
+                          "--tokens", "1", "4", "--only", "c", "d oop", "f"])
+    tk.run(args, args.variants + [_SplitNorm("broken", "d")], args.launches)
+    out, err = capsys.readouterr()
+    header = next(line for line in out.splitlines() if line.split()[:2] == ["T", "sets"])
+    assert header.split()[2:] == ["c", "f", "d", "oop", "broken"]  # the sweep's order
+    rows = [line for line in out.splitlines() if re.match(r" +[14] +[0-9]+ +[0-9.]+ \(", line)]
+    assert len(rows) == 2
+    sets = {}
+    for line in rows:
+        T, num_sets = map(int, line.split()[:2])
+        sets[T] = num_sets
+        assert line.count("10.00 (") == 3 and line.rstrip().endswith(" WRONG")
+        # every set once per graph; >= 4 x the 64 KiB "L2", >= one set per launch of a step
+        assert num_sets * tk.set_bytes(T, 256, 2, True) >= 4 * (64 << 10) and num_sets >= 3
+    assert err.count("broken: AssertionError: broken: normed output rel err") == 2
+    assert timed == [(sets[1], 8, 30)] * 3 + [(sets[4], 8, 30)] * 3
+
+
+# ---------------------------------------------------------------- capture_latency --host-breakdown
+
+def test_host_breakdown_flag_on_cpu(tmp_path):
+    result = run_script("benchmarks/capture_latency.py", "--host-breakdown", "--out",
+                        str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "No GPU: --host-breakdown" in result.stdout and "nothing measured" in result.stdout
+    assert not list(tmp_path.iterdir())
+
+
+def test_host_breakdown_refuses_pdl_both(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cl.parse_args(["--host-breakdown", "--pdl", "both"])
+    assert exc.value.code == 2
+    assert cl.parse_args(["--host-breakdown"]).host_breakdown
+
+
+def test_host_table_and_breakdown_share_one_timer(monkeypatch):
+    """The report's table and --host-breakdown time the same calls the same way."""
+    seen = []
+    monkeypatch.setattr(cl, "host_us_per_call", lambda fn, n, **kw: seen.append(
+        (n, kw["warmup"], kw["summary"])) or kw["summary"]([1.0, 2.0, 3.0]))
+    table = cl.measure_host_overhead(64, torch.float32, torch.device("cpu"), 10)
+    assert list(table) == list(cl.host_calls(64, torch.float32, torch.device("cpu"))[0])
+    assert set(table.values()) == {2.0}
+    assert cl.time_host_calls({"x": lambda: None}, torch.device("cpu"), 10,
+                              summary=list) == {"x": [1.0, 2.0, 3.0]}
+    assert {(n, warmup) for n, warmup, _ in seen} == {(10, 50)}
+
+
+def test_host_calls_run_on_cpu():
+    calls, facts = cl.host_calls(64, torch.float32, torch.device("cpu"))
+    assert facts == {}
+    for fn in calls.values():
+        fn()
+
+
+@needs_interpreter
+def test_launch_layers_wiring_under_the_interpreter(monkeypatch):
+    """The layers under add_capture, launching the op's own kernel arguments
+    (recorded from ops.launch_kernel), each called once: CPU tensors, Triton's
+    interpreter. The compiled-launcher and DirectLaunch rows need a GPU (the
+    interpreter compiles nothing) and are absent here."""
+    from eagle_capture.kernels import add_rmsnorm_capture_kernel as kernel
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    x = cl.make_inputs(3, 64, 2, torch.float32, torch.device("cpu"))
+    h, r, aux = x.hidden[0], x.residual[0], x.aux
+    grid, args, options = cl.recorded_launch(h, r, aux)
+    bound = dict(zip(kernel.arg_names, args))
+    assert grid == (3, 1) and options == {"num_warps": options["num_warps"]}
+    assert bound["CAPTURE"] and not bound["APPLY_NORM"] and bound["USE_PDL"] is False
+    assert bound["aux_ptr"] is aux and bound["hidden_ptr"] is h
+    calls, facts = cl.launch_layers(h, r, aux)
+    assert {"kernel[grid](...) (Triton's entry)", "CachedLauncher call",
+            "6x tensor.data_ptr()", "torch.cuda.current_device()"} <= set(calls)
+    assert {"direct launch supported", "launch hooks active (a profiler)", "PDL"} <= set(facts)
+    for name, fn in calls.items():
+        if name == "torch.cuda.current_device()":
+            continue
+        aux.fill_(float("nan"))
+        fn()
+        if "kernel" in name or "Launcher" in name:
+            assert torch.equal(aux[:, 0], h + r), name  # the op's launch: h + r into slot 0
+            assert torch.isnan(aux[:, 1]).all(), name
+
+
+def test_host_breakdown_report_and_json(monkeypatch, capsys, tmp_path):
+    """--host-breakdown's flow with stand-ins for the GPU: the table (median and
+    best chunk per call), the facts, the profile, and the JSON."""
+    calls = {"torch.add(out=)": lambda: None,
+             "add_capture (public, eager fast path)": lambda: None,
+             "key of 3 tensors (shape, stride, dtype, get_device)": lambda: None}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(cl, "host_calls", lambda *a, **k: (calls, {"PDL": True}))
+    monkeypatch.setattr(cl, "device_identity", lambda: {"device": "GPU", "torch": "t",
+                                                        "triton": "3"})
+    monkeypatch.setattr(cl, "pdl_report", lambda has_gpu: {"state": "on"})
+    monkeypatch.setattr(cl, "liger_fused_add_rmsnorm", lambda: None)
+    assert cl.main(["--host-breakdown", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = [line for line in lines if any(line.startswith(f"  {name}") for name in calls)]
+    assert len(table) == 3 and all(len(line) <= MAX_COLUMNS for line in table)
+    assert "  PDL: True" in lines and any("cProfile of 2000" in line for line in lines)
+    result = json.loads((tmp_path / "capture_latency_gpu_H7168_host.json").read_text())
+    for name in calls:
+        d = result["host_us_per_call"][name]
+        assert len(d["chunks_us"]) == 5 and d["best_us"] == min(d["chunks_us"])
+    assert result["config"]["host_breakdown"] and "rows" not in result
+
+
+# ---------------------------------------------------------------- gpu_session.sh
+
+def test_gpu_session_syntax():
+    assert subprocess.run(["bash", "-n", SESSION]).returncode == 0
+
+
+def check_skips(tmp_path, log_text, gpus):
+    log = tmp_path / "tests.log"
+    log.write_text(log_text)
+    return subprocess.run(["bash", SESSION, "--check-skips", str(log), str(gpus)],
+                          capture_output=True, text=True, timeout=60)
+
+
+EXPECTED_LOG = """\
+........s.....s......ss.......................................  [100%]
+=========================== short test summary info ============================
+SKIPPED [1] tests/test_torch_integration.py:205: needs two GPUs
+SKIPPED [2] tests/test_bad_inputs.py:219: self-overlap is a property of the strides alone
+SKIPPED [54] tests/test_sglang_real.py:60: EAGLE_CAPTURE_SKIP_SGLANG_REAL=1 (no PyPI here)
+SKIPPED [3] tests/test_ops.py:249: needs Triton's interpreter
+SKIPPED [1] tests/test_setup_env.py:44: python3 already has torch and triton: the script uses it
+SKIPPED [1] tests/test_tp_gpu.py:96: needs 2 GPUs (one per rank; torch's symmetric memory \
+refuses two ranks on one GPU)
+SKIPPED [1] tests/test_symm.py:375: needs 2 GPUs
+2504 passed, 63 skipped, 1 xfailed, 14 warnings in 209.33s (0:03:29)
+tests rc=0
+"""
+
+
+def test_skip_check_passes_the_expected_reasons(tmp_path):
+    result = check_skips(tmp_path, EXPECTED_LOG, 1)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all 63 expected" in result.stdout
+
+
+def test_skip_check_counts_gpus(tmp_path):
+    result = check_skips(tmp_path, EXPECTED_LOG, 2)  # "needs two GPUs" on a 2-GPU machine
+    assert result.returncode == 1
+    named = [line for line in result.stdout.splitlines() if line.startswith("  SKIPPED")]
+    assert len(named) == 3 and all("GPUs" in line for line in named)
+    assert check_skips(tmp_path, EXPECTED_LOG, 8).returncode == 1
+
+
+@pytest.mark.parametrize("reason", ["needs a CUDA GPU", "needs a GPU",
+                                    "this Triton has no direct-launch support; every launch is "
+                                    "Triton's own",
+                                    "no GPU and TRITON_INTERPRET is not set",
+                                    "the +cpu pin applies to Linux x86_64",
+                                    "needs 1 GPUs"])
+def test_skip_check_fails_and_names_an_unexpected_reason(tmp_path, reason):
+    log = EXPECTED_LOG.replace("63 skipped", "65 skipped").replace(
+        "2504 passed", f"SKIPPED [2] tests/test_x.py:7: {reason}\n2504 passed")
+    result = check_skips(tmp_path, log, 1)
+    assert result.returncode == 1
+    assert "tests FAILED: skipped for a reason not expected" in result.stdout
+    named = [line for line in result.stdout.splitlines() if line.startswith("  SKIPPED")]
+    assert named == [f"  SKIPPED [2] tests/test_x.py:7: {reason}"]
+
+
+def test_skip_check_without_reasons_fails(tmp_path):
+    """pytest run without -rs: skips counted but no reasons to check."""
+    result = check_skips(tmp_path, "...s..\n5 passed, 1 skipped in 1.00s\n", 1)
+    assert result.returncode == 1 and "run pytest with -rs" in result.stdout
+
+
+@pytest.mark.parametrize("log", ["", "...\n3 passed in 0.50s\ntests rc=0\n",
+                                 "=== 3 passed, 1 deselected in 0.50s ===\n"])
+def test_skip_check_with_no_skips_passes(tmp_path, log):
+    assert check_skips(tmp_path, log, 1).returncode == 0
+
+
+def test_skip_check_reads_colour_and_unfolded_lines(tmp_path):
+    log = ("\x1b[33mSKIPPED\x1b[0m [1] tests/test_a.py:3: needs a CUDA GPU\n"
+           "SKIPPED tests/test_b.py::test_x[bf16] - needs Triton's interpreter\n"
+           "SKIPPED tests/test_b.py::test_y - needs a GPU\r\n"
+           "\x1b[32m5 passed\x1b[0m, \x1b[33m3 skipped\x1b[0m in 1.00s\n")
+    result = check_skips(tmp_path, log, 1)
+    assert result.returncode == 1
+    named = [line.strip() for line in result.stdout.splitlines() if line.startswith("  SKIPPED")]
+    assert named == ["SKIPPED [1] tests/test_a.py:3: needs a CUDA GPU",
+                     "SKIPPED tests/test_b.py::test_y - needs a GPU"]
+
+
+def test_skip_check_on_the_recorded_gpu_logs(tmp_path):
+    for name, gpus_ok, gpus_bad in [("gpu_tests_2026-11-30.txt", 1, 2),
+                                    ("symm_gpu_tests.txt", 1, 2)]:
+        path = os.path.join(BENCH, "results", name)
+        ok = subprocess.run(["bash", SESSION, "--check-skips", path, str(gpus_ok)],
+                            capture_output=True, text=True)
+        bad = subprocess.run(["bash", SESSION, "--check-skips", path, str(gpus_bad)],
+                             capture_output=True, text=True)
+        assert (ok.returncode, bad.returncode) == (0, 1), (name, ok.stdout, bad.stdout)
+
+
+def test_skip_check_usage_errors(tmp_path):
+    for args in ([], ["log", "two"], ["a", "1", "x"]):
+        result = subprocess.run(["bash", SESSION, "--check-skips", *args], capture_output=True,
+                                text=True)
+        assert result.returncode == 2 and "usage" in result.stderr
+    missing = subprocess.run(["bash", SESSION, "--check-skips", str(tmp_path / "none"), "1"],
+                             capture_output=True, text=True)
+    assert missing.returncode == 1 and "cannot read" in missing.stdout
+
+
+# ---------------------------------------------------------------- gpu_session.sh, whole session
+
+def _write(path, text, mode=0o755):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(mode)
+
+
+@pytest.fixture
+def session(tmp_path):
+    """gpu_session.sh in a stand-in checkout: scripts/test.sh prints a canned
+    pytest log, bench.sh records its arguments, setup_env.sh names a stand-in
+    python that reports FAKE_GPUS GPUs, and nvidia-smi is on PATH."""
+    repo = tmp_path / "repo"
+    _write(repo / "scripts" / "gpu_session.sh", open(SESSION).read())
+    _write(repo / "scripts" / "test.sh",
+           'echo "test.sh $*" > "$OUT/test_args"; cat "$FAKE_TEST_LOG"; exit "$FAKE_TEST_RC"\n')
+    _write(repo / "scripts" / "bench.sh",
+           'echo "bench.sh $*"\n'
+           'case "$*" in *--host-breakdown*) printf "table\\ncProfile of\\nprofile line\\n"\n'
+           '                                 exit "$FAKE_HOST_RC" ;; esac\n'
+           'exit "$FAKE_BENCH_RC"\n')
+    _write(repo / "scripts" / "setup_env.sh", f'echo {tmp_path / "bin" / "python"}\n')
+    _write(tmp_path / "bin" / "python",
+           '#!/bin/sh\ncase "$*" in *device_count*) echo "$FAKE_GPUS" ;; *) echo "torch triton" ;;'
+           ' esac\n')
+    _write(tmp_path / "bin" / "nvidia-smi", "#!/bin/sh\necho GPU 0: H200\n")
+    log = tmp_path / "pytest.log"
+    log.write_text(EXPECTED_LOG)
+
+    def run(*args, gpus=1, test_rc=0, bench_rc=0, host_rc=0, log_text=None):
+        if log_text is not None:
+            log.write_text(log_text)
+        out = tmp_path / "out"
+        env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", OUT=str(out),
+                   FAKE_TEST_LOG=str(log), FAKE_TEST_RC=str(test_rc), FAKE_GPUS=str(gpus),
+                   FAKE_BENCH_RC=str(bench_rc), FAKE_HOST_RC=str(host_rc))
+        result = subprocess.run(["bash", str(repo / "scripts" / "gpu_session.sh"), *args],
+                                env=env, capture_output=True, text=True, timeout=60)
+        return result, out
+
+    return run
+
+
+def test_session_passes(session):
+    result, out = session("--tokens", "1", "4")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all steps passed" in result.stdout
+    assert (out / "test_args").read_text().split()[1:3] == ["-rs", "-p"]
+    assert (out / "bench.log").read_text() == f"bench.sh --out {out} --tokens 1 4\n"
+    assert "--host-breakdown" in (out / "host.log").read_text()
+    assert "table\ncProfile of\n" in result.stdout
+    assert "profile line" not in result.stdout  # the host table only, not the profile
+    assert "skips checked: all 63 expected" in (out / "tests.log").read_text()
+
+
+def test_session_fails_on_an_unexpected_skip_and_still_runs_the_rest(session):
+    log = EXPECTED_LOG.replace("2504 passed", "SKIPPED [4] tests/test_ops.py:9: needs a CUDA GPU\n"
+                               "2504 passed").replace("63 skipped", "67 skipped")
+    result, out = session(log_text=log)
+    assert result.returncode == 1
+    assert "  SKIPPED [4] tests/test_ops.py:9: needs a CUDA GPU" in result.stdout
+    assert "FAILED: tests (logs in" in result.stdout
+    assert (out / "bench.log").exists() and (out / "host.log").exists()
+    assert "needs a CUDA GPU" in (out / "tests.log").read_text().split("tests rc=")[-1]
+
+
+@pytest.mark.parametrize("kw, failed", [({"test_rc": 1}, "tests"), ({"gpus": 0}, "tests"),
+                                        ({"bench_rc": 3}, "bench"), ({"host_rc": 1}, "host"),
+                                        ({"gpus": 2}, "tests")])
+def test_session_names_the_failed_step(session, kw, failed):
+    result, _ = session(**kw)
+    assert result.returncode == 1
+    assert f"gpu_session: FAILED: {failed} (logs in" in result.stdout

@@ -8,6 +8,7 @@ legal under CUDA-graph capture, and they also run in the fake
 implementations so that torch.compile reports bad calls at trace time.
 """
 
+import itertools
 from typing import Optional
 
 import torch
@@ -153,6 +154,21 @@ def byte_extent(t: Optional[torch.Tensor]) -> int:
         return 0
     last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     return (last + 1) * t.element_size()
+
+
+_PAIRS = {n: tuple(itertools.combinations(range(n), 2)) for n in range(2, 9)}
+
+
+def spans_meet(starts, extents) -> bool:
+    """Whether any two of the byte ranges ``[starts[i], starts[i] + extents[i])``
+    intersect; empty ranges (extent 0) meet nothing. On addresses, not tensors:
+    the eager paths' per-call aliasing pre-check (up to 8 ranges), which sends a
+    call to the full :func:`check_aliasing` only when two ranges do meet."""
+    for i, j in _PAIRS[len(starts)]:
+        if (starts[i] < starts[j] + extents[j] and starts[j] < starts[i] + extents[i]
+                and extents[i] and extents[j]):
+            return True
+    return False
 
 
 def _span(t: Optional[torch.Tensor]):

@@ -332,12 +332,10 @@ class SymmAllReduceCapture:
 
     def _ranges_meet(self, ptrs, extents, out_is_partial: bool) -> bool:
         """Whether two argument byte ranges intersect (out == partial excepted),
-        or one meets this rank's symmetric buffer: sorted by start, any range
-        reaching past the next one's start."""
-        spans = sorted([(p, p + e) for i, (p, e) in enumerate(zip(ptrs, extents))
-                        if e and not (i == 3 and out_is_partial)]
-                       + [(self._buffer_addr, self._buffer_addr + self._buffer_bytes)])
-        return any(spans[k][1] > spans[k + 1][0] for k in range(len(spans) - 1))
+        or one meets this rank's symmetric buffer."""
+        if out_is_partial:
+            extents = extents[:3] + (0,) + extents[4:]
+        return _checks.spans_meet((*ptrs, self._buffer_addr), (*extents, self._buffer_bytes))
 
     def _nccl_path(self, partial, residual, weight, eps, aux, slot, out, norm_fp32_sum):
         # Reduce into `out` (partial itself by default); the collective needs a

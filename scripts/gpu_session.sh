@@ -10,6 +10,9 @@
 #   tests  scripts/test.sh -rs > tests.log. Fails when pytest fails, or when a
 #          test was skipped for a reason a GPU machine should not show (see
 #          EXPECTED_SKIPS below; the message names each such skip).
+#          TEST_WORKERS=N runs it on N pytest-xdist workers (the whole suite
+#          then fits one 600 s device call; the timing figures come from the
+#          bench step, which runs alone).
 #   bench  scripts/bench.sh (benchmarks/capture_latency.py) > bench.log
 #   host   capture_latency.py --host-breakdown > host.log (host time per call,
 #          layer by layer down the eager call stack)
@@ -108,8 +111,18 @@ visible_gpus() {
 }
 
 tests_step() {
-    local rc gpus verdict
-    bash scripts/test.sh -rs -p no:logging -p no:cacheprovider > "$OUT/tests.log" 2>&1
+    local rc gpus verdict workers=()
+    # TEST_WORKERS=N: N pytest-xdist workers, a test file per worker (--dist
+    # loadfile keeps a file's GPU tests in one process, in order).
+    if [[ -n ${TEST_WORKERS:-} ]]; then
+        if "$PY" -c "import xdist" 2> /dev/null; then
+            workers=(-n "$TEST_WORKERS" --dist loadfile)
+        else
+            say "TEST_WORKERS=$TEST_WORKERS but pytest-xdist is not installed: one process"
+        fi
+    fi
+    bash scripts/test.sh -rs -p no:logging -p no:cacheprovider "${workers[@]}" \
+        > "$OUT/tests.log" 2>&1
     rc=$?
     echo "tests rc=$rc" >> "$OUT/tests.log"
     tail -n 5 "$OUT/tests.log"

@@ -171,6 +171,25 @@ def test_ranges_overlap():
     assert not ranges_overlap(buf, torch.zeros_like(buf))
 
 
+def test_spans_meet_against_every_pair():
+    """The eager paths' per-call pre-check (addresses only) agrees with a brute
+    pairwise test on random layouts of 2-8 ranges, empty ones included."""
+    import random
+    from eagle_capture._checks import spans_meet
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.randint(2, 8)
+        starts = [rng.randrange(0, 200) for _ in range(n)]
+        extents = [rng.choice((0, rng.randrange(1, 40))) for _ in range(n)]
+        brute = any(extents[i] and extents[j] and starts[i] < starts[j] + extents[j]
+                    and starts[j] < starts[i] + extents[i]
+                    for i in range(n) for j in range(i + 1, n))
+        assert spans_meet(starts, extents) == brute, (starts, extents)
+    assert not spans_meet((0, 16), (16, 16))        # adjacent
+    assert spans_meet((0, 15), (16, 16))
+    assert not spans_meet((4, 0), (0, 16))          # an empty range inside another
+
+
 def _aliasing_cases():
     """(id, factory -> (guarded tensor, op, args), message). Cross-tensor cases are
     also run after a valid call of the same signature (memoised validation), with

@@ -64,9 +64,9 @@ from typing import Callable
 import torch
 
 import eagle_capture as ec
-from eagle_capture.bench import (graph_steps, host_us_per_call, measure_copy_graph,
-                                 measure_copy_roofline, measure_write_floor, rotation_sets,
-                                 time_events, time_graph_replay)
+from eagle_capture.bench import (add_graph_timing_arguments, graph_steps, host_us_per_call,
+                                 measure_copy_graph, measure_copy_roofline, measure_write_floor,
+                                 rotation_sets, time_events, time_graph_replay)
 from eagle_capture.ops import pdl_enabled
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -857,13 +857,10 @@ def parse_args(argv=None):
                    help="which paths to run, as letters (default abcdefghi; g and h on a GPU "
                         "only, h only where liger-kernel is installed)")
     p.add_argument("--reps", type=int, default=100, help="eager repetitions per point")
-    p.add_argument("--replays", type=int, default=30, help="graph replays per point")
-    p.add_argument("--steps-per-graph", type=int, default=8,
-                   help="at least this many steps per CUDA graph (default 8; more where more "
-                        "buffer sets rotate, fewer only where kept outputs would not fit)")
-    p.add_argument("--rotate-l2", type=float, default=4,
-                   help="rotate buffer sets totalling this many L2 sizes (default 4; 0: "
-                        "one set, warm cache)")
+    add_graph_timing_arguments(
+        p, replays=30, one_set_note="one set",
+        steps_note="more where more buffer sets rotate, fewer only where kept outputs would "
+                   "not fit")
     p.add_argument("--pdl", choices=["env", "on", "off", "both"], default="env",
                    help=f"PDL for our kernel's launches: as {PDL_ENV} says (default: on "
                         "unless it is 0), on, off, or both in turn and compared; on / off / "

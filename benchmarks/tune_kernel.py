@@ -49,7 +49,8 @@ from typing import Optional
 import torch
 import triton
 
-from eagle_capture.bench import measure_copy_roofline, rotation_sets, time_graph_replay
+from eagle_capture.bench import (add_graph_timing_arguments, measure_copy_roofline,
+                                 rotation_sets, time_graph_replay)
 from eagle_capture.kernels import HAS_PDL, add_rmsnorm_capture_kernel, launch_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -167,9 +168,11 @@ def launch(v: Variant, shape: tuple, inputs: BufferSet, aux: torch.Tensor, slot:
     normed = inputs.normed if v.out_of_place else h
     res_out = inputs.res_out if v.out_of_place else r
     add_rmsnorm_capture_kernel[(h.shape[0], col_blocks)](
-        h, r, inputs.w, normed, res_out, aux, h.shape[1], EPS,
-        h.stride(0), r.stride(0), normed.stride(0), res_out.stride(0),
-        aux.stride(0), slot * aux.stride(1),
+        hidden_ptr=h, residual_ptr=r, weight_ptr=inputs.w, normed_out_ptr=normed,
+        residual_out_ptr=res_out, aux_ptr=aux, hidden_size=h.shape[1], eps=EPS,
+        stride_hidden=h.stride(0), stride_residual=r.stride(0),
+        stride_normed_out=normed.stride(0), stride_residual_out=res_out.stride(0),
+        stride_aux_row=aux.stride(0), aux_slot_offset=slot * aux.stride(1),
         HAS_RESIDUAL=True, APPLY_NORM=kind.apply_norm, STORE_RESIDUAL=kind.store_residual,
         CAPTURE=kind.capture, BLOCK_H=block_h, USE_PDL=v.pdl,
         NORM_FP32_SUM=kind.norm_fp32_sum, num_warps=num_warps,
@@ -298,13 +301,8 @@ def parse_args(argv=None):
                    help=f"T values (default {' '.join(map(str, DEFAULT_TOKENS))})")
     p.add_argument("--only", nargs="+", metavar="NAME",
                    help="run only these variants of the sweep (names as --list prints them)")
-    p.add_argument("--replays", type=int, default=30, help="graph replays per cell (default 30)")
-    p.add_argument("--steps-per-graph", type=int, default=8,
-                   help="at least this many steps per CUDA graph (default 8; every buffer set "
-                        "once where there are more)")
-    p.add_argument("--rotate-l2", type=float, default=4,
-                   help="rotate buffer sets totalling this many L2 sizes (default 4; 0: one "
-                        "set per launch of a step, warm cache)")
+    add_graph_timing_arguments(p, replays=30, one_set_note="one set per launch of a step",
+                               steps_note="every buffer set once where there are more")
     p.add_argument("--list", action="store_true",
                    help="print the sweep's variants and launch settings and exit (no GPU needed)")
     args = p.parse_args(argv)

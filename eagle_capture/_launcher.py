@@ -25,13 +25,19 @@ launcher object. The eager ops keep it in their memo entry and pass integer
 device addresses, which the C launcher takes as they are (for a tensor it
 calls ``data_ptr()`` and checks the pointer, per argument).
 
+:class:`KernelSignature` binds a kernel's arguments by parameter name: the ops
+and the all-reduce object give every argument by name and get the positional
+list (or a per-call template over addresses) from it, so no caller knows a
+position and a new kernel parameter breaks loudly (TypeError) in one place.
+
 Measured on the H200 machine (Triton 3.6, T = 1; benchmarks/NOTES.md):
 Triton's entry point 18.7 us per launch, its raw launcher 6.5 us with tensors
 and 5.5 us with integer addresses, torch.add 6.2 us.
 """
 
 import inspect
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+import operator
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import triton
@@ -69,6 +75,65 @@ def hooks_active() -> bool:
     through Triton's own entry point so the profiler sees them."""
     return (_hook_active(_knobs.runtime.launch_enter_hook)
             or _hook_active(_knobs.runtime.launch_exit_hook))
+
+
+class KernelSignature:
+    """A ``triton.jit`` kernel's parameters, by name: the one place that turns
+    a call's arguments -- given by parameter name -- into the positional list
+    that Triton's launchers take. Callers never know a position: Triton's own
+    entry point takes keywords, and the direct launches get their argument list
+    from :meth:`bind` or a :meth:`template`."""
+
+    def __init__(self, kernel) -> None:
+        parameters = inspect.signature(getattr(kernel, "fn", kernel)).parameters
+        self.params = tuple(parameters)
+        self.defaults = {name: p.default for name, p in parameters.items()
+                         if p.default is not inspect.Parameter.empty}
+        self._in_order = operator.itemgetter(*self.params)
+
+    def bind(self, values: Mapping[str, Any]) -> tuple:
+        """``values`` in the kernel's parameter order, defaults filled in;
+        TypeError naming unknown and missing parameters."""
+        if len(values) == len(self.params):
+            try:
+                return self._in_order(values)   # every parameter given (the launches here)
+            except KeyError:
+                pass
+        unknown = sorted(values.keys() - set(self.params))
+        missing = [p for p in self.params if p not in values and p not in self.defaults]
+        if unknown or missing:
+            raise TypeError(f"eagle_capture: kernel arguments do not match the kernel's "
+                            f"signature (unknown {unknown}, missing {missing})")
+        return self._in_order({**self.defaults, **values})
+
+    def template(self, sources: Mapping[str, int],
+                 values: Mapping[str, Any]) -> tuple[Callable[[Sequence], tuple], tuple]:
+        """``(head, tail)`` such that ``(*head(pointers), *tail)`` is the bound
+        argument list of a call whose pointer parameters take ``pointers[sources[p]]``
+        (a sequence of tensors or addresses) and every other parameter its
+        ``values`` entry: the eager fast paths' per-call argument list, built
+        from addresses with no name lookup. When the pointer parameters lead the
+        signature, head just picks them and tail is the rest."""
+        bound = dict(zip(self.params, self.bind({**values, **{p: None for p in sources}})))
+        fixed = [p for p in self.params if p not in sources]
+        lead = self.params[:len(self.params) - len(fixed)]
+        if all(p in sources for p in lead):
+            return tuple_getter(sources[p] for p in lead), tuple(bound[p] for p in fixed)
+        width = max(sources.values()) + 1
+        where = dict(sources)
+        where.update((p, width + i) for i, p in enumerate(fixed))
+        gather = operator.itemgetter(*(where[p] for p in self.params))
+        rest = [bound[p] for p in fixed]
+        return (lambda pointers: gather([*pointers[:width], *rest])), ()
+
+
+def tuple_getter(indices) -> Callable[[Sequence], tuple]:
+    """A tuple of the items at ``indices`` (a tuple even for one index)."""
+    indices = tuple(indices)
+    if len(indices) == 1:
+        (i,) = indices
+        return lambda items: (items[i],)
+    return operator.itemgetter(*indices)
 
 
 class DirectLaunch(NamedTuple):
@@ -145,7 +210,7 @@ class CachedLauncher:
 
     def cached_keys(self) -> list:
         """The specialisation keys that hold a DirectLaunch, oldest first
-        (diagnostics: benchmarks/host_overhead.py)."""
+        (diagnostics: capture_latency.py --host-breakdown)."""
         return list(self._compiled)
 
     def __call__(self, grid: tuple[int, int], args: Sequence[Any], key: Any, num_warps: int,

@@ -170,3 +170,15 @@ def host_us_per_call(fn: Callable[[], object], calls: int, *, warmup: int,
         if sync:
             torch.cuda.synchronize()
     return summary(samples)
+
+
+def add_graph_timing_arguments(parser, *, replays: int, steps_note: str, one_set_note: str) -> None:
+    """The CUDA-graph timing options every benchmark script takes: --replays,
+    --steps-per-graph and --rotate-l2 (see :func:`rotation_sets`, :func:`graph_steps`)."""
+    parser.add_argument("--replays", type=int, default=replays,
+                        help=f"graph replays per point (default {replays})")
+    parser.add_argument("--steps-per-graph", type=int, default=8,
+                        help=f"at least this many steps per CUDA graph (default 8; {steps_note})")
+    parser.add_argument("--rotate-l2", type=float, default=4,
+                        help=f"rotate buffer sets totalling this many L2 sizes (default 4; 0: "
+                             f"{one_set_note}, warm cache)")

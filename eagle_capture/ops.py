@@ -26,7 +26,8 @@ mutates, its checker); the registered op's body, its CPU implementation and
 the eager fast path (memo key, pointer template, launch plan) are all derived
 from the spec. The kernel's arguments are bound by *parameter name*, read from
 the kernel's signature, in one place (:func:`_kernel_arguments`,
-:func:`_bind`): no code here knows an argument's position.
+:class:`~eagle_capture._launcher.KernelSignature`): no code here knows an
+argument's position.
 
 Each op is a ``torch.library.triton_op``: torch.compile sees the Triton
 kernel (Inductor can schedule it; no graph break), and the same body runs a
@@ -53,7 +54,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import operator
 import os
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
@@ -61,7 +61,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from . import _checks
-from ._launcher import CachedLauncher, hooks_active
+from ._launcher import CachedLauncher, KernelSignature, hooks_active, tuple_getter
 from .kernels import HAS_PDL, add_rmsnorm_capture_kernel, launch_config
 
 __all__ = [
@@ -78,11 +78,8 @@ __all__ = [
 # The kernel's arguments, by name (CUDA, or CPU tensors under TRITON_INTERPRET=1)
 # ----------------------------------------------------------------------------
 
-_KERNEL_SIGNATURE = inspect.signature(add_rmsnorm_capture_kernel.fn)
-_KERNEL_PARAMS = tuple(_KERNEL_SIGNATURE.parameters)
-_KERNEL_DEFAULTS = {name: p.default for name, p in _KERNEL_SIGNATURE.parameters.items()
-                    if p.default is not inspect.Parameter.empty}
-_IN_KERNEL_ORDER = operator.itemgetter(*_KERNEL_PARAMS)
+_KERNEL = KernelSignature(add_rmsnorm_capture_kernel)
+_KERNEL_PARAMS = _KERNEL.params
 
 
 def _pointer_arguments(hidden, residual=None, weight=None, normed_out=None, residual_out=None,
@@ -140,22 +137,6 @@ def _kernel_arguments(hidden, residual=None, weight=None, normed_out=None, resid
     return (num_tokens, col_blocks), values, num_warps
 
 
-def _bind(values: Mapping[str, Any]) -> tuple:
-    """The kernel's positional arguments: ``values`` in the order of its
-    signature (the one place that knows that order), defaults filled in."""
-    if len(values) == len(_KERNEL_PARAMS):
-        try:
-            return _IN_KERNEL_ORDER(values)  # every parameter given (the launches here)
-        except KeyError:
-            pass
-    unknown = sorted(values.keys() - set(_KERNEL_PARAMS))
-    missing = [p for p in _KERNEL_PARAMS if p not in values and p not in _KERNEL_DEFAULTS]
-    if unknown or missing:
-        raise TypeError(f"eagle_capture: kernel arguments do not match the kernel's signature "
-                        f"(unknown {unknown}, missing {missing})")
-    return _IN_KERNEL_ORDER({**_KERNEL_DEFAULTS, **values})
-
-
 @functools.lru_cache(maxsize=None)
 def pdl_enabled(device_index: int) -> bool:
     """Whether eager launches on this CUDA device use programmatic dependent
@@ -204,7 +185,7 @@ def _launch(call: Mapping[str, Any], wrap=None) -> None:
         return  # a zero-size grid is not a valid launch
     use_pdl = wrap is None and hidden.is_cuda and pdl_enabled(hidden.device.index)
     grid, values, num_warps = _kernel_arguments(**call, use_pdl=use_pdl)
-    args = _bind(values)
+    args = _KERNEL.bind(values)
     kernel = add_rmsnorm_capture_kernel if wrap is None else wrap(add_rmsnorm_capture_kernel)
     # Triton launches on the *current* device: tensors on another GPU would be read at
     # illegal addresses. The registered ops (the dispatcher path) may be called so;
@@ -404,8 +385,8 @@ class OpSpec:
             raise TypeError(f"eagle_capture: op spec {self.name}: " + "; ".join(problems))
         index = {p: i for i, p in enumerate(self.params)}
         set_ = functools.partial(object.__setattr__, self)
-        set_("tensors_of", _getter(index[t] for t in self.tensors))
-        set_("scalars_of", _getter(index[s] for s in scalars))
+        set_("tensors_of", tuple_getter(index[t] for t in self.tensors))
+        set_("scalars_of", tuple_getter(index[s] for s in scalars))
         # Each role's position in tensors_of(args): the eager pointer template.
         set_("positions", {role: self.tensors.index(arg) for role, arg in self.pointers.items()})
         roles = [(role, index[arg]) for role, arg in self.pointers.items()]
@@ -415,15 +396,6 @@ class OpSpec:
         """The call ``args`` (schema order) by pointer role and scalar name:
         what :func:`_kernel_arguments` and :func:`_torch_impl` take."""
         return {name: args[i] for name, i in self._named}
-
-
-def _getter(indices) -> Callable[[tuple], tuple]:
-    """A tuple of the items at ``indices`` (a tuple even for one index)."""
-    indices = tuple(indices)
-    if len(indices) == 1:
-        (i,) = indices
-        return lambda args: (args[i],)
-    return operator.itemgetter(*indices)
 
 
 _NORM_PARAMS = ("hidden_states", "residual", "weight", "eps")
@@ -593,7 +565,7 @@ class _EagerPlan(NamedTuple):
     arguments are ``(*head(pointers), *tail)``, where ``pointers`` are the call's
     tensors (or their addresses) in ``spec.tensors`` order."""
     grid: tuple
-    head: Callable      # the pointer template (see _template)
+    head: Callable      # the pointer template (KernelSignature.template)
     tail: tuple
     num_warps: int
     device_index: Optional[int]  # None for CPU tensors (kernel_on_cpu)
@@ -601,36 +573,17 @@ class _EagerPlan(NamedTuple):
     use_pdl: bool
 
 
-def _template(params: tuple, sources: Mapping[str, int], values: Mapping[str, Any],
-              num_pointers: int) -> tuple:
-    """(head, tail) with ``(*head(pointers), *tail)`` the arguments of a kernel
-    with parameters ``params``: ``sources`` gives each pointer parameter's index
-    into ``pointers`` (a sequence of ``num_pointers``), ``values`` every other
-    parameter's value. When the pointer parameters lead the signature (this
-    kernel), head picks just them and tail is the rest (the per-call cost of a
-    hand-written map); otherwise head builds the whole argument list."""
-    fixed = [p for p in params if p not in sources]
-    lead = params[:len(params) - len(fixed)]
-    if all(p in sources for p in lead):
-        return _getter(sources[p] for p in lead), tuple(values[p] for p in fixed)
-    where = dict(sources)
-    where.update((p, num_pointers + i) for i, p in enumerate(fixed))
-    gather = operator.itemgetter(*(where[p] for p in params))
-    rest = [values[p] for p in fixed]
-    return (lambda pointers: gather([*pointers, *rest])), ()
-
-
 def _eager_plan(spec: OpSpec, args: tuple) -> _EagerPlan:
     call = spec.call(args)
     device_index = call["hidden"].device.index   # None for CPU tensors (kernel_on_cpu)
     use_pdl = call["hidden"].is_cuda and pdl_enabled(device_index)
     grid, values, num_warps = _kernel_arguments(**call, use_pdl=use_pdl)
-    values = dict(zip(_KERNEL_PARAMS, _bind(values)))  # checked against the signature
+    values = dict(zip(_KERNEL_PARAMS, _KERNEL.bind(values)))  # checked against the signature
     # The launch's pointer binding applied to positions: which of the call's
     # tensors each pointer argument is (an absent role resolves as in a launch).
     sources = _pointer_arguments(**{role: spec.positions[role] for role in spec.pointers
                                     if call[role] is not None})
-    head, tail = _template(_KERNEL_PARAMS, sources, values, len(spec.tensors))
+    head, tail = _KERNEL.template(sources, values)
     # Triton specialises pointers on dtype (alignment: CachedLauncher's `aligned`)
     # and ints on value; it does not specialise floats (eps).
     key = (device_index, tuple(values[p].dtype for p in sources),

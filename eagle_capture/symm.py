@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from . import _checks, ops
-from ._launcher import CachedLauncher, hooks_active
+from ._launcher import CachedLauncher, KernelSignature, hooks_active
 # The path table lives in its own module; re-exported here, where callers look.
 from .allreduce_paths import (DEFAULT_ONE_SHOT_MAX_TOKENS, PATHS, TABLE_ENV, TABLE_FORMAT,  # noqa: F401
                               PathTable, default_one_shot_max_tokens)
@@ -82,6 +82,7 @@ def ensure_multicast_disabled() -> None:
 _INSTANCES: "weakref.WeakValueDictionary[str, SymmAllReduceCapture]" = weakref.WeakValueDictionary()
 _NAMES = itertools.count()
 _launch = CachedLauncher(lamport_allreduce_add_rmsnorm_capture_kernel)
+_KERNEL = KernelSignature(lamport_allreduce_add_rmsnorm_capture_kernel)
 
 
 class SymmAllReduceCapture:
@@ -320,14 +321,19 @@ class SymmAllReduceCapture:
                 and not hooks_active():
             direct.launch(entry.grid_x, 1, 1,
                           torch._C._cuda_getCurrentRawStream(self.device.index), *direct.mid,
-                          self._ptr_table_addr, self._state_addr, ptrs[0], ptrs[1], ptrs[2],
-                          ptrs[3], ptrs[1], ptrs[4] or ptrs[1], *entry.scalars)
+                          *entry.head(ptrs), *entry.tail)
             return out
         launched = self._launch_one_shot(partial, residual, weight, eps, aux, slot, out,
                                          self.state, norm_fp32_sum)
-        if launched is not None:        # (DirectLaunch, grid x, arguments as addresses)
-            entry.direct, entry.grid_x = launched[0], launched[1]
-            entry.scalars = launched[2][8:]   # everything after the eight pointers
+        if launched is not None:        # (DirectLaunch, grid x, the launch's values by name)
+            entry.direct, entry.grid_x, values = launched
+            # The launch's argument list from the five call tensors' addresses (in
+            # `ptrs` order); the symmetric-buffer table and the state are this
+            # object's, so their addresses are fixed values.
+            sources = dict(partial_ptr=0, residual_ptr=1, weight_ptr=2, normed_out_ptr=3,
+                           residual_out_ptr=1, aux_ptr=4 if aux is not None else 1)
+            entry.head, entry.tail = _KERNEL.template(
+                sources, dict(values, ptr_table=self._ptr_table_addr, state_ptr=self._state_addr))
         return out
 
     def _ranges_meet(self, ptrs, extents, out_is_partial: bool) -> bool:
@@ -352,42 +358,51 @@ class SymmAllReduceCapture:
 
     def _launch_one_shot(self, partial, residual, weight, eps, aux, slot, out, state,
                          norm_fp32_sum, debug_spin: int = 0, debug_rank: int = -1):
-        """Launch the kernel; returns ``(DirectLaunch, grid x, arguments with
-        every tensor as its address)`` when the launcher holds a compiled
-        kernel for these arguments (the eager memo launches with it), else None."""
+        """Launch the kernel; returns ``(DirectLaunch, grid x, the kernel's
+        arguments by parameter name)`` when the launcher holds a compiled kernel
+        for these arguments (the eager memo launches with it), else None."""
         num_tokens = partial.shape[0]
-        aux_t = aux if aux is not None else residual
-        args = (self._ptr_table, state, partial, residual, weight, out, residual, aux_t,
-                num_tokens, self.hidden_size, self._rows, float(eps), self.rank,
-                partial.stride(0), residual.stride(0), out.stride(0), residual.stride(0),
-                aux.stride(0) if aux is not None else 0,
-                slot * aux.stride(1) if aux is not None else 0, self._timeout_ns, debug_rank)
-        constexprs = dict(WORLD_SIZE=self.world_size, CAPTURE=aux is not None,
-                          NORM_FP32_SUM=bool(norm_fp32_sum), USE_GLOBALTIMER=True,
-                          DEBUG_SPIN=int(debug_spin), BLOCK_H=self._block_h)
-        tensors = (partial, residual, weight, out, aux_t)
-        # The key fixes every argument Triton specialises: dtypes, the ints not in
-        # do_not_specialize (values), the constexprs; num_tokens/rank/rows vary freely.
-        key = (self.device.index, self.dtype, weight.dtype, out.dtype, self.hidden_size,
-               args[13:20], tuple(constexprs.items()))
+        values = dict(
+            partial_ptr=partial, residual_ptr=residual, weight_ptr=weight, normed_out_ptr=out,
+            residual_out_ptr=residual, aux_ptr=aux if aux is not None else residual,
+            ptr_table=self._ptr_table, state_ptr=state,
+            num_tokens=num_tokens, hidden_size=self.hidden_size, max_tokens=self._rows,
+            eps=float(eps), rank=self.rank, stride_partial=partial.stride(0),
+            stride_residual=residual.stride(0), stride_normed_out=out.stride(0),
+            stride_residual_out=residual.stride(0),
+            stride_aux_row=aux.stride(0) if aux is not None else 0,
+            aux_slot_offset=slot * aux.stride(1) if aux is not None else 0,
+            timeout_ns=self._timeout_ns, debug_rank=debug_rank,
+            WORLD_SIZE=self.world_size, CAPTURE=aux is not None,
+            NORM_FP32_SUM=bool(norm_fp32_sum), USE_GLOBALTIMER=True,
+            DEBUG_SPIN=int(debug_spin), BLOCK_H=self._block_h)
+        args = _KERNEL.bind(values)
+        tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
+        # The key fixes every argument Triton specialises: the pointers' dtypes and
+        # every int and constexpr by value (a superset), except num_tokens, which
+        # is not specialised and varies per call (the grid carries it); floats
+        # are not specialised.
+        key = (self.device.index, *(t.dtype for t in tensors),
+               *(v for p, v in values.items() if p != "num_tokens"
+                 and not isinstance(v, (torch.Tensor, float))))
         aligned = all(t.data_ptr() % 16 == 0 for t in tensors)
         grid_x = min(num_tokens, self.max_programs)
-        full_args = args + tuple(constexprs.values())
-        direct = _launch((grid_x, 1), full_args, key, self._num_warps, self.device.index, aligned)
+        direct = _launch((grid_x, 1), args, key, self._num_warps, self.device.index, aligned)
         if direct is None:
             return None
-        return direct, grid_x, tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
-                                     for a in full_args)
+        return direct, grid_x, values
 
 
 class _MemoEntry:
     """One validated eager call signature of :meth:`SymmAllReduceCapture.reduce_add_rmsnorm`."""
-    __slots__ = ("path", "extents", "ptrs", "direct", "grid_x", "scalars")
+    __slots__ = ("path", "extents", "ptrs", "direct", "grid_x", "head", "tail")
 
     def __init__(self, path: str, extents: tuple) -> None:
         self.path, self.extents = path, extents   # byte extents of the five tensor arguments
         self.ptrs = ()      # the addresses last found free of overlaps
-        self.direct, self.grid_x, self.scalars = None, 0, ()
+        # The cached launch: DirectLaunch, grid, and the argument template
+        # (``(*head(addresses of the five tensors), *tail)``).
+        self.direct, self.grid_x, self.head, self.tail = None, 0, None, ()
 
 
 @torch.library.custom_op("eagle_capture::allreduce_add_rmsnorm_capture",

@@ -159,14 +159,14 @@ def _debug_delay(state_ptr, error_ptr, DEBUG_SPIN: tl.constexpr, USE_GLOBALTIMER
 # max_tokens must stay a runtime int64-convertible value (a 1 would be a constexpr).
 @triton.jit(do_not_specialize=["rank", "debug_rank", "num_tokens", "max_tokens", "timeout_ns"])
 def lamport_allreduce_add_rmsnorm_capture_kernel(
-    ptr_table,            # int64[W + 1]: each rank's symmetric buffer, then the watchdog flag
-    state_ptr,            # int32[STATE_INTS], this rank's, device memory
-    partial_ptr,
+    partial_ptr,          # the call's tensors lead (the eager launch's argument template)
     residual_ptr,
     weight_ptr,
     normed_out_ptr,
     residual_out_ptr,
     aux_ptr,
+    ptr_table,            # int64[W + 1]: each rank's symmetric buffer, then the watchdog flag
+    state_ptr,            # int32[STATE_INTS], this rank's, device memory
     num_tokens,
     hidden_size,
     max_tokens,           # rows per sender slab of the symmetric buffer

@@ -484,28 +484,38 @@ def test_kernel_arguments_are_bound_by_the_kernels_parameter_names():
     _, values, _ = ops._kernel_arguments(h, r, w, normed_out=h, residual_out=r, aux=aux,
                                          eps=1e-6, slot=1)
     assert set(values) == set(names)
-    bound = ops._bind(values)
+    bound = ops._KERNEL.bind(values)
     assert bound == tuple(values[n] for n in names)
     assert bound[names.index("aux_ptr")] is aux and bound[names.index("residual_out_ptr")] is r
     assert bound[names.index("aux_slot_offset")] == 8
     # A parameter with a default may be left out; an unknown or missing one is refused.
     values.pop("NORM_FP32_SUM")
-    assert ops._bind(values)[names.index("NORM_FP32_SUM")] is False
+    assert ops._KERNEL.bind(values)[names.index("NORM_FP32_SUM")] is False
     with pytest.raises(TypeError, match=r"unknown \['bias_ptr'\]"):
-        ops._bind(dict(values, bias_ptr=h))
+        ops._KERNEL.bind(dict(values, bias_ptr=h))
     with pytest.raises(TypeError, match=r"missing \['eps'\]"):
-        ops._bind({k: v for k, v in values.items() if k != "eps"})
+        ops._KERNEL.bind({k: v for k, v in values.items() if k != "eps"})
 
 
 def test_pointer_template_for_any_parameter_order():
     """The eager pointer template is built from parameter names: with the
     pointers leading (the kernel) head picks them and tail is the rest; with
-    them anywhere else, head builds the whole argument list."""
+    them anywhere else, head builds the whole argument list. Defaults fill in."""
+    from eagle_capture._launcher import KernelSignature
+
+    def lead(a_ptr, b_ptr, n, FLAG=False): ...
+
+    def mixed(n, a_ptr, FLAG, b_ptr): ...
+
     sources = {"a_ptr": 1, "b_ptr": 0}
     values = {"n": 7, "FLAG": True}
-    head, tail = ops._template(("a_ptr", "b_ptr", "n", "FLAG"), sources, values, 2)
+    head, tail = KernelSignature(lead).template(sources, values)
     assert (*head(["B", "A"]), *tail) == ("A", "B", 7, True)
-    head, tail = ops._template(("n", "a_ptr", "FLAG", "b_ptr"), sources, values, 2)
+    head, tail = KernelSignature(lead).template(sources, {"n": 7})
+    assert (*head(["B", "A"]), *tail) == ("A", "B", 7, False)
+    head, tail = KernelSignature(mixed).template(sources, values)
     assert (*head(["B", "A"]), *tail) == (7, "A", True, "B")
-    head, tail = ops._template(("a_ptr", "n"), {"a_ptr": 2}, {"n": 3}, 3)
+    head, tail = KernelSignature(lambda a_ptr, n: None).template({"a_ptr": 2}, {"n": 3})
     assert (*head(["x", "y", "z"]), *tail) == ("z", 3)
+    with pytest.raises(TypeError, match=r"missing \['n'\]"):
+        KernelSignature(lead).template(sources, {})

@@ -140,11 +140,17 @@ def test_eager_memo_direct_launch_arguments(monkeypatch):
     (kind1, grid, first), (kind2, second) = calls
     assert kind1 == "triton" and kind2 == "direct" and grid == (3, 1)
     # The first launch's arguments with the second call's tensors in their places.
+    names = symm._KERNEL.params
+    pointers = {n for n in names if n.endswith("_ptr") or n == "ptr_table"}
     swap = {p1.data_ptr(): p2.data_ptr(), r1.data_ptr(): r2.data_ptr()}
-    expected = tuple(swap.get(a, a) if i < 8 else a for i, a in enumerate(first))
+    expected = tuple(swap.get(a, a) if n in pointers else a for n, a in zip(names, first))
     assert second == (3, 1, 1, 777, "function", "metadata") + expected
-    assert first[:8] == (ar._ptr_table_addr, ar._state_addr, p1.data_ptr(), r1.data_ptr(),
-                         w.data_ptr(), p1.data_ptr(), r1.data_ptr(), aux.data_ptr())
+    by_name = dict(zip(names, first))
+    assert {n: by_name[n] for n in pointers} == dict(
+        ptr_table=ar._ptr_table_addr, state_ptr=ar._state_addr, partial_ptr=p1.data_ptr(),
+        residual_ptr=r1.data_ptr(), weight_ptr=w.data_ptr(), normed_out_ptr=p1.data_ptr(),
+        residual_out_ptr=r1.data_ptr(), aux_ptr=aux.data_ptr())
+    assert (by_name["num_tokens"], by_name["rank"], by_name["aux_slot_offset"]) == (3, 1, 2 * H)
 
 
 def test_grad_requiring_tensors_are_refused(monkeypatch):

@@ -56,12 +56,15 @@ def _rank(rank, world, shared):
         for call, tokens in enumerate(CALL_TOKENS):
             aux, partial = auxes[rank][call], partials[call][rank]
             kernel[(min(tokens, PROGRAMS),)](
-                ptr_table, states[rank], partial, residuals[rank][call], weight,
-                outs[rank][call], residuals[rank][call], aux, tokens, H, ROWS, EPS, rank,
-                partial.stride(0), H, H, H, aux.stride(0), SLOT * aux.stride(1),
-                TIMEOUT_SPINS * 1000, SLOW_RANK, WORLD_SIZE=world, CAPTURE=True,
-                NORM_FP32_SUM=False, USE_GLOBALTIMER=False, DEBUG_SPIN=SLOW_SPIN,
-                BLOCK_H=64, num_warps=1)
+                partial_ptr=partial, residual_ptr=residuals[rank][call], weight_ptr=weight,
+                normed_out_ptr=outs[rank][call], residual_out_ptr=residuals[rank][call],
+                aux_ptr=aux, ptr_table=ptr_table, state_ptr=states[rank], num_tokens=tokens,
+                hidden_size=H, max_tokens=ROWS, eps=EPS, rank=rank,
+                stride_partial=partial.stride(0), stride_residual=H, stride_normed_out=H,
+                stride_residual_out=H, stride_aux_row=aux.stride(0),
+                aux_slot_offset=SLOT * aux.stride(1), timeout_ns=TIMEOUT_SPINS * 1000,
+                debug_rank=SLOW_RANK, WORLD_SIZE=world, CAPTURE=True, NORM_FP32_SUM=False,
+                USE_GLOBALTIMER=False, DEBUG_SPIN=SLOW_SPIN, BLOCK_H=64, num_warps=1)
             if flags[rank].item():
                 raise RuntimeError(f"rank {rank} call {call}: the watchdog gave up on a row")
     except Exception:

@@ -375,7 +375,7 @@ class SymmAllReduceCapture:
             timeout_ns=self._timeout_ns, debug_rank=debug_rank,
             WORLD_SIZE=self.world_size, CAPTURE=aux is not None,
             NORM_FP32_SUM=bool(norm_fp32_sum), USE_GLOBALTIMER=True,
-            DEBUG_SPIN=int(debug_spin), BLOCK_H=self._block_h)
+            DEBUG_SPIN=int(debug_spin), BLOCK_H=self._block_h, DEBUG_REVERSE_DISPATCH=False)
         args = _KERNEL.bind(values)
         tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
         # The key fixes every argument Triton specialises: the pointers' dtypes and

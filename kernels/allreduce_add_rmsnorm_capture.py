@@ -218,11 +218,6 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
     local = tl.multiple_of(tl.load(ptr_table + rank).to(tl.pointer_type(dtype)), 16)
     slab = max_tokens.to(tl.int64) * hidden_size          # elements per (buffer, sender)
     work64 = ticket.to(tl.int64)
-    # Dispatch is in index order in practice (ticket == pid): that row's load is
-    # issued before the ticket comes back, so the atomic's round trip overlaps
-    # it instead of adding to it (pid < G <= T: the row exists).
-    pid64 = pid.to(tl.int64)
-    x_at_pid = tl.load(partial_ptr + pid64 * stride_partial + cols, mask=mask, other=0.0)
 
     # The row loops are `while` loops: Triton 3.6's interpreter cannot take its
     # program id as a `range` bound under NumPy 2.5 (1-element arrays are not
@@ -230,10 +225,7 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
     # Push: this rank's rows into slab [cur][rank] of every rank's buffer.
     row64 = work64
     while row64 < num_tokens:
-        if row64 == pid64:      # only possible for the first row
-            x = x_at_pid
-        else:
-            x = tl.load(partial_ptr + row64 * stride_partial + cols, mask=mask, other=0.0)
+        x = tl.load(partial_ptr + row64 * stride_partial + cols, mask=mask, other=0.0)
         x = tl.where(_is_sentinel(x), 0.0, x).to(dtype)    # -0.0 is the "not arrived" mark
         for peer in tl.static_range(WORLD_SIZE):
             base = tl.multiple_of(tl.load(ptr_table + peer).to(tl.pointer_type(dtype)), 16)

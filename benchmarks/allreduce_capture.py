@@ -6,6 +6,7 @@ updated, the capture goes to slot 1 of a [T, 3, H] buffer):
 
   one-kernel    eagle_capture.symm one-shot Lamport kernel (all-reduce fused with add+RMSNorm+capture)
   one-kernel+wd the same with the opt-in watchdog on (only at --watchdog-tokens)
+  one-kernel+tk the same with rows taken by ticket (rows_by_ticket; only at --watchdog-tokens)
   nccl+fused    NCCL all-reduce, then eagle_capture.add_rmsnorm_capture
   symm1+fused   torch symm_mem one_shot_all_reduce (+ staging copy), then the fused op
   symm2+fused   torch symm_mem two_shot_all_reduce_ (in place, + staging copy), then the fused op
@@ -38,9 +39,12 @@ from eagle_capture import symm
 import eagle_capture as ec
 from eagle_capture.bench import host_us_per_call, time_graph_replay
 
-PATHS = ("one_kernel", "one_kernel_wd", "nccl_fused", "symm1_fused", "symm2_fused")
-LABELS = {"one_kernel": "one-kernel", "one_kernel_wd": "+watchdog", "nccl_fused": "nccl+fused",
-          "symm1_fused": "symm1+fused", "symm2_fused": "symm2+fused"}
+PATHS = ("one_kernel", "one_kernel_wd", "one_kernel_tk", "nccl_fused", "symm1_fused",
+         "symm2_fused")
+LABELS = {"one_kernel": "one-kernel", "one_kernel_wd": "+watchdog", "one_kernel_tk": "+ticket",
+          "nccl_fused": "nccl+fused", "symm1_fused": "symm1+fused", "symm2_fused": "symm2+fused"}
+# The one-kernel's opt-in variants: measured at --watchdog-tokens only, never "fastest".
+VARIANTS = ("one_kernel_wd", "one_kernel_tk")
 
 
 def fastest_ranges(rows, paths):
@@ -79,7 +83,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[2**i for i in range(12)])
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--steps-per-graph", type=int, default=16)
-    p.add_argument("--watchdog-tokens", type=int, nargs="*", default=[1, 8, 64])
+    p.add_argument("--watchdog-tokens", type=int, nargs="*", default=[1, 8, 64],
+                   help="T values at which the opt-in variants (+watchdog, +ticket) run")
     p.add_argument("--out", default=None, help="folder for allreduce_capture_w{W}.json")
     p.add_argument("--write-table", default=None, help="write the measured path table here")
     args = p.parse_args()
@@ -104,6 +109,9 @@ def main() -> int:
                                    table=no_table)
     ar_wd = symm.SymmAllReduceCapture(max(args.watchdog_tokens + [1]), H, dtype, device=device,
                                       one_shot_max_tokens=T_max, table=no_table, watchdog_s=10)
+    ar_tk = symm.SymmAllReduceCapture(max(args.watchdog_tokens + [1]), H, dtype, device=device,
+                                      one_shot_max_tokens=T_max, table=no_table,
+                                      rows_by_ticket=True)
     torch_buf = symm_mem.empty(T_max, H, dtype=dtype, device=device)
     symm_mem.rendezvous(torch_buf, dist.group.WORLD)
     group_name = dist.group.WORLD.group_name
@@ -121,6 +129,9 @@ def main() -> int:
         def one_kernel_wd():
             ar_wd.reduce_add_rmsnorm(partial, residual, weight, eps, aux, 1, norm_fp32_sum=True)
 
+        def one_kernel_tk():
+            ar_tk.reduce_add_rmsnorm(partial, residual, weight, eps, aux, 1, norm_fp32_sum=True)
+
         def nccl_fused():
             dist.all_reduce(partial)
             ec.add_rmsnorm_capture(partial, residual, weight, eps, aux, 1, norm_fp32_sum=True)
@@ -137,10 +148,11 @@ def main() -> int:
                                    norm_fp32_sum=True)
 
         fns = {"one_kernel": one_kernel, "one_kernel_wd": one_kernel_wd,
+               "one_kernel_tk": one_kernel_tk,
                "nccl_fused": nccl_fused, "symm1_fused": symm1_fused, "symm2_fused": symm2_fused}
         row = {"T": T}
         for name, fn in fns.items():
-            if name == "one_kernel_wd" and (T not in args.watchdog_tokens or T > ar_wd.max_tokens):
+            if name in VARIANTS and (T not in args.watchdog_tokens or T > ar_wd.max_tokens):
                 row[name] = None
                 continue
             dist.barrier()
@@ -168,7 +180,7 @@ def main() -> int:
             with open(os.path.join(args.out, f"allreduce_capture_w{world}.json"), "w") as f:
                 json.dump({"world_size": world, "hidden_size": H, "rows": rows,
                            "fastest": fastest_ranges(rows, [q for q in PATHS
-                                                            if q != "one_kernel_wd"]),
+                                                            if q not in VARIANTS]),
                            "host_us": host, "device": torch.cuda.get_device_name(),
                            "torch": torch.__version__,
                            "steps_per_graph": args.steps_per_graph, "replays": args.replays,
@@ -188,7 +200,7 @@ def report(rows, world, H, host) -> None:
     print(f"world size {world}, H = {H}, bf16; us per layer boundary "
           f"(graph replay median); the fastest of each row is marked *")
     print(f"{'T':>6} " + " ".join(f"{LABELS[k]:>12}" for k in PATHS) + f" {'nccl/one':>9}")
-    compared = [k for k in PATHS if k != "one_kernel_wd"]
+    compared = [k for k in PATHS if k not in VARIANTS]
     for r in rows:
         timed = {k: r[k] for k in compared if r.get(k) is not None}
         best = min(timed, key=timed.get) if timed else None

@@ -100,6 +100,12 @@ class SymmAllReduceCapture:
     path per T below the cap. ``watchdog_s`` (opt-in): a poll that waits longer
     gives up and every later call raises, instead of a silent hang when a peer
     never arrives; results of the call that tripped it are garbage.
+    ``rows_by_ticket`` (opt-in): programs take rows in the order they start (one
+    atomic each) instead of by program id, so the kernel makes progress whatever
+    order the GPU dispatches its programs in, also when only some of them fit
+    beside other work (MPS limits, green contexts); by program id it relies on
+    in-order dispatch (CUDA's practice, not its promise). Costs 0.3 - 0.5 us per
+    call at T <= 64 on 2 H200s (benchmarks/NOTES.md).
     """
 
     MEMO_ENTRIES = 256   # validated eager call signatures kept (cleared when full)
@@ -108,7 +114,8 @@ class SymmAllReduceCapture:
                  group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device] = None,
                  one_shot_max_tokens: Optional[int] = None,
-                 table=None, watchdog_s: Optional[float] = None) -> None:
+                 table=None, watchdog_s: Optional[float] = None,
+                 rows_by_ticket: bool = False) -> None:
         ensure_multicast_disabled()  # before torch's symmetric memory is touched
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -146,6 +153,7 @@ class SymmAllReduceCapture:
         # device address (unified addressing), so the host reads it without a sync.
         self._watchdog_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self._timeout_ns = int(watchdog_s * 1e9) if watchdog_s is not None else 0
+        self.rows_by_ticket = bool(rows_by_ticket)
         self._ptr_table = torch.tensor(list(self.handle.buffer_ptrs)
                                        + [self._watchdog_flag.data_ptr()],
                                        dtype=torch.int64, device=self.device)
@@ -375,7 +383,8 @@ class SymmAllReduceCapture:
             timeout_ns=self._timeout_ns, debug_rank=debug_rank,
             WORLD_SIZE=self.world_size, CAPTURE=aux is not None,
             NORM_FP32_SUM=bool(norm_fp32_sum), USE_GLOBALTIMER=True,
-            DEBUG_SPIN=int(debug_spin), BLOCK_H=self._block_h, DEBUG_REVERSE_DISPATCH=False)
+            DEBUG_SPIN=int(debug_spin), BLOCK_H=self._block_h,
+            ROWS_BY_TICKET=self.rows_by_ticket, DEBUG_REVERSE_DISPATCH=False)
         args = _KERNEL.bind(values)
         tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
         # The key fixes every argument Triton specialises: the pointers' dtypes and

@@ -45,20 +45,26 @@ the norm is of the unrounded fp32 ``h + residual``, as in the single-GPU
 kernel (FlashInfer / SGLang forward_native).
 
 Scheduling: the grid is G = min(T, max_programs), the same on every rank (T
-is the same under TP; max_programs is agreed across the group). Rows go to
-programs by *ticket*, not by program id: each program takes the next ticket
-(one relaxed atomic on ``state``) as it starts and handles rows ticket,
-ticket + G, ...; the last program to arrive resets the counter. The programs
-running on a rank at any moment therefore hold tickets 0 .. n-1, whatever
-order the GPU dispatched them in, and each has pushed its rows before it
-waits. If every running program on every rank were waiting, each rank's
-running tickets would all be below every other rank's count, so the counts
-would be equal and every awaited row already pushed: no deadlock with any
-dispatch order and any number >= 1 of co-resident programs per GPU (MPS
-limits, green contexts, a persistent kernel beside it). (With program ids,
-progress needed each GPU to dispatch in index order, which CUDA does in
-practice but does not promise.) For a rank that never arrives, the opt-in
-watchdog bounds every poll.
+is the same under TP; max_programs is agreed across the group). Program i
+handles rows i, i + G, ... and waits only for the same rows of its peers,
+after it has pushed its own. With G at most one program per SM all programs
+are co-resident on an idle GPU; when fewer SMs are available (MPS limits,
+green contexts, a persistent kernel beside it) the programs that do run are
+served by the same-index programs on the peers as long as each GPU
+dispatches programs in index order, which CUDA does in practice but does not
+promise.
+
+``ROWS_BY_TICKET`` removes that assumption: each program takes the next
+ticket (one relaxed atomic on ``state``) as it starts and handles rows
+ticket, ticket + G, ...; the last program to arrive resets the counter. The
+programs running on a rank then hold tickets 0 .. n-1 whatever order the GPU
+dispatched them in, and each has pushed its rows before it waits. If every
+running program on every rank were waiting, each rank's running tickets would
+all be below every other rank's count, so the counts would be equal and every
+awaited row already pushed: no deadlock with any dispatch order and any
+number >= 1 of co-resident programs per GPU. The atomic's round trip sits on
+the critical path (benchmarks/NOTES.md has the measured cost), so it is
+opt-in. For a rank that never arrives, the opt-in watchdog bounds every poll.
 
 Watchdog (``timeout_ns`` > 0): a poll that has waited longer than timeout_ns
 (``%globaltimer`` on the GPU; one poll ~ 1 us on the interpreter) sets the
@@ -74,7 +80,7 @@ clear, making it the slow rank on demand: the reuse race becomes certain.
 ``DEBUG_REVERSE_DISPATCH`` (tests only): on rank ``debug_rank`` the program
 ids are reversed -- what a GPU dispatching the highest index first would look
 like (Triton's interpreter runs programs in index order). The kernel must not
-depend on them for progress; with tickets it does not.
+depend on them for progress; with ``ROWS_BY_TICKET`` it does not.
 
 NVLink multicast is never used (no multimem instructions).
 """
@@ -85,7 +91,7 @@ import triton.language as tl
 from .add_rmsnorm_capture import add_rmsnorm_store_row
 
 NUM_BUFFERS = 3          # see the reuse argument in the module docstring
-STATE_INTS = 5           # epoch (mod NUM_BUFFERS), arrivals, T_prev, watchdog tripped, tickets
+STATE_INTS = 5   # epoch (mod NUM_BUFFERS), arrivals, T_prev, watchdog tripped, tickets taken
 # The same values as constexprs: a jit function may only read constexpr globals.
 _NUM_BUFFERS = tl.constexpr(NUM_BUFFERS)
 _EPOCH, _ARRIVED, _PREV_TOKENS, _TRIPPED, _TICKETS = (tl.constexpr(i) for i in range(STATE_INTS))
@@ -196,6 +202,7 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
     USE_GLOBALTIMER: tl.constexpr,
     DEBUG_SPIN: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    ROWS_BY_TICKET: tl.constexpr = False,
     DEBUG_REVERSE_DISPATCH: tl.constexpr = False,
 ):
     num_programs = tl.num_programs(0)
@@ -203,8 +210,12 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
     if DEBUG_REVERSE_DISPATCH:
         if rank == debug_rank:
             pid = num_programs - 1 - pid
-    # This program's rows by ticket (start order), not by pid: see "Scheduling".
-    ticket = tl.atomic_add(state_ptr + _TICKETS, 1, sem="relaxed", scope="gpu")
+    # This program's share of the rows: by program id, or by start order (see
+    # "Scheduling").
+    if ROWS_BY_TICKET:
+        first_row = tl.atomic_add(state_ptr + _TICKETS, 1, sem="relaxed", scope="gpu")
+    else:
+        first_row = pid
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden_size
     dtype = residual_ptr.dtype.element_ty
@@ -217,7 +228,7 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
     # pointer made from an integer stay scalar (2-byte) instead of 16-byte.
     local = tl.multiple_of(tl.load(ptr_table + rank).to(tl.pointer_type(dtype)), 16)
     slab = max_tokens.to(tl.int64) * hidden_size          # elements per (buffer, sender)
-    work64 = ticket.to(tl.int64)
+    work64 = first_row.to(tl.int64)
 
     # The row loops are `while` loops: Triton 3.6's interpreter cannot take its
     # program id as a `range` bound under NumPy 2.5 (1-element arrays are not
@@ -239,7 +250,7 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
 
     # Clear: this program's share of the previous call's rows, every sender.
     neg_zero = _neg_zeros(BLOCK_H, dtype)
-    i = ticket
+    i = first_row
     while i < prev_tokens * WORLD_SIZE:
         sender = i // prev_tokens
         row64 = (i - sender * prev_tokens).to(tl.int64)
@@ -275,6 +286,7 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
     arrived = tl.atomic_add(state_ptr + _ARRIVED, 1, sem="acq_rel", scope="gpu")
     if arrived == num_programs - 1:
         tl.store(state_ptr + _ARRIVED, 0)
-        tl.store(state_ptr + _TICKETS, 0)   # every program took its ticket before arriving
+        if ROWS_BY_TICKET:
+            tl.store(state_ptr + _TICKETS, 0)   # every program took its ticket before arriving
         tl.store(state_ptr + _PREV_TOKENS, num_tokens)
         tl.store(state_ptr + _EPOCH, (epoch + 1) % _NUM_BUFFERS)   # never overflows

@@ -111,6 +111,7 @@ def test_eager_memo_direct_launch_arguments(monkeypatch):
     ar.hidden_size, ar.dtype, ar.device, ar.world_size, ar.rank = H, dtype, torch.device("cpu"), 2, 1
     ar.max_programs, ar._rows, ar._block_h, ar._num_warps = 4, 8, 64, 1
     ar.one_shot_max_tokens, ar.table, ar._timeout_ns, ar._memo = 8, None, 0, {}
+    ar.rows_by_ticket = False
     ar.state, ar._ptr_table = torch.zeros(4, dtype=torch.int32), torch.zeros(3, dtype=torch.int64)
     ar._ptr_table_addr, ar._state_addr = ar._ptr_table.data_ptr(), ar.state.data_ptr()
     ar._buffer_addr, ar._buffer_bytes = 16, 16                 # nowhere near the tensors
@@ -369,6 +370,15 @@ def _scenarios(rank, world, device):
     _check_many_calls(SymmAllReduceCapture(128, 7168, dtype, device=device,
                                            one_shot_max_tokens=128, table=PathTable({})),
                       rank, world, device, 1000)
+    # Rows by ticket (opt-in): the same numerics; the ticket counter reset across
+    # 10,000 graph-replayed calls with changing T.
+    _check_one_shot_numerics(SymmAllReduceCapture(300, 7168, dtype, device=device,
+                                                  one_shot_max_tokens=260, table=PathTable({}),
+                                                  rows_by_ticket=True), rank, world, device)
+    _check_many_calls(SymmAllReduceCapture(128, 7168, dtype, device=device,
+                                           one_shot_max_tokens=128, table=PathTable({}),
+                                           rows_by_ticket=True),
+                      rank, world, device, 100)
     # torch.compile(fullgraph): the one-shot path is one custom op, no graph break.
     ar = SymmAllReduceCapture(32, 256, dtype, device=device, one_shot_max_tokens=32,
                               table=PathTable({}))

@@ -8,7 +8,7 @@ the push into peers' buffers, the -0.0 polling, the rank-ordered sum, the
 clearing of the previous buffer and the device-side epoch run as they do
 across GPUs (programs run one after another within a rank, in index order --
 or, in the reverse-dispatch case, rank 1's in reverse: rows assigned by start
-order (tickets) must not care).
+order, ROWS_BY_TICKET, must not care).
 
 Seven calls in a row with a new partial per rank and call and a changing T
 (every buffer of the three is used at least twice, after calls with more and
@@ -46,7 +46,7 @@ def _expected(partials, residual):
     return truncate_to_bf16(h.float() + residual.float())
 
 
-def _rank(rank, world, reverse_dispatch, shared):
+def _rank(rank, world, by_ticket, reverse_dispatch, shared):
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported in this process
     try:
         from eagle_capture.kernels.allreduce_add_rmsnorm_capture import (
@@ -66,7 +66,7 @@ def _rank(rank, world, reverse_dispatch, shared):
                 aux_slot_offset=SLOT * aux.stride(1), timeout_ns=TIMEOUT_SPINS * 1000,
                 debug_rank=SLOW_RANK, WORLD_SIZE=world, CAPTURE=True, NORM_FP32_SUM=False,
                 USE_GLOBALTIMER=False, DEBUG_SPIN=SLOW_SPIN, BLOCK_H=64,
-                DEBUG_REVERSE_DISPATCH=reverse_dispatch, num_warps=1)
+                ROWS_BY_TICKET=by_ticket, DEBUG_REVERSE_DISPATCH=reverse_dispatch, num_warps=1)
             if flags[rank].item():
                 raise RuntimeError(f"rank {rank} call {call}: the watchdog gave up on a row")
     except Exception:
@@ -74,12 +74,15 @@ def _rank(rank, world, reverse_dispatch, shared):
         raise
 
 
-@pytest.mark.parametrize("world, reverse_dispatch", [(2, False), (4, False), (2, True)],
-                         ids=["2", "4", "2-reverse-dispatch"])
-def test_one_shot_protocol_across_processes(world, reverse_dispatch):
-    """reverse_dispatch: rank 1 runs its programs as if its GPU dispatched the
-    highest program id first (rows by program id would then wait on a peer
-    program that runs only after the waiting one: the watchdog fires)."""
+@pytest.mark.parametrize("world, by_ticket, reverse_dispatch",
+                         [(2, False, False), (4, False, False), (2, True, False),
+                          (2, True, True)],
+                         ids=["2", "4", "2-by-ticket", "2-by-ticket-reverse-dispatch"])
+def test_one_shot_protocol_across_processes(world, by_ticket, reverse_dispatch):
+    """by_ticket: rows by start order (ROWS_BY_TICKET). reverse_dispatch: rank 1
+    runs its programs as if its GPU dispatched the highest program id first;
+    rows by program id would then wait on a peer program that runs only after
+    the waiting one (the watchdog fires), rows by ticket must not care."""
     from eagle_capture.kernels.allreduce_add_rmsnorm_capture import NUM_BUFFERS, STATE_INTS
     g = torch.Generator().manual_seed(world)
     calls = len(CALL_TOKENS)
@@ -98,7 +101,7 @@ def test_one_shot_protocol_across_processes(world, reverse_dispatch):
     auxes = [[torch.full((t + 2, K, H), float("nan"), dtype=torch.bfloat16).share_memory_()
               for t in CALL_TOKENS] for _ in range(world)]
     shared = (bufs, states, flags, partials, residuals, outs, auxes, weight)
-    run_spawned(_rank, (world, reverse_dispatch, shared), world, TIMEOUT_S, "the ranks (lost row? hang?)")
+    run_spawned(_rank, (world, by_ticket, reverse_dispatch, shared), world, TIMEOUT_S, "the ranks (lost row? hang?)")
     for call, tokens in enumerate(CALL_TOKENS):
         expected = _expected(partials[call], residual_in[call])
         for rank in range(world):

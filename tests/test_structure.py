@@ -1,8 +1,13 @@
 """Properties of the package as a whole, checked in a fresh interpreter."""
 
+import importlib.util
 import os
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
+
+import pytest
 
 # The variables eagle_capture.symm handles; unset in the child so that an
 # import-time setdefault would show.
@@ -22,3 +27,21 @@ def test_importing_the_package_leaves_the_environment_alone():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_wheel_ships_the_kernels_as_files(tmp_path):
+    """eagle_capture/kernels is a symlink to the top-level kernels/: a wheel built
+    from the checkout must hold the kernel files themselves, byte for byte."""
+    if importlib.util.find_spec("setuptools") is None:
+        pytest.skip("setuptools is not installed: no wheel to build")
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                             "--no-build-isolation", "-q", "-w", str(tmp_path), str(root)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    (wheel,) = tmp_path.glob("eagle_capture-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        shipped = {n: z.read(n) for n in z.namelist() if n.startswith("eagle_capture/kernels/")}
+    expected = {f"eagle_capture/kernels/{p.name}": p.read_bytes()
+                for p in (root / "kernels").glob("*.py")}
+    assert shipped == expected

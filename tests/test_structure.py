@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -35,8 +36,17 @@ def test_wheel_ships_the_kernels_as_files(tmp_path):
     if importlib.util.find_spec("setuptools") is None:
         pytest.skip("setuptools is not installed: no wheel to build")
     root = Path(__file__).resolve().parent.parent
+    # Built from a copy (the link kept a link): a build writes build/ and
+    # *.egg-info next to setup.py.
+    src = tmp_path / "src"
+    no_cache = shutil.ignore_patterns("__pycache__")
+    for name in ("eagle_capture", "kernels"):
+        shutil.copytree(root / name, src / name, symlinks=True, ignore=no_cache)
+    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(root / name, src / name)
+    assert (src / "eagle_capture" / "kernels").is_symlink()
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                             "--no-build-isolation", "-q", "-w", str(tmp_path), str(root)],
+                             "--no-build-isolation", "-q", "-w", str(tmp_path), str(src)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     (wheel,) = tmp_path.glob("eagle_capture-*.whl")

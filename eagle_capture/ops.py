@@ -63,6 +63,7 @@ from torch.library import triton_op, wrap_triton
 from . import _checks
 from ._launcher import CachedLauncher, KernelSignature, hooks_active, tuple_getter
 from .kernels import HAS_PDL, add_rmsnorm_capture_kernel, launch_config
+from .reference import rmsnorm_fp32
 
 __all__ = [
     "add_capture",
@@ -258,15 +259,6 @@ def _torch_path(hidden_states) -> bool:
 # CPU implementation (torch), the same numerics as the kernel
 # ----------------------------------------------------------------------------
 
-def _rmsnorm_into(normed_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                  eps: float) -> None:
-    # (x * rstd) * w in fp32, rounded once: the operation order of SGLang's
-    # RMSNorm.forward_native, so the CPU path is bit-identical to it.
-    x = x.float()
-    rstd = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
-    normed_out.copy_(x * rstd * weight.float())
-
-
 def _torch_impl(hidden, residual=None, weight=None, normed_out=None, residual_out=None, aux=None,
                 eps=0.0, slot=0, norm_fp32_sum=False) -> None:
     """The kernel's effect in torch, on a call given by role and scalar name."""
@@ -282,7 +274,9 @@ def _torch_impl(hidden, residual=None, weight=None, normed_out=None, residual_ou
     if residual_out is not None:
         residual_out.copy_(s)
     if weight is not None:
-        _rmsnorm_into(normed_out, norm_input, weight, eps)
+        # (x * rstd) * w in fp32, rounded once: the operation order of SGLang's
+        # RMSNorm.forward_native, so the CPU path is bit-identical to it.
+        normed_out.copy_(rmsnorm_fp32(norm_input, weight, eps))
 
 
 # ----------------------------------------------------------------------------

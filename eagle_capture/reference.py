@@ -6,7 +6,9 @@ layer, appended to a list, ``torch.cat(aux, -1)`` at the end.
 ``add_rmsnorm_reference`` is a float64 fused add+RMSNorm with the kernel's
 semantics: the residual rounded to the storage dtype once, the norm taken of
 that rounded value. ``rmsnorm_fp32`` is a plain RMSNorm in fp32, in the
-operation order of SGLang's ``RMSNorm.forward_native``.
+operation order of SGLang's ``RMSNorm.forward_native``: the CPU path of the ops
+rounds it into its output, so the CPU ops are bit-identical to SGLang's
+native norm; the float64 reference is the independent oracle.
 """
 
 from typing import Optional, Sequence

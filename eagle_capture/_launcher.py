@@ -14,9 +14,9 @@ bits; floats are not specialised. The key therefore holds the device, the
 pointer dtypes, the int arguments' *values* (a superset of what Triton looks
 at; there are few distinct ones per model) and the constexprs, and only
 all-aligned launches use it. Anything not covered -- unaligned pointers, a
-Triton outside 3.3 - 3.x (read on 3.6 and 3.9, run on 3.6; a later 3.x is assumed
-to keep the launcher call), launch hooks installed by a profiler -- takes the
-normal path. Triton debug or instrumentation settings changed after the first
+Triton outside 3.x or without ``triton.knobs`` (where the launch hooks live;
+read on 3.6 and 3.9, run on 3.6; a later 3.x is assumed to keep the launcher
+call), launch hooks installed by a profiler -- takes the normal path. Triton debug or instrumentation settings changed after the first
 launch of a key are not picked up by the cached kernel.
 
 The cached form is a :class:`DirectLaunch`: on Triton 3.6 the C ``launch``
@@ -124,7 +124,14 @@ class KernelSignature:
         where.update((p, width + i) for i, p in enumerate(fixed))
         gather = operator.itemgetter(*(where[p] for p in self.params))
         rest = [bound[p] for p in fixed]
-        return (lambda pointers: gather([*pointers[:width], *rest])), ()
+
+        def head(pointers):
+            if len(pointers) < width:  # the fixed values would shift into pointer places
+                raise ValueError(f"eagle_capture: {len(pointers)} pointers for a template "
+                                 f"that reads {width}")
+            return gather([*pointers[:width], *rest])
+
+        return head, ()
 
 
 def tuple_getter(indices) -> Callable[[Sequence], tuple]:

@@ -251,9 +251,13 @@ class SymmAllReduceCapture:
         _checks.check_no_internal_overlap("residual", residual)
         _checks.check_aliasing(out, residual, aux, slot, weight=weight, residual_mutated=True,
                                hidden_mutated=True)
-        if out is not partial and _checks.ranges_overlap(out, partial) and \
-                out.data_ptr() != partial.data_ptr():
-            raise ValueError("eagle_capture: out must be partial itself or not overlap it")
+        # Into partial's own rows (same address, same strides) is fine: each row is
+        # pushed by the program that later overwrites it. Any other overlap would
+        # overwrite rows another program has not pushed yet.
+        if out is not partial and _checks.ranges_overlap(out, partial) and not (
+                out.data_ptr() == partial.data_ptr() and out.stride() == partial.stride()):
+            raise ValueError("eagle_capture: out must be partial itself (or a view of the "
+                             "same rows) or not overlap it")
         if _checks.ranges_overlap(partial, residual) or (
                 aux is not None and _checks.ranges_overlap(partial, aux)):
             raise ValueError("eagle_capture: partial must not overlap residual or aux "
@@ -297,9 +301,18 @@ class SymmAllReduceCapture:
                    None if out is partial else (out.shape, out.stride(), out.dtype, out.device),
                    None if aux is None else (aux.shape, aux.stride(), aux.dtype, aux.device),
                    type(slot), slot, type(eps), eps, bool(norm_fp32_sum),
-                   torch.is_grad_enabled(), torch.cuda.current_device())
+                   torch.cuda.current_device())
         except AttributeError:  # a non-tensor argument: the full check names it
             key = None
+        else:
+            # Every call (requires_grad is not in the key): the kernel writes through
+            # raw pointers, autograd would see nothing. Under no_grad / inference_mode,
+            # as in serving, this is one flag read.
+            if torch.is_grad_enabled() and (
+                    partial.requires_grad or residual.requires_grad or weight.requires_grad
+                    or out.requires_grad or (aux is not None and aux.requires_grad)):
+                _checks.refuse_autograd("SymmAllReduceCapture.reduce_add_rmsnorm",
+                                        (partial, residual, weight, out, aux))
         entry = self._memo.get(key) if key is not None else None
         if entry is None:
             self._validate(partial, residual, weight, eps, aux, slot, out)

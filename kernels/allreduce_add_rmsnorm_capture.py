@@ -33,7 +33,7 @@ elements) and which no peer can write again before call n + 2 -- for that a
 peer needs this rank's call-(n + 1) push, issued after this kernel ends. A
 fast peer in call n + 1 writes slabs (n + 1) % 3: neither the slabs being
 read (n % 3) nor those being cleared. The epoch lives in device memory (the
-``state`` tensor: epoch, arrivals, T_prev, watchdog flag), so a CUDA graph
+``state`` tensor: epoch, arrivals, T_prev, watchdog flag, ticket count), so a CUDA graph
 holding any number of calls replays correctly; a host-side parity would be
 frozen into the graph.
 
@@ -57,12 +57,13 @@ promise.
 ``ROWS_BY_TICKET`` removes that assumption: each program takes the next
 ticket (one relaxed atomic on ``state``) as it starts and handles rows
 ticket, ticket + G, ...; the last program to arrive resets the counter. The
-programs running on a rank then hold tickets 0 .. n-1 whatever order the GPU
-dispatched them in, and each has pushed its rows before it waits. If every
-running program on every rank were waiting, each rank's running tickets would
-all be below every other rank's count, so the counts would be equal and every
-awaited row already pushed: no deadlock with any dispatch order and any
-number >= 1 of co-resident programs per GPU. The atomic's round trip sits on
+programs *started* on a rank then hold tickets 0 .. c-1 (c = that rank's count)
+whatever order the GPU dispatched them in, and each pushes its rows before it
+waits. Take the rank with the smallest count c: every peer has started tickets
+0 .. c-1, which have pushed their rows, so every row this rank's started
+programs wait for has arrived and they finish; a rank with tickets left and
+no room starts a program once one finishes. So no deadlock with any dispatch
+order and any number >= 1 of co-resident programs per GPU. The atomic's round trip sits on
 the critical path (benchmarks/NOTES.md has the measured cost), so it is
 opt-in. For a rank that never arrives, the opt-in watchdog bounds every poll.
 

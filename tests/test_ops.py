@@ -515,6 +515,8 @@ def test_pointer_template_for_any_parameter_order():
     assert (*head(["B", "A"]), *tail) == ("A", "B", 7, False)
     head, tail = KernelSignature(mixed).template(sources, values)
     assert (*head(["B", "A"]), *tail) == (7, "A", True, "B")
+    with pytest.raises(ValueError, match="1 pointers for a template that reads 2"):
+        head(["B"])
     head, tail = KernelSignature(lambda a_ptr, n: None).template({"a_ptr": 2}, {"n": 3})
     assert (*head(["x", "y", "z"]), *tail) == ("z", 3)
     with pytest.raises(TypeError, match=r"missing \['n'\]"):

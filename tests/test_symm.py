@@ -172,6 +172,61 @@ def test_grad_requiring_tensors_are_refused(monkeypatch):
                               out=torch.empty(2, H, dtype=torch.bfloat16))
 
 
+def _cpu_stand_in(monkeypatch, H=64):
+    """A SymmAllReduceCapture on CPU tensors whose launches are recorded, not run:
+    the eager path's validation and memo without a GPU."""
+    import eagle_capture.symm as symm
+    ar = object.__new__(symm.SymmAllReduceCapture)
+    ar.hidden_size, ar.dtype, ar.device, ar.world_size, ar.rank = (
+        H, torch.bfloat16, torch.device("cpu"), 2, 0)
+    ar.max_programs, ar._rows, ar._block_h, ar._num_warps = 4, 8, 64, 1
+    ar.one_shot_max_tokens, ar.table, ar._timeout_ns, ar._memo = 8, None, 0, {}
+    ar.rows_by_ticket = False
+    ar.state, ar._ptr_table = torch.zeros(5, dtype=torch.int32), torch.zeros(3, dtype=torch.int64)
+    ar._ptr_table_addr, ar._state_addr = ar._ptr_table.data_ptr(), ar.state.data_ptr()
+    ar.buffer = torch.empty(0, dtype=torch.bfloat16)
+    ar._buffer_addr, ar._buffer_bytes = 16, 16                 # nowhere near the tensors
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)   # CPU stand-in
+    launches = []
+    monkeypatch.setattr(symm, "_launch", lambda *a, **k: launches.append(a))
+    return ar, launches
+
+
+def test_grad_requiring_tensors_are_refused_on_a_memo_hit_too(monkeypatch):
+    """The first call (plain tensors, grad mode on) fills the memo; the same
+    signature with a weight that requires grad must still be refused."""
+    ar, launches = _cpu_stand_in(monkeypatch)
+    H, dt = ar.hidden_size, torch.bfloat16
+    w = torch.ones(H, dtype=dt)
+    ar.reduce_add_rmsnorm(torch.randn(2, H).to(dt), torch.randn(2, H).to(dt), w, 1e-6)
+    assert len(launches) == 1 and len(ar._memo) == 1
+    with pytest.raises(RuntimeError, match="requires grad while grad mode is on"):
+        ar.reduce_add_rmsnorm(torch.randn(2, H).to(dt), torch.randn(2, H).to(dt),
+                              w.clone().requires_grad_(), 1e-6)
+    with torch.no_grad():   # serving: fine
+        ar.reduce_add_rmsnorm(torch.randn(2, H).to(dt), torch.randn(2, H).to(dt),
+                              w.clone().requires_grad_(), 1e-6)
+    assert len(launches) == 2
+
+
+def test_out_overlapping_partial_with_other_strides_is_refused(monkeypatch):
+    """out may be partial's own rows (same address and strides); an out that
+    starts at partial's address with another row stride would overwrite rows
+    other programs have not pushed yet -- refused, on a memo miss and a hit."""
+    ar, launches = _cpu_stand_in(monkeypatch)
+    H, dt = ar.hidden_size, torch.bfloat16
+    w = torch.ones(H, dtype=dt)
+    big = torch.randn(8, H).to(dt)
+    with pytest.raises(ValueError, match="out must be partial itself"):
+        ar.reduce_add_rmsnorm(big[:4], torch.randn(4, H).to(dt), w, 1e-6, out=big[::2])
+    ar.reduce_add_rmsnorm(big[:4], torch.randn(4, H).to(dt), w, 1e-6, out=big[:4])  # same rows
+    other = torch.randn(8, H).to(dt)   # fill the memo with a harmless out of the same strides
+    ar.reduce_add_rmsnorm(big[:4], torch.randn(4, H).to(dt), w, 1e-6, out=other[::2])
+    with pytest.raises(ValueError, match="out must be partial itself"):
+        ar.reduce_add_rmsnorm(big[:4], torch.randn(4, H).to(dt), w, 1e-6, out=big[::2])
+    assert len(launches) == 2
+
+
 def _reference(partials, residual, weight, eps, norm_fp32_sum=False):
     """Sum in rank order in fp32 (a -0.0 partial counts as +0.0), round once;
     then the single-GPU op's add+RMSNorm."""

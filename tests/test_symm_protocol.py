@@ -82,7 +82,9 @@ def test_one_shot_protocol_across_processes(world, by_ticket, reverse_dispatch):
     """by_ticket: rows by start order (ROWS_BY_TICKET). reverse_dispatch: rank 1
     runs its programs as if its GPU dispatched the highest program id first;
     rows by program id would then wait on a peer program that runs only after
-    the waiting one (the watchdog fires), rows by ticket must not care."""
+    the waiting one (the watchdog fires). With tickets the program id is not
+    used, so the shipped code runs this case as "2-by-ticket": it is the case
+    that fails when rows follow the program id (scripts/mutation_check.py)."""
     from eagle_capture.kernels.allreduce_add_rmsnorm_capture import NUM_BUFFERS, STATE_INTS
     g = torch.Generator().manual_seed(world)
     calls = len(CALL_TOKENS)

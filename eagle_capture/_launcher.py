@@ -16,8 +16,9 @@ at; there are few distinct ones per model) and the constexprs, and only
 all-aligned launches use it. Anything not covered -- unaligned pointers, a
 Triton outside 3.x or without ``triton.knobs`` (where the launch hooks live;
 read on 3.6 and 3.9, run on 3.6; a later 3.x is assumed to keep the launcher
-call), launch hooks installed by a profiler -- takes the normal path. Triton debug or instrumentation settings changed after the first
-launch of a key are not picked up by the cached kernel.
+call), launch hooks installed by a profiler -- takes the normal path. Triton
+debug or instrumentation settings changed after the first launch of a key are
+not picked up by the cached kernel.
 
 The cached form is a :class:`DirectLaunch`: on Triton 3.6 the C ``launch``
 function itself (its Python ``__call__`` only forwards), elsewhere the

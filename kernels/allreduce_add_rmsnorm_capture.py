@@ -63,9 +63,10 @@ waits. Take the rank with the smallest count c: every peer has started tickets
 0 .. c-1, which have pushed their rows, so every row this rank's started
 programs wait for has arrived and they finish; a rank with tickets left and
 no room starts a program once one finishes. So no deadlock with any dispatch
-order and any number >= 1 of co-resident programs per GPU. The atomic's round trip sits on
-the critical path (benchmarks/NOTES.md has the measured cost), so it is
-opt-in. For a rank that never arrives, the opt-in watchdog bounds every poll.
+order and any number >= 1 of co-resident programs per GPU. The atomic's round
+trip sits on the critical path (benchmarks/NOTES.md has the measured cost), so
+it is opt-in. For a rank that never arrives, the opt-in watchdog bounds every
+poll.
 
 Watchdog (``timeout_ns`` > 0): a poll that has waited longer than timeout_ns
 (``%globaltimer`` on the GPU; one poll ~ 1 us on the interpreter) sets the

@@ -70,12 +70,18 @@ def check_aux(aux: torch.Tensor, slot: int, num_tokens: int, hidden_size: int,
         _fail(f"aux is on {aux.device} but hidden_states is on {device}")
 
 
-def refuse_autograd(op: str, tensors) -> None:
-    """The ops have no autograd formula and update tensors in place."""
-    raise RuntimeError(
-        f"eagle_capture: {op} got a tensor that requires grad while grad mode is on; the ops "
-        f"have no backward and write in place. Call them under torch.no_grad() or "
-        f"torch.inference_mode() (as serving does), or detach the inputs")
+def check_no_autograd(op: str, tensors) -> None:
+    """Refuse a tensor that requires grad: the ops have no autograd formula and
+    write in place through raw pointers, so autograd would neither record the op
+    nor see the update. Callers test ``torch.is_grad_enabled()`` first (under
+    no_grad / inference_mode, as in serving, this is never called; parameters
+    that require grad are fine there). Non-tensors are skipped (their own checks
+    name them)."""
+    if any(getattr(t, "requires_grad", False) for t in tensors):
+        raise RuntimeError(
+            f"eagle_capture: {op} got a tensor that requires grad while grad mode is on; the "
+            f"ops have no backward and write in place. Call them under torch.no_grad() or "
+            f"torch.inference_mode() (as serving does), or detach the inputs")
 
 
 def check_add_inputs(hidden_states: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
@@ -199,6 +205,15 @@ def _overlap(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
     return type(a) in _ADDRESSED and type(b) in _ADDRESSED and ranges_overlap(a, b)
 
 
+def overlaps_other_elements(out: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``out`` shares bytes with ``src`` other than as the very same
+    elements (same first address and strides). Writing an input's own elements
+    in place is safe for a kernel whose program reads each row before it writes
+    it; any other overlap writes rows some program has not read yet."""
+    return _overlap(out, src) and not (out.data_ptr() == src.data_ptr()
+                                       and out.stride() == src.stride())
+
+
 def _slot_touched(view: torch.Tensor, aux: torch.Tensor) -> Optional[int]:
     """The aux slot a ``[T, H]`` view of aux lies in, or None if it is not a slot view."""
     offset = (view.data_ptr() - aux.data_ptr()) // aux.element_size()
@@ -240,7 +255,5 @@ def check_aliasing(hidden_states: torch.Tensor, residual: Optional[torch.Tensor]
         if _overlap(residual_out, hidden_states):
             _fail("residual_out shares memory with hidden_states; the normed output would "
                   "overwrite the new residual")
-        if residual is not None and _overlap(residual_out, residual) and not (
-                residual_out.data_ptr() == residual.data_ptr()
-                and residual_out.stride() == residual.stride()):
+        if residual is not None and overlaps_other_elements(residual_out, residual):
             _fail("residual_out partially overlaps residual")

@@ -629,18 +629,14 @@ def _eager_call(spec: OpSpec, args: tuple) -> None:
     """
     tensors = spec.tensors_of(args)
     scalars = spec.scalars_of(args)
+    if torch.is_grad_enabled():
+        _checks.check_no_autograd(spec.name, tensors)
     try:
         key = (spec, scalars, *map(type, scalars),
                *[(t.shape, t.stride(), t.dtype, t.device) if t is not None else None
                  for t in tensors])
     except AttributeError:  # a non-tensor argument: let the full check name it
         key = None
-    else:
-        # The fast path writes through raw pointers: autograd would neither record
-        # the op nor see the in-place update. (Under no_grad / inference_mode, as in
-        # serving, parameters that require grad are fine.)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-            _checks.refuse_autograd(spec.name, tensors)
     entry = _PLANS.get(key) if key is not None else None
     if entry is None:
         spec.check(*args)

@@ -226,11 +226,6 @@ class SymmAllReduceCapture:
                 raise ValueError(f"eagle_capture: {name} must be a {self.dtype} tensor on "
                                  f"{self.device} (the symmetric buffer's dtype), got "
                                  f"{getattr(t, 'dtype', type(t))} on {getattr(t, 'device', '-')}")
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
-                                           (partial, residual, weight, out, aux)):
-            # The kernel writes through raw pointers: autograd would see nothing.
-            _checks.refuse_autograd("SymmAllReduceCapture.reduce_add_rmsnorm",
-                                    (partial, residual, weight, out, aux))
         if out.shape != partial.shape:
             raise ValueError(f"eagle_capture: out must have partial's shape "
                              f"{tuple(partial.shape)}, got {tuple(out.shape)}")
@@ -251,11 +246,9 @@ class SymmAllReduceCapture:
         _checks.check_no_internal_overlap("residual", residual)
         _checks.check_aliasing(out, residual, aux, slot, weight=weight, residual_mutated=True,
                                hidden_mutated=True)
-        # Into partial's own rows (same address, same strides) is fine: each row is
-        # pushed by the program that later overwrites it. Any other overlap would
-        # overwrite rows another program has not pushed yet.
-        if out is not partial and _checks.ranges_overlap(out, partial) and not (
-                out.data_ptr() == partial.data_ptr() and out.stride() == partial.stride()):
+        # Into partial's own rows is fine: each row is pushed by the program that
+        # later overwrites it.
+        if out is not partial and _checks.overlaps_other_elements(out, partial):
             raise ValueError("eagle_capture: out must be partial itself (or a view of the "
                              "same rows) or not overlap it")
         if _checks.ranges_overlap(partial, residual) or (
@@ -280,6 +273,9 @@ class SymmAllReduceCapture:
         if self._timeout_ns:
             self._check_watchdog()
         out = partial if out is None else out
+        if torch.is_grad_enabled():   # every call: requires_grad is not in the memo key
+            _checks.check_no_autograd("SymmAllReduceCapture.reduce_add_rmsnorm",
+                                      (partial, residual, weight, out, aux))
         if torch.compiler.is_compiling():
             self._validate(partial, residual, weight, eps, aux, slot, out)
             if partial.shape[0] == 0:
@@ -304,15 +300,6 @@ class SymmAllReduceCapture:
                    torch.cuda.current_device())
         except AttributeError:  # a non-tensor argument: the full check names it
             key = None
-        else:
-            # Every call (requires_grad is not in the key): the kernel writes through
-            # raw pointers, autograd would see nothing. Under no_grad / inference_mode,
-            # as in serving, this is one flag read.
-            if torch.is_grad_enabled() and (
-                    partial.requires_grad or residual.requires_grad or weight.requires_grad
-                    or out.requires_grad or (aux is not None and aux.requires_grad)):
-                _checks.refuse_autograd("SymmAllReduceCapture.reduce_add_rmsnorm",
-                                        (partial, residual, weight, out, aux))
         entry = self._memo.get(key) if key is not None else None
         if entry is None:
             self._validate(partial, residual, weight, eps, aux, slot, out)

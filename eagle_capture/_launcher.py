@@ -216,11 +216,6 @@ class CachedLauncher:
         self._compiled: dict[Any, Any] = {}
         self.direct = _direct_launch_supported()
 
-    def cached_keys(self) -> list:
-        """The specialisation keys that hold a DirectLaunch, oldest first
-        (diagnostics: capture_latency.py --host-breakdown)."""
-        return list(self._compiled)
-
     def __call__(self, grid: tuple[int, int], args: Sequence[Any], key: Any, num_warps: int,
                  device_index: int, aligned: bool,
                  launch_pdl: bool = False) -> Optional[DirectLaunch]:

@@ -51,6 +51,9 @@ setup(
     ],
     keywords=["eagle-3", "speculative-decoding", "triton", "torch.compile", "sglang"],
     packages=["eagle_capture", "eagle_capture.kernels"],
+    # SGLang's plugin system (0.5.13+) finds the fused capture here in every
+    # scheduler process; EAGLE_CAPTURE=1 turns it on (eagle_capture/sglang_plugin.py).
+    entry_points={"sglang.srt.plugins": ["eagle_capture = eagle_capture.sglang_plugin:register"]},
     install_requires=["torch>=2.6", "triton>=3.2"],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "numpy", "transformers>=4.57"],

@@ -65,29 +65,90 @@ import torch
 from . import ops
 from .buffer import AuxCaptureBuffer
 
-__all__ = ["CaptureState", "install_eagle3_capture"]
+__all__ = ["CaptureState", "UnsupportedServer", "WrongCaptureLayers", "install_eagle3_capture",
+           "reapply_after_reconfigure", "text_model_of"]
+
+
+class UnsupportedServer(ValueError):
+    """A server mode the fused capture does not handle (SGLang's own capture
+    stays right there): the plugin logs it and leaves SGLang alone."""
+
+
+class WrongCaptureLayers(ValueError):
+    """Layer ids that SGLang's own capture would get wrong too (the draft would
+    not receive what it was trained on): the plugin refuses to start."""
+
+
+# Normed-output tolerance of the live self-check, per dtype: the residual (the
+# capture) must be bit-exact; the normed output may differ from SGLang's own
+# norm kernel by rsqrt / reduction-order rounding (FlashInfer vs ours: 1 ulp on
+# ~6e-6 of the elements at T = 4096, H200), so allow a few ulps.
+VERIFY_NORM_RTOL = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9, torch.float32: 2.0 ** -20}
 
 
 class CaptureState:
     """What the capturing norms and logits processor of one model share: the
-    buffer, the captured layers, and the rows each layer stored in the current
-    eager forward (for the completeness check)."""
+    buffer, the captured layers, the rows each layer stored in the current
+    eager forward (for the completeness check), and the live self-check."""
 
     def __init__(self, buffer: AuxCaptureBuffer, layer_ids: list[int], surface: str,
-                 packed_tensor: bool) -> None:
+                 packed_tensor: bool, *, sglang_layers: list[int],
+                 causal_lm: Optional[torch.nn.Module] = None) -> None:
         self.buffer = buffer
         self.layer_ids = layer_ids
         self.surface = surface
         self.packed_tensor = packed_tensor   # hand the LogitsProcessor a tensor (>= 0.5.18)
+        self.sglang_layers = list(sglang_layers)  # SGLang's layers_to_capture, to switch back
+        self._causal_lm = causal_lm
         self.stored_rows: dict[int, int] = {}
         self.fused_calls = 0      # captures done by our fused kernel (tests count these)
         self.fallback_calls = 0   # SGLang's own norm path + a slot store
+        # A forward with more tokens than the buffer has rows (eager only): a buffer
+        # for that forward alone, as SGLang's own capture allocates one per forward.
+        self.overflow: Optional[AuxCaptureBuffer] = None
+        self.overflow_forwards = 0
+        self.graph_captured = False   # a CUDA graph was captured with our capture in it
+        # Live self-check (EAGLE_CAPTURE_VERIFY=N): compare with SGLang's own norm.
+        self.verify_left = 0
+        self.verify_total = 0
+        self.verify_group = None      # TP process group for the cross-rank check
+        self.verify_log = None        # callable(str, error: bool)
+        self.verify_mismatches: list[str] = []
+        self.verify_norm_dev = 0.0
+        self.verified_forwards = 0
+        self.disabled = False         # switched back to SGLang's own capture
+        self.copy_out = False         # hand the LogitsProcessor a copy (return_hidden_states)
 
-    def record(self, layer_id: int, rows: int, fused: bool) -> None:
+    def buffer_for(self, num_tokens: int) -> AuxCaptureBuffer:
+        """The buffer this forward's captures go to."""
+        if num_tokens <= self.buffer.max_tokens or torch.compiler.is_compiling():
+            return self.buffer
+        if _capturing_cuda_graph(self.buffer.aux):
+            raise ValueError(
+                f"eagle_capture: a CUDA graph of {num_tokens} tokens is being captured but the "
+                f"aux buffer has {self.buffer.max_tokens} rows: size it for the largest graph "
+                f"(the plugin does, from the server's arguments)")
+        if self.overflow is None or self.overflow.max_tokens != num_tokens:
+            self.overflow = AuxCaptureBuffer(num_tokens, self.buffer.hidden_size, self.layer_ids,
+                                             dtype=self.buffer.aux.dtype,
+                                             device=self.buffer.aux.device)
+            self.overflow_forwards += 1
+            if self.overflow_forwards in (1, 10, 100) or self.overflow_forwards % 1000 == 0:
+                _log().warning(
+                    "eagle_capture: a forward of %d tokens exceeds the aux buffer's %d rows: its "
+                    "captures go to a buffer allocated for this forward (as SGLang's own capture "
+                    "does; %d such forwards so far). Raise EAGLE_CAPTURE_MAX_TOKENS to avoid it",
+                    num_tokens, self.buffer.max_tokens, self.overflow_forwards)
+        return self.overflow
+
+    def record(self, layer_id: int, rows: int, fused: bool, like: torch.Tensor) -> None:
         # Under dynamo (piecewise CUDA graphs, --enable-torch-compile) Python
         # state must not be mutated from traced code; the check is eager-only.
         if torch.compiler.is_compiling():
             return
+        if _capturing_cuda_graph(like):
+            self.graph_captured = True
+            return   # the graph runner's forwards are not served; nothing to check
         self.stored_rows[layer_id] = rows
         if fused:
             self.fused_calls += 1
@@ -101,6 +162,8 @@ class CaptureState:
             return  # compiled region: the norms' Python did not run
         if num_tokens == 0:
             return  # SGLang skips the norms of an empty (idle) batch: nothing to store
+        if not stored and _capturing_cuda_graph(self.buffer.aux):
+            return
         missing = [i for i in self.layer_ids if i not in stored]
         wrong = {i: n for i, n in stored.items() if n != num_tokens}
         if missing or wrong:
@@ -114,6 +177,101 @@ class CaptureState:
                 f"({self.surface}) and the draft would read a stale buffer. Disable that path "
                 f"(a backend fusion provider, two-batch overlap, scattered rows) or keep "
                 f"SGLang's own capture")
+
+    # Live self-check ------------------------------------------------------------
+
+    def verifying(self, like: torch.Tensor) -> bool:
+        return (self.verify_left > 0 and not torch.compiler.is_compiling()
+                and not _capturing_cuda_graph(like))
+
+    def verify_layer(self, layer_id: int, buffer: AuxCaptureBuffer, num_tokens: int,
+                     ref_residual: torch.Tensor, normed: Optional[torch.Tensor] = None,
+                     ref_normed: Optional[torch.Tensor] = None) -> bool:
+        """Compare one layer's capture (and normed output) with SGLang's own; on a
+        mismatch write SGLang's values into the slot and report. True if equal."""
+        slot = buffer.slot_of(layer_id)
+        got = buffer.aux[:num_tokens, slot]
+        problems = []
+        if not torch.equal(got, ref_residual):
+            bad = (got != ref_residual).any(dim=-1).nonzero().flatten()
+            problems.append(f"capture differs from SGLang's residual in {bad.numel()} of "
+                            f"{num_tokens} rows (first row {bad[0].item() if bad.numel() else '?'})")
+        if normed is not None and num_tokens:
+            dev = (normed.float() - ref_normed.float()).abs()
+            scale = ref_normed.float().abs()
+            rtol = VERIFY_NORM_RTOL.get(normed.dtype, 2.0 ** -6)
+            worst = (dev - rtol * scale).max().item()
+            self.verify_norm_dev = max(self.verify_norm_dev, dev.max().item())
+            if worst > rtol:
+                problems.append(f"normed output differs from SGLang's norm by up to "
+                                f"{dev.max().item():.3g} (tolerance {rtol:.3g} relative)")
+        if not problems:
+            return True
+        got.copy_(ref_residual)          # this forward still hands the draft SGLang's value
+        if normed is not None:
+            normed.copy_(ref_normed)
+        self.verify_mismatches.append(f"layer {layer_id} (slot {slot}): " + "; ".join(problems))
+        return False
+
+    def finish_verified_forward(self, buffer: AuxCaptureBuffer, num_tokens: int) -> None:
+        """After a verified forward: the cross-rank check, one log line, and the
+        switch back to SGLang's own capture on a mismatch."""
+        log = self.verify_log or (lambda text, error=False: (_log().error if error
+                                                              else _log().info)(text))
+        self.verify_left -= 1
+        self.verified_forwards += 1
+        step = f"{self.verified_forwards}/{self.verify_total}"
+        tp_note = "1 rank"
+        if self.verify_group is not None and num_tokens:
+            from .tp import CaptureConsistencyError, check_capture_consistency
+            import torch.distributed as dist
+            world = dist.get_world_size(self.verify_group)
+            try:
+                check_capture_consistency(buffer, num_tokens, buffer.hidden_size,
+                                          self.verify_group)
+                tp_note = f"identical on all {world} TP ranks"
+            except CaptureConsistencyError as e:
+                tp_note = f"NOT identical across the {world} TP ranks"
+                log(f"eagle_capture verify {step}: {e}. Each rank's capture equals SGLang's "
+                    f"own there, so SGLang's capture hands the draft the same: the deployment "
+                    f"itself is inconsistent", True)
+        mismatches, self.verify_mismatches = self.verify_mismatches, []
+        if mismatches:
+            log(f"eagle_capture verify {step}: T={num_tokens}: MISMATCH with SGLang's own "
+                f"capture: " + " | ".join(mismatches) + ". This forward was served SGLang's "
+                f"values; switching this server back to SGLang's own capture", True)
+            self.disable("self-check mismatch")
+            return
+        log(f"eagle_capture verify {step}: T={num_tokens}, layers {self.layer_ids}: captures "
+            f"bit-identical to SGLang's own, normed output within "
+            f"{self.verify_norm_dev:.3g} of SGLang's norm, {tp_note}", False)
+        if self.verify_left == 0:
+            log(f"eagle_capture verify: {self.verified_forwards} forwards checked, all equal to "
+                f"SGLang's own capture; self-check off", False)
+
+    def disable(self, reason: str) -> None:
+        """Switch back to SGLang's own capture for every later forward."""
+        self.disabled = True
+        self.verify_left = 0
+        lm = self._causal_lm
+        if lm is not None:
+            lm.model.layers_to_capture = list(self.sglang_layers)
+            lm.capture_aux_hidden_states = True
+        if self.graph_captured:
+            _log().error(
+                "eagle_capture: switched back to SGLang's own capture (%s) for eager forwards; "
+                "CUDA graphs captured at start-up still replay the fused capture. The target "
+                "still verifies every draft token (outputs stay correct), but acceptance may "
+                "drop: restart with EAGLE_CAPTURE=0", reason)
+
+
+def _log():
+    import logging
+    return logging.getLogger("eagle_capture")
+
+
+def _capturing_cuda_graph(like: torch.Tensor) -> bool:
+    return like.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _in_compiled_region() -> bool:
@@ -160,11 +318,16 @@ class _CapturingNormMixin:
 
     def _eagle_store(self, value: torch.Tensor, fused: bool) -> None:
         state = self._eagle_capture
-        ops.add_capture(value, None, state.buffer.aux, state.buffer.slot_of(self._eagle_layer_id))
-        state.record(self._eagle_layer_id, value.shape[0], fused)
+        buffer = state.buffer_for(value.shape[0])
+        ops.add_capture(value, None, buffer.aux, buffer.slot_of(self._eagle_layer_id))
+        state.record(self._eagle_layer_id, value.shape[0], fused, value)
+        if state.verifying(value):   # a copy of SGLang's own residual: compare the slot
+            state.verify_layer(self._eagle_layer_id, buffer, value.shape[0], value)
 
     def forward(self, x, residual=None, post_residual_addition=None, **kwargs):
         state = self._eagle_capture
+        if state.disabled:   # switched back to SGLang's own capture
+            return super().forward(x, residual, post_residual_addition, **kwargs)
         if not self._eagle_fusable(x, residual, post_residual_addition,
                                    [v for v in kwargs.values() if v is not None]):
             out = super().forward(x, residual, post_residual_addition, **kwargs)
@@ -174,21 +337,34 @@ class _CapturingNormMixin:
             new_residual = out[1] if residual is not None else x
             self._eagle_store(new_residual, fused=False)
             return out
+        # SGLang's own norm on copies, as the reference of the live self-check
+        # (EAGLE_CAPTURE_VERIFY): FlashInfer's fused_add_rmsnorm on the GPU.
+        # (forward_native, the CPU reference, adds a post_residual_addition in
+        # another order than forward_cuda, which we follow: not compared there.)
+        reference = (super().forward(x.clone(), residual.clone())
+                     if post_residual_addition is None and state.verifying(x) else None)
         if post_residual_addition is not None:
             # SGLang adds it to the residual first, out of place (forward_cuda):
             # h + (r + p); the caller's residual is left as it was.
             residual = residual + post_residual_addition
+        num_tokens = x.shape[0]
+        buffer = state.buffer_for(num_tokens)
         ops.add_rmsnorm_capture(x, residual, self.weight, self.variance_epsilon,
-                                state.buffer.aux, state.buffer.slot_of(self._eagle_layer_id),
+                                buffer.aux, buffer.slot_of(self._eagle_layer_id),
                                 norm_fp32_sum=True)
-        state.record(self._eagle_layer_id, x.shape[0], fused=True)
+        state.record(self._eagle_layer_id, num_tokens, True, x)
+        if reference is not None:
+            ref_x, ref_r = reference
+            if not state.verify_layer(self._eagle_layer_id, buffer, num_tokens, ref_r, x, ref_x):
+                residual.copy_(ref_r)
         return x, residual
 
     def forward_with_allreduce_fusion(self, x, residual, *args, **kwargs):
         # SGLang's fused all-reduce + add + RMSNorm writes a fresh, *reduced*
         # residual_out: capture that (never the per-rank partial input).
         out = super().forward_with_allreduce_fusion(x, residual, *args, **kwargs)
-        self._eagle_store(out[1], fused=False)
+        if not self._eagle_capture.disabled:
+            self._eagle_store(out[1], fused=False)
         return out
 
 
@@ -206,13 +382,22 @@ class _CapturingLogitsMixin:
     def forward(self, input_ids, hidden_states, lm_head, logits_metadata,
                 aux_hidden_states=None, *args, **kwargs):
         state = self._eagle_capture
+        if state.disabled:   # SGLang's own capture is back on: pass its aux through
+            return super().forward(input_ids, hidden_states, lm_head, logits_metadata,
+                                   aux_hidden_states, *args, **kwargs)
         if aux_hidden_states is not None:
             raise RuntimeError("eagle_capture: the model handed the LogitsProcessor its own aux "
                                "hidden states: set_eagle3_layers_to_capture was called again "
                                "after install_eagle3_capture; install again after it")
         num_tokens = hidden_states.shape[0]
         state.check_complete(num_tokens)
-        packed = state.buffer.result(num_tokens)
+        buffer = state.buffer_for(num_tokens)
+        state.overflow = None   # the view below keeps a per-forward buffer alive
+        if state.verifying(hidden_states):
+            state.finish_verified_forward(buffer, num_tokens)
+        packed = buffer.result(num_tokens)
+        if state.copy_out:
+            packed = packed.clone()
         aux_hidden_states = packed if state.packed_tensor else [packed]
         return super().forward(input_ids, hidden_states, lm_head, logits_metadata,
                                aux_hidden_states, *args, **kwargs)
@@ -278,27 +463,59 @@ def _refuse_unsupported_modes() -> None:
         refused.append(f"context parallelism (attn_cp_size={args.attn_cp_size}): each rank "
                        f"holds a slice of the tokens")
     if refused:
-        raise ValueError("eagle_capture: install_eagle3_capture does not support "
+        raise UnsupportedServer("eagle_capture: install_eagle3_capture does not support "
                          + "; ".join(refused) + ". Keep SGLang's own capture for this server")
+
+
+def text_model_of(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """The DeepseekV2 causal LM inside ``model`` and the attribute path to it:
+    the model itself (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``) or
+    a wrapper's ``language_model`` (``KimiK25ForConditionalGeneration``, whose
+    ``.model`` aliases it)."""
+    def looks_like(m) -> bool:
+        inner = getattr(m, "model", None)
+        return (isinstance(m, torch.nn.Module) and inner is not None
+                and hasattr(inner, "layers") and hasattr(inner, "layers_to_capture")
+                and hasattr(m, "capture_aux_hidden_states"))
+
+    if looks_like(model):
+        return model, ""
+    language_model = getattr(model, "language_model", None)
+    if looks_like(language_model):
+        return language_model, ".language_model"
+    found = [name for name, child in model.named_children() if looks_like(child)]
+    if found:
+        raise TypeError(f"eagle_capture: {type(model).__name__} holds a DeepseekV2 text model at "
+                        f".{found[0]}, a wrapper eagle_capture does not know (known: the model "
+                        f"itself, .language_model); keep SGLang's own capture")
+    raise TypeError(f"eagle_capture: expected SGLang's DeepseekV2ForCausalLM / "
+                    f"DeepseekV3ForCausalLM or a wrapper with .language_model (Kimi-K2.5), got "
+                    f"{type(model).__name__} (no .model.layers / .model.layers_to_capture)")
 
 
 def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
                            allow_embedding: bool = False,
                            dtype: Optional[torch.dtype] = None,
                            device: Optional[torch.device] = None) -> AuxCaptureBuffer:
-    """Replace SGLang's EAGLE-3 capture in ``causal_lm`` (a ``DeepseekV2ForCausalLM``)
-    by the fused one; returns the buffer (``max_tokens`` rows: the most tokens one
-    forward runs, chunked prefill and CUDA-graph batches included).
+    """Replace SGLang's EAGLE-3 capture in ``causal_lm`` (a ``DeepseekV2ForCausalLM``,
+    ``DeepseekV3ForCausalLM`` or ``KimiK25ForConditionalGeneration``) by the fused
+    one; returns the buffer (``max_tokens`` rows: the most tokens one forward
+    runs, chunked prefill and CUDA-graph batches included; an eager forward with
+    more gets a buffer of its own, with a warning).
 
     Call it where SGLang's model runner has just called
-    ``model.set_eagle3_layers_to_capture(...)`` (end of ``load_model``; from 0.5.20
+    ``model.set_eagle3_layers_to_capture(...)`` (end of ``load_model``; from 0.5.18
     in ``configure_aux_hidden_state_capture``) and before CUDA graphs are
-    captured: a graph captured earlier replays SGLang's own capture.
+    captured: a graph captured earlier replays SGLang's own capture. The SGLang
+    plugin (:mod:`eagle_capture.sglang_plugin`) does exactly that.
+
+    Raises :class:`WrongCaptureLayers` for layer ids SGLang's own capture would
+    also get wrong, :class:`UnsupportedServer` for server modes the fused capture
+    does not handle, ``TypeError`` for a model it does not know.
     """
-    model = getattr(causal_lm, "model", None)
-    if model is None or not hasattr(model, "layers") or not hasattr(model, "layers_to_capture"):
-        raise TypeError("eagle_capture: expected SGLang's DeepseekV2ForCausalLM (with "
-                        ".model.layers and .model.layers_to_capture)")
+    wrapper = causal_lm
+    causal_lm, _ = text_model_of(wrapper)
+    model = causal_lm.model
     if isinstance(getattr(causal_lm, "_eagle_capture", None), CaptureState):
         raise ValueError("eagle_capture: the fused capture is already installed on this model")
     if not getattr(causal_lm, "capture_aux_hidden_states", False) or not model.layers_to_capture:
@@ -307,25 +524,10 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
     logits = getattr(causal_lm, "logits_processor", None)
     if not isinstance(logits, torch.nn.Module):
         raise TypeError("eagle_capture: the model has no logits_processor module")
-    layer_ids = sorted(set(model.layers_to_capture))
-    start = getattr(model, "start_layer", 0)
-    end = getattr(model, "end_layer", len(model.layers))
-    if layer_ids[0] < 0:
-        raise ValueError(f"eagle_capture: layers_to_capture holds {layer_ids[0]}: no layer has "
-                         f"that index, so SGLang never captures it (0.5.13 drops it silently, "
-                         f"later lines raise). It comes from a draft id of -1 (the embedding "
-                         f"output) that this SGLang line does not shift; no SpecForge draft is "
-                         f"trained on it: fix the draft's eagle_aux_hidden_state_layer_ids")
-    outside = [i for i in layer_ids if not start <= i < end]
-    if outside:
-        raise ValueError(f"eagle_capture: layers {outside} are captured but this rank runs "
-                         f"layers [{start}, {end}); they would be missing from the draft input")
-    if 0 in layer_ids and not allow_embedding:
-        raise ValueError("eagle_capture: layer 0 is captured: its input is the embedding "
-                         "output, which no SpecForge draft is trained on (a draft id of -1, or "
-                         "0 in the input convention). Fix the draft's "
-                         "eagle_aux_hidden_state_layer_ids, or pass allow_embedding=True if "
-                         "the draft really was trained on it")
+    sglang_layers = list(model.layers_to_capture)
+    check_capture_layers(sglang_layers, getattr(model, "start_layer", 0),
+                          getattr(model, "end_layer", len(model.layers)), allow_embedding)
+    layer_ids = sorted(sglang_layers)
     _refuse_unsupported_modes()
 
     norms, surfaces = [], set()
@@ -339,7 +541,8 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
     # Hand the LogitsProcessor what the model itself would have: a packed tensor
     # where the model builds an AuxHiddenStatePacker (0.5.18+), else a list.
     packed_tensor = hasattr(sys.modules.get(type(model).__module__), "AuxHiddenStatePacker")
-    state = CaptureState(buffer, layer_ids, surfaces.pop(), packed_tensor)
+    state = CaptureState(buffer, layer_ids, surfaces.pop(), packed_tensor,
+                         sglang_layers=sglang_layers, causal_lm=causal_lm)
 
     for i, norm in zip(layer_ids, norms):
         norm.__class__ = _with_mixin(_CapturingNormMixin, type(norm))
@@ -351,4 +554,60 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
     model.layers_to_capture = []
     causal_lm.capture_aux_hidden_states = False
     causal_lm._eagle_capture = state
+    if wrapper is not causal_lm:
+        object.__setattr__(wrapper, "_eagle_capture", state)
     return buffer
+
+
+def reapply_after_reconfigure(model: torch.nn.Module) -> bool:
+    """SGLang called ``set_eagle3_layers_to_capture`` again on an installed
+    model (a second ``configure_aux_hidden_state_capture``): turn its own capture
+    off again if it asks for the same layers (True), else raise. False when
+    nothing is installed."""
+    causal_lm, _ = text_model_of(model)
+    state = getattr(causal_lm, "_eagle_capture", None)
+    if not isinstance(state, CaptureState):
+        return False
+    if state.disabled:
+        return True   # SGLang's own capture on by design (self-check mismatch)
+    again = list(causal_lm.model.layers_to_capture)
+    if again and sorted(again) != state.layer_ids:
+        raise WrongCaptureLayers(
+            f"eagle_capture: SGLang set layers_to_capture to {again} after the fused capture "
+            f"was installed for {state.layer_ids}; restart the server (the buffer and CUDA "
+            f"graphs are built for the first set)")
+    causal_lm.model.layers_to_capture = []
+    causal_lm.capture_aux_hidden_states = False
+    return True
+
+
+def check_capture_layers(layers: list[int], start: int, end: int,
+                          allow_embedding: bool) -> None:
+    """Refuse layers_to_capture that would not give the draft K distinct, existing
+    layers of this stage."""
+    duplicates = sorted({i for i in layers if layers.count(i) > 1})
+    if duplicates:
+        raise WrongCaptureLayers(
+            f"eagle_capture: layers_to_capture {layers} names layer(s) {duplicates} more than "
+            f"once (draft ids with a repeated id): the draft expects {len(layers)} distinct "
+            f"captures ([T, {len(layers)}*H]); SGLang's own path fails there too (0.5.18+: "
+            f"'captured {len(set(layers))} of {len(layers)}'). Fix the draft's "
+            f"eagle_aux_hidden_state_layer_ids")
+    if min(layers) < 0:
+        raise WrongCaptureLayers(
+            f"eagle_capture: layers_to_capture holds {min(layers)}: no layer has that index, so "
+            f"SGLang never captures it (0.5.13 drops it silently, later lines raise). It comes "
+            f"from a draft id of -1 (the embedding output) that this SGLang line does not shift; "
+            f"no SpecForge draft is trained on it: fix the draft's "
+            f"eagle_aux_hidden_state_layer_ids")
+    outside = [i for i in sorted(layers) if not start <= i < end]
+    if outside:
+        raise WrongCaptureLayers(
+            f"eagle_capture: layers {outside} are captured but this rank runs layers "
+            f"[{start}, {end}); they would be missing from the draft input")
+    if 0 in layers and not allow_embedding:
+        raise WrongCaptureLayers(
+            "eagle_capture: layer 0 is captured: its input is the embedding output, which no "
+            "SpecForge draft is trained on (a draft id of -1, or 0 in the input convention). "
+            "Fix the draft's eagle_aux_hidden_state_layer_ids, or pass allow_embedding=True if "
+            "the draft really was trained on it")

@@ -437,37 +437,73 @@ def _norms(model):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, RMSNorm)]
 
 
+# Model classes the harness builds (SGLang's own; the text model inside is
+# DeepseekV2's in each): the architectures a DeepSeek-V3 / Kimi-K2 / Kimi-K2.5
+# checkpoint names.
+ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration")
+
+
+def text_lm(model):
+    """The DeepseekV2 causal LM inside ``model`` (Kimi-K2.5: ``language_model``)."""
+    return getattr(model, "language_model", None) or model
+
+
+def _kimi_k25_config(text_cfg):
+    """A tiny KimiK25Config around ``text_cfg`` (vision tower of one small layer;
+    the fields SGLang's KimiK25ForConditionalGeneration reads at construction)."""
+    from sglang.srt.configs.kimi_k25 import KimiK25Config
+
+    vision = dict(vt_hidden_size=16, patch_size=2, init_pos_emb_height=4, init_pos_emb_width=4,
+                  init_pos_emb_time=2, num_attention_heads=2, num_hidden_layers=1,
+                  hidden_size=16, intermediate_size=32, mm_hidden_size=16,
+                  text_hidden_size=text_cfg.hidden_size)
+    cfg = KimiK25Config(text_config=text_cfg.to_dict(), vision_config=vision)
+    cfg.architectures = ["KimiK25ForConditionalGeneration"]
+    cfg.encoder_only = False     # what KimiK25Config.__init__ of the checkpoint's remote
+    cfg.language_only = False    # code sets; SGLang's own class reads them
+    return cfg
+
+
 def build_model(num_layers: int = 6, hidden_size: int = 64, dtype=None,
-                capture_ids=(1, 3, 4), seed: int = 0):
-    """The real DeepseekV2ForCausalLM, stand-ins installed, deterministic
-    weights, ``set_eagle3_layers_to_capture(capture_ids)`` called."""
+                capture_ids=(1, 3, 4), seed: int = 0, arch: str = "DeepseekV2ForCausalLM",
+                set_capture: bool = True):
+    """SGLang's own ``arch`` class (one of :data:`ARCHS`), stand-ins installed,
+    deterministic weights, ``set_eagle3_layers_to_capture(capture_ids)`` called
+    unless ``set_capture`` is False (the plugin's hook path calls SGLang's own
+    configure step, which does)."""
     import torch
 
     dtype = dtype or torch.float32
     cfg = make_config(num_layers=num_layers, hidden_size=hidden_size)
     setup(dtype=dtype, hf_config=cfg)
     from sglang.srt.model_loader.utils import set_default_torch_dtype
-    from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from sglang.srt.models import deepseek_v2
 
     StandIn, Recorder = _define_modules()
     torch.manual_seed(seed)
     with set_default_torch_dtype(dtype), torch.device("cpu"):
-        model = DeepseekV2ForCausalLM(cfg, quant_config=None)
+        if arch == "KimiK25ForConditionalGeneration":
+            from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
+            model = KimiK25ForConditionalGeneration(_kimi_k25_config(cfg), quant_config=None)
+        else:
+            model = getattr(deepseek_v2, arch)(cfg, quant_config=None)
     model.eval()
+    lm = text_lm(model)
 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        emb = model.model.embed_tokens.weight
+        emb = lm.model.embed_tokens.weight
         emb.copy_(torch.randn(emb.shape, generator=g).to(emb.dtype))
-        for _, norm in _norms(model):
+        for _, norm in _norms(lm):
             w = norm.weight
             w.copy_((1.0 + 0.1 * torch.randn(w.shape, generator=g)).to(w.dtype))
 
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(lm.model.layers):
         layer.self_attn = StandIn(hidden_size, seed * 1000 + 2 * i, "attn", layer.self_attn)
         layer.mlp = StandIn(hidden_size, seed * 1000 + 2 * i + 1, "mlp", layer.mlp)
-    model.logits_processor = Recorder()
-    model.set_eagle3_layers_to_capture(list(capture_ids))
+    lm.logits_processor = Recorder()
+    if set_capture:
+        model.set_eagle3_layers_to_capture(list(capture_ids))
     model._harness_dtype = dtype
     return model
 
@@ -479,7 +515,7 @@ def make_batch(model, num_tokens: int, mode: str = "extend", seed: int = 0):
     import torch
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-    vocab = model.config.vocab_size
+    vocab = text_lm(model).config.vocab_size
     g = torch.Generator().manual_seed(seed + 17)
     input_ids = torch.randint(0, vocab, (num_tokens,), generator=g, dtype=torch.int64)
     i32 = dict(dtype=torch.int32)
@@ -530,7 +566,7 @@ def run(model, batch):
     import torch
 
     input_ids, positions, fb = batch
-    rec = model.logits_processor
+    rec = text_lm(model).logits_processor
     n = len(rec.records)
     with torch.no_grad():
         model.forward(input_ids, positions, fb)

@@ -20,7 +20,7 @@ import traceback
 
 import torch
 
-from tests.sglang_real import harness
+from tests.sglang_real import harness, plugin_scenarios
 
 NUM_LAYERS = 7
 HIDDEN = 64
@@ -393,10 +393,15 @@ def refusals():
             out[field] = _expect_raises(ValueError, lambda: _install(model), match)
         finally:
             _force_setattr(args, field, old)
-    too_many = _build(torch.float32)
+    # more tokens than the buffer's rows (eager): a buffer for that forward alone,
+    # never a failed forward mid-serving
+    ref_big, too_many = _build(torch.float32), _build(torch.float32)
     _install(too_many)
-    out["too_many_tokens"] = _expect_raises(ValueError, lambda: _run(too_many, MAX_TOKENS + 1),
-                                            "rows")
+    final_ref, aux_ref = _run(ref_big, MAX_TOKENS + 5)
+    final, aux = _run(too_many, MAX_TOKENS + 5)
+    assert torch.equal(aux, aux_ref) and torch.equal(final, final_ref)
+    assert _state(too_many).overflow_forwards == 1 and _state(too_many).overflow is None
+    out["too_many_tokens"] = "served from a buffer of its own for that forward"
     return out
 
 
@@ -428,6 +433,7 @@ SCENARIOS = {
     "layer_id_rules": layer_id_rules,
     "refusals": refusals,
 }
+SCENARIOS.update(plugin_scenarios.SCENARIOS)
 
 
 def main() -> None:

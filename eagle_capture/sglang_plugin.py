@@ -1,0 +1,361 @@
+"""SGLang plugin: the fused EAGLE-3 capture, switched on through SGLang's own
+extension point in every scheduler (TP) process -- no edit of SGLang.
+
+    pip install eagle-capture
+    EAGLE_CAPTURE=1 python -m sglang.launch_server --model-path <Kimi-K2.5> --tp 8 \\
+        --speculative-algorithm EAGLE3 --speculative-draft-model-path <draft> ...
+
+``register`` is the entry point ``eagle_capture`` of group ``sglang.srt.plugins``
+(setup.py). SGLang's ``load_plugins()`` calls it in the launcher and in every
+scheduler process (``run_scheduler_process``; the engine starts those with
+``spawn``, so only a plugin reaches the model there). SGLang's
+``SGLANG_PLUGINS`` whitelist applies as usual. Installing the package changes
+nothing by itself: ``EAGLE_CAPTURE=1`` turns it on (SGLang loads every installed
+plugin when ``SGLANG_PLUGINS`` is unset).
+
+The moment, per line (read in the wheels): right after the target's layers to
+capture are set and before any CUDA graph is captured --
+
+* 0.5.18 - 0.5.23: an AFTER hook on ``attention_backend_setup.
+  configure_aux_hidden_state_capture`` (``ModelRunner.init_attention_backends``
+  calls it before ``init_all_cuda_graphs``; SGLang's hook registry rebinds the
+  name in ``model_runner`` too);
+* 0.5.13: an AFTER hook on ``ModelRunner.init_aux_hidden_state_capture``
+  (``initialize``, before ``init_device_graphs``);
+* 0.5.9 has no plugin system: call :func:`eagle_capture.sglang.install_eagle3_capture`
+  by hand (README).
+
+At the hook, on each rank: nothing on a runner without EAGLE-3 (the draft's own
+runner, another algorithm) or on a pipeline stage that captures nothing; one
+log line and SGLang's own capture for what the fused capture does not handle
+(another architecture, DP attention, two-batch overlap, ...); a refusal to start
+(``EAGLE_CAPTURE_ON_PROBLEM=refuse``, the default) when the layer ids would hand
+the draft something it was not trained on -- which SGLang's own capture would do
+too -- with the doctor's explanation; ``EAGLE_CAPTURE_ON_PROBLEM=install``
+installs anyway where it can and logs the problem as an error. Otherwise the
+install, sized from the server's arguments (:mod:`eagle_capture.sglang_sizing`),
+and one log line saying what runs.
+
+``EAGLE_CAPTURE_VERIFY=N``: the first N eager forwards also run SGLang's own norm
+on copies and compare (captures bit-exact, normed output within rounding), check
+that every TP rank holds the same captures, log a line per forward, and switch
+the server back to SGLang's own capture on a mismatch. Off: no cost.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+import os
+from typing import Any, Optional
+
+logger = logging.getLogger("eagle_capture")
+
+SWITCH = "EAGLE_CAPTURE"
+ON_PROBLEM = "EAGLE_CAPTURE_ON_PROBLEM"     # refuse (default) | install
+VERIFY = "EAGLE_CAPTURE_VERIFY"             # number of eager forwards to self-check
+MAX_TOKENS = "EAGLE_CAPTURE_MAX_TOKENS"     # override the derived buffer rows
+
+# Where each SGLang line sets the layers to capture (module, attribute path).
+HOOK_POINTS = (
+    ("sglang.srt.model_executor.model_runner_components.attention_backend_setup",
+     "configure_aux_hidden_state_capture"),                       # 0.5.18 - 0.5.23
+    ("sglang.srt.model_executor.model_runner",
+     "ModelRunner.init_aux_hidden_state_capture"),                # 0.5.13
+)
+
+
+class PluginError(RuntimeError):
+    """The plugin cannot hook this SGLang."""
+
+
+def _switch_on(env=os.environ) -> bool:
+    value = env.get(SWITCH, "").strip().lower()
+    if value in ("", "0", "off", "false", "no"):
+        return False
+    if value in ("1", "on", "true", "yes"):
+        return True
+    raise PluginError(f"{SWITCH}={env.get(SWITCH)!r}: expected 1 (on) or 0 (off)")
+
+
+def hook_target() -> str:
+    """The dotted path this SGLang's hook goes on; PluginError if it has none."""
+    for module_name, attr_path in HOOK_POINTS:
+        try:
+            if importlib.util.find_spec(module_name) is None:
+                continue
+        except ModuleNotFoundError:
+            continue
+        obj = importlib.import_module(module_name)
+        for part in attr_path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if obj is not None:
+            return f"{module_name}.{attr_path}"
+    raise PluginError(
+        f"eagle_capture: this SGLang ({_sglang_version()}) has none of the hook points "
+        f"{[f'{m}.{a}' for m, a in HOOK_POINTS]} (read in 0.5.13 - 0.5.23): the fused capture "
+        f"is NOT installed and SGLang's own capture stays")
+
+
+def register() -> None:
+    """Entry point (group ``sglang.srt.plugins``): hook the install where SGLang
+    sets the layers to capture. SGLang's ``load_plugins()`` only logs a
+    plugin's exceptions, so every failure here is logged as one clear error."""
+    try:
+        if not _switch_on():
+            logger.info("eagle_capture: SGLang plugin loaded, off (%s=1 turns on the fused "
+                        "EAGLE-3 capture)", SWITCH)
+            return
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        target = hook_target()
+        hook = _after_init_aux if target.endswith("ModelRunner.init_aux_hidden_state_capture") \
+            else _after_configure
+        HookRegistry.register(target, hook, HookType.AFTER)
+        logger.info("eagle_capture: on (%s=1): the fused EAGLE-3 capture installs after %s",
+                    SWITCH, target)
+    except Exception as e:  # noqa: BLE001 - SGLang would log a bare traceback
+        logger.error("eagle_capture: the plugin could not register, SGLang's own capture "
+                     "stays: %s: %s", type(e).__name__, e)
+
+
+# The hooks: SGLang calls them with the hooked function's result and arguments.
+
+def _after_configure(result, *args, model=None, eagle_use_aux_hidden_state=False,
+                     eagle_aux_hidden_state_layer_ids=None, **kwargs):
+    activate(model, eagle_use_aux_hidden_state, eagle_aux_hidden_state_layer_ids)
+
+
+def _after_init_aux(result, runner, *args, **kwargs):
+    if getattr(runner, "is_draft_worker", False):
+        return
+    activate(runner.model, getattr(runner, "eagle_use_aux_hidden_state", False),
+             getattr(runner, "eagle_aux_hidden_state_layer_ids", None), runner=runner,
+             server_args=getattr(runner, "server_args", None))
+
+
+# -------------------------------------------------------------------- activate
+
+def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
+             env=os.environ):
+    """Install the fused capture on ``model`` if it applies (returns the buffer),
+    else log why not and return None. Raises (the server does not start) when the
+    layer ids would feed the draft wrongly and ``EAGLE_CAPTURE_ON_PROBLEM`` is
+    ``refuse``."""
+    from . import sglang as dropin
+    from .doctor import diagnose
+    from .plan import CapturePlanError
+    from .sglang_sizing import describe, read_limits, size_buffer_for
+
+    if not eagle3 or model is None:
+        return None   # not the EAGLE-3 target's runner
+    try:
+        causal_lm, path = dropin.text_model_of(model)
+    except TypeError as e:
+        logger.warning("eagle_capture: not applicable here, SGLang's own capture stays: %s", e)
+        return None
+    if dropin.reapply_after_reconfigure(model):
+        logger.info("eagle_capture: layers to capture set again by SGLang; the fused capture "
+                    "stays on")
+        return causal_lm._eagle_capture.buffer
+    if not getattr(causal_lm, "capture_aux_hidden_states", False) \
+            or not causal_lm.model.layers_to_capture:
+        logger.info("eagle_capture: this rank captures nothing (not the last pipeline stage)")
+        return None
+    policy = env.get(ON_PROBLEM, "refuse").strip().lower()
+    if policy not in ("refuse", "install"):
+        raise PluginError(f"{ON_PROBLEM}={env.get(ON_PROBLEM)!r}: expected refuse or install")
+    args = server_args if server_args is not None else dropin._server_args()
+    version = _sglang_version()
+    num_layers = int(causal_lm.config.num_hidden_layers)
+    layers = list(causal_lm.model.layers_to_capture)
+    hidden = int(causal_lm.config.hidden_size)
+
+    problems = []
+    try:
+        dropin.check_capture_layers(layers, getattr(causal_lm.model, "start_layer", 0),
+                                    getattr(causal_lm.model, "end_layer", num_layers),
+                                    allow_embedding=False)
+    except dropin.WrongCaptureLayers as e:
+        problems.append(str(e).replace("eagle_capture: ", "", 1))
+    draft_config = read_draft_config(args)
+    problems += draft_config_problems(draft_config, draft_ids, layers, hidden)
+    try:
+        diagnosis = diagnose(draft_ids, num_layers, sglang_version=version,
+                             accept_defaults=True)
+        report = diagnosis.format()
+        if not diagnosis.ok:
+            problems.append("the doctor's verdict for this SGLang line:\n" + report)
+        else:
+            logger.info("eagle_capture: doctor for SGLang %s:\n%s", version, report)
+    except CapturePlanError as e:
+        problems.append(f"the draft's ids {draft_ids!r} cannot be read: {e}")
+
+    if problems and policy == "refuse":
+        raise dropin.WrongCaptureLayers(
+            "eagle_capture refuses to start this server: the draft would not receive what it "
+            "was trained on (SGLang's own capture has the same problem):\n- "
+            + "\n- ".join(problems)
+            + f"\nFix the draft config, or set {ON_PROBLEM}=install to serve anyway")
+    for problem in problems:
+        logger.error("eagle_capture: PROBLEM (%s=install: serving anyway): %s",
+                     ON_PROBLEM, problem)
+
+    limits = read_limits(args, runner)
+    try:
+        sizing = size_buffer_for(limits, env)
+    except ValueError as e:
+        raise PluginError(f"eagle_capture: {e}") from None
+    logger.debug("eagle_capture: SGLang's limits here: %s", describe(limits))
+    check_memory(sizing.max_tokens * len(set(layers)) * hidden, causal_lm)
+    try:
+        buffer = dropin.install_eagle3_capture(model, sizing.max_tokens)
+    except dropin.WrongCaptureLayers:
+        if policy == "refuse":
+            raise
+        logger.exception("eagle_capture: not installed (%s=install), SGLang's own capture "
+                         "stays", ON_PROBLEM)
+        return None
+    except (dropin.UnsupportedServer, TypeError) as e:
+        logger.warning("eagle_capture: not applicable here, SGLang's own capture stays: %s", e)
+        return None
+    state = causal_lm._eagle_capture
+    _setup_verify(state, env)
+    if getattr(args, "enable_return_hidden_states", False) and state.packed_tensor:
+        # 0.5.18+: returned hidden states are copied to the host on a side stream
+        # the next forward does not wait for; a persistent buffer would be
+        # overwritten under that copy. Hand SGLang a copy instead (one per forward).
+        state.copy_out = True
+    nbytes = buffer.aux.numel() * buffer.aux.element_size()
+    logger.info(
+        "eagle_capture: fused EAGLE-3 capture ON (SGLang %s, %s%s, TP rank %s): layers %s -> "
+        "slots 0..%d, buffer [%d, %d, %d] %s = %.1f MiB on %s (%s)%s",
+        version, type(model).__name__, path, _tp_rank(), list(buffer.layer_ids),
+        buffer.num_captures - 1, buffer.max_tokens, buffer.num_captures, buffer.hidden_size,
+        str(buffer.aux.dtype).replace("torch.", ""), nbytes / 2**20, buffer.aux.device,
+        sizing.reason, f"; self-check of the first {state.verify_total} eager forwards"
+        if state.verify_total else "")
+    return buffer
+
+
+def check_memory(elements: int, causal_lm) -> None:
+    """SGLang sized its KV pool before this point and leaves the rest of the GPU
+    to activations and CUDA graphs; the buffer comes out of that headroom (the
+    same bytes SGLang's own capture allocates for its largest forward, but held).
+    Refuse at start-up rather than run out of memory in a graph capture later."""
+    import torch
+
+    weight = next(causal_lm.parameters(), None)
+    if weight is None or not weight.is_cuda:
+        return
+    nbytes = elements * weight.element_size()
+    free, total = torch.cuda.mem_get_info(weight.device)
+    if nbytes > free // 2:
+        raise PluginError(
+            f"eagle_capture: the aux buffer needs {nbytes / 2**20:.0f} MiB but only "
+            f"{free / 2**20:.0f} MiB of GPU memory is left after SGLang's KV pool (for "
+            f"activations and CUDA graphs): lower --mem-fraction-static by about "
+            f"{nbytes / total + 0.01:.2f}, or set {MAX_TOKENS}")
+
+
+def _setup_verify(state, env) -> None:
+    raw = env.get(VERIFY, "").strip()
+    if not raw or raw == "0":
+        return
+    try:
+        n = int(raw)
+        if n < 0:
+            raise ValueError
+    except ValueError:
+        raise PluginError(f"{VERIFY}={raw!r}: expected a number of forwards >= 0") from None
+    state.verify_left = state.verify_total = n
+    state.verify_group = _tp_group(state.buffer.aux)
+
+
+def _tp_group(like):
+    """SGLang's TP process group when there are several ranks, else None."""
+    try:
+        from sglang.srt.distributed import get_tp_group
+        group = get_tp_group()
+    except Exception:  # noqa: BLE001 - outside a server
+        return None
+    if group.world_size <= 1:
+        return None
+    return group.device_group if like.is_cuda else group.cpu_group
+
+
+def _tp_rank() -> Any:
+    try:
+        from sglang.srt.distributed import get_tp_group
+        return get_tp_group().rank_in_group
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def _sglang_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("sglang")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+# ---------------------------------------------------------------- draft config
+
+def read_draft_config(server_args) -> Optional[dict]:
+    """The draft's ``config.json`` as SGLang will load it (a local folder, or the
+    Hugging Face cache); None when it cannot be seen from here."""
+    path = getattr(server_args, "speculative_draft_model_path", None)
+    if not path:
+        return None
+    candidates = [os.path.join(path, "config.json")] if os.path.isdir(path) else []
+    if not candidates:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+            cached = try_to_load_from_cache(
+                path, "config.json",
+                revision=getattr(server_args, "speculative_draft_model_revision", None))
+            if isinstance(cached, str):
+                candidates.append(cached)
+        except Exception:  # noqa: BLE001 - no hub, or not cached
+            pass
+    for candidate in candidates:
+        try:
+            with open(candidate) as f:
+                return json.load(f)
+        except (OSError, ValueError) as e:
+            logger.warning("eagle_capture: cannot read the draft config %s: %s", candidate, e)
+    return None
+
+
+def draft_config_problems(config: Optional[dict], draft_ids, layers: list[int],
+                          hidden_size: int) -> list[str]:
+    """What the draft's config says it expects vs what the target will capture."""
+    if config is None:
+        logger.info("eagle_capture: the draft's config.json is not visible here: its input "
+                    "width is not checked")
+        return []
+    problems = []
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    if nested is None and top is not None:
+        problems.append(
+            f"the draft config names eagle_aux_hidden_state_layer_ids {top} at its top level; "
+            f"SGLang's target reads them only from eagle_config, so it captures its defaults "
+            f"{layers} instead. Move them into eagle_config")
+    # The draft's fc input, as SGLang's EAGLE-3 drafts size it: num_aux_hidden_states,
+    # else the ids' count (Kimi-K2.5's draft also reads the top-level key), else 3.
+    arch = (config.get("architectures") or [""])[0]
+    ids = nested if nested is not None else (top if arch == "Eagle3DeepseekV2ForCausalLM" else None)
+    expected = config.get("num_aux_hidden_states") or (len(ids) if ids else 3)
+    target_hidden = config.get("target_hidden_size") or config.get("hidden_size")
+    if expected != len(layers) or (target_hidden and target_hidden != hidden_size):
+        problems.append(
+            f"the draft ({arch or 'unknown architecture'}) expects {expected} x "
+            f"{target_hidden} input features but the target captures {len(layers)} layers "
+            f"{layers} of width {hidden_size}")
+    return problems

@@ -1,0 +1,359 @@
+"""The SGLang plugin (``eagle_capture.sglang_plugin``) inside the REAL SGLang code.
+
+Each scenario loads plugins with the wheel's own ``load_plugins()`` (which finds
+our entry point in the installed package metadata), so the hook lands on the
+wheel's own function through its own ``HookRegistry``; the model is built by
+SGLang's own classes (harness.py) WITHOUT ``set_eagle3_layers_to_capture``, and
+the wheel's own configure step -- ``configure_aux_hidden_state_capture``
+(0.5.18+) or ``ModelRunner.init_aux_hidden_state_capture`` (0.5.13) -- then sets
+the layers and, through the hook, installs the fused capture. SGLang's own
+capture on a second model built the same way is the reference.
+
+0.5.9 has no plugin system: each scenario reports a skip there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import types
+
+import torch
+
+from tests.sglang_real import harness
+
+NUM_LAYERS = 7
+HIDDEN = 64
+DRAFT_IDS = [1, 3, 5]          # SpecForge ids -> SGLang layers [2, 4, 6]
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[int, str]] = []
+
+    def emit(self, record):
+        self.lines.append((record.levelno, record.getMessage()))
+
+    def text(self, level=logging.DEBUG) -> str:
+        return "\n".join(msg for lvl, msg in self.lines if lvl >= level)
+
+
+def _has_plugins() -> bool:
+    return importlib.util.find_spec("sglang.srt.plugins") is not None
+
+
+def _target():
+    """(module, attribute holder, name) of this line's hook point."""
+    from eagle_capture.sglang_plugin import hook_target
+    dotted = hook_target()
+    module_name, attr = dotted.rsplit(".", 1)
+    if module_name.endswith(".ModelRunner"):
+        module = importlib.import_module(module_name.rsplit(".", 1)[0])
+        return module, module.ModelRunner, attr
+    module = importlib.import_module(module_name)
+    return module, module, attr
+
+
+def _rebind(old, new) -> None:
+    """Every module-level binding of ``old`` -> ``new``."""
+    import sys
+    for m in list(sys.modules.values()):
+        if isinstance(m, types.ModuleType):
+            for a, v in list(vars(m).items()):
+                if v is old:
+                    setattr(m, a, new)
+
+
+@contextlib.contextmanager
+def plugins_loaded(target=None, **env):
+    """The wheel's own load_plugins() with ``env`` set; afterwards the hook point
+    and every module binding of it are restored (load_plugins runs once per
+    process by design: its guard and registry are reset for each scenario).
+    ``target``: the (module, holder, name) to restore, when the scenario breaks it."""
+    import sglang.srt.plugins as plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    # The scheduler imports the model runner before it loads plugins; the hook
+    # registry must then rebind the name the runner imported.
+    importlib.import_module("sglang.srt.model_executor.model_runner")
+    module, holder, name = target or _target()
+    original = holder.__dict__.get(name)
+    saved_env = {k: os.environ.get(k) for k in env}
+    records = _Records()
+    log = logging.getLogger("eagle_capture")
+    log.addHandler(records)
+    log.setLevel(logging.DEBUG)
+    os.environ.update({k: str(v) for k, v in env.items() if v is not None})
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+    plugins._plugins_loaded = False
+    HookRegistry.reset()
+    try:
+        plugins.load_plugins()
+        yield records
+    finally:
+        log.removeHandler(records)
+        if original is not None:
+            hooked = holder.__dict__.get(name)
+            setattr(holder, name, original)
+            if hooked is not original:
+                _rebind(hooked, original)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        plugins._plugins_loaded = False
+        HookRegistry.reset()
+
+
+def configure(model, draft_ids=DRAFT_IDS, eagle3=True):
+    """What SGLang's model runner does at the hook point, calling the wheel's own
+    (hooked) function: 0.5.18+ the module function, 0.5.13 the ModelRunner method
+    on a namespace holding the attributes it reads."""
+    module, holder, name = _target()
+    fn = getattr(holder, name)
+    if holder is module:
+        fn(model=model, eagle_use_aux_hidden_state=eagle3,
+           eagle_aux_hidden_state_layer_ids=draft_ids,
+           **{k: v for k, v in dict(dflash_use_aux_hidden_state=False,
+                                    dflash_target_layer_ids=None,
+                                    is_dspark=False).items()
+              if k in _params(fn)})
+    else:
+        runner = types.SimpleNamespace(model=model, eagle_use_aux_hidden_state=eagle3,
+                                       eagle_aux_hidden_state_layer_ids=draft_ids,
+                                       dflash_use_aux_hidden_state=False, is_draft_worker=False)
+        fn(runner)
+
+
+def _params(fn) -> set:
+    import inspect
+    return set(inspect.signature(inspect.unwrap(fn)).parameters)
+
+
+def _build(arch="DeepseekV3ForCausalLM", dtype=torch.float32, set_capture=False,
+           capture_ids=DRAFT_IDS):
+    return harness.build_model(num_layers=NUM_LAYERS, hidden_size=HIDDEN, dtype=dtype,
+                               capture_ids=capture_ids, seed=3, arch=arch,
+                               set_capture=set_capture)
+
+
+def _run(model, num_tokens, mode="extend", seed=0):
+    final, aux = harness.run(model, harness.make_batch(model, num_tokens, mode, seed=seed))
+    if aux is not None and not isinstance(aux, torch.Tensor):
+        aux = torch.cat(list(aux), dim=-1)
+    return final.clone(), None if aux is None else aux.clone()
+
+
+def _same_as_sglang(ours, ref, cases=((5, "extend"), (1, "decode"), (3, "decode"),
+                                      (11, "extend"))):
+    for num_tokens, mode in cases:
+        final_ref, aux_ref = _run(ref, num_tokens, mode, seed=num_tokens)
+        final, aux = _run(ours, num_tokens, mode, seed=num_tokens)
+        assert aux is not None and aux_ref is not None and aux.shape == aux_ref.shape, \
+            f"T={num_tokens}: aux {None if aux is None else tuple(aux.shape)} vs SGLang's"
+        assert torch.equal(aux, aux_ref), f"T={num_tokens} {mode}: aux differs from SGLang's"
+        assert torch.equal(final, final_ref), f"T={num_tokens} {mode}: final hidden differs"
+
+
+def _state(model):
+    return harness.text_lm(model)._eagle_capture
+
+
+def _skip_without_plugins():
+    if not _has_plugins():
+        return {"skip": f"SGLang {harness.sglang_version()} has no plugin system "
+                        f"(sglang.srt.plugins, from 0.5.13): the manual install applies"}
+    return None
+
+
+# ----------------------------------------------------------------- scenarios
+
+def plugin_installs(arch: str):
+    """Discovered by the wheel's load_plugins() (our entry point), hooked on the
+    wheel's own configure step, installed on SGLang's own ``arch`` model built from
+    a tiny config: captures equal SGLang's own, on the fused kernel; the log says so."""
+    skip = _skip_without_plugins()
+    if skip:
+        return skip
+    if arch == "KimiK25ForConditionalGeneration" and \
+            importlib.util.find_spec("sglang.srt.models.kimi_k25") is None:
+        return {"skip": f"SGLang {harness.sglang_version()} has no kimi_k25.py"}
+    ref, ours = _build(arch), _build(arch)
+    with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
+                        EAGLE_CAPTURE_MAX_TOKENS="16") as log:
+        module, holder, name = _target()
+        assert hasattr(getattr(holder, name), "__wrapped__"), "the hook did not land"
+        mr = importlib.import_module("sglang.srt.model_executor.model_runner")
+        if holder is module:   # the model runner calls the name it imported: rebound too
+            assert getattr(mr, name) is getattr(module, name), \
+                "model_runner still calls the unhooked configure_aux_hidden_state_capture"
+        configure(ours, DRAFT_IDS)
+    configure(ref, DRAFT_IDS)      # unhooked again: SGLang's own capture
+    lm = harness.text_lm(ours)
+    assert lm.model.layers_to_capture == [] and not lm.capture_aux_hidden_states
+    state = _state(ours)
+    assert state.layer_ids == [2, 4, 6] and state.buffer.max_tokens == 16
+    _same_as_sglang(ours, ref)
+    assert state.fused_calls == 4 * 3, f"{state.fused_calls} fused captures, want 12"
+    text = log.text(logging.INFO)
+    assert "fused EAGLE-3 capture ON" in text and "[16, 3, 64]" in text, text
+    return {"log": [m for _, m in log.lines if "ON" in m]}
+
+
+def plugin_off_and_broken():
+    """Off unless EAGLE_CAPTURE=1 (one line, no hook); not applicable on a runner
+    without EAGLE-3; a hook point missing from SGLang (the target broken on
+    purpose) is one ERROR line and SGLang's own capture stays."""
+    skip = _skip_without_plugins()
+    if skip:
+        return skip
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    out = {}
+    with plugins_loaded(EAGLE_CAPTURE=None, SGLANG_PLUGINS="eagle_capture") as log:
+        assert not HookRegistry._hooks, "hooks registered while off"
+        model = _build()
+        configure(model)
+        assert not hasattr(harness.text_lm(model), "_eagle_capture")
+        assert "off (EAGLE_CAPTURE=1" in log.text(), log.text()
+    out["off"] = "one line, SGLang's own capture"
+    with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture"):
+        model = _build()
+        configure(model, eagle3=False)     # the draft's own runner
+        assert not hasattr(harness.text_lm(model), "_eagle_capture")
+    out["no_eagle3"] = "nothing"
+    target = _target()
+    module, holder, name = target
+    original = holder.__dict__[name]
+    delattr(holder, name)      # an SGLang without this hook point
+    try:
+        with plugins_loaded(target, EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture") as log:
+            errors = log.text(logging.ERROR)
+    finally:
+        setattr(holder, name, original)
+    assert "none of the hook points" in errors and "NOT installed" in errors, errors
+    out["broken_target"] = errors.splitlines()[0]
+    return out
+
+
+def plugin_refuses_wrong_ids():
+    """Draft ids SGLang would also get wrong: the server refuses to start
+    (EAGLE_CAPTURE_ON_PROBLEM=refuse, the default) with the reason; with
+    ``install`` it logs the problem and keeps SGLang's own capture where the fused
+    one cannot be installed."""
+    skip = _skip_without_plugins()
+    if skip:
+        return skip
+    from eagle_capture.sglang import WrongCaptureLayers
+    out = {}
+    for ids, match in (([1, 1, 5], "more than once"), ([-1, 3, 5], "-1")):
+        with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture"):
+            model = _build()
+            try:
+                configure(model, ids)
+            except WrongCaptureLayers as e:
+                assert match in str(e) and "refuses to start" in str(e), str(e)
+                out[str(ids)] = str(e).splitlines()[0]
+            else:
+                raise AssertionError(f"ids {ids}: the server was not refused")
+        with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
+                            EAGLE_CAPTURE_ON_PROBLEM="install") as log:
+            model = _build()
+            configure(model, ids)
+            assert not hasattr(harness.text_lm(model), "_eagle_capture")
+            assert "PROBLEM" in log.text(logging.ERROR)
+    return out
+
+
+def plugin_self_check():
+    """EAGLE_CAPTURE_VERIFY=N on a correct install: N log lines, all equal; then
+    off. A wrong capture planted in the fused kernel's output: the layer is named,
+    that forward is still served SGLang's values, and the server switches back to
+    SGLang's own capture."""
+    skip = _skip_without_plugins()
+    if skip:
+        return skip
+    from eagle_capture import sglang as dropin
+    ref, ours = _build(), _build()
+    with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
+                        EAGLE_CAPTURE_VERIFY="2"):
+        configure(ours)
+    configure(ref)
+    log = _Records()
+    logging.getLogger("eagle_capture").addHandler(log)
+    try:
+        _same_as_sglang(ours, ref, cases=((5, "extend"), (3, "decode"), (4, "extend")))
+    finally:
+        logging.getLogger("eagle_capture").removeHandler(log)
+    lines = [m for _, m in log.lines if m.startswith("eagle_capture verify")]
+    assert len(lines) == 3 and "1/2" in lines[0] and "2/2" in lines[1], lines
+    assert "bit-identical" in lines[0] and "self-check off" in lines[2], lines
+    assert not _state(ours).disabled
+
+    planted = _build()
+    with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
+                        EAGLE_CAPTURE_VERIFY="3"):
+        configure(planted)
+    real_op = dropin.ops.add_rmsnorm_capture
+    bad_slot = _state(planted).buffer.slot_of(4)
+
+    def wrong(x, residual, weight, eps, aux, slot, norm_fp32_sum=False):
+        real_op(x, residual, weight, eps, aux, slot, norm_fp32_sum=norm_fp32_sum)
+        if slot == bad_slot:
+            aux[: x.shape[0], slot, 0] += 1.0     # a wrong capture in layer 4's slot
+
+    dropin.ops.add_rmsnorm_capture = wrong
+    records = _Records()
+    logging.getLogger("eagle_capture").addHandler(records)
+    try:
+        _same_as_sglang(planted, ref, cases=((5, "extend"),))   # served SGLang's values
+    finally:
+        dropin.ops.add_rmsnorm_capture = real_op
+        logging.getLogger("eagle_capture").removeHandler(records)
+    errors = records.text(logging.ERROR)
+    assert "MISMATCH" in errors and "layer 4 (slot 1)" in errors, errors
+    state = _state(planted)
+    assert state.disabled and harness.text_lm(planted).model.layers_to_capture == [2, 4, 6]
+    fused = state.fused_calls
+    _same_as_sglang(planted, ref, cases=((6, "extend"), (2, "decode")))   # SGLang's own now
+    assert state.fused_calls == fused, "the fused capture still ran after the switch"
+    return {"mismatch": errors.splitlines()[0][:200]}
+
+
+def plugin_overflow():
+    """A forward with more tokens than the buffer's rows: served from a buffer for
+    that forward (equal to SGLang's capture), one warning, the persistent buffer
+    untouched; the next small forward uses the persistent buffer again."""
+    skip = _skip_without_plugins()
+    if skip:
+        return skip
+    ref, ours = _build(), _build()
+    configure(ref)
+    with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
+                        EAGLE_CAPTURE_MAX_TOKENS="4") as log:
+        configure(ours)
+        state = _state(ours)
+        state.buffer.aux.fill_(float("nan"))
+        _same_as_sglang(ours, ref, cases=((11, "extend"),))
+        assert torch.isnan(state.buffer.aux).all(), "the persistent buffer was written"
+        assert state.overflow_forwards == 1 and state.overflow is None
+        _same_as_sglang(ours, ref, cases=((3, "decode"),))
+        assert not torch.isnan(state.buffer.aux[:3]).any()
+    warnings = log.text(logging.WARNING)
+    assert "exceeds the aux buffer's 4 rows" in warnings, warnings
+    return {"warning": warnings.splitlines()[0][:160]}
+
+
+SCENARIOS = {
+    "plugin_deepseek_v3": lambda: plugin_installs("DeepseekV3ForCausalLM"),
+    "plugin_kimi_k25": lambda: plugin_installs("KimiK25ForConditionalGeneration"),
+    "plugin_off_and_broken": plugin_off_and_broken,
+    "plugin_refuses_wrong_ids": plugin_refuses_wrong_ids,
+    "plugin_self_check": plugin_self_check,
+    "plugin_overflow": plugin_overflow,
+}

@@ -118,6 +118,8 @@ class CaptureState:
         self.verified_forwards = 0
         self.disabled = False         # switched back to SGLang's own capture
         self.copy_out = False         # hand the LogitsProcessor a copy (return_hidden_states)
+        self.in_allreduce_fusion = None   # layer inside forward_with_allreduce_fusion (eager)
+        self.stored_in_fusion = False     # ... whose fallback already stored the capture
 
     def buffer_for(self, num_tokens: int) -> AuxCaptureBuffer:
         """The buffer this forward's captures go to."""
@@ -270,6 +272,15 @@ def _log():
     return logging.getLogger("eagle_capture")
 
 
+def _flashinfer_allreduce_unavailable() -> Optional[bool]:
+    fn = getattr(sys.modules.get("sglang.srt.layers.flashinfer_comm_fusion"),
+                 "is_flashinfer_allreduce_unavailable", None)
+    try:
+        return bool(fn()) if fn is not None else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def _capturing_cuda_graph(like: torch.Tensor) -> bool:
     return like.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -335,6 +346,8 @@ class _CapturingNormMixin:
             # called without one (layer 0's embedding, or a residual updated
             # elsewhere first, as layer_boundary's non-plain updates do).
             new_residual = out[1] if residual is not None else x
+            if state.in_allreduce_fusion == self._eagle_layer_id:
+                state.stored_in_fusion = True
             self._eagle_store(new_residual, fused=False)
             return out
         # SGLang's own norm on copies, as the reference of the live self-check
@@ -348,6 +361,8 @@ class _CapturingNormMixin:
             # h + (r + p); the caller's residual is left as it was.
             residual = residual + post_residual_addition
         num_tokens = x.shape[0]
+        if state.in_allreduce_fusion == self._eagle_layer_id:
+            state.stored_in_fusion = True   # SGLang's fallback after its own all-reduce
         buffer = state.buffer_for(num_tokens)
         ops.add_rmsnorm_capture(x, residual, self.weight, self.variance_epsilon,
                                 buffer.aux, buffer.slot_of(self._eagle_layer_id),
@@ -362,8 +377,34 @@ class _CapturingNormMixin:
     def forward_with_allreduce_fusion(self, x, residual, *args, **kwargs):
         # SGLang's fused all-reduce + add + RMSNorm writes a fresh, *reduced*
         # residual_out: capture that (never the per-rank partial input).
-        out = super().forward_with_allreduce_fusion(x, residual, *args, **kwargs)
-        if not self._eagle_capture.disabled:
+        state = self._eagle_capture
+        if state.disabled:
+            return super().forward_with_allreduce_fusion(x, residual, *args, **kwargs)
+        # FlashInfer declines non-contiguous tensors, and then SGLang 0.5.13 /
+        # 0.5.20 run the norm WITHOUT the all-reduce the previous layer skipped
+        # (layernorm.py): hand it contiguous ones.
+        x, residual = x.contiguous(), residual.contiguous()
+        eager = not torch.compiler.is_compiling()
+        unavailable = _flashinfer_allreduce_unavailable() if eager else None
+        if eager:
+            # When FlashInfer declines, 0.5.23 all-reduces and calls this norm's
+            # forward() (our capturing one): it then stores the capture itself.
+            state.in_allreduce_fusion = self._eagle_layer_id
+            state.stored_in_fusion = False
+        try:
+            out = super().forward_with_allreduce_fusion(x, residual, *args, **kwargs)
+        finally:
+            if eager:
+                state.in_allreduce_fusion = None
+        if (eager and unavailable is False and _flashinfer_allreduce_unavailable()
+                and state.surface.startswith("layer_communicator")):
+            _log().error(
+                "eagle_capture: SGLang's FlashInfer all-reduce fusion could not set up its "
+                "workspace in this forward (layer %d): SGLang <= 0.5.20 then runs this norm on "
+                "the per-rank partial sum, so this forward's hidden states (and SGLang's own "
+                "capture) are not reduced. Later forwards take SGLang's explicit all-reduce",
+                self._eagle_layer_id)
+        if not (eager and state.stored_in_fusion):
             self._eagle_store(out[1], fused=False)
         return out
 
@@ -445,26 +486,69 @@ def _server_args():
     return None
 
 
+def _runtime_modes() -> dict:
+    """The modes SGLang's model runner really set up, from its own runtime helpers
+    (every line 0.5.9 - 0.5.23): from 0.5.20 the server-args record keeps only the
+    command line, so auto-enabled modes (DeepSeek-V3.2's prefill context
+    parallelism turning on DP attention and DeepEP, say) are missing there."""
+    def call(module_name, fn_name):
+        fn = getattr(sys.modules.get(module_name), fn_name, None)
+        try:
+            return fn() if fn is not None else None
+        except Exception:  # noqa: BLE001 - not initialised in this process
+            return None
+
+    a2a = call("sglang.srt.layers.moe.utils", "get_moe_a2a_backend")
+    is_none = getattr(a2a, "is_none", None)
+    parallel = call("sglang.srt.runtime_context", "get_parallel")
+    return {
+        "enable_dp_attention": call("sglang.srt.layers.dp_attention", "is_dp_attention_enabled"),
+        "enable_two_batch_overlap": call("sglang.srt.layers.moe.utils", "is_tbo_enabled"),
+        "moe_a2a_backend": None if is_none is None or is_none() else getattr(a2a, "value", a2a),
+        "attn_cp_size": _first_set(call("sglang.srt.layers.dp_attention", "get_attention_cp_size"),
+                                   getattr(parallel, "attn_cp_size", None)),
+        "enable_layernorm_sp": getattr(parallel, "enable_layernorm_sp", None),
+    }
+
+
+def _first_set(*values):
+    return next((v for v in values if v is not None), None)
+
+
 def _refuse_unsupported_modes() -> None:
     args = _server_args()
-    if args is None:
-        return
+    modes = _runtime_modes()
+
+    def mode(name, default):
+        runtime = modes.get(name)
+        if runtime not in (None, False, default):
+            return runtime
+        return getattr(args, name, default) if args is not None else default
+
     refused = []
-    if getattr(args, "enable_two_batch_overlap", False):
+    if mode("enable_two_batch_overlap", False):
         refused.append("two-batch overlap (enable_two_batch_overlap): the input norm runs on "
                        "half-batches, each of which would overwrite the slot's first rows")
-    if getattr(args, "enable_dp_attention", False):
+    if mode("enable_dp_attention", False):
         refused.append("DP attention (enable_dp_attention): the captured rows may be scattered "
                        "over the attention-TP group and must be gathered first")
-    if getattr(args, "moe_a2a_backend", "none") not in (None, "none"):
-        refused.append(f"all-to-all MoE (moe_a2a_backend={args.moe_a2a_backend!r}): rows are "
+    backend = mode("moe_a2a_backend", "none")
+    if backend not in (None, "none"):
+        refused.append(f"all-to-all MoE (moe_a2a_backend={backend!r}): rows are "
                        f"token-scattered after sparse layers and must be gathered first")
-    if getattr(args, "attn_cp_size", 1) not in (None, 1):
-        refused.append(f"context parallelism (attn_cp_size={args.attn_cp_size}): each rank "
-                       f"holds a slice of the tokens")
+    cp = mode("attn_cp_size", 1)
+    if cp not in (None, 1):
+        refused.append(f"context parallelism (attn_cp_size={cp}): each rank holds a slice of "
+                       f"the tokens")
+    if mode("enable_layernorm_sp", False):
+        # SGLang itself refuses it for DeepSeek / Kimi and for any speculative
+        # decoding (0.5.20 - 0.5.23); refused here too, should that change.
+        refused.append("layernorm sequence parallelism (enable_layernorm_sp): the residual is "
+                       "row-sharded over the TP group at the input norm")
     if refused:
         raise UnsupportedServer("eagle_capture: install_eagle3_capture does not support "
-                         + "; ".join(refused) + ". Keep SGLang's own capture for this server")
+                                + "; ".join(refused) + ". Keep SGLang's own capture for this "
+                                "server")
 
 
 def text_model_of(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:

@@ -30,7 +30,8 @@ SCENARIOS = ["same_as_sglang_fp32", "same_as_sglang_bf16", "norm_paths", "names_
              "piecewise_compiled", "layer_id_rules", "refusals",
              # the SGLang plugin through each wheel's own load_plugins() and configure step
              "plugin_deepseek_v3", "plugin_kimi_k25", "plugin_off_and_broken",
-             "plugin_refuses_wrong_ids", "plugin_self_check", "plugin_overflow"]
+             "plugin_refuses_wrong_ids", "plugin_self_check", "plugin_overflow",
+             "plugin_server_args"]
 
 pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL") == "1",
                                 reason="EAGLE_CAPTURE_SKIP_SGLANG_REAL=1 (no PyPI here)")

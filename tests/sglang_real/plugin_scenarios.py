@@ -349,6 +349,43 @@ def plugin_overflow():
     return {"warning": warnings.splitlines()[0][:160]}
 
 
+def plugin_server_args():
+    """What the plugin reads of this line's server: SGLang's own resolved limits
+    (the wheel's ServerArgs / runtime-context bags), and --enable-return-hidden-states
+    (0.5.18+ copies the returned hidden states on a side stream the next forward does
+    not wait for: the LogitsProcessor then gets a copy, not the persistent buffer)."""
+    skip = _skip_without_plugins()
+    if skip:
+        return skip
+    from eagle_capture.sglang import _server_args
+    from eagle_capture.sglang_sizing import read_limits
+    from tests.sglang_real.scenarios import _force_setattr
+
+    args = _server_args()
+    limits = read_limits(args)
+    assert limits.max_prefill_tokens == args.max_prefill_tokens == 16384, limits
+    model = _build()
+    old = args.enable_return_hidden_states
+    _force_setattr(args, "enable_return_hidden_states", True)
+    try:
+        with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
+                            EAGLE_CAPTURE_MAX_TOKENS="16"):
+            configure(model)
+    finally:
+        _force_setattr(args, "enable_return_hidden_states", old)
+    state = _state(model)
+    harness.run(model, harness.make_batch(model, 5))
+    handed = harness.text_lm(model).logits_processor.records[-1][1]
+    if state.packed_tensor:
+        assert state.copy_out and isinstance(handed, torch.Tensor)
+        assert handed.untyped_storage().data_ptr() != state.buffer.aux.untyped_storage().data_ptr()
+        out = "a copy, not the buffer"
+    else:   # 0.5.13 copies to the host on the forward stream; its LogitsProcessor cats
+        assert not state.copy_out
+        out = "the buffer's view (0.5.13: host copy on the forward stream)"
+    return {"limits": str(limits), "return_hidden_states": out}
+
+
 SCENARIOS = {
     "plugin_deepseek_v3": lambda: plugin_installs("DeepseekV3ForCausalLM"),
     "plugin_kimi_k25": lambda: plugin_installs("KimiK25ForConditionalGeneration"),
@@ -356,4 +393,5 @@ SCENARIOS = {
     "plugin_refuses_wrong_ids": plugin_refuses_wrong_ids,
     "plugin_self_check": plugin_self_check,
     "plugin_overflow": plugin_overflow,
+    "plugin_server_args": plugin_server_args,
 }

@@ -160,6 +160,21 @@ def norm_paths():
         RMSNorm.forward_with_allreduce_fusion = original
     out["allreduce_fusion"] = "captured the reduced residual_out"
 
+    # SGLang's own forward_with_allreduce_fusion, unpatched: at world size 1 (and in
+    # 0.5.23 whenever FlashInfer declines) it ends in norm_module.forward(x,
+    # residual) -- our capturing forward -- on the same norm: stored once, by the
+    # fused kernel, not a second time after it returns.
+    buffer.aux.fill_(float("nan"))
+    state = model._eagle_capture
+    fused, fallback = state.fused_calls, state.fallback_calls
+    x_ref, r_ref = plain.forward_native(x.clone(), r.clone())
+    xo, ro = norm.forward_with_allreduce_fusion(x.clone(), r.clone())
+    assert torch.equal(xo, x_ref) and torch.equal(ro, r_ref)
+    assert torch.equal(buffer.aux[:4, slot], r_ref)
+    assert (state.fused_calls - fused, state.fallback_calls - fallback) == (1, 0), \
+        f"stores: fused {state.fused_calls - fused}, fallback {state.fallback_calls - fallback}"
+    out["allreduce_fusion_fallback"] = "SGLang's fallback into forward(): one store"
+
     # a norm configuration our kernel does not reproduce: SGLang's own code runs
     norm.cast_x_before_out_mul = True
     try:

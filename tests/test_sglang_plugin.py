@@ -1,0 +1,149 @@
+"""The SGLang plugin's own logic on CPU, without SGLang: sizing rule, draft-config
+checks, the switch, and what register() does when it cannot hook. The plugin inside
+the real SGLang wheels (load_plugins, the hooked configure step, Kimi-K2.5, the
+self-check, overflow) is tests/sglang_real/plugin_scenarios.py."""
+
+import json
+import logging
+
+import pytest
+
+from eagle_capture import sglang_plugin as plugin
+from eagle_capture.sglang_sizing import (DEFAULT_MAX_TOKENS, MAX_TOKENS_ENV, ServingLimits,
+                                         read_limits, size_buffer_for)
+
+
+# ------------------------------------------------------------------- sizing
+
+def test_h200_defaults_prefill_chunk_dominates():
+    # SGLang's defaults on an H200 with EAGLE-3: chunk 8192, 48 requests, N = 4,
+    # verify graphs up to 48 requests.
+    limits = ServingLimits(chunked_prefill_size=8192, max_prefill_tokens=16384,
+                           max_running_requests=48, num_draft_tokens=4, decode_graph_max_bs=48,
+                           prefill_graph_max_tokens=2048)
+    size = size_buffer_for(limits, {})
+    assert size.max_tokens == 8192 and size.graph_tokens == 2048   # prefill graphs
+    assert "chunked_prefill_size = 8192" in size.reason
+
+
+def test_verify_dominates_and_chunking_off():
+    busy = ServingLimits(chunked_prefill_size=2048, max_running_requests=1024, num_draft_tokens=8)
+    assert size_buffer_for(busy, {}).max_tokens == 8192
+    unchunked = ServingLimits(chunked_prefill_size=-1, max_prefill_tokens=16384,
+                              max_running_requests=48, num_draft_tokens=4)
+    size = size_buffer_for(unchunked, {})
+    assert size.max_tokens == 16384 and "chunking off" in size.reason
+
+
+def test_graphs_are_a_floor_for_the_override():
+    limits = ServingLimits(chunked_prefill_size=8192, max_running_requests=64,
+                           num_draft_tokens=4, decode_graph_max_bs=64)
+    assert size_buffer_for(limits, {MAX_TOKENS_ENV: "300"}).max_tokens == 300
+    with pytest.raises(ValueError, match=f"{MAX_TOKENS_ENV}=100 is below the 256 tokens"):
+        size_buffer_for(limits, {MAX_TOKENS_ENV: "100"})
+    for bad in ("0", "-3", "lots"):
+        with pytest.raises(ValueError, match="expected a positive number"):
+            size_buffer_for(limits, {MAX_TOKENS_ENV: bad})
+
+
+def test_nothing_readable_gives_the_default():
+    size = size_buffer_for(ServingLimits(), {})
+    assert size.max_tokens == DEFAULT_MAX_TOKENS and "default" in size.reason
+
+
+def test_read_limits_from_resolved_server_args():
+    """0.5.13's ServerArgs (resolved in place) and the runner's per-rank request pool;
+    the graph batch is capped by the pool, as SGLang captures it."""
+    class Args:
+        chunked_prefill_size = 4096
+        max_prefill_tokens = 16384
+        max_running_requests = 48
+        speculative_num_draft_tokens = 4
+        cuda_graph_max_bs = 256
+        piecewise_cuda_graph_max_tokens = 2048
+        disable_piecewise_cuda_graph = False
+        disable_cuda_graph = False
+
+    class Runner:
+        max_running_requests = 40
+
+    limits = read_limits(Args(), Runner())
+    assert limits == ServingLimits(4096, 16384, 40, 4, 40, 2048)
+    Args.disable_cuda_graph = True
+    assert read_limits(Args(), Runner()).decode_graph_max_bs is None
+
+
+# ------------------------------------------------------------ draft config
+
+def test_draft_config_matching_and_not_visible():
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 7168,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}
+    assert plugin.draft_config_problems(cfg, [1, 29, 57], [2, 30, 58], 7168) == []
+    assert plugin.draft_config_problems(None, [1, 29, 57], [2, 30, 58], 7168) == []
+
+
+def test_top_level_ids_are_ignored_by_the_target():
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 7168,
+           "eagle_aux_hidden_state_layer_ids": [1, 20, 40]}
+    problems = plugin.draft_config_problems(cfg, None, [2, 30, 58], 7168)
+    assert len(problems) == 1 and "top level" in problems[0] and "[2, 30, 58]" in problems[0]
+
+
+def test_width_mismatches():
+    four = {"hidden_size": 7168, "num_aux_hidden_states": 4,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}
+    assert "expects 4 x 7168" in plugin.draft_config_problems(four, [1, 2, 3], [2, 3, 4],
+                                                               7168)[0]
+    other_target = {"hidden_size": 4096, "target_hidden_size": 5120,
+                    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}
+    assert "3 x 5120" in plugin.draft_config_problems(other_target, [1, 29, 57], [2, 30, 58],
+                                                       7168)[0]
+    # Kimi-K2.5's draft sizes its fc from the top-level key too: two ids -> 2 x H,
+    # while the target (nested key only) captures its three defaults.
+    kimi = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "hidden_size": 7168,
+            "eagle_aux_hidden_state_layer_ids": [1, 29]}
+    problems = plugin.draft_config_problems(kimi, None, [2, 30, 58], 7168)
+    assert len(problems) == 2 and "expects 2 x 7168" in problems[1]
+
+
+def test_read_draft_config(tmp_path, caplog):
+    class Args:
+        speculative_draft_model_path = str(tmp_path)
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    assert plugin.read_draft_config(Args()) == {"hidden_size": 8}
+    (tmp_path / "config.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="eagle_capture"):
+        assert plugin.read_draft_config(Args()) is None
+    assert str(tmp_path / "config.json") in caplog.text
+    Args.speculative_draft_model_path = None
+    assert plugin.read_draft_config(Args()) is None
+
+
+# ------------------------------------------------------------------ switch
+
+@pytest.mark.parametrize("value,on", [("", False), ("0", False), ("off", False),
+                                      ("1", True), ("on", True), ("TRUE", True)])
+def test_switch(value, on):
+    assert plugin._switch_on({plugin.SWITCH: value}) is on
+
+
+def test_switch_rejects_other_values():
+    with pytest.raises(plugin.PluginError, match="EAGLE_CAPTURE='2'"):
+        plugin._switch_on({plugin.SWITCH: "2"})
+
+
+def test_register_logs_instead_of_raising(monkeypatch, caplog):
+    """SGLang's load_plugins() only logs what a plugin raises: register() says
+    itself, in one line, that it is off or could not hook."""
+    monkeypatch.delenv(plugin.SWITCH, raising=False)
+    with caplog.at_level(logging.INFO, logger="eagle_capture"):
+        plugin.register()
+    assert "off (EAGLE_CAPTURE=1 turns on" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv(plugin.SWITCH, "1")
+    monkeypatch.setitem(__import__("sys").modules, "sglang", None)   # no SGLang here
+    with caplog.at_level(logging.INFO, logger="eagle_capture"):
+        plugin.register()
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "could not register" in errors[0].getMessage()

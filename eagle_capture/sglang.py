@@ -434,7 +434,7 @@ class _CapturingLogitsMixin:
         state.check_complete(num_tokens)
         buffer = state.buffer_for(num_tokens)
         state.overflow = None   # the view below keeps a per-forward buffer alive
-        if state.verifying(hidden_states):
+        if num_tokens and state.verifying(hidden_states):   # idle batches: nothing to check
             state.finish_verified_forward(buffer, num_tokens)
         packed = buffer.result(num_tokens)
         if state.copy_out:

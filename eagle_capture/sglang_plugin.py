@@ -49,6 +49,7 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 from typing import Any, Optional
 
 logger = logging.getLogger("eagle_capture")
@@ -147,7 +148,7 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     layer ids would feed the draft wrongly and ``EAGLE_CAPTURE_ON_PROBLEM`` is
     ``refuse``."""
     from . import sglang as dropin
-    from .doctor import diagnose
+    from .doctor import diagnose, line_of
     from .plan import CapturePlanError
     from .sglang_sizing import describe, read_limits, size_buffer_for
 
@@ -185,15 +186,21 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     draft_config = read_draft_config(args)
     problems += draft_config_problems(draft_config, draft_ids, layers, hidden)
     try:
-        diagnosis = diagnose(draft_ids, num_layers, sglang_version=version,
-                             accept_defaults=True)
-        report = diagnosis.format()
-        if not diagnosis.ok:
-            problems.append("the doctor's verdict for this SGLang line:\n" + report)
-        else:
-            logger.info("eagle_capture: doctor for SGLang %s:\n%s", version, report)
-    except CapturePlanError as e:
-        problems.append(f"the draft's ids {draft_ids!r} cannot be read: {e}")
+        line_of(version)
+    except (CapturePlanError, ValueError):
+        logger.warning("eagle_capture: no doctor rules for SGLang %r: the layer ids are checked "
+                       "only for duplicates, range and the pipeline stage", version)
+    else:
+        try:
+            diagnosis = diagnose(draft_ids, num_layers, sglang_version=version,
+                                 accept_defaults=True)
+            report = diagnosis.format()
+            if not diagnosis.ok:
+                problems.append("the doctor's verdict for this SGLang line:\n" + report)
+            else:
+                logger.info("eagle_capture: doctor for SGLang %s:\n%s", version, report)
+        except CapturePlanError as e:
+            problems.append(f"the draft's ids {draft_ids!r} cannot be read: {e}")
 
     if problems and policy == "refuse":
         raise dropin.WrongCaptureLayers(
@@ -232,9 +239,10 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
         state.copy_out = True
     nbytes = buffer.aux.numel() * buffer.aux.element_size()
     logger.info(
-        "eagle_capture: fused EAGLE-3 capture ON (SGLang %s, %s%s, TP rank %s): layers %s -> "
+        "eagle_capture: fused EAGLE-3 capture ON (SGLang %s, %s%s, TP rank %s; %s): layers %s -> "
         "slots 0..%d, buffer [%d, %d, %d] %s = %.1f MiB on %s (%s)%s",
-        version, type(model).__name__, path, _tp_rank(), list(buffer.layer_ids),
+        version, type(model).__name__, path, _tp_rank(), _deployment(args, sizing),
+        list(buffer.layer_ids),
         buffer.num_captures - 1, buffer.max_tokens, buffer.num_captures, buffer.hidden_size,
         str(buffer.aux.dtype).replace("torch.", ""), nbytes / 2**20, buffer.aux.device,
         sizing.reason, f"; self-check of the first {state.verify_total} eager forwards"
@@ -260,6 +268,28 @@ def check_memory(elements: int, causal_lm) -> None:
             f"{free / 2**20:.0f} MiB of GPU memory is left after SGLang's KV pool (for "
             f"activations and CUDA graphs): lower --mem-fraction-static by about "
             f"{nbytes / total + 0.01:.2f}, or set {MAX_TOKENS}")
+
+
+def _deployment(args, sizing) -> str:
+    """What of the deployment decides how the capture runs, in a few words."""
+    try:
+        from sglang.srt.distributed import get_tp_group
+        tp = get_tp_group().world_size
+    except Exception:  # noqa: BLE001
+        tp = "?"
+    rc = sys.modules.get("sglang.srt.runtime_context")
+    try:
+        comm = getattr(rc.get_exec(), "comm", None) if rc is not None else None
+    except Exception:  # noqa: BLE001
+        comm = None
+    backend = getattr(comm, "flashinfer_allreduce_fusion_backend", None)
+    fusion = (backend if backend is not None else
+              "on" if getattr(args, "enable_flashinfer_allreduce_fusion", False) else "off")
+    if tp == 1:
+        fusion = "n/a"
+    graphs = (f"CUDA graphs up to {sizing.graph_tokens} tokens" if sizing.graph_tokens
+              else "no CUDA graphs seen")
+    return f"TP {tp}, all-reduce fusion {fusion} (captures its reduced residual_out), {graphs}"
 
 
 def _setup_verify(state, env) -> None:

@@ -7,7 +7,11 @@ SGLang's own classes (harness.py) WITHOUT ``set_eagle3_layers_to_capture``, and
 the wheel's own configure step -- ``configure_aux_hidden_state_capture``
 (0.5.18+) or ``ModelRunner.init_aux_hidden_state_capture`` (0.5.13) -- then sets
 the layers and, through the hook, installs the fused capture. SGLang's own
-capture on a second model built the same way is the reference.
+capture on a second model built the same way is the reference. Unlike the
+harness's other scenarios, these keep SGLang's own ``LogitsProcessor`` (seeded
+``lm_head``): what the drop-in hands it goes through the wheel's own contract,
+and the comparison is of the ``LogitsProcessorOutput`` (logits and the aux
+hidden states the draft receives).
 
 0.5.9 has no plugin system: each scenario reports a skip there.
 """
@@ -138,16 +142,34 @@ def _params(fn) -> set:
 
 def _build(arch="DeepseekV3ForCausalLM", dtype=torch.float32, set_capture=False,
            capture_ids=DRAFT_IDS):
-    return harness.build_model(num_layers=NUM_LAYERS, hidden_size=HIDDEN, dtype=dtype,
-                               capture_ids=capture_ids, seed=3, arch=arch,
-                               set_capture=set_capture)
+    """SGLang's own model with SGLang's own LogitsProcessor (not the harness's
+    recorder): what the drop-in hands it as aux hidden states goes through the
+    wheel's own contract (0.5.13 torch.cat's a list; 0.5.18+ pass a tensor)."""
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+
+    model = harness.build_model(num_layers=NUM_LAYERS, hidden_size=HIDDEN, dtype=dtype,
+                                capture_ids=capture_ids, seed=3, arch=arch,
+                                set_capture=set_capture)
+    lm = harness.text_lm(model)
+    lm.logits_processor = LogitsProcessor(lm.config)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        lm.lm_head.weight.copy_(torch.randn(lm.lm_head.weight.shape, generator=g)
+                                .to(lm.lm_head.weight.dtype))
+    return model
 
 
 def _run(model, num_tokens, mode="extend", seed=0):
-    final, aux = harness.run(model, harness.make_batch(model, num_tokens, mode, seed=seed))
-    if aux is not None and not isinstance(aux, torch.Tensor):
-        aux = torch.cat(list(aux), dim=-1)
-    return final.clone(), None if aux is None else aux.clone()
+    """(next-token logits, the aux hidden states) of SGLang's LogitsProcessorOutput,
+    in FULL capture mode as the EAGLE-3 target runs."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    input_ids, positions, batch = harness.make_batch(model, num_tokens, mode, seed=seed)
+    batch.capture_hidden_mode = CaptureHiddenMode.FULL
+    with torch.no_grad():
+        out = model.forward(input_ids, positions, batch)
+    aux = out.hidden_states
+    return out.next_token_logits.clone(), None if aux is None else aux.clone()
 
 
 def _same_as_sglang(ours, ref, cases=((5, "extend"), (1, "decode"), (3, "decode"),
@@ -158,7 +180,7 @@ def _same_as_sglang(ours, ref, cases=((5, "extend"), (1, "decode"), (3, "decode"
         assert aux is not None and aux_ref is not None and aux.shape == aux_ref.shape, \
             f"T={num_tokens}: aux {None if aux is None else tuple(aux.shape)} vs SGLang's"
         assert torch.equal(aux, aux_ref), f"T={num_tokens} {mode}: aux differs from SGLang's"
-        assert torch.equal(final, final_ref), f"T={num_tokens} {mode}: final hidden differs"
+        assert torch.equal(final, final_ref), f"T={num_tokens} {mode}: logits differ"
 
 
 def _state(model):
@@ -364,6 +386,25 @@ def plugin_server_args():
     args = _server_args()
     limits = read_limits(args)
     assert limits.max_prefill_tokens == args.max_prefill_tokens == 16384, limits
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    def handed(model):
+        input_ids, positions, batch = harness.make_batch(model, 5)
+        batch.capture_hidden_mode = CaptureHiddenMode.FULL
+        with torch.no_grad():
+            aux = model.forward(input_ids, positions, batch).hidden_states
+        state = _state(model)
+        return state, (aux.untyped_storage().data_ptr()
+                       == state.buffer.aux.untyped_storage().data_ptr())
+
+    plain = _build()
+    with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
+                        EAGLE_CAPTURE_MAX_TOKENS="16"):
+        configure(plain)
+    state, shares = handed(plain)
+    # 0.5.18+ pass the packed view through to the draft (no copy); 0.5.13's
+    # LogitsProcessor torch.cat's the one-element list (a copy).
+    assert shares == state.packed_tensor, (shares, state.packed_tensor)
     model = _build()
     old = args.enable_return_hidden_states
     _force_setattr(args, "enable_return_hidden_states", True)
@@ -373,16 +414,13 @@ def plugin_server_args():
             configure(model)
     finally:
         _force_setattr(args, "enable_return_hidden_states", old)
-    state = _state(model)
-    harness.run(model, harness.make_batch(model, 5))
-    handed = harness.text_lm(model).logits_processor.records[-1][1]
+    state, shares = handed(model)
     if state.packed_tensor:
-        assert state.copy_out and isinstance(handed, torch.Tensor)
-        assert handed.untyped_storage().data_ptr() != state.buffer.aux.untyped_storage().data_ptr()
+        assert state.copy_out and not shares, "the persistent buffer reached the host copy"
         out = "a copy, not the buffer"
     else:   # 0.5.13 copies to the host on the forward stream; its LogitsProcessor cats
         assert not state.copy_out
-        out = "the buffer's view (0.5.13: host copy on the forward stream)"
+        out = "the LogitsProcessor's own copy (0.5.13: host copy on the forward stream)"
     return {"limits": str(limits), "return_hidden_states": out}
 
 

@@ -68,3 +68,21 @@ def test_sglang_real(version, scenario, tmp_path_factory):
     assert result["ok"], f"{result['detail']}\n{result.get('traceback', '')}"
     if "skip" in result:  # only where SGLang's own code cannot run here (the reason says why)
         pytest.skip(result["skip"])
+
+
+def test_gpu_scenarios_dry_run(tmp_path):
+    """The H200 script's scenarios (tests/sglang_real/gpu_scenarios.py, run on the GPU by
+    scripts/gpu_sglang_real.sh) kept runnable: the same checks on CPU at H = 64 through
+    SGLang 0.5.23's CPU paths (no FlashInfer, no CUDA graphs)."""
+    env = dict(os.environ, PY=sys.executable)
+    setup = subprocess.run(["bash", "scripts/sglang_real_env.sh", "0.5.23"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=1200)
+    assert setup.returncode == 0, setup.stderr[-3000:]
+    env["PYTHONPATH"] = os.pathsep.join([setup.stdout.strip().splitlines()[-1], str(ROOT)])
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, "-m", "tests.sglang_real.gpu_scenarios", "--device",
+                          "cpu", "--hidden", "64", "--no-fake-cuda", "--out",
+                          str(tmp_path / "out.json")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
+    assert json.loads((tmp_path / "out.json").read_text())["n_failed"] == 0

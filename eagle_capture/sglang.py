@@ -224,25 +224,40 @@ class CaptureState:
         self.verified_forwards += 1
         step = f"{self.verified_forwards}/{self.verify_total}"
         tp_note = "1 rank"
+        mismatches, self.verify_mismatches = self.verify_mismatches, []
+        peer_mismatch = False
         if self.verify_group is not None and num_tokens:
             from .tp import CaptureConsistencyError, check_capture_consistency
             import torch.distributed as dist
             world = dist.get_world_size(self.verify_group)
+            # Every rank takes the same decision (a rank switching back alone would
+            # leave its peers in the next forward's collectives by themselves).
+            flag = torch.tensor([int(bool(mismatches))], dtype=torch.int32,
+                                device=buffer.aux.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.verify_group)
+            peer_mismatch = bool(flag.item()) and not mismatches
             try:
                 check_capture_consistency(buffer, num_tokens, buffer.hidden_size,
                                           self.verify_group)
                 tp_note = f"identical on all {world} TP ranks"
             except CaptureConsistencyError as e:
                 tp_note = f"NOT identical across the {world} TP ranks"
-                log(f"eagle_capture verify {step}: {e}. Each rank's capture equals SGLang's "
-                    f"own there, so SGLang's capture hands the draft the same: the deployment "
-                    f"itself is inconsistent", True)
-        mismatches, self.verify_mismatches = self.verify_mismatches, []
+                why = (" Each rank's capture equals SGLang's own there, so SGLang's capture hands "
+                       "the draft the same: the deployment itself is inconsistent"
+                       if not flag.item() else "")
+                log(f"eagle_capture verify {step}: {e}.{why}", True)
         if mismatches:
             log(f"eagle_capture verify {step}: T={num_tokens}: MISMATCH with SGLang's own "
                 f"capture: " + " | ".join(mismatches) + ". This forward was served SGLang's "
-                f"values; switching this server back to SGLang's own capture", True)
+                f"values; switching this server back to SGLang's own capture (every TP rank)",
+                True)
             self.disable("self-check mismatch")
+            return
+        if peer_mismatch:
+            log(f"eagle_capture verify {step}: another TP rank's capture differed from SGLang's "
+                f"own (its log names the layer); switching back to SGLang's own capture with it",
+                True)
+            self.disable("self-check mismatch on another TP rank")
             return
         log(f"eagle_capture verify {step}: T={num_tokens}, layers {self.layer_ids}: captures "
             f"bit-identical to SGLang's own, normed output within "

@@ -141,7 +141,12 @@ def check_capture_consistency(buffer: AuxCaptureBuffer, num_tokens: int,
             continue
         counts = {p: prints.count(p) for p in distinct}
         majority, votes = max(counts.items(), key=lambda kv: kv[1])
-        if votes == 1:
+        if votes == 1 and world == 2:
+            cause = ("the two ranks hold different values: an unreduced per-rank partial sum "
+                     "(reduce first, then add), or one rank diverging -- with two ranks "
+                     "which one cannot be told")
+            ranks = list(range(world))
+        elif votes == 1:
             cause = ("every rank holds a different value: likely an unreduced per-rank partial "
                      "sum was captured (reduce first, then add)")
             ranks = list(range(world))

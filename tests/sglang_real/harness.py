@@ -11,8 +11,10 @@ routed experts) on CPU, turns EAGLE-3 capture on with the model's own
 ``set_eagle3_layers_to_capture(ids)``, runs the model's own ``forward`` and
 returns what the model hands to its LogitsProcessor.
 
-API: ``setup(version=None, dtype=None, hf_config=None, version_dir=None)``,
-``build_model(num_layers, hidden_size, dtype, capture_ids, seed)``,
+API: ``setup(version=None, dtype=None, hf_config=None, version_dir=None, *,
+tp_size=1, rank=0, init_method=None, dist_timeout=None)``,
+``build_model(num_layers, hidden_size, dtype, capture_ids, seed, arch, set_capture,
+standin)``, ``tp_world_size()``, ``tp_rank()``,
 ``make_batch(model, num_tokens, mode="extend"|"decode", seed=0)`` ->
 (input_ids, positions, forward_batch), ``run(model, batch)`` ->
 (final_hidden_states, aux) as passed to the LogitsProcessor,
@@ -72,11 +74,47 @@ Stood in
       1 + 0.1 * N(0, 1) (so a wrong norm weight is visible). The real
       attention / MoE weights are never used.
 
+Tensor parallel (``setup(tp_size=2, rank=r, init_method="tcp://127.0.0.1:<port>")``
+in each of two processes; ``tp_scenarios.py`` / ``tests/test_sglang_real_tp.py``)
+    Real, in addition to the above: SGLang's own world-2 set-up, mirroring
+    run_scheduler_process + the model runner: ``ServerArgs(tp_size=2,
+    device="cpu", disable_custom_all_reduce=True)`` published as at TP 1 (0.5.22,
+    0.5.23: ``SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=r,
+    pp_rank=0))``), ``set_custom_all_reduce``, ``init_distributed_environment(
+    world_size=2, rank=r, backend="gloo")``, ``initialize_model_parallel(
+    tensor_model_parallel_size=2)`` (0.5.23: ``initialize_model_parallel()``, the
+    widths read from the published context), then the same calls as at TP 1.
+    The process groups (GroupCoordinator, gloo cpu/device groups), the
+    vocab-sharded ``VocabParallelEmbedding`` (loaded from the full table by its
+    own ``weight_loader``) and its all-reduce, and every all-reduce of the
+    hidden states are SGLang's: the TP stand-in (``RowParallelStandIn``,
+    ``standin="row_parallel"``, the only one allowed at TP > 1) returns
+    ``act(h)[:, cols_r] @ W[:, cols_r]^T`` -- rank r's half of the input
+    columns, through SGLang's own ``RowParallelLinear`` whose weight SGLang's
+    ``weight_loader`` shards -- so only the sum over ranks is the layer's
+    output (``act = 0.5 * tanh``; at TP 1 the same stand-in is the full
+    contraction, which the TP 2 run is compared with). Whether the stand-in's
+    RowParallelLinear reduces (``reduce_results``) is read off the replaced real
+    module: attention's ``o_proj.reduce_results`` (False in every line: the
+    communicator's prepare_mlp <= 0.5.20 / the ffn_boundary 0.5.22+ reduces),
+    the dense MLP's ``down_proj.reduce_results`` and the MoE's
+    ``reduce_results`` (True <= 0.5.20: the module reduces itself; False from
+    0.5.22: the stage boundary sums). Verified per line: 15 all-reduces per
+    forward (embedding + 2 per layer), asked for by
+    ``VocabParallelEmbedding.forward`` and, <= 0.5.20, 7 x
+    ``CommunicateWithAllReduceAndLayerNormFn._gather_hidden_states_and_residual``
+    (after attention) + 7 x ``RowParallelLinear.forward`` (the MLP / MoE
+    stand-in's, reduce_results=True); 0.5.22+, 7 x ``layer_boundary.ops.
+    attn_tp_all_reduce`` + 6 x ``layer_boundary.output.UnreducedOutput.complete``
+    + 1 x ``moe.utils._post_experts_sum`` (the last layer's FFN sum).
+    Stood in: as above. The ``tanh`` stand-in is refused at TP > 1 (it would
+    hand SGLang's all-reduce the full output on every rank).
+
 Not covered
-    TP > 1, DP attention, TBO, PP, CUDA graphs, the CUDA / AMX fused norm
-    kernels, the flashinfer / aiter all-reduce + RMSNorm fusion (it needs
-    TP > 1 and sm90/sm100 + flashinfer or ROCm aiter, so it is never taken
-    here).
+    DP attention, TBO, PP, CUDA graphs, the CUDA / AMX fused norm kernels, the
+    flashinfer / aiter all-reduce + RMSNorm fusion (it needs TP > 1 and
+    sm90/sm100 + flashinfer or ROCm aiter, so it is never taken here), custom /
+    symmetric-memory / NCCL all-reduce (TP > 1 runs gloo on CPU).
 
 Per-version surface (from ``SURFACE``, smoke runs)
     ==========  =====================  ======================  =================
@@ -202,11 +240,34 @@ def use_overlay(version_dir: str) -> None:
         sys.path.insert(0, version_dir)
 
 
-def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=None):
+def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=None, *,
+          tp_size: int | None = None, rank: int = 0, init_method: str | None = None,
+          dist_timeout: int | None = None):
     """Import sglang (stubs installed first), set global server args and the
-    TP=1 gloo process groups. Idempotent (first call wins)."""
+    gloo process groups. Idempotent (first call wins).
+
+    Default: world 1, TP 1 (a free local port). ``tp_size > 1``: this process is
+    TP rank ``rank`` of a world of ``tp_size`` processes that all call setup()
+    with the same ``init_method`` (``tcp://127.0.0.1:<port>``, required): the
+    ServerArgs get ``tp_size``, 0.5.22+ publish ``SpawnRanks(world_rank=rank)``
+    (what run_scheduler_process computes with spawn_world_rank at PP 1), and
+    init_distributed_environment / initialize_model_parallel run at that world
+    size (see the "Tensor parallel" section of the module docstring).
+    ``dist_timeout``: seconds, passed to init_distributed_environment (as the
+    model runner passes --dist-timeout) so that a rank whose peer died fails
+    instead of waiting the default 30 minutes."""
     if _STATE.get("ready"):
+        if tp_size is not None and (tp_size, rank) != (_STATE["tp_size"], _STATE["rank"]):
+            raise RuntimeError(
+                f"harness already set up at TP {_STATE['tp_size']} rank {_STATE['rank']}; "
+                f"asked for TP {tp_size} rank {rank}: one world per process")
         return
+    tp_size = 1 if tp_size is None else tp_size
+    if tp_size < 1 or not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} is not in a TP world of {tp_size}")
+    if tp_size > 1 and init_method is None:
+        raise ValueError("tp_size > 1 needs the init_method all ranks share "
+                         "(tcp://127.0.0.1:<port>)")
     if version_dir is not None:
         use_overlay(version_dir)
     import torch
@@ -222,7 +283,11 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
 
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-    server_args = ServerArgs(model_path="dummy", device="cpu")
+    # TP > 1: --disable-custom-all-reduce, as SGLang's own warning asks of a CPU
+    # process (there is no custom all-reduce on CPU; the gloo all-reduce runs).
+    server_args = (ServerArgs(model_path="dummy", device="cpu") if tp_size == 1 else
+                   ServerArgs(model_path="dummy", device="cpu", tp_size=tp_size,
+                              disable_custom_all_reduce=True))
     try:
         from sglang.srt.runtime_context import SpawnRanks, publish
     except ImportError:
@@ -232,9 +297,15 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
         # initialize_dp_attention then fails on get_parallel().tp_rank; do
         # what run_scheduler_process does (world rank 0, no DP controller,
         # no device).
+        # At TP > 1: run_scheduler_process's spawn_world_rank(server_args,
+        # tp_rank, pp_rank=0) = tp_rank (no EP join offset).
+        world_rank = rank
+        if tp_size > 1:
+            from sglang.srt.runtime_context import spawn_world_rank
+            world_rank = spawn_world_rank(server_args, tp_rank=rank, pp_rank=0)
         publish(server_args, role="scheduler",
-                ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=None))
-        publish_call = "runtime_context.publish(role='scheduler', ranks=SpawnRanks(0))"
+                ranks=SpawnRanks(world_rank=world_rank, dp_rank=None, gpu_id=None))
+        publish_call = f"runtime_context.publish(role='scheduler', ranks=SpawnRanks({world_rank}))"
     else:
         # <= 0.5.13: sets the module global read by get_global_server_args();
         # 0.5.18 - 0.5.22: a shim for runtime_context.publish(server_args,
@@ -246,20 +317,29 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
 
     from sglang.srt.distributed import parallel_state as ps
 
-    ps.init_distributed_environment(
-        world_size=1,
-        rank=0,
-        local_rank=0,
-        distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
-        backend="gloo",
-    )
     import inspect
 
-    calls = [publish_call, "init_distributed_environment(gloo, world 1)"]
+    extra = {}
+    if tp_size > 1:   # what the model runner calls before init_distributed_environment
+        ps.set_custom_all_reduce(not server_args.disable_custom_all_reduce)
+    if dist_timeout is not None and \
+            "timeout" in inspect.signature(ps.init_distributed_environment).parameters:
+        extra["timeout"] = dist_timeout
+    ps.init_distributed_environment(
+        world_size=tp_size,
+        rank=rank,
+        local_rank=rank,
+        distributed_init_method=init_method or f"tcp://127.0.0.1:{_free_port()}",
+        backend="gloo",
+        **extra,
+    )
+
+    calls = [publish_call, f"init_distributed_environment(gloo, world {tp_size}"
+             + (f", rank {rank})" if tp_size > 1 else ")")]
     if "tensor_model_parallel_size" in inspect.signature(ps.initialize_model_parallel).parameters:
-        ps.initialize_model_parallel(tensor_model_parallel_size=1)  # <= 0.5.22
-        calls.append("initialize_model_parallel(tensor_model_parallel_size=1)")
-    else:  # 0.5.23: widths come from the published get_parallel() (tp_size=1)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)  # <= 0.5.22
+        calls.append(f"initialize_model_parallel(tensor_model_parallel_size={tp_size})")
+    else:  # 0.5.23: widths come from the published get_parallel() (tp_size=server_args.tp_size)
         ps.initialize_model_parallel()
         calls.append("initialize_model_parallel()")
 
@@ -306,7 +386,18 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
         else:  # >= 0.5.20: reads the published bags
             initialize_moe_config()
             calls.append("initialize_moe_config()")
+    _STATE["tp_size"] = tp_size
+    _STATE["rank"] = rank
     _STATE["ready"] = True
+
+
+def tp_world_size() -> int:
+    """The TP world this process was set up with (1 before setup)."""
+    return _STATE.get("tp_size", 1)
+
+
+def tp_rank() -> int:
+    return _STATE.get("rank", 0)
 
 
 # -------------------------------------------------------------- stand-ins
@@ -354,6 +445,79 @@ def _define_modules():
             out = 0.5 * torch.tanh(h.float() @ self.w.t())
             return out.to(h.dtype)
 
+    class RowParallelStandIn(StandIn):
+        """Tensor-parallel stand-in for attention / MLP / MoE: a row-parallel
+        partial on each rank, reduced by SGLang's own code.
+
+        ``y = 0.5 * tanh(h) @ W^T`` (W seeded as :class:`StandIn`'s), computed
+        as the real modules compute their output projection: the elementwise
+        activation, this rank's block of input columns ``cols_r`` (what a
+        column-parallel up projection would hand it), then SGLang's own
+        ``RowParallelLinear(H, H, bias=False, reduce_results=...)``, whose
+        weight is loaded from the full W by SGLang's own ``weight_loader``
+        (rank r keeps ``W[:, cols_r]``). So rank r returns
+        ``partial_r = act(h)[:, cols_r] @ W[:, cols_r]^T`` and only the sum over
+        ranks is the layer's output; at TP 1 it is that output.
+
+        ``reduces``: whether the replaced real module reduces its own output,
+        read from it (:func:`_reduces_itself`): then the RowParallelLinear
+        all-reduces (SGLang's ``tensor_model_parallel_all_reduce``), honouring
+        the skip flags the real module honours (<= 0.5.13: the layer's
+        ``should_allreduce_fusion`` / ``use_reduce_scatter`` arguments, passed
+        as ``skip_all_reduce``; >= 0.5.18: ``RowParallelLinear`` reads the
+        ``get_forward()`` flags itself). Otherwise it returns the partial and
+        the layer's communicator / stage boundary must reduce it."""
+
+        def __init__(self, hidden_size: int, seed: int, role: str, real, reduces: bool):
+            super().__init__(hidden_size, seed, role, real)
+            from sglang.srt.distributed import get_tp_group
+            from sglang.srt.layers.linear import RowParallelLinear
+
+            tp_group = get_tp_group()      # what RowParallelLinear shards over
+            world, rank = tp_group.world_size, tp_group.rank_in_group
+            if hidden_size % world:
+                raise ValueError(f"hidden {hidden_size} does not split over TP {world}")
+            shard = hidden_size // world
+            self.cols = (rank * shard, (rank + 1) * shard)
+            self.reduces = bool(reduces)
+            self.proj = RowParallelLinear(hidden_size, hidden_size, bias=False,
+                                          reduce_results=self.reduces,
+                                          prefix=f"standin.{role}.proj")
+            self.proj.weight_loader(self.proj.weight, self.w.to(self.proj.weight.dtype))
+            want = self.w[:, self.cols[0]:self.cols[1]].to(self.proj.weight.dtype)
+            if not torch.equal(self.proj.weight.data, want):
+                raise AssertionError(f"{role}: SGLang's RowParallelLinear weight_loader did not "
+                                     f"keep input columns {self.cols} of W on rank {rank}")
+            try:
+                import inspect
+                self._real_sig = inspect.signature(type(real).forward)
+            except (TypeError, ValueError):
+                self._real_sig = None
+            self.skips = 0      # forwards where the layer asked this module not to reduce
+
+        def _skip_requested(self, args, kwargs) -> bool:
+            """<= 0.5.13's explicit skip arguments of the real MLP / MoE forward."""
+            if self._real_sig is None:
+                return False
+            try:
+                bound = self._real_sig.bind_partial(None, *args, **kwargs).arguments
+            except TypeError:
+                return False
+            return bool(bound.get("should_allreduce_fusion")) or \
+                bool(bound.get("use_reduce_scatter"))
+
+        def forward(self, *args, **kwargs):
+            h = kwargs.get("hidden_states", args[0] if args else None)
+            if isinstance(h, tuple):  # never expected on this path
+                raise TypeError(f"{self.role}: hidden_states is a tuple")
+            self.calls += 1
+            act = (0.5 * torch.tanh(h.float())).to(h.dtype)
+            local = act[:, self.cols[0]:self.cols[1]].contiguous()
+            skip = self._skip_requested(args, kwargs)
+            self.skips += skip
+            out, _ = self.proj(local, skip_all_reduce=True) if skip else self.proj(local)
+            return out
+
     class Recorder(nn.Module):
         """Stands for the LogitsProcessor: records its inputs, returns them."""
 
@@ -366,7 +530,28 @@ def _define_modules():
             self.records.append((hidden_states, aux_hidden_states))
             return hidden_states, aux_hidden_states
 
-    return StandIn, Recorder
+    return StandIn, Recorder, RowParallelStandIn
+
+
+def _reduces_itself(role: str, real) -> bool:
+    """Whether SGLang's real ``self_attn`` / ``mlp`` module all-reduces its own
+    output at TP > 1 (else the communicator / stage boundary does):
+
+    * attention: its ``o_proj`` (RowParallelLinear) is built with
+      ``reduce_results=False`` by the decoder layer in every line (0.5.9 -
+      0.5.23): the communicator's ``prepare_mlp`` (<= 0.5.20) or the
+      ``ffn_boundary`` (>= 0.5.22) reduces;
+    * dense MLP: ``down_proj.reduce_results`` (True <= 0.5.20; the layer passes
+      False from 0.5.22, the stage boundary sums);
+    * MoE: ``DeepseekV2MoE.reduce_results`` where it has one (0.5.22+: False),
+      else True (<= 0.5.20 it calls tensor_model_parallel_all_reduce itself
+      when tp_size > 1)."""
+    if role == "attn":
+        return bool(real.o_proj.reduce_results)
+    down = getattr(real, "down_proj", None)
+    if down is not None and hasattr(down, "reduce_results"):
+        return bool(down.reduce_results)
+    return bool(getattr(real, "reduce_results", True))
 
 
 # ---------------------------------------------------------------- model
@@ -466,20 +651,34 @@ def _kimi_k25_config(text_cfg):
 
 def build_model(num_layers: int = 6, hidden_size: int = 64, dtype=None,
                 capture_ids=(1, 3, 4), seed: int = 0, arch: str = "DeepseekV2ForCausalLM",
-                set_capture: bool = True):
+                set_capture: bool = True, standin: str | None = None):
     """SGLang's own ``arch`` class (one of :data:`ARCHS`), stand-ins installed,
     deterministic weights, ``set_eagle3_layers_to_capture(capture_ids)`` called
     unless ``set_capture`` is False (the plugin's hook path calls SGLang's own
-    configure step, which does)."""
+    configure step, which does).
+
+    ``standin``: ``"tanh"`` (:class:`StandIn`, the default at TP 1) or
+    ``"row_parallel"`` (:class:`RowParallelStandIn`, the default and the only
+    choice at TP > 1: a per-rank partial that SGLang's own code reduces). At
+    TP > 1 the vocab-sharded embedding is loaded from the full table with
+    SGLang's own ``weight_loader``, so every TP world gets the same weights."""
     import torch
 
     dtype = dtype or torch.float32
     cfg = make_config(num_layers=num_layers, hidden_size=hidden_size)
     setup(dtype=dtype, hf_config=cfg)
+    world = tp_world_size()
+    standin = standin or ("tanh" if world == 1 else "row_parallel")
+    if standin not in ("tanh", "row_parallel"):
+        raise ValueError(f"standin {standin!r}: expected 'tanh' or 'row_parallel'")
+    if standin == "tanh" and world > 1:
+        raise ValueError("the 'tanh' stand-in computes the full output on every rank, which "
+                         "SGLang's all-reduce would then add up tp_size times: use "
+                         "standin='row_parallel' at TP > 1")
     from sglang.srt.model_loader.utils import set_default_torch_dtype
     from sglang.srt.models import deepseek_v2
 
-    StandIn, Recorder = _define_modules()
+    StandIn, Recorder, RowParallelStandIn = _define_modules()
     torch.manual_seed(seed)
     with set_default_torch_dtype(dtype), torch.device("cpu"):
         if arch == "KimiK25ForConditionalGeneration":
@@ -493,14 +692,28 @@ def build_model(num_layers: int = 6, hidden_size: int = 64, dtype=None,
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         emb = lm.model.embed_tokens.weight
-        emb.copy_(torch.randn(emb.shape, generator=g).to(emb.dtype))
+        if world == 1:
+            emb.copy_(torch.randn(emb.shape, generator=g).to(emb.dtype))
+        else:   # this rank's vocab shard of the table TP 1 draws (same generator)
+            embed = lm.model.embed_tokens
+            full = torch.randn((embed.num_embeddings_padded, emb.shape[1]), generator=g)
+            embed.weight_loader(emb, full[:embed.org_vocab_size].to(emb.dtype))
         for _, norm in _norms(lm):
             w = norm.weight
             w.copy_((1.0 + 0.1 * torch.randn(w.shape, generator=g)).to(w.dtype))
 
     for i, layer in enumerate(lm.model.layers):
-        layer.self_attn = StandIn(hidden_size, seed * 1000 + 2 * i, "attn", layer.self_attn)
-        layer.mlp = StandIn(hidden_size, seed * 1000 + 2 * i + 1, "mlp", layer.mlp)
+        if standin == "tanh":
+            layer.self_attn = StandIn(hidden_size, seed * 1000 + 2 * i, "attn", layer.self_attn)
+            layer.mlp = StandIn(hidden_size, seed * 1000 + 2 * i + 1, "mlp", layer.mlp)
+        else:
+            with set_default_torch_dtype(dtype):
+                layer.self_attn = RowParallelStandIn(
+                    hidden_size, seed * 1000 + 2 * i, "attn", layer.self_attn,
+                    _reduces_itself("attn", layer.self_attn))
+                layer.mlp = RowParallelStandIn(
+                    hidden_size, seed * 1000 + 2 * i + 1, "mlp", layer.mlp,
+                    _reduces_itself("mlp", layer.mlp))
     lm.logits_processor = Recorder()
     if set_capture:
         model.set_eagle3_layers_to_capture(list(capture_ids))

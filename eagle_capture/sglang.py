@@ -112,7 +112,6 @@ class CaptureState:
         self.verify_left = 0
         self.verify_total = 0
         self.verify_group = None      # TP process group for the cross-rank check
-        self.verify_log = None        # callable(str, error: bool)
         self.verify_mismatches: list[str] = []
         self.verify_norm_dev = 0.0
         self.verified_forwards = 0
@@ -218,8 +217,9 @@ class CaptureState:
     def finish_verified_forward(self, buffer: AuxCaptureBuffer, num_tokens: int) -> None:
         """After a verified forward: the cross-rank check, one log line, and the
         switch back to SGLang's own capture on a mismatch."""
-        log = self.verify_log or (lambda text, error=False: (_log().error if error
-                                                              else _log().info)(text))
+        def log(text: str, error: bool) -> None:
+            (_log().error if error else _log().info)(text)
+
         self.verify_left -= 1
         self.verified_forwards += 1
         step = f"{self.verified_forwards}/{self.verify_total}"
@@ -520,14 +520,13 @@ def _runtime_modes() -> dict:
         "enable_dp_attention": call("sglang.srt.layers.dp_attention", "is_dp_attention_enabled"),
         "enable_two_batch_overlap": call("sglang.srt.layers.moe.utils", "is_tbo_enabled"),
         "moe_a2a_backend": None if is_none is None or is_none() else getattr(a2a, "value", a2a),
-        "attn_cp_size": _first_set(call("sglang.srt.layers.dp_attention", "get_attention_cp_size"),
-                                   getattr(parallel, "attn_cp_size", None)),
+        # 0.5.9 / 0.5.13 have the helper; 0.5.20+ only the parallel context.
+        "attn_cp_size": next((v for v in (call("sglang.srt.layers.dp_attention",
+                                               "get_attention_cp_size"),
+                                          getattr(parallel, "attn_cp_size", None))
+                              if v is not None), None),
         "enable_layernorm_sp": getattr(parallel, "enable_layernorm_sp", None),
     }
-
-
-def _first_set(*values):
-    return next((v for v in values if v is not None), None)
 
 
 def _refuse_unsupported_modes() -> None:

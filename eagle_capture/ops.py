@@ -309,13 +309,15 @@ def _check_add_rmsnorm_capture(hidden_states, residual, weight, eps, aux, slot,
     _check_norm(hidden_states, residual, weight, eps, aux, slot, residual_mutated=True)
 
 
-def _check_add_rmsnorm_into_slot(hidden_states, residual, weight, eps, aux, slot) -> None:
+def _check_add_rmsnorm_into_slot(hidden_states, residual, weight, eps, aux, slot,
+                                 norm_fp32_sum=False) -> None:
     if aux is None:  # the schema's aux is a Tensor; an eager call would skip the capture
         raise TypeError("eagle_capture: aux must be a tensor for add_rmsnorm_into_slot")
     _check_norm(hidden_states, residual, weight, eps, aux, slot)
 
 
-def _check_add_rmsnorm_out(hidden_states, residual, weight, eps, residual_out) -> None:
+def _check_add_rmsnorm_out(hidden_states, residual, weight, eps, residual_out,
+                           norm_fp32_sum=False) -> None:
     _check_norm(hidden_states, residual, weight, eps, None, 0)
     _checks.check_residual_out(residual_out, hidden_states)
     _checks.check_no_internal_overlap("residual_out", residual_out)
@@ -410,14 +412,14 @@ ADD_RMSNORM_CAPTURE = OpSpec(
     cpu_op="_add_rmsnorm_capture_cpu")
 
 ADD_RMSNORM_INTO_SLOT = OpSpec(
-    "add_rmsnorm_into_slot", params=_NORM_PARAMS + ("aux", "slot"),
+    "add_rmsnorm_into_slot", params=_NORM_PARAMS + ("aux", "slot", "norm_fp32_sum"),
     tensors=("hidden_states", "residual", "weight", "aux"),
     pointers=dict(_NORM_POINTERS, aux="aux"),
     mutates=("hidden_states", "aux"), check=_check_add_rmsnorm_into_slot,
     cpu_op="_add_rmsnorm_into_slot_cpu")
 
 ADD_RMSNORM_OUT = OpSpec(
-    "add_rmsnorm_out", params=_NORM_PARAMS + ("residual_out",),
+    "add_rmsnorm_out", params=_NORM_PARAMS + ("residual_out", "norm_fp32_sum"),
     tensors=("hidden_states", "residual", "weight", "residual_out"),
     pointers=dict(_NORM_POINTERS, residual_out="residual_out"),
     mutates=("hidden_states", "residual_out"), check=_check_add_rmsnorm_out,
@@ -500,14 +502,17 @@ def _add_rmsnorm_capture_cpu(hidden_states: torch.Tensor, residual: torch.Tensor
 @_cpu_op(ADD_RMSNORM_INTO_SLOT)
 def _add_rmsnorm_into_slot_cpu(hidden_states: torch.Tensor, residual: torch.Tensor,
                                weight: torch.Tensor, eps: float, aux: torch.Tensor,
-                               slot: int) -> None:
-    _torch_impl(**ADD_RMSNORM_INTO_SLOT.call((hidden_states, residual, weight, eps, aux, slot)))
+                               slot: int, norm_fp32_sum: bool) -> None:
+    _torch_impl(**ADD_RMSNORM_INTO_SLOT.call((hidden_states, residual, weight, eps, aux, slot,
+                                              norm_fp32_sum)))
 
 
 @_cpu_op(ADD_RMSNORM_OUT)
 def _add_rmsnorm_out_cpu(hidden_states: torch.Tensor, residual: torch.Tensor,
-                         weight: torch.Tensor, eps: float, residual_out: torch.Tensor) -> None:
-    _torch_impl(**ADD_RMSNORM_OUT.call((hidden_states, residual, weight, eps, residual_out)))
+                         weight: torch.Tensor, eps: float, residual_out: torch.Tensor,
+                         norm_fp32_sum: bool) -> None:
+    _torch_impl(**ADD_RMSNORM_OUT.call((hidden_states, residual, weight, eps, residual_out,
+                                        norm_fp32_sum)))
 
 
 for _op in (_add_rmsnorm_capture_cpu, _add_rmsnorm_into_slot_cpu, _add_rmsnorm_out_cpu):
@@ -530,14 +535,17 @@ def _add_rmsnorm_capture_op(hidden_states: torch.Tensor, residual: torch.Tensor,
 @triton_op("eagle_capture::add_rmsnorm_into_slot", mutates_args=ADD_RMSNORM_INTO_SLOT.mutates)
 def _add_rmsnorm_into_slot_op(hidden_states: torch.Tensor, residual: torch.Tensor,
                               weight: torch.Tensor, eps: float, aux: torch.Tensor,
-                              slot: int) -> None:
-    _run_op(ADD_RMSNORM_INTO_SLOT, (hidden_states, residual, weight, eps, aux, slot))
+                              slot: int, norm_fp32_sum: bool = False) -> None:
+    _run_op(ADD_RMSNORM_INTO_SLOT, (hidden_states, residual, weight, eps, aux, slot,
+                                    norm_fp32_sum))
 
 
 @triton_op("eagle_capture::add_rmsnorm_out", mutates_args=ADD_RMSNORM_OUT.mutates)
 def _add_rmsnorm_out_op(hidden_states: torch.Tensor, residual: torch.Tensor,
-                        weight: torch.Tensor, eps: float, residual_out: torch.Tensor) -> None:
-    _run_op(ADD_RMSNORM_OUT, (hidden_states, residual, weight, eps, residual_out))
+                        weight: torch.Tensor, eps: float, residual_out: torch.Tensor,
+                        norm_fp32_sum: bool = False) -> None:
+    _run_op(ADD_RMSNORM_OUT, (hidden_states, residual, weight, eps, residual_out,
+                              norm_fp32_sum))
 
 
 # ----------------------------------------------------------------------------
@@ -719,11 +727,12 @@ def add_rmsnorm_capture(hidden_states: torch.Tensor, residual: torch.Tensor,
 
 def add_rmsnorm_into_slot(hidden_states: torch.Tensor, residual: torch.Tensor,
                           weight: torch.Tensor, eps: float, aux: torch.Tensor,
-                          slot: int) -> None:
+                          slot: int, norm_fp32_sum: bool = False) -> None:
     """Fused add+RMSNorm whose residual output *is* ``aux[:T, slot]``: the capture
     costs no extra write. ``residual`` is left untouched; the next layer must read
-    its residual from the slot and write the next one with :func:`add_rmsnorm_out`."""
-    args = (hidden_states, residual, weight, eps, aux, slot)
+    its residual from the slot and write the next one with :func:`add_rmsnorm_out`.
+    ``norm_fp32_sum`` as in :func:`add_rmsnorm_capture`."""
+    args = (hidden_states, residual, weight, eps, aux, slot, norm_fp32_sum)
     if torch.compiler.is_compiling():
         torch.ops.eagle_capture.add_rmsnorm_into_slot(*args)
     else:
@@ -731,10 +740,12 @@ def add_rmsnorm_into_slot(hidden_states: torch.Tensor, residual: torch.Tensor,
 
 
 def add_rmsnorm_out(hidden_states: torch.Tensor, residual: torch.Tensor,
-                    weight: torch.Tensor, eps: float, residual_out: torch.Tensor) -> None:
+                    weight: torch.Tensor, eps: float, residual_out: torch.Tensor,
+                    norm_fp32_sum: bool = False) -> None:
     """Fused add+RMSNorm with an out-of-place residual: ``residual_out = h + r``;
-    ``hidden_states = rmsnorm(residual_out) * weight``; ``residual`` untouched."""
-    args = (hidden_states, residual, weight, eps, residual_out)
+    ``hidden_states = rmsnorm(residual_out) * weight``; ``residual`` untouched.
+    ``norm_fp32_sum`` as in :func:`add_rmsnorm_capture`."""
+    args = (hidden_states, residual, weight, eps, residual_out, norm_fp32_sum)
     if torch.compiler.is_compiling():
         torch.ops.eagle_capture.add_rmsnorm_out(*args)
     else:

@@ -118,8 +118,8 @@ def test_compiled_capture_is_h_plus_r(dtype):
 def test_cpu_ops_opcheck(name):
     h, r, w, aux, out = _inputs(torch.bfloat16)
     args = {"_add_rmsnorm_capture_cpu": (h, r, w, EPS, aux, SLOT, False),
-            "_add_rmsnorm_into_slot_cpu": (h, r, w, EPS, aux, SLOT),
-            "_add_rmsnorm_out_cpu": (h, r, w, EPS, out)}[name]
+            "_add_rmsnorm_into_slot_cpu": (h, r, w, EPS, aux, SLOT, True),
+            "_add_rmsnorm_out_cpu": (h, r, w, EPS, out, True)}[name]
     torch.library.opcheck(getattr(torch.ops.eagle_capture, name).default, args)
 
 

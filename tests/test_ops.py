@@ -402,12 +402,14 @@ def test_weight_in_another_dtype(call, device, weight_dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("norm_fp32_sum", [False, True])
-def test_add_rmsnorm_capture_norm_input(call, device, dtype, norm_fp32_sum):
-    """``norm_fp32_sum`` reaches the kernel / CPU body through both call paths:
-    the normed output agrees exactly with the matching float64 reference (rounded
-    once; truncated for bf16 under the interpreter) on nearly every element and
-    visibly less with the other one; the residual and the capture are the rounded
-    sum either way."""
+@pytest.mark.parametrize("op", ["add_rmsnorm_capture", "add_rmsnorm_into_slot", "add_rmsnorm_out"])
+def test_norm_input_choice_per_op(call, device, dtype, norm_fp32_sum, op):
+    """``norm_fp32_sum`` reaches the kernel / CPU body of each norm op through
+    both call paths: the normed output agrees exactly with the matching float64
+    reference (rounded once; truncated for bf16 under the interpreter) on nearly
+    every element and visibly less with the other one; the stored residual /
+    capture is the rounded sum either way, and what the op must not write is
+    untouched."""
     gen = torch.Generator().manual_seed(11)
     dev = _tensor_device(device)
     h = (3 * torch.randn(16, 1000, generator=gen)).to(dtype).to(dev)
@@ -425,15 +427,27 @@ def test_add_rmsnorm_capture_norm_input(call, device, dtype, norm_fp32_sum):
                                              EPS)[0]),
         True: cast(ec.add_rmsnorm_reference(h, r, w, EPS, norm_fp32_sum=True)[0]),
     }
+    r_before = r.clone()
     aux = poisoned_aux(17, 2, 1000, dtype, dev)
+    out = torch.full_like(r, float("nan"))
+    args = {"add_rmsnorm_capture": (h, r, w, EPS, aux, 1),
+            "add_rmsnorm_into_slot": (h, r, w, EPS, aux, 1),
+            "add_rmsnorm_out": (h, r, w, EPS, out)}[op]
     with _mode(device):
         if call == "public":
-            ec.add_rmsnorm_capture(h, r, w, EPS, aux, 1, norm_fp32_sum=norm_fp32_sum)
+            getattr(ec, op)(*args, norm_fp32_sum=norm_fp32_sum)
         else:
-            torch.ops.eagle_capture.add_rmsnorm_capture(h, r, w, EPS, aux, 1, norm_fp32_sum)
-    assert_bitwise_equal(r, residual_ref)
-    assert_bitwise_equal(aux[:16, 1], residual_ref)
-    assert_untouched(aux, 16, 1)
+            getattr(torch.ops.eagle_capture, op)(*args, norm_fp32_sum)
+    if op == "add_rmsnorm_capture":
+        assert_bitwise_equal(r, residual_ref)
+    else:
+        assert_bitwise_equal(r, r_before)
+    if op == "add_rmsnorm_out":
+        assert_bitwise_equal(out, residual_ref)
+        assert_untouched(aux, 0, 1)
+    else:
+        assert_bitwise_equal(aux[:16, 1], residual_ref)
+        assert_untouched(aux, 16, 1)
     assert (h == refs[norm_fp32_sum]).double().mean().item() >= 0.99
     assert (h == refs[not norm_fp32_sum]).double().mean().item() < 0.95
 

@@ -33,6 +33,13 @@ is exactly the value SGLang captures. So the install:
    FlashInfer's ``fused_add_rmsnorm`` and ``forward_native`` do), the fused
    all-reduce path (``forward_with_allreduce_fusion``) and every other branch
    run SGLang's own code and then store the reduced residual into the slot;
+   with ``residual_in_slot`` (the default) the plain call writes the new
+   residual into the slot *only* and hands that ``[T, H]`` view on as the
+   residual (path f: no extra write), and the same layer's post-attention norm
+   -- also swapped, SGLang calls it ``norm(h, residual)`` and would overwrite
+   the slot in place -- writes the next residual out of place, into the input
+   norm's dead incoming residual (path e, a second write into the slot, stays
+   under torch.compile and for forwards SGLang's all-reduce fusion may take);
 2. empties ``model.layers_to_capture`` and clears
    ``causal_lm.capture_aux_hidden_states``, so SGLang's own capture (add,
    list or packer copy) never runs and the model returns its hidden states alone;
@@ -58,7 +65,7 @@ handing the draft a stale buffer), and SGLang's own capture was not re-enabled.
 
 import functools
 import sys
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -119,6 +126,15 @@ class CaptureState:
         self.copy_out = False         # hand the LogitsProcessor a copy (return_hidden_states)
         self.in_allreduce_fusion = None   # layer inside forward_with_allreduce_fusion (eager)
         self.stored_in_fusion = False     # ... whose fallback already stored the capture
+        # Path f (the residual itself lives in the slot; no extra write): off until
+        # install finds the captured layers' post-attention norms. Its input norm
+        # takes it for forwards above ``residual_in_slot_above`` tokens (at TP > 1,
+        # SGLang's FlashInfer all-reduce fusion takes smaller ones and wants a
+        # contiguous residual), and leaves ``residual_in_slot`` for the post norm.
+        self.residual_in_slot_enabled = False
+        self.residual_in_slot_above = 0
+        self.residual_in_slot: Optional[_SlotResidual] = None
+        self.slot_residual_calls = 0      # input norms that left the residual in the slot
 
     def buffer_for(self, num_tokens: int) -> AuxCaptureBuffer:
         """The buffer this forward's captures go to."""
@@ -161,6 +177,7 @@ class CaptureState:
         stored, self.stored_rows = self.stored_rows, {}
         if torch.compiler.is_compiling() or (not stored and _in_compiled_region()):
             return  # compiled region: the norms' Python did not run
+        self.check_slot_residual_consumed()
         if num_tokens == 0:
             return  # SGLang skips the norms of an empty (idle) batch: nothing to store
         if not stored and _capturing_cuda_graph(self.buffer.aux):
@@ -178,6 +195,17 @@ class CaptureState:
                 f"({self.surface}) and the draft would read a stale buffer. Disable that path "
                 f"(a backend fusion provider, two-batch overlap, scattered rows) or keep "
                 f"SGLang's own capture")
+
+    def check_slot_residual_consumed(self) -> None:
+        """A residual left in a slot (path f) must have been taken by the layer's
+        post-attention norm before anything else reads or updates it."""
+        pending, self.residual_in_slot = self.residual_in_slot, None
+        if pending is not None:
+            raise RuntimeError(
+                f"eagle_capture: layer {pending.layer_id}'s residual was left in its aux slot "
+                f"but its post-attention norm did not take it ({self.surface}): another path "
+                f"updates the residual there and would overwrite the capture. Install with "
+                f"residual_in_slot=False (EAGLE_CAPTURE_RESIDUAL_IN_SLOT=0)")
 
     # Live self-check ------------------------------------------------------------
 
@@ -379,15 +407,31 @@ class _CapturingNormMixin:
         if state.in_allreduce_fusion == self._eagle_layer_id:
             state.stored_in_fusion = True   # SGLang's fallback after its own all-reduce
         buffer = state.buffer_for(num_tokens)
-        ops.add_rmsnorm_capture(x, residual, self.weight, self.variance_epsilon,
-                                buffer.aux, buffer.slot_of(self._eagle_layer_id),
-                                norm_fp32_sum=True)
+        slot = buffer.slot_of(self._eagle_layer_id)
+        in_slot = (state.residual_in_slot_enabled and num_tokens > state.residual_in_slot_above
+                   and not torch.compiler.is_compiling())
+        if in_slot:
+            # Path f: the new residual is written once, into the slot, and handed
+            # on as the residual; the incoming one is dead from here (SGLang would
+            # overwrite it in place) and becomes the post norm's output.
+            state.check_slot_residual_consumed()
+            ops.add_rmsnorm_into_slot(x, residual, self.weight, self.variance_epsilon,
+                                      buffer.aux, slot, norm_fp32_sum=True)
+            new_residual = buffer.aux[:num_tokens, slot]
+            state.residual_in_slot = _SlotResidual(self._eagle_layer_id, new_residual, residual)
+            state.slot_residual_calls += 1
+        else:
+            ops.add_rmsnorm_capture(x, residual, self.weight, self.variance_epsilon,
+                                    buffer.aux, slot, norm_fp32_sum=True)
+            new_residual = residual
         state.record(self._eagle_layer_id, num_tokens, True, x)
         if reference is not None:
             ref_x, ref_r = reference
+            # A mismatch writes SGLang's residual into the slot (path f's residual).
             if not state.verify_layer(self._eagle_layer_id, buffer, num_tokens, ref_r, x, ref_x):
-                residual.copy_(ref_r)
-        return x, residual
+                if not in_slot:
+                    residual.copy_(ref_r)
+        return x, new_residual
 
     def forward_with_allreduce_fusion(self, x, residual, *args, **kwargs):
         # SGLang's fused all-reduce + add + RMSNorm writes a fresh, *reduced*
@@ -422,6 +466,57 @@ class _CapturingNormMixin:
         if not (eager and state.stored_in_fusion):
             self._eagle_store(out[1], fused=False)
         return out
+
+
+class _SlotResidual(NamedTuple):
+    """A captured layer's residual left in its aux slot by the input norm (path f)."""
+    layer_id: int
+    view: torch.Tensor    # aux[:T, slot]: the residual the layer's stages see
+    spare: torch.Tensor   # the input norm's incoming residual, dead: the post norm's output
+
+
+class _SlotResidualPostNormMixin:
+    """The post-attention norm of a captured layer under path f: its residual is
+    the slot, which SGLang's in-place fused_add_rmsnorm would overwrite with the
+    next residual. It writes that one into the spare tensor instead (one fused
+    add + RMSNorm, out of place), so the capture stays and the layer's output
+    residual is bit-identical to SGLang's. ``_eagle_capture`` and
+    ``_eagle_layer_id`` are set on the instance at install."""
+
+    def _eagle_take_slot(self, residual) -> Optional[torch.Tensor]:
+        """The spare to write into when ``residual`` is this layer's slot, else None."""
+        state = self._eagle_capture
+        pending = state.residual_in_slot
+        if (pending is None or pending.layer_id != self._eagle_layer_id
+                or residual is not pending.view):
+            return None
+        state.residual_in_slot = None
+        return pending.spare
+
+    def forward(self, x, residual=None, post_residual_addition=None, **kwargs):
+        spare = self._eagle_take_slot(residual)
+        if spare is None:
+            return super().forward(x, residual, post_residual_addition, **kwargs)
+        if _CapturingNormMixin._eagle_fusable(self, x, residual, post_residual_addition,
+                                              [v for v in kwargs.values() if v is not None]) \
+                and post_residual_addition is None and spare.shape == x.shape \
+                and spare.dtype == x.dtype and spare.is_contiguous():
+            ops.add_rmsnorm_out(x, residual, self.weight, self.variance_epsilon, spare,
+                                norm_fp32_sum=True)
+            return x, spare
+        # Any other norm path: SGLang's own code, on the spare holding a copy.
+        spare.copy_(residual)
+        return super().forward(x, spare, post_residual_addition, **kwargs)
+
+    def forward_with_allreduce_fusion(self, x, residual, *args, **kwargs):
+        # FlashInfer's fusion reads the residual and writes a fresh residual_out,
+        # but declines a strided one: hand it the spare holding a copy (the
+        # install keeps path f to forwards the fusion does not take).
+        spare = self._eagle_take_slot(residual)
+        if spare is not None:
+            spare.copy_(residual)
+            residual = spare
+        return super().forward_with_allreduce_fusion(x, residual, *args, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -481,6 +576,43 @@ def _input_norm(layer: torch.nn.Module, layer_id: int) -> tuple[torch.nn.Module,
             raise TypeError(f"eagle_capture: layer {layer_id}'s input norm "
                             f"({type(norm).__name__}) has no {attr!r}: not SGLang's RMSNorm")
     return norm, surface
+
+
+def _post_attention_norm(layer: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The captured layer's post-attention norm, if every surface SGLang calls it
+    through holds the same RMSNorm (else path f stays off for the layer)."""
+    norm = getattr(layer, "post_attention_layernorm", None)
+    comm = getattr(layer, "layer_communicator", None)
+    boundary = getattr(layer, "ffn_boundary", None) or getattr(layer, "mlp_boundary", None)
+    if comm is not None:
+        held = getattr(comm, "post_attention_layernorm", None)
+    elif boundary is not None:
+        held = getattr(getattr(boundary, "plan", None), "norm", None)
+    else:
+        return None
+    if norm is None or held is not norm or not all(
+            hasattr(norm, a) for a in ("weight", "variance_epsilon", "forward_native")):
+        return None
+    return norm
+
+
+def _allreduce_fusion_max_tokens() -> int:
+    """The largest forward SGLang's FlashInfer all-reduce + add + RMSNorm fusion
+    may take at a post-attention norm (its FUSE_ALLREDUCE_MAX_BATCH_SIZE, read
+    where the running line defines it); 0 at tensor-parallel size 1. Whether the
+    fusion is on is not read: a forward it does not take only loses path f."""
+    try:
+        from sglang.srt.distributed import get_tensor_model_parallel_world_size
+        tp = get_tensor_model_parallel_world_size()
+    except Exception:  # noqa: BLE001 - not an SGLang process (or not initialised)
+        return 0
+    if tp <= 1:
+        return 0
+    for name in ("sglang.srt.layers.communicator", "sglang.srt.layers.layer_boundary"):
+        limit = getattr(sys.modules.get(name), "FUSE_ALLREDUCE_MAX_BATCH_SIZE", None)
+        if isinstance(limit, int):
+            return limit
+    return 2048   # the value of every line read (0.5.9 - 0.5.23)
 
 
 def _server_args():
@@ -592,7 +724,7 @@ def text_model_of(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
 
 
 def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
-                           allow_embedding: bool = False,
+                           allow_embedding: bool = False, residual_in_slot: bool = True,
                            dtype: Optional[torch.dtype] = None,
                            device: Optional[torch.device] = None) -> AuxCaptureBuffer:
     """Replace SGLang's EAGLE-3 capture in ``causal_lm`` (a ``DeepseekV2ForCausalLM``,
@@ -606,6 +738,13 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
     in ``configure_aux_hidden_state_capture``) and before CUDA graphs are
     captured: a graph captured earlier replays SGLang's own capture. The SGLang
     plugin (:mod:`eagle_capture.sglang_plugin`) does exactly that.
+
+    ``residual_in_slot`` (path f): where the layer's plain norms run, the input
+    norm writes the new residual into the slot only and the post-attention norm
+    writes the next one out of place, so the capture costs no extra write (eager
+    and CUDA graphs; under torch.compile, and for forwards SGLang's all-reduce
+    fusion may take at TP > 1, the residual is stored in place and copied once
+    into the slot: path e). False: path e everywhere.
 
     Raises :class:`WrongCaptureLayers` for layer ids SGLang's own capture would
     also get wrong, :class:`UnsupportedServer` for server modes the fused capture
@@ -633,6 +772,7 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
         norm, surface = _input_norm(model.layers[i], i)
         norms.append(norm)
         surfaces.add(surface)
+    post_norms = [_post_attention_norm(model.layers[i]) for i in layer_ids]
     weight = norms[0].weight
     buffer = AuxCaptureBuffer(max_tokens, weight.shape[0], layer_ids,
                               dtype=dtype or weight.dtype, device=device or weight.device)
@@ -646,6 +786,13 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
         norm.__class__ = _with_mixin(_CapturingNormMixin, type(norm))
         norm._eagle_capture = state
         norm._eagle_layer_id = i
+    if residual_in_slot and all(n is not None for n in post_norms):
+        for i, norm in zip(layer_ids, post_norms):
+            norm.__class__ = _with_mixin(_SlotResidualPostNormMixin, type(norm))
+            norm._eagle_capture = state
+            norm._eagle_layer_id = i
+        state.residual_in_slot_enabled = True
+        state.residual_in_slot_above = _allreduce_fusion_max_tokens()
     logits.__class__ = _with_mixin(_CapturingLogitsMixin, type(logits))
     logits._eagle_capture = state
     # SGLang's own capture off: no add/list (<= 0.5.13), no packer copy (>= 0.5.18).

@@ -58,6 +58,7 @@ SWITCH = "EAGLE_CAPTURE"
 ON_PROBLEM = "EAGLE_CAPTURE_ON_PROBLEM"     # refuse (default) | install
 VERIFY = "EAGLE_CAPTURE_VERIFY"             # number of eager forwards to self-check
 MAX_TOKENS = "EAGLE_CAPTURE_MAX_TOKENS"     # override the derived buffer rows
+RESIDUAL_IN_SLOT = "EAGLE_CAPTURE_RESIDUAL_IN_SLOT"   # 1 (default): path f; 0: path e
 
 # Where each SGLang line sets the layers to capture (module, attribute path).
 HOOK_POINTS = (
@@ -219,8 +220,14 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
         raise PluginError(f"eagle_capture: {e}") from None
     logger.debug("eagle_capture: SGLang's limits here: %s", describe(limits))
     check_memory(sizing.max_tokens * len(set(layers)) * hidden, causal_lm)
+    in_slot = env.get(RESIDUAL_IN_SLOT, "1").strip()
+    if in_slot not in ("0", "1"):
+        raise PluginError(f"eagle_capture: {RESIDUAL_IN_SLOT} must be 1 (the residual lives in "
+                          f"the slot: no extra write) or 0 (stored in place and copied into "
+                          f"the slot), got {in_slot!r}")
     try:
-        buffer = dropin.install_eagle3_capture(model, sizing.max_tokens)
+        buffer = dropin.install_eagle3_capture(model, sizing.max_tokens,
+                                               residual_in_slot=in_slot == "1")
     except dropin.WrongCaptureLayers:
         if policy == "refuse":
             raise
@@ -240,12 +247,13 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     nbytes = buffer.aux.numel() * buffer.aux.element_size()
     logger.info(
         "eagle_capture: fused EAGLE-3 capture ON (SGLang %s, %s%s, TP rank %s; %s): layers %s -> "
-        "slots 0..%d, buffer [%d, %d, %d] %s = %.1f MiB on %s (%s)%s",
+        "slots 0..%d, buffer [%d, %d, %d] %s = %.1f MiB on %s (%s); %s%s",
         version, type(model).__name__, path, _tp_rank(), _deployment(args, sizing),
         list(buffer.layer_ids),
         buffer.num_captures - 1, buffer.max_tokens, buffer.num_captures, buffer.hidden_size,
         str(buffer.aux.dtype).replace("torch.", ""), nbytes / 2**20, buffer.aux.device,
-        sizing.reason, f"; self-check of the first {state.verify_total} eager forwards"
+        sizing.reason, _capture_path(state),
+        f"; self-check of the first {state.verify_total} eager forwards"
         if state.verify_total else "")
     return buffer
 
@@ -290,6 +298,14 @@ def _deployment(args, sizing) -> str:
     graphs = (f"CUDA graphs up to {sizing.graph_tokens} tokens" if sizing.graph_tokens
               else "no CUDA graphs seen")
     return f"TP {tp}, all-reduce fusion {fusion} (captures its reduced residual_out), {graphs}"
+
+
+def _capture_path(state) -> str:
+    if not state.residual_in_slot_enabled:
+        return "residual stored in place and copied into its slot (path e)"
+    above = (f" for forwards over {state.residual_in_slot_above} tokens (smaller ones: SGLang's "
+             f"all-reduce fusion size, path e)" if state.residual_in_slot_above else "")
+    return f"residual written into its slot, no extra write (path f){above}"
 
 
 def _setup_verify(state, env) -> None:

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # communicator + AuxHiddenStatePacker with append (0.5.18, 0.5.20),
 # attn_boundary / layer_boundary (0.5.22; 0.5.23 adds packer.slot).
 VERSIONS = ["0.5.9", "0.5.13", "0.5.18", "0.5.20", "0.5.22", "0.5.23"]
-SCENARIOS = ["same_as_sglang_fp32", "same_as_sglang_bf16", "norm_paths", "names_and_weights",
+SCENARIOS = ["same_as_sglang_fp32", "same_as_sglang_bf16", "same_as_sglang_bf16_path_e",
+             "residual_in_slot", "norm_paths", "names_and_weights",
              "install_before_torch_compiled", "install_after_torch_compiled",
              "piecewise_compiled", "layer_id_rules", "refusals",
              # the SGLang plugin through each wheel's own load_plugins() and configure step

@@ -633,7 +633,7 @@ def scenario_eager(ctx, res: Results):
     H = ctx.args.hidden
     out = {"cases": []}
     cases = ctx.args.eager_cases
-    fused_before = st.fused_calls
+    fused_before, in_slot_before = st.fused_calls, st.slot_residual_calls
     nonzero = 0
     routed_before = dict(ROUTED_CALLS)
     for i, (T, mode) in enumerate(cases):
@@ -667,6 +667,11 @@ def scenario_eager(ctx, res: Results):
               out["fused_calls"] == 3 * nonzero and st.fallback_calls == 0,
               f"{out['fused_calls']} fused captures for {nonzero} forwards x 3 layers, "
               f"{st.fallback_calls} fallbacks")
+    out["residual_in_slot_calls"] = st.slot_residual_calls - in_slot_before
+    res.check("eager: path f (the residual lives in the slot) took every capture",
+              out["residual_in_slot_calls"] == out["fused_calls"]
+              and st.residual_in_slot is None,
+              f"{out['residual_in_slot_calls']} of {out['fused_calls']} captures")
     equal_lines = [m for m in verify_lines if "bit-identical" in m]
     res.check(f"eager: live self-check: {n} forwards verified, all equal to SGLang's own "
               f"(FlashInfer) norm",
@@ -806,11 +811,12 @@ def _replay_us(graph, n):
 
 
 def scenario_timing(ctx, res: Results):
-    """(c) GPU us per forward from graph replay: no capture / SGLang's / drop-in."""
+    """(c) GPU us per forward from graph replay: no capture / SGLang's / drop-in
+    (path f, the default) / drop-in path e."""
     import torch
     h = ctx.harness
     out = {"replays": ctx.args.replays, "method": "median of per-replay CUDA-event times; "
-           "rounds alternate the three graphs", "standins": {}}
+           "rounds alternate the four graphs", "standins": {}}
     ctx.graphs_ours = None   # (b)'s graphs: their memory back
     torch.cuda.empty_cache()
     for standin in ("matmul", "elementwise"):
@@ -855,23 +861,34 @@ def _time_row(ctx, standin, T):
         lm_ref.model.layers_to_capture, lm_ref.capture_aux_hidden_states = saved
     g_ref, _ = capture_graph(ctx, ctx.ref, _graph_batch(ctx, ctx.ref, T, 1), pool)
     g_ours, _ = capture_graph(ctx, ctx.ours, _graph_batch(ctx, ctx.ours, T, 1), pool)
-    times = {"none": [], "sglang": [], "dropin": []}
+    # path e: the drop-in with the residual updated in place and copied into the
+    # slot (its norms decide at capture time, like SGLang's capture switch above)
+    st = ctx.state
+    st.residual_in_slot_enabled = False
+    try:
+        g_ours_e, _ = capture_graph(ctx, ctx.ours, _graph_batch(ctx, ctx.ours, T, 1), pool)
+    finally:
+        st.residual_in_slot_enabled = True
+    times = {"none": [], "sglang": [], "dropin": [], "dropin_e": []}
     rounds = 5
     per = max(10, ctx.args.replays // rounds)
     for _ in range(rounds):
-        for name, graph in (("none", g_none), ("sglang", g_ref), ("dropin", g_ours)):
+        for name, graph in (("none", g_none), ("sglang", g_ref), ("dropin", g_ours),
+                            ("dropin_e", g_ours_e)):
             times[name] += _replay_us(graph, per)
     med = {k: statistics.median(v) for k, v in times.items()}
     row = {"T": T, "n_each": len(times["none"]),
            "none_us": round(med["none"], 2), "sglang_us": round(med["sglang"], 2),
-           "dropin_us": round(med["dropin"], 2),
+           "dropin_us": round(med["dropin"], 2), "dropin_path_e_us": round(med["dropin_e"], 2),
            "sglang_capture_cost_us": round(med["sglang"] - med["none"], 2),
            "dropin_capture_cost_us": round(med["dropin"] - med["none"], 2),
+           "dropin_path_e_capture_cost_us": round(med["dropin_e"] - med["none"], 2),
            "dropin_minus_sglang_us": round(med["dropin"] - med["sglang"], 2)}
     print(f"  timing {standin:11s} T={T:5d}: none {row['none_us']:9.2f} us, SGLang "
-          f"{row['sglang_us']:9.2f} us, drop-in {row['dropin_us']:9.2f} us "
-          f"(drop-in - SGLang {row['dropin_minus_sglang_us']:+.2f} us)", flush=True)
-    del g_none, g_ref, g_ours
+          f"{row['sglang_us']:9.2f} us, drop-in f {row['dropin_us']:9.2f} us, e "
+          f"{row['dropin_path_e_us']:9.2f} us (f - SGLang "
+          f"{row['dropin_minus_sglang_us']:+.2f} us)", flush=True)
+    del g_none, g_ref, g_ours, g_ours_e
     return row
 
 

@@ -223,9 +223,33 @@ def plugin_installs(arch: str):
     assert state.layer_ids == [2, 4, 6] and state.buffer.max_tokens == 16
     _same_as_sglang(ours, ref)
     assert state.fused_calls == 4 * 3, f"{state.fused_calls} fused captures, want 12"
+    assert state.slot_residual_calls == 12, f"{state.slot_residual_calls} captures on path f"
     text = log.text(logging.INFO)
     assert "fused EAGLE-3 capture ON" in text and "[16, 3, 64]" in text, text
-    return {"log": [m for _, m in log.lines if "ON" in m]}
+    assert "no extra write (path f)" in text, text
+    out = {"log": [m for _, m in log.lines if "ON" in m]}
+
+    # EAGLE_CAPTURE_RESIDUAL_IN_SLOT=0: path e, said in the ON line; another value
+    # refuses to start (before anything is installed).
+    path_e = _build(arch)
+    with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
+                        EAGLE_CAPTURE_MAX_TOKENS="16", EAGLE_CAPTURE_RESIDUAL_IN_SLOT="0") as log:
+        configure(path_e, DRAFT_IDS)
+    _same_as_sglang(path_e, ref)
+    assert _state(path_e).slot_residual_calls == 0 and _state(path_e).fused_calls == 12
+    assert "copied into its slot (path e)" in log.text(logging.INFO), log.text(logging.INFO)
+    bad = _build(arch)
+    with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
+                        EAGLE_CAPTURE_MAX_TOKENS="16", EAGLE_CAPTURE_RESIDUAL_IN_SLOT="yes"):
+        try:
+            configure(bad, DRAFT_IDS)
+        except RuntimeError as e:
+            assert "EAGLE_CAPTURE_RESIDUAL_IN_SLOT must be 1" in str(e), e
+        else:
+            raise AssertionError("EAGLE_CAPTURE_RESIDUAL_IN_SLOT='yes' was accepted")
+    assert not hasattr(harness.text_lm(bad), "_eagle_capture")
+    out["residual_in_slot_0"] = "path e"
+    return out
 
 
 def plugin_off_and_broken():
@@ -292,6 +316,31 @@ def plugin_refuses_wrong_ids():
     return out
 
 
+@contextlib.contextmanager
+def planted_capture_fault(bad_slot: int):
+    """A wrong capture in one slot, planted in the drop-in's fused capture kernels
+    (path e's add_rmsnorm_capture and path f's add_rmsnorm_into_slot)."""
+    from eagle_capture import sglang as dropin
+
+    real = {name: getattr(dropin.ops, name)
+            for name in ("add_rmsnorm_capture", "add_rmsnorm_into_slot")}
+
+    def planted(real_op):
+        def wrong(x, residual, weight, eps, aux, slot, norm_fp32_sum=False):
+            real_op(x, residual, weight, eps, aux, slot, norm_fp32_sum=norm_fp32_sum)
+            if slot == bad_slot:
+                aux[: x.shape[0], slot, 0] += 1.0
+        return wrong
+
+    for name, op in real.items():
+        setattr(dropin.ops, name, planted(op))
+    try:
+        yield
+    finally:
+        for name, op in real.items():
+            setattr(dropin.ops, name, op)
+
+
 def plugin_self_check():
     """EAGLE_CAPTURE_VERIFY=N on a correct install: N log lines, all equal; then
     off. A wrong capture planted in the fused kernel's output: the layer is named,
@@ -321,21 +370,12 @@ def plugin_self_check():
     with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
                         EAGLE_CAPTURE_VERIFY="3"):
         configure(planted)
-    real_op = dropin.ops.add_rmsnorm_capture
-    bad_slot = _state(planted).buffer.slot_of(4)
-
-    def wrong(x, residual, weight, eps, aux, slot, norm_fp32_sum=False):
-        real_op(x, residual, weight, eps, aux, slot, norm_fp32_sum=norm_fp32_sum)
-        if slot == bad_slot:
-            aux[: x.shape[0], slot, 0] += 1.0     # a wrong capture in layer 4's slot
-
-    dropin.ops.add_rmsnorm_capture = wrong
     records = _Records()
     logging.getLogger("eagle_capture").addHandler(records)
     try:
-        _same_as_sglang(planted, ref, cases=((5, "extend"),))   # served SGLang's values
+        with planted_capture_fault(_state(planted).buffer.slot_of(4)):
+            _same_as_sglang(planted, ref, cases=((5, "extend"),))   # served SGLang's values
     finally:
-        dropin.ops.add_rmsnorm_capture = real_op
         logging.getLogger("eagle_capture").removeHandler(records)
     errors = records.text(logging.ERROR)
     assert "MISMATCH" in errors and "layer 4 (slot 1)" in errors, errors

@@ -15,6 +15,7 @@ scenario: ``{"ok": bool, "detail": str, ...measurements}``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import traceback
 
@@ -67,17 +68,20 @@ def _expect_raises(exc_type, fn, match: str) -> str:
 
 # ----------------------------------------------------------------- scenarios
 
-def same_as_sglang(dtype_name: str):
+def same_as_sglang(dtype_name: str, path: str = "f"):
     """Our buffer vs SGLang's own capture, and the final hidden state vs SGLang's
-    own path, over extend / decode / idle batches and several sizes."""
+    own path, over extend / decode / idle batches and several sizes; ``path``
+    "f" (the default install: the residual lives in the slot, the post-attention
+    norm writes the next one out of place) or "e" (residual_in_slot=False: the
+    residual updated in place and stored into the slot)."""
     dtype = getattr(torch, dtype_name)
     ref, ours = _build(dtype), _build(dtype)
-    _install(ours)
+    _install(ours, residual_in_slot=(path == "f"))
     state = _state(ours)
     out = {"cases": [], "max_final_abs_dev": 0.0, "max_aux_abs_dev": 0.0}
     for num_tokens, mode in ((5, "extend"), (1, "decode"), (3, "decode"), (11, "extend"),
                              (0, "extend")):
-        fused_before = state.fused_calls
+        fused_before, in_slot_before = state.fused_calls, state.slot_residual_calls
         final_ref, aux_ref = _run(ref, num_tokens, mode, seed=num_tokens)
         final, aux = _run(ours, num_tokens, mode, seed=num_tokens)
         assert aux is not None and aux.shape == (num_tokens, len(CAPTURE_IDS) * HIDDEN), \
@@ -94,6 +98,9 @@ def same_as_sglang(dtype_name: str):
         # (zero-row batches skip the norm in SGLang), and SGLang captured nothing.
         if num_tokens:
             assert fused == len(CAPTURE_IDS), f"{fused} fused captures, want {len(CAPTURE_IDS)}"
+        in_slot = state.slot_residual_calls - in_slot_before
+        assert in_slot == (fused if path == "f" else 0), f"{in_slot} residuals left in a slot"
+        assert state.residual_in_slot is None, "a residual left in a slot was not taken"
         assert state.fallback_calls == 0, f"{state.fallback_calls} fallback captures"
         assert ours.model.layers_to_capture == [] and not ours.capture_aux_hidden_states
         out["cases"].append({"T": num_tokens, "mode": mode, "fused_captures": fused,
@@ -112,7 +119,7 @@ def norm_paths():
     from sglang.srt.layers.layernorm import RMSNorm
 
     model = _build(torch.float32)
-    buffer = _install(model)
+    buffer = _install(model, residual_in_slot=False)   # each call alone (path f: see below)
     layer_id = model._eagle_capture.layer_ids[0]
     slot = buffer.slot_of(layer_id)
     norm = model.model.layers[layer_id].input_layernorm
@@ -194,6 +201,116 @@ def norm_paths():
     return out
 
 
+@torch.no_grad()
+def residual_in_slot():
+    """Path f's hand-off between a captured layer's input norm and its
+    post-attention norm, on SGLang's real RMSNorm classes: the post norm's other
+    paths (a norm configuration our kernel does not reproduce, the fused
+    all-reduce entry) keep the capture; a residual left in the slot and not
+    taken is refused; forwards at or below ``residual_in_slot_above`` (SGLang's
+    all-reduce fusion size at TP > 1) take path e. SGLang's own capture and
+    path e are the references, bit for bit in fp32."""
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    out = {}
+    ref, ours = _build(torch.float32), _build(torch.float32)
+    _install(ours)
+    state = _state(ours)
+    layer_ids = state.layer_ids
+    posts = [ours.model.layers[i].post_attention_layernorm for i in layer_ids]
+    assert all(isinstance(n, RMSNorm) and type(n) is not RMSNorm for n in posts)
+    assert type(ours.model.layers[0].post_attention_layernorm) is RMSNorm, \
+        "an uncaptured layer's post norm was swapped"
+
+    # The post norm on a configuration our kernel does not reproduce: SGLang's own
+    # code runs on the spare holding a copy of the slot; the capture stays.
+    for model in (ref, ours):
+        for i in layer_ids:
+            model.model.layers[i].post_attention_layernorm.cast_x_before_out_mul = True
+    before = state.slot_residual_calls
+    final_ref, aux_ref = _run(ref, 9, seed=4)
+    final, aux = _run(ours, 9, seed=4)
+    assert torch.equal(aux, aux_ref) and torch.equal(final, final_ref)
+    assert state.slot_residual_calls - before == len(layer_ids)
+    for model in (ref, ours):
+        for i in layer_ids:
+            model.model.layers[i].post_attention_layernorm.cast_x_before_out_mul = False
+    out["post_norm_non_plain"] = "SGLang's own norm on a copy; capture and output equal"
+
+    # The post norm's fused all-reduce entry (SGLang's own, unpatched: at world size
+    # 1 it ends in the norm's forward): the strided slot is never handed to it.
+    buffer = state.buffer
+    layer_id = layer_ids[0]
+    norm = ours.model.layers[layer_id].input_layernorm
+    post = ours.model.layers[layer_id].post_attention_layernorm
+    plain = RMSNorm(HIDDEN, eps=norm.variance_epsilon)
+    g = torch.Generator().manual_seed(6)
+    x, r, a = (torch.randn(4, HIDDEN, generator=g) for _ in range(3))
+    plain.weight.data.copy_(norm.weight.data)
+    x_ref, r_ref = plain.forward_native(x.clone(), r.clone())
+    xo, ro = norm(x.clone(), r.clone())
+    slot = buffer.slot_of(layer_id)
+    assert ro.data_ptr() == buffer.aux[:4, slot].data_ptr(), "the residual is not the slot"
+    assert torch.equal(ro, r_ref) and torch.equal(xo, x_ref)
+    plain.weight.data.copy_(post.weight.data)
+    a_ref, r2_ref = plain.forward_native(a.clone(), r_ref.clone())
+    # What SGLang's fusion entry receives (FlashInfer's kernel declines a strided
+    # residual, and then 0.5.13 / 0.5.20 skip the all-reduce): recorded.
+    original = RMSNorm.forward_with_allreduce_fusion
+    seen = []
+
+    def recording(self, x, residual, *args, **kwargs):
+        seen.append((residual.is_contiguous(), residual.data_ptr()))
+        return original(self, x, residual, *args, **kwargs)
+
+    RMSNorm.forward_with_allreduce_fusion = recording
+    try:
+        ao, r2 = post.forward_with_allreduce_fusion(a.clone(), ro)
+    finally:
+        RMSNorm.forward_with_allreduce_fusion = original
+    assert seen and seen[0][0] and seen[0][1] != ro.data_ptr(), \
+        f"SGLang's fusion entry got the strided slot: {seen}"
+    assert torch.equal(ao, a_ref) and torch.equal(r2, r2_ref)
+    assert r2.data_ptr() != ro.data_ptr() and torch.equal(buffer.aux[:4, slot], r_ref), \
+        "the post norm wrote into the slot"
+    assert state.residual_in_slot is None
+    out["post_norm_allreduce_entry"] = "the spare, not the slot; capture kept"
+
+    # The plain post norm writes the next residual into the input norm's incoming
+    # residual (dead once the slot holds the new one), out of place of the slot.
+    # (SGLang's CPU norm is out of place anyway; its GPU kernel, FlashInfer's
+    # fused_add_rmsnorm, would overwrite the slot: tests/sglang_real/gpu_scenarios.py.)
+    incoming = r.clone()
+    xo, ro = norm(x.clone(), incoming)
+    ao, r2 = post(a.clone(), ro)
+    assert torch.equal(ao, a_ref) and torch.equal(r2, r2_ref)
+    assert r2.data_ptr() == incoming.data_ptr(), "the post norm did not write into the spare"
+    assert torch.equal(buffer.aux[:4, slot], r_ref) and state.residual_in_slot is None
+    out["post_norm_plain"] = "next residual in the spare; capture kept"
+
+    # A residual left in the slot that its post norm never takes: refused at the
+    # next captured input norm and at the end of the forward, never served.
+    norm(x.clone(), r.clone())
+    _expect_raises(RuntimeError, lambda: norm(x.clone(), r.clone()), "did not take it")
+    norm(x.clone(), r.clone())
+    _expect_raises(RuntimeError, lambda: state.check_complete(4), "did not take it")
+    state.stored_rows = {}
+    out["not_taken"] = "refused"
+
+    # At TP > 1, forwards SGLang's all-reduce fusion may take (<= its max tokens)
+    # stay on path e; larger ones take path f. Both equal SGLang's own.
+    state.residual_in_slot_above = 8
+    for num_tokens, want in ((5, 0), (8, 0), (11, len(layer_ids))):
+        before = state.slot_residual_calls
+        final_ref, aux_ref = _run(ref, num_tokens, seed=num_tokens)
+        final, aux = _run(ours, num_tokens, seed=num_tokens)
+        assert torch.equal(aux, aux_ref) and torch.equal(final, final_ref)
+        got = state.slot_residual_calls - before
+        assert got == want, f"T={num_tokens}: {got} residuals in a slot, want {want}"
+    out["fusion_sizes_path_e"] = "T <= 8 path e, T = 11 path f"
+    return out
+
+
 def names_and_weights():
     """state_dict keys, parameter names and a load_state_dict round trip are
     unchanged by the install (weight loading by name, RL weight sync)."""
@@ -257,6 +374,26 @@ def _piecewise_context():
     return enable()
 
 
+@contextlib.contextmanager
+def _fused_ops_compile_mode(*models):
+    """SGLang's compile pass (0.5.18+) flips every fused op into its
+    compile-safe dispatch around the traced runs (``_toggle_fused_ops``: resolves
+    each op's lazy forward method while still eager); earlier lines have none."""
+    try:
+        from sglang.srt.model_executor.runner_backend.tc_piecewise_cuda_graph_backend import (
+            _toggle_fused_ops as toggle)
+    except ImportError:
+        yield
+        return
+    for model in models:
+        toggle(model.model, reverse=False, num_tokens=16)
+    try:
+        yield
+    finally:
+        for model in models:
+            toggle(model.model, reverse=True, num_tokens=16)
+
+
 def piecewise_compiled():
     """The layer loop as SGLang's piecewise CUDA graphs run it: traced by dynamo
     with ``fullgraph=True`` through SGLang's own ``install_torch_compiled``
@@ -283,7 +420,7 @@ def piecewise_compiled():
     eager_captures = state.fused_calls
     out = {}
     for num_tokens in (5, 8):
-        with _piecewise_context():
+        with _piecewise_context(), _fused_ops_compile_mode(ref, ours):
             try:
                 final_ref, aux_ref = _run(ref, num_tokens, seed=num_tokens)
             except torch._dynamo.exc.Unsupported as e:
@@ -440,6 +577,8 @@ def _build_without_capture():
 SCENARIOS = {
     "same_as_sglang_fp32": lambda: same_as_sglang("float32"),
     "same_as_sglang_bf16": lambda: same_as_sglang("bfloat16"),
+    "same_as_sglang_bf16_path_e": lambda: same_as_sglang("bfloat16", path="e"),
+    "residual_in_slot": residual_in_slot,
     "norm_paths": norm_paths,
     "names_and_weights": names_and_weights,
     "install_before_torch_compiled": lambda: torch_compiled_install_order("before"),

@@ -486,7 +486,6 @@ def verify_switch_back_tp2():
     communicator). Checked without that next forward: after the planted one,
     the ranks' (disabled, verify_left) are gathered and compared, then the
     next forwards run (they would hang if one rank still verified)."""
-    from eagle_capture import sglang as dropin
     from tests.sglang_real import plugin_scenarios as ps
 
     rank = _ARGS.rank
@@ -496,23 +495,14 @@ def verify_switch_back_tp2():
                                                "EAGLE_CAPTURE_MAX_TOKENS": "16",
                                                "EAGLE_CAPTURE_VERIFY": "3"})
     _detach_log(log)
-    real_op = dropin.ops.add_rmsnorm_capture
-    bad_slot = state.buffer.slot_of(4)
-
-    def wrong(x, residual, weight, eps, aux, slot, norm_fp32_sum=False):
-        real_op(x, residual, weight, eps, aux, slot, norm_fp32_sum=norm_fp32_sum)
-        if slot == bad_slot:
-            aux[: x.shape[0], slot, 0] += 1.0
-
-    if rank == 1:
-        dropin.ops.add_rmsnorm_capture = wrong
     records = ps._Records()
     logging.getLogger("eagle_capture").addHandler(records)
     try:
         final_ref, aux_ref = _run(ref, 5, "extend")
-        final, aux = _run(model, 5, "extend")
+        with (ps.planted_capture_fault(state.buffer.slot_of(4)) if rank == 1
+              else contextlib.nullcontext()):
+            final, aux = _run(model, 5, "extend")
     finally:
-        dropin.ops.add_rmsnorm_capture = real_op
         _detach_log(records)
     # That forward: each rank hands the draft SGLang's values (rank 1 corrected it).
     assert torch.equal(aux, aux_ref) and torch.equal(final, final_ref)

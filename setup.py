@@ -53,7 +53,9 @@ setup(
     packages=["eagle_capture", "eagle_capture.kernels"],
     # SGLang's plugin system (0.5.13+) finds the fused capture here in every
     # scheduler process; EAGLE_CAPTURE=1 turns it on (eagle_capture/sglang_plugin.py).
-    entry_points={"sglang.srt.plugins": ["eagle_capture = eagle_capture.sglang_plugin:register"]},
+    entry_points={"sglang.srt.plugins": ["eagle_capture = eagle_capture.sglang_plugin:register"],
+                  # eagle-capture doctor ...: the layer-id doctor (eagle_capture/doctor.py)
+                  "console_scripts": ["eagle-capture = eagle_capture.doctor:console_main"]},
     install_requires=["torch>=2.6", "triton>=3.2"],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "numpy", "transformers>=4.57"],

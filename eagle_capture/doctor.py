@@ -1,25 +1,24 @@
-"""Capture doctor: what will SGLang feed this EAGLE-3 draft, and is it what the
-draft was trained on?
+"""The layer-id doctor: what will SGLang feed this EAGLE-3 draft, per release
+line and deployment, and is it what the draft was trained on?
 
-    python -m eagle_capture.doctor --draft-config draft/config.json --num-layers 61
-    python -m eagle_capture.doctor --draft-config draft/config.json --num-layers 61 --sglang-version 0.5.9
+    eagle-capture doctor --draft-config <draft folder> --target-config <target folder>
+    eagle-capture doctor --draft-config draft/config.json --num-layers 61 --tp 8 \\
+        --sglang-version 0.5.23
+    python -m eagle_capture.doctor ...          (the same)
 
-For each SGLang release line it prints the layers SGLang will capture for the
-draft's ``eagle_aux_hidden_state_layer_ids``, each slot in both conventions, what
-the draft expects there, and a verdict. Exit status: 0 when every line shown
-feeds the draft what it was trained on; 1 on any mismatch, embedding capture,
-failure at the first forward, or missing ids (unless ``--accept-defaults``);
-2 when the config cannot be read.
+For each SGLang line (or the one ``--sglang-version`` is in) it prints the
+layers SGLang captures for the draft config's ids -- read exactly as SGLang's
+target reads them -- each slot in both conventions, what the draft expects
+there, a verdict, and for a PROBLEM the ids that would fix it on that line; then
+what the deployment (``--tp``, ``--allreduce-fusion``, ``--dp-attention``,
+``--pp``, ``--cuda-graph``, ``--torch-compile``) does to the captured rows, for
+SGLang's own capture and for the fused drop-in, each verdict naming the code it
+rests on and the test that runs that wheel.
 
-The draft's ids are read the way SpecForge writes them: id X = the *output* of
-decoder layer X (HF ``output_hidden_states[X + 1]``), so the draft expects the
-capture SGLang takes at the start of layer X + 1.
-
-The per-line rules (:data:`SGLANG_LINES`) were read from the wheels'
-``DeepseekV2ForCausalLM.set_eagle3_layers_to_capture`` and ``DeepseekV2Model``
-layer loop, and are checked in CI by running each wheel's own code
-(``tests/test_sglang_real.py``, scenario ``layer_id_rules``): the
-``layers_to_capture`` it sets and what its first forward does.
+Exit status: 0 the draft receives what it was trained on on every line shown;
+1 it does not, or it cannot be known (no ids without ``--accept-defaults``);
+2 unusable input (unreadable or malformed config, a target config passed as the
+draft's, a version older than every line read).
 
 Acceptance figures quoted in verdicts are field reports, not laws: an embedding
 capture added to a draft trained without it took acceptance from ~47% to ~19%
@@ -28,71 +27,58 @@ engine's defaults ran at 1.2% instead of 58.9% (vLLM issue 50170).
 """
 
 import argparse
-import json
+import itertools
 import re
 import sys
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .plan import CapturePlanError, default_capture_layers, load_draft_config, parse_version
+from . import deployment
+from .sglang_lines import (SGLANG_LINES, CapturePlanError, DraftIds, SGLangLine, assumed_note,
+                           default_capture_layers, line_of, read_draft_ids, read_target,
+                           specforge_default_ids)
 
+__all__ = ["Diagnosis", "LineVerdict", "SGLANG_LINES", "SGLangLine", "diagnose",
+           "diagnose_line", "fix_ids", "line_of", "main"]
 
 WIDTH = 100   # output columns
 
 
 def _wrap(text: str, first: str, rest: str) -> str:
     """Wrap at WIDTH without breaking inside ``[...]`` or ``(...)``."""
-    keep = re.sub(r"[\[(][^\])]*[\])]", lambda m: m.group(0).replace(" ", "\0"), text)
+    # (short ones only: a long parenthesis may break)
+    keep = re.sub(r"[\[(][^\])]{0,40}[\])]", lambda m: m.group(0).replace(" ", "\0"), text)
     wrapped = textwrap.fill(keep, WIDTH, initial_indent=first, subsequent_indent=rest,
                             break_long_words=False, break_on_hyphens=False)
     return wrapped.replace("\0", " ")
 
 
-@dataclass(frozen=True)
-class SGLangLine:
-    """How one SGLang release line maps draft ids to captures."""
-    name: str
-    read_versions: tuple[str, ...]   # wheels whose code this was read from and run
-    first: tuple[int, int, int]      # first version of the line (inclusive)
-    last: Optional[tuple[int, int, int]]   # last version (inclusive); None: open-ended
-    shift_always: bool               # +1 to every id (<= 0.5.12); else +1 only when ids[0] == 1
-    layer0: str                      # "crash" | "embedding": a capture at the start of layer 0
-    missing_capture: str             # "dropped" | "error": a layer id no layer has (-1)
-
-    def capture_layers(self, ids: Optional[Sequence[int]], num_layers: int) -> list[int]:
-        if ids is None:
-            return default_capture_layers(num_layers)
-        shift = 1 if self.shift_always or (ids and ids[0] == 1) else 0
-        return [i + shift for i in ids]
-
-    def covers(self, version: tuple[int, ...]) -> bool:
-        return self.first <= version and (self.last is None or version <= self.last)
-
-
-SGLANG_LINES = (
-    SGLangLine("0.5.9 - 0.5.12", ("0.5.9",), (0, 0, 0), (0, 5, 12), shift_always=True,
-               layer0="crash", missing_capture="dropped"),
-    SGLangLine("0.5.13 - 0.5.17", ("0.5.13",), (0, 5, 13), (0, 5, 17), shift_always=False,
-               layer0="crash", missing_capture="dropped"),
-    SGLangLine("0.5.18 - 0.5.23+", ("0.5.18", "0.5.20", "0.5.22", "0.5.23"), (0, 5, 18), None,
-               shift_always=False, layer0="embedding", missing_capture="error"),
-)
-
-
-def line_of(version: str) -> SGLangLine:
-    v = parse_version(version)
-    for line in SGLANG_LINES:
-        if line.covers(v):
-            return line
-    raise CapturePlanError(f"no rule known for SGLang {version}")
-
-
 def _source(input_layer: int) -> str:
     """A capture at the start of ``input_layer`` in words, both conventions."""
     if input_layer == 0:
-        return "embedding output (input to layer 0)"
-    return f"output of layer {input_layer - 1} (input to layer {input_layer})"
+        return "embedding output (input to layer 0, HF hidden_states[0])"
+    return (f"output of layer {input_layer - 1} (input to layer {input_layer}, "
+            f"HF hidden_states[{input_layer}])")
+
+
+def fix_ids(line: SGLangLine, want: Sequence[int], num_layers: int,
+            allow_embedding: bool = False) -> Optional[list[int]]:
+    """Draft-config ids for which ``line`` captures exactly the layers ``want``
+    (SGLang's capture layers, slots in ascending order), or None if none can:
+    the output-convention ids, else the input-convention ones, in ascending
+    order first (``ids[0]`` decides 0.5.13+'s +1, so the order matters)."""
+    want = sorted(want)
+    if any(not 0 <= w < num_layers for w in want) or (0 in want and not allow_embedding):
+        return None
+    if 0 in want and line.layer0 == "crash":
+        return None
+    for base in ([w - 1 for w in want], list(want)):
+        for ids in itertools.permutations(base):
+            ids = list(ids)
+            if sorted(line.capture_layers(ids, num_layers)) == want:
+                return ids
+    return None
 
 
 @dataclass
@@ -101,89 +87,118 @@ class LineVerdict:
     capture_layers: list[int]
     ok: bool
     lines: list[str]
+    fix: Optional[str] = None
 
 
 def diagnose_line(line: SGLangLine, ids: Optional[Sequence[int]], num_layers: int,
-                  allow_embedding: bool = False) -> LineVerdict:
-    """What ``line`` captures for ``ids`` and whether it matches the draft."""
+                  allow_embedding: bool = False,
+                  trained: Optional[Sequence[int]] = None) -> LineVerdict:
+    """What ``line`` captures for the target-read ``ids`` (None: absent) and
+    whether it matches what the draft was trained on (``trained``, output
+    convention; default: ``ids``; None and no ids: unknown)."""
+    trained = ids if trained is None else trained
     capture = line.capture_layers(ids, num_layers)
-    # What the draft was trained on (SpecForge: id X = output of layer X); unknown
-    # without ids.
-    expected = None if ids is None else [i + 1 for i in ids]
-    out, ok = [], True
-    if any(layer == 0 for layer in capture) and line.layer0 == "crash":
-        return LineVerdict(line, capture, False, [
-            f"FAILS at the first forward: layer 0 is captured and this line's loop computes "
-            f"hidden_states + residual there, with residual None (TypeError)"])
+    # SpecForge: id X = output of layer X = the capture at the start of layer X + 1.
+    expected = None if trained is None else sorted(i + 1 for i in trained)
+    verdict = LineVerdict(line, capture, True, [])
+
+    def problem(text: str) -> LineVerdict:
+        verdict.ok = False
+        verdict.lines.append(text)
+        return verdict
+
+    if expected is not None and not (0 in expected and not allow_embedding):
+        fixed = fix_ids(line, expected, num_layers, allow_embedding)
+        verdict.fix = (f"eagle_config.eagle_aux_hidden_state_layer_ids = {fixed}" if fixed
+                       else "no ids make this line capture those layers")
+    if 0 in capture and line.layer0 == "crash":
+        return problem("FAILS at the first forward: layer 0 is captured and this line's loop "
+                       "computes hidden_states + residual there, with residual None (TypeError)")
     invalid = [layer for layer in capture if not 0 <= layer < num_layers]
-    if invalid:
+    duplicates = sorted({layer for layer in capture if capture.count(layer) > 1})
+    taken = len(set(capture) - set(invalid))
+    if invalid or duplicates:
+        what = (f"layer(s) {invalid} do not exist" if invalid else
+                f"layer(s) {duplicates} are named twice (duplicate ids)")
         if line.missing_capture == "dropped":
-            return LineVerdict(line, capture, False, [
-                f"layer(s) {invalid} do not exist: SGLang never captures them and hands the draft "
-                f"{len(capture) - len(invalid)} of {len(capture)} slots "
-                f"([T, {len(capture) - len(invalid)}*H]) without an error: the draft's input is "
-                f"wrong"])
-        return LineVerdict(line, capture, False, [
-            f"FAILS at the first forward: layer(s) {invalid} do not exist, the packer gets "
-            f"{len(capture) - len(invalid)} of {len(capture)} captures (RuntimeError)"])
-    order = sorted(range(len(capture)), key=lambda k: capture[k])
-    for slot, k in enumerate(order):
-        got = capture[k]
+            return problem(f"{what}: the loop captures each existing layer once and hands the "
+                           f"draft {taken} of {len(capture)} slots ([T, {taken}*H]) without an "
+                           f"error: the draft's input is wrong")
+        return problem(f"FAILS at the first forward: {what}, the packer gets {taken} of "
+                       f"{len(capture)} captures (RuntimeError)")
+    for slot, got in enumerate(sorted(capture)):
         text = f"slot {slot}: SGLang captures the {_source(got)}"
         if expected is None:
-            out.append(text + "; the draft's layers are unknown (no ids)")
+            verdict.lines.append(text + "; the draft's layers are unknown (no ids)")
             continue
-        want = expected[k]
-        if got != want:
-            ok = False
-            out.append(text + f"; the draft expects the {_source(want)}: MISMATCH, expect "
-                              f"acceptance to collapse")
+        want = expected[slot] if slot < len(expected) else None
+        if want is None:
+            problem(text + "; the draft has no slot for it: MISMATCH")
+        elif got != want:
+            problem(text + f"; the draft expects the {_source(want)}: MISMATCH, expect "
+                           f"acceptance to collapse")
         elif got == 0 and not allow_embedding:
-            ok = False
-            out.append(text + "; the draft asks for it (id -1), but no SpecForge draft is "
-                              "trained on the embedding (field report: ~47% -> ~19% acceptance "
-                              "when it was added); --allow-embedding only if yours was")
+            problem(text + "; the draft asks for it (id -1), but no SpecForge draft is trained "
+                           "on the embedding (field report: ~47% -> ~19% acceptance when it was "
+                           "added); --allow-embedding only if yours was")
         else:
-            out.append(text + ": matches")
-    if ids is not None and sorted(capture) != [expected[k] for k in order]:
-        ok = False
-    return LineVerdict(line, capture, ok, out)
+            verdict.lines.append(text + ": matches")
+    if expected is not None and len(expected) != len(capture):
+        problem(f"the draft was trained on {len(expected)} layers, SGLang captures "
+                f"{len(capture)}: its fc expects another width")
+    return verdict
 
 
 @dataclass
 class Diagnosis:
-    ids: Optional[list[int]]
+    draft: Optional[DraftIds]
+    ids: Optional[list[int]]          # what SGLang's target reads
     num_layers: int
     verdicts: list[LineVerdict]
     notes: list[str]
     ok: bool
+    deployment: list[str] = field(default_factory=list)
+    header: list[str] = field(default_factory=list)
 
     def format(self) -> str:
         ids = "none (field absent)" if self.ids is None else self.ids
-        out = [f"draft ids (output convention, as SpecForge writes them): {ids}; "
-               f"target: {self.num_layers} layers"]
+        out = [_wrap(h, "", "  ") for h in self.header]
+        out.append(_wrap(f"draft ids read by SGLang's target (eagle_config.eagle_aux_hidden_"
+                         f"state_layer_ids, output convention as SpecForge writes them): {ids}; "
+                         f"target: {self.num_layers} layers", "", "  "))
         out += [_wrap(f"note: {n}", "", "      ") for n in self.notes]
         for v in self.verdicts:
             status = ("PROBLEM" if not v.ok else
-                      "UNVERIFIED (the draft's layers are unknown)" if self.ids is None else "OK")
+                      "UNVERIFIED (the draft's layers are unknown)"
+                      if self.ids is None and self.draft_trained is None else "OK")
             out.append(f"SGLang {v.line.name} (read from {', '.join(v.line.read_versions)}):")
             out.append(f"  layers_to_capture = {v.capture_layers} -> {status}")
             out += [_wrap(text, "    ", "      ") for text in v.lines]
+            if not v.ok and v.fix:
+                out.append(_wrap(f"fix for this line: {v.fix}", "    ", "      "))
+        out += self.deployment
         if not self.ok:
             verdict = "problems above; do not serve this as is"
-        elif self.ids is None:
+        elif self.ids is None and self.draft_trained is None:
             verdict = "accepted (--accept-defaults): the draft is taken to be trained on these"
         else:
             verdict = "every line shown feeds the draft what it was trained on"
         out.append("verdict: " + verdict)
         return "\n".join(out)
 
+    @property
+    def draft_trained(self) -> Optional[list[int]]:
+        return self.draft.trained if self.draft is not None else self.ids
+
 
 def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
              sglang_version: Optional[str] = None, accept_defaults: bool = False,
-             allow_embedding: bool = False) -> Diagnosis:
-    """Diagnose draft ``ids`` (None: the config names none) against every SGLang
-    line, or only the one ``sglang_version`` belongs to."""
+             allow_embedding: bool = False, draft: Optional[DraftIds] = None,
+             deploy: Optional["deployment.Deployment"] = None) -> Diagnosis:
+    """Diagnose the draft ids SGLang's target reads (``ids``; None: absent)
+    against every SGLang line, or only the one ``sglang_version`` belongs to.
+    ``draft`` (from :func:`read_draft_ids`) adds what the config says beyond
+    them (a top-level key the target ignores); ``deploy`` the deployment."""
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 4:
         raise CapturePlanError(f"num_layers must be an int >= 4, got {num_layers!r}")
     if ids is not None:
@@ -193,7 +208,22 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
                                    f"of integers, got {ids!r}")
     lines = [line_of(sglang_version)] if sglang_version else list(SGLANG_LINES)
     notes, ok = [], True
-    if ids is None:
+    if sglang_version and assumed_note(sglang_version):
+        notes.append(assumed_note(sglang_version))
+    trained = ids
+    if draft is not None and draft.nested is None and draft.top_level is not None:
+        trained = draft.top_level
+        notes.append(
+            f"{draft.source} names eagle_aux_hidden_state_layer_ids {draft.top_level} at its top "
+            f"level, outside eagle_config: every SGLang line's target IGNORES it (the model "
+            f"runner reads only eagle_config[...]) and captures its defaults "
+            f"{default_capture_layers(num_layers)}, while a draft class that reads either key "
+            f"(SGLang's own Kimi-K2.5 EAGLE-3 draft does) was set up for these ids. Move them "
+            f"into \"eagle_config\"")
+    elif draft is not None and draft.top_level is not None and draft.top_level != draft.nested:
+        notes.append(f"{draft.source} also names ids {draft.top_level} at its top level: the "
+                     f"target reads only eagle_config's {draft.nested}; remove the other")
+    if ids is None and trained is None:
         defaults = default_capture_layers(num_layers)
         notes.append(
             f"the draft config names no eagle_aux_hidden_state_layer_ids: SGLang captures its "
@@ -203,42 +233,84 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
             f"trained on into its config" + ("" if accept_defaults else
                                              ", or pass --accept-defaults if they are these"))
         ok = accept_defaults
-    elif any(i < 0 for i in ids):
-        notes.append(f"id {min(ids)} is the embedding output; SpecForge requires non-negative ids, "
-                     f"so a SpecForge-trained draft never saw it: the config was probably edited "
-                     f"(SpecForge's default for {num_layers} layers is "
-                     f"[1, {num_layers // 2 - 1}, {num_layers - 4}])")
-    verdicts = [diagnose_line(line, ids, num_layers, allow_embedding) for line in lines]
+    elif trained is not None and any(i < 0 for i in trained):
+        notes.append(f"id {min(trained)} is the embedding output; SpecForge requires "
+                     f"non-negative ids, so a SpecForge-trained draft never saw it: the config "
+                     f"was probably edited (SpecForge's default for {num_layers} layers is "
+                     f"{specforge_default_ids(num_layers)})")
+    if trained is not None and len(set(trained)) != len(trained):
+        notes.append(f"ids {trained} name a layer twice: the draft expects {len(trained)} "
+                     f"distinct captures")
+    verdicts = [diagnose_line(line, ids, num_layers, allow_embedding, trained) for line in lines]
     ok = ok and all(v.ok for v in verdicts)
-    return Diagnosis(ids, num_layers, verdicts, notes, ok)
+    deploy_lines: list[str] = []
+    if deploy is not None:
+        report = deployment.assess(deploy, lines, [v.capture_layers for v in verdicts],
+                                   num_layers, trained)
+        deploy_lines = report.format(WIDTH)
+        ok = ok and report.ok
+    return Diagnosis(draft, ids, num_layers, verdicts, notes, ok, deploy_lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m eagle_capture.doctor",
-        description="What SGLang will capture for an EAGLE-3 draft, per SGLang release line, "
-                    "and whether it is what the draft was trained on.")
-    p.add_argument("--draft-config", required=True, help="the draft model's config.json")
-    p.add_argument("--num-layers", type=int, required=True,
-                   help="the target's num_hidden_layers (Kimi-K2 / DeepSeek-V3: 61)")
-    p.add_argument("--sglang-version", help="only this SGLang version's line (default: all lines)")
+        prog="eagle-capture doctor",
+        description="What SGLang will capture for an EAGLE-3 draft, per SGLang release line and "
+                    "deployment, and whether it is what the draft was trained on.")
+    p.add_argument("--draft-config", required=True,
+                   help="the draft's config.json, or its model folder")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--target-config",
+                        help="the target's config.json or model folder (layer count, hidden "
+                             "size, architecture; Kimi-K2.5: its text_config)")
+    target.add_argument("--num-layers", type=int,
+                        help="the target's num_hidden_layers (Kimi-K2 / DeepSeek-V3: 61)")
+    p.add_argument("--sglang-version", help="only this SGLang version's line (default: all)")
     p.add_argument("--accept-defaults", action="store_true",
                    help="a config without ids is fine: the draft was trained on SGLang's defaults")
     p.add_argument("--allow-embedding", action="store_true",
                    help="the draft really was trained on the embedding output (id -1)")
-    args = p.parse_args(argv)
+    deployment.add_arguments(p)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
-        config = load_draft_config(args.draft_config)
-        from .plan import ids_from_draft_config
-        diagnosis = diagnose(ids_from_draft_config(config), args.num_layers,
-                             sglang_version=args.sglang_version,
+        draft = read_draft_ids(args.draft_config)
+        header = [f"draft: {draft.source} ({draft.architecture or 'architecture not named'})"]
+        architecture = ""
+        if args.target_config is not None:
+            target = read_target(args.target_config)
+            num_layers, architecture = target.num_layers, target.architecture
+            named = target.architecture or "architecture not named"
+            header.append(f"target: {target.source} ({named}, {target.num_layers} layers, "
+                          f"hidden size {target.hidden_size})")
+        else:
+            num_layers = args.num_layers
+        diagnosis = diagnose(draft.read_by_target, num_layers, sglang_version=args.sglang_version,
                              accept_defaults=args.accept_defaults,
-                             allow_embedding=args.allow_embedding)
-    except (CapturePlanError, OSError, json.JSONDecodeError) as exc:
+                             allow_embedding=args.allow_embedding, draft=draft,
+                             deploy=deployment.from_arguments(args, architecture))
+    except CapturePlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    diagnosis.header = header
     print(diagnosis.format())
     return 0 if diagnosis.ok else 1
+
+
+def console_main() -> None:
+    """``eagle-capture``: ``eagle-capture doctor ...`` (the one sub-command)."""
+    argv = sys.argv[1:]
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: eagle-capture doctor [--help] --draft-config ... (--target-config ... | "
+              "--num-layers N) [deployment options]")
+        raise SystemExit(0 if argv else 2)
+    if argv[0] != "doctor":
+        print(f"eagle-capture: unknown command {argv[0]!r} (commands: doctor)", file=sys.stderr)
+        raise SystemExit(2)
+    raise SystemExit(main(argv[1:]))
 
 
 if __name__ == "__main__":

@@ -25,18 +25,18 @@ capture added "to fix" a draft trained on ``[2, 30, 58]``) dropped acceptance
 from ~47% to ~19%, silently.
 """
 
-import argparse
-import json
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Union
 
+from .sglang_lines import (CapturePlanError, default_capture_layers, line_of, read_draft_ids,
+                           specforge_default_ids)
+
+__all__ = ["CONVENTIONS", "CapturePlan", "CapturePlanError", "SlotInfo", "build_plan",
+           "default_capture_layers", "ids_from_draft_config", "plan_from_draft_config",
+           "specforge_default_ids"]
+
 CONVENTIONS = ("output", "input")
-
-
-class CapturePlanError(ValueError):
-    """A layer-id configuration that would capture the wrong hidden states."""
 
 
 @dataclass(frozen=True)
@@ -100,37 +100,14 @@ class CapturePlan:
 
 
 # ----------------------------------------------------------------------------
-# Rules
+# Rules (per SGLang line: eagle_capture.sglang_lines)
 # ----------------------------------------------------------------------------
-
-def default_capture_layers(num_layers: int) -> list[int]:
-    """SGLang's default when the draft config names no ids (input convention)."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def specforge_default_ids(num_layers: int) -> list[int]:
-    """SpecForge's default draft ids (output convention)."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
-
-
-def parse_version(version: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(p) for p in version.strip().lstrip("v").split(".")[:3])
-    except ValueError:
-        raise CapturePlanError(f"cannot read SGLang version {version!r}; expected e.g. 0.5.12") from None
-
-
-def sglang_shift(ids: Sequence[int], version: str) -> int:
-    """What SGLang ``version`` adds to configured ids."""
-    if parse_version(version) <= (0, 5, 12):
-        return 1
-    return 1 if ids and ids[0] == 1 else 0
-
 
 def _rule_shift(ids: Sequence[int], convention: Optional[str], sglang_version: Optional[str]):
     if sglang_version is not None:
-        shift = sglang_shift(ids, sglang_version)
-        return shift, f"SGLang {sglang_version} (adds {shift})"
+        line = line_of(sglang_version)
+        shift = line.capture_layers(ids, 0)[0] - ids[0]
+        return shift, f"SGLang {sglang_version}, line {line.name} (adds {shift})"
     convention = convention or "output"
     if convention not in CONVENTIONS:
         raise CapturePlanError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
@@ -219,70 +196,27 @@ def build_plan(layer_ids: Optional[Iterable[int]], num_layers: int, *,
     return CapturePlan(num_layers, rule, tuple(ids) if ids is not None else None, slots, warn)
 
 
-def ids_from_draft_config(config: dict) -> Optional[list[int]]:
-    """``eagle_config.eagle_aux_hidden_state_layer_ids`` of a draft config, or None."""
-    eagle = config.get("eagle_config") or {}
-    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-    if ids is None:
-        ids = config.get("eagle_aux_hidden_state_layer_ids")
-    return list(ids) if ids is not None else None
-
-
-def load_draft_config(config: Union[dict, str, os.PathLike]) -> dict:
-    """A draft config as a dict: given as one, or read from a ``config.json`` path
-    (or the model folder holding it)."""
-    if isinstance(config, dict):
-        return config
-    if not isinstance(config, (str, os.PathLike)):
-        raise CapturePlanError(f"draft config must be a dict or a path, got {type(config).__name__}")
-    path = os.fspath(config)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    with open(path) as f:
-        loaded = json.load(f)
-    if not isinstance(loaded, dict):
-        raise CapturePlanError(f"{path} does not hold a JSON object")
-    return loaded
+def ids_from_draft_config(config: Union[dict, str, os.PathLike]) -> Optional[list[int]]:
+    """The ids SGLang's target reads from a draft config (a dict, a config.json
+    path or its folder): ``eagle_config.eagle_aux_hidden_state_layer_ids``, or
+    None -- a top-level key is ignored by every SGLang line (the doctor reports it)."""
+    return read_draft_ids(config).read_by_target
 
 
 def plan_from_draft_config(config: Union[dict, str, os.PathLike], num_layers: int,
                            **kwargs) -> CapturePlan:
     """:func:`build_plan` for a draft config (a dict, a config.json path or its folder)."""
-    return build_plan(ids_from_draft_config(load_draft_config(config)), num_layers, **kwargs)
+    return build_plan(ids_from_draft_config(config), num_layers, **kwargs)
 
-
-# ----------------------------------------------------------------------------
-# CLI: python -m eagle_capture.plan --draft-config config.json --num-layers 61
-# ----------------------------------------------------------------------------
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m eagle_capture.plan",
-        description="Print the EAGLE-3 capture plan for a draft config and a target model.")
-    p.add_argument("--draft-config", required=True, help="the draft model's config.json")
-    p.add_argument("--num-layers", type=int, required=True,
-                   help="the target's num_hidden_layers (Kimi-K2 / DeepSeek-V3: 61)")
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--sglang-version", help="apply this SGLang version's +1 rule")
-    group.add_argument("--convention", choices=CONVENTIONS,
-                       help="how the ids were meant (default: output, as SpecForge trains)")
-    p.add_argument("--pp-layers", type=int, nargs=2, metavar=("START", "END"),
-                   help="layer range [START, END) of the pipeline stage that captures")
-    p.add_argument("--allow-embedding", action="store_true",
-                   help="accept a capture of the embedding output (only for drafts trained on it)")
-    args = p.parse_args(argv)
-    try:
-        plan = plan_from_draft_config(
-            args.draft_config, args.num_layers, convention=args.convention,
-            sglang_version=args.sglang_version,
-            pp_layers=tuple(args.pp_layers) if args.pp_layers else None,
-            allow_embedding=args.allow_embedding)
-    except (CapturePlanError, OSError, json.JSONDecodeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(plan.format())
-    return 0
+    """``python -m eagle_capture.plan`` is the doctor now (one CLI, one verdict)."""
+    import sys
+    from . import doctor
+    print("eagle_capture.plan: the capture plan is part of the doctor's output now; running "
+          "`eagle-capture doctor`", file=sys.stderr)
+    return doctor.main(argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

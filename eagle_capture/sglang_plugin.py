@@ -385,9 +385,13 @@ def draft_config_problems(config: Optional[dict], draft_ids, layers: list[int],
         logger.info("eagle_capture: the draft's config.json is not visible here: its input "
                     "width is not checked")
         return []
+    from .sglang_lines import CapturePlanError, read_draft_ids
+    try:
+        draft = read_draft_ids(config)
+    except CapturePlanError as e:
+        return [f"the draft config: {e}"]
     problems = []
-    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    top = config.get("eagle_aux_hidden_state_layer_ids")
+    nested, top = draft.nested, draft.top_level
     if nested is None and top is not None:
         problems.append(
             f"the draft config names eagle_aux_hidden_state_layer_ids {top} at its top level; "

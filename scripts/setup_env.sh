@@ -75,12 +75,14 @@ fi
 # with the interpreter's absolute path: a relative .venv/bin/python does not
 # exist there, and the check used to fail and reinstall on every call.
 case $PY in /*) PY_ABS=$PY ;; */*) PY_ABS="$PWD/$PY" ;; *) PY_ABS=$PY ;; esac
-# The SGLang plugin's entry point must be in the installed metadata too (an
-# install older than the plugin lacks it).
+# The SGLang plugin's entry point and the eagle-capture console script must be in
+# the installed metadata too (an older install lacks them).
 installed=$(cd / && "$PY_ABS" -c 'import os, eagle_capture.kernels as k, eagle_capture as e
 from importlib.metadata import entry_points
 assert any(p.value == "eagle_capture.sglang_plugin:register"
            for p in entry_points(group="sglang.srt.plugins"))
+assert any(p.value == "eagle_capture.doctor:console_main"
+           for p in entry_points(group="console_scripts"))
 print(os.path.realpath(e.__file__))' 2>/dev/null || true)
 if [ "$installed" != "$(realpath eagle_capture/__init__.py)" ]; then
     say "installing eagle-capture (editable) into $PY ..."

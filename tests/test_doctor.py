@@ -1,23 +1,30 @@
-"""The capture doctor and the plan CLI on the cases users hit. The per-line
+"""The layer-id doctor (one CLI: ``eagle-capture doctor``, ``python -m
+eagle_capture.doctor``) on the cases users hit, with its exit codes. The per-line
 rules themselves are checked against each SGLang wheel's own code in
 tests/test_sglang_real.py (scenario layer_id_rules)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from eagle_capture import doctor, plan
 from eagle_capture.plan import CapturePlanError, build_plan, plan_from_draft_config
+from eagle_capture.sglang_lines import SGLANG_LINES, line_of, read_draft_ids, read_target
+
+KIMI_TARGET = {"architectures": ["KimiK25ForConditionalGeneration"], "hidden_size": 7168,
+               "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}}
 
 
-def _config(tmp_path, ids, nested=True):
-    body = {"architectures": ["LlamaForCausalLMEagle3"]}
+def _config(tmp_path, ids, nested=True, name="config.json", arch="LlamaForCausalLMEagle3"):
+    body = {"architectures": [arch]}
     if ids is not None:
         if nested:
             body["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
         else:
             body["eagle_aux_hidden_state_layer_ids"] = ids
-    path = tmp_path / "config.json"
+    path = tmp_path / name
     path.write_text(json.dumps(body))
     return path
 
@@ -26,7 +33,8 @@ def _doctor(capsys, *argv):
     """(exit code, stdout with its line wrapping undone, stderr)."""
     code = doctor.main([str(a) for a in argv])
     out = capsys.readouterr()
-    assert all(len(line) <= doctor.WIDTH for line in out.out.splitlines())
+    assert all(len(line) <= doctor.WIDTH for line in out.out.splitlines()
+               if not line.startswith(("draft:", "target:")))   # (tmp paths are long)
     return code, " ".join(out.out.split()), out.err
 
 
@@ -48,7 +56,7 @@ def test_specforge_default_ids_are_fine_everywhere(tmp_path, capsys):
                            "--num-layers", 61)
     assert code == 0
     assert out.count("layers_to_capture = [2, 30, 58] -> OK") == 3
-    assert "PROBLEM" not in out
+    assert "PROBLEM" not in out and "fix for this line" not in out
 
 
 def test_missing_ids_warn_and_fail_unless_accepted(tmp_path, capsys):
@@ -62,51 +70,195 @@ def test_missing_ids_warn_and_fail_unless_accepted(tmp_path, capsys):
 
 
 def test_input_convention_ids_shift_differently_per_line(tmp_path, capsys):
-    """[2, 29, 57]: ids[0] != 1, so only <= 0.5.12 adds 1 (sglang issue 25454)."""
-    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [2, 29, 57], nested=False),
+    """[2, 29, 57]: ids[0] != 1, so only <= 0.5.12 adds 1 (sglang issue 25454); the
+    fix on the later lines is the input-convention ids."""
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [2, 29, 57]),
                            "--num-layers", 61)
     assert code == 1
     assert "layers_to_capture = [3, 30, 58] -> OK" in out
     assert out.count("layers_to_capture = [2, 29, 57] -> PROBLEM") == 2
-    assert "the draft expects the output of layer 2 (input to layer 3): MISMATCH" in out
+    assert "the draft expects the output of layer 2 (input to layer 3" in out
+    assert out.count("fix for this line: eagle_config.eagle_aux_hidden_state_layer_ids = "
+                     "[3, 30, 58]") == 2
 
 
-def test_one_version(tmp_path, capsys):
-    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [2, 29, 57]),
-                           "--num-layers", 61, "--sglang-version", "0.5.9")
-    assert code == 0 and out.count("layers_to_capture =") == 1 and "0.5.9 - 0.5.12" in out
-    assert doctor.line_of("0.5.20").name == "0.5.18 - 0.5.23+"
-    assert doctor.line_of("0.5.15").layer0 == "crash"
+def test_the_fix_differs_per_line(tmp_path, capsys):
+    """A draft trained on [2, 30, 58] (output convention): right on 0.5.9 - 0.5.12,
+    one layer off from 0.5.13, where [3, 31, 59] gives the trained layers."""
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [2, 30, 58]),
+                           "--num-layers", 61)
+    assert code == 1 and "layers_to_capture = [3, 31, 59] -> OK" in out
+    assert out.count("= [3, 31, 59]") == 2 + 1   # two fixes and the OK line
+    for line in SGLANG_LINES:
+        ids = doctor.fix_ids(line, [3, 31, 59], 61)
+        assert sorted(line.capture_layers(ids, 61)) == [3, 31, 59], (line.name, ids)
+    # No ids can give 0.5.13+ layer 1 with the +1 (ids[0] == 1 shifts everything):
+    # listed in another order they can.
+    ids = doctor.fix_ids(SGLANG_LINES[1], [1, 30, 58], 61)
+    assert ids is not None and ids[0] != 1 and sorted(SGLANG_LINES[1].capture_layers(ids, 61)) \
+        == [1, 30, 58]
+    assert doctor.fix_ids(SGLANG_LINES[0], [0, 30, 58], 61, allow_embedding=True) is None
+
+
+def test_the_plus_one_reads_the_first_listed_id_not_the_smallest(tmp_path, capsys):
+    """0.5.13+: +1 only when ids[0] == 1 (not min(ids) == 1); slots in ascending
+    layer order whatever the config's order."""
+    line = line_of("0.5.20")
+    assert line.capture_layers([29, 1, 57], 61) == [29, 1, 57]
+    assert line.capture_layers([1, 29, 57], 61) == [2, 30, 58]
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [57, 1, 29]),
+                           "--num-layers", 61, "--sglang-version", "0.5.20")
+    assert code == 1 and "layers_to_capture = [57, 1, 29] -> PROBLEM" in out
+    assert out.index("slot 0: SGLang captures the output of layer 0") < \
+        out.index("slot 1: SGLang captures the output of layer 28")
+
+
+def test_top_level_ids_are_ignored_by_the_target(tmp_path, capsys):
+    """Ids outside eagle_config: every line's target captures its defaults."""
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [1, 20, 40], nested=False),
+                           "--num-layers", 61)
+    assert code == 1
+    assert "draft ids read by SGLang's target" in out and "none (field absent)" in out
+    assert "IGNORES it" in out and "Move them into \"eagle_config\"" in out
+    assert out.count("layers_to_capture = [2, 30, 58] -> PROBLEM") == 3
+    assert "the draft expects the output of layer 20" in out
+    # The defaults coincide with them: what the draft receives is right (but noted).
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [1, 29, 57], nested=False),
+                           "--num-layers", 61)
+    assert code == 0 and "IGNORES it" in out
+    ids = read_draft_ids(_config(tmp_path, [4, 5, 6], nested=False))
+    assert ids.read_by_target is None and ids.top_level == [4, 5, 6]
+    assert plan.ids_from_draft_config(_config(tmp_path, [4, 5, 6], nested=False)) is None
+
+
+def test_duplicate_ids(tmp_path, capsys):
+    """[1, 1, 57]: the loop (<= 0.5.17) captures layer 2 once, [T, 2*H], silently;
+    the packer (0.5.18+) raises."""
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [1, 1, 57]),
+                           "--num-layers", 61)
+    assert code == 1 and out.count("PROBLEM") == 3
+    assert "named twice (duplicate ids)" in out and "[T, 2*H]" in out
+    assert "the packer gets 2 of 3 captures (RuntimeError)" in out
+    assert "name a layer twice" in out
+
+
+def test_versions(tmp_path, capsys):
+    """Line boundaries, an unknown old version refused, a newer one assumed."""
+    for version, name in (("0.5.9", "0.5.9 - 0.5.12"), ("0.5.12", "0.5.9 - 0.5.12"),
+                          ("0.5.13", "0.5.13 - 0.5.17"), ("0.5.17", "0.5.13 - 0.5.17"),
+                          ("0.5.18", "0.5.18 - 0.5.23"), ("0.5.23", "0.5.18 - 0.5.23"),
+                          ("0.6.0", "0.5.18 - 0.5.23")):
+        assert line_of(version).name == name, version
+    config = _config(tmp_path, [1, 29, 57])
+    code, _, err = _doctor(capsys, "--draft-config", config, "--num-layers", 61,
+                           "--sglang-version", "0.4.0")
+    assert code == 2 and "older than every release line" in err
+    code, out, _ = _doctor(capsys, "--draft-config", config, "--num-layers", 61,
+                           "--sglang-version", "0.5.24")
+    assert code == 0 and "rules are ASSUMED" in out and out.count("layers_to_capture =") == 1
+    code, _, err = _doctor(capsys, "--draft-config", config, "--num-layers", 61,
+                           "--sglang-version", "latest")
+    assert code == 2 and "cannot read SGLang version" in err
+
+
+def test_configs_read_as_sglang_does(tmp_path, capsys):
+    """Folders, the Kimi-K2.5 target's text_config, a target passed as the draft,
+    malformed JSON (named), bad fields (named)."""
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "target").mkdir()
+    _config(tmp_path / "draft", [1, 29, 57], arch="Eagle3DeepseekV2ForCausalLM")
+    (tmp_path / "target" / "config.json").write_text(json.dumps(KIMI_TARGET))
+    code, out, _ = _doctor(capsys, "--draft-config", tmp_path / "draft",
+                           "--target-config", tmp_path / "target")
+    assert code == 0 and "KimiK25ForConditionalGeneration, 61 layers, hidden size 7168" in out
+    target = read_target(tmp_path / "target")
+    assert (target.num_layers, target.hidden_size) == (61, 7168)
+    code, _, err = _doctor(capsys, "--draft-config", tmp_path / "target", "--num-layers", 61)
+    assert code == 2 and "is a target model's config" in err and "--target-config" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"eagle_config": {')
+    code, _, err = _doctor(capsys, "--draft-config", bad, "--num-layers", 61)
+    assert code == 2 and str(bad) in err and "not valid JSON" in err
+    bad.write_text("[1, 2]")
+    code, _, err = _doctor(capsys, "--draft-config", bad, "--num-layers", 61)
+    assert code == 2 and "JSON object" in err
+    bad.write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": "1,2"}}))
+    code, _, err = _doctor(capsys, "--draft-config", bad, "--num-layers", 61)
+    assert code == 2 and "eagle_config.eagle_aux_hidden_state_layer_ids must be" in err
+    code, _, err = _doctor(capsys, "--draft-config", tmp_path / "missing.json", "--num-layers", 61)
+    assert code == 2 and "cannot read" in err
+    code, _, err = _doctor(capsys, "--draft-config", tmp_path, "--num-layers", 61)
+    assert code == 0 or "config.json" in err   # tmp_path holds a config.json from _config
+    code, _, err = _doctor(capsys, "--draft-config", tmp_path / "draft", "--target-config",
+                           tmp_path / "draft")
+    assert code == 2 and "num_hidden_layers must be an integer" in err
+
+
+def test_deployment_tp8_with_the_fusion(tmp_path, capsys):
+    """The seed's deployment: TP 8 on Hopper, fusion auto (on for DeepSeek-V3 /
+    Kimi): the loop's capture before the fused norm takes partial sums on the
+    lines that capture in the loop; reduced from 0.5.18."""
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps(KIMI_TARGET))
+    config = _config(tmp_path, [1, 29, 57])
+    code, out, _ = _doctor(capsys, "--draft-config", config, "--target-config", tmp_path / "t",
+                           "--tp", 8)
+    assert code == 1
+    assert out.count("per-rank partial sums") == 2          # 0.5.9 - 0.5.12, 0.5.13 - 0.5.17
+    assert "has no set_eagle3_layers_to_capture on this line" in out   # Kimi on 0.5.9
+    assert "after the fused all-reduce + add + RMSNorm, reduced" in out
+    code, out, _ = _doctor(capsys, "--draft-config", config, "--target-config", tmp_path / "t",
+                           "--tp", 8, "--allreduce-fusion", "off", "--sglang-version", "0.5.13")
+    assert code == 0 and "without the fusion" in out and "tp2_equals_tp1" in out
+    code, out, _ = _doctor(capsys, "--draft-config", config, "--num-layers", 61, "--tp", 8,
+                           "--gpu", "other", "--sglang-version", "0.5.13")
+    assert code == 0 and "auto: off" in out
+    code, _, err = _doctor(capsys, "--draft-config", config, "--num-layers", 61, "--tp", 0)
+    assert code == 2 and "--tp must be >= 1" in err
+
+
+def test_deployment_pp_graphs_dp(tmp_path, capsys):
+    config = _config(tmp_path, [1, 29, 57])
+    # PP 2 at 61 layers: the last stage runs layers 30 - 60; layer 2 is on stage 0.
+    code, out, _ = _doctor(capsys, "--draft-config", config, "--num-layers", 61, "--pp", 2,
+                           "--sglang-version", "0.5.23")
+    assert code == 1 and "layers [2] run on earlier stages" in out and "captured k of N" in out
+    assert "(layers 30 - 60)" in out   # get_pp_indices: the last 61 % 2 stages get one more
+    assert "refuses to start on the last stage" in out
+    # 0.5.9's CUDA graphs replay the defaults: a problem only when the ids map elsewhere.
+    other = _config(tmp_path, [2, 29, 57], name="other.json")
+    code, out, _ = _doctor(capsys, "--draft-config", other,
+                           "--num-layers", 61, "--sglang-version", "0.5.9", "--cuda-graph", "on")
+    assert code == 1 and "graphs replay the defaults [2, 30, 58]" in out
+    code, out, _ = _doctor(capsys, "--draft-config", other,
+                           "--num-layers", 61, "--sglang-version", "0.5.9", "--cuda-graph", "off")
+    assert code == 0
+    code, out, _ = _doctor(capsys, "--draft-config", config, "--num-layers", 61,
+                           "--dp-attention", "--tp", 8, "--sglang-version", "0.5.20")
+    assert code == 0 and "its own DP rank's rows" in out and "not applicable under DP" in out
+    assert "without the fusion" not in out   # the DP rows say what the draft gets
 
 
 def test_embedding_capture_needs_the_escape_hatch(tmp_path, capsys):
     """A draft id of -1 asks for the embedding output: 0.5.9 crashes on it
     regardless; a line that captures it is flagged unless allow_embedding."""
-    verdict = doctor.diagnose_line(doctor.SGLANG_LINES[0], [-1, 29, 57], 61, allow_embedding=True)
+    verdict = doctor.diagnose_line(SGLANG_LINES[0], [-1, 29, 57], 61, allow_embedding=True)
     assert not verdict.ok and "TypeError" in verdict.lines[0]
-    # A line that captures layer 0 without crashing: flagged unless allowed.
-    line = doctor.SGLangLine("test", ("x",), (0, 0, 0), None, shift_always=True,
+    line = doctor.SGLangLine("test", ("x",), (0, 0, 0), (9, 9, 9), shift_always=True,
                              layer0="embedding", missing_capture="error")
     assert not doctor.diagnose_line(line, [-1, 29, 57], 61).ok
     assert doctor.diagnose_line(line, [-1, 29, 57], 61, allow_embedding=True).ok
-
-
-def test_unreadable_config_exits_2(tmp_path, capsys):
-    code, _, err = _doctor(capsys, "--draft-config", tmp_path / "missing.json", "--num-layers", 61)
-    assert code == 2 and "error:" in err
-    bad = tmp_path / "bad.json"
-    bad.write_text("[1, 2]")
-    code, _, err = _doctor(capsys, "--draft-config", bad, "--num-layers", 61)
-    assert code == 2 and "JSON object" in err
 
 
 def test_plan_from_a_path_or_folder(tmp_path):
     path = _config(tmp_path, [1, 29, 57])
     for source in (path, str(path), tmp_path, json.loads(path.read_text())):
         assert plan_from_draft_config(source, 61).layers_to_capture == [2, 30, 58]
+    assert build_plan([2, 29, 57], 61, sglang_version="0.5.12").layers_to_capture == [3, 30, 58]
+    assert build_plan([2, 29, 57], 61, sglang_version="0.5.13").layers_to_capture == [2, 29, 57]
 
 
-def test_plan_minus_one_names_the_escape_hatch(tmp_path, capsys):
+def test_plan_minus_one_names_the_escape_hatch(tmp_path):
     with pytest.raises(CapturePlanError, match="--allow-embedding.*doctor"):
         build_plan([-1, 29, 57], 61)
     # Read as an output id, -1 is the embedding: accepted on request (capture layer 0).
@@ -115,6 +267,21 @@ def test_plan_minus_one_names_the_escape_hatch(tmp_path, capsys):
         build_plan([-2, 29, 57], 61, allow_embedding=True)
     with pytest.raises(CapturePlanError, match="0.5.9 - 0.5.17 fail.*--allow-embedding"):
         build_plan([0, 29, 57], 61, convention="input")
-    code = plan.main(["--draft-config", str(_config(tmp_path, [-1, 29, 57])), "--num-layers", "61",
-                      "--allow-embedding"])
-    assert code == 0 and "embedding output" in capsys.readouterr().out
+
+
+def test_one_cli(tmp_path, capsys):
+    """python -m eagle_capture.plan runs the doctor (one verdict); the console
+    script eagle-capture doctor is the same main."""
+    config = _config(tmp_path, [1, 1, 57])
+    assert plan.main(["--draft-config", str(config), "--num-layers", "61"]) == 1
+    captured = capsys.readouterr()
+    assert "running `eagle-capture doctor`" in captured.err and "PROBLEM" in captured.out
+    run = subprocess.run([sys.executable, "-c", "import sys; from eagle_capture.doctor import "
+                          "console_main; sys.argv = ['eagle-capture'] + sys.argv[1:]; "
+                          "console_main()", "doctor", "--draft-config", str(config),
+                          "--num-layers", "61"], capture_output=True, text=True)
+    assert run.returncode == 1 and "PROBLEM" in run.stdout
+    run = subprocess.run([sys.executable, "-c", "import sys; from eagle_capture.doctor import "
+                          "console_main; sys.argv = ['eagle-capture', 'plan']; console_main()"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "unknown command 'plan'" in run.stderr

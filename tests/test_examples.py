@@ -1,6 +1,6 @@
 """The examples run, and the README shows them verbatim: its layer-loop snippet is
 the text of examples/layer_loop.py between the readme markers, and its doctor
-output is what the doctor prints for examples/kimi_k2_draft_config.json."""
+doctor outputs are what the doctor prints for the example configs."""
 
 import os
 import re
@@ -39,10 +39,11 @@ def test_readme_layer_loop_is_the_example():
 
 
 def test_readme_doctor_output_is_the_doctors():
-    result = _run("-m", "eagle_capture.doctor", "--draft-config",
-                  "examples/kimi_k2_draft_config.json", "--num-layers", "61")
-    assert result.returncode == 1, result.stderr
-    block = _readme_block("## Layer ids: the capture doctor")
-    command, _, shown = block.partition("\n")
-    assert "examples/kimi_k2_draft_config.json --num-layers 61" in command
-    assert shown == result.stdout
+    """Both doctor blocks of the README are what the doctor prints now."""
+    for heading, want in (("The seed's case", 1), ("Ids written at the top level", 1)):
+        block = _readme_block(heading)
+        command, _, shown = block.partition("\n")
+        assert command.startswith("$ eagle-capture doctor ")
+        result = _run("-m", "eagle_capture.doctor", *command.split()[3:])
+        assert result.returncode == want, result.stderr
+        assert shown == result.stdout, heading

@@ -1,4 +1,4 @@
-"""The capture-plan API and CLI (eagle_capture.plan) and the two TP entry
+"""The capture-plan API (eagle_capture.plan; its CLI is the doctor now) and the two TP entry
 points no other test calls: every public function, each refusal by its
 message, the CLI's output and exit status. CPU only, no GPU, no network."""
 
@@ -18,8 +18,9 @@ KIMI_IDS = [1, 29, 57]          # SpecForge's ids for a 61-layer target: outputs
 
 @pytest.mark.parametrize("config, expected", [
     ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": KIMI_IDS}}, KIMI_IDS),
-    ({"eagle_aux_hidden_state_layer_ids": [2, 30]}, [2, 30]),          # top-level field
-    ({"eagle_config": {}, "eagle_aux_hidden_state_layer_ids": [3]}, [3]),
+    # a top-level field: SGLang's target ignores it (the doctor reports it)
+    ({"eagle_aux_hidden_state_layer_ids": [2, 30]}, None),
+    ({"eagle_config": {}, "eagle_aux_hidden_state_layer_ids": [3]}, None),
     ({"eagle_config": None}, None),
     ({}, None),
 ])
@@ -87,26 +88,22 @@ def test_plan_from_a_config_file_and_folder(tmp_path):
         plan_from_draft_config(42, 61)
 
 
-def test_cli(tmp_path, capsys):
+def test_cli_is_the_doctor(tmp_path, capsys):
+    """python -m eagle_capture.plan runs the doctor: one CLI, one verdict; its exit
+    codes are the doctor's (2: unusable input)."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": KIMI_IDS}}))
     assert main(["--draft-config", str(config), "--num-layers", "61"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("capture plan: 61-layer target, ids [1, 29, 57]")
-    assert "layers_to_capture = [2, 30, 58]" in out
-    assert main(["--draft-config", str(config), "--num-layers", "61",
-                 "--sglang-version", "0.5.12"]) == 0
-    assert "layers_to_capture = [2, 30, 58]" in capsys.readouterr().out
-    assert main(["--draft-config", str(config), "--num-layers", "61",
-                 "--pp-layers", "0", "31"]) == 2
-    assert "error: this pipeline stage owns layers [0, 31)" in capsys.readouterr().err
+    assert out.count("layers_to_capture = [2, 30, 58] -> OK") == 3
+    assert main(["--draft-config", str(config), "--num-layers", "61", "--pp", "2"]) == 1
+    assert "run on earlier stages" in " ".join(capsys.readouterr().out.split())
     assert main(["--draft-config", str(tmp_path / "missing.json"), "--num-layers", "61"]) == 2
     assert "error:" in capsys.readouterr().err
     config.write_text("{not json")
     assert main(["--draft-config", str(config), "--num-layers", "61"]) == 2
-    with pytest.raises(SystemExit):          # --sglang-version and --convention exclude each other
-        main(["--draft-config", str(config), "--num-layers", "61", "--sglang-version", "0.5.12",
-              "--convention", "input"])
+    with pytest.raises(SystemExit):          # --target-config and --num-layers exclude each other
+        main(["--draft-config", str(config), "--num-layers", "61", "--target-config", "x"])
 
 
 def test_store_fused_allreduce_residual():

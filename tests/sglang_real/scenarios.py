@@ -455,7 +455,8 @@ def layer_id_rules():
     line = line_of(harness.sglang_version())
     assert harness.sglang_version() in line.read_versions
     out = {}
-    for ids in ([1, 3, 5], [2, 3, 5], [0, 3, 5], [-1, 3, 5], [-1, 2, 4], None):
+    for ids in ([1, 3, 5], [2, 3, 5], [0, 3, 5], [-1, 3, 5], [-1, 2, 4], [1, 1, 5], [3, 1, 5],
+                None):
         model = _build(torch.float32)
         model.set_eagle3_layers_to_capture(None if ids is None else list(ids))
         got = list(model.model.layers_to_capture)
@@ -477,12 +478,78 @@ def layer_id_rules():
             outcome = "error"
         if 0 in got:
             expected = line.layer0
-        elif any(layer < 0 for layer in got):
-            expected = line.missing_capture
+        elif any(layer < 0 for layer in got) or len(set(got)) < len(got):
+            expected = line.missing_capture   # a layer no loop step takes (-1, a duplicate)
         else:
             expected = "captured"
         assert outcome == expected, f"ids {ids}: SGLang's forward {outcome}, doctor: {expected}"
         out[str(ids)] = f"{got}: {outcome}"
+    return out
+
+
+def draft_config_reading():
+    """Where the target reads the draft's ids, by running this wheel's own reader
+    (0.5.18+: ``spec_aux_hidden_state._resolve_eagle_aux_hidden_state``; loading
+    the draft's config from disk stood in by a ``PretrainedConfig`` of the dict) on
+    nested, top-level-only and both-keys configs: what it returns must be what
+    ``eagle_capture.sglang_lines.read_draft_ids`` says the target reads, and the
+    layers SGLang then sets must be the doctor's. (0.5.9 / 0.5.13 read in
+    ``ModelRunner.__init__``, which needs a whole server: read, not run.)"""
+    import importlib
+    import types
+
+    from transformers import PretrainedConfig
+
+    from eagle_capture.doctor import line_of
+    from eagle_capture.sglang_lines import read_draft_ids
+
+    try:
+        spec_aux = importlib.import_module(
+            "sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state")
+    except ImportError:
+        return {"skip": f"SGLang {harness.sglang_version()} reads the draft's ids in "
+                        f"ModelRunner.__init__ (no standalone reader to run)"}
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    line = line_of(harness.sglang_version())
+    cases = {
+        "nested": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}},
+        "top_level_only": {"eagle_aux_hidden_state_layer_ids": [1, 2, 4]},
+        "both": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 3, 5]},
+                 "eagle_aux_hidden_state_layer_ids": [1, 2, 4]},
+        "none": {},
+    }
+    # The draft's path: from the runtime context's spec bag (0.5.20+) or the server
+    # arguments (0.5.18).
+    spec = types.SimpleNamespace(speculative_draft_model_path="draft",
+                                 speculative_draft_model_revision=None)
+    saved = spec_aux.ModelConfig.from_server_args, getattr(spec_aux, "get_spec", None)
+    out = {}
+    try:
+        if saved[1] is not None:
+            spec_aux.get_spec = lambda: spec
+        for name, body in cases.items():
+            hf = PretrainedConfig(architectures=["LlamaForCausalLMEagle3"], **body)
+            draft = types.SimpleNamespace(
+                hf_config=hf, num_nextn_predict_layers=None, num_hidden_layers=1,
+                num_attention_layers=1, is_hybrid_swa=False, is_deepseek_v4_arch=False)
+            spec_aux.ModelConfig.from_server_args = staticmethod(lambda *a, **k: draft)
+            resolved = spec_aux.resolve_spec_aux_hidden_state_config(
+                server_args=spec, model_config=draft, spec_algorithm=SpeculativeAlgorithm.EAGLE3,
+                is_draft_worker=False)
+            got = resolved.eagle_aux_hidden_state_layer_ids
+            want = read_draft_ids(dict(body, architectures=["LlamaForCausalLMEagle3"]))
+            assert got == want.read_by_target, \
+                f"{name}: SGLang's target reads {got}, eagle_capture says {want.read_by_target}"
+            model = _build(torch.float32)
+            model.set_eagle3_layers_to_capture(None if got is None else list(got))
+            layers = list(model.model.layers_to_capture)
+            assert layers == line.capture_layers(want.read_by_target, NUM_LAYERS), (name, layers)
+            out[name] = f"target reads {got} -> layers_to_capture {layers}"
+    finally:
+        spec_aux.ModelConfig.from_server_args = saved[0]
+        if saved[1] is not None:
+            spec_aux.get_spec = saved[1]
     return out
 
 
@@ -585,6 +652,7 @@ SCENARIOS = {
     "install_after_torch_compiled": lambda: torch_compiled_install_order("after"),
     "piecewise_compiled": piecewise_compiled,
     "layer_id_rules": layer_id_rules,
+    "draft_config_reading": draft_config_reading,
     "refusals": refusals,
 }
 SCENARIOS.update(plugin_scenarios.SCENARIOS)

@@ -1,0 +1,220 @@
+"""What each SGLang release line does with an EAGLE-3 draft's layer ids: the one
+rule table behind the doctor, the capture plan and the drop-in's start-up checks.
+
+Read from the wheels (``DeepseekV2ForCausalLM.set_eagle3_layers_to_capture``,
+the ``DeepseekV2Model`` layer loop, the model runner's config reading) and
+checked by running each wheel's own code in CI (``tests/test_sglang_real.py``,
+scenario ``layer_id_rules``). Also here: reading a draft's and a target's
+``config.json`` the way SGLang does.
+
+Draft ids are read in the output convention SpecForge writes: id X = the output
+of decoder layer X, i.e. SGLang's capture at the start of layer X + 1.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+# The wheels whose code the rules were read from and run against.
+NEWEST_READ = (0, 5, 23)
+OLDEST_READ = (0, 5, 9)
+IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+# Target architectures whose text model is SGLang's DeepseekV2 loop.
+TARGET_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                        "KimiK25ForConditionalGeneration")
+
+
+class CapturePlanError(ValueError):
+    """A layer-id configuration that would capture the wrong hidden states, or
+    input the rules cannot be applied to."""
+
+
+def default_capture_layers(num_layers: int) -> list[int]:
+    """SGLang's default when the draft config names no ids (capture layers)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def specforge_default_ids(num_layers: int) -> list[int]:
+    """SpecForge's default draft ids (output convention): SGLang's defaults."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def parse_version(version: str) -> tuple[int, ...]:
+    try:
+        parts = tuple(int(p) for p in version.strip().lstrip("v").split(".")[:3])
+    except (ValueError, AttributeError):
+        parts = ()
+    if len(parts) != 3:
+        raise CapturePlanError(f"cannot read SGLang version {version!r}; expected e.g. 0.5.12")
+    return parts
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+@dataclass(frozen=True)
+class SGLangLine:
+    """How one SGLang release line maps draft ids to captures, and what its
+    first forward does with captures no layer takes."""
+    name: str
+    read_versions: tuple[str, ...]   # wheels whose code this was read from and run
+    first: tuple[int, int, int]      # first version of the line (inclusive)
+    last: tuple[int, int, int]       # last version (inclusive)
+    shift_always: bool               # +1 to every id (<= 0.5.12); else +1 only when ids[0] == 1
+    layer0: str                      # "crash" | "embedding": a capture at the start of layer 0
+    missing_capture: str             # "dropped" | "error": a layer no loop step takes
+                                     # (-1, or the second of a duplicate)
+
+    def capture_layers(self, ids: Optional[Sequence[int]], num_layers: int) -> list[int]:
+        """SGLang's ``layers_to_capture`` for the draft config's ids (None: absent)."""
+        if ids is None:
+            return default_capture_layers(num_layers)
+        shift = 1 if self.shift_always or (ids and ids[0] == 1) else 0
+        return [i + shift for i in ids]
+
+    def covers(self, version: tuple[int, ...]) -> bool:
+        return self.first <= version <= self.last
+
+
+SGLANG_LINES = (
+    SGLangLine("0.5.9 - 0.5.12", ("0.5.9",), (0, 5, 9), (0, 5, 12), shift_always=True,
+               layer0="crash", missing_capture="dropped"),
+    SGLangLine("0.5.13 - 0.5.17", ("0.5.13",), (0, 5, 13), (0, 5, 17), shift_always=False,
+               layer0="crash", missing_capture="dropped"),
+    SGLangLine("0.5.18 - 0.5.23", ("0.5.18", "0.5.20", "0.5.22", "0.5.23"), (0, 5, 18),
+               NEWEST_READ, shift_always=False, layer0="embedding", missing_capture="error"),
+)
+
+
+def line_of(version: str) -> SGLangLine:
+    """The line ``version`` belongs to; a version newer than every wheel read
+    gets the newest line (say so: :func:`assumed_note`); an older one is refused."""
+    v = parse_version(version)
+    for line in SGLANG_LINES:
+        if line.covers(v):
+            return line
+    if v > NEWEST_READ:
+        return SGLANG_LINES[-1]
+    raise CapturePlanError(
+        f"SGLang {version} is older than every release line whose code was read "
+        f"({_dotted(OLDEST_READ)} - {_dotted(NEWEST_READ)}): no rule is known for it")
+
+
+def assumed_note(version: str) -> Optional[str]:
+    """A note when ``version``'s rules are assumed rather than read."""
+    if parse_version(version) > NEWEST_READ:
+        return (f"SGLang {version} is newer than every wheel read (up to "
+                f"{_dotted(NEWEST_READ)}): the {SGLANG_LINES[-1].name} rules are ASSUMED; check "
+                f"set_eagle3_layers_to_capture in that release")
+    return None
+
+
+# ----------------------------------------------------------------------------
+# Configs, read as SGLang reads them
+# ----------------------------------------------------------------------------
+
+def load_config(config: Union[dict, str, os.PathLike], what: str = "config") -> tuple[dict, str]:
+    """``(dict, where it came from)`` for a config given as a dict, a ``config.json``
+    path or a model folder holding one (a Hugging Face download or snapshot)."""
+    if isinstance(config, dict):
+        return config, f"the {what} given"
+    if not isinstance(config, (str, os.PathLike)):
+        raise CapturePlanError(f"{what} must be a dict or a path, got {type(config).__name__}")
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise CapturePlanError(f"{what}: the folder {path} has no config.json")
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            loaded = json.load(f)
+    except OSError as e:
+        raise CapturePlanError(f"{what}: cannot read {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise CapturePlanError(f"{what}: {path} is not valid JSON ({e.msg} at line {e.lineno}, "
+                               f"column {e.colno})") from None
+    if not isinstance(loaded, dict):
+        raise CapturePlanError(f"{what}: {path} does not hold a JSON object")
+    return loaded, path
+
+
+def _architecture(config: dict) -> str:
+    archs = config.get("architectures") or []
+    return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+
+
+def _check_ids(ids, field: str, source: str) -> Optional[list[int]]:
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not ids or any(
+            isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise CapturePlanError(f"{source}: {field} must be a non-empty list of integers, "
+                               f"got {ids!r}")
+    return list(ids)
+
+
+@dataclass(frozen=True)
+class DraftIds:
+    """A draft config's layer ids, where SGLang's target and its draft classes
+    look for them."""
+    nested: Optional[list[int]]      # eagle_config.eagle_aux_hidden_state_layer_ids: the target's
+    top_level: Optional[list[int]]   # the top-level key: ignored by every target line
+    architecture: str
+    source: str
+
+    @property
+    def trained(self) -> Optional[list[int]]:
+        """The ids the draft was presumably trained on: the nested ones, else
+        the top-level ones (what a draft class that reads either would use)."""
+        return self.nested if self.nested is not None else self.top_level
+
+    @property
+    def read_by_target(self) -> Optional[list[int]]:
+        return self.nested
+
+
+def read_draft_ids(config: Union[dict, str, os.PathLike]) -> DraftIds:
+    """Read a draft config (dict, file or folder) as SGLang's target does: only
+    ``eagle_config["eagle_aux_hidden_state_layer_ids"]``; the top-level key is
+    kept to be reported. A target model's config is refused by name."""
+    loaded, source = load_config(config, "draft config")
+    arch = _architecture(loaded)
+    eagle = loaded.get("eagle_config")
+    if eagle is not None and not isinstance(eagle, dict):
+        raise CapturePlanError(f"{source}: eagle_config must be a JSON object, got "
+                               f"{type(eagle).__name__}")
+    nested = _check_ids((eagle or {}).get(IDS_KEY), f"eagle_config.{IDS_KEY}", source)
+    top = _check_ids(loaded.get(IDS_KEY), IDS_KEY, source)
+    if arch in TARGET_ARCHITECTURES or (nested is None and top is None
+                                        and "text_config" in loaded):
+        raise CapturePlanError(
+            f"{source} is a target model's config ({arch or 'with a text_config'}), not an "
+            f"EAGLE-3 draft's: pass it as --target-config and the draft's config.json as "
+            f"--draft-config")
+    return DraftIds(nested, top, arch, source)
+
+
+@dataclass(frozen=True)
+class TargetModel:
+    architecture: str
+    num_layers: int
+    hidden_size: Optional[int]
+    source: str
+
+
+def read_target(config: Union[dict, str, os.PathLike]) -> TargetModel:
+    """The target's layer count, hidden size and architecture, from its config
+    (Kimi-K2.5: the DeepSeek-V3 text model's ``text_config``)."""
+    loaded, source = load_config(config, "target config")
+    arch = _architecture(loaded)
+    text = loaded.get("text_config") if isinstance(loaded.get("text_config"), dict) else loaded
+    layers = text.get("num_hidden_layers")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 4:
+        where = "text_config.num_hidden_layers" if text is not loaded else "num_hidden_layers"
+        raise CapturePlanError(f"{source}: {where} must be an integer >= 4, got {layers!r}"
+                               + (" (an EAGLE-3 draft's config? pass it as --draft-config)"
+                                  if IDS_KEY in json.dumps(loaded) else ""))
+    hidden = text.get("hidden_size")
+    return TargetModel(arch, layers, hidden if isinstance(hidden, int) else None, source)

@@ -269,6 +269,18 @@ def tp2_setup():
     return out
 
 
+def _wait_for_tp1():
+    """The TP 1 run's captures (its process writes them; a failure file instead)."""
+    deadline = time.monotonic() + REF_WAIT_S
+    while not os.path.exists(_ARGS.ref):
+        if os.path.exists(_ARGS.ref + ".failed"):
+            raise RuntimeError(f"the TP 1 run failed: {open(_ARGS.ref + '.failed').read()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no TP 1 reference at {_ARGS.ref} after {REF_WAIT_S} s")
+        time.sleep(0.2)
+    return torch.load(_ARGS.ref)
+
+
 def tp2_equals_tp1():
     """(a) SGLang's own capture (and final hidden states) at TP 2 equal the TP 1
     run within fp32 rounding, and are bit-identical on both ranks; every
@@ -280,14 +292,7 @@ def tp2_equals_tp1():
             results[f"{t}:{mode}"] = _run(model, t, mode)
     per_forward = sum(callers.values()) / len(CASES)
 
-    deadline = time.monotonic() + REF_WAIT_S
-    while not os.path.exists(_ARGS.ref):
-        if os.path.exists(_ARGS.ref + ".failed"):
-            raise RuntimeError(f"the TP 1 run failed: {open(_ARGS.ref + '.failed').read()}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no TP 1 reference at {_ARGS.ref} after {REF_WAIT_S} s")
-        time.sleep(0.2)
-    ref = torch.load(_ARGS.ref)
+    ref = _wait_for_tp1()
     out = {"cases": [], "all_reduces_per_forward": per_forward,
            "all_reduce_callers": {k: v // len(CASES) for k, v in sorted(callers.items())}}
     worst = 0.0
@@ -428,17 +433,6 @@ def tp2_fusion():
     out["sglang_capture"] = ("per-rank partial sums (the doctor's PROBLEM)" if loop_capture
                              else "reduced")
     return out
-
-
-def _wait_for_tp1():
-    deadline = time.monotonic() + REF_WAIT_S
-    while not os.path.exists(_ARGS.ref):
-        if os.path.exists(_ARGS.ref + ".failed"):
-            raise RuntimeError(f"the TP 1 run failed: {open(_ARGS.ref + '.failed').read()}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no TP 1 reference at {_ARGS.ref} after {REF_WAIT_S} s")
-        time.sleep(0.2)
-    return torch.load(_ARGS.ref)
 
 
 def _plugin_equals_sglang(arch: str):

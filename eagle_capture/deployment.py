@@ -94,6 +94,12 @@ class Report:
 SGLANG, DROPIN = "SGLang's own capture", "drop-in"
 
 
+def graphs_captured_before_ids(line: SGLangLine) -> bool:
+    """0.5.9 - 0.5.12 capture the target's CUDA graphs before the draft's ids are
+    set (``ModelRunner.initialize``), with the defaults its graph runner sets."""
+    return line.first < (0, 5, 13)
+
+
 def _last_stage_start(num_layers: int, pp: int) -> int:
     """First layer of the last pipeline stage (distributed/utils.py::get_pp_indices:
     the last ``num_layers % pp`` stages get one layer more)."""
@@ -191,7 +197,7 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
         # CUDA graphs (0.5.9: captured before the draft's ids are set).
         if deploy.cuda_graph:
             defaults = default_capture_layers(num_layers)
-            if old and sorted(capture) != sorted(defaults):
+            if graphs_captured_before_ids(line) and sorted(capture) != sorted(defaults):
                 rows.append(Row(
                     SGLANG, "PROBLEM",
                     f"CUDA graphs are captured before the draft's ids are set: decode / "
@@ -199,11 +205,13 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
                     f"captures {capture}. Fix: --disable-cuda-graph, or ids that map to the "
                     f"defaults", "read: model_executor/model_runner.py ModelRunner.initialize "
                     "(init_device_graphs before set_eagle3_layers_to_capture), "
-                    "cuda_graph_runner.py CudaGraphRunner.__init__"))
+                    "cuda_graph_runner.py CudaGraphRunner.__init__; the call order checked: "
+                    "tests/test_sglang_real.py graph_order"))
             elif not old:
                 rows.append(Row(SGLANG, "OK", "the ids are set before any CUDA graph is "
                                 "captured", "read: ModelRunner.initialize / "
-                                "init_attention_backends before init_all_cuda_graphs"))
+                                "init_attention_backends before init_all_cuda_graphs; the call "
+                                "order checked: tests/test_sglang_real.py graph_order"))
             if old:
                 rows.append(Row(DROPIN, "NOTE", "no plugin system on this line: the manual "
                                 "install runs after the graphs were captured; only with "

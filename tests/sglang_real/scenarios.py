@@ -553,6 +553,68 @@ def draft_config_reading():
     return out
 
 
+def graph_order():
+    """The doctor's CUDA-graph rule (eagle_capture.deployment.graphs_captured_before_ids)
+    against this wheel's own call order, read from its source (graphs cannot be
+    captured on CPU): <= 0.5.12 ``ModelRunner.initialize`` captures the graphs
+    (``init_device_graphs``) before it sets the draft's ids, and its graph runner
+    sets the defaults first; 0.5.13 sets them first (``init_aux_hidden_state_capture``);
+    0.5.18+ in ``init_attention_backends`` (``configure_aux_hidden_state_capture``),
+    which the scheduler runs before ``init_all_cuda_graphs``."""
+    import ast
+    import importlib.util
+
+    from eagle_capture.deployment import graphs_captured_before_ids
+    from eagle_capture.doctor import line_of
+
+    def functions(module: str, cls: str) -> dict:
+        """{method name: [(line, name of each call in it), ...]} of a class, from
+        the wheel's source (comments do not count)."""
+        path = importlib.util.find_spec(module).origin
+        tree = ast.parse(open(path).read())
+        out = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == cls:
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef):
+                        out[item.name] = [
+                            (c.lineno, getattr(c.func, "attr", getattr(c.func, "id", "")))
+                            for c in ast.walk(item) if isinstance(c, ast.Call)]
+        return out
+
+    def first(calls, *names):
+        lines = [n for n, name in calls if name in names]
+        return min(lines) if lines else None
+
+    runner = functions("sglang.srt.model_executor.model_runner", "ModelRunner")
+    init = runner["initialize"]
+    if first(init, "init_device_graphs") is not None:      # <= 0.5.17
+        graphs = first(init, "init_device_graphs")
+        ids = first(init, "set_eagle3_layers_to_capture", "init_aux_hidden_state_capture")
+        before = graphs < ids
+        graph_runner = functions("sglang.srt.model_executor.cuda_graph_runner",
+                                 "CudaGraphRunner")["__init__"]
+        defaults = first(graph_runner, "set_eagle3_layers_to_capture") is not None
+        assert defaults == before, "the graph runner's default ids and the order disagree"
+        how = (f"ModelRunner.initialize: init_device_graphs line {graphs}, the ids line {ids}; "
+               f"CudaGraphRunner sets the defaults: {defaults}")
+    else:                                                    # 0.5.18+: the scheduler's order
+        assert first(runner["init_attention_backends"], "configure_aux_hidden_state_capture")
+        sched = functions("sglang.srt.managers.scheduler", "Scheduler")
+        where = [name for name, calls in sched.items()
+                 if first(calls, "init_all_cuda_graphs") and first(calls, "init_all_attention_backends")]
+        assert len(where) == 1, where
+        calls = sched[where[0]]
+        before = first(calls, "init_all_cuda_graphs") < first(calls, "init_all_attention_backends")
+        how = (f"Scheduler.{where[0]}: init_all_attention_backends (the ids, via "
+               f"configure_aux_hidden_state_capture) {'after' if before else 'before'} "
+               f"init_all_cuda_graphs")
+    line = line_of(harness.sglang_version())
+    assert before == graphs_captured_before_ids(line), \
+        f"graphs before ids: {before} in the wheel, the doctor says {graphs_captured_before_ids(line)}"
+    return {"graphs_before_ids": before, "how": how}
+
+
 def refusals():
     """Clear errors instead of silent wrong captures."""
     out = {}
@@ -653,6 +715,7 @@ SCENARIOS = {
     "piecewise_compiled": piecewise_compiled,
     "layer_id_rules": layer_id_rules,
     "draft_config_reading": draft_config_reading,
+    "graph_order": graph_order,
     "refusals": refusals,
 }
 SCENARIOS.update(plugin_scenarios.SCENARIOS)

@@ -493,8 +493,8 @@ def draft_config_reading():
     the draft's config from disk stood in by a ``PretrainedConfig`` of the dict) on
     nested, top-level-only and both-keys configs: what it returns must be what
     ``eagle_capture.sglang_lines.read_draft_ids`` says the target reads, and the
-    layers SGLang then sets must be the doctor's. (0.5.9 / 0.5.13 read in
-    ``ModelRunner.__init__``, which needs a whole server: read, not run.)"""
+    layers SGLang then sets must be the doctor's. (0.5.9 / 0.5.13 read inline in
+    ``ModelRunner.__init__``: that block of its source is executed.)"""
     import importlib
     import types
 
@@ -503,13 +503,12 @@ def draft_config_reading():
     from eagle_capture.doctor import line_of
     from eagle_capture.sglang_lines import read_draft_ids
 
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     try:
         spec_aux = importlib.import_module(
             "sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state")
     except ImportError:
-        return {"skip": f"SGLang {harness.sglang_version()} reads the draft's ids in "
-                        f"ModelRunner.__init__ (no standalone reader to run)"}
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        spec_aux = None
 
     line = line_of(harness.sglang_version())
     cases = {
@@ -523,6 +522,9 @@ def draft_config_reading():
     # arguments (0.5.18).
     spec = types.SimpleNamespace(speculative_draft_model_path="draft",
                                  speculative_draft_model_revision=None)
+    if spec_aux is None:
+        return _draft_config_reading_in_model_runner(cases, spec, line, read_draft_ids,
+                                                     SpeculativeAlgorithm, PretrainedConfig)
     saved = spec_aux.ModelConfig.from_server_args, getattr(spec_aux, "get_spec", None)
     out = {}
     try:
@@ -550,6 +552,49 @@ def draft_config_reading():
         spec_aux.ModelConfig.from_server_args = saved[0]
         if saved[1] is not None:
             spec_aux.get_spec = saved[1]
+    return out
+
+
+def _draft_config_reading_in_model_runner(cases, server_args, line, read_draft_ids,
+                                          algorithm, config_class):
+    """<= 0.5.17 read the ids inline in ``ModelRunner.__init__``: that block of the
+    wheel's source (the ``if self.spec_algorithm.is_eagle3() ...`` statement that
+    loads the draft config) is executed as is, with the runner's ``self`` and the
+    draft config's loading stood in."""
+    import ast
+    import importlib.util
+    import types
+
+    path = importlib.util.find_spec("sglang.srt.model_executor.model_runner").origin
+    text = open(path).read()
+    block = None
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            for stmt in ast.walk(node):
+                if (isinstance(stmt, ast.If) and "is_eagle3" in ast.unparse(stmt.test)
+                        and "eagle_aux_hidden_state_layer_ids" in ast.unparse(stmt)):
+                    block = stmt
+                    break
+        if block is not None:
+            break
+    assert block is not None, "ModelRunner.__init__ reads no eagle_aux_hidden_state_layer_ids"
+    code = compile(ast.Module(body=[block], type_ignores=[]), path, "exec")
+    out = {"reader": f"ModelRunner.__init__, line {block.lineno} (executed from the source)"}
+    for name, body in cases.items():
+        hf = config_class(architectures=["LlamaForCausalLMEagle3"], **body)
+        draft = types.SimpleNamespace(hf_config=hf)
+        runner = types.SimpleNamespace(spec_algorithm=algorithm.EAGLE3, is_draft_worker=False)
+        model_config = types.SimpleNamespace(from_server_args=lambda *a, **k: draft)
+        exec(code, {"self": runner, "server_args": server_args, "ModelConfig": model_config})
+        got = runner.eagle_aux_hidden_state_layer_ids
+        want = read_draft_ids(dict(body, architectures=["LlamaForCausalLMEagle3"]))
+        assert got == want.read_by_target, \
+            f"{name}: SGLang's target reads {got}, eagle_capture says {want.read_by_target}"
+        model = _build(torch.float32)
+        model.set_eagle3_layers_to_capture(None if got is None else list(got))
+        layers = list(model.model.layers_to_capture)
+        assert layers == line.capture_layers(want.read_by_target, NUM_LAYERS), (name, layers)
+        out[name] = f"target reads {got} -> layers_to_capture {layers}"
     return out
 
 

@@ -139,3 +139,28 @@ def test_consistency_check_of_chosen_layers(tmp_path):
             check_capture_consistency(buf, 5, 32, layer_ids=[30])
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("start, end, ok", [(30, 59, True), (30, 58, False), (31, 61, False),
+                                            (30, 61, True)])
+def test_pipeline_stage_bounds(start, end, ok):
+    """Capture layers [30, 58] (input-convention ids): a stage
+    [start, end) owns them only when start <= 30 and 58 < end -- at each bound,
+    one below and one above (issue 21)."""
+    kwargs = dict(convention="input", pp_layers=(start, end))
+    if ok:
+        assert build_plan([30, 58], 61, **kwargs).layers_to_capture == [30, 58]
+    else:
+        with pytest.raises(CapturePlanError, match="pipeline stage owns layers"):
+            build_plan([30, 58], 61, **kwargs)
+
+
+@pytest.mark.parametrize("start, end, ok", [(30, 59, True), (30, 58, False), (31, 61, False)])
+def test_drop_in_refuses_layers_outside_the_stage(start, end, ok):
+    """The drop-in's start-up check at the stage's bounds."""
+    from eagle_capture.sglang import WrongCaptureLayers, check_capture_layers
+    if ok:
+        check_capture_layers([30, 58], start, end, allow_embedding=False)
+    else:
+        with pytest.raises(WrongCaptureLayers, match="this rank runs layers"):
+            check_capture_layers([30, 58], start, end, allow_embedding=False)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import HAS_CUDA, run_ranks
+from eagle_capture.allreduce_paths import PathTable
 
 TIMEOUT_S = int(os.environ.get("EAGLE_CAPTURE_SYMM_TEST_TIMEOUT", "180"))
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
@@ -488,3 +489,29 @@ def test_allreduce_add_rmsnorm_capture(world, tmp_path):
         # ranks on one device ("detected allocations from overlapping devices").
         pytest.skip(f"needs {world} GPUs")
     run_ranks(_scenarios, world, tmp_path, TIMEOUT_S, "symmetric-memory test")
+
+
+@pytest.mark.parametrize("world, table, cap", [
+    (2, None, 1024),                                            # the default rule
+    (2, {"2": [[1, "one_shot"], [64, "one_shot"], [512, "nccl"]]}, 64),   # largest one_shot row
+    (4, {"2": [[8, "one_shot"]]}, 256),                         # another world: the rule
+    (2, {"2": [[16, "nccl"], [32, "one_shot"], [64, "nccl"]]}, 32),
+])
+def test_path_choice_at_the_cap(world, table, cap):
+    """The path per T at the one-shot cap, one below and one above it; the cap
+    read from a measured table is its largest one-shot row (issue 21: boundaries
+    as parameters). Pure Python: the instance's GPU set-up is skipped."""
+    import eagle_capture.symm as symm
+    ar = object.__new__(symm.SymmAllReduceCapture)
+    ar.world_size = world
+    ar.table = PathTable(table) if table is not None else None
+    assert ar._one_shot_limit_from_rule() == cap
+    ar.one_shot_max_tokens = cap
+    assert ar.path_for(cap + 1) == "nccl"
+    expect_at_cap = ar.table.path(world, cap) if ar.table and world in ar.table.paths \
+        else "one_shot"
+    assert ar.path_for(cap) == expect_at_cap == "one_shot"
+    if cap > 1:
+        below = ar.table.path(world, cap - 1) if ar.table and world in ar.table.paths \
+            else "one_shot"
+        assert ar.path_for(cap - 1) == below

@@ -711,7 +711,11 @@ def refusals():
     assert args is not None, "eagle_capture cannot read this SGLang line's server args"
     for field, value, match in (("enable_two_batch_overlap", True, "two-batch overlap"),
                                 ("enable_dp_attention", True, "DP attention"),
-                                ("moe_a2a_backend", "deepep", "all-to-all MoE")):
+                                ("moe_a2a_backend", "deepep", "all-to-all MoE"),
+                                ("attn_cp_size", 2, "context parallelism")):
+        if not hasattr(args, field):
+            out[field] = "not a server argument of this line"
+            continue
         model = _build(torch.float32)
         old = getattr(args, field)
         _force_setattr(args, field, value)
@@ -729,6 +733,62 @@ def refusals():
     assert _state(too_many).overflow_forwards == 1 and _state(too_many).overflow is None
     out["too_many_tokens"] = "served from a buffer of its own for that forward"
     return out
+
+
+@torch.no_grad()
+def drop_in_checks():
+    """What the drop-in checks on every eager forward and where its SGLang-path
+    store goes (issue 21): a captured layer's norm called again on part of the
+    batch (as a half-batch scheme would) is refused at the end of the forward,
+    not served; SGLang's own norm path (a configuration our kernel does not
+    reproduce) at a captured layer that is not the first stores into that
+    layer's slot, with SGLang's own capture as the reference."""
+    out = {}
+    for path in ("e", "f"):
+        out[f"part_of_the_batch_path_{path}"] = _norm_called_on_part_of_the_batch(path)
+
+    # SGLang's own norm path at the second captured layer, in both models.
+    ref, ours = _build(torch.float32), _build(torch.float32)
+    _install(ours)
+    layer_id = _state(ours).layer_ids[1]
+    for m in (ref, ours):
+        m.model.layers[layer_id].input_layernorm.cast_x_before_out_mul = True
+    fallback = _state(ours).fallback_calls
+    final_ref, aux_ref = _run(ref, 5)
+    final, aux = _run(ours, 5)
+    assert _state(ours).fallback_calls == fallback + 1, "SGLang's norm path did not run"
+    assert torch.equal(aux, aux_ref), "the SGLang-path store went to another slot"
+    assert torch.equal(final, final_ref)
+    out["sglang_norm_path_at_layer"] = f"layer {layer_id}: slot {_state(ours).buffer.slot_of(layer_id)}"
+    return out
+
+
+def _norm_called_on_part_of_the_batch(path: str) -> str:
+    """A captured norm called a second time on one row of the batch: path e's
+    completeness check names the rows; path f refuses the residual left behind."""
+    model = _build(torch.float32)
+    _install(model, residual_in_slot=path == "f")
+    layer_id = _state(model).layer_ids[1]
+    norm = model.model.layers[layer_id].input_layernorm
+    again = [False]
+
+    def half_batch_again(module, args, result):
+        if again[0] or args[1] is None:
+            return None
+        again[0] = True
+        try:
+            module(args[0][:1].clone(), args[1][:1].clone())   # a second call on one row
+        finally:
+            again[0] = False
+        return None
+
+    handle = norm.register_forward_hook(half_batch_again)
+    try:
+        return _expect_raises(RuntimeError, lambda: _run(model, 4),
+                              f"layer {layer_id} stored 1 rows" if path == "e" else
+                              "did not take it")
+    finally:
+        handle.remove()
 
 
 def _force_setattr(obj, name, value) -> None:
@@ -761,6 +821,7 @@ SCENARIOS = {
     "layer_id_rules": layer_id_rules,
     "draft_config_reading": draft_config_reading,
     "graph_order": graph_order,
+    "drop_in_checks": drop_in_checks,
     "refusals": refusals,
 }
 SCENARIOS.update(plugin_scenarios.SCENARIOS)

@@ -274,3 +274,35 @@ def test_a_residual_read_from_another_slot_is_allowed():
     out = torch.empty(T, H, dtype=BF16, device=DEVICE)
     ec.add_rmsnorm_out(h, aux[:T, 0], w, 1e-6, out)
     assert_bitwise_equal(out, expected)
+
+
+def test_residual_touching_aux_by_one_element_is_refused():
+    """A residual whose last element is aux's first (one element of overlap, the
+    byte extent's bound): refused before anything is written (issue 21)."""
+    T, H, K = 4, 64, 3
+    flat = torch.zeros(T * H + 8 * K * H, dtype=torch.bfloat16)
+    residual = flat[:T * H].view(T, H)
+    aux = flat[T * H - 1:T * H - 1 + 8 * K * H].view(8, K, H)
+    h, w = torch.randn(T, H, dtype=torch.bfloat16), torch.ones(H, dtype=torch.bfloat16)
+    before = flat.clone()
+    with pytest.raises(ValueError, match="residual overlaps aux slot"):
+        ec.add_rmsnorm_into_slot(h, residual, w, 1e-6, aux, 1)
+    assert torch.equal(flat, before)
+    # One element further, they do not touch: accepted.
+    aux_apart = flat[T * H:T * H + 7 * K * H].view(7, K, H)
+    ec.add_rmsnorm_into_slot(h.clone(), residual, w, 1e-6, aux_apart, 1)
+
+
+@pytest.mark.parametrize("written_slot", [0, 1, 2])
+def test_residual_straddling_two_slots_is_refused(written_slot):
+    """A residual view straddling slots 0 and 1 (half of each row in each) is not
+    a slot view: refused whichever slot is written, since the write could land
+    in it (issue 21). A residual that is exactly another slot is accepted."""
+    T, H, K = 4, 64, 3
+    aux = torch.zeros(8, K, H, dtype=torch.bfloat16)
+    straddling = aux.view(8, K * H)[:T, H // 2:H // 2 + H]
+    h, w = torch.randn(T, H, dtype=torch.bfloat16), torch.ones(H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="residual overlaps aux slot"):
+        ec.add_rmsnorm_into_slot(h, straddling, w, 1e-6, aux, written_slot)
+    other = aux[:T, (written_slot + 1) % K]
+    ec.add_rmsnorm_into_slot(h.clone(), other, w, 1e-6, aux, written_slot)

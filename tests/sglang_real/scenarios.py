@@ -501,7 +501,6 @@ def draft_config_reading():
     from transformers import PretrainedConfig
 
     from eagle_capture.doctor import line_of
-    from eagle_capture.sglang_lines import read_draft_ids
 
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     try:
@@ -523,8 +522,8 @@ def draft_config_reading():
     spec = types.SimpleNamespace(speculative_draft_model_path="draft",
                                  speculative_draft_model_revision=None)
     if spec_aux is None:
-        return _draft_config_reading_in_model_runner(cases, spec, line, read_draft_ids,
-                                                     SpeculativeAlgorithm, PretrainedConfig)
+        return _draft_config_reading_in_model_runner(cases, spec, line, SpeculativeAlgorithm,
+                                                     PretrainedConfig)
     saved = spec_aux.ModelConfig.from_server_args, getattr(spec_aux, "get_spec", None)
     out = {}
     try:
@@ -539,15 +538,8 @@ def draft_config_reading():
             resolved = spec_aux.resolve_spec_aux_hidden_state_config(
                 server_args=spec, model_config=draft, spec_algorithm=SpeculativeAlgorithm.EAGLE3,
                 is_draft_worker=False)
-            got = resolved.eagle_aux_hidden_state_layer_ids
-            want = read_draft_ids(dict(body, architectures=["LlamaForCausalLMEagle3"]))
-            assert got == want.read_by_target, \
-                f"{name}: SGLang's target reads {got}, eagle_capture says {want.read_by_target}"
-            model = _build(torch.float32)
-            model.set_eagle3_layers_to_capture(None if got is None else list(got))
-            layers = list(model.model.layers_to_capture)
-            assert layers == line.capture_layers(want.read_by_target, NUM_LAYERS), (name, layers)
-            out[name] = f"target reads {got} -> layers_to_capture {layers}"
+            out[name] = _check_reading(name, body, resolved.eagle_aux_hidden_state_layer_ids,
+                                       line)
     finally:
         spec_aux.ModelConfig.from_server_args = saved[0]
         if saved[1] is not None:
@@ -555,8 +547,7 @@ def draft_config_reading():
     return out
 
 
-def _draft_config_reading_in_model_runner(cases, server_args, line, read_draft_ids,
-                                          algorithm, config_class):
+def _draft_config_reading_in_model_runner(cases, server_args, line, algorithm, config_class):
     """<= 0.5.17 read the ids inline in ``ModelRunner.__init__``: that block of the
     wheel's source (the ``if self.spec_algorithm.is_eagle3() ...`` statement that
     loads the draft config) is executed as is, with the runner's ``self`` and the
@@ -586,16 +577,24 @@ def _draft_config_reading_in_model_runner(cases, server_args, line, read_draft_i
         runner = types.SimpleNamespace(spec_algorithm=algorithm.EAGLE3, is_draft_worker=False)
         model_config = types.SimpleNamespace(from_server_args=lambda *a, **k: draft)
         exec(code, {"self": runner, "server_args": server_args, "ModelConfig": model_config})
-        got = runner.eagle_aux_hidden_state_layer_ids
-        want = read_draft_ids(dict(body, architectures=["LlamaForCausalLMEagle3"]))
-        assert got == want.read_by_target, \
-            f"{name}: SGLang's target reads {got}, eagle_capture says {want.read_by_target}"
-        model = _build(torch.float32)
-        model.set_eagle3_layers_to_capture(None if got is None else list(got))
-        layers = list(model.model.layers_to_capture)
-        assert layers == line.capture_layers(want.read_by_target, NUM_LAYERS), (name, layers)
-        out[name] = f"target reads {got} -> layers_to_capture {layers}"
+        out[name] = _check_reading(name, body, runner.eagle_aux_hidden_state_layer_ids, line)
     return out
+
+
+def _check_reading(name, body, got, line) -> str:
+    """What the wheel's reader returned (``got``) for a draft config ``body``: what
+    eagle_capture says the target reads, and the layers SGLang then sets are the
+    doctor's."""
+    from eagle_capture.sglang_lines import read_draft_ids
+
+    want = read_draft_ids(dict(body, architectures=["LlamaForCausalLMEagle3"]))
+    assert got == want.read_by_target, \
+        f"{name}: SGLang's target reads {got}, eagle_capture says {want.read_by_target}"
+    model = _build(torch.float32)
+    model.set_eagle3_layers_to_capture(None if got is None else list(got))
+    layers = list(model.model.layers_to_capture)
+    assert layers == line.capture_layers(want.read_by_target, NUM_LAYERS), (name, layers)
+    return f"target reads {got} -> layers_to_capture {layers}"
 
 
 def graph_order():

@@ -188,6 +188,17 @@ def _install_capture(model, env: dict):
     return state, log, "install_eagle3_capture by hand (0.5.9 has no plugin system)"
 
 
+def _verifying_install(forwards: int):
+    """A model with the fused capture and the live self-check of its first
+    ``forwards`` eager forwards: (model, state, how it was installed)."""
+    model = _build(set_capture=False)
+    state, log, how = _install_capture(model, {"EAGLE_CAPTURE": "1",
+                                               "EAGLE_CAPTURE_MAX_TOKENS": "16",
+                                               "EAGLE_CAPTURE_VERIFY": str(forwards)})
+    _detach_log(log)
+    return model, state, how
+
+
 def _sglang_reference(arch="DeepseekV3ForCausalLM"):
     """SGLang's own capture on a model built as the plugin's is, configured by
     SGLang's own step (unhooked) or set_eagle3_layers_to_capture (0.5.9)."""
@@ -392,7 +403,6 @@ def tp2_fusion():
     so a captured layer after a deferring one holds per-rank partial sums; from
     0.5.18 the capture reads the reduced residual. The drop-in captures the
     fused norm's reduced residual_out on every line. Both must hold here."""
-    from eagle_capture.deployment import Deployment  # noqa: F401 - the verdicts' module
     from eagle_capture.doctor import line_of
 
     ref_tp1 = _wait_for_tp1()
@@ -498,11 +508,7 @@ def verify_tp2():
     from tests.sglang_real import plugin_scenarios as ps
 
     ref = _sglang_reference()
-    ours = _build(set_capture=False)
-    state, log, how = _install_capture(ours, {"EAGLE_CAPTURE": "1",
-                                              "EAGLE_CAPTURE_MAX_TOKENS": "16",
-                                              "EAGLE_CAPTURE_VERIFY": "2"})
-    _detach_log(log)
+    ours, state, how = _verifying_install(2)
     group = state.verify_group
     assert group is not None, "verify_group is None at TP 2: the cross-rank check is off"
     assert group is _group().cpu_group, "verify_group is not SGLang's TP cpu_group"
@@ -600,11 +606,7 @@ def verify_switch_back_tp2():
 
     rank = _ARGS.rank
     ref = _sglang_reference()
-    model = _build(set_capture=False)
-    state, log, how = _install_capture(model, {"EAGLE_CAPTURE": "1",
-                                               "EAGLE_CAPTURE_MAX_TOKENS": "16",
-                                               "EAGLE_CAPTURE_VERIFY": "3"})
-    _detach_log(log)
+    model, state, how = _verifying_install(3)
     records = ps._Records()
     logging.getLogger("eagle_capture").addHandler(records)
     try:

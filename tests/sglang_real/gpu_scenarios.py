@@ -27,9 +27,10 @@ plain residual case always calls ``sgl_kernel.fused_add_rmsnorm``. The routed
 functions count their calls, and the summary shows them.
 
 Stood in (as in harness.py): attention and MLP / MoE of every layer (``0.5 *
-tanh(h @ W^T)`` in fp32, W seeded per layer), the LogitsProcessor (a recorder),
-the weights. Deviations from harness.py (which must not be edited): the model is
-built on the CPU by ``harness.build_model`` and then moved with ``model.to(cuda)``
+tanh(h @ W^T)`` in fp32, W seeded per layer) and the weights; the
+LogitsProcessor is SGLang's own (harness.py), inside the CUDA graphs too.
+Deviations from harness.py: the model is built on the CPU by
+``harness.build_model`` and then moved with ``model.to(cuda)``
 (the stand-ins' weights are drawn with a CPU generator, which cannot run under a
 ``torch.device("cuda")`` context); ``ForwardBatch`` tensors are moved the same way
 (``*_cpu`` fields stay on the CPU, as in SGLang); the server arguments published
@@ -369,18 +370,12 @@ def batch_to(batch, device, input_ids=None):
     return ids, positions, fb
 
 
-def packed(aux):
-    import torch
-    if aux is None or isinstance(aux, torch.Tensor):
-        return aux
-    return torch.cat(list(aux), dim=-1)
-
-
 def eager(harness, model, batch):
-    final, aux = harness.run(model, batch)
+    """(final hidden states, what the draft receives from SGLang's LogitsProcessor)."""
+    call = harness.run(model, batch)
     harness.text_lm(model).logits_processor.records.clear()
-    aux = packed(aux)
-    return final.clone(), None if aux is None else aux.clone()
+    aux = harness.draft_input(call)
+    return call.hidden_states.clone(), None if aux is None else aux.clone()
 
 
 def ordered_int(x):
@@ -712,8 +707,8 @@ def capture_graph(ctx, model, batch, pool):
     graph = torch.cuda.CUDAGraph()
     with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
         model.forward(ids, positions, fb)
-    # What the graph hands the LogitsProcessor on every replay: (hidden, aux), as
-    # recorded when its Python ran once, at capture.
+    # What the graph hands SGLang's LogitsProcessor and what that returns on every
+    # replay (a LogitsCall), as recorded when its Python ran once, at capture.
     assert len(records) == 1, f"{len(records)} LogitsProcessor calls in one captured forward"
     out = records[-1]
     records.clear()
@@ -722,9 +717,10 @@ def capture_graph(ctx, model, batch, pool):
             with torch.no_grad():
                 model.forward(ids, positions, fb)
             new = records.pop()
-            out[0].copy_(new[0])
-            if out[1] is not None:
-                packed(out[1]).copy_(packed(new[1]))
+            out.hidden_states.copy_(new.hidden_states)
+            drafted = ctx.harness.draft_input(out)
+            if drafted is not None:
+                drafted.copy_(ctx.harness.draft_input(new))
         graph._replay = replay
     return graph, out
 
@@ -754,19 +750,21 @@ def scenario_graphs(ctx, res: Results):
         print("  [SKIP] graphs: state.graph_captured (CPU dry run: no real capture; replays "
               "re-run the forward eagerly)", flush=True)
     aux_ptr = st.buffer.aux.data_ptr()
-    res.check("graphs: every graph's aux output is a view of the one persistent buffer",
-              all(packed(g[2][1]).data_ptr() == aux_ptr for g in graphs.values()),
+    res.check("graphs: what every graph's LogitsProcessor hands the draft is a view of the "
+              "one persistent buffer",
+              all(h.draft_input(g[2]).data_ptr() == aux_ptr for g in graphs.values()),
               "rows [0, T) of the same buffer")
     g = torch.Generator().manual_seed(11)
     vocab = h.text_lm(ctx.ours).config.vocab_size
     for rep in range(2):
         for T in sorted(graphs):
-            graph, (ids, positions, fb), (gfinal, gaux) = graphs[T]
+            graph, (ids, positions, fb), gcall = graphs[T]
+            gfinal, gaux = gcall.hidden_states, h.draft_input(gcall)
             new_ids = torch.randint(0, vocab, (T,), generator=g)
             ids.copy_(new_ids.to(ctx.device))
             graph.replay()
             torch.cuda.synchronize()
-            r_final, r_aux = gfinal.clone(), packed(gaux).clone()
+            r_final, r_aux = gfinal.clone(), gaux.clone()
             e_final, e_aux = eager(h, ctx.ours, batch_to(h.make_batch(ctx.ours, T, "decode"),
                                                          ctx.device, new_ids))
             s_final, s_aux = eager(h, ctx.ref, batch_to(h.make_batch(ctx.ref, T, "decode"),

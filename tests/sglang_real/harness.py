@@ -9,15 +9,16 @@ version in its own subprocess), builds SGLang's own
 48, kv_lora_rank 32, yarn rope with rope_theta, first_k_dense_replace 2, 4
 routed experts) on CPU, turns EAGLE-3 capture on with the model's own
 ``set_eagle3_layers_to_capture(ids)``, runs the model's own ``forward`` and
-returns what the model hands to its LogitsProcessor.
+returns what the model hands to its LogitsProcessor and what that returns.
 
 API: ``setup(version=None, dtype=None, hf_config=None, version_dir=None, *,
 tp_size=1, rank=0, init_method=None, dist_timeout=None)``,
 ``build_model(num_layers, hidden_size, dtype, capture_ids, seed, arch, set_capture,
 standin)``, ``tp_world_size()``, ``tp_rank()``,
-``make_batch(model, num_tokens, mode="extend"|"decode", seed=0)`` ->
+``make_batch(model, num_tokens, mode="extend"|"decode", seed=0, capture="full"|"last")`` ->
 (input_ids, positions, forward_batch), ``run(model, batch)`` ->
-(final_hidden_states, aux) as passed to the LogitsProcessor,
+a ``LogitsCall`` (what the model handed its LogitsProcessor, and its
+output), ``draft_input(call)`` (what the EAGLE-3 draft receives),
 ``sglang_version()``, ``build(...)`` = build_model + ``SURFACE`` filled in.
 
 Set-up (outside this file)::
@@ -50,7 +51,16 @@ Real (SGLang's code, unmodified)
       the residual stream (0.5.22, 0.5.23), SGLang's ``RMSNorm`` for
       input_layernorm, post_attention_layernorm and the final norm,
       ``VocabParallelEmbedding``, a real ``ForwardBatch`` with a real
-      ``ForwardMode`` (EXTEND, DECODE, IDLE for T = 0).
+      ``ForwardMode`` (EXTEND, DECODE, IDLE for T = 0) and
+      ``CaptureHiddenMode`` (FULL as an EAGLE-3 target runs, or LAST);
+    * the ``LogitsProcessor`` (``causal_lm.logits_processor``: SGLang's own
+      class, its own forward with the ``LogitsMetadata`` it builds from the
+      batch, the model's own ``lm_head``, N(0, 1) weights): what the draft
+      receives is its output's ``hidden_states`` (``draft_input``), so the aux
+      type and layout each line hands over (a list of K [T, H] <= 0.5.13, a
+      packed [T, K*H] tensor from 0.5.18) go through the wheel's own
+      concatenation / packing. A subclass keeps each call's inputs and output
+      (``records``) and changes nothing else;
     * RMSNorm runs ``forward_native`` (pure torch) in every version: on a
       machine without CUDA/HIP/NPU/XPU/MUSA and without
       ``SGLANG_USE_CPU_ENGINE=1`` (which this module unsets), the dispatch
@@ -68,8 +78,6 @@ Stood in
       ``self_attn.maybe_use_decode_attn_tp(forward_batch)`` runs for real).
       Since ``isinstance(layer.mlp, DeepseekV2MoE)`` is False, the layer's
       MoE-only branch (``moe_output_buffer_ctx``) is not taken;
-    * ``causal_lm.logits_processor``: a ``Recorder`` that stores and returns
-      ``(hidden_states, aux_hidden_states)``, the output sink;
     * weights: not loaded; the embedding is N(0, 1), every RMSNorm weight is
       1 + 0.1 * N(0, 1) (so a wrong norm weight is visible). The real
       attention / MoE weights are never used.
@@ -156,6 +164,7 @@ import os
 import socket
 import sys
 import types
+from typing import Any, NamedTuple
 
 # Pure torch paths only: never take SGLang's CPU-engine (AMX / sgl_kernel CPU
 # ops) branch, even if the environment says so.
@@ -518,19 +527,36 @@ def _define_modules():
             out, _ = self.proj(local, skip_all_reduce=True) if skip else self.proj(local)
             return out
 
-    class Recorder(nn.Module):
-        """Stands for the LogitsProcessor: records its inputs, returns them."""
+    return StandIn, RowParallelStandIn
 
-        def __init__(self):
-            super().__init__()
-            self.records = []
 
-        def forward(self, input_ids, hidden_states, lm_head, forward_batch,
+class LogitsCall(NamedTuple):
+    """One call of the model's LogitsProcessor: its inputs exactly as the model
+    handed them, and SGLang's own ``LogitsProcessorOutput`` for them."""
+    hidden_states: Any
+    aux_hidden_states: Any
+    output: Any
+
+
+def _observed_logits_processor(config):
+    """SGLang's own ``LogitsProcessor`` for ``config``, run unchanged; each call's
+    inputs and output are kept in ``records`` (LogitsCall) for the scenarios: the
+    aux the model hands over (a list <= 0.5.13, a packed tensor from 0.5.18) goes
+    through the wheel's own contract, and what the draft receives is the output's
+    ``hidden_states``."""
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+
+    class ObservedLogitsProcessor(LogitsProcessor):
+        def forward(self, input_ids, hidden_states, lm_head, logits_metadata,
                     aux_hidden_states=None, *args, **kwargs):
-            self.records.append((hidden_states, aux_hidden_states))
-            return hidden_states, aux_hidden_states
+            output = super().forward(input_ids, hidden_states, lm_head, logits_metadata,
+                                     aux_hidden_states, *args, **kwargs)
+            self.records.append(LogitsCall(hidden_states, aux_hidden_states, output))
+            return output
 
-    return StandIn, Recorder, RowParallelStandIn
+    lp = ObservedLogitsProcessor(config)
+    lp.records = []
+    return lp
 
 
 def _reduces_itself(role: str, real) -> bool:
@@ -678,7 +704,7 @@ def build_model(num_layers: int = 6, hidden_size: int = 64, dtype=None,
     from sglang.srt.model_loader.utils import set_default_torch_dtype
     from sglang.srt.models import deepseek_v2
 
-    StandIn, Recorder, RowParallelStandIn = _define_modules()
+    StandIn, RowParallelStandIn = _define_modules()
     torch.manual_seed(seed)
     with set_default_torch_dtype(dtype), torch.device("cpu"):
         if arch == "KimiK25ForConditionalGeneration":
@@ -714,19 +740,47 @@ def build_model(num_layers: int = 6, hidden_size: int = 64, dtype=None,
                 layer.mlp = RowParallelStandIn(
                     hidden_size, seed * 1000 + 2 * i + 1, "mlp", layer.mlp,
                     _reduces_itself("mlp", layer.mlp))
-    lm.logits_processor = Recorder()
+    lm.logits_processor = _observed_logits_processor(lm.config)
+    _seed_lm_head(lm, seed)
     if set_capture:
         model.set_eagle3_layers_to_capture(list(capture_ids))
     model._harness_dtype = dtype
     return model
 
 
-def make_batch(model, num_tokens: int, mode: str = "extend", seed: int = 0):
+def _seed_lm_head(lm, seed: int) -> None:
+    """N(0, 1) lm_head weights; at TP > 1 this rank's vocab shard of the table TP 1
+    draws, through the head's own ``weight_loader``."""
+    import torch
+
+    head = lm.lm_head
+    if head is lm.model.embed_tokens:   # tied: already seeded with the embedding
+        return
+    g = torch.Generator().manual_seed(seed + 101)
+    w = head.weight
+    with torch.no_grad():
+        if tp_world_size() == 1:
+            w.copy_(torch.randn(w.shape, generator=g).to(w.dtype))
+        else:
+            full = torch.randn((head.num_embeddings_padded, w.shape[1]), generator=g)
+            head.weight_loader(w, full[:head.org_vocab_size].to(w.dtype))
+
+
+def make_batch(model, num_tokens: int, mode: str = "extend", seed: int = 0,
+               capture: str = "full"):
     """(input_ids, positions, forward_batch) for an EXTEND (one request of
     ``num_tokens`` new tokens, no prefix) or DECODE (``num_tokens`` requests
-    of one token) batch. ``num_tokens == 0`` gives an IDLE batch."""
+    of one token) batch. ``num_tokens == 0`` gives an IDLE batch. ``capture``:
+    the batch's CaptureHiddenMode, "full" as an EAGLE-3 target's forwards run
+    (the LogitsProcessor then hands the draft every row's aux), or "last"."""
     import torch
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.forward_batch_info import (
+        CaptureHiddenMode,
+        ForwardBatch,
+        ForwardMode,
+    )
+
+    hidden_mode = {"full": CaptureHiddenMode.FULL, "last": CaptureHiddenMode.LAST}[capture]
 
     vocab = text_lm(model).config.vocab_size
     g = torch.Generator().manual_seed(seed + 17)
@@ -771,20 +825,34 @@ def make_batch(model, num_tokens: int, mode: str = "extend", seed: int = 0):
         positions=positions,
         **extra,
     )
+    fb.capture_hidden_mode = hidden_mode
     return input_ids, positions, fb
 
 
-def run(model, batch):
-    """(final_hidden_states, aux) exactly as passed to the LogitsProcessor."""
+def run(model, batch) -> LogitsCall:
+    """One forward: what the model handed its (real) LogitsProcessor and what that
+    returned."""
     import torch
 
     input_ids, positions, fb = batch
     rec = text_lm(model).logits_processor
     n = len(rec.records)
     with torch.no_grad():
-        model.forward(input_ids, positions, fb)
+        returned = model.forward(input_ids, positions, fb)
     assert len(rec.records) == n + 1, "LogitsProcessor not called exactly once"
-    return rec.records[-1]
+    call = rec.records[-1]
+    assert returned is call.output, "the model did not return its LogitsProcessor's output"
+    return call
+
+
+def draft_input(call: LogitsCall):
+    """What the EAGLE-3 draft receives from this forward: the LogitsProcessor
+    output's ``hidden_states`` (SGLang's own concatenation / packing of the aux,
+    all rows in FULL mode, the sampled rows in LAST mode); None when the model
+    handed no aux (SGLang then stores the final hidden states instead)."""
+    if call.aux_hidden_states is None:
+        return None
+    return call.output.hidden_states
 
 
 # ---------------------------------------------------------------- surface

@@ -7,11 +7,9 @@ SGLang's own classes (harness.py) WITHOUT ``set_eagle3_layers_to_capture``, and
 the wheel's own configure step -- ``configure_aux_hidden_state_capture``
 (0.5.18+) or ``ModelRunner.init_aux_hidden_state_capture`` (0.5.13) -- then sets
 the layers and, through the hook, installs the fused capture. SGLang's own
-capture on a second model built the same way is the reference. Unlike the
-harness's other scenarios, these keep SGLang's own ``LogitsProcessor`` (seeded
-``lm_head``): what the drop-in hands it goes through the wheel's own contract,
-and the comparison is of the ``LogitsProcessorOutput`` (logits and the aux
-hidden states the draft receives).
+capture on a second model built the same way is the reference. The comparison
+is of SGLang's own ``LogitsProcessorOutput`` (logits and the aux hidden states
+the draft receives).
 
 0.5.9 has no plugin system: each scenario reports a skip there.
 """
@@ -142,32 +140,17 @@ def _params(fn) -> set:
 
 def _build(arch="DeepseekV3ForCausalLM", dtype=torch.float32, set_capture=False,
            capture_ids=DRAFT_IDS):
-    """SGLang's own model with SGLang's own LogitsProcessor (not the harness's
-    recorder): what the drop-in hands it as aux hidden states goes through the
-    wheel's own contract (0.5.13 torch.cat's a list; 0.5.18+ pass a tensor)."""
-    from sglang.srt.layers.logits_processor import LogitsProcessor
-
-    model = harness.build_model(num_layers=NUM_LAYERS, hidden_size=HIDDEN, dtype=dtype,
-                                capture_ids=capture_ids, seed=3, arch=arch,
-                                set_capture=set_capture)
-    lm = harness.text_lm(model)
-    lm.logits_processor = LogitsProcessor(lm.config)
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        lm.lm_head.weight.copy_(torch.randn(lm.lm_head.weight.shape, generator=g)
-                                .to(lm.lm_head.weight.dtype))
-    return model
+    """SGLang's own model (with SGLang's own LogitsProcessor, as every harness
+    model) without the capture set: the wheel's configure step sets it."""
+    return harness.build_model(num_layers=NUM_LAYERS, hidden_size=HIDDEN, dtype=dtype,
+                               capture_ids=capture_ids, seed=3, arch=arch,
+                               set_capture=set_capture)
 
 
 def _run(model, num_tokens, mode="extend", seed=0):
     """(next-token logits, the aux hidden states) of SGLang's LogitsProcessorOutput,
     in FULL capture mode as the EAGLE-3 target runs."""
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-
-    input_ids, positions, batch = harness.make_batch(model, num_tokens, mode, seed=seed)
-    batch.capture_hidden_mode = CaptureHiddenMode.FULL
-    with torch.no_grad():
-        out = model.forward(input_ids, positions, batch)
+    out = harness.run(model, harness.make_batch(model, num_tokens, mode, seed=seed)).output
     aux = out.hidden_states
     return out.next_token_logits.clone(), None if aux is None else aux.clone()
 
@@ -426,13 +409,9 @@ def plugin_server_args():
     args = _server_args()
     limits = read_limits(args)
     assert limits.max_prefill_tokens == args.max_prefill_tokens == 16384, limits
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
     def handed(model):
-        input_ids, positions, batch = harness.make_batch(model, 5)
-        batch.capture_hidden_mode = CaptureHiddenMode.FULL
-        with torch.no_grad():
-            aux = model.forward(input_ids, positions, batch).hidden_states
+        aux = harness.run(model, harness.make_batch(model, 5)).output.hidden_states
         state = _state(model)
         return state, (aux.untyped_storage().data_ptr()
                        == state.buffer.aux.untyped_storage().data_ptr())

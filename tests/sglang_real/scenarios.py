@@ -34,17 +34,13 @@ def _build(dtype, capture_ids=CAPTURE_IDS):
                                capture_ids=capture_ids, seed=3)
 
 
-def _packed(aux) -> torch.Tensor:
-    """What SGLang's LogitsProcessor makes of it: one ``[T, K*H]`` tensor."""
-    if isinstance(aux, torch.Tensor):
-        return aux
-    return torch.cat(list(aux), dim=-1)
-
-
-def _run(model, num_tokens, mode="extend", seed=0):
-    batch = harness.make_batch(model, num_tokens, mode, seed=seed)
-    final, aux = harness.run(model, batch)
-    return final.clone(), None if aux is None else _packed(aux).clone()
+def _run(model, num_tokens, mode="extend", seed=0, capture="full"):
+    """(the final hidden states handed to SGLang's LogitsProcessor, what the draft
+    receives from it: its output's hidden_states)."""
+    call = harness.run(model, harness.make_batch(model, num_tokens, mode, seed=seed,
+                                                 capture=capture))
+    aux = harness.draft_input(call)
+    return call.hidden_states.clone(), None if aux is None else aux.clone()
 
 
 def _install(model, **kwargs):
@@ -79,13 +75,18 @@ def same_as_sglang(dtype_name: str, path: str = "f"):
     _install(ours, residual_in_slot=(path == "f"))
     state = _state(ours)
     out = {"cases": [], "max_final_abs_dev": 0.0, "max_aux_abs_dev": 0.0}
-    for num_tokens, mode in ((5, "extend"), (1, "decode"), (3, "decode"), (11, "extend"),
-                             (0, "extend")):
+    # What the draft receives is SGLang's own LogitsProcessor output: every row in
+    # FULL mode (an EAGLE-3 target's forwards), the sampled rows in LAST mode.
+    for num_tokens, mode, capture in ((5, "extend", "full"), (1, "decode", "full"),
+                                      (3, "decode", "full"), (11, "extend", "full"),
+                                      (0, "extend", "full"), (6, "extend", "last"),
+                                      (3, "decode", "last")):
         fused_before, in_slot_before = state.fused_calls, state.slot_residual_calls
-        final_ref, aux_ref = _run(ref, num_tokens, mode, seed=num_tokens)
-        final, aux = _run(ours, num_tokens, mode, seed=num_tokens)
-        assert aux is not None and aux.shape == (num_tokens, len(CAPTURE_IDS) * HIDDEN), \
-            f"aux shape {None if aux is None else tuple(aux.shape)}"
+        final_ref, aux_ref = _run(ref, num_tokens, mode, seed=num_tokens, capture=capture)
+        final, aux = _run(ours, num_tokens, mode, seed=num_tokens, capture=capture)
+        rows = 1 if (mode, capture) == ("extend", "last") else num_tokens
+        assert aux is not None and aux.shape == (rows, len(CAPTURE_IDS) * HIDDEN), \
+            f"{mode} {capture}: the draft receives {None if aux is None else tuple(aux.shape)}"
         if num_tokens:
             assert aux_ref is not None and aux_ref.shape == aux.shape
             assert torch.equal(aux, aux_ref), "aux differs from SGLang's own capture"
@@ -103,7 +104,8 @@ def same_as_sglang(dtype_name: str, path: str = "f"):
         assert state.residual_in_slot is None, "a residual left in a slot was not taken"
         assert state.fallback_calls == 0, f"{state.fallback_calls} fallback captures"
         assert ours.model.layers_to_capture == [] and not ours.capture_aux_hidden_states
-        out["cases"].append({"T": num_tokens, "mode": mode, "fused_captures": fused,
+        out["cases"].append({"T": num_tokens, "mode": mode, "capture": capture,
+                             "fused_captures": fused,
                              "final_abs_dev": final_dev})
     out["final_scale"] = final_ref.float().abs().max().item() if final_ref.numel() else None
     return out

@@ -136,7 +136,8 @@ def child(version: str, json_out: str | None) -> int:
             try:
                 batch = harness.make_batch(model, T, "extend" if mode == "idle" else mode,
                                            seed=T)
-                hs, aux = harness.run(model, batch)
+                call = harness.run(model, batch)
+                hs, aux = call.hidden_states, call.aux_hidden_states
             except Exception as e:  # report, keep going
                 case.update(ok=False, error=f"{type(e).__name__}: {e}")
                 ok_all = False
@@ -161,6 +162,11 @@ def child(version: str, json_out: str | None) -> int:
                                and all(a.shape == (T, 64) for a in aux_list))
             checks["hook_exact"] = aux_list is not None and len(aux_list) == len(capture) and all(
                 i in seen and torch.equal(a, seen[i]) for a, i in zip(aux_list, capture))
+            # What the draft receives, from SGLang's own LogitsProcessor (FULL
+            # mode): the captures side by side, every row.
+            drafted = harness.draft_input(call)
+            checks["draft_input"] = aux_list is not None and drafted is not None and \
+                torch.equal(drafted, torch.cat(aux_list, dim=-1))
             ref_final, ref_aux = _reference(model, batch[0], capture)
 
             def close(a, b):

@@ -46,8 +46,9 @@ SGLang's ``tensor_model_parallel_all_reduce``), and from 0.5.22 the layer builds
 them with ``reduce_results=False`` and the stage boundary sums. Scenario
 ``tp2_equals_tp1`` records which SGLang function ran each all-reduce.
 
-Stood in: as the harness says (attention / MLP / MoE bodies, LogitsProcessor,
-weights); in scenario ``tp2_fusion`` also the FlashInfer all-reduce + RMSNorm
+Stood in: as the harness says (attention / MLP / MoE bodies, weights; the
+LogitsProcessor is SGLang's own, its vocab-parallel lm_head and logits gather
+included); in scenario ``tp2_fusion`` also the FlashInfer all-reduce + RMSNorm
 fusion's GPU gate and kernel (SGLang's all-reduce + FlashInfer's math; which
 layers defer and where the capture reads is SGLang's code). Not covered: DP
 attention, TBO, all-to-all MoE, the aiter fusion, custom / symmetric-memory
@@ -94,10 +95,9 @@ def _build(arch="DeepseekV3ForCausalLM", set_capture=True):
 
 
 def _run(model, num_tokens, mode):
-    final, aux = harness.run(model, harness.make_batch(model, num_tokens, mode, seed=num_tokens))
-    if aux is not None and not isinstance(aux, torch.Tensor):
-        aux = torch.cat(list(aux), dim=-1)
-    return final.clone(), None if aux is None else aux.clone()
+    call = harness.run(model, harness.make_batch(model, num_tokens, mode, seed=num_tokens))
+    aux = harness.draft_input(call)   # SGLang's own LogitsProcessor output
+    return call.hidden_states.clone(), None if aux is None else aux.clone()
 
 
 def _group():

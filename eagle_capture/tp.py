@@ -139,8 +139,10 @@ def check_capture_consistency(buffer: AuxCaptureBuffer, num_tokens: int,
         distinct = set(prints)
         if len(distinct) == 1:
             continue
-        counts = {p: prints.count(p) for p in distinct}
-        majority, votes = max(counts.items(), key=lambda kv: kv[1])
+        # Ranks grouped by the value they hold, largest group first.
+        holders = sorted(([r for r in range(world) if prints[r] == p] for p in distinct),
+                         key=lambda ranks: (-len(ranks), ranks))
+        votes = len(holders[0])
         if votes == 1 and world == 2:
             cause = ("the two ranks hold different values: an unreduced per-rank partial sum "
                      "(reduce first, then add), or one rank diverging -- with two ranks "
@@ -150,8 +152,14 @@ def check_capture_consistency(buffer: AuxCaptureBuffer, num_tokens: int,
             cause = ("every rank holds a different value: likely an unreduced per-rank partial "
                      "sum was captured (reduce first, then add)")
             ranks = list(range(world))
+        elif len(holders[1]) == votes:   # no majority: name every group
+            ranks = list(range(world))
+            cause = ("the ranks split into groups holding different values: "
+                     + " vs ".join(str(group) for group in holders)
+                     + " -- a reduction or gather over a sub-group (e.g. the attention-TP "
+                       "group instead of the TP group), or groups fed different batches")
         else:
-            ranks = [r for r in range(world) if prints[r] != majority]
+            ranks = sorted(r for group in holders[1:] for r in group)
             cause = (f"rank(s) {ranks} diverge from the other {votes}: a stale or wrongly "
                      f"indexed buffer, a rank that skipped the capture, or a missing gather")
         problems.append(f"layer {layer} (slot {buffer.slot_of(layer)}): ranks {ranks} differ; "

@@ -3,6 +3,7 @@
     python scripts/mutation_check.py            # every mutant, CPU tests
     python scripts/mutation_check.py --list     # the mutants
     python scripts/mutation_check.py -k slot    # mutants whose name contains "slot"
+    python scripts/mutation_check.py --json scripts/mutation_runs/latest.json   # record the run
 
 Each mutant is one exact text replacement in one source file, applied to a copy
 of the checkout (the working tree is never touched); the copy's tests then run on
@@ -11,11 +12,14 @@ test fails. Exit status 1 if any mutant survives.
 """
 
 import argparse
+import datetime
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -258,6 +262,29 @@ MUTANTS = [
     ("aliasing: a residual straddling two slots accepted", "eagle_capture/_checks.py",
      "        if touched is None or touched == slot:", "        if touched == slot:",
      ["tests/test_bad_inputs.py"]),
+    ("tp: the layer boundary reduces over the attention-TP group", "eagle_capture/tp.py",
+     "dist.all_reduce(partial_hidden, group=self.group)",
+     "dist.all_reduce(partial_hidden, group=self.attn_tp_group)",
+     ["tests/test_tp.py"]),
+    ("tp: the row gather refuses a token count that fills the rows exactly", "eagle_capture/tp.py",
+     "if rows * world < num_tokens:", "if rows * world <= num_tokens:",
+     ["tests/test_tp.py"]),
+    ("tp: a 2-2 split called every rank different", "eagle_capture/tp.py",
+     "        elif votes == 1:\n", "        elif votes <= 2:\n",
+     ["tests/test_tp.py"]),
+    ("tp: a 2-2 split names one half as diverging", "eagle_capture/tp.py",
+     "elif len(holders[1]) == votes:", "elif False:",
+     ["tests/test_tp.py"]),
+    ("rows bound: T == aux rows refused", "eagle_capture/_checks.py",
+     "    if num_tokens > rows:\n", "    if num_tokens >= rows:\n",
+     ["tests/test_bad_inputs.py"]),
+    ("rows bound: one token past the buffer accepted by its views", "eagle_capture/buffer.py",
+     "if not 0 <= num_tokens <= self.max_tokens:", "if not 0 <= num_tokens <= self.max_tokens + 1:",
+     ["tests/test_bad_inputs.py"]),
+    ("drop-in: a forward of exactly max_tokens goes to an overflow buffer", "eagle_capture/sglang.py",
+     "if num_tokens <= self.buffer.max_tokens or torch.compiler.is_compiling():",
+     "if num_tokens < self.buffer.max_tokens or torch.compiler.is_compiling():",
+     ["tests/test_sglang_real.py"]),
     ("doctor: fusion partial sums not reported", "eagle_capture/deployment.py",
      "            elif loop_capture:\n", "            elif False:\n",
      ["tests/test_doctor.py"]),
@@ -298,18 +325,30 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--list", action="store_true")
     p.add_argument("-k", default="", help="only mutants whose name contains this")
+    p.add_argument("--json", help="write the run (date, each mutant's outcome and seconds) here")
     args = p.parse_args(argv)
     mutants = [m for m in MUTANTS if args.k in m[0]]
     if args.list:
         for name, rel, *_ , tests in mutants:
             print(f"{name:48s} {rel:36s} {' '.join(tests)}")
         return 0
-    survived = 0
+    survived, results, started = 0, [], time.monotonic()
     for name, rel, original, mutated, tests in mutants:
+        t0 = time.monotonic()
         caught, detail = run_mutant(name, rel, original, mutated, tests, sys.executable)
         survived += not caught
+        results.append({"name": name, "file": rel, "tests": tests, "caught": caught,
+                        "detail": detail, "seconds": round(time.monotonic() - t0, 1)})
         print(f"{'caught  ' if caught else 'SURVIVED'} {name:48s} {detail}", flush=True)
-    print(f"{len(mutants) - survived} of {len(mutants)} mutants caught")
+    total = time.monotonic() - started
+    print(f"{len(mutants) - survived} of {len(mutants)} mutants caught in {total / 60:.1f} min")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "date": datetime.date.today().isoformat(), "filter": args.k,
+            "mutants": len(mutants), "caught": len(mutants) - survived,
+            "minutes": round(total / 60, 1), "cpus": os.cpu_count(),
+            "results": results}, indent=1) + "\n")
     return 1 if survived else 0
 
 

@@ -91,6 +91,42 @@ def test_add_capture_rejects(call, case):
         assert_bitwise_equal(aux, before)
 
 
+@pytest.mark.parametrize("call", ["public", "op"])
+@pytest.mark.parametrize("num_tokens", [ROWS - 1, ROWS, ROWS + 1])
+def test_token_count_at_the_buffer_rows(call, num_tokens):
+    """The rows bound at the value, one below and one above: up to ``ROWS`` tokens
+    are stored (the rows past them untouched), ``ROWS + 1`` is refused with aux as
+    it was."""
+    args = good()
+    args["hidden_states"] = torch.randn(num_tokens, H, dtype=BF16, device=DEVICE)
+    args["residual"] = torch.randn(num_tokens, H, dtype=BF16, device=DEVICE)
+    aux = args["aux"]
+    before = aux.clone()
+    if num_tokens > ROWS:
+        with pytest.raises(ValueError, match=f"only {ROWS} rows"):
+            _capture(call, args)
+        assert_bitwise_equal(aux, before)
+        return
+    _capture(call, args)
+    expected = before.clone()
+    expected[:num_tokens, 1] = args["hidden_states"] + args["residual"]
+    assert_bitwise_equal(aux, expected)
+
+
+@pytest.mark.parametrize("num_tokens", [ROWS - 1, ROWS, ROWS + 1])
+def test_buffer_views_at_max_tokens(num_tokens):
+    """AuxCaptureBuffer's views and result at ``max_tokens`` and one either side."""
+    buf = ec.AuxCaptureBuffer(ROWS, H, [1, 3, 5], dtype=BF16, device=DEVICE)
+    if num_tokens > ROWS:
+        for view in (lambda: buf.slot_view(3, num_tokens), lambda: buf.result(num_tokens)):
+            with pytest.raises(ValueError, match=f"{num_tokens} tokens do not fit"):
+                view()
+        return
+    assert buf.slot_view(3, num_tokens).shape == (num_tokens, H)
+    assert buf.result(num_tokens).data_ptr() == buf.aux.data_ptr()
+    assert buf.result(num_tokens).shape == (num_tokens, K * H)
+
+
 NORM_CASES = [
     ("weight-wrong-length", dict(weight=lambda: torch.ones(H + 1, dtype=BF16, device=DEVICE)),
      ValueError, r"weight must have shape \[16\]"),

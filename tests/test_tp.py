@@ -97,24 +97,56 @@ def _scenarios(rank, world, device):
     group_index = rank // 2 if world == 4 else 0
     attn_group = groups[group_index]
     attn_world, attn_rank = dist.get_world_size(attn_group), dist.get_rank(attn_group)
-    tokens = 7                                  # not divisible: the last block is padded
-    g = torch.Generator().manual_seed(77 + group_index)
-    h_full = torch.randn(tokens, hidden_size, generator=g)
-    r_full = torch.randn(tokens, hidden_size, generator=g)
-    w = 1 + 0.1 * torch.randn(hidden_size, generator=g)
-    rows = -(-tokens // attn_world)
-    pad = lambda t: torch.cat([t, t.new_zeros(rows * attn_world - tokens, hidden_size)])
-    h_local = pad(h_full)[attn_rank * rows:(attn_rank + 1) * rows].clone()
-    r_local = pad(r_full)[attn_rank * rows:(attn_rank + 1) * rows].clone()
-    scattered = AuxCaptureBuffer(8, hidden_size, [3], dtype=torch.float32)
-    scattered.aux.fill_(float("nan"))
-    TPCapture(scattered, attn_tp_group=attn_group).add_rmsnorm_gather(
-        3, h_local, r_local, w, 1e-6, tokens)
-    full = AuxCaptureBuffer(8, hidden_size, [3], dtype=torch.float32)
-    full.add_rmsnorm_capture(3, h_full.clone(), r_full.clone(), w, 1e-6)
-    assert torch.equal(scattered.slot_view(3, tokens), full.slot_view(3, tokens))
-    assert torch.isnan(scattered.aux[tokens:]).all(), "padding rows reached the buffer"
-    check_capture_consistency(scattered, tokens, hidden_size, group=attn_group)
+    #    Token counts at the group's boundary: one row of padding (7 over 2 ranks),
+    #    none (8: divides exactly), and one more token than the rows can hold.
+    rows = 4
+    for tokens in (rows * attn_world - 1, rows * attn_world):
+        g = torch.Generator().manual_seed(77 + group_index + tokens)
+        h_full = torch.randn(tokens, hidden_size, generator=g)
+        r_full = torch.randn(tokens, hidden_size, generator=g)
+        w = 1 + 0.1 * torch.randn(hidden_size, generator=g)
+        pad = lambda t: torch.cat([t, t.new_zeros(rows * attn_world - tokens, hidden_size)])
+        h_local = pad(h_full)[attn_rank * rows:(attn_rank + 1) * rows].clone()
+        r_local = pad(r_full)[attn_rank * rows:(attn_rank + 1) * rows].clone()
+        scattered = AuxCaptureBuffer(10, hidden_size, [3], dtype=torch.float32)
+        scattered.aux.fill_(float("nan"))
+        TPCapture(scattered, attn_tp_group=attn_group).add_rmsnorm_gather(
+            3, h_local, r_local, w, 1e-6, tokens)
+        full = AuxCaptureBuffer(10, hidden_size, [3], dtype=torch.float32)
+        full.add_rmsnorm_capture(3, h_full.clone(), r_full.clone(), w, 1e-6)
+        assert torch.equal(scattered.slot_view(3, tokens), full.slot_view(3, tokens)), tokens
+        assert torch.isnan(scattered.aux[tokens:]).all(), "padding rows reached the buffer"
+        check_capture_consistency(scattered, tokens, hidden_size, group=attn_group)
+    too_many = rows * attn_world + 1
+    try:
+        TPCapture(scattered, attn_tp_group=attn_group).add_rmsnorm_gather(
+            3, h_local, r_local, w, 1e-6, too_many)
+        raise AssertionError(f"{too_many} tokens from {attn_world} x {rows} rows accepted")
+    except ValueError as exc:
+        assert f"cannot hold {too_many} tokens" in str(exc), exc
+
+    # 6. The TP group and the attention-TP group differ (DP attention: {0, 1} and
+    #    {2, 3} at world 4, each rank alone at world 2): the layer boundary reduces
+    #    over the whole TP group, so the captures still equal TP = 1.
+    singles = [dist.new_group([r]) for r in range(world)] if world == 2 else None
+    sub_group = attn_group if world == 4 else singles[rank]
+    dp = AuxCaptureBuffer(16, hidden_size, layers, dtype=torch.float32)
+    _, got = loop.forward(ids, layers, tp=TPCapture(dp, attn_tp_group=sub_group),
+                          partial=_partial_split(world, rank))
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+    check_capture_consistency(dp, num_tokens, hidden_size)
+
+    # 7. Two equal groups of ranks holding two values (world 4: a reduction over
+    #    the attention-TP halves): the checker names both groups.
+    if world == 4:
+        if rank >= 2:
+            dp.aux[0, 0, 0] += 1.0
+        try:
+            check_capture_consistency(dp, num_tokens, hidden_size)
+            raise AssertionError("a 2-2 split not caught")
+        except CaptureConsistencyError as exc:
+            msg = str(exc)
+            assert "[0, 1] vs [2, 3]" in msg and "every rank" not in msg, msg
 
 
 @pytest.mark.parametrize("world", [2, 4])

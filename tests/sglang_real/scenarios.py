@@ -726,12 +726,21 @@ def refusals():
             _force_setattr(args, field, old)
     # more tokens than the buffer's rows (eager): a buffer for that forward alone,
     # never a failed forward mid-serving
+    # (the bound at the value and one either side: MAX_TOKENS rows fit the
+    # persistent buffer, one more does not)
     ref_big, too_many = _build(torch.float32), _build(torch.float32)
     _install(too_many)
-    final_ref, aux_ref = _run(ref_big, MAX_TOKENS + 5)
-    final, aux = _run(too_many, MAX_TOKENS + 5)
-    assert torch.equal(aux, aux_ref) and torch.equal(final, final_ref)
-    assert _state(too_many).overflow_forwards == 1 and _state(too_many).overflow is None
+    state = _state(too_many)
+    for num_tokens, overflows in ((MAX_TOKENS - 1, 0), (MAX_TOKENS, 0), (MAX_TOKENS + 1, 1),
+                                  (MAX_TOKENS + 5, 2)):
+        final_ref, aux_ref = _run(ref_big, num_tokens, seed=num_tokens)
+        final, aux = _run(too_many, num_tokens, seed=num_tokens)
+        assert torch.equal(aux, aux_ref) and torch.equal(final, final_ref), num_tokens
+        assert state.overflow_forwards == overflows and state.overflow is None, \
+            f"T={num_tokens}: {state.overflow_forwards} forwards past the buffer, want {overflows}"
+        if not overflows:
+            assert torch.equal(state.buffer.aux[:num_tokens].flatten(1), aux_ref), \
+                f"T={num_tokens}: not captured into the persistent buffer"
     out["too_many_tokens"] = "served from a buffer of its own for that forward"
     return out
 

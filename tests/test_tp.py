@@ -42,6 +42,16 @@ class CapturesBeforeReducing(TPCapture):
         ops.add_rmsnorm_capture(partial_hidden, residual, weight, eps)
 
 
+def _message(exc_type, fn, what: str) -> str:
+    """The message of the ``exc_type`` that ``fn()`` must raise (``what`` names the
+    case when it does not)."""
+    try:
+        fn()
+    except exc_type as exc:
+        return str(exc)
+    raise AssertionError(f"{what} not caught")
+
+
 def _scenarios(rank, world, device):
     from eagle_capture import AuxCaptureBuffer
     from eagle_capture.reference_loop import SGLangDeepseekLoop
@@ -64,31 +74,27 @@ def _scenarios(rank, world, device):
     #    all-reduce): every rank differs, the checker says so.
     bad = AuxCaptureBuffer(16, hidden_size, layers, dtype=torch.float32)
     loop.forward(ids, layers, tp=CapturesBeforeReducing(bad), partial=_partial_split(world, rank))
-    try:
-        check_capture_consistency(bad, num_tokens, hidden_size)
-        raise AssertionError("unreduced capture not caught")
-    except CaptureConsistencyError as exc:
-        assert "layer 2 (slot 0)" in str(exc) and "unreduced" in str(exc), exc
+    msg = _message(CaptureConsistencyError,
+                   lambda: check_capture_consistency(bad, num_tokens, hidden_size),
+                   "unreduced capture")
+    assert "layer 2 (slot 0)" in msg and "unreduced" in msg, msg
 
     # 3. An H/tp-wide capture.
     narrow = AuxCaptureBuffer(16, hidden_size // world, layers, dtype=torch.float32)
-    try:
-        check_capture_consistency(narrow, num_tokens, hidden_size)
-        raise AssertionError("TP-shard width not caught")
-    except CaptureConsistencyError as exc:
-        assert "tensor-parallel shard" in str(exc), exc
+    msg = _message(CaptureConsistencyError,
+                   lambda: check_capture_consistency(narrow, num_tokens, hidden_size),
+                   "TP-shard width")
+    assert "tensor-parallel shard" in msg, msg
 
     # 4. One rank diverging (here: the last rank's slot 1 off by one element).
     if rank == world - 1:
         buf.aux[3, 1, 5] += 1.0
-    try:
-        check_capture_consistency(buf, num_tokens, hidden_size)
-        raise AssertionError("diverging rank not caught")
-    except CaptureConsistencyError as exc:
-        msg = str(exc)
-        assert "layer 4 (slot 1)" in msg and "layer 2" not in msg, msg
-        if world > 2:
-            assert f"rank(s) [{world - 1}] diverge" in msg, msg
+    msg = _message(CaptureConsistencyError,
+                   lambda: check_capture_consistency(buf, num_tokens, hidden_size),
+                   "diverging rank")
+    assert "layer 4 (slot 1)" in msg and "layer 2" not in msg, msg
+    if world > 2:
+        assert f"rank(s) [{world - 1}] diverge" in msg, msg
 
     # 5. Token-scattered rows gathered over the attention-TP group equal the
     #    full-rows capture. With world 4: two attention-TP groups {0,1}, {2,3},
@@ -118,12 +124,10 @@ def _scenarios(rank, world, device):
         assert torch.isnan(scattered.aux[tokens:]).all(), "padding rows reached the buffer"
         check_capture_consistency(scattered, tokens, hidden_size, group=attn_group)
     too_many = rows * attn_world + 1
-    try:
-        TPCapture(scattered, attn_tp_group=attn_group).add_rmsnorm_gather(
-            3, h_local, r_local, w, 1e-6, too_many)
-        raise AssertionError(f"{too_many} tokens from {attn_world} x {rows} rows accepted")
-    except ValueError as exc:
-        assert f"cannot hold {too_many} tokens" in str(exc), exc
+    msg = _message(ValueError, lambda: TPCapture(scattered, attn_tp_group=attn_group)
+                   .add_rmsnorm_gather(3, h_local, r_local, w, 1e-6, too_many),
+                   f"{too_many} tokens from {attn_world} x {rows} rows")
+    assert f"cannot hold {too_many} tokens" in msg, msg
 
     # 6. The TP group and the attention-TP group differ (DP attention: {0, 1} and
     #    {2, 3} at world 4, each rank alone at world 2): the layer boundary reduces
@@ -141,12 +145,10 @@ def _scenarios(rank, world, device):
     if world == 4:
         if rank >= 2:
             dp.aux[0, 0, 0] += 1.0
-        try:
-            check_capture_consistency(dp, num_tokens, hidden_size)
-            raise AssertionError("a 2-2 split not caught")
-        except CaptureConsistencyError as exc:
-            msg = str(exc)
-            assert "[0, 1] vs [2, 3]" in msg and "every rank" not in msg, msg
+        msg = _message(CaptureConsistencyError,
+                       lambda: check_capture_consistency(dp, num_tokens, hidden_size),
+                       "a 2-2 split")
+        assert "[0, 1] vs [2, 3]" in msg and "every rank" not in msg, msg
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -118,7 +118,8 @@ class CaptureState:
         # Live self-check (EAGLE_CAPTURE_VERIFY=N): compare with SGLang's own norm.
         self.verify_left = 0
         self.verify_total = 0
-        self.verify_group = None      # TP process group for the cross-rank check
+        self.verify_group = None      # TP process group: every rank takes one decision
+        self.verify_rows_group = None  # ranks holding the same rows (attention TP): compared
         self.verify_mismatches: list[str] = []
         self.verify_norm_dev = 0.0
         self.verified_forwards = 0
@@ -254,7 +255,7 @@ class CaptureState:
         tp_note = "1 rank"
         mismatches, self.verify_mismatches = self.verify_mismatches, []
         peer_mismatch = False
-        if self.verify_group is not None and num_tokens:
+        if self.verify_group is not None:
             from .tp import CaptureConsistencyError, check_capture_consistency
             import torch.distributed as dist
             world = dist.get_world_size(self.verify_group)
@@ -264,12 +265,23 @@ class CaptureState:
                                 device=buffer.aux.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.verify_group)
             peer_mismatch = bool(flag.item()) and not mismatches
+            # Only ranks holding the same rows are compared: under DP attention
+            # each attention-TP group serves its own requests.
+            rows_group = self.verify_rows_group
+            rows_world = dist.get_world_size(rows_group) if rows_group is not None else 1
+            same = "TP ranks" if rows_world == world else "attention-TP ranks"
             try:
-                check_capture_consistency(buffer, num_tokens, buffer.hidden_size,
-                                          self.verify_group)
-                tp_note = f"identical on all {world} TP ranks"
+                if rows_group is None:
+                    tp_note = (f"{world} TP ranks with DP attention: each holds its own "
+                               f"requests' rows (no two ranks compared)")
+                elif not num_tokens:   # the whole attention-TP group is idle
+                    tp_note = "no rows on this rank (idle)"
+                else:
+                    check_capture_consistency(buffer, num_tokens, buffer.hidden_size,
+                                              rows_group)
+                    tp_note = f"identical on all {rows_world} {same}"
             except CaptureConsistencyError as e:
-                tp_note = f"NOT identical across the {world} TP ranks"
+                tp_note = f"NOT identical across the {rows_world} {same}"
                 why = (" Each rank's capture equals SGLang's own there, so SGLang's capture hands "
                        "the draft the same: the deployment itself is inconsistent"
                        if not flag.item() else "")
@@ -544,7 +556,9 @@ class _CapturingLogitsMixin:
         state.check_complete(num_tokens)
         buffer = state.buffer_for(num_tokens)
         state.overflow = None   # the view below keeps a per-forward buffer alive
-        if num_tokens and state.verifying(hidden_states):   # idle batches: nothing to check
+        # An idle rank (DP attention: no requests of its own) still joins the
+        # self-check's collectives; a single process has nothing to check then.
+        if state.verifying(hidden_states) and (num_tokens or state.verify_group is not None):
             state.finish_verified_forward(buffer, num_tokens)
         packed = buffer.result(num_tokens)
         if state.copy_out:
@@ -661,6 +675,31 @@ def _runtime_modes() -> dict:
     }
 
 
+def _attention_tp_size() -> Optional[int]:
+    """The attention-TP group's size (SGLang's ``get_attn_tp_group``, every line
+    0.5.9 - 0.5.23: the TP group without DP attention, tp_size / dp_size with
+    it); 1 outside a distributed SGLang process; None if it cannot be read."""
+    ps = sys.modules.get("sglang.srt.distributed.parallel_state")
+    if ps is None:
+        return 1
+    try:
+        return int(ps.get_attn_tp_group().world_size)
+    except Exception:  # noqa: BLE001 - groups not initialised: a single process
+        initialised = getattr(ps, "model_parallel_is_initialized", None)
+        try:
+            return None if initialised is not None and initialised() else 1
+        except Exception:  # noqa: BLE001
+            return None
+
+
+def _dp_attention_enabled() -> bool:
+    modes = _runtime_modes()
+    if modes.get("enable_dp_attention"):
+        return True
+    args = _server_args()
+    return bool(getattr(args, "enable_dp_attention", False)) if args is not None else False
+
+
 def _refuse_unsupported_modes() -> None:
     args = _server_args()
     modes = _runtime_modes()
@@ -675,13 +714,24 @@ def _refuse_unsupported_modes() -> None:
     if mode("enable_two_batch_overlap", False):
         refused.append("two-batch overlap (enable_two_batch_overlap): the input norm runs on "
                        "half-batches, each of which would overwrite the slot's first rows")
-    if mode("enable_dp_attention", False):
-        refused.append("DP attention (enable_dp_attention): the captured rows may be scattered "
-                       "over the attention-TP group and must be gathered first")
+    # DP attention itself is served: each rank's input norm sees that rank's own
+    # (padded) rows, whole on every attention-TP rank, exactly what SGLang
+    # captures there and hands that rank's draft. Rows are token-scattered over
+    # the attention-TP group only when it has several ranks and the layer before
+    # a capture ran its FFN on this rank's slice (an all-to-all MoE backend after
+    # a sparse layer, moe_dense_tp_size 1 after a dense one).
+    attn_tp = _attention_tp_size()
     backend = mode("moe_a2a_backend", "none")
-    if backend not in (None, "none"):
-        refused.append(f"all-to-all MoE (moe_a2a_backend={backend!r}): rows are "
-                       f"token-scattered after sparse layers and must be gathered first")
+    dense_tp = getattr(args, "moe_dense_tp_size", None) if args is not None else None
+    if attn_tp != 1:
+        width = "unknown" if attn_tp is None else attn_tp
+        if backend not in (None, "none"):
+            refused.append(f"all-to-all MoE (moe_a2a_backend={backend!r}) with an attention-TP "
+                           f"group of {width} ranks: after sparse layers each rank holds a "
+                           f"slice of the rows, which must be gathered first")
+        if dense_tp == 1:
+            refused.append(f"moe_dense_tp_size=1 with an attention-TP group of {width} ranks: "
+                           f"after dense layers each rank holds a slice of the rows")
     cp = mode("attn_cp_size", 1)
     if cp not in (None, 1):
         refused.append(f"context parallelism (attn_cp_size={cp}): each rank holds a slice of "
@@ -786,7 +836,12 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
         norm.__class__ = _with_mixin(_CapturingNormMixin, type(norm))
         norm._eagle_capture = state
         norm._eagle_layer_id = i
-    if residual_in_slot and all(n is not None for n in post_norms):
+    # Not under DP attention: there SGLang's DP gather reads the residual around
+    # the post-attention norm and may call that norm without it (0.5.9, or an
+    # attention-TP group of several ranks, where the reduced rows are scattered
+    # back into the residual), so the slot could not hand it on.
+    if residual_in_slot and not _dp_attention_enabled() and \
+            all(n is not None for n in post_norms):
         for i, norm in zip(layer_ids, post_norms):
             norm.__class__ = _with_mixin(_SlotResidualPostNormMixin, type(norm))
             norm._eagle_capture = state

@@ -293,11 +293,22 @@ def _deployment(args, sizing) -> str:
     backend = getattr(comm, "flashinfer_allreduce_fusion_backend", None)
     fusion = (backend if backend is not None else
               "on" if getattr(args, "enable_flashinfer_allreduce_fusion", False) else "off")
-    if tp == 1:
+    if tp == 1 or _sglang_dp_attention():
         fusion = "n/a"
     graphs = (f"CUDA graphs up to {sizing.graph_tokens} tokens" if sizing.graph_tokens
               else "no CUDA graphs seen")
-    return f"TP {tp}, all-reduce fusion {fusion} (captures its reduced residual_out), {graphs}"
+    dp = ""
+    if _sglang_dp_attention():
+        from .sglang import _attention_tp_size
+        dp = (f", DP attention (attention-TP {_attention_tp_size()}: each rank captures its own "
+              f"requests' rows)")
+    return (f"TP {tp}{dp}, all-reduce fusion {fusion} (captures its reduced residual_out), "
+            f"{graphs}")
+
+
+def _sglang_dp_attention() -> bool:
+    from .sglang import _dp_attention_enabled
+    return _dp_attention_enabled()
 
 
 def _capture_path(state) -> str:
@@ -320,13 +331,28 @@ def _setup_verify(state, env) -> None:
         raise PluginError(f"{VERIFY}={raw!r}: expected a number of forwards >= 0") from None
     state.verify_left = state.verify_total = n
     state.verify_group = _tp_group(state.buffer.aux)
+    state.verify_rows_group = _attn_tp_group(state.buffer.aux)
+
+
+def _attn_tp_group(like):
+    """The ranks that hold the same rows (SGLang's attention-TP group: the TP group
+    without DP attention, tp / dp ranks with it), when there are several; else
+    None."""
+    return _process_group("get_attn_tp_group", like)
 
 
 def _tp_group(like):
     """SGLang's TP process group when there are several ranks, else None."""
+    return _process_group("get_tp_group", like)
+
+
+def _process_group(getter: str, like):
+    """The torch process group of SGLang's ``parallel_state.<getter>()`` group for
+    tensors like ``like`` (its device group for CUDA ones), when it has several
+    ranks; else None."""
     try:
-        from sglang.srt.distributed import get_tp_group
-        group = get_tp_group()
+        from sglang.srt.distributed import parallel_state
+        group = getattr(parallel_state, getter)()
     except Exception:  # noqa: BLE001 - outside a server
         return None
     if group.world_size <= 1:

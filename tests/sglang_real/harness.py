@@ -118,8 +118,26 @@ in each of two processes; ``tp_scenarios.py`` / ``tests/test_sglang_real_tp.py``
     Stood in: as above. The ``tanh`` stand-in is refused at TP > 1 (it would
     hand SGLang's all-reduce the full output on every rank).
 
+DP attention (``setup(tp_size=2, dp_size=2, ...)``; ``dp_scenarios.py`` /
+``tests/test_sglang_real_dp.py``)
+    Real, in addition: ``ServerArgs(enable_dp_attention=True, dp_size=2)`` (0.5.20+
+    with CUDA graphs disabled in its ``cuda_graph_config``: model_path "dummy"
+    skips the resolution that fills it), the DP rank published (0.5.22+),
+    ``initialize_model_parallel`` with the attention-DP width, every rank's own
+    batch through ``make_dp_batch`` (the scheduler's token-count all-gather over
+    the TP CPU group, then SGLang's ``prepare_mlp_sync_batch`` with a stand-in
+    model runner of the fields it reads, and ``post_forward_mlp_sync_batch``
+    after the forward), SGLang's DP gather / scatter around every MLP / MoE.
+    Changed for CPU tensors, after import: ``_dp_attention_on_cpu`` (SGLang's own
+    CPU branches where the line has them). The row-parallel stand-ins shard over
+    the group of the replaced module's own projection (attention: its attention-TP
+    group, one rank per DP rank; dense MLP / MoE: the TP group); with an
+    all-to-all MoE backend (``moe_a2a_backend="deepep"``, DeepEP itself stubbed)
+    the sparse layers' MoE is the whole-row ``StandIn``: DeepEP's dispatch and
+    combine map this rank's rows to their outputs.
+
 Not covered
-    DP attention, TBO, PP, CUDA graphs, the CUDA / AMX fused norm kernels, the
+    TBO, PP, CUDA graphs, the CUDA / AMX fused norm kernels, the
     flashinfer / aiter all-reduce + RMSNorm fusion (it needs TP > 1 and
     sm90/sm100 + flashinfer or ROCm aiter, so it is never taken here), custom /
     symmetric-memory / NCCL all-reduce (TP > 1 runs gloo on CPU).
@@ -251,7 +269,8 @@ def use_overlay(version_dir: str) -> None:
 
 def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=None, *,
           tp_size: int | None = None, rank: int = 0, init_method: str | None = None,
-          dist_timeout: int | None = None):
+          dist_timeout: int | None = None, dp_size: int = 1,
+          moe_a2a_backend: str | None = None):
     """Import sglang (stubs installed first), set global server args and the
     gloo process groups. Idempotent (first call wins).
 
@@ -264,7 +283,9 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
     size (see the "Tensor parallel" section of the module docstring).
     ``dist_timeout``: seconds, passed to init_distributed_environment (as the
     model runner passes --dist-timeout) so that a rank whose peer died fails
-    instead of waiting the default 30 minutes."""
+    instead of waiting the default 30 minutes. ``dp_size > 1``: DP attention
+    (``--enable-dp-attention --dp-size dp_size``; see "DP attention" in the
+    module docstring)."""
     if _STATE.get("ready"):
         if tp_size is not None and (tp_size, rank) != (_STATE["tp_size"], _STATE["rank"]):
             raise RuntimeError(
@@ -277,6 +298,8 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
     if tp_size > 1 and init_method is None:
         raise ValueError("tp_size > 1 needs the init_method all ranks share "
                          "(tcp://127.0.0.1:<port>)")
+    if dp_size < 1 or tp_size % dp_size:
+        raise ValueError(f"dp_size {dp_size} does not divide tp_size {tp_size}")
     if version_dir is not None:
         use_overlay(version_dir)
     import torch
@@ -294,9 +317,23 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
 
     # TP > 1: --disable-custom-all-reduce, as SGLang's own warning asks of a CPU
     # process (there is no custom all-reduce on CPU; the gloo all-reduce runs).
-    server_args = (ServerArgs(model_path="dummy", device="cpu") if tp_size == 1 else
-                   ServerArgs(model_path="dummy", device="cpu", tp_size=tp_size,
-                              disable_custom_all_reduce=True))
+    args = {} if tp_size == 1 else dict(tp_size=tp_size, disable_custom_all_reduce=True)
+    if dp_size > 1:
+        args.update(dp_size=dp_size, enable_dp_attention=True)
+        try:   # 0.5.20+: model_path "dummy" skips the resolution that fills it in
+            from sglang.srt.model_executor.cuda_graph_config import (
+                Backend, CudaGraphConfig, PhaseConfig)
+            args["cuda_graph_config"] = CudaGraphConfig(
+                decode=PhaseConfig(backend=Backend.DISABLED),
+                prefill=PhaseConfig(backend=Backend.DISABLED))
+        except ImportError:
+            pass
+    if moe_a2a_backend is not None:
+        # Its GPU package (DeepEP) stubbed: the MoE body is stood in, only the
+        # layer layout SGLang derives from the backend is real.
+        stubs.install(("deep_ep",))
+        args["moe_a2a_backend"] = moe_a2a_backend
+    server_args = ServerArgs(model_path="dummy", device="cpu", **args)
     try:
         from sglang.srt.runtime_context import SpawnRanks, publish
     except ImportError:
@@ -312,8 +349,11 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
         if tp_size > 1:
             from sglang.srt.runtime_context import spawn_world_rank
             world_rank = spawn_world_rank(server_args, tp_rank=rank, pp_rank=0)
+        # DP attention: the DP controller gives TP rank r the attention-DP rank
+        # r // attn_tp_size (compute_dp_attention_world_info).
+        dp_rank = rank // (tp_size // dp_size) if dp_size > 1 else None
         publish(server_args, role="scheduler",
-                ranks=SpawnRanks(world_rank=world_rank, dp_rank=None, gpu_id=None))
+                ranks=SpawnRanks(world_rank=world_rank, dp_rank=dp_rank, gpu_id=None))
         publish_call = f"runtime_context.publish(role='scheduler', ranks=SpawnRanks({world_rank}))"
     else:
         # <= 0.5.13: sets the module global read by get_global_server_args();
@@ -346,8 +386,10 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
     calls = [publish_call, f"init_distributed_environment(gloo, world {tp_size}"
              + (f", rank {rank})" if tp_size > 1 else ")")]
     if "tensor_model_parallel_size" in inspect.signature(ps.initialize_model_parallel).parameters:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)  # <= 0.5.22
-        calls.append(f"initialize_model_parallel(tensor_model_parallel_size={tp_size})")
+        dp_kw = {"attention_data_parallel_size": dp_size} if dp_size > 1 else {}
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, **dp_kw)  # <= 0.5.22
+        calls.append(f"initialize_model_parallel(tensor_model_parallel_size={tp_size}"
+                     + (f", attention_data_parallel_size={dp_size})" if dp_kw else ")"))
     else:  # 0.5.23: widths come from the published get_parallel() (tp_size=server_args.tp_size)
         ps.initialize_model_parallel()
         calls.append("initialize_model_parallel()")
@@ -395,9 +437,55 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
         else:  # >= 0.5.20: reads the published bags
             initialize_moe_config()
             calls.append("initialize_moe_config()")
+    if dp_size > 1:
+        calls += _dp_attention_on_cpu()
     _STATE["tp_size"] = tp_size
+    _STATE["dp_size"] = dp_size
     _STATE["rank"] = rank
     _STATE["ready"] = True
+
+
+def _dp_attention_on_cpu() -> list[str]:
+    """What DP attention's forward needs to run on CPU tensors, each SGLang's own
+    CPU branch where the line has one (module globals, set after import; the
+    computation is unchanged): pinned memory in ``prepare_mlp_sync_batch``
+    (``forward_batch_info._is_cpu``; <= 0.5.18 have no CPU branch: pinning is
+    dropped by a TorchFunctionMode around that call, :func:`make_dp_batch`), the
+    Triton row copy of dp_gather / dp_scatter (``dp_attention.memcpy_cpu``, or a
+    torch slice copy of the same semantics where the line has none), and the
+    CUDA-only custom ops ``GroupCoordinator.all_gather_into_tensor`` /
+    ``reduce_scatter_tensor`` wrap (their own ``_``-prefixed bodies, which the
+    custom ops call, then ``torch.distributed`` on gloo). SGLANG_USE_CPU_ENGINE
+    stays unset, so RMSNorm still takes forward_native."""
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.layers import dp_attention as dpa
+    from sglang.srt.model_executor import forward_batch_info as fbi
+
+    done = []
+    coordinator = ps.GroupCoordinator
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        setattr(coordinator, name, getattr(coordinator, "_" + name))
+        done.append(f"GroupCoordinator.{name} = GroupCoordinator._{name}")
+    if hasattr(dpa, "memcpy_cpu"):
+        dpa.memcpy_func = dpa.memcpy_cpu
+        done.append("dp_attention.memcpy_func = dp_attention.memcpy_cpu")
+    else:
+        def memcpy_torch(dst, src, dim, offset, sz, offset_src):
+            """memcpy_triton's semantics: rows [offset, offset + sz) of src into dst's
+            first rows (offset_src), or src's first rows into dst at offset."""
+            if dim != 0 or src.shape[1:] != dst.shape[1:]:
+                raise AssertionError("memcpy_triton stand-in: rows of equal width only")
+            o, n = int(offset), int(sz)
+            if offset_src:
+                dst[:n].copy_(src[o:o + n])
+            else:
+                dst[o:o + n].copy_(src[:n])
+        dpa.memcpy_triton = memcpy_torch
+        done.append("dp_attention.memcpy_triton = a torch row copy")
+    if hasattr(fbi, "_is_cpu"):
+        fbi._is_cpu = True
+        done.append("forward_batch_info._is_cpu = True")
+    return done
 
 
 def tp_world_size() -> int:
@@ -479,19 +567,17 @@ def _define_modules():
 
         def __init__(self, hidden_size: int, seed: int, role: str, real, reduces: bool):
             super().__init__(hidden_size, seed, role, real)
-            from sglang.srt.distributed import get_tp_group
             from sglang.srt.layers.linear import RowParallelLinear
 
-            tp_group = get_tp_group()      # what RowParallelLinear shards over
-            world, rank = tp_group.world_size, tp_group.rank_in_group
+            world, rank, group = _shard_group(real)
             if hidden_size % world:
-                raise ValueError(f"hidden {hidden_size} does not split over TP {world}")
+                raise ValueError(f"hidden {hidden_size} does not split over {world} ranks")
             shard = hidden_size // world
             self.cols = (rank * shard, (rank + 1) * shard)
             self.reduces = bool(reduces)
             self.proj = RowParallelLinear(hidden_size, hidden_size, bias=False,
                                           reduce_results=self.reduces,
-                                          prefix=f"standin.{role}.proj")
+                                          prefix=f"standin.{role}.proj", **group)
             self.proj.weight_loader(self.proj.weight, self.w.to(self.proj.weight.dtype))
             want = self.w[:, self.cols[0]:self.cols[1]].to(self.proj.weight.dtype)
             if not torch.equal(self.proj.weight.data, want):
@@ -557,6 +643,42 @@ def _observed_logits_processor(config):
     lp = ObservedLogitsProcessor(config)
     lp.records = []
     return lp
+
+
+def _all_to_all_moe(real) -> bool:
+    """A sparse layer's MoE under an all-to-all backend (DeepEP): it dispatches
+    each of this rank's rows to its experts and combines them back, so it maps
+    this rank's rows to their finished outputs with no collective the layer
+    sees; its stand-in is the whole contraction (``StandIn``) on those rows."""
+    if type(real).__name__ != "DeepseekV2MoE":
+        return False
+    from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+    return not get_moe_a2a_backend().is_none()
+
+
+def _shard_group(real) -> tuple[int, int, dict]:
+    """(ranks, this rank, RowParallelLinear arguments) of the group the replaced
+    real module's output projection shards over: attention's ``o_proj`` (the
+    attention-TP group: one rank per DP rank under DP attention), the dense
+    MLP's ``down_proj``, else (the MoE) the TP group. The arguments are empty
+    where that group is the TP group (RowParallelLinear's default)."""
+    from sglang.srt.distributed import get_tp_group
+
+    tp = get_tp_group()
+    proj = getattr(real, "o_proj", None) or getattr(real, "down_proj", None)
+    if proj is None:
+        return tp.world_size, tp.rank_in_group, {}
+    if hasattr(proj, "tp_rank"):            # <= 0.5.20: tp_rank / tp_size arguments
+        world, rank = proj.tp_size, proj.tp_rank
+        group = {"tp_rank": rank, "tp_size": world}
+    else:                                   # 0.5.22+: a parallel_group argument
+        from sglang.srt.layers import linear
+        world = proj.input_size // proj.input_size_per_partition
+        rank = linear.get_group_rank_size(proj.tp_group)[0] if world > 1 else 0
+        group = {"parallel_group": proj.parallel_group}
+    if (world, rank) == (tp.world_size, tp.rank_in_group):
+        return world, rank, {}
+    return world, rank, group
 
 
 def _reduces_itself(role: str, real) -> bool:
@@ -737,9 +859,12 @@ def build_model(num_layers: int = 6, hidden_size: int = 64, dtype=None,
                 layer.self_attn = RowParallelStandIn(
                     hidden_size, seed * 1000 + 2 * i, "attn", layer.self_attn,
                     _reduces_itself("attn", layer.self_attn))
-                layer.mlp = RowParallelStandIn(
-                    hidden_size, seed * 1000 + 2 * i + 1, "mlp", layer.mlp,
-                    _reduces_itself("mlp", layer.mlp))
+                if _all_to_all_moe(layer.mlp):   # whole rows in, whole rows out
+                    layer.mlp = StandIn(hidden_size, seed * 1000 + 2 * i + 1, "mlp", layer.mlp)
+                else:
+                    layer.mlp = RowParallelStandIn(
+                        hidden_size, seed * 1000 + 2 * i + 1, "mlp", layer.mlp,
+                        _reduces_itself("mlp", layer.mlp))
     lm.logits_processor = _observed_logits_processor(lm.config)
     _seed_lm_head(lm, seed)
     if set_capture:
@@ -829,9 +954,98 @@ def make_batch(model, num_tokens: int, mode: str = "extend", seed: int = 0,
     return input_ids, positions, fb
 
 
+def make_dp_batch(model, num_tokens: int, mode: str = "extend", seed: int = 0,
+                  capture: str = "full"):
+    """Under DP attention: this rank's own batch (``make_batch``) plus what the
+    scheduler and model runner add before the forward -- the token counts of
+    every rank, all-gathered over the TP group's CPU group as the scheduler's
+    DP-attention sync does (``global_num_tokens``, ``..._for_logprob``,
+    ``is_extend_in_batch``), then SGLang's own
+    ``ForwardBatch.prepare_mlp_sync_batch`` (the padding mode, the DP buffer
+    lengths, this rank's rows padded) with a stand-in model runner carrying the
+    fields it reads. ``run`` then calls ``post_forward_mlp_sync_batch``, which
+    trims the output back to this rank's rows. A collective: every rank calls it."""
+    import torch
+    import torch.distributed as dist
+    from sglang.srt.distributed import get_tp_group
+
+    input_ids, positions, fb = make_batch(model, num_tokens, mode, seed, capture)
+    logprob_rows = num_tokens if mode == "decode" else min(num_tokens, 1)
+    mine = torch.tensor([num_tokens, logprob_rows, int(mode == "extend" and num_tokens > 0)])
+    group = get_tp_group()
+    every = [torch.empty_like(mine) for _ in range(group.world_size)]
+    dist.all_gather(every, mine, group=group.cpu_group)
+    tokens = [int(t[0]) for t in every]
+    logprob = [int(t[1]) for t in every]
+    fb.is_extend_in_batch = any(int(t[2]) for t in every)
+    fb.global_num_tokens_cpu = tokens
+    fb.global_num_tokens_gpu = torch.tensor(tokens, dtype=torch.int64)
+    fb.global_num_tokens_for_logprob_cpu = logprob
+    fb.global_num_tokens_for_logprob_gpu = torch.tensor(logprob, dtype=torch.int64)
+    if hasattr(fb, "original_global_num_tokens_cpu"):
+        fb.original_global_num_tokens_cpu = tokens
+    if getattr(fb, "lora_ids", "absent") is None:   # ForwardBatch.init_new sets one per request
+        fb.lora_ids = [None] * fb.batch_size
+    with _no_pinned_memory():
+        fb.prepare_mlp_sync_batch(_dp_runner(model))
+    fb._harness_dp = True
+    return fb.input_ids, fb.positions, fb
+
+
+def _dp_runner(model):
+    """The model-runner fields ``prepare_mlp_sync_batch`` reads (every line read):
+    not a draft worker, the model config, the server arguments (0.5.18), the
+    attention backend's seq-len fill
+    value for padded requests (1, as the CPU and CUDA backends return) and, in
+    0.5.23, its late-layer row count (None: the backends without late layers)."""
+    import types
+
+    lm = text_lm(model)
+
+    class Backend:
+        def get_cuda_graph_seq_len_fill_value(self):
+            return 1
+
+        def get_cpu_graph_seq_len_fill_value(self):
+            return 1
+
+        def late_layer_num_tokens(self, forward_batch):   # 0.5.23: no late-layer rows
+            return None
+
+    config = types.SimpleNamespace(hidden_size=lm.config.hidden_size, hf_config=lm.config,
+                                   dtype=model._harness_dtype, linear_attn_registry_result=None)
+    runner = types.SimpleNamespace(is_draft_worker=False, model_config=config,
+                                   attn_backend=Backend(), spec_algorithm=None,
+                                   server_args=_STATE["server_args"])
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    if hasattr(ModelRunner, "attn_tp_sequence_sharded"):   # 0.5.23
+        runner.attn_tp_sequence_sharded = lambda n: ModelRunner.attn_tp_sequence_sharded(runner, n)
+    return runner
+
+
+def _no_pinned_memory():
+    """<= 0.5.18 pin the DP token counts unconditionally (no CPU branch): the same
+    tensors, unpinned (pinning needs an accelerator)."""
+    import contextlib
+
+    from sglang.srt.model_executor import forward_batch_info as fbi
+    if hasattr(fbi, "_is_cpu"):
+        return contextlib.nullcontext()
+    from torch.overrides import TorchFunctionMode
+
+    class NoPin(TorchFunctionMode):
+        def __torch_function__(self, func, types_, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
+            return func(*args, **kwargs)
+
+    return NoPin()
+
+
 def run(model, batch) -> LogitsCall:
     """One forward: what the model handed its (real) LogitsProcessor and what that
-    returned."""
+    returned (a DP-attention batch: after SGLang's post_forward_mlp_sync_batch)."""
     import torch
 
     input_ids, positions, fb = batch
@@ -842,6 +1056,8 @@ def run(model, batch) -> LogitsCall:
     assert len(rec.records) == n + 1, "LogitsProcessor not called exactly once"
     call = rec.records[-1]
     assert returned is call.output, "the model did not return its LogitsProcessor's output"
+    if getattr(fb, "_harness_dp", False):
+        fb.post_forward_mlp_sync_batch(call.output)
     return call
 
 

@@ -21,6 +21,7 @@ import importlib
 import logging
 import os
 import types
+from typing import Optional
 
 import torch
 
@@ -300,9 +301,11 @@ def plugin_refuses_wrong_ids():
 
 
 @contextlib.contextmanager
-def planted_capture_fault(bad_slot: int):
-    """A wrong capture in one slot, planted in the drop-in's fused capture kernels
-    (path e's add_rmsnorm_capture and path f's add_rmsnorm_into_slot)."""
+def planted_capture_fault(bad_slot: Optional[int], corrupt=None):
+    """A wrong capture planted in the drop-in's fused capture kernels (path e's
+    add_rmsnorm_capture and path f's add_rmsnorm_into_slot), after the kernel:
+    ``corrupt(rows)`` rewrites a captured slot's ``[T, H]`` rows in place (default:
+    +1 on column 0), in slot ``bad_slot`` (None: every slot)."""
     from eagle_capture import sglang as dropin
 
     real = {name: getattr(dropin.ops, name)
@@ -311,8 +314,12 @@ def planted_capture_fault(bad_slot: int):
     def planted(real_op):
         def wrong(x, residual, weight, eps, aux, slot, norm_fp32_sum=False):
             real_op(x, residual, weight, eps, aux, slot, norm_fp32_sum=norm_fp32_sum)
-            if slot == bad_slot:
-                aux[: x.shape[0], slot, 0] += 1.0
+            if bad_slot is None or slot == bad_slot:
+                rows = aux[: x.shape[0], slot]
+                if corrupt is None:
+                    rows[:, 0] += 1.0
+                else:
+                    corrupt(rows)
         return wrong
 
     for name, op in real.items():

@@ -710,9 +710,12 @@ def refusals():
     from eagle_capture.sglang import _server_args
     args = _server_args()
     assert args is not None, "eagle_capture cannot read this SGLang line's server args"
+    # (DP attention and an all-to-all MoE are served where each rank's rows stay
+    # whole -- an attention-TP group of one rank, as here at world 1: the TP
+    # scenarios test the refusal with two, the DP scenarios the capture.)
     for field, value, match in (("enable_two_batch_overlap", True, "two-batch overlap"),
-                                ("enable_dp_attention", True, "DP attention"),
-                                ("moe_a2a_backend", "deepep", "all-to-all MoE"),
+                                ("enable_dp_attention", True, None),
+                                ("moe_a2a_backend", "deepep", None),
                                 ("attn_cp_size", 2, "context parallelism")):
         if not hasattr(args, field):
             out[field] = "not a server argument of this line"
@@ -721,7 +724,11 @@ def refusals():
         old = getattr(args, field)
         _force_setattr(args, field, value)
         try:
-            out[field] = _expect_raises(ValueError, lambda: _install(model), match)
+            if match is None:
+                _install(model)
+                out[field] = "installed (attention-TP group of one rank)"
+            else:
+                out[field] = _expect_raises(ValueError, lambda: _install(model), match)
         finally:
             _force_setattr(args, field, old)
     # more tokens than the buffer's rows (eager): a buffer for that forward alone,

@@ -637,6 +637,34 @@ def verify_switch_back_tp2():
     return out
 
 
+def refusals_tp2():
+    """At TP 2 without DP attention the attention-TP group has both ranks: an
+    all-to-all MoE backend (after sparse layers each rank holds half the rows)
+    and moe_dense_tp_size=1 (the same after dense layers) are refused at install,
+    naming the group's size; SGLang's own capture stays."""
+    from eagle_capture.sglang import UnsupportedServer, _server_args, install_eagle3_capture
+    from tests.sglang_real.scenarios import _force_setattr
+
+    args = _server_args()
+    out = {}
+    for field, value, match in (("moe_a2a_backend", "deepep", "all-to-all MoE"),
+                                ("moe_dense_tp_size", 1, "moe_dense_tp_size=1")):
+        model = _build()
+        old = getattr(args, field)
+        _force_setattr(args, field, value)
+        try:
+            install_eagle3_capture(model, 16)
+        except UnsupportedServer as e:
+            assert match in str(e) and "attention-TP group of 2 ranks" in str(e), e
+            out[field] = str(e)[:200]
+        else:
+            raise AssertionError(f"{field}={value!r} at an attention-TP group of 2 installed")
+        finally:
+            _force_setattr(args, field, old)
+        assert model.model.layers_to_capture, "SGLang's own capture was switched off"
+    return out
+
+
 WORLD2 = {
     "tp2_setup": tp2_setup,
     "plugin_tp2": plugin_tp2,
@@ -646,6 +674,7 @@ WORLD2 = {
     "plugin_kimi_k25_tp2": plugin_kimi_k25_tp2,
     "tp2_equals_tp1": tp2_equals_tp1,      # late: the TP 1 process has had time to write
     "tp2_fusion": tp2_fusion,
+    "refusals_tp2": refusals_tp2,
 }
 WORLD1 = {"reference_tp1": reference_tp1}
 
@@ -694,8 +723,16 @@ def _run_scenarios(args, results: dict, write) -> int:
                             "traceback": traceback.format_exc()}
         write()
         return 1
-    for name, fn in (WORLD1 if args.world == 1 else WORLD2).items():
-        if args.only and name not in args.only:
+    return run_each(WORLD1 if args.world == 1 else WORLD2, args.only, results, write,
+                    args.world)
+
+
+def run_each(scenarios: dict, only, results: dict, write, world: int) -> int:
+    """Run ``scenarios`` in order (those in ``only``, if given), each result
+    written as it comes; the exit status. Every forward is a collective: a
+    failing scenario ends the process at once."""
+    for name, fn in scenarios.items():
+        if only and name not in only:
             continue
         started = time.monotonic()
         try:
@@ -709,7 +746,7 @@ def _run_scenarios(args, results: dict, write) -> int:
             return 1
         results[name]["seconds"] = round(time.monotonic() - started, 2)
         write()
-    if args.world == 2:
+    if world > 1:
         import torch.distributed as dist
         dist.barrier(group=_group().cpu_group)   # neither rank leaves mid-collective
     results["process_seconds"] = round(time.monotonic() - _STARTED, 2)

@@ -136,6 +136,10 @@ class CaptureState:
         self.residual_in_slot_above = 0
         self.residual_in_slot: Optional[_SlotResidual] = None
         self.slot_residual_calls = 0      # input norms that left the residual in the slot
+        # Captured layers whose input rows are token-scattered over the attention-TP
+        # group (its slice on each rank): captured gathered.
+        self.scattered_layers: frozenset = frozenset()
+        self.gathered_calls = 0
 
     def buffer_for(self, num_tokens: int) -> AuxCaptureBuffer:
         """The buffer this forward's captures go to."""
@@ -394,6 +398,14 @@ class _CapturingNormMixin:
         state = self._eagle_capture
         if state.disabled:   # switched back to SGLang's own capture
             return super().forward(x, residual, post_residual_addition, **kwargs)
+        if self._eagle_layer_id in state.scattered_layers and residual is not None:
+            # This rank holds its slice of the rows: SGLang's own norm on it, then
+            # the new residual gathered over the attention-TP group, in rank order
+            # (what SGLang's capture gathers), and stored into the slot.
+            out = super().forward(x, residual, post_residual_addition, **kwargs)
+            self._eagle_store(_attention_tp_gather(out[1]), fused=False)
+            state.gathered_calls += not torch.compiler.is_compiling()
+            return out
         if not self._eagle_fusable(x, residual, post_residual_addition,
                                    [v for v in kwargs.values() if v is not None]):
             out = super().forward(x, residual, post_residual_addition, **kwargs)
@@ -692,6 +704,57 @@ def _attention_tp_size() -> Optional[int]:
             return None
 
 
+def _scattered_captures(model: torch.nn.Module, layer_ids: list[int]) -> frozenset:
+    """Captured layers whose input rows are token-scattered over the attention-TP
+    group, as SGLang lays them out: <= 0.5.20 its own ``layer_scatter_modes``
+    (input mode SCATTERED); 0.5.22+ its rule (the previous layer ran its FFN on
+    this rank's rows: a sparse layer under an all-to-all MoE backend, a dense one
+    with moe_dense_tp_size 1). None with an attention-TP group of one rank. A
+    wrong prediction is caught by the completeness check (the rows stored)."""
+    if _attention_tp_size() == 1:
+        return frozenset()
+    moe_utils = sys.modules.get("sglang.srt.layers.moe.utils")
+    scattered_fn = getattr(moe_utils, "is_moe_input_scattered_across_dp_ranks", None)
+    if scattered_fn is None:
+        a2a = getattr(moe_utils, "get_moe_a2a_backend", None)
+        scattered_fn = (lambda: not a2a().is_none()) if a2a is not None else (lambda: False)
+    args = _server_args()
+    dense_on_rank_rows = getattr(args, "moe_dense_tp_size", None) == 1
+    out = set()
+    for i in layer_ids:
+        modes = getattr(getattr(model.layers[i], "layer_communicator", None),
+                        "layer_scatter_modes", None)
+        if modes is not None:
+            if getattr(modes.layer_input_mode, "name", None) == "SCATTERED":
+                out.add(i)
+            continue
+        previous = model.layers[i - 1]
+        if (scattered_fn() if getattr(previous, "is_layer_sparse", False)
+                else dense_on_rank_rows):
+            out.add(i)
+    return frozenset(out)
+
+
+def _rows_may_scatter() -> bool:
+    """Whether some layer runs its FFN on this rank's slice of the rows (an
+    all-to-all MoE backend, moe_dense_tp_size 1) with an attention-TP group of
+    several ranks."""
+    if _attention_tp_size() == 1:
+        return False
+    a2a = _runtime_modes().get("moe_a2a_backend")
+    args = _server_args()
+    if a2a is None and args is not None:
+        a2a = getattr(args, "moe_a2a_backend", None)
+    return a2a not in (None, "none") or getattr(args, "moe_dense_tp_size", None) == 1
+
+
+def _attention_tp_gather(rows: torch.Tensor) -> torch.Tensor:
+    """Every attention-TP rank's ``rows`` stacked in rank order, by SGLang's own
+    group (``GroupCoordinator.all_gather(dim=0)``: its communicator)."""
+    from sglang.srt.distributed.parallel_state import get_attn_tp_group
+    return get_attn_tp_group().all_gather(rows.contiguous(), dim=0)
+
+
 def _dp_attention_enabled() -> bool:
     modes = _runtime_modes()
     if modes.get("enable_dp_attention"):
@@ -720,18 +783,13 @@ def _refuse_unsupported_modes() -> None:
     # the attention-TP group only when it has several ranks and the layer before
     # a capture ran its FFN on this rank's slice (an all-to-all MoE backend after
     # a sparse layer, moe_dense_tp_size 1 after a dense one).
-    attn_tp = _attention_tp_size()
+    # Those captures are gathered (_scattered_captures), which needs the group's size.
     backend = mode("moe_a2a_backend", "none")
     dense_tp = getattr(args, "moe_dense_tp_size", None) if args is not None else None
-    if attn_tp != 1:
-        width = "unknown" if attn_tp is None else attn_tp
-        if backend not in (None, "none"):
-            refused.append(f"all-to-all MoE (moe_a2a_backend={backend!r}) with an attention-TP "
-                           f"group of {width} ranks: after sparse layers each rank holds a "
-                           f"slice of the rows, which must be gathered first")
-        if dense_tp == 1:
-            refused.append(f"moe_dense_tp_size=1 with an attention-TP group of {width} ranks: "
-                           f"after dense layers each rank holds a slice of the rows")
+    if _attention_tp_size() is None and (backend not in (None, "none") or dense_tp == 1):
+        refused.append(f"an all-to-all MoE (moe_a2a_backend={backend!r}) or "
+                       f"moe_dense_tp_size={dense_tp} with an attention-TP group whose size "
+                       f"cannot be read: the captured rows may be scattered over it")
     cp = mode("attn_cp_size", 1)
     if cp not in (None, 1):
         refused.append(f"context parallelism (attn_cp_size={cp}): each rank holds a slice of "
@@ -839,8 +897,10 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
     # Not under DP attention: there SGLang's DP gather reads the residual around
     # the post-attention norm and may call that norm without it (0.5.9, or an
     # attention-TP group of several ranks, where the reduced rows are scattered
-    # back into the residual), so the slot could not hand it on.
-    if residual_in_slot and not _dp_attention_enabled() and \
+    # back into the residual), so the slot could not hand it on. Nor where rows
+    # are token-scattered: SGLang then slices the residual around that norm.
+    state.scattered_layers = _scattered_captures(model, layer_ids)
+    if residual_in_slot and not _dp_attention_enabled() and not _rows_may_scatter() and \
             all(n is not None for n in post_norms):
         for i, norm in zip(layer_ids, post_norms):
             norm.__class__ = _with_mixin(_SlotResidualPostNormMixin, type(norm))

@@ -270,7 +270,7 @@ def use_overlay(version_dir: str) -> None:
 def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=None, *,
           tp_size: int | None = None, rank: int = 0, init_method: str | None = None,
           dist_timeout: int | None = None, dp_size: int = 1,
-          moe_a2a_backend: str | None = None):
+          moe_a2a_backend: str | None = None, moe_dense_tp_size: int | None = None):
     """Import sglang (stubs installed first), set global server args and the
     gloo process groups. Idempotent (first call wins).
 
@@ -320,6 +320,10 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
     args = {} if tp_size == 1 else dict(tp_size=tp_size, disable_custom_all_reduce=True)
     if dp_size > 1:
         args.update(dp_size=dp_size, enable_dp_attention=True)
+    if moe_dense_tp_size is not None:
+        args["moe_dense_tp_size"] = moe_dense_tp_size
+    syncs = dp_size > 1 or moe_a2a_backend is not None or moe_dense_tp_size is not None
+    if syncs:   # the forwards sync their DP / MoE rows
         try:   # 0.5.20+: model_path "dummy" skips the resolution that fills it in
             from sglang.srt.model_executor.cuda_graph_config import (
                 Backend, CudaGraphConfig, PhaseConfig)
@@ -437,7 +441,7 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
         else:  # >= 0.5.20: reads the published bags
             initialize_moe_config()
             calls.append("initialize_moe_config()")
-    if dp_size > 1:
+    if syncs:   # DP gathers / scattered rows
         calls += _dp_attention_on_cpu()
     _STATE["tp_size"] = tp_size
     _STATE["dp_size"] = dp_size
@@ -956,9 +960,10 @@ def make_batch(model, num_tokens: int, mode: str = "extend", seed: int = 0,
 
 def make_dp_batch(model, num_tokens: int, mode: str = "extend", seed: int = 0,
                   capture: str = "full"):
-    """Under DP attention: this rank's own batch (``make_batch``) plus what the
-    scheduler and model runner add before the forward -- the token counts of
-    every rank, all-gathered over the TP group's CPU group as the scheduler's
+    """Under DP attention (or an all-to-all MoE: any server whose forwards sync
+    their rows): this rank's own batch (``make_batch``) plus what the scheduler
+    and model runner add before the forward -- the token counts of every DP rank
+    (one entry per attention-DP group), all-gathered over the TP group's CPU group as the scheduler's
     DP-attention sync does (``global_num_tokens``, ``..._for_logprob``,
     ``is_extend_in_batch``), then SGLang's own
     ``ForwardBatch.prepare_mlp_sync_batch`` (the padding mode, the DP buffer
@@ -975,6 +980,7 @@ def make_dp_batch(model, num_tokens: int, mode: str = "extend", seed: int = 0,
     group = get_tp_group()
     every = [torch.empty_like(mine) for _ in range(group.world_size)]
     dist.all_gather(every, mine, group=group.cpu_group)
+    every = every[::group.world_size // _STATE.get("dp_size", 1)]   # one per DP rank
     tokens = [int(t[0]) for t in every]
     logprob = [int(t[1]) for t in every]
     fb.is_extend_in_batch = any(int(t[2]) for t in every)

@@ -637,34 +637,6 @@ def verify_switch_back_tp2():
     return out
 
 
-def refusals_tp2():
-    """At TP 2 without DP attention the attention-TP group has both ranks: an
-    all-to-all MoE backend (after sparse layers each rank holds half the rows)
-    and moe_dense_tp_size=1 (the same after dense layers) are refused at install,
-    naming the group's size; SGLang's own capture stays."""
-    from eagle_capture.sglang import UnsupportedServer, _server_args, install_eagle3_capture
-    from tests.sglang_real.scenarios import _force_setattr
-
-    args = _server_args()
-    out = {}
-    for field, value, match in (("moe_a2a_backend", "deepep", "all-to-all MoE"),
-                                ("moe_dense_tp_size", 1, "moe_dense_tp_size=1")):
-        model = _build()
-        old = getattr(args, field)
-        _force_setattr(args, field, value)
-        try:
-            install_eagle3_capture(model, 16)
-        except UnsupportedServer as e:
-            assert match in str(e) and "attention-TP group of 2 ranks" in str(e), e
-            out[field] = str(e)[:200]
-        else:
-            raise AssertionError(f"{field}={value!r} at an attention-TP group of 2 installed")
-        finally:
-            _force_setattr(args, field, old)
-        assert model.model.layers_to_capture, "SGLang's own capture was switched off"
-    return out
-
-
 WORLD2 = {
     "tp2_setup": tp2_setup,
     "plugin_tp2": plugin_tp2,
@@ -674,7 +646,6 @@ WORLD2 = {
     "plugin_kimi_k25_tp2": plugin_kimi_k25_tp2,
     "tp2_equals_tp1": tp2_equals_tp1,      # late: the TP 1 process has had time to write
     "tp2_fusion": tp2_fusion,
-    "refusals_tp2": refusals_tp2,
 }
 WORLD1 = {"reference_tp1": reference_tp1}
 

@@ -30,9 +30,31 @@ class Deployment:
     gpu: str = "hopper"                # hopper | blackwell | other (for "auto")
     architecture: str = ""             # the target's, for "auto"
     dp_attention: bool = False
+    dp: int = 0                        # DP ranks under DP attention (0: as many as TP ranks)
+    moe_a2a: str = "none"              # --moe-a2a-backend
+    moe_dense_tp: Optional[int] = None  # --moe-dense-tp-size
     pp: int = 1
     cuda_graph: bool = True
     torch_compile: bool = False
+
+    @property
+    def attn_tp(self) -> int:
+        """Ranks of an attention-TP group: the TP group, or TP / DP under DP attention."""
+        if not self.dp_attention:
+            return self.tp
+        return max(1, self.tp // (self.dp or self.tp))
+
+    def scattered(self) -> str:
+        """Why some captured rows are token-scattered over the attention-TP group
+        (each rank its slice), or "" when none are."""
+        if self.attn_tp <= 1:
+            return ""
+        why = []
+        if self.moe_a2a != "none":
+            why.append(f"after sparse layers (--moe-a2a-backend {self.moe_a2a})")
+        if self.moe_dense_tp == 1:
+            why.append("after dense layers (--moe-dense-tp-size 1)")
+        return " and ".join(why)
 
     def fusion_on(self, line: SGLangLine) -> tuple[bool, str]:
         """Whether SGLang's FlashInfer all-reduce + add + RMSNorm fusion runs
@@ -79,10 +101,13 @@ class Report:
     def format(self, width: int) -> list[str]:
         from .doctor import _wrap
         d = self.deploy
-        out = [f"deployment: TP {d.tp}, all-reduce fusion {d.allreduce_fusion}, "
-               f"{'DP attention, ' if d.dp_attention else ''}PP {d.pp}, CUDA graphs "
+        out = [_wrap(f"deployment: TP {d.tp}, all-reduce fusion {d.allreduce_fusion}, "
+               f"{f'DP attention (DP {d.dp or d.tp}), ' if d.dp_attention else ''}"
+               f"{f'MoE all-to-all {d.moe_a2a}, ' if d.moe_a2a != 'none' else ''}"
+               f"{f'moe-dense-tp {d.moe_dense_tp}, ' if d.moe_dense_tp else ''}"
+               f"PP {d.pp}, CUDA graphs "
                f"{'on' if d.cuda_graph else 'off'}{', torch.compile' if d.torch_compile else ''}"
-               f", {d.gpu} GPU"]
+               f", {d.gpu} GPU", "", "  ")]
         for lr in self.lines:
             out.append(f"  SGLang {lr.line.name}:")
             for r in lr.rows:
@@ -160,21 +185,8 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
                 rows.append(Row(DROPIN, "OK", "stores the fused norm's reduced residual_out; "
                                 "contiguous inputs so FlashInfer does not decline",
                                 f"run: {FUSION_TEST}"))
-        # DP attention.
-        if deploy.dp_attention:
-            if old:
-                rows.append(Row(SGLANG, "PROBLEM", "DP attention: with an all-to-all MoE the "
-                                "loop all-gathers the capture over the whole TP group, so the "
-                                "draft receives every DP rank's rows",
-                                "read: models/deepseek_v2.py DeepseekV2Model.forward"))
-            else:
-                rows.append(Row(SGLANG, "OK", "DP attention: the captured residual is gathered "
-                                "over the attention-TP group: the draft receives its own DP "
-                                "rank's rows", "read: models/deepseek_v2.py / "
-                                "layers/communicator.py / layer_boundary/stage.py input_move"))
-            rows.append(Row(DROPIN, "NOTE", "not applicable under DP attention: the plugin "
-                            "logs it and SGLang's own capture stays",
-                            "run: tests/test_sglang_real.py refusals"))
+        # DP attention and token-scattered rows.
+        rows += _rows_of_each_rank(line, deploy)
         # Pipeline parallelism: the last stage captures.
         if deploy.pp > 1:
             start = _last_stage_start(num_layers, deploy.pp)
@@ -235,6 +247,61 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
     return report
 
 
+DP_TESTS = "tests/test_sglang_real_dp.py"
+# The versions those tests run: DP attention on every line's wheel; DeepEP and the
+# scattered rows on three.
+DP_RUN = ((0, 5, 9), (0, 5, 13), (0, 5, 18), (0, 5, 20), (0, 5, 22), (0, 5, 23))
+SCATTER_RUN = ((0, 5, 13), (0, 5, 20), (0, 5, 23))
+
+
+def _rows_of_each_rank(line: SGLangLine, deploy: Deployment) -> list[Row]:
+    """What each rank captures under DP attention (its own requests' rows) and where
+    rows are token-scattered over the attention-TP group (gathered first)."""
+    rows = []
+    scattered = deploy.scattered()
+    ran_dp = any(line.first <= v <= line.last for v in DP_RUN)
+    ran = any(line.first <= v <= line.last for v in SCATTER_RUN)
+    if deploy.dp_attention:
+        a2a = deploy.moe_a2a != "none"
+        dp = deploy.dp or deploy.tp
+        if line.first < (0, 5, 13) and a2a and dp > 1:
+            rows.append(Row(SGLANG, "PROBLEM", f"DP attention with {deploy.moe_a2a}: the loop "
+                            f"all-gathers the captures after sparse layers over the whole TP "
+                            f"group, so they hold all {dp} DP ranks' rows while the draft's own "
+                            f"are fewer", "read: models/deepseek_v2.py DeepseekV2Model.forward "
+                            "(tensor_model_parallel_all_gather)"))
+        else:
+            rows.append(Row(SGLANG, "OK", f"DP attention ({dp} DP ranks, attention-TP "
+                            f"{deploy.attn_tp}): each rank captures its own requests' rows "
+                            f"(padded as its batch is; the LogitsProcessor hands its draft "
+                            f"those)", f"run: {DP_TESTS} dp_equals_sglang (DP 2, attention-TP 1)"
+                            if ran_dp else "read"))
+        rows.append(Row(DROPIN, "OK", "each rank's own rows, identical to SGLang's own; path e "
+                        "(the residual copied into its slot: SGLang's DP gather reads it around "
+                        "the post-attention norm); the self-check compares no two DP ranks",
+                        f"run: {DP_TESTS} dp_attention"
+                        + (" and with DeepEP" if ran else "") if ran_dp else "read"))
+    if scattered:
+        if line.first < (0, 5, 18) and line.first >= (0, 5, 13) and deploy.moe_dense_tp == 1:
+            rows.append(Row(SGLANG, "PROBLEM", "rows token-scattered after dense layers "
+                            "(--moe-dense-tp-size 1): the loop captures this rank's slice "
+                            "ungathered, and the LogitsProcessor fails on the mixed row counts",
+                            f"run: {DP_TESTS} scattered_dense_tp1 (IndexError / torch.cat size "
+                            f"mismatch in SGLang's own forward)"))
+        else:
+            rows.append(Row(SGLANG, "OK", f"rows token-scattered {scattered}: the capture "
+                            f"all-gathers them over the attention-TP group "
+                            f"({deploy.attn_tp} ranks) first",
+                            f"run: {DP_TESTS} scattered_*" if ran else "read"))
+        rows.append(Row(DROPIN, "OK", f"rows token-scattered {scattered}: SGLang's norm on "
+                        f"this rank's slice, then the new residual all-gathered over the "
+                        f"attention-TP group into the slot (rank order)",
+                        f"run: {DP_TESTS} scattered_*" if ran else
+                        "not run: DeepEP needs deep_gemm on CPU" if line.first < (0, 5, 13)
+                        else "read: the same layout rule"))
+    return rows
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("deployment (any of these adds the deployment verdicts)")
     g.add_argument("--tp", type=int, help="tensor-parallel size (the seed's: 8)")
@@ -244,6 +311,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", choices=("hopper", "blackwell", "other"),
                    help="GPU generation, for --allreduce-fusion auto (default hopper: H100/H200)")
     g.add_argument("--dp-attention", action="store_true", help="--enable-dp-attention")
+    g.add_argument("--dp", type=int, help="--dp-size under DP attention (default: the TP size)")
+    g.add_argument("--moe-a2a", help="--moe-a2a-backend (deepep, mooncake, ...)")
+    g.add_argument("--moe-dense-tp-size", type=int, help="--moe-dense-tp-size")
     g.add_argument("--pp", type=int, help="pipeline-parallel size")
     g.add_argument("--cuda-graph", choices=("on", "off"),
                    help="CUDA graphs (default on; off = --disable-cuda-graph)")
@@ -252,16 +322,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def from_arguments(args: argparse.Namespace, architecture: str = "") -> Optional[Deployment]:
-    given = [args.tp, args.allreduce_fusion, args.gpu, args.pp, args.cuda_graph]
+    given = [args.tp, args.allreduce_fusion, args.gpu, args.pp, args.cuda_graph, args.dp,
+             args.moe_a2a, args.moe_dense_tp_size]
     if all(v is None for v in given) and not args.dp_attention and not args.torch_compile:
         return None
-    for name in ("tp", "pp"):
+    from .sglang_lines import CapturePlanError
+    for name in ("tp", "pp", "dp"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            from .sglang_lines import CapturePlanError
             raise CapturePlanError(f"--{name} must be >= 1, got {value}")
-    return Deployment(tp=args.tp or 1, allreduce_fusion=args.allreduce_fusion or "auto",
+    tp = args.tp or 1
+    if args.dp is not None and (not args.dp_attention or tp % args.dp):
+        raise CapturePlanError(f"--dp {args.dp} needs --dp-attention and must divide --tp {tp}")
+    return Deployment(tp=tp, allreduce_fusion=args.allreduce_fusion or "auto",
                       gpu=args.gpu or "hopper", architecture=architecture,
-                      dp_attention=args.dp_attention, pp=args.pp or 1,
+                      dp_attention=args.dp_attention, dp=args.dp or 0,
+                      moe_a2a=args.moe_a2a or "none", moe_dense_tp=args.moe_dense_tp_size,
+                      pp=args.pp or 1,
                       cuda_graph=(args.cuda_graph or "on") == "on",
                       torch_compile=args.torch_compile)

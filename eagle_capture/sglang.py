@@ -53,11 +53,19 @@ the class's ``forward`` captured at its own install time, so instance-level
 patches are discarded or bypassed; the class swaps above sit inside the
 modules that forward calls, so installing before or after it works.
 
+DP attention: each rank's norm sees its own requests' (padded) rows, which is
+what SGLang captures and hands that rank's draft; path e there (SGLang's DP
+gather reads the residual around the post-attention norm). Rows token-scattered
+over an attention-TP group of several ranks (an all-to-all MoE backend after
+sparse layers, ``moe_dense_tp_size`` 1 after dense ones): SGLang's norm on this
+rank's slice, then the new residual all-gathered over the attention-TP group
+(SGLang's own group, rank order) into the slot.
+
 Refused at install, with the reason: a capture not enabled, layers another
 pipeline stage owns, layer 0 (the embedding output: no SpecForge draft is
 trained on it) unless ``allow_embedding=True``, two-batch overlap (the norm
-would see half-batches), DP attention, all-to-all MoE and context parallelism
-(the captured rows must be gathered first). Checked on every eager forward:
+would see half-batches), context parallelism (each rank holds a slice of the
+tokens), layernorm sequence parallelism. Checked on every eager forward:
 each captured layer stored exactly T rows (a path that bypassed the norm, such
 as a backend fusion provider that only reads its weight, raises instead of
 handing the draft a stale buffer), and SGLang's own capture was not re-enabled.
@@ -777,13 +785,11 @@ def _refuse_unsupported_modes() -> None:
     if mode("enable_two_batch_overlap", False):
         refused.append("two-batch overlap (enable_two_batch_overlap): the input norm runs on "
                        "half-batches, each of which would overwrite the slot's first rows")
-    # DP attention itself is served: each rank's input norm sees that rank's own
-    # (padded) rows, whole on every attention-TP rank, exactly what SGLang
-    # captures there and hands that rank's draft. Rows are token-scattered over
-    # the attention-TP group only when it has several ranks and the layer before
-    # a capture ran its FFN on this rank's slice (an all-to-all MoE backend after
-    # a sparse layer, moe_dense_tp_size 1 after a dense one).
-    # Those captures are gathered (_scattered_captures), which needs the group's size.
+    # DP attention is served: each rank's input norm sees that rank's own (padded)
+    # rows, exactly what SGLang captures there and hands that rank's draft. Rows
+    # token-scattered over an attention-TP group of several ranks (an all-to-all
+    # MoE backend after sparse layers, moe_dense_tp_size 1 after dense ones) are
+    # gathered (_scattered_captures), which needs the group's size.
     backend = mode("moe_a2a_backend", "none")
     dense_tp = getattr(args, "moe_dense_tp_size", None) if args is not None else None
     if _attention_tp_size() is None and (backend not in (None, "none") or dense_tp == 1):

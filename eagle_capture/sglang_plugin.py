@@ -28,7 +28,7 @@ capture are set and before any CUDA graph is captured --
 At the hook, on each rank: nothing on a runner without EAGLE-3 (the draft's own
 runner, another algorithm) or on a pipeline stage that captures nothing; one
 log line and SGLang's own capture for what the fused capture does not handle
-(another architecture, DP attention, two-batch overlap, ...); a refusal to start
+(another architecture, two-batch overlap, ...); a refusal to start
 (``EAGLE_CAPTURE_ON_PROBLEM=refuse``, the default) when the layer ids would hand
 the draft something it was not trained on -- which SGLang's own capture would do
 too -- with the doctor's explanation; ``EAGLE_CAPTURE_ON_PROBLEM=install``

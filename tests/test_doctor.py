@@ -17,6 +17,9 @@ KIMI_TARGET = {"architectures": ["KimiK25ForConditionalGeneration"], "hidden_siz
                "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}}
 
 
+DP_TEST = "tests/test_sglang_real_dp.py"
+
+
 def _config(tmp_path, ids, nested=True, name="config.json", arch="LlamaForCausalLMEagle3"):
     body = {"architectures": [arch]}
     if ids is not None:
@@ -235,8 +238,45 @@ def test_deployment_pp_graphs_dp(tmp_path, capsys):
     assert code == 0
     code, out, _ = _doctor(capsys, "--draft-config", config, "--num-layers", 61,
                            "--dp-attention", "--tp", 8, "--sglang-version", "0.5.20")
-    assert code == 0 and "its own DP rank's rows" in out and "not applicable under DP" in out
+    assert code == 0 and "each rank captures its own requests' rows" in out, out
+    assert "identical to SGLang's own; path e" in out and "dp_equals_sglang" in out
     assert "without the fusion" not in out   # the DP rows say what the draft gets
+
+
+@pytest.mark.parametrize("version, argv, sglang_status, dropin", [
+    # 0.5.9 gathers the a2a captures over the whole TP group under DP attention.
+    ("0.5.9", ["--dp-attention", "--moe-a2a", "deepep"], "PROBLEM", "each rank's own rows"),
+    ("0.5.13", ["--dp-attention", "--moe-a2a", "deepep"], "OK", "each rank's own rows"),
+    # Plain TP 8 with DeepEP: an attention-TP group of 8, rows scattered after sparse layers.
+    ("0.5.20", ["--moe-a2a", "deepep"], "OK", "all-gathered over the attention-TP group"),
+    # 0.5.13's own capture of dense layers' scattered rows is not gathered.
+    ("0.5.13", ["--moe-dense-tp-size", "1"], "PROBLEM",
+     "all-gathered over the attention-TP group"),
+    ("0.5.23", ["--dp-attention", "--dp", "4", "--moe-a2a", "deepep"], "OK",
+     "all-gathered over the attention-TP group"),
+    # DP attention with DP = TP: one rank per attention-TP group, nothing scattered.
+    ("0.5.23", ["--dp-attention", "--dp", "8", "--moe-a2a", "deepep"], "OK",
+     "each rank's own rows"),
+])
+def test_rows_of_each_rank(tmp_path, capsys, version, argv, sglang_status, dropin):
+    """DP attention and token-scattered rows (--dp, --moe-a2a, --moe-dense-tp-size):
+    SGLang's own capture per line and the drop-in's, with what each rests on."""
+    config = _config(tmp_path, [1, 29, 57])
+    code, out, _ = _doctor(capsys, "--draft-config", config, "--num-layers", 61, "--tp", 8,
+                           *argv, "--sglang-version", version, "--allreduce-fusion", "off")
+    assert dropin in out, out
+    assert (code == 1) == (sglang_status == "PROBLEM"), out
+    scattered = "token-scattered" in out
+    assert scattered == (dropin.startswith("all-gathered")), out
+    assert DP_TEST in out or "read" in out
+
+
+def test_dp_size_must_divide_tp(tmp_path, capsys):
+    config = _config(tmp_path, [1, 29, 57])
+    code, _, err = _doctor(capsys, "--draft-config", config, "--num-layers", 61, "--tp", 8,
+                           "--dp", 3,
+                           "--dp-attention", "--sglang-version", "0.5.23")
+    assert code == 2 and "--dp 3 needs --dp-attention and must divide --tp 8" in err
 
 
 def test_embedding_capture_needs_the_escape_hatch(tmp_path, capsys):

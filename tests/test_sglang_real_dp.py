@@ -86,6 +86,20 @@ _RUNS = list(dict.fromkeys((c, v) for c, v, _ in CASES))
 _STARTED: dict = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_rank_outlives_the_tests():
+    """A run started ahead and never collected (a failure stopped the session) is
+    killed, not left writing after pytest has gone."""
+    yield
+    for procs, _ in _STARTED.values():
+        for proc, log, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    _STARTED.clear()
+
+
 def _results(config: str, version: str, tmp_dir: Path) -> dict:
     """This run's results; the next run's processes start meanwhile (two runs at a
     time keep both cores busy: a rank often waits on its peer)."""

@@ -121,6 +121,20 @@ class _Run:
 _STARTED: dict = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_rank_outlives_the_tests():
+    """A version started ahead and never collected (a failure stopped the session)
+    is killed, not left writing after pytest has gone."""
+    yield
+    for run in _STARTED.values():
+        for proc, log, _ in run.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    _STARTED.clear()
+
+
 def _results(version: str, tmp_dir: Path) -> dict:
     """This version's results; the next version's processes start meanwhile (two
     versions at a time keep both cores busy: a rank often waits on its peer)."""

@@ -274,7 +274,8 @@ def _rows_of_each_rank(line: SGLangLine, deploy: Deployment) -> list[Row]:
             rows.append(Row(SGLANG, "OK", f"DP attention ({dp} DP ranks, attention-TP "
                             f"{deploy.attn_tp}): each rank captures its own requests' rows "
                             f"(padded as its batch is; the LogitsProcessor hands its draft "
-                            f"those)", f"run: {DP_TESTS} dp_equals_sglang (DP 2, attention-TP 1)"
+                            f"those)", f"run: {DP_TESTS} dp_equals_sglang (DP 2, attention-TP 1"
+                            + (" and 2)" if ran else ")")
                             if ran_dp else "read"))
         rows.append(Row(DROPIN, "OK", "each rank's own rows, identical to SGLang's own; path e "
                         "(the residual copied into its slot: SGLang's DP gather reads it around "

@@ -1,10 +1,10 @@
 """The capture under DP ATTENTION inside the real SGLang code, on CPU: per SGLang
 version, two rank processes on gloo running ``tests/sglang_real/dp_scenarios.py``
 (what is real and what is stood in: its docstring and the harness's): TP 2 with
-DP 2 and DP attention, with SGLang's default MoE and with an all-to-all MoE
+DP 2 and DP attention (and TP 4 with DP 2: attention-TP groups of two ranks), with SGLang's default MoE and with an all-to-all MoE
 backend (DeepEP); and plain TP 2 where the rows are token-scattered over the
 attention-TP group (DeepEP after sparse layers, moe_dense_tp_size 1 after dense
-ones). Every scenario must be ok on BOTH ranks.
+ones). Every scenario must be ok on EVERY rank.
 
 The set-up needs PyPI (the overlays of ``scripts/sglang_real_env.sh``); on a
 machine without it set ``EAGLE_CAPTURE_SKIP_SGLANG_REAL=1``.
@@ -28,6 +28,14 @@ CONFIGS = {
     "dp_attention_deepep": (["--moe-a2a-backend", "deepep"],
                             ["dp_setup", "dp_equals_sglang", "dp_plugin_verify",
                              "dp_wrong_group_caught"], ["0.5.13", "0.5.20", "0.5.23"]),
+    # Attention-TP groups of two ranks (world 4): the rows a DP rank's two ranks hold
+    # alike, compared by the self-check; with DeepEP also scattered over that group.
+    "dp_attention_attn_tp2": (["--world", "4"], ["dp_setup", "dp_equals_sglang",
+                                                 "dp_plugin_verify", "dp_wrong_group_caught"],
+                              ["0.5.13", "0.5.20", "0.5.23"]),
+    "dp_attention_attn_tp2_deepep": (["--world", "4", "--moe-a2a-backend", "deepep"],
+                                     ["dp_setup", "dp_equals_sglang", "dp_plugin_verify",
+                                      "dp_wrong_group_caught"], ["0.5.23"]),
     "scattered_deepep": (["--dp-size", "1", "--moe-a2a-backend", "deepep"],
                          ["scattered_setup", "scattered_equals_sglang",
                           "scattered_plugin_verify"], ["0.5.13", "0.5.20", "0.5.23"]),
@@ -55,8 +63,10 @@ def _start(version: str, config: str, out_dir: Path):
     env["PYTHONPYCACHEPREFIX"] = str(ROOT / ".cache" / "pycache")
     out_dir.mkdir(parents=True, exist_ok=True)
     init = f"tcp://127.0.0.1:{_free_port()}"
+    args = CONFIGS[config][0]
+    world = int(args[args.index("--world") + 1]) if "--world" in args else 2
     procs = {}
-    for rank in (0, 1):
+    for rank in range(world):
         json_path = out_dir / f"rank{rank}.json"
         json_path.unlink(missing_ok=True)
         log = open(out_dir / f"rank{rank}.log", "w")

@@ -1,7 +1,10 @@
 """The capture under DP ATTENTION inside the real SGLang code, on CPU: per SGLang
-version, two rank processes on gloo (``--tp-size 2 --dp-size 2
---enable-dp-attention``: each rank its own attention-DP group of one rank, the
-MLP / MoE over both).
+version, rank processes on gloo: ``--world 2`` (``--tp-size 2 --dp-size 2
+--enable-dp-attention``: each rank its own attention-TP group of one rank, the
+MLP / MoE over both) or ``--world 4`` (TP 4, DP 2: attention-TP pairs); with
+``--moe-a2a-backend deepep`` (DeepEP's package stubbed, its MoE stood in). With
+``--dp-size 1`` (plain TP 2) and DeepEP or ``--moe-dense-tp-size 1``: rows
+token-scattered over the attention-TP group (scenarios ``SCATTERED``).
 
 Real, besides what harness.py lists: SGLang's own DP-attention set-up
 (``initialize_model_parallel`` with the attention-DP width, ``initialize_dp_attention``,
@@ -23,7 +26,7 @@ different requests, and a capture taken over the wrong group (TP instead of
 attention-TP) being caught.
 
     PYTHONPATH=$(scripts/sglang_real_env.sh 0.5.23):. python -m tests.sglang_real.dp_scenarios \\
-        --rank R --init-method tcp://127.0.0.1:PORT --json out_R.json   # R = 0 and 1
+        --rank R --init-method tcp://127.0.0.1:PORT --json out_R.json   # every rank R
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import torch
 
 from tests.sglang_real import harness, tp_scenarios
 
-WORLD = 2
 HIDDEN = tp_scenarios.HIDDEN
 # (mode, tokens on rank 0, tokens on rank 1): unequal batches (extend: SGLang's
 # SUM_LEN padding, an all-reduce gather; decode: MAX_LEN, rank 1 padded to rank
@@ -54,8 +56,21 @@ def _dp() -> bool:
     return _ARGS.dp_size > 1
 
 
+def _world() -> int:
+    return _ARGS.world
+
+
+def _attn_tp() -> int:
+    """Ranks of an attention-TP group (they hold the same rows)."""
+    return _world() // _ARGS.dp_size
+
+
+def _dp_rank() -> int:
+    return _ARGS.rank // _attn_tp()
+
+
 def _tokens(case) -> int:
-    return case[1 + _ARGS.rank] if _dp() else case[1]
+    return case[1 + _dp_rank()] if _dp() else case[1]
 
 
 def _run(model, mode, num_tokens, seed):
@@ -69,7 +84,7 @@ def _run(model, mode, num_tokens, seed):
 def _seed(case) -> int:
     """Under DP attention each rank's own requests (different tokens on each
     rank); else the one batch both ranks run."""
-    return (100 * _ARGS.rank if _dp() else 0) + _tokens(case)
+    return (100 * _dp_rank() if _dp() else 0) + _tokens(case)
 
 
 def _build(set_capture=True):
@@ -101,13 +116,15 @@ def dp_setup():
 
     assert dp_attention.is_dp_attention_enabled(), "DP attention is not enabled"
     attn, tp = get_attn_tp_group(), get_tp_group()
-    assert (attn.world_size, tp.world_size) == (1, WORLD), (attn.world_size, tp.world_size)
+    assert (attn.world_size, tp.world_size) == (_attn_tp(), _world()), \
+        (attn.world_size, tp.world_size)
     model = _build()
     layers = harness.text_lm(model).model.layers
     shards = {"attn": layers[3].self_attn.cols, "mlp": layers[1].mlp.cols}   # layer 1: dense
-    assert shards["attn"] == (0, HIDDEN), f"attention not whole on its rank: {shards}"
-    half = HIDDEN // WORLD
-    assert shards["mlp"] == (_ARGS.rank * half, (_ARGS.rank + 1) * half), shards
+    a, w = HIDDEN // _attn_tp(), HIDDEN // _world()
+    r = _ARGS.rank % _attn_tp()
+    assert shards["attn"] == (r * a, (r + 1) * a), f"attention not on its own group: {shards}"
+    assert shards["mlp"] == (_ARGS.rank * w, (_ARGS.rank + 1) * w), shards
     modes = {}
     for i, layer in enumerate(harness.text_lm(model).model.layers):
         scatter = getattr(getattr(layer, "layer_communicator", None), "layer_scatter_modes", None)
@@ -185,8 +202,11 @@ def dp_plugin_verify():
     ref = tp_scenarios._sglang_reference()
     ours, state, log, how = _verifying_install(4)
     assert state.verify_group is tp_scenarios._group().cpu_group
-    if _dp():
+    if _dp() and _attn_tp() == 1:
         assert state.verify_rows_group is None, "the self-check would compare different requests"
+    elif _dp():   # the attention-TP group's ranks hold the same rows: compared
+        from sglang.srt.distributed.parallel_state import get_attn_tp_group
+        assert state.verify_rows_group is get_attn_tp_group().cpu_group
     else:   # both ranks hold the same rows: compared
         assert state.verify_rows_group is state.verify_group
     records = ps._Records()
@@ -201,11 +221,13 @@ def dp_plugin_verify():
     lines = [m for _, m in records.lines if m.startswith("eagle_capture verify")]
     assert not records.text(logging.ERROR) and not state.disabled, records.text()
     assert len(lines) == 5 and "self-check off" in lines[-1], lines
-    same = "each holds its own requests' rows" if _dp() else "identical on all 2 TP ranks"
-    assert all(same in m for m in lines[:4]), lines
+    same = ("each holds its own requests' rows" if _dp() and _attn_tp() == 1 else
+            f"identical on all {_attn_tp()} attention-TP ranks" if _dp() else
+            f"identical on all {_world()} TP ranks")
+    assert all(same in m or "T=0" in m and "(idle)" in m for m in lines[:4]), lines
     on = [m for _, m in log.lines if "ON" in m]
     if on and _dp():   # the plugin's ON line (0.5.13+)
-        assert "DP attention (attention-TP 1" in on[0], on[0]
+        assert f"DP attention (attention-TP {_attn_tp()}" in on[0], on[0]
     return {"how": how, "lines": lines[:2], "on": on[:1]}
 
 
@@ -220,7 +242,7 @@ def _captured_over_the_tp_group():
     group = tp_scenarios._group().cpu_group
 
     def over_tp(rows):
-        every = [torch.empty_like(rows) for _ in range(WORLD)]
+        every = [torch.empty_like(rows) for _ in range(_world())]
         dist.all_gather(every, rows.contiguous(), group=group)
         rows.copy_(torch.cat(every)[: rows.shape[0]])
 
@@ -250,8 +272,9 @@ def dp_wrong_group_caught():
         tp_scenarios._detach_log(records)
     assert torch.equal(aux, aux_ref), "the self-check did not serve SGLang's values"
     errors = records.text(logging.ERROR)
-    if _ARGS.rank == 1:
-        assert "MISMATCH" in errors and all(f"layer {i} (slot" in errors for i in (2, 4, 6)), \
+    if _dp_rank() != 0:   # handed DP rank 0's rows
+        planted = [i for i in (2, 4, 6) if i not in state.scattered_layers]   # fused ones
+        assert "MISMATCH" in errors and all(f"layer {i} (slot" in errors for i in planted), \
             errors
     else:
         assert "another TP rank" in errors, errors
@@ -280,7 +303,7 @@ def scattered_setup():
 
     from eagle_capture.sglang import install_eagle3_capture
 
-    assert get_attn_tp_group().world_size == WORLD
+    assert get_attn_tp_group().world_size == _world()
     model = _build()
     install_eagle3_capture(model, 16)
     state = harness.text_lm(model)._eagle_capture
@@ -311,6 +334,8 @@ def main(argv=None) -> None:
     global _ARGS
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, choices=(2, 4), default=2,
+                        help="4 with --dp-size 2: attention-TP groups of two ranks")
     parser.add_argument("--init-method", required=True, help="tcp://127.0.0.1:PORT")
     parser.add_argument("--json", required=True)
     parser.add_argument("--only", nargs="*")
@@ -320,10 +345,10 @@ def main(argv=None) -> None:
     parser.add_argument("--dp-size", type=int, choices=(1, 2), default=2,
                         help="1: plain TP 2 (with --moe-a2a-backend: scattered rows)")
     _ARGS = tp_scenarios._ARGS = args = parser.parse_args(argv)
-    results = {"world": WORLD, "dp": args.dp_size, "rank": args.rank}
+    results = {"world": args.world, "dp": args.dp_size, "rank": args.rank}
     write = tp_scenarios._writer(args.json, results)
     try:
-        harness.setup(tp_size=WORLD, rank=args.rank, init_method=args.init_method,
+        harness.setup(tp_size=args.world, rank=args.rank, init_method=args.init_method,
                       dist_timeout=args.dist_timeout, dp_size=args.dp_size,
                       moe_a2a_backend=args.moe_a2a_backend,
                       moe_dense_tp_size=args.moe_dense_tp_size)
@@ -334,7 +359,7 @@ def main(argv=None) -> None:
         write()
         tp_scenarios._exit(1)
     scenarios = SCENARIOS if args.dp_size > 1 else SCATTERED
-    tp_scenarios._exit(tp_scenarios.run_each(scenarios, args.only, results, write, WORLD))
+    tp_scenarios._exit(tp_scenarios.run_each(scenarios, args.only, results, write, args.world))
 
 
 if __name__ == "__main__":

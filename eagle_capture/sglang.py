@@ -412,7 +412,8 @@ class _CapturingNormMixin:
             # (what SGLang's capture gathers), and stored into the slot.
             out = super().forward(x, residual, post_residual_addition, **kwargs)
             self._eagle_store(_attention_tp_gather(out[1]), fused=False)
-            state.gathered_calls += not torch.compiler.is_compiling()
+            if not torch.compiler.is_compiling() and not _capturing_cuda_graph(x):
+                state.gathered_calls += 1   # counted as record() counts the others
             return out
         if not self._eagle_fusable(x, residual, post_residual_addition,
                                    [v for v in kwargs.values() if v is not None]):
@@ -743,17 +744,25 @@ def _scattered_captures(model: torch.nn.Module, layer_ids: list[int]) -> frozens
     return frozenset(out)
 
 
-def _rows_may_scatter() -> bool:
-    """Whether some layer runs its FFN on this rank's slice of the rows (an
-    all-to-all MoE backend, moe_dense_tp_size 1) with an attention-TP group of
-    several ranks."""
-    if _attention_tp_size() == 1:
-        return False
-    a2a = _runtime_modes().get("moe_a2a_backend")
+def _ffn_on_rank_rows() -> Optional[str]:
+    """Why some layer runs its FFN on this rank's share of the rows (an all-to-all
+    MoE backend; moe_dense_tp_size 1), or None: with an attention-TP group of
+    several ranks that scatters the rows over it. The backend is read from
+    SGLang's runtime first (it may turn one on itself), then the server args."""
     args = _server_args()
+    a2a = _runtime_modes().get("moe_a2a_backend")
     if a2a is None and args is not None:
         a2a = getattr(args, "moe_a2a_backend", None)
-    return a2a not in (None, "none") or getattr(args, "moe_dense_tp_size", None) == 1
+    reasons = []
+    if a2a not in (None, "none"):
+        reasons.append(f"an all-to-all MoE (moe_a2a_backend={a2a!r})")
+    if args is not None and getattr(args, "moe_dense_tp_size", None) == 1:
+        reasons.append("moe_dense_tp_size=1")
+    return " and ".join(reasons) or None
+
+
+def _rows_may_scatter() -> bool:
+    return _attention_tp_size() != 1 and _ffn_on_rank_rows() is not None
 
 
 def _attention_tp_gather(rows: torch.Tensor) -> torch.Tensor:
@@ -790,12 +799,10 @@ def _refuse_unsupported_modes() -> None:
     # token-scattered over an attention-TP group of several ranks (an all-to-all
     # MoE backend after sparse layers, moe_dense_tp_size 1 after dense ones) are
     # gathered (_scattered_captures), which needs the group's size.
-    backend = mode("moe_a2a_backend", "none")
-    dense_tp = getattr(args, "moe_dense_tp_size", None) if args is not None else None
-    if _attention_tp_size() is None and (backend not in (None, "none") or dense_tp == 1):
-        refused.append(f"an all-to-all MoE (moe_a2a_backend={backend!r}) or "
-                       f"moe_dense_tp_size={dense_tp} with an attention-TP group whose size "
-                       f"cannot be read: the captured rows may be scattered over it")
+    on_rank_rows = _ffn_on_rank_rows()
+    if _attention_tp_size() is None and on_rank_rows:
+        refused.append(f"{on_rank_rows} with an attention-TP group whose size cannot be read: "
+                       f"the captured rows may be scattered over it")
     cp = mode("attn_cp_size", 1)
     if cp not in (None, 1):
         refused.append(f"context parallelism (attn_cp_size={cp}): each rank holds a slice of "

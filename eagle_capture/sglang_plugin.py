@@ -290,25 +290,19 @@ def _deployment(args, sizing) -> str:
         comm = getattr(rc.get_exec(), "comm", None) if rc is not None else None
     except Exception:  # noqa: BLE001
         comm = None
+    from .sglang import _attention_tp_size, _dp_attention_enabled
+    dp_attention = _dp_attention_enabled()
     backend = getattr(comm, "flashinfer_allreduce_fusion_backend", None)
     fusion = (backend if backend is not None else
               "on" if getattr(args, "enable_flashinfer_allreduce_fusion", False) else "off")
-    if tp == 1 or _sglang_dp_attention():
+    if tp == 1 or dp_attention:
         fusion = "n/a"
     graphs = (f"CUDA graphs up to {sizing.graph_tokens} tokens" if sizing.graph_tokens
               else "no CUDA graphs seen")
-    dp = ""
-    if _sglang_dp_attention():
-        from .sglang import _attention_tp_size
-        dp = (f", DP attention (attention-TP {_attention_tp_size()}: each rank captures its own "
-              f"requests' rows)")
+    dp = (f", DP attention (attention-TP {_attention_tp_size()}: each rank captures its own "
+          f"requests' rows)" if dp_attention else "")
     return (f"TP {tp}{dp}, all-reduce fusion {fusion} (captures its reduced residual_out), "
             f"{graphs}")
-
-
-def _sglang_dp_attention() -> bool:
-    from .sglang import _dp_attention_enabled
-    return _dp_attention_enabled()
 
 
 def _capture_path(state) -> str:

@@ -22,7 +22,7 @@ else:
 # mapping of a subpackage breaks its editable finder).
 setup(
     name="eagle-capture",
-    version="0.1.0",
+    version="0.2.0",
     description="Fused EAGLE-3 aux-hidden-state capture kernels and torch.library ops",
     long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
@@ -50,12 +50,14 @@ setup(
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
     keywords=["eagle-3", "speculative-decoding", "triton", "torch.compile", "sglang"],
-    packages=["eagle_capture", "eagle_capture.kernels"],
+    packages=["eagle_capture", "eagle_capture.kernels", "eagle_capture.parallel",
+              "eagle_capture.integrations", "eagle_capture.integrations.sglang",
+              "eagle_capture.layer_ids", "eagle_capture.testing"],
     # SGLang's plugin system (0.5.13+) finds the fused capture here in every
-    # scheduler process; EAGLE_CAPTURE=1 turns it on (eagle_capture/sglang_plugin.py).
-    entry_points={"sglang.srt.plugins": ["eagle_capture = eagle_capture.sglang_plugin:register"],
-                  # eagle-capture doctor ...: the layer-id doctor (eagle_capture/doctor.py)
-                  "console_scripts": ["eagle-capture = eagle_capture.doctor:console_main"]},
+    # scheduler process; EAGLE_CAPTURE=1 turns it on (eagle_capture/integrations/sglang/plugin.py).
+    entry_points={"sglang.srt.plugins": ["eagle_capture = eagle_capture.integrations.sglang.plugin:register"],
+                  # eagle-capture doctor ...: the layer-id doctor (eagle_capture/layer_ids/doctor.py)
+                  "console_scripts": ["eagle-capture = eagle_capture.layer_ids.doctor:console_main"]},
     install_requires=["torch>=2.6", "triton>=3.2"],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "numpy", "transformers>=4.57"],

@@ -4,7 +4,7 @@ Paths, for T in {1, 2, 4, ..., 2048} (H = 7168 bf16 by default), all in place
 on the same tensors (the normed output overwrites the partial, the residual is
 updated, the capture goes to slot 1 of a [T, 3, H] buffer):
 
-  one-kernel    eagle_capture.symm one-shot Lamport kernel (all-reduce fused with add+RMSNorm+capture)
+  one-kernel    eagle_capture.parallel.symm one-shot Lamport kernel (all-reduce fused with add+RMSNorm+capture)
   one-kernel+wd the same with the opt-in watchdog on (only at --watchdog-tokens)
   one-kernel+tk the same with rows taken by ticket (rows_by_ticket; only at --watchdog-tokens)
   nccl+fused    NCCL all-reduce, then eagle_capture.add_rmsnorm_capture
@@ -16,14 +16,14 @@ GPU microseconds per layer boundary: median of --replays CUDA-graph replays of
 rank; rank 0 prints the table, for each path the T ranges where it is the
 fastest, the one-kernel speed-up over nccl+fused, the host time of an eager
 call, and writes JSON. ``--write-table F`` writes the path table that
-eagle_capture.symm.SymmAllReduceCapture(table=F) uses: one_shot or nccl per T,
+eagle_capture.parallel.symm.SymmAllReduceCapture(table=F) uses: one_shot or nccl per T,
 whichever measured faster here.
 
     torchrun --nproc-per-node 2 benchmarks/allreduce_capture.py --out results/ --write-table t.json
     python benchmarks/allreduce_capture.py      # world size 1: a smoke test only
 
 NVLink multicast stays off (main() sets and checks the variables with
-eagle_capture.symm.ensure_multicast_disabled before NCCL starts).
+eagle_capture.parallel.symm.ensure_multicast_disabled before NCCL starts).
 """
 
 import argparse
@@ -35,9 +35,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from eagle_capture import symm
+from eagle_capture.parallel import symm
 import eagle_capture as ec
-from eagle_capture.bench import host_us_per_call, time_graph_replay
+from eagle_capture.testing.bench import host_us_per_call, time_graph_replay
 
 PATHS = ("one_kernel", "one_kernel_wd", "one_kernel_tk", "nccl_fused", "symm1_fused",
          "symm2_fused")

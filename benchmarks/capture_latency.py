@@ -51,6 +51,7 @@ one-line reason.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -64,43 +65,20 @@ from typing import Callable
 import torch
 
 import eagle_capture as ec
-from eagle_capture.bench import (add_graph_timing_arguments, graph_steps, host_us_per_call,
+from eagle_capture.testing.reference import add_rmsnorm_reference
+from eagle_capture.testing.bench import (add_graph_timing_arguments, graph_steps, host_us_per_call,
                                  measure_copy_graph, measure_copy_roofline, measure_write_floor,
                                  rotation_sets, time_events, time_graph_replay)
 from eagle_capture.ops import pdl_enabled
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the report, beside this file
+import capture_report as report  # noqa: E402
+from capture_report import CPU_WARNING, GPU_ONLY_PATHS, LIGER_MISSING, PATHS, legend_lines  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_TOKENS = [2**i for i in range(15)]  # 1 .. 16384
 EPS = 1e-6
 
-PATHS = {
-    "a": "eager h+r, torch.cat",
-    "b": "norm + copy_ to slice",
-    "c": "fused add_capture",
-    "d": "add+RMSNorm (no capture)",
-    "e": "add+RMSNorm + slot store",
-    "f": "add+RMSNorm -> slot",
-    "g": "torch.compile add+RMSNorm",
-    "h": "Liger fused add+RMSNorm",
-    "i": "e, norm of fp32 sum (SGLang drop-in)",
-}
-
-# What each path's figure tells the reader (the legend's last column).
-PATH_MEASURES = {
-    "a": "SGLang <= 0.5.13's capture: h + r per layer, then cat",
-    "b": "SGLang >= 0.5.18's capture: the norm, then a copy_",
-    "c": "the capture alone, fused: add + store, no norm",
-    "d": "baseline: the layer's own add+RMSNorm, no capture",
-    "e": "d + a store of the residual into the slot",
-    "f": "d whose residual output is the slot: no extra write",
-    "g": "Inductor's kernel for d: the one to beat",
-    "h": "Liger-Kernel's kernel for d",
-    "i": "e, normalising the fp32 sum (SGLang drop-in's kernel)",
-}
-
-WIDTH = 100  # every printed line fits this many columns (tests/test_benchmark_cli.py)
-
-CPU_WARNING = "WARNING: CPU figures are not performance figures: timings swing between runs"
 
 # Each rotated buffer set is one step of the CUDA graph: this bounds the graph
 # (about 1460 sets at T = 1 for H = 7168, K = 3 and 4 x a 60 MiB L2).
@@ -108,12 +86,7 @@ MAX_SETS = 4096
 # Memory kept free for allocations the plan does not count (temporaries of
 # path a, Inductor's and Liger's workspaces, the graphs themselves).
 MEMORY_MARGIN = 0.1
-# A capture cost is shown as a multiple of the write floor only where the floor
-# is this many us: below it, graph-replay jitter is a large part of the floor.
-FLOOR_MIN_US = 1.0
-
 PDL_ENV = "EAGLE_CAPTURE_PDL"
-PDL_PATHS = "bcdefi"  # launch our kernel through the eager entry points
 
 
 def liger_fused_add_rmsnorm():
@@ -186,7 +159,7 @@ def make_inputs(num_tokens: int, hidden_size: int, num_captures: int, dtype, dev
 def _eager_add_rmsnorm(h: torch.Tensor, r: torch.Tensor, w: torch.Tensor):
     """Out of place (fresh outputs): Inductor's best case -- the in-place form
     made it copy back into the inputs, slower at every T on the H200."""
-    # Spelled out, not eagle_capture.reference.rmsnorm_fp32: these plain torch ops are path g.
+    # Spelled out, not eagle_capture.testing.reference.rmsnorm_fp32: these plain torch ops are path g.
     s = h + r
     x = s.float()
     return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w.float()).to(h.dtype), s
@@ -278,7 +251,7 @@ def check_path(path: str, x: Inputs) -> None:
         raise AssertionError(f"path {path}: captured values differ from eager h + r")
     if path in ("b", "d", "e", "f", "g", "h", "i"):
         for k, s in enumerate(expected):
-            ref = ec.add_rmsnorm_reference(s, torch.zeros_like(s), x.weight[k], EPS)[0]
+            ref = add_rmsnorm_reference(s, torch.zeros_like(s), x.weight[k], EPS)[0]
             rel = ((y.hidden[k].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
             if rel > 1e-2:
                 raise AssertionError(f"path {path}: normed output rel err {rel:.2e}")
@@ -310,59 +283,47 @@ def host_calls(hidden_size: int, dtype, device, breakdown: bool = False) -> tupl
     return {**calls, **layers}, facts
 
 
-def recorded_launch(h: torch.Tensor, r: torch.Tensor, aux: torch.Tensor) -> tuple:
-    """(grid, positional kernel arguments, launch keywords) of the kernel launch
-    behind ``ec.add_capture(h, r, aux, 0)``, recorded from ``ops.launch_kernel``
-    through its ``_wrap`` hook, with USE_PDL / ``launch_pdl`` as the eager path
-    sets them (the hook's path never uses PDL)."""
+def eager_plan(h: torch.Tensor, r: torch.Tensor, aux: torch.Tensor):
+    """(the call's five tensors, the Plan the eager path makes for
+    ``ec.add_capture(h, r, aux, 0)``): its grid, arguments and PDL setting.
+    CPU tensors get the kernel's plan under Triton's interpreter."""
     from eagle_capture import ops
-    from eagle_capture.kernels import add_rmsnorm_capture_kernel as kernel
-    seen = {}
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.update(grid=grid, args=args, kwargs=kwargs)
-
-    ops.launch_kernel(h, r, aux=aux, slot=0, _wrap=lambda _: Recorder())
-    bound = dict(zip(kernel.arg_names, seen["args"]))
-    options = {k: v for k, v in seen["kwargs"].items() if k not in kernel.arg_names}
-    bound.update((k, v) for k, v in seen["kwargs"].items() if k in kernel.arg_names)
-    use_pdl = h.is_cuda and ops.pdl_enabled(h.device.index)
-    bound["USE_PDL"] = use_pdl
-    if use_pdl:
-        options["launch_pdl"] = True
-    args = tuple(bound[name] for name in kernel.arg_names if name in bound)
-    return tuple(seen["grid"]), args, options
+    from eagle_capture.testing.kernel import kernel_on_cpu
+    tensors = (h, r, None, aux, None)
+    with kernel_on_cpu() if h.device.type == "cpu" else contextlib.nullcontext():
+        return tensors, ops._plan(ops._ADD_CAPTURE, tensors, 0.0, 0, False)
 
 
 def launch_layers(h: torch.Tensor, r: torch.Tensor, aux: torch.Tensor) -> tuple:
     """The layers under ``ec.add_capture(h, r, aux, 0)`` on a CUDA device, each
     callable alone, all launching the op's kernel with the op's arguments:
     Triton's entry point, the compiled kernel's launcher (tensor and integer
-    pointers), eagle_capture's CachedLauncher and the DirectLaunch it keeps
-    (what the eager path calls), pieces of the memo key; and facts about that
+    pointers), the eager fast path's launch (``ops.FastLaunch``) and the
+    DirectLaunch its plan keeps, pieces of the memo key; and facts about that
     launch path. ({name: call}, {fact: value})"""
-    from eagle_capture import _launcher
+    from eagle_capture import ops
     from eagle_capture.kernels import add_rmsnorm_capture_kernel as kernel
-    grid, args, options = recorded_launch(h, r, aux)
+    tensors, plan = eager_plan(h, r, aux)
+    args = (*plan.head(tensors), *plan.tail_entry)
     int_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    options = {"num_warps": plan.num_warps, **({"launch_pdl": True} if plan.use_pdl else {})}
+    grid = plan.grid
     gx, gy = grid
     stream = torch._C._cuda_getCurrentRawStream(h.device.index)
-    # A launcher of our own (not the op's): the same code, an empty cache.
-    launcher = _launcher.CachedLauncher(kernel)
-    key = ("host breakdown",)
-    pdl = "launch_pdl" in options
+    # A fast path of our own (not the op's): the same code, an empty memo.
+    fast = ops.FastLaunch(kernel)
+    ptrs = [t.data_ptr() if t is not None else 0 for t in tensors]
 
-    def cached_launch():
-        return launcher(grid, args, key, options["num_warps"], h.device.index, True, pdl)
+    def fast_launch():
+        fast.launch(plan, tensors, ptrs)
 
-    facts = {"PDL": pdl, "direct launch supported": launcher.direct,
-             "launch hooks active (a profiler)": _launcher.hooks_active()}
-    # Top down: Triton's entry, our cached launch, the launcher objects below them.
+    facts = {"PDL": plan.use_pdl, "direct launch supported": ops.DIRECT_LAUNCH,
+             "launch hooks active (a profiler)": ops.hooks_active()}
+    # Top down: Triton's entry, our fast-path launch, the launcher objects below them.
     calls = {"kernel[grid](...) (Triton's entry)": lambda: kernel[grid](*args, **options),
-             "CachedLauncher call": cached_launch}
-    cached_launch()  # compiles and caches
-    direct = cached_launch()
+             "FastLaunch.launch": fast_launch}
+    fast_launch()  # compiles and keeps the DirectLaunch (on a GPU)
+    direct = plan.direct
     if direct is not None:
         facts["DirectLaunch calls the C launch (not compiled.run)"] = \
             direct.launch is not getattr(direct.compiled, "run", None)
@@ -425,20 +386,6 @@ def run_host_breakdown(args, num_calls: int = 2000) -> dict:
     return {"host_us_per_call": {name: {"median_us": statistics.median(us), "best_us": min(us),
                                         "chunks_us": us} for name, us in chunks.items()},
             "facts": facts, "calls": num_calls, "profile": profile.getvalue()}
-
-
-def format_host_breakdown(result: dict, args) -> list:
-    """The ``--host-breakdown`` report as lines (the cProfile's own lines last)."""
-    rows = result["host_us_per_call"]
-    w = max(len(name) for name in rows)
-    lines = [f"Host time per eager call, T = 1, H = {args.hidden_size}, {args.dtype}; "
-             f"{result['calls']} calls in 5 chunks:"]
-    lines += [f"  {fact}: {value}" for fact, value in result["facts"].items()]
-    lines += ["", f"  {'us per call':<{w}}  {'median':>7}  {'best':>7}"]
-    lines += [f"  {name:<{w}}  {d['median_us']:7.2f}  {d['best_us']:7.2f}"
-              for name, d in rows.items()]
-    return lines + ["", f"cProfile of {result['calls']} public add_capture calls:",
-                    result["profile"].strip("\n")]
 
 
 def device_identity() -> dict:
@@ -605,14 +552,6 @@ def run_cpu(args) -> dict:
     return {"rows": rows}
 
 
-# Paths the CPU run leaves out, and why (printed under "Not run").
-GPU_ONLY_PATHS = {
-    "g": "GPU only (on CPU it would time Inductor's C++ code)",
-    "h": "GPU only (Liger-Kernel's kernels are Triton GPU kernels)",
-}
-LIGER_MISSING = "liger-kernel is not installed (pip install liger-kernel)"
-
-
 def select_paths(requested: list, has_gpu: bool, has_liger: bool) -> tuple:
     """(paths to run, {path: one-line reason} for every requested path not run)."""
     skipped = {}
@@ -622,225 +561,6 @@ def select_paths(requested: list, has_gpu: bool, has_liger: bool) -> tuple:
         elif p in GPU_ONLY_PATHS and not has_gpu:
             skipped[p] = GPU_ONLY_PATHS[p]
     return [p for p in requested if p not in skipped], skipped
-
-
-def legend_lines(paths: list, skipped: dict) -> list:
-    """The key to the table's columns, one line per path, then the reason for
-    every requested path that is not run."""
-    lines = []
-    if paths:
-        w = max(len(PATHS[p]) for p in paths)
-        lines.append("Paths (key, what runs, what it measures):")
-        lines += [f"  {p}  {PATHS[p]:<{w}}  {PATH_MEASURES[p]}" for p in paths]
-    if skipped:
-        lines.append("Not run:")
-        lines += [f"  {p}  {PATHS[p]}: {why}" for p, why in skipped.items()]
-    return lines
-
-
-def align_parts(parts: list) -> list:
-    """Right-align each position of equal-length string lists to that position's
-    widest entry (so that e.g. "min / median / max" line up down a column)."""
-    widths = [max(len(row[i]) for row in parts) for i in range(len(parts[0]))] if parts else []
-    return [[x.rjust(w) for x, w in zip(row, widths)] for row in parts]
-
-
-def pack_columns(key_header: str, keys: list, columns: list, width: int = WIDTH,
-                 sep: str = " | ") -> list:
-    """A table of right-aligned columns, ``columns`` = [(header, [cell per key])],
-    laid out in blocks of at most ``width`` characters: the key column (T) starts
-    every block and the columns that do not fit go on to the next block."""
-    key_w = max([len(key_header)] + [len(k) for k in keys])
-    blocks, block, used = [], [], key_w
-    for header, cells in columns:
-        w = max([len(header)] + [len(c) for c in cells])
-        if block and used + len(sep) + w > width:
-            blocks.append(block)
-            block, used = [], key_w
-        block.append((header, cells, w))
-        used += len(sep) + w
-    if block:
-        blocks.append(block)
-    lines = []
-    for i, block in enumerate(blocks):
-        if i:
-            lines.append("")
-        head = key_header.rjust(key_w) + "".join(sep + h.rjust(w) for h, _, w in block)
-        lines += [head, "-" * len(head)]
-        lines += [key.rjust(key_w) + "".join(sep + cells[r].rjust(w) for _, cells, w in block)
-                  for r, key in enumerate(keys)]
-    return lines
-
-
-def pdl_line(pdl: dict, paths: list) -> str:
-    """One line: whether this run's PDL-capable paths launched with PDL."""
-    if pdl["state"] == "n/a":
-        return f"PDL: n/a ({pdl['why']})."
-    ours = " ".join(p for p in paths if p in PDL_PATHS) or "no path here"
-    never = " ".join(p for p in paths if p not in PDL_PATHS)
-    return (f"PDL: {pdl['state']} ({pdl['why']}) for {ours}"
-            + (f"; {never} cannot use it" if never else "") + ".")
-
-
-def format_ratio(x) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
-def format_gpu_table(result: dict, args) -> list:
-    """The GPU report as lines of at most WIDTH characters (pure: no GPU needed)."""
-    roof, rows, paths = result["copy_2gib_eager"], result["rows"], list(args.paths)
-    l2_multiple = min((row["input_l2_multiple"] for row in rows), default=0.0)
-    lines = ["Roofline ([%] cells): one copy kernel (src + 0) moving the path's bytes at that T, "
-             "timed as",
-             "the paths are (graph replay, same steps per graph, rotated buffers).",
-             f"2 GiB eager copy (secondary): {roof['gbps']:.0f} GB/s read + written.",
-             f"H = {args.hidden_size}, K = {args.num_captures} captured layers, {args.dtype}; "
-             f">= {args.steps_per_graph} steps per CUDA graph, each step on the next",
-             f"of N buffer sets (h, r, w, aux) that total >= {l2_multiple:.1f} x L2 "
-             f"({result['l2_bytes'] / 2**20:.0f} MiB) at every T.",
-             pdl_line(result["pdl"], paths),
-             ""]
-    lines += legend_lines(paths, result.get("skipped", {}))
-    lines += ["",
-              "Cells: GPU us per forward step (all K layers), CUDA-graph replay, median "
-              "[% of same-size copy].",
-              "cost b / e / f: us over path d (the capture's own cost). floor: one write of "
-              "the K slots'",
-              "bytes, measured: fill_ of a rotated [T, K, H] buffer in graph replay less a "
-              "one-row fill_",
-              f"(the launch's fixed cost). x floor: cost / floor, where the floor >= "
-              f"{FLOOR_MIN_US:g} us.",
-              ""]
-    keys = [str(row["T"]) for row in rows]
-    columns = [(p, [f"{row['paths'][p]['graph_us']:.1f} "
-                    f"[{row['paths'][p]['graph_pct_roofline']:3.0f}%]" for row in rows])
-               for p in paths]
-    costs = align_parts([[f"{row['capture_cost_us'][p]:+.1f}"
-                          if p in row.get("capture_cost_us", {}) else "-" for p in "bef"]
-                         for row in rows])
-    columns.append(("cost b / e / f us", [" / ".join(c) for c in costs]))
-    columns.append(("floor us", [f"{row['write_floor']['net_us']:.1f}" for row in rows]))
-    ratios = align_parts([[format_ratio(row.get("capture_cost_x_floor", {}).get(p))
-                           if row["write_floor"]["net_us"] >= FLOOR_MIN_US else "-"
-                           for p in "bef"] for row in rows])
-    columns.append(("x floor b / e / f", [" / ".join(r) for r in ratios]))
-    lines += pack_columns("T", keys, columns)
-    if paths:
-        lines += ["", "Eager (CUDA events, launch overhead included), us per step:"]
-        lines += pack_columns("T", keys, [(p, [f"{row['paths'][p]['event_us']:.1f}"
-                                               for row in rows]) for p in paths])
-    lines += ["", "Host time per op call, eager, T = 1 (us):"]
-    lines += [f"  {name:<42} {us:6.1f}" for name, us in result["host_us_per_call"].items()]
-    return lines
-
-
-def format_pdl_comparison(on: dict, off: dict) -> list:
-    """``--pdl both``: the two runs side by side, "on / off" per path and T
-    (graph-replay median on a GPU, wall-clock median on the CPU)."""
-    gpu = "copy_2gib_eager" in on
-    figure = "graph_us" if gpu else "wall_us"
-    paths = [p for p in on["config"]["paths"] if p in off["config"]["paths"]]
-    lines = [f"PDL on vs off: two runs of this script, us per step "
-             f"({'CUDA-graph replay' if gpu else 'CPU wall clock'}, median), on / off.",
-             f"on run: {pdl_line(on['pdl'], paths)}",
-             f"off run: {pdl_line(off['pdl'], paths)}"]
-    if any(p not in PDL_PATHS for p in paths):
-        lines.append("Paths that never use PDL: their on / off difference is run-to-run noise.")
-    lines.append("")
-    off_rows = {row["T"]: row for row in off["rows"]}
-    rows = [row for row in on["rows"] if row["T"] in off_rows]
-    columns = []
-    for p in paths:
-        cells = align_parts([[f"{row['paths'][p][figure]:.1f}",
-                              f"{off_rows[row['T']]['paths'][p][figure]:.1f}"] for row in rows])
-        columns.append((p, [" / ".join(c) for c in cells]))
-    return lines + pack_columns("T", [str(row["T"]) for row in rows], columns)
-
-
-def cpu_spread(result: dict) -> float:
-    """The largest max/min ratio over all points of a CPU run (1.0 if none)."""
-    ratios = [d["max_us"] / d["min_us"] for row in result["rows"]
-              for d in row["paths"].values() if d.get("min_us", 0) > 0]
-    return max(ratios, default=1.0)
-
-
-def format_cpu_table(result: dict, args) -> list:
-    """The CPU report as lines of at most WIDTH characters."""
-    rows, paths = result["rows"], [p for p in args.paths if p not in GPU_ONLY_PATHS]
-    lines = [f"CPU path (the ops' torch implementation), H = {args.hidden_size}, "
-             f"K = {args.num_captures} captured layers, {args.dtype}."]
-    if "pdl" in result:
-        lines.append(pdl_line(result["pdl"], paths))
-    lines.append("")
-    lines += legend_lines(paths, result.get("skipped", {}))
-    if not paths:
-        return lines + ["", "No path to run."]
-    spread = cpu_spread(result)
-    lines += ["",
-              f"Cells: wall-clock us per step (all K layers): min / median / max "
-              f"over {args.reps} reps.",
-              f"{CPU_WARNING} (max/min {spread:.{1 if spread < 10 else 0}f}x here).",
-              ""]
-    columns = []
-    for p in paths:
-        parts = align_parts([[f"{row['paths'][p]['min_us']:.1f}",
-                              f"{row['paths'][p]['wall_us']:.1f}",
-                              f"{row['paths'][p]['max_us']:.1f}"] for row in rows])
-        columns.append((p, [" / ".join(c) for c in parts]))
-    return lines + pack_columns("T", [str(row["T"]) for row in rows], columns)
-
-
-def print_gpu_table(result: dict, args) -> None:
-    print()
-    print("\n".join(format_gpu_table(result, args)))
-
-
-def print_cpu_table(result: dict, args) -> None:
-    print()
-    print("\n".join(format_cpu_table(result, args)))
-
-
-def plot(result: dict, args, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = result["rows"]
-    tokens = [r["T"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    for p in args.paths:
-        ax1.plot(tokens, [r["paths"][p]["graph_us"] for r in rows], marker="o", ms=3,
-                 label=f"{p}: {PATHS[p]}")
-    ax1.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="GPU us per step (graph replay)",
-            title=f"Capture of K={args.num_captures} layers, H={args.hidden_size}, {args.dtype}")
-    ax1.grid(True, which="both", alpha=0.3)
-    ax1.legend(fontsize=8)
-    # A capture cost can be zero or negative (f often ties d, within noise). A
-    # log axis cannot show those, and clipping them to a small floor drew them
-    # as tiny positive costs. So: a symlog axis (linear within +-1 us, log
-    # beyond), every cost at its true value, a zero line, and each cost <= 0
-    # circled in red so that it cannot be mistaken for a small positive one.
-    nonpositive = False
-    for p in ("b", "e", "f"):
-        if all(p in r.get("capture_cost_us", {}) for r in rows):
-            costs = [r["capture_cost_us"][p] for r in rows]
-            ax2.plot(tokens, costs, marker="o", ms=3, label=f"{p}: {PATHS[p]}")
-            low = [(t, c) for t, c in zip(tokens, costs) if c <= 0]
-            if low:
-                ax2.scatter(*zip(*low), s=60, facecolors="none", edgecolors="red", zorder=3,
-                            label=None if nonpositive else "cost <= 0 (no slower than d)")
-                nonpositive = True
-    ax2.plot(tokens, [r["write_floor"]["net_us"] for r in rows], "k--",
-             label="one extra write, measured (fill_, launch cost removed)")
-    ax2.axhline(0, color="grey", lw=0.8)
-    ax2.set_xscale("log")
-    ax2.set_yscale("symlog", linthresh=1.0)
-    ax2.set(xlabel="tokens T", ylabel="capture cost over d (us; symlog, linear within +-1)",
-            title="Capture overhead vs the layer's add+RMSNorm")
-    ax2.grid(True, which="both", alpha=0.3)
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def parse_args(argv=None):
@@ -898,10 +618,10 @@ def host_breakdown_main(args, argv: list, info: dict) -> int:
               "nothing measured.")
         return 0
     result = run_host_breakdown(args)
-    print()
-    print("\n".join(format_host_breakdown(result, args)))
     result.update(pdl=pdl_report(True), config=vars(args), device=info,
                   date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command=" ".join([__file__] + argv))
+    print()
+    print("\n".join(report.report_lines(result)))
     stem = output_stem(args, True, args.pdl) + "_host"
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
@@ -946,13 +666,13 @@ def run_pdl_both(args, argv: list) -> int:
     for mode in ("on", "off"):
         with open(output_stem(args, has_gpu, mode) + ".json") as f:
             results[mode] = json.load(f)
+    both = {"pdl_on": results["on"], "pdl_off": results["off"],
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join([__file__] + argv)}
     print()
-    print("\n".join(format_pdl_comparison(results["on"], results["off"])))
+    print("\n".join(report.report_lines(both)))
     stem = output_stem(args, has_gpu, "both")
     with open(stem + ".json", "w") as f:
-        json.dump({"pdl_on": results["on"], "pdl_off": results["off"],
-                   "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                   "command": " ".join([__file__] + argv)}, f, indent=1)
+        json.dump(both, f, indent=1)
     print(f"\nwrote {stem}.json")
     return 0
 
@@ -977,7 +697,6 @@ def main(argv=None) -> int:
         args.tokens = args.tokens or DEFAULT_TOKENS
         result = run_gpu(args)
         result.update(skipped=skipped, pdl=pdl_report(has_gpu))
-        print_gpu_table(result, args)
     else:
         print("No GPU: running the CPU path (torch implementation) on small sizes. "
               "GPU figures need a GPU.")
@@ -985,17 +704,18 @@ def main(argv=None) -> int:
         args.reps = min(args.reps, 20)
         result = run_cpu(args)
         result.update(skipped=skipped, pdl=pdl_report(has_gpu), warning=CPU_WARNING)
-        print_cpu_table(result, args)
     result.update(config={k: v for k, v in vars(args).items()}, device=info,
                   date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                   command=" ".join([__file__] + argv))
+    print()   # the report is made from the result alone (capture_report.py)
+    print("\n".join(report.report_lines(result)))
     stem = output_stem(args, has_gpu, args.pdl)
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
     print(f"\nwrote {stem}.json")
     if has_gpu and not args.no_plot:
         try:
-            plot(result, args, stem + ".png")
+            report.plot(result, args, stem + ".png")
             print(f"wrote {stem}.png")
         except ImportError:
             print("matplotlib not installed: no plot")

@@ -49,9 +49,9 @@ from typing import Optional
 import torch
 import triton
 
-from eagle_capture.bench import (add_graph_timing_arguments, measure_copy_roofline,
+from eagle_capture.testing.bench import (add_graph_timing_arguments, measure_copy_roofline,
                                  rotation_sets, time_graph_replay)
-from eagle_capture.kernels import HAS_PDL, add_rmsnorm_capture_kernel, launch_config
+from eagle_capture.kernels import HAS_PDL, add_rmsnorm_capture_kernel, kernel_arguments, launch_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_TOKENS = [1, 8, 16, 64, 256, 1024, 4096, 16384]
@@ -167,16 +167,13 @@ def launch(v: Variant, shape: tuple, inputs: BufferSet, aux: torch.Tensor, slot:
     h, r = inputs.h, inputs.r
     normed = inputs.normed if v.out_of_place else h
     res_out = inputs.res_out if v.out_of_place else r
+    _, values, num_warps = kernel_arguments(
+        h, r, inputs.w if kind.apply_norm else None, normed if kind.apply_norm else None,
+        res_out if kind.store_residual else None, aux if kind.capture else None, eps=EPS,
+        slot=slot, norm_fp32_sum=kind.norm_fp32_sum, use_pdl=v.pdl, block_h=block_h,
+        num_warps=num_warps)
     add_rmsnorm_capture_kernel[(h.shape[0], col_blocks)](
-        hidden_ptr=h, residual_ptr=r, weight_ptr=inputs.w, normed_out_ptr=normed,
-        residual_out_ptr=res_out, aux_ptr=aux, hidden_size=h.shape[1], eps=EPS,
-        stride_hidden=h.stride(0), stride_residual=r.stride(0),
-        stride_normed_out=normed.stride(0), stride_residual_out=res_out.stride(0),
-        stride_aux_row=aux.stride(0), aux_slot_offset=slot * aux.stride(1),
-        HAS_RESIDUAL=True, APPLY_NORM=kind.apply_norm, STORE_RESIDUAL=kind.store_residual,
-        CAPTURE=kind.capture, BLOCK_H=block_h, USE_PDL=v.pdl,
-        NORM_FP32_SUM=kind.norm_fp32_sum, num_warps=num_warps,
-        **({"launch_pdl": True} if v.pdl else {}))
+        **values, num_warps=num_warps, **({"launch_pdl": True} if v.pdl else {}))
 
 
 def check_variant(v: Variant, shape: tuple, inputs: BufferSet) -> None:

@@ -1,14 +1,23 @@
 """eagle-capture: fused EAGLE-3 aux-hidden-state capture for LLM serving.
 
+The core -- the ops (:mod:`eagle_capture.ops`, over the Triton kernels in
+``kernels/``) and the aux buffer -- is what every other part builds on:
+
+* ``parallel/``: tensor-parallel capture and the all-reduce fused with it;
+* ``integrations/sglang/``: the drop-in for SGLang's DeepseekV2 loop, its plugin;
+* ``layer_ids/``: which layers a draft gets, per SGLang release (the doctor);
+* ``testing/``: references, the reference loop, benchmark timers -- never
+  imported by the product.
+
 Importing this package registers the ``torch.ops.eagle_capture`` ops. It does
 not initialise CUDA: no device is queried until a kernel is launched.
 """
 
+from . import _moved
 from .buffer import AuxCaptureBuffer
 from .ops import add_capture, add_rmsnorm_capture, add_rmsnorm_into_slot, add_rmsnorm_out
-from .reference import add_rmsnorm_reference, sglang_eager_capture
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AuxCaptureBuffer",
@@ -16,6 +25,6 @@ __all__ = [
     "add_rmsnorm_capture",
     "add_rmsnorm_into_slot",
     "add_rmsnorm_out",
-    "add_rmsnorm_reference",
-    "sglang_eager_capture",
 ]
+
+__getattr__ = _moved.moved_attribute  # names of 0.1 that moved (deprecated)

@@ -13,7 +13,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from . import ops
+from eagle_capture import ops
 
 
 class AuxCaptureBuffer:

@@ -16,7 +16,7 @@ import transformers
 # [readme-start]
 import torch
 import eagle_capture as ec
-from eagle_capture.plan import build_plan
+from eagle_capture.layer_ids.plan import build_plan
 
 
 @torch.no_grad()

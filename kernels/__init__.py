@@ -6,6 +6,6 @@ shipped under the ``eagle_capture`` namespace (see ``setup.py``) because a
 top-level ``kernels`` package already exists on PyPI (Hugging Face's).
 """
 
-from .add_rmsnorm_capture import HAS_PDL, add_rmsnorm_capture_kernel, launch_config
+from .add_rmsnorm_capture import HAS_PDL, add_rmsnorm_capture_kernel, kernel_arguments, launch_config
 
-__all__ = ["HAS_PDL", "add_rmsnorm_capture_kernel", "launch_config"]
+__all__ = ["HAS_PDL", "add_rmsnorm_capture_kernel", "kernel_arguments", "launch_config"]

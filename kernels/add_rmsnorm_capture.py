@@ -50,6 +50,7 @@ no two programs touch the same row.
 """
 
 import functools
+from typing import Optional
 
 import triton
 import triton.language as tl
@@ -178,3 +179,40 @@ def launch_config(hidden_size: int, apply_norm: bool = True) -> tuple[int, int, 
     else:
         num_warps = 1
     return block_h, num_warps, 1
+
+
+def kernel_arguments(hidden, residual=None, weight=None, normed_out=None, residual_out=None,
+                     aux=None, *, eps: float = 0.0, slot: int = 0, norm_fp32_sum: bool = False,
+                     use_pdl: bool = False, block_h: Optional[int] = None,
+                     num_warps: Optional[int] = None) -> tuple[tuple, dict, int]:
+    """``(grid, {parameter: value}, num_warps)`` of one launch: the one place the
+    kernel's arguments are spelled out. Features follow from the outputs given:
+    ``aux`` -> capture into ``aux[:T, slot]``; ``residual_out`` -> store the new
+    residual; ``weight`` + ``normed_out`` -> RMSNorm. An absent pointer is
+    ``hidden`` (valid, so the signature never changes; the flags compile its
+    accesses away). ``block_h`` / ``num_warps`` override :func:`launch_config`
+    (the tuning sweep)."""
+    num_tokens, hidden_size = hidden.shape
+    apply_norm = weight is not None
+    # int(): H may be a SymInt under dynamic shapes; BLOCK_H specialises on it.
+    default_block, default_warps, col_blocks = launch_config(int(hidden_size), apply_norm)
+    block_h = default_block if block_h is None else block_h
+    col_blocks = col_blocks if block_h == default_block else triton.cdiv(hidden_size, block_h)
+    values = dict(
+        hidden_ptr=hidden,
+        residual_ptr=residual if residual is not None else hidden,
+        weight_ptr=weight if apply_norm else hidden,
+        normed_out_ptr=normed_out if apply_norm else hidden,
+        residual_out_ptr=residual_out if residual_out is not None else hidden,
+        aux_ptr=aux if aux is not None else hidden,
+        hidden_size=hidden_size, eps=float(eps), stride_hidden=hidden.stride(0),
+        stride_residual=residual.stride(0) if residual is not None else 0,
+        stride_normed_out=normed_out.stride(0) if apply_norm else 0,
+        stride_residual_out=residual_out.stride(0) if residual_out is not None else 0,
+        stride_aux_row=aux.stride(0) if aux is not None else 0,
+        aux_slot_offset=slot * aux.stride(1) if aux is not None else 0,
+        HAS_RESIDUAL=residual is not None, APPLY_NORM=apply_norm,
+        STORE_RESIDUAL=residual_out is not None, CAPTURE=aux is not None,
+        BLOCK_H=block_h, USE_PDL=use_pdl,
+        NORM_FP32_SUM=bool(norm_fp32_sum) and apply_norm and residual is not None)
+    return (num_tokens, col_blocks), values, default_warps if num_warps is None else num_warps

@@ -52,7 +52,7 @@ untar "$B/flashinfer-0.7.2-norm.tar.xz" "$SITE"
 DI="$SITE/eagle_capture-0.1.0.dist-info"
 mkdir -p "$DI"
 printf 'Metadata-Version: 2.1\nName: eagle-capture\nVersion: 0.1.0\n' > "$DI/METADATA"
-printf '[sglang.srt.plugins]\neagle_capture = eagle_capture.sglang_plugin:register\n' \
+printf '[sglang.srt.plugins]\neagle_capture = eagle_capture.integrations.sglang.plugin:register\n' \
     > "$DI/entry_points.txt"
 
 export PYTHONPATH="$SGL:$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"

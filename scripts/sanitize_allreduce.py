@@ -12,8 +12,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from eagle_capture import symm
-from eagle_capture.reference import add_rmsnorm_reference
+from eagle_capture.parallel import symm
+from eagle_capture.testing.reference import add_rmsnorm_reference
 
 
 def main() -> int:

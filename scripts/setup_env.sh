@@ -79,9 +79,9 @@ case $PY in /*) PY_ABS=$PY ;; */*) PY_ABS="$PWD/$PY" ;; *) PY_ABS=$PY ;; esac
 # the installed metadata too (an older install lacks them).
 installed=$(cd / && "$PY_ABS" -c 'import os, eagle_capture.kernels as k, eagle_capture as e
 from importlib.metadata import entry_points
-assert any(p.value == "eagle_capture.sglang_plugin:register"
+assert any(p.value == "eagle_capture.integrations.sglang.plugin:register"
            for p in entry_points(group="sglang.srt.plugins"))
-assert any(p.value == "eagle_capture.doctor:console_main"
+assert any(p.value == "eagle_capture.layer_ids.doctor:console_main"
            for p in entry_points(group="console_scripts"))
 print(os.path.realpath(e.__file__))' 2>/dev/null || true)
 if [ "$installed" != "$(realpath eagle_capture/__init__.py)" ]; then

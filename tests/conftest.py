@@ -6,7 +6,11 @@ imported, which is why it is set here at collection time. On a GPU machine
 the kernels run compiled and the interpreter stays off.
 """
 
+import datetime
+import json
 import os
+import platform
+import time
 
 import torch
 
@@ -105,7 +109,7 @@ def _rank(rank, world, store_dir, scenarios, timeout_s, backend):
     import torch.distributed as dist
     sys.path.insert(0, os.path.dirname(__file__))
     if backend == "nccl":
-        from eagle_capture.symm import ensure_multicast_disabled
+        from eagle_capture.parallel.symm import ensure_multicast_disabled
         ensure_multicast_disabled()                  # before NCCL starts
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
@@ -133,3 +137,47 @@ def run_ranks(scenarios, world: int, store_dir, timeout_s: float, what: str,
     CPU; bounded by ``timeout_s`` (:func:`run_spawned`)."""
     run_spawned(_rank, (world, str(store_dir), scenarios, timeout_s, backend), world,
                 timeout_s, what)
+
+
+# ----------------------------------------------------------------------------
+# --record JSON: per-file outcome counts of this run, the record the README's
+# reliability table cites (scripts/test_record.py renders docs/test_runs.md).
+# ----------------------------------------------------------------------------
+
+def pytest_addoption(parser):
+    parser.addoption("--record", metavar="JSON", default=None,
+                     help="write this run's outcome counts per test file, and the machine, here")
+
+
+def pytest_sessionstart(session):
+    session.config._record_started = time.time()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--record")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if not path or reporter is None:
+        return
+    files: dict = {}
+    for outcome in ("passed", "failed", "error", "skipped", "xfailed", "xpassed"):
+        for report in reporter.stats.get(outcome, []):
+            if outcome == "passed" and getattr(report, "when", "call") != "call":
+                continue
+            counts = files.setdefault(report.nodeid.split("::")[0], {})
+            counts[outcome] = counts.get(outcome, 0) + 1
+    import triton
+    record = {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(0) if HAS_CUDA else "CPU (kernels interpreted)",
+        "gpus": torch.cuda.device_count() if HAS_CUDA else 0,
+        "cpus": os.cpu_count(), "python": platform.python_version(),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "exit_status": int(exitstatus),
+        "seconds": round(time.time() - getattr(session.config, "_record_started", time.time())),
+        "files": dict(sorted(files.items())),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")

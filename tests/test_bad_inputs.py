@@ -195,7 +195,7 @@ def test_add_rmsnorm_into_slot_needs_an_aux_buffer():
 
 def test_ranges_overlap():
     """The byte-range test behind the aliasing checks and SymmAllReduceCapture."""
-    from eagle_capture._checks import ranges_overlap
+    from eagle_capture.ops import ranges_overlap
     buf = torch.zeros(ROWS, K, H, dtype=BF16, device=DEVICE)
     rows = buf.view(ROWS, K * H)
     assert ranges_overlap(buf, buf[2:3, 1])
@@ -211,7 +211,7 @@ def test_spans_meet_against_every_pair():
     """The eager paths' per-call pre-check (addresses only) agrees with a brute
     pairwise test on random layouts of 2-8 ranges, empty ones included."""
     import random
-    from eagle_capture._checks import spans_meet
+    from eagle_capture.ops import spans_meet
     rng = random.Random(0)
     for _ in range(3000):
         n = rng.randint(2, 8)

@@ -266,20 +266,20 @@ def test_host_calls_run_on_cpu():
 @needs_interpreter
 def test_launch_layers_wiring_under_the_interpreter(monkeypatch):
     """The layers under add_capture, launching the op's own kernel arguments
-    (recorded from ops.launch_kernel), each called once: CPU tensors, Triton's
+    (the eager path's plan), each called once: CPU tensors, Triton's
     interpreter. The compiled-launcher and DirectLaunch rows need a GPU (the
     interpreter compiles nothing) and are absent here."""
     from eagle_capture.kernels import add_rmsnorm_capture_kernel as kernel
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     x = cl.make_inputs(3, 64, 2, torch.float32, torch.device("cpu"))
     h, r, aux = x.hidden[0], x.residual[0], x.aux
-    grid, args, options = cl.recorded_launch(h, r, aux)
-    bound = dict(zip(kernel.arg_names, args))
-    assert grid == (3, 1) and options == {"num_warps": options["num_warps"]}
+    tensors, plan = cl.eager_plan(h, r, aux)
+    bound = dict(zip(kernel.arg_names, (*plan.head(tensors), *plan.tail_entry)))
+    assert plan.grid == (3, 1) and plan.use_pdl is False
     assert bound["CAPTURE"] and not bound["APPLY_NORM"] and bound["USE_PDL"] is False
     assert bound["aux_ptr"] is aux and bound["hidden_ptr"] is h
     calls, facts = cl.launch_layers(h, r, aux)
-    assert {"kernel[grid](...) (Triton's entry)", "CachedLauncher call",
+    assert {"kernel[grid](...) (Triton's entry)", "FastLaunch.launch",
             "6x tensor.data_ptr()", "torch.cuda.current_device()"} <= set(calls)
     assert {"direct launch supported", "launch hooks active (a profiler)", "PDL"} <= set(facts)
     for name, fn in calls.items():
@@ -287,7 +287,7 @@ def test_launch_layers_wiring_under_the_interpreter(monkeypatch):
             continue
         aux.fill_(float("nan"))
         fn()
-        if "kernel" in name or "Launcher" in name:
+        if "kernel" in name or "Launch" in name:
             assert torch.equal(aux[:, 0], h + r), name  # the op's launch: h + r into slot 0
             assert torch.isnan(aux[:, 1]).all(), name
 

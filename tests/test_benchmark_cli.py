@@ -1,6 +1,6 @@
-"""benchmarks/capture_latency.py as a command: argument checks, the CPU run's
-report, the GPU report's layout (fed a synthetic result, no GPU needed) and
-the plot. Every printed line must fit 100 columns."""
+"""benchmarks/capture_latency.py as a command (argument checks and exit codes, the
+CPU run, the sweep plan, PDL reruns) and capture_report.py (its tables rebuilt from a
+recorded H200 JSON, the cost-per-floor rule, the plot). Printed lines fit 100 columns."""
 
 import importlib.util
 import json
@@ -24,6 +24,7 @@ def _load():
 
 
 cl = _load()
+report = sys.modules["capture_report"]
 
 
 def assert_fits(lines):
@@ -129,14 +130,6 @@ def test_select_paths_gives_every_skip_a_reason():
     assert cl.select_paths(list("gh"), has_gpu=True, has_liger=True) == (["g", "h"], {})
 
 
-def test_every_legend_and_reason_line_fits():
-    reasons = list(cl.GPU_ONLY_PATHS.values()) + [cl.LIGER_MISSING]
-    for reason in reasons:
-        lines = cl.legend_lines(list(cl.PATHS), {p: reason for p in cl.PATHS})
-        assert_fits(lines)
-    assert set(cl.PATH_MEASURES) == set(cl.PATHS)
-
-
 # ---------------------------------------------------------------- CPU run
 
 def test_cpu_run_report(capsys, tmp_path, monkeypatch):
@@ -153,7 +146,7 @@ def test_cpu_run_report(capsys, tmp_path, monkeypatch):
     table_at = next(i for i, line in enumerate(lines) if re.match(r"\s*T \| ", line))
     assert legend_at < table_at
     for p in "abcdefi":
-        assert any(line.startswith(f"  {p}  {cl.PATHS[p]}") and cl.PATH_MEASURES[p] in line
+        assert any(line.startswith(f"  {p}  {cl.PATHS[p]}") and report.PATH_MEASURES[p] in line
                    for line in lines[legend_at:table_at]), p
     # a reason for each requested path that is not run
     for p in "gh":
@@ -182,81 +175,57 @@ def test_cpu_run_report(capsys, tmp_path, monkeypatch):
             assert d["min_us"] <= d["wall_us"] <= d["max_us"] and d["reps"] == 3
 
 
-def test_cpu_table_with_nothing_to_run():
-    args = gpu_args("gh")
-    args.paths = []  # what main() leaves after select_paths on a CPU without liger
-    lines = cl.format_cpu_table({"rows": [{"T": 1, "paths": {}}],
-                                 "skipped": {"g": cl.GPU_ONLY_PATHS["g"],
-                                             "h": cl.LIGER_MISSING}}, args)
-    assert lines[-1] == "No path to run."
+# ---------------------------------------------------------------- the report, from JSON
+
+RECORDED_GPU_RUN = os.path.join(os.path.dirname(SCRIPT), "results",
+                                "capture_latency_gpu_H7168.json")
+
+
+def test_report_of_the_recorded_gpu_run(capsys):
+    """capture_report.py rebuilds the tables of a saved H200 run from its JSON
+    alone: within 100 columns, every path keyed by the legend and heading a
+    column, every cell the JSON's figure with its [% of the copy roofline]."""
+    result = json.load(open(RECORDED_GPU_RUN))
+    assert report.main([RECORDED_GPU_RUN]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == report.report_lines(result)
     assert_fits(lines)
-
-
-# ---------------------------------------------------------------- GPU report, no GPU
-
-@pytest.mark.parametrize("pdl_state", ["on", "off"])
-@pytest.mark.parametrize("scale", [1.0, 100.0])
-@pytest.mark.parametrize("paths", ["abcdefghi", "abcdefgi", "adei", "f"])
-def test_gpu_table_fits_and_keeps_everything(paths, scale, pdl_state):
-    result = synthetic_gpu_result(paths, scale=scale, pdl_state=pdl_state)
-    result["skipped"] = {"h": cl.LIGER_MISSING} if "h" not in paths else {}
-    args = gpu_args(paths)
-    lines = cl.format_gpu_table(result, args)
-    assert_fits(lines)
-    text = "\n".join(lines)
-    legend_at = lines.index("Paths (key, what runs, what it measures):")
-    table_at = next(i for i, line in enumerate(lines) if re.match(r"\s*T \| ", line))
-    assert legend_at < table_at
-    for p in paths:
-        assert f"  {p}  {cl.PATHS[p]}" in text
-        # a column headed by the letter, in a table header line
+    assert "one copy kernel (src + 0) moving the path's bytes" in lines[0]
+    for p in result["config"]["paths"]:
+        assert any(line.startswith(f"  {p}  {report.PATHS[p]}") for line in lines)
         assert any(re.match(r"\s*T \|", line) and re.search(rf"\| +{p}( |$)", line)
                    for line in lines), p
-    if "h" not in paths:
-        assert f"  h  {cl.PATHS['h']}: {cl.LIGER_MISSING}" in lines
-    for header in ("cost b / e / f us", "floor us", "x floor b / e / f"):
-        assert header in text
-    assert "[% of same-size copy]" in text
-    assert "one copy kernel (src + 0) moving the path's bytes" in text
-    assert "2 GiB eager copy (secondary): 4277 GB/s" in text
-    assert "fill_" in text and "one-row fill_" in text  # how the floor is measured
-    assert ">= 8 steps per CUDA graph" in text and ">= 4.0 x L2 (60 MiB)" in text
-    pdl_line = next(line for line in lines if line.startswith("PDL: "))
-    assert pdl_line.startswith(f"PDL: {pdl_state} (")
-    assert all(p in pdl_line for p in paths)
-    # every T, median us and [% roofline] of every path, the cost and floor cells
+    for p, why in result["skipped"].items():
+        assert f"  {p}  {report.PATHS[p]}: {why}" in lines
     for row in result["rows"]:
         t_lines = [line for line in lines if re.match(rf"\s*{row['T']} \| ", line)]
-        for p in paths:
-            d = row["paths"][p]
+        for p, d in row["paths"].items():
             assert any(f"{d['graph_us']:.1f} [{d['graph_pct_roofline']:3.0f}%]" in line
                        for line in t_lines), (row["T"], p)
-            assert any(f"{d['event_us']:.1f}" in line for line in t_lines)
+
+
+def test_report_shows_a_cost_per_floor_only_above_the_floor_minimum():
+    """The capture cost as a multiple of the write floor is printed only where
+    the floor is at least FLOOR_MIN_US (below, graph jitter dominates it);
+    negative costs (f beating d) print with their sign."""
+    result = synthetic_gpu_result("abcdefghi", scale=100.0, pdl_state="off")
+    result["skipped"] = {}
+    lines = report.format_gpu_table(result, gpu_args("abcdefghi"))
+    assert_fits(lines)
+    assert next(line for line in lines if line.startswith("PDL: ")).startswith("PDL: off (")
+    for row in result["rows"]:
+        t_lines = [line for line in lines if re.match(rf"\s*{row['T']} \| ", line)]
         floor = row["write_floor"]["net_us"]
-        assert any(re.search(rf"\| +{floor:.1f}( |$)", line) for line in t_lines)
-        for p, cost in row.get("capture_cost_us", {}).items():
+        for p, cost in row["capture_cost_us"].items():
             assert any(f"{cost:+.1f}" in line for line in t_lines)
             ratio = f"{row['capture_cost_x_floor'][p]:.2f}"
-            assert any(ratio in line for line in t_lines) == (floor >= cl.FLOOR_MIN_US), \
-                (row["T"], p)
-    for name in result["host_us_per_call"]:
-        assert name in text
-
-
-def test_pdl_lines_fit_in_every_state():
-    states = [{"state": "n/a", "why": "the CPU path launches no GPU kernel"},
-              {"state": "on", "why": "EAGLE_CAPTURE_PDL = 1"},
-              {"state": "off", "why": "EAGLE_CAPTURE_PDL = 0"},
-              {"state": "off", "why": "needs sm_90+ and Triton's PDL"}]
-    lines = [cl.pdl_line(s, list(cl.PATHS)) for s in states]
-    assert_fits(lines + ["on run: " + line for line in lines])
-    assert lines[1] == "PDL: on (EAGLE_CAPTURE_PDL = 1) for b c d e f i; a g h cannot use it."
+            assert any(ratio in line for line in t_lines) == (floor >= report.FLOOR_MIN_US)
 
 
 def test_pdl_comparison_table():
     on = synthetic_gpu_result("abcdefghi", pdl_state="on")
     off = synthetic_gpu_result("abcdefghi", scale=1.5, pdl_state="off")
-    lines = cl.format_pdl_comparison(on, off)
+    lines = report.report_lines({"pdl_on": on, "pdl_off": off})
     assert_fits(lines)
     assert lines[1].startswith("on run: PDL: on (") and lines[2].startswith("off run: PDL: off (")
     for row_on, row_off in zip(on["rows"], off["rows"]):
@@ -265,16 +234,6 @@ def test_pdl_comparison_table():
             cell = re.compile(rf"{row_on['paths'][p]['graph_us']:.1f} / +"
                               rf"{row_off['paths'][p]['graph_us']:.1f}")
             assert any(cell.search(line) for line in t_lines), (row_on["T"], p)
-
-
-def test_pack_columns_wraps_and_repeats_key():
-    columns = [(f"col{i}", ["x" * 20, "y" * 20]) for i in range(9)]
-    lines = cl.pack_columns("T", ["1", "16384"], columns, width=60)
-    assert_fits(lines)
-    assert max(len(line) for line in lines) <= 60
-    headers = [line for line in lines if line.lstrip().startswith("T |")]
-    assert len(headers) == 5  # 2 columns (3 + 20 wide) per block after the key column
-    assert sum(line.count("col") for line in headers) == 9
 
 
 # ---------------------------------------------------------------- plot
@@ -288,7 +247,7 @@ def test_plot_marks_non_positive_costs(tmp_path, monkeypatch):
     monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig) or real_close(fig))
     result = synthetic_gpu_result(tokens=(1, 2, 4, 8, 16))
     out = tmp_path / "capture.png"
-    cl.plot(result, gpu_args(), str(out))
+    report.plot(result, gpu_args(), str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (fig,) = figures
     cost_ax = fig.axes[1]
@@ -306,7 +265,7 @@ def test_plot_marks_non_positive_costs(tmp_path, monkeypatch):
 
 
 def test_host_timer_runs_warmup_then_chunks_and_summarises():
-    from eagle_capture.bench import host_us_per_call
+    from eagle_capture.testing.bench import host_us_per_call
     calls = []
     us = host_us_per_call(lambda: calls.append(1), 103, warmup=7, summary=min, sync=False)
     assert len(calls) == 7 + 5 * (103 // 5) and us > 0
@@ -319,7 +278,7 @@ SET_BYTES_T1 = 3 * (3 * 7168 * 2) + 3 * 7168 * 2  # T = 1, K = 3, bf16: h, r, au
 
 
 def test_rotation_defeats_l2_at_small_t():
-    from eagle_capture.bench import graph_steps, rotation_sets
+    from eagle_capture.testing.bench import graph_steps, rotation_sets
     sets = rotation_sets(SET_BYTES_T1, L2_60MIB, 4, max_sets=cl.MAX_SETS)
     assert sets > 16 and sets * SET_BYTES_T1 >= 4 * L2_60MIB
     assert graph_steps(sets, 8) == sets  # the graph walks every set once
@@ -333,7 +292,7 @@ def test_rotation_defeats_l2_at_small_t():
 
 
 def test_graph_steps_keep_outputs_within_memory():
-    from eagle_capture.bench import graph_steps
+    from eagle_capture.testing.bench import graph_steps
     kept = cl.kept_bytes("g", 16384, 7168, 3, 2)
     assert kept == 2 * 3 * 16384 * 7168 * 2
     assert graph_steps(1, 8, kept, budget_bytes=100 * kept) == 8
@@ -361,7 +320,7 @@ class _TorchOnCpu:
 def test_gpu_sweep_plan_with_fake_timers(monkeypatch):
     """run_gpu's bookkeeping without a GPU: CPU tensors, timers replaced by a
     stand-in that runs the graph's first step and records the plan."""
-    import eagle_capture.bench as bench
+    import eagle_capture.testing.bench as bench
     l2 = 64 << 10
     graphs = []
 
@@ -404,7 +363,7 @@ def test_gpu_sweep_plan_with_fake_timers(monkeypatch):
     assert result["rows"][0]["input_sets"] > 16  # T = 1
     assert all(steps_per_graph >= 8 for _, steps_per_graph in graphs)
     result.update(skipped={}, pdl=cl.pdl_report(has_gpu=False))
-    assert_fits(cl.format_gpu_table(result, args))
+    assert_fits(report.format_gpu_table(result, args))
 
 
 # ---------------------------------------------------------------- PDL runs

@@ -1,5 +1,5 @@
 """The layer-id doctor (one CLI: ``eagle-capture doctor``, ``python -m
-eagle_capture.doctor``) on the cases users hit, with its exit codes. The per-line
+eagle_capture.layer_ids.doctor``) on the cases users hit, with its exit codes. The per-line
 rules themselves are checked against each SGLang wheel's own code in
 tests/test_sglang_real.py (scenario layer_id_rules)."""
 
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from eagle_capture import doctor, plan
-from eagle_capture.plan import CapturePlanError, build_plan, plan_from_draft_config
-from eagle_capture.sglang_lines import SGLANG_LINES, line_of, read_draft_ids, read_target
+from eagle_capture.layer_ids import doctor, plan
+from eagle_capture.layer_ids.plan import CapturePlanError, build_plan, plan_from_draft_config
+from eagle_capture.layer_ids.lines import SGLANG_LINES, line_of, read_draft_ids, read_target
 
 KIMI_TARGET = {"architectures": ["KimiK25ForConditionalGeneration"], "hidden_size": 7168,
                "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}}
@@ -310,18 +310,18 @@ def test_plan_minus_one_names_the_escape_hatch(tmp_path):
 
 
 def test_one_cli(tmp_path, capsys):
-    """python -m eagle_capture.plan runs the doctor (one verdict); the console
+    """python -m eagle_capture.layer_ids.plan runs the doctor (one verdict); the console
     script eagle-capture doctor is the same main."""
     config = _config(tmp_path, [1, 1, 57])
     assert plan.main(["--draft-config", str(config), "--num-layers", "61"]) == 1
     captured = capsys.readouterr()
     assert "running `eagle-capture doctor`" in captured.err and "PROBLEM" in captured.out
-    run = subprocess.run([sys.executable, "-c", "import sys; from eagle_capture.doctor import "
+    run = subprocess.run([sys.executable, "-c", "import sys; from eagle_capture.layer_ids.doctor import "
                           "console_main; sys.argv = ['eagle-capture'] + sys.argv[1:]; "
                           "console_main()", "doctor", "--draft-config", str(config),
                           "--num-layers", "61"], capture_output=True, text=True)
     assert run.returncode == 1 and "PROBLEM" in run.stdout
-    run = subprocess.run([sys.executable, "-c", "import sys; from eagle_capture.doctor import "
+    run = subprocess.run([sys.executable, "-c", "import sys; from eagle_capture.layer_ids.doctor import "
                           "console_main; sys.argv = ['eagle-capture', 'plan']; console_main()"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "unknown command 'plan'" in run.stderr

@@ -44,6 +44,6 @@ def test_readme_doctor_output_is_the_doctors():
         block = _readme_block(heading)
         command, _, shown = block.partition("\n")
         assert command.startswith("$ eagle-capture doctor ")
-        result = _run("-m", "eagle_capture.doctor", *command.split()[3:])
+        result = _run("-m", "eagle_capture.layer_ids.doctor", *command.split()[3:])
         assert result.returncode == want, result.stderr
         assert shown == result.stdout, heading

@@ -16,8 +16,8 @@ import torch
 from conftest import (HAS_CUDA, INTERPRETED, INTERPRETER_NORM_TOLERANCES, NORM_TOLERANCES,
                       DTYPES, assert_bitwise_equal, assert_untouched, make_rows, poisoned_aux,
                       truncate_to_bf16)
-from eagle_capture import add_rmsnorm_reference
-from eagle_capture.ops import launch_kernel
+from eagle_capture.testing.reference import add_rmsnorm_reference
+from eagle_capture.testing.kernel import launch_kernel
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 if not HAS_CUDA and not INTERPRETED:

@@ -1,14 +1,16 @@
-"""CachedLauncher's decisions, with a stand-in for the Triton kernel (runs
-anywhere): which launches may reuse a compiled kernel and which must go
-through Triton's own entry point. The real launches are covered on the GPU
-by test_torch_integration.py::test_eager_fast_path_alignment_and_reuse."""
+"""The eager fast path's launch decisions (``ops.FastLaunch``), with a stand-in
+for the Triton kernel (runs anywhere): which launches of a plan may reuse the
+compiled kernel and which must go through Triton's own entry point. The real
+launches are covered on the GPU by
+test_torch_integration.py::test_eager_fast_path_alignment_and_reuse."""
 
 import inspect
 
 import pytest
+import torch
 import triton
 
-from eagle_capture import _launcher
+from eagle_capture import ops
 
 
 class FakeCompiled:
@@ -31,58 +33,84 @@ class FakeJit:
         return launch
 
 
+def kernel(a_ptr, b_ptr, n, FLAG=False): ...
+
+
 @pytest.fixture
 def fake(monkeypatch):
-    monkeypatch.setattr(_launcher.torch._C, "_cuda_getCurrentRawStream", lambda i: 0,
-                        raising=False)
-    jit = FakeJit()
-    launcher = _launcher.CachedLauncher(jit)
-    if not launcher.direct:
+    monkeypatch.setattr(ops.torch._C, "_cuda_getCurrentRawStream", lambda i: 0, raising=False)
+    if not ops.DIRECT_LAUNCH:
         pytest.skip("this Triton has no direct-launch support; every launch is Triton's own")
-    return jit, launcher
+    jit = FakeJit()
+    fast = ops.FastLaunch(kernel)
+    fast.kernel = jit
+    plan = fast.plan((2, 1), {"n": 7}, {"a_ptr": 0, "b_ptr": 1}, num_warps=4, device_index=0,
+                     use_pdl=False, extents=(0, 0))
+    return jit, fast, plan
 
 
-def test_first_call_compiles_then_reuses(fake):
-    jit, launcher = fake
-    launcher((2, 1), (1, 2), key="k", num_warps=4, device_index=0, aligned=True)
-    launcher((3, 1), (5, 6), key="k", num_warps=4, device_index=0, aligned=True)
+A, B = torch.zeros(4), torch.zeros(4)   # stand-in tensors; the addresses below are made up
+
+
+def test_first_launch_compiles_then_reuses_with_the_new_addresses(fake):
+    jit, fast, plan = fake
+    fast.launch(plan, (A, B), (16, 32))
+    fast.launch(plan, (B, A), (64, 48))
     assert [kind for kind, *_ in jit.log] == ["triton", "direct"]
-    assert jit.log[1][1:] == ((3, 1), (5, 6))  # the new grid and arguments are used
+    assert jit.log[0][2] == (A, B, 7, False)          # Triton's entry: the tensors
+    assert jit.log[1][1:] == ((2, 1), (64, 48, 7, False))  # the direct launch: addresses
 
 
-def test_only_aligned_launches_are_cached(fake):
-    jit, launcher = fake
-    assert list(launcher._compiled) == []
-    launcher((2, 1), (1,), key="a", num_warps=4, device_index=0, aligned=True)
-    launcher((2, 1), (1,), key="b", num_warps=4, device_index=0, aligned=False)  # not cached
-    assert list(launcher._compiled) == ["a"]
-
-
-def test_unaligned_launches_never_reuse(fake):
-    jit, launcher = fake
-    launcher((2, 1), (1,), key="k", num_warps=4, device_index=0, aligned=True)
-    launcher((2, 1), (1,), key="k", num_warps=4, device_index=0, aligned=False)
-    launcher((2, 1), (1,), key="k", num_warps=4, device_index=0, aligned=False)
+def test_unaligned_launches_never_reuse_nor_cache(fake):
+    jit, fast, plan = fake
+    fast.launch(plan, (A, B), (16, 33))       # unaligned: not cached
+    assert plan.direct is None
+    fast.launch(plan, (A, B), (16, 32))       # cached now
+    fast.launch(plan, (A, B), (16, 40))       # unaligned: Triton's entry again
     assert [kind for kind, *_ in jit.log] == ["triton", "triton", "triton"]
 
 
-def test_a_new_key_compiles_again(fake):
-    jit, launcher = fake
-    launcher((1, 1), (1,), key="a", num_warps=4, device_index=0, aligned=True)
-    launcher((1, 1), (1,), key="b", num_warps=4, device_index=0, aligned=True)
-    assert [kind for kind, *_ in jit.log] == ["triton", "triton"]
+def test_a_cpu_plan_never_caches(fake):
+    jit, fast, _ = fake
+    plan = fast.plan((2, 1), {"n": 7}, {"a_ptr": 0, "b_ptr": 1}, 4, None, False, (0, 0))
+    fast.launch(plan, (A, B), (16, 32))
+    fast.launch(plan, (A, B), (16, 32))
+    assert [kind for kind, *_ in jit.log] == ["triton", "triton"] and plan.direct is None
 
 
 def test_active_profiler_hooks_take_tritons_path(fake, monkeypatch):
-    jit, launcher = fake
+    jit, fast, plan = fake
     hook = triton.knobs.runtime.launch_enter_hook
-    launcher((1, 1), (1,), key="k", num_warps=4, device_index=0, aligned=True)
+    fast.launch(plan, (A, B), (16, 32))
     if hasattr(hook, "calls"):
         monkeypatch.setattr(hook, "calls", [lambda *a: None])
     else:
         monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
-    launcher((1, 1), (1,), key="k", num_warps=4, device_index=0, aligned=True)
+    fast.launch(plan, (A, B), (16, 32))
     assert [kind for kind, *_ in jit.log] == ["triton", "triton"]
+
+
+def test_fixed_tensor_arguments_go_to_the_direct_launch_as_addresses(fake):
+    jit, fast, _ = fake
+    fast.signature = ops.KernelSignature(lambda a_ptr, b_ptr, state_ptr, n: None)
+    state = torch.zeros(2)
+    plan = fast.plan((1, 1), {"state_ptr": state, "n": 3}, {"a_ptr": 0, "b_ptr": 1}, 4, 0,
+                     False, (0, 0))
+    fast.launch(plan, (A, B), (16, 32))
+    fast.launch(plan, (A, B), (16, 32))
+    assert jit.log[0][2] == (A, B, state, 3)
+    assert jit.log[1][2] == (16, 32, state.data_ptr(), 3)
+
+
+def test_the_memo_is_cleared_when_full(fake, monkeypatch):
+    _, fast, plan = fake
+    monkeypatch.setattr(ops.FastLaunch, "MAX_PLANS", 2)
+    fast.remember("a", plan)
+    fast.remember("b", plan)
+    fast.remember("c", plan)
+    assert list(fast.plans) == ["c"]
+    fast.remember(None, plan)   # no key (a non-tensor argument): not memoised
+    assert list(fast.plans) == ["c"]
 
 
 class RawForwardingLauncher:
@@ -118,13 +146,13 @@ def _compiled_with(run):
 @pytest.fixture
 def raw_release(monkeypatch):
     """As on a Triton release whose launcher forwarding is known (3.6)."""
-    monkeypatch.setattr(_launcher, "_RAW_FORWARDING", True)
+    monkeypatch.setattr(ops, "_RAW_FORWARDING", True)
 
 
 def test_raw_launch_is_called_directly_only_for_the_known_forwarding_form(raw_release):
     log = []
     run = RawForwardingLauncher(log)
-    direct = _launcher.direct_launch_of(_compiled_with(run))
+    direct = ops.direct_launch_of(_compiled_with(run))
     assert direct.launch == run.launch  # the C launch itself, no Python frame between
     direct.launch(2, 1, 1, "stream", *direct.mid, 11, 12)
     # Exactly what the forwarding __call__ would have passed to launch.
@@ -132,7 +160,7 @@ def test_raw_launch_is_called_directly_only_for_the_known_forwarding_form(raw_re
     assert log[0] == log[1]
 
     other = MetadataByNameLauncher(log)
-    direct = _launcher.direct_launch_of(_compiled_with(other))
+    direct = ops.direct_launch_of(_compiled_with(other))
     assert direct.launch == other  # another call signature goes through the launcher object
     assert direct.mid == ("fn", "meta", None, None, None)  # CompiledKernel.run's call form
 
@@ -140,7 +168,7 @@ def test_raw_launch_is_called_directly_only_for_the_known_forwarding_form(raw_re
 def test_scratch_space_keeps_the_launcher_object(raw_release):
     run = RawForwardingLauncher([])
     run.global_scratch_size = 128
-    assert _launcher.direct_launch_of(_compiled_with(run)).launch == run
+    assert ops.direct_launch_of(_compiled_with(run)).launch == run
 
 
 class EarlierLauncher:
@@ -160,23 +188,22 @@ class EarlierLauncher:
 
 def test_an_earlier_forwarding_form_keeps_the_launcher_object(raw_release):
     run = EarlierLauncher([])
-    assert _launcher.direct_launch_of(_compiled_with(run)).launch == run
+    assert ops.direct_launch_of(_compiled_with(run)).launch == run
 
 
 def test_raw_launch_only_on_a_release_whose_forwarding_is_known(monkeypatch):
-    monkeypatch.setattr(_launcher, "_RAW_FORWARDING", False)
+    monkeypatch.setattr(ops, "_RAW_FORWARDING", False)
     run = RawForwardingLauncher([])
-    assert _launcher.direct_launch_of(_compiled_with(run)).launch == run
-    assert _launcher._RAW_FORWARDING_RELEASES == frozenset({(3, 6)})
+    assert ops.direct_launch_of(_compiled_with(run)).launch == run
 
 
 def test_the_forwarding_form_is_recognised_without_reading_source(raw_release, monkeypatch):
     def no_source(*args, **kwargs):
         raise OSError("source not available")
-    monkeypatch.setattr(_launcher.inspect, "getsource", no_source)
-    monkeypatch.setattr(_launcher.inspect, "getsourcelines", no_source)
+    monkeypatch.setattr(ops.inspect, "getsource", no_source)
+    monkeypatch.setattr(ops.inspect, "getsourcelines", no_source)
     run = RawForwardingLauncher([])
-    assert _launcher.direct_launch_of(_compiled_with(run)).launch == run.launch
+    assert ops.direct_launch_of(_compiled_with(run)).launch == run.launch
 
 
 def test_installed_tritons_cuda_launcher_is_judged_by_its_call_signature(raw_release):
@@ -190,14 +217,6 @@ def test_installed_tritons_cuda_launcher_is_judged_by_its_call_signature(raw_rel
     run.global_scratch_size = run.profile_scratch_size = 0
     params = tuple(inspect.signature(driver.CudaLauncher.__call__).parameters)
     raw = params == ("self", "gridX", "gridY", "gridZ", "stream", "function", "args")
-    direct = _launcher.direct_launch_of(_compiled_with(run))
+    direct = ops.direct_launch_of(_compiled_with(run))
     assert (direct.launch == run.launch) is raw
     assert (direct.launch == run) is not raw
-
-
-def test_cached_launch_returns_the_direct_launch_for_memoising(fake):
-    jit, launcher = fake
-    assert launcher((2, 1), (1,), key="k", num_warps=4, device_index=0, aligned=True) is None
-    direct = launcher((2, 1), (1,), key="k", num_warps=4, device_index=0, aligned=True)
-    assert direct is not None and direct.mid[0] == "fn"
-    assert launcher((2, 1), (1,), key="k", num_warps=4, device_index=0, aligned=False) is None

@@ -2,9 +2,9 @@
 
 * ``cpu``: CPU tensors, the ops' torch implementation (what CPU tensors run);
 * ``cpu-kernel``: CPU tensors through the Triton kernel under Triton's
-  interpreter (``eagle_capture.ops.kernel_on_cpu()``; TRITON_INTERPRET=1 is set
+  interpreter (``eagle_capture.testing.kernel.kernel_on_cpu()``; TRITON_INTERPRET=1 is set
   by conftest.py without a GPU), by the launch code CUDA tensors take -- the
-  registered ops' ``launch_kernel``, the eager path's plan memo and its pointer
+  registered ops' ``wrap_triton`` launch, the eager path's plan memo and its pointer
   template -- so CPU CI tests the op layer's kernel launch too. Small
   shapes (the interpreter takes ~5 ms per program). Its fp32 -> bf16 cast
   truncates instead of rounding (docs/engine_facts.md section 4): bf16 sums are
@@ -30,10 +30,12 @@ import pytest
 import torch
 
 import eagle_capture as ec
+from eagle_capture.testing.reference import add_rmsnorm_reference, sglang_eager_capture
 from conftest import (DTYPES, HAS_CUDA, INTERPRETED, INTERPRETER_NORM_TOLERANCES,
                       NORM_TOLERANCES, assert_bitwise_equal, assert_untouched, make_rows,
                       poisoned_aux, truncate_to_bf16)
 from eagle_capture import ops
+from eagle_capture.testing.kernel import kernel_on_cpu
 
 DEVICES = ["cpu"] + (["cpu-kernel"] if INTERPRETED else []) + (["cuda"] if HAS_CUDA else [])
 TOKENS = [0, 1, 3, 257]
@@ -74,7 +76,7 @@ def _tensor_device(device: str) -> str:
 
 def _mode(device: str):
     """CPU tensors run the kernel inside kernel_on_cpu() ("cpu-kernel")."""
-    return ops.kernel_on_cpu() if device == "cpu-kernel" else contextlib.nullcontext()
+    return kernel_on_cpu() if device == "cpu-kernel" else contextlib.nullcontext()
 
 
 def _call(call: str, device: str, name: str, *args):
@@ -138,7 +140,7 @@ def _norm_case(device, dtype, hidden_size, num_tokens, strided):
     w = (1.0 + 0.1 * torch.randn(hidden_size)).to(dtype=dtype, device=_tensor_device(device))
     residual_ref = _sum(device, h, r)
     # The norm of the value actually stored (bit-equal to residual_ref).
-    normed_ref = ec.add_rmsnorm_reference(residual_ref, torch.zeros_like(residual_ref), w, EPS)[0]
+    normed_ref = add_rmsnorm_reference(residual_ref, torch.zeros_like(residual_ref), w, EPS)[0]
     return h, r, w, normed_ref, residual_ref
 
 
@@ -261,9 +263,9 @@ def test_kernel_on_cpu_runs_the_kernel_then_the_torch_path_again(call):
     assert_bitwise_equal(aux[:, 1], truncated)
     _call(call, "cpu", "add_capture", h, r, aux, 1)
     assert_bitwise_equal(aux[:, 1], rounded)
-    with ops.kernel_on_cpu(), ops.kernel_on_cpu():  # nests
+    with kernel_on_cpu(), kernel_on_cpu():  # nests
         pass
-    assert not ops._KERNEL_ON_CPU
+    assert "cpu" not in ops.KERNEL_DEVICE_TYPES
 
 
 def _sglang_layer_inputs(num_layers, num_tokens, hidden_size, dtype, device):
@@ -349,7 +351,7 @@ def test_buffer_result_is_a_view_in_ascending_layer_order(device):
     if device == "cpu-kernel":  # SGLang's h + r, with the interpreter's bf16 truncation
         assert_bitwise_equal(out, torch.cat([_sum(device, h, r) for h, r in captures], -1))
     else:
-        assert_bitwise_equal(out, ec.sglang_eager_capture(captures))
+        assert_bitwise_equal(out, sglang_eager_capture(captures))
     with pytest.raises(ValueError, match="do not fit"):
         buf.result(9)
     with pytest.raises(KeyError, match="layer 3 is not captured"):
@@ -373,12 +375,12 @@ def test_import_does_not_initialise_cuda():
     code = ("import torch\n"
             "def refuse(*a, **k): raise AssertionError('eagle_capture initialised CUDA at import')\n"
             "torch.cuda._lazy_init = refuse\n"
-            "import eagle_capture, eagle_capture.symm, eagle_capture.tp, eagle_capture.sglang\n"
-            "import eagle_capture.doctor, eagle_capture.plan, eagle_capture.bench\n"
+            "import eagle_capture, eagle_capture.parallel.symm, eagle_capture.parallel.tp, eagle_capture.integrations.sglang.dropin\n"
+            "import eagle_capture.layer_ids.doctor, eagle_capture.layer_ids.plan, eagle_capture.testing.bench\n"
             "assert not torch.cuda.is_initialized(), 'import initialised CUDA'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
     # The guard itself works: a CUDA query at import time would have raised.
-    bad = code.replace("import eagle_capture.doctor", "torch.cuda.current_device()\nimport eagle_capture.doctor")
+    bad = code.replace("import eagle_capture.layer_ids.doctor", "torch.cuda.current_device()\nimport eagle_capture.layer_ids.doctor")
     result = subprocess.run([sys.executable, "-c", bad], capture_output=True, text=True)
     assert "eagle_capture initialised CUDA at import" in result.stderr
 
@@ -390,7 +392,7 @@ def test_weight_in_another_dtype(call, device, weight_dtype):
     its own dtype and the math stays fp32."""
     h, r, _, _, residual_ref = _norm_case(device, torch.bfloat16, 1000, 5, True)
     w = (1 + 0.1 * torch.randn(1000)).to(dtype=weight_dtype, device=_tensor_device(device))
-    normed_ref = ec.add_rmsnorm_reference(residual_ref, torch.zeros_like(residual_ref), w, EPS)[0]
+    normed_ref = add_rmsnorm_reference(residual_ref, torch.zeros_like(residual_ref), w, EPS)[0]
     aux = poisoned_aux(6, 3, 1000, torch.bfloat16, _tensor_device(device))
     _call(call, device, "add_rmsnorm_capture", h, r, w, EPS, aux, 1)
     assert_bitwise_equal(r, residual_ref)
@@ -423,9 +425,9 @@ def test_norm_input_choice_per_op(call, device, dtype, norm_fp32_sum, op):
 
     residual_ref = _sum(device, h, r)
     refs = {  # the norm of the stored residual, or of the exact sum
-        False: cast(ec.add_rmsnorm_reference(residual_ref, torch.zeros_like(residual_ref), w,
+        False: cast(add_rmsnorm_reference(residual_ref, torch.zeros_like(residual_ref), w,
                                              EPS)[0]),
-        True: cast(ec.add_rmsnorm_reference(h, r, w, EPS, norm_fp32_sum=True)[0]),
+        True: cast(add_rmsnorm_reference(h, r, w, EPS, norm_fp32_sum=True)[0]),
     }
     r_before = r.clone()
     aux = poisoned_aux(17, 2, 1000, dtype, dev)
@@ -453,40 +455,53 @@ def test_norm_input_choice_per_op(call, device, dtype, norm_fp32_sum, op):
 
 
 # ----------------------------------------------------------------------------
-# The op specs and the kernel's arguments by name
+# The schemas and the kernel's arguments by name
 # ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", ops.SPECS, ids=lambda s: s.name)
-def test_each_spec_matches_its_registered_op_public_function_and_cpu_op(spec):
-    """The spec's arguments and mutated arguments are the registered op's schema,
-    the public function's parameters and (norm ops) the private CPU op's schema."""
+OP_NAMES = ("add_capture", "add_rmsnorm_capture", "add_rmsnorm_into_slot", "add_rmsnorm_out")
+
+
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_each_registered_op_matches_its_public_function_and_cpu_op(name):
+    """The registered op's schema is the public function's parameters, and (norm
+    ops) the private CPU op's schema, mutated arguments included."""
     import inspect
-    schemas = [getattr(torch.ops.eagle_capture, spec.name).default._schema]
-    if spec.cpu_op is not None:
-        schemas.append(getattr(torch.ops.eagle_capture, spec.cpu_op).default._schema)
-    for schema in schemas:
-        assert tuple(a.name for a in schema.arguments) == spec.params
-        mutated = {a.name for a in schema.arguments
-                   if a.alias_info is not None and a.alias_info.is_write}
-        assert mutated == set(spec.mutates)
-        tensors = {a.name for a in schema.arguments if "Tensor" in str(a.type)}
-        assert tensors == set(spec.tensors)
-    assert tuple(inspect.signature(getattr(ec, spec.name)).parameters) == spec.params
+    schema = getattr(torch.ops.eagle_capture, name).default._schema
+    params = tuple(a.name for a in schema.arguments)
+    assert tuple(inspect.signature(getattr(ec, name)).parameters) == params
+    if name != "add_capture":
+        cpu = getattr(torch.ops.eagle_capture, f"_{name}_cpu").default._schema
+        assert tuple(a.name for a in cpu.arguments) == params
+
+        def mutated(s):
+            return {a.name for a in s.arguments if a.alias_info is not None
+                    and a.alias_info.is_write}
+        assert mutated(cpu) == mutated(schema)
 
 
-def test_a_spec_binding_an_unknown_role_or_argument_is_refused():
-    kwargs = dict(params=("hidden_states", "aux", "slot"), tensors=("hidden_states", "aux"),
-                  mutates=("aux",), check=lambda *a: None)
-    ops.OpSpec("ok", pointers=dict(hidden="hidden_states", aux="aux"), **kwargs)
-    for pointers, fragment in [(dict(hidden="hidden_states", aux="aux", bias="aux"), "bias"),
-                               (dict(hidden="hidden_states", aux="slot"), "slot"),
-                               (dict(hidden="hidden_states"), "'aux' is bound to no role"),
-                               (dict(aux="aux", residual="hidden_states"), "hidden role")]:
-        with pytest.raises(TypeError, match=fragment):
-            ops.OpSpec("bad", pointers=pointers, **kwargs)
-    with pytest.raises(TypeError, match="'stride'"):
-        ops.OpSpec("bad", **dict(kwargs, params=("hidden_states", "aux", "slot", "stride")),
-                   pointers=dict(hidden="hidden_states", aux="aux"))
+@pytest.mark.parametrize("name", OP_NAMES)
+@pytest.mark.parametrize("absent", [None, "residual", "aux"])
+def test_the_eager_template_binds_each_pointer_as_the_kernels_arguments_do(name, absent):
+    """The eager plan's pointer template (positions in the call's five tensors)
+    and kernel_arguments (the launch by name) bind every pointer to the same
+    tensor, absent roles included; every parameter is bound once."""
+    import inspect
+    from eagle_capture.kernels import add_rmsnorm_capture_kernel
+    names = tuple(inspect.signature(add_rmsnorm_capture_kernel.fn).parameters)
+    h, r, w, ro = torch.randn(2, 8), torch.randn(2, 8), torch.ones(8), torch.randn(2, 8)
+    aux = torch.zeros(3, 2, 8)
+    norm = name != "add_capture"
+    tensors = [h, r if absent != "residual" or norm else None, w if norm else None,
+               aux if name != "add_rmsnorm_out" and absent != "aux" else None,
+               ro if name == "add_rmsnorm_out" else None]
+    in_place = name == "add_rmsnorm_capture"
+    grid, values, _ = ops._kernel_arguments(tensors, in_place, 1e-6, 1, False, False)
+    assert set(values) == set(names)
+    sources = ops._pointer_sources(tensors, residual_in_place=in_place)
+    assert {p: values[p] for p in sources} == {p: tensors[i] for p, i in sources.items()}
+    head, tail = ops._KERNEL.signature.template(sources, {k: v for k, v in values.items()
+                                                         if k not in sources})
+    assert (*head(tensors), *tail) == ops._KERNEL.signature.bind(values)
 
 
 def test_kernel_arguments_are_bound_by_the_kernels_parameter_names():
@@ -495,42 +510,36 @@ def test_kernel_arguments_are_bound_by_the_kernels_parameter_names():
     names = tuple(inspect.signature(add_rmsnorm_capture_kernel.fn).parameters)
     h, r, w = torch.randn(2, 8), torch.randn(2, 8), torch.ones(8)
     aux = torch.zeros(3, 2, 8)
-    _, values, _ = ops._kernel_arguments(h, r, w, normed_out=h, residual_out=r, aux=aux,
-                                         eps=1e-6, slot=1)
-    assert set(values) == set(names)
-    bound = ops._KERNEL.bind(values)
-    assert bound == tuple(values[n] for n in names)
-    assert bound[names.index("aux_ptr")] is aux and bound[names.index("residual_out_ptr")] is r
-    assert bound[names.index("aux_slot_offset")] == 8
+    grid, values, _ = ops._kernel_arguments((h, r, w, aux, None), True, 1e-6, 1, False, False)
+    assert values["aux_ptr"] is aux and values["residual_out_ptr"] is r
+    assert values["normed_out_ptr"] is h and values["weight_ptr"] is w
+    assert values["aux_slot_offset"] == 8 and grid == (2, 1)
     # A parameter with a default may be left out; an unknown or missing one is refused.
     values.pop("NORM_FP32_SUM")
-    assert ops._KERNEL.bind(values)[names.index("NORM_FP32_SUM")] is False
+    assert ops._KERNEL.signature.bind(values)[names.index("NORM_FP32_SUM")] is False
     with pytest.raises(TypeError, match=r"unknown \['bias_ptr'\]"):
-        ops._KERNEL.bind(dict(values, bias_ptr=h))
+        ops._KERNEL.signature.bind(dict(values, bias_ptr=h))
     with pytest.raises(TypeError, match=r"missing \['eps'\]"):
-        ops._KERNEL.bind({k: v for k, v in values.items() if k != "eps"})
+        ops._KERNEL.signature.bind({k: v for k, v in values.items() if k != "eps"})
 
 
-def test_pointer_template_for_any_parameter_order():
-    """The eager pointer template is built from parameter names: with the
-    pointers leading (the kernel) head picks them and tail is the rest; with
-    them anywhere else, head builds the whole argument list. Defaults fill in."""
-    from eagle_capture._launcher import KernelSignature
+def test_pointer_template_needs_the_pointers_to_lead():
+    """head picks the leading pointer parameters from the call's tensors (or
+    addresses) by position, tail is the rest with defaults filled in; a kernel
+    whose pointers do not lead is refused when the plan is made."""
+    KernelSignature = ops.KernelSignature
 
     def lead(a_ptr, b_ptr, n, FLAG=False): ...
 
     def mixed(n, a_ptr, FLAG, b_ptr): ...
 
     sources = {"a_ptr": 1, "b_ptr": 0}
-    values = {"n": 7, "FLAG": True}
-    head, tail = KernelSignature(lead).template(sources, values)
+    head, tail = KernelSignature(lead).template(sources, {"n": 7, "FLAG": True})
     assert (*head(["B", "A"]), *tail) == ("A", "B", 7, True)
     head, tail = KernelSignature(lead).template(sources, {"n": 7})
     assert (*head(["B", "A"]), *tail) == ("A", "B", 7, False)
-    head, tail = KernelSignature(mixed).template(sources, values)
-    assert (*head(["B", "A"]), *tail) == (7, "A", True, "B")
-    with pytest.raises(ValueError, match="1 pointers for a template that reads 2"):
-        head(["B"])
+    with pytest.raises(TypeError, match="must lead"):
+        KernelSignature(mixed).template(sources, {"n": 7, "FLAG": True})
     head, tail = KernelSignature(lambda a_ptr, n: None).template({"a_ptr": 2}, {"n": 3})
     assert (*head(["x", "y", "z"]), *tail) == ("z", 3)
     with pytest.raises(TypeError, match=r"missing \['n'\]"):

@@ -2,29 +2,24 @@
 SGLang's eager capture, and equals what the draft was trained on -- HF
 transformers' output_hidden_states for the draft's ids (training/serving skew).
 
-Small random-init DeepseekV3 configs built here (MLA attention, MoE after the
-first dense layer); no downloads.
+The tests' tiny random-init DeepSeek-V3 (eagle_capture.testing.models: MLA
+attention, yarn rope, MoE after the first dense layer); no downloads.
 """
 
 import pytest
 import torch
 
 from conftest import HAS_CUDA, assert_bitwise_equal
-from eagle_capture.plan import CapturePlanError, build_plan, specforge_default_ids
-from eagle_capture.reference_loop import SGLangDeepseekLoop, hf_training_capture
+from eagle_capture.layer_ids.plan import CapturePlanError, build_plan, specforge_default_ids
+from eagle_capture.testing.models import tiny_deepseek_v3_config
+from eagle_capture.testing.reference_loop import SGLangDeepseekLoop, hf_training_capture
 
 import transformers  # noqa: E402  (a test dependency: scripts/setup_env.sh installs it)
 
 
 def tiny_deepseek(num_layers: int, dtype=torch.float32, device="cpu", seed=0):
     torch.manual_seed(seed)
-    config = transformers.DeepseekV3Config(
-        vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4,
-        n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-        v_head_dim=16, qk_nope_head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
-    )
+    config = tiny_deepseek_v3_config(num_layers, vocab_size=97, first_k_dense_replace=1)
     config._attn_implementation = "sdpa"
     model = transformers.DeepseekV3Model(config).to(dtype=dtype, device=device).eval()
     # Random init leaves the norms at 1 and the router biases at 0: perturb them so a

@@ -1,4 +1,4 @@
-"""The capture-plan API (eagle_capture.plan; its CLI is the doctor now) and the two TP entry
+"""The capture-plan API (eagle_capture.layer_ids.plan; its CLI is the doctor now) and the two TP entry
 points no other test calls: every public function, each refusal by its
 message, the CLI's output and exit status. CPU only, no GPU, no network."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from eagle_capture import AuxCaptureBuffer
-from eagle_capture.plan import (CapturePlanError, build_plan, ids_from_draft_config, main,
+from eagle_capture.layer_ids.plan import (CapturePlanError, build_plan, ids_from_draft_config, main,
                                 plan_from_draft_config)
 
 KIMI_IDS = [1, 29, 57]          # SpecForge's ids for a 61-layer target: outputs of these layers
@@ -89,7 +89,7 @@ def test_plan_from_a_config_file_and_folder(tmp_path):
 
 
 def test_cli_is_the_doctor(tmp_path, capsys):
-    """python -m eagle_capture.plan runs the doctor: one CLI, one verdict; its exit
+    """python -m eagle_capture.layer_ids.plan runs the doctor: one CLI, one verdict; its exit
     codes are the doctor's (2: unusable input)."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": KIMI_IDS}}))
@@ -109,7 +109,7 @@ def test_cli_is_the_doctor(tmp_path, capsys):
 def test_store_fused_allreduce_residual():
     """SGLang's fused all-reduce + add + RMSNorm hands back the reduced residual:
     TPCapture stores it into the layer's slot, and only there."""
-    from eagle_capture.tp import TPCapture
+    from eagle_capture.parallel.tp import TPCapture
     buf = AuxCaptureBuffer(8, 16, [2, 30, 58], dtype=torch.float32)
     buf.aux.fill_(float("nan"))
     residual_out = torch.randn(5, 16)
@@ -125,7 +125,7 @@ def test_store_fused_allreduce_residual():
 def test_consistency_check_of_chosen_layers(tmp_path):
     """check_capture_consistency(layer_ids=...) checks those layers only (world 1:
     the fingerprints and the gather run; the cross-rank comparison is in test_tp)."""
-    from eagle_capture.tp import CaptureConsistencyError, check_capture_consistency
+    from eagle_capture.parallel.tp import CaptureConsistencyError, check_capture_consistency
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
                             world_size=1, timeout=timedelta(seconds=60))
     try:
@@ -158,7 +158,7 @@ def test_pipeline_stage_bounds(start, end, ok):
 @pytest.mark.parametrize("start, end, ok", [(30, 59, True), (30, 58, False), (31, 61, False)])
 def test_drop_in_refuses_layers_outside_the_stage(start, end, ok):
     """The drop-in's start-up check at the stage's bounds."""
-    from eagle_capture.sglang import WrongCaptureLayers, check_capture_layers
+    from eagle_capture.integrations.sglang.dropin import WrongCaptureLayers, check_capture_layers
     if ok:
         check_capture_layers([30, 58], start, end, allow_embedding=False)
     else:

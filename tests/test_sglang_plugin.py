@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from eagle_capture import sglang_plugin as plugin
-from eagle_capture.sglang_sizing import (DEFAULT_MAX_TOKENS, MAX_TOKENS_ENV, ServingLimits,
+from eagle_capture.integrations.sglang import plugin
+from eagle_capture.integrations.sglang.sizing import (DEFAULT_MAX_TOKENS, MAX_TOKENS_ENV, ServingLimits,
                                          read_limits, size_buffer_for)
 
 

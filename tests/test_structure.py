@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-# The variables eagle_capture.symm handles; unset in the child so that an
+# The variables eagle_capture.parallel.symm handles; unset in the child so that an
 # import-time setdefault would show.
 MULTICAST_VARIABLES = ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE",
                        "NVSHMEM_DISABLE_NVLS")
@@ -21,7 +21,7 @@ def test_importing_the_package_leaves_the_environment_alone():
     # torch._dynamo's import sets TORCHINDUCTOR_CACHE_DIR (torch 2.13): torch's
     # doing, so torch and Triton are imported before the snapshot.
     code = ("import os, torch, torch._dynamo, triton; before = dict(os.environ); "
-            "import eagle_capture, eagle_capture.symm; "
+            "import eagle_capture, eagle_capture.parallel.symm; "
             "changed = sorted(k for k in set(before) | set(os.environ) "
             "if before.get(k) != os.environ.get(k)); "
             "assert not changed, f'import changed os.environ: {changed}'")
@@ -55,3 +55,34 @@ def test_wheel_ships_the_kernels_as_files(tmp_path):
     expected = {f"eagle_capture/kernels/{p.name}": p.read_bytes()
                 for p in (root / "kernels").glob("*.py")}
     assert shipped == expected
+
+
+def test_the_names_of_0_1_still_import_with_a_warning():
+    """The modules that moved into folders (and the references, into testing/)
+    import under their old names, warn, and are the very same objects."""
+    code = ("import warnings; warnings.simplefilter('error'); import eagle_capture\n"
+            "import eagle_capture.parallel.symm as new, eagle_capture.testing.reference as ref\n"
+            "for old, now in [('eagle_capture.symm', new)]:\n"
+            "    try:\n"
+            "        __import__(old)\n"
+            "    except DeprecationWarning as w:\n"
+            "        assert 'eagle_capture.parallel.symm' in str(w), w\n"
+            "    else:\n"
+            "        raise AssertionError('no warning')\n"
+            "warnings.simplefilter('ignore')\n"
+            "import eagle_capture.symm, eagle_capture.sglang, eagle_capture.doctor\n"
+            "assert eagle_capture.symm is new and eagle_capture.symm.__spec__.name == new.__name__\n"
+            "import eagle_capture.integrations.sglang.dropin as d; assert eagle_capture.sglang is d\n"
+            "assert eagle_capture.add_rmsnorm_reference is ref.add_rmsnorm_reference\n"
+            "try:\n"
+            "    eagle_capture.no_such_name\n"
+            "except AttributeError:\n"
+            "    pass\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    # python -m with the old name runs the doctor (a warning on stderr).
+    result = subprocess.run([sys.executable, "-m", "eagle_capture.doctor", "--help"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "eagle-capture doctor" in result.stdout, result.stderr
+    assert "has moved to eagle_capture.layer_ids.doctor" in result.stderr

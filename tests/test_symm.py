@@ -1,4 +1,4 @@
-"""The all-reduce + add + RMSNorm + capture (eagle_capture.symm) in spawned
+"""The all-reduce + add + RMSNorm + capture (eagle_capture.parallel.symm) in spawned
 processes, world size 1 and 2 (one GPU per rank, NCCL): the one-shot Lamport
 kernel against a float reference, bit-identical ranks, both norm numerics,
 -0.0 partials, the reuse guard under a rank slowed inside the kernel, a rank
@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from conftest import HAS_CUDA, run_ranks
-from eagle_capture.allreduce_paths import PathTable
+from eagle_capture.parallel.paths import PathTable
 
 TIMEOUT_S = int(os.environ.get("EAGLE_CAPTURE_SYMM_TEST_TIMEOUT", "180"))
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
 
 
-# The documented multicast-off values (README, eagle_capture/symm.py).
+# The documented multicast-off values (README, eagle_capture/parallel/symm.py).
 MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
                  "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -35,7 +35,7 @@ def _unset_multicast_variables(monkeypatch):
 
 
 def test_multicast_guard(monkeypatch):
-    from eagle_capture import symm
+    from eagle_capture.parallel import symm
     _unset_multicast_variables(monkeypatch)
     with pytest.raises(RuntimeError, match="must stay off"):
         symm.check_multicast_disabled()  # unset is not off
@@ -53,7 +53,7 @@ def test_multicast_guard(monkeypatch):
 def test_construction_sets_the_multicast_defaults_before_anything_else(monkeypatch):
     """Runs anywhere: the environment is handled before the arguments are
     checked and before any symmetric-memory allocation."""
-    from eagle_capture import symm
+    from eagle_capture.parallel import symm
     _unset_multicast_variables(monkeypatch)
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         symm.SymmAllReduceCapture(0, 64, torch.bfloat16)
@@ -65,7 +65,7 @@ def test_construction_sets_the_multicast_defaults_before_anything_else(monkeypat
 
 def test_path_table(tmp_path):
     """Runs anywhere: the table's lookup rule and its refusals."""
-    from eagle_capture.symm import TABLE_FORMAT, PathTable, default_one_shot_max_tokens
+    from eagle_capture.parallel.symm import TABLE_FORMAT, PathTable, default_one_shot_max_tokens
     table = {"format": TABLE_FORMAT, "hidden_size": 7168, "dtype": "bfloat16",
              "paths": {"2": [[1, "one_shot"], [64, "one_shot"], [128, "nccl"], [512, "one_shot"]]}}
     path = tmp_path / "t.json"
@@ -86,7 +86,7 @@ def test_path_table(tmp_path):
 def test_eager_range_scan():
     """Runs anywhere: the per-call overlap scan of the eager memo (addresses
     change between calls with one signature), without symmetric memory."""
-    from eagle_capture.symm import SymmAllReduceCapture
+    from eagle_capture.parallel.symm import SymmAllReduceCapture
     ar = object.__new__(SymmAllReduceCapture)
     ar._buffer_addr, ar._buffer_bytes = 1 << 20, 4096
     ext = (256, 256, 64, 256, 768)      # partial, residual, weight, out, aux
@@ -101,38 +101,57 @@ def test_eager_range_scan():
     assert not ar._ranges_meet([0, 1024, 2048, 4096, 0], ext[:4] + (0,), False)  # no aux
 
 
+class _RecordingKernel:
+    """A stand-in for the Triton kernel: Triton's entry is recorded and returns a
+    compiled kernel whose launcher records the direct launches."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def entry(*args, **kwargs):
+            self.calls.append(("triton", grid, args))
+            calls = self.calls
+
+            class Compiled:
+                function, packed_metadata = "function", "metadata"
+
+                def run(self, *args):
+                    calls.append(("direct", args))
+            return Compiled()
+        return entry
+
+
+def _fast_path_stand_in(ar, symm):
+    from eagle_capture import ops
+    kernel = _RecordingKernel()
+    ar._fast = ops.FastLaunch(symm.lamport_allreduce_add_rmsnorm_capture_kernel)
+    ar._fast.kernel = kernel
+    return kernel.calls
+
+
 def test_eager_memo_direct_launch_arguments(monkeypatch):
     """Runs anywhere: a memo hit launches the cached kernel with this call's
     addresses in the kernel's pointer order and the first call's scalars -- the
     argument list Triton's own launch got, with tensors as addresses. (The
-    launcher and the CUDA stream are stand-ins; the GPU tests run the real ones.)"""
-    import eagle_capture.symm as symm
+    kernel and the CUDA stream are stand-ins; the GPU tests run the real ones.)"""
+    import eagle_capture.parallel.symm as symm
+    from eagle_capture import ops
+    if not ops.DIRECT_LAUNCH:
+        pytest.skip("this Triton has no direct-launch support")
     ar = object.__new__(symm.SymmAllReduceCapture)
     H, dtype = 64, torch.bfloat16
-    ar.hidden_size, ar.dtype, ar.device, ar.world_size, ar.rank = H, dtype, torch.device("cpu"), 2, 1
+    ar.hidden_size, ar.dtype, ar.world_size, ar.rank = H, dtype, 2, 1
+    ar.device = torch.device("cuda", 0)   # the plan's device; the tensors stay on the CPU
     ar.max_programs, ar._rows, ar._block_h, ar._num_warps = 4, 8, 64, 1
-    ar.one_shot_max_tokens, ar.table, ar._timeout_ns, ar._memo = 8, None, 0, {}
+    ar.one_shot_max_tokens, ar.table, ar._timeout_ns = 8, None, 0
     ar.rows_by_ticket = False
     ar.state, ar._ptr_table = torch.zeros(4, dtype=torch.int32), torch.zeros(3, dtype=torch.int64)
-    ar._ptr_table_addr, ar._state_addr = ar._ptr_table.data_ptr(), ar.state.data_ptr()
     ar._buffer_addr, ar._buffer_bytes = 16, 16                 # nowhere near the tensors
+    calls = _fast_path_stand_in(ar, symm)
     monkeypatch.setattr(ar, "_validate", lambda *args: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 777, raising=False)
-    calls = []
-
-    class Direct:
-        mid = ("function", "metadata")
-
-        def launch(self, *args):
-            calls.append(("direct", args))
-
-    def launcher(grid, args, key, num_warps, device_index, aligned, launch_pdl=False):
-        calls.append(("triton", grid, tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
-                                            for a in args)))
-        return Direct()
-
-    monkeypatch.setattr(symm, "_launch", launcher)
     w = torch.ones(H, dtype=dtype)
     aux = torch.zeros(8, 3, H, dtype=dtype)
     p1, r1 = torch.randn(3, H).to(dtype), torch.randn(3, H).to(dtype)
@@ -141,56 +160,55 @@ def test_eager_memo_direct_launch_arguments(monkeypatch):
     ar.reduce_add_rmsnorm(p2, r2, w, 1e-6, aux, 2)
     (kind1, grid, first), (kind2, second) = calls
     assert kind1 == "triton" and kind2 == "direct" and grid == (3, 1)
-    # The first launch's arguments with the second call's tensors in their places.
-    names = symm._KERNEL.params
-    pointers = {n for n in names if n.endswith("_ptr") or n == "ptr_table"}
-    swap = {p1.data_ptr(): p2.data_ptr(), r1.data_ptr(): r2.data_ptr()}
-    expected = tuple(swap.get(a, a) if n in pointers else a for n, a in zip(names, first))
-    assert second == (3, 1, 1, 777, "function", "metadata") + expected
+    names = ops.KernelSignature(symm.lamport_allreduce_add_rmsnorm_capture_kernel).params
     by_name = dict(zip(names, first))
-    assert {n: by_name[n] for n in pointers} == dict(
-        ptr_table=ar._ptr_table_addr, state_ptr=ar._state_addr, partial_ptr=p1.data_ptr(),
-        residual_ptr=r1.data_ptr(), weight_ptr=w.data_ptr(), normed_out_ptr=p1.data_ptr(),
-        residual_out_ptr=r1.data_ptr(), aux_ptr=aux.data_ptr())
+    assert {n: by_name[n] for n in ("partial_ptr", "residual_ptr", "weight_ptr",
+                                    "normed_out_ptr", "residual_out_ptr", "aux_ptr",
+                                    "ptr_table", "state_ptr")} == dict(
+        partial_ptr=p1, residual_ptr=r1, weight_ptr=w, normed_out_ptr=p1, residual_out_ptr=r1,
+        aux_ptr=aux, ptr_table=ar._ptr_table, state_ptr=ar.state)
     assert (by_name["num_tokens"], by_name["rank"], by_name["aux_slot_offset"]) == (3, 1, 2 * H)
+    # The first launch's arguments with the second call's tensors, as addresses.
+    swap = {id(p1): p2, id(r1): r2}
+    expected = tuple(swap.get(id(a), a).data_ptr() if isinstance(a, torch.Tensor) else a
+                     for a in first)
+    assert second == (3, 1, 1, 777, "function", "metadata", None, None, None) + expected
 
 
 def test_grad_requiring_tensors_are_refused(monkeypatch):
     """Runs anywhere: the kernel writes through raw pointers, so a tensor that
     requires grad in grad mode is refused before any launch (as the ops do)."""
-    import eagle_capture.symm as symm
+    import eagle_capture.parallel.symm as symm
     ar = object.__new__(symm.SymmAllReduceCapture)
     H = 64
     ar.hidden_size, ar.dtype, ar.device = H, torch.bfloat16, torch.device("cpu")
-    ar._timeout_ns, ar._memo, ar._buffer_addr, ar._buffer_bytes = 0, {}, 16, 16
+    ar._timeout_ns, ar._buffer_addr, ar._buffer_bytes = 0, 16, 16
     ar.buffer = torch.empty(0, dtype=torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)   # CPU stand-in
-    monkeypatch.setattr(symm, "_launch", lambda *a, **k: pytest.fail("launched"))
+    calls = _fast_path_stand_in(ar, symm)
     p = torch.randn(2, H).bfloat16().requires_grad_()
     r = torch.randn(2, H).bfloat16()
     with pytest.raises(RuntimeError, match="requires grad while grad mode is on"):
         ar.reduce_add_rmsnorm(p, r, torch.ones(H, dtype=torch.bfloat16), 1e-6,
                               out=torch.empty(2, H, dtype=torch.bfloat16))
+    assert calls == []   # nothing launched
 
 
 def _cpu_stand_in(monkeypatch, H=64):
     """A SymmAllReduceCapture on CPU tensors whose launches are recorded, not run:
     the eager path's validation and memo without a GPU."""
-    import eagle_capture.symm as symm
+    import eagle_capture.parallel.symm as symm
     ar = object.__new__(symm.SymmAllReduceCapture)
     ar.hidden_size, ar.dtype, ar.device, ar.world_size, ar.rank = (
         H, torch.bfloat16, torch.device("cpu"), 2, 0)
     ar.max_programs, ar._rows, ar._block_h, ar._num_warps = 4, 8, 64, 1
-    ar.one_shot_max_tokens, ar.table, ar._timeout_ns, ar._memo = 8, None, 0, {}
+    ar.one_shot_max_tokens, ar.table, ar._timeout_ns = 8, None, 0
     ar.rows_by_ticket = False
     ar.state, ar._ptr_table = torch.zeros(5, dtype=torch.int32), torch.zeros(3, dtype=torch.int64)
-    ar._ptr_table_addr, ar._state_addr = ar._ptr_table.data_ptr(), ar.state.data_ptr()
     ar.buffer = torch.empty(0, dtype=torch.bfloat16)
     ar._buffer_addr, ar._buffer_bytes = 16, 16                 # nowhere near the tensors
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)   # CPU stand-in
-    launches = []
-    monkeypatch.setattr(symm, "_launch", lambda *a, **k: launches.append(a))
-    return ar, launches
+    return ar, _fast_path_stand_in(ar, symm)
 
 
 def test_grad_requiring_tensors_are_refused_on_a_memo_hit_too(monkeypatch):
@@ -200,7 +218,7 @@ def test_grad_requiring_tensors_are_refused_on_a_memo_hit_too(monkeypatch):
     H, dt = ar.hidden_size, torch.bfloat16
     w = torch.ones(H, dtype=dt)
     ar.reduce_add_rmsnorm(torch.randn(2, H).to(dt), torch.randn(2, H).to(dt), w, 1e-6)
-    assert len(launches) == 1 and len(ar._memo) == 1
+    assert len(launches) == 1 and len(ar._fast.plans) == 1
     with pytest.raises(RuntimeError, match="requires grad while grad mode is on"):
         ar.reduce_add_rmsnorm(torch.randn(2, H).to(dt), torch.randn(2, H).to(dt),
                               w.clone().requires_grad_(), 1e-6)
@@ -231,7 +249,7 @@ def test_out_overlapping_partial_with_other_strides_is_refused(monkeypatch):
 def _reference(partials, residual, weight, eps, norm_fp32_sum=False):
     """Sum in rank order in fp32 (a -0.0 partial counts as +0.0), round once;
     then the single-GPU op's add+RMSNorm."""
-    from eagle_capture.reference import add_rmsnorm_reference
+    from eagle_capture.testing.reference import add_rmsnorm_reference
     h = torch.stack([p.float() + 0.0 for p in partials]).sum(0).to(residual.dtype)
     return add_rmsnorm_reference(h, residual, weight, eps, norm_fp32_sum)
 
@@ -243,7 +261,7 @@ def _rand(g, *shape, dtype=torch.bfloat16, device="cpu"):
 def _check_one_shot_numerics(ar, rank, world, device):
     from conftest import assert_bitwise_equal
     from eagle_capture import AuxCaptureBuffer
-    from eagle_capture.tp import check_capture_consistency
+    from eagle_capture.parallel.tp import check_capture_consistency
     dtype, eps, H = ar.dtype, 1e-6, ar.hidden_size
     g = torch.Generator().manual_seed(H)
     weight = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype).to(device)
@@ -355,8 +373,8 @@ def _check_many_calls(ar, rank, world, device, graphs_replays):
 def _scenarios(rank, world, device):
     from conftest import assert_bitwise_equal
     from eagle_capture import AuxCaptureBuffer
-    from eagle_capture.symm import PathTable, SymmAllReduceCapture
-    from eagle_capture.tp import TPCapture
+    from eagle_capture.parallel.symm import PathTable, SymmAllReduceCapture
+    from eagle_capture.parallel.tp import TPCapture
 
     dtype, eps = torch.bfloat16, 1e-6
     for H in (7168, 100):
@@ -462,7 +480,7 @@ def _scenarios(rank, world, device):
 def _check_watchdog(rank, world, device):
     """The last rank skips one call: the others give up after the watchdog's
     bound instead of hanging, and every later call on them raises."""
-    from eagle_capture.symm import SymmAllReduceCapture
+    from eagle_capture.parallel.symm import SymmAllReduceCapture
     ar = SymmAllReduceCapture(8, 7168, torch.bfloat16, device=device, watchdog_s=0.3,
                               one_shot_max_tokens=8)
     x = torch.randn(2, 7168, dtype=torch.bfloat16, device=device)
@@ -501,7 +519,7 @@ def test_path_choice_at_the_cap(world, table, cap):
     """The path per T at the one-shot cap, one below and one above it; the cap
     read from a measured table is its largest one-shot row (issue 21: boundaries
     as parameters). Pure Python: the instance's GPU set-up is skipped."""
-    import eagle_capture.symm as symm
+    import eagle_capture.parallel.symm as symm
     ar = object.__new__(symm.SymmAllReduceCapture)
     ar.world_size = world
     ar.table = PathTable(table) if table is not None else None

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from conftest import run_ranks
 from eagle_capture import ops
-from eagle_capture.tp import TPCapture
+from eagle_capture.parallel.tp import TPCapture
 
 TIMEOUT_S = 240
 
@@ -54,8 +54,8 @@ def _message(exc_type, fn, what: str) -> str:
 
 def _scenarios(rank, world, device):
     from eagle_capture import AuxCaptureBuffer
-    from eagle_capture.reference_loop import SGLangDeepseekLoop
-    from eagle_capture.tp import CaptureConsistencyError, check_capture_consistency
+    from eagle_capture.testing.reference_loop import SGLangDeepseekLoop
+    from eagle_capture.parallel.tp import CaptureConsistencyError, check_capture_consistency
     from test_oracle import input_ids, tiny_deepseek
 
     hidden_size, num_tokens, layers = 64, 9, [2, 4, 6]

@@ -1,7 +1,7 @@
 """Tensor parallelism end to end on GPUs: the SGLang-style DeepseekV3 loop at
 TP = 2 over NCCL, each layer's MLP output split into random row-parallel
 partials (the parts sum to the TP = 1 output), every layer boundary reduced by
-:class:`eagle_capture.symm.SymmAllReduceCapture` through :class:`TPCapture` --
+:class:`eagle_capture.parallel.symm.SymmAllReduceCapture` through :class:`TPCapture` --
 once forced onto the one-shot kernel, once onto NCCL + the fused op. The
 buffer must equal the TP = 1 run within rounding, the consistency checker must
 stay silent, and a planted unreduced partial must be named by layer. Needs two
@@ -19,9 +19,9 @@ WORLD = 2
 
 def _scenarios(rank, world, device):
     from eagle_capture import AuxCaptureBuffer
-    from eagle_capture.reference_loop import SGLangDeepseekLoop
-    from eagle_capture.symm import PathTable, SymmAllReduceCapture
-    from eagle_capture.tp import CaptureConsistencyError, TPCapture, check_capture_consistency
+    from eagle_capture.testing.reference_loop import SGLangDeepseekLoop
+    from eagle_capture.parallel.symm import PathTable, SymmAllReduceCapture
+    from eagle_capture.parallel.tp import CaptureConsistencyError, TPCapture, check_capture_consistency
     from test_oracle import input_ids, tiny_deepseek
     from test_tp import CapturesBeforeReducing, _partial_split
 

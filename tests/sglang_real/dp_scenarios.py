@@ -142,7 +142,7 @@ def dp_equals_sglang():
     bit-exact (fp32: SGLang sizes the DP gather buffers for the model's dtype at
     set-up, one per process); the fused kernel made every capture, on path e
     (path f is not taken under DP attention)."""
-    from eagle_capture.sglang import install_eagle3_capture
+    from eagle_capture.integrations.sglang.dropin import install_eagle3_capture
 
     ref, ours = _build(), _build()
     install_eagle3_capture(ours, 16)
@@ -256,7 +256,7 @@ def dp_wrong_group_caught():
     rank 0; and the cross-rank consistency check over the TP group (the wrong
     group for comparing DP ranks) reports different captures where the right
     one (each rank alone) has nothing to compare."""
-    from eagle_capture.tp import CaptureConsistencyError, check_capture_consistency
+    from eagle_capture.parallel.tp import CaptureConsistencyError, check_capture_consistency
     from tests.sglang_real import plugin_scenarios as ps
 
     ref = tp_scenarios._sglang_reference()
@@ -301,7 +301,7 @@ def scattered_setup():
     layers' outputs: layer 2), and the install gathers exactly those."""
     from sglang.srt.distributed.parallel_state import get_attn_tp_group
 
-    from eagle_capture.sglang import install_eagle3_capture
+    from eagle_capture.integrations.sglang.dropin import install_eagle3_capture
 
     assert get_attn_tp_group().world_size == _world()
     model = _build()

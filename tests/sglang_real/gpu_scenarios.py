@@ -515,7 +515,7 @@ def build(ctx, set_capture=False):
 def make_models(ctx, res: Results):
     """ref: SGLang's own capture; ours: the drop-in, installed by the plugin through
     SGLang's own load_plugins() + configure step (a direct install if that fails)."""
-    from eagle_capture import sglang as dropin
+    from eagle_capture.integrations.sglang import dropin
 
     lm = ctx.harness.text_lm
     env = dict(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",

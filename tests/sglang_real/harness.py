@@ -5,7 +5,7 @@ What this is
 A harness that imports SGLang's own wheel (one version per process: run each
 version in its own subprocess), builds SGLang's own
 ``sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM`` from a tiny
-``transformers.DeepseekV3Config`` (6 layers, hidden 64, vocab 128, q_lora_rank
+``transformers.DeepseekV3Config`` (``eagle_capture.testing.models``: 6 layers, hidden 64, vocab 128, q_lora_rank
 48, kv_lora_rank 32, yarn rope with rope_theta, first_k_dense_replace 2, 4
 routed experts) on CPU, turns EAGLE-3 capture on with the model's own
 ``set_eagle3_layers_to_capture(ids)``, runs the model's own ``forward`` and
@@ -712,60 +712,8 @@ def _reduces_itself(role: str, real) -> bool:
 def make_config(num_layers: int = 6, hidden_size: int = 64, vocab_size: int = 128,
                 first_k_dense_replace: int = 2):
     _ensure_stubs()
-    import transformers
-
-    rope = {
-        "rope_type": "yarn",
-        "factor": 4.0,
-        "original_max_position_embeddings": 512,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    }
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        moe_intermediate_size=hidden_size // 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        kv_lora_rank=32,
-        q_lora_rank=48,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        first_k_dense_replace=first_k_dense_replace,
-        moe_layer_freq=1,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        architectures=["DeepseekV3ForCausalLM"],
-        # As in DeepSeek-V3's config.json (SGLang's MoEGate reads them; the
-        # transformers class does not define all of them).
-        topk_method="noaux_tc",
-        scoring_func="sigmoid",
-        norm_topk_prob=True,
-    )
-    major = int(transformers.__version__.split(".")[0])
-    if major >= 5:
-        cfg = transformers.DeepseekV3Config(
-            rope_parameters=dict(rope, rope_theta=10000.0), **common
-        )
-    else:
-        legacy = dict(rope)
-        legacy["type"] = legacy.pop("rope_type")
-        cfg = transformers.DeepseekV3Config(
-            rope_theta=10000.0, rope_scaling=legacy, **common
-        )
-    return cfg
+    from eagle_capture.testing.models import tiny_deepseek_v3_config
+    return tiny_deepseek_v3_config(num_layers, hidden_size, vocab_size, first_k_dense_replace)
 
 
 def _norms(model):

@@ -1,4 +1,4 @@
-"""The SGLang plugin (``eagle_capture.sglang_plugin``) inside the REAL SGLang code.
+"""The SGLang plugin (``eagle_capture.integrations.sglang.plugin``) inside the REAL SGLang code.
 
 Each scenario loads plugins with the wheel's own ``load_plugins()`` (which finds
 our entry point in the installed package metadata), so the hook lands on the
@@ -50,7 +50,7 @@ def _has_plugins() -> bool:
 
 def _target():
     """(module, attribute holder, name) of this line's hook point."""
-    from eagle_capture.sglang_plugin import hook_target
+    from eagle_capture.integrations.sglang.plugin import hook_target
     dotted = hook_target()
     module_name, attr = dotted.rsplit(".", 1)
     if module_name.endswith(".ModelRunner"):
@@ -279,7 +279,7 @@ def plugin_refuses_wrong_ids():
     skip = _skip_without_plugins()
     if skip:
         return skip
-    from eagle_capture.sglang import WrongCaptureLayers
+    from eagle_capture.integrations.sglang.dropin import WrongCaptureLayers
     out = {}
     for ids, match in (([1, 1, 5], "more than once"), ([-1, 3, 5], "-1")):
         with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture"):
@@ -306,7 +306,7 @@ def planted_capture_fault(bad_slot: Optional[int], corrupt=None):
     add_rmsnorm_capture and path f's add_rmsnorm_into_slot), after the kernel:
     ``corrupt(rows)`` rewrites a captured slot's ``[T, H]`` rows in place (default:
     +1 on column 0), in slot ``bad_slot`` (None: every slot)."""
-    from eagle_capture import sglang as dropin
+    from eagle_capture.integrations.sglang import dropin
 
     real = {name: getattr(dropin.ops, name)
             for name in ("add_rmsnorm_capture", "add_rmsnorm_into_slot")}
@@ -339,7 +339,7 @@ def plugin_self_check():
     skip = _skip_without_plugins()
     if skip:
         return skip
-    from eagle_capture import sglang as dropin
+    from eagle_capture.integrations.sglang import dropin
     ref, ours = _build(), _build()
     with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
                         EAGLE_CAPTURE_VERIFY="2"):
@@ -409,8 +409,8 @@ def plugin_server_args():
     skip = _skip_without_plugins()
     if skip:
         return skip
-    from eagle_capture.sglang import _server_args
-    from eagle_capture.sglang_sizing import read_limits
+    from eagle_capture.integrations.sglang.dropin import _server_args
+    from eagle_capture.integrations.sglang.sizing import read_limits
     from tests.sglang_real.scenarios import _force_setattr
 
     args = _server_args()

@@ -1,4 +1,4 @@
-"""``eagle_capture.sglang.install_eagle3_capture`` against the REAL SGLang code.
+"""``eagle_capture.integrations.sglang.dropin.install_eagle3_capture`` against the REAL SGLang code.
 
 Run in a child process with one SGLang version's overlay first on the path
 (``tests/test_sglang_real.py`` does that)::
@@ -44,7 +44,7 @@ def _run(model, num_tokens, mode="extend", seed=0, capture="full"):
 
 
 def _install(model, **kwargs):
-    from eagle_capture.sglang import install_eagle3_capture
+    from eagle_capture.integrations.sglang.dropin import install_eagle3_capture
     return install_eagle3_capture(model, MAX_TOKENS, **kwargs)
 
 
@@ -449,10 +449,10 @@ def piecewise_compiled():
 
 
 def layer_id_rules():
-    """The doctor's per-line rules (eagle_capture.doctor.SGLANG_LINES) against this
+    """The doctor's per-line rules (eagle_capture.layer_ids.doctor.SGLANG_LINES) against this
     wheel's own code: the layers_to_capture that set_eagle3_layers_to_capture sets
     for several draft ids, and what SGLang's own first forward then does."""
-    from eagle_capture.doctor import line_of
+    from eagle_capture.layer_ids.doctor import line_of
 
     line = line_of(harness.sglang_version())
     assert harness.sglang_version() in line.read_versions
@@ -494,7 +494,7 @@ def draft_config_reading():
     (0.5.18+: ``spec_aux_hidden_state._resolve_eagle_aux_hidden_state``; loading
     the draft's config from disk stood in by a ``PretrainedConfig`` of the dict) on
     nested, top-level-only and both-keys configs: what it returns must be what
-    ``eagle_capture.sglang_lines.read_draft_ids`` says the target reads, and the
+    ``eagle_capture.layer_ids.lines.read_draft_ids`` says the target reads, and the
     layers SGLang then sets must be the doctor's. (0.5.9 / 0.5.13 read inline in
     ``ModelRunner.__init__``: that block of its source is executed.)"""
     import importlib
@@ -502,7 +502,7 @@ def draft_config_reading():
 
     from transformers import PretrainedConfig
 
-    from eagle_capture.doctor import line_of
+    from eagle_capture.layer_ids.doctor import line_of
 
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     try:
@@ -587,7 +587,7 @@ def _check_reading(name, body, got, line) -> str:
     """What the wheel's reader returned (``got``) for a draft config ``body``: what
     eagle_capture says the target reads, and the layers SGLang then sets are the
     doctor's."""
-    from eagle_capture.sglang_lines import read_draft_ids
+    from eagle_capture.layer_ids.lines import read_draft_ids
 
     want = read_draft_ids(dict(body, architectures=["LlamaForCausalLMEagle3"]))
     assert got == want.read_by_target, \
@@ -600,7 +600,7 @@ def _check_reading(name, body, got, line) -> str:
 
 
 def graph_order():
-    """The doctor's CUDA-graph rule (eagle_capture.deployment.graphs_captured_before_ids)
+    """The doctor's CUDA-graph rule (eagle_capture.layer_ids.deployment.graphs_captured_before_ids)
     against this wheel's own call order, read from its source (graphs cannot be
     captured on CPU): <= 0.5.12 ``ModelRunner.initialize`` captures the graphs
     (``init_device_graphs``) before it sets the draft's ids, and its graph runner
@@ -610,8 +610,8 @@ def graph_order():
     import ast
     import importlib.util
 
-    from eagle_capture.deployment import graphs_captured_before_ids
-    from eagle_capture.doctor import line_of
+    from eagle_capture.layer_ids.deployment import graphs_captured_before_ids
+    from eagle_capture.layer_ids.doctor import line_of
 
     def functions(module: str, cls: str) -> dict:
         """{method name: [(line, name of each call in it), ...]} of a class, from
@@ -707,7 +707,7 @@ def refusals():
     # two-batch overlap: the norm would see half-batches
     # Modes read from SGLang's server arguments, through the accessor this line
     # has (the install must find them: None would mean no refusal at all).
-    from eagle_capture.sglang import _server_args
+    from eagle_capture.integrations.sglang.dropin import _server_args
     args = _server_args()
     assert args is not None, "eagle_capture cannot read this SGLang line's server args"
     # (DP attention and an all-to-all MoE are served where each rank's rows stay

@@ -175,8 +175,8 @@ def _install_capture(model, env: dict):
         with ps.plugins_loaded(SGLANG_PLUGINS="eagle_capture", **env) as log:
             ps.configure(model, DRAFT_IDS)
         return harness.text_lm(model)._eagle_capture, log, "plugin (load_plugins + hook)"
-    from eagle_capture import sglang_plugin
-    from eagle_capture.sglang import install_eagle3_capture
+    from eagle_capture.integrations.sglang import plugin as sglang_plugin
+    from eagle_capture.integrations.sglang.dropin import install_eagle3_capture
 
     log = ps._Records()
     logging.getLogger("eagle_capture").addHandler(log)
@@ -397,13 +397,13 @@ def _allreduce_fusion_stood_in():
 def tp2_fusion():
     """(f) TP 2 with SGLang's all-reduce fusion on (gate and kernel stood in, see
     _allreduce_fusion_stood_in): SGLang's own capture vs the TP 1 run, per line,
-    and the drop-in's. The doctor's verdicts (eagle_capture/deployment.py) say:
+    and the drop-in's. The doctor's verdicts (eagle_capture/layer_ids/deployment.py) say:
     0.5.9 - 0.5.17 capture hidden_states + residual in the loop BEFORE the layer
     whose fused input norm completes the previous layer's deferred all-reduce,
     so a captured layer after a deferring one holds per-rank partial sums; from
     0.5.18 the capture reads the reduced residual. The drop-in captures the
     fused norm's reduced residual_out on every line. Both must hold here."""
-    from eagle_capture.doctor import line_of
+    from eagle_capture.layer_ids.doctor import line_of
 
     ref_tp1 = _wait_for_tp1()
     line = line_of(harness.sglang_version())
@@ -537,7 +537,7 @@ def planted_divergence_tp2():
     comparison with SGLang's own (that rank's self-check passed): the
     cross-rank check names the layer and slot, on both ranks. Then the same
     with check_capture_consistency called directly on the installed buffer."""
-    from eagle_capture.tp import CaptureConsistencyError, check_capture_consistency
+    from eagle_capture.parallel.tp import CaptureConsistencyError, check_capture_consistency
     from tests.sglang_real import plugin_scenarios as ps
 
     rank = _ARGS.rank

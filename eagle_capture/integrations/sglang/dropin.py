@@ -1,74 +1,30 @@
 """Drop-in fused EAGLE-3 capture for SGLang's ``DeepseekV2ForCausalLM``
-(DeepSeek-V3, Kimi-K2/K2.5).
+(DeepSeek-V3, Kimi-K2/K2.5), SGLang 0.5.9 - 0.5.23: :func:`install_eagle3_capture`.
 
-One entry point, :func:`install_eagle3_capture`, for every SGLang line whose
-source we read and run in CI (``tests/sglang_real``: the real wheels on CPU,
-SGLang's own forward as the reference). What SGLang does, per line, read from
-the wheels (``sglang/srt/models/deepseek_v2.py``, ``layers/communicator.py``,
-``layers/layer_boundary/``, ``layers/layernorm.py``, ``layers/aux_hidden_states.py``,
-``compilation/compile.py``):
-
-* 0.5.9 - 0.5.13: ``DeepseekV2Model.forward`` appends ``hidden_states + residual``
-  to a list for each ``i in self.layers_to_capture`` (an extra add per layer)
-  and returns ``(hidden_states, list)`` -- or a bare tensor when the list is
-  empty; the classic ``LogitsProcessor`` ``torch.cat``\\ s the list.
-* 0.5.18 - 0.5.20: the loop hands captured layers an ``AuxHiddenStatePacker``;
-  ``LayerCommunicator.prepare_attn_and_capture_last_layer_outputs`` runs the
-  input norm and then ``packer.append(residual)``, a strided ``copy_`` into a
-  ``[T, K*H]`` buffer allocated per forward.
-* 0.5.22 - 0.5.23: ``layer_communicator`` is gone; ``attn_boundary.prepare``
-  (``layer_boundary/stage.py``) runs the norm and ``capture_gathered.capture``
-  copies the residual into the packer.
-
-In every line the decoder layer's input norm -- ``layer.input_layernorm``, the
-same object as ``layer.layer_communicator.input_layernorm`` (<= 0.5.20) and
-``layer.attn_boundary.plan.norm`` (>= 0.5.22) -- is called as
-``norm(x, residual, post_residual_addition)`` and writes the new residual, which
-is exactly the value SGLang captures. So the install:
+Every line's captured value is the new residual that a captured layer's input
+norm writes (``norm(x, residual, post_residual_addition)``); what each line
+does around it is in docs/engine_facts.md section 1. The install
 
 1. swaps each captured layer's input-norm *class* for a capturing subclass of
-   its real class (same class name, ``[eagle_capture]`` in its qualname): names, ``state_dict`` keys, weight
-   loading and ``isinstance`` checks are unchanged; the plain call runs our
-   fused add + RMSNorm + slot store (normalising the unrounded fp32 sum, as
-   FlashInfer's ``fused_add_rmsnorm`` and ``forward_native`` do), the fused
-   all-reduce path (``forward_with_allreduce_fusion``) and every other branch
-   run SGLang's own code and then store the reduced residual into the slot;
-   with ``residual_in_slot`` (the default) the plain call writes the new
-   residual into the slot *only* and hands that ``[T, H]`` view on as the
-   residual (path f: no extra write), and the same layer's post-attention norm
-   -- also swapped, SGLang calls it ``norm(h, residual)`` and would overwrite
-   the slot in place -- writes the next residual out of place, into the input
-   norm's dead incoming residual (path e, a second write into the slot, stays
-   under torch.compile and for forwards SGLang's all-reduce fusion may take);
-2. empties ``model.layers_to_capture`` and clears
-   ``causal_lm.capture_aux_hidden_states``, so SGLang's own capture (add,
-   list or packer copy) never runs and the model returns its hidden states alone;
-3. swaps the ``LogitsProcessor``'s class for a subclass that hands it the
-   packed ``[T, K*H]`` view of our buffer as ``aux_hidden_states`` (a list of
-   one tensor for <= 0.5.13, the tensor itself from 0.5.18).
+   its real class (names, ``state_dict`` keys, weight loading and ``isinstance``
+   unchanged): the plain call runs our fused add + RMSNorm + slot store (path f:
+   the new residual written into the slot only and handed on as a view; the
+   layer's post-attention norm then writes out of place; path e: a second
+   write into the slot, under torch.compile and where SGLang's all-reduce
+   fusion may run); every other branch runs SGLang's own code, then stores
+   the reduced residual;
+2. empties ``model.layers_to_capture`` so SGLang's own capture never runs;
+3. swaps the ``LogitsProcessor``'s class so it is handed the packed
+   ``[T, K*H]`` view of our buffer (a list of one for <= 0.5.13).
 
-Nothing is put on an instance ``forward``: SGLang's piecewise CUDA graphs
-(``install_torch_compiled``) set ``module.forward`` to a trampoline that calls
-the class's ``forward`` captured at its own install time, so instance-level
-patches are discarded or bypassed; the class swaps above sit inside the
-modules that forward calls, so installing before or after it works.
-
-DP attention: each rank's norm sees its own requests' (padded) rows, which is
-what SGLang captures and hands that rank's draft; path e there (SGLang's DP
-gather reads the residual around the post-attention norm). Rows token-scattered
-over an attention-TP group of several ranks (an all-to-all MoE backend after
-sparse layers, ``moe_dense_tp_size`` 1 after dense ones): SGLang's norm on this
-rank's slice, then the new residual all-gathered over the attention-TP group
-(SGLang's own group, rank order) into the slot.
-
-Refused at install, with the reason: a capture not enabled, layers another
-pipeline stage owns, layer 0 (the embedding output: no SpecForge draft is
-trained on it) unless ``allow_embedding=True``, two-batch overlap (the norm
-would see half-batches), context parallelism (each rank holds a slice of the
-tokens), layernorm sequence parallelism. Checked on every eager forward:
-each captured layer stored exactly T rows (a path that bypassed the norm, such
-as a backend fusion provider that only reads its weight, raises instead of
-handing the draft a stale buffer), and SGLang's own capture was not re-enabled.
+Only classes are swapped, never an instance ``forward``: SGLang's piecewise
+CUDA graphs replace instance forwards, so installing before or after them works.
+Rows token-scattered over an attention-TP group are all-gathered into the slot
+over SGLang's own group. Refused at install, with the reason: a capture not
+enabled, another stage's layers, layer 0 (unless ``allow_embedding=True``),
+two-batch overlap, context parallelism, layernorm sequence parallelism.
+Checked on every eager forward: each captured layer stored exactly T rows, and
+SGLang's own capture was not re-enabled.
 """
 
 import functools
@@ -77,8 +33,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import ops
-from .buffer import AuxCaptureBuffer
+from eagle_capture import ops
+from eagle_capture.buffer import AuxCaptureBuffer
 
 __all__ = ["CaptureState", "UnsupportedServer", "WrongCaptureLayers", "install_eagle3_capture",
            "reapply_after_reconfigure", "text_model_of"]
@@ -268,7 +224,7 @@ class CaptureState:
         mismatches, self.verify_mismatches = self.verify_mismatches, []
         peer_mismatch = False
         if self.verify_group is not None:
-            from .tp import CaptureConsistencyError, check_capture_consistency
+            from eagle_capture.parallel.tp import CaptureConsistencyError, check_capture_consistency
             import torch.distributed as dist
             world = dist.get_world_size(self.verify_group)
             # Every rank takes the same decision (a rank switching back alone would
@@ -858,7 +814,7 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
     ``model.set_eagle3_layers_to_capture(...)`` (end of ``load_model``; from 0.5.18
     in ``configure_aux_hidden_state_capture``) and before CUDA graphs are
     captured: a graph captured earlier replays SGLang's own capture. The SGLang
-    plugin (:mod:`eagle_capture.sglang_plugin`) does exactly that.
+    plugin (:mod:`eagle_capture.integrations.sglang.plugin`) does exactly that.
 
     ``residual_in_slot`` (path f): where the layer's plain norms run, the input
     norm writes the new residual into the slot only and the post-attention norm

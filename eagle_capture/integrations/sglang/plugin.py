@@ -22,7 +22,7 @@ capture are set and before any CUDA graph is captured --
   name in ``model_runner`` too);
 * 0.5.13: an AFTER hook on ``ModelRunner.init_aux_hidden_state_capture``
   (``initialize``, before ``init_device_graphs``);
-* 0.5.9 has no plugin system: call :func:`eagle_capture.sglang.install_eagle3_capture`
+* 0.5.9 has no plugin system: call :func:`eagle_capture.integrations.sglang.dropin.install_eagle3_capture`
   by hand (README).
 
 At the hook, on each rank: nothing on a runner without EAGLE-3 (the draft's own
@@ -33,7 +33,7 @@ log line and SGLang's own capture for what the fused capture does not handle
 the draft something it was not trained on -- which SGLang's own capture would do
 too -- with the doctor's explanation; ``EAGLE_CAPTURE_ON_PROBLEM=install``
 installs anyway where it can and logs the problem as an error. Otherwise the
-install, sized from the server's arguments (:mod:`eagle_capture.sglang_sizing`),
+install, sized from the server's arguments (:mod:`eagle_capture.integrations.sglang.sizing`),
 and one log line saying what runs.
 
 ``EAGLE_CAPTURE_VERIFY=N``: the first N eager forwards also run SGLang's own norm
@@ -148,10 +148,10 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     else log why not and return None. Raises (the server does not start) when the
     layer ids would feed the draft wrongly and ``EAGLE_CAPTURE_ON_PROBLEM`` is
     ``refuse``."""
-    from . import sglang as dropin
-    from .doctor import diagnose, line_of
-    from .plan import CapturePlanError
-    from .sglang_sizing import describe, read_limits, size_buffer_for
+    from eagle_capture.integrations.sglang import dropin
+    from eagle_capture.layer_ids.doctor import diagnose, line_of
+    from eagle_capture.layer_ids.plan import CapturePlanError
+    from eagle_capture.integrations.sglang.sizing import describe, read_limits, size_buffer_for
 
     if not eagle3 or model is None:
         return None   # not the EAGLE-3 target's runner
@@ -290,7 +290,7 @@ def _deployment(args, sizing) -> str:
         comm = getattr(rc.get_exec(), "comm", None) if rc is not None else None
     except Exception:  # noqa: BLE001
         comm = None
-    from .sglang import _attention_tp_size, _dp_attention_enabled
+    from eagle_capture.integrations.sglang.dropin import _attention_tp_size, _dp_attention_enabled
     dp_attention = _dp_attention_enabled()
     backend = getattr(comm, "flashinfer_allreduce_fusion_backend", None)
     fusion = (backend if backend is not None else
@@ -405,7 +405,7 @@ def draft_config_problems(config: Optional[dict], draft_ids, layers: list[int],
         logger.info("eagle_capture: the draft's config.json is not visible here: its input "
                     "width is not checked")
         return []
-    from .sglang_lines import CapturePlanError, read_draft_ids
+    from eagle_capture.layer_ids.lines import CapturePlanError, read_draft_ids
     try:
         draft = read_draft_ids(config)
     except CapturePlanError as e:

@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Union
 
-from .sglang_lines import (CapturePlanError, default_capture_layers, line_of, read_draft_ids,
+from eagle_capture.layer_ids.lines import (CapturePlanError, default_capture_layers, line_of, read_draft_ids,
                            specforge_default_ids)
 
 __all__ = ["CONVENTIONS", "CapturePlan", "CapturePlanError", "SlotInfo", "build_plan",
@@ -87,7 +87,7 @@ class CapturePlan:
                        f"({self.layers_to_capture})")
 
     def make_buffer(self, max_tokens: int, hidden_size: int, **kwargs):
-        from .buffer import AuxCaptureBuffer
+        from eagle_capture.buffer import AuxCaptureBuffer
         return AuxCaptureBuffer(max_tokens, hidden_size, self.layers_to_capture, **kwargs)
 
     def format(self) -> str:
@@ -100,7 +100,7 @@ class CapturePlan:
 
 
 # ----------------------------------------------------------------------------
-# Rules (per SGLang line: eagle_capture.sglang_lines)
+# Rules (per SGLang line: eagle_capture.layer_ids.lines)
 # ----------------------------------------------------------------------------
 
 def _rule_shift(ids: Sequence[int], convention: Optional[str], sglang_version: Optional[str]):
@@ -154,7 +154,7 @@ def build_plan(layer_ids: Optional[Iterable[int]], num_layers: int, *,
                 f"the draft was trained on -- for a {num_layers}-layer target SpecForge's default "
                 f"is {specforge_default_ids(num_layers)}. Only for a draft really trained on the "
                 f"embedding: --allow-embedding (allow_embedding=True), read as an output id. "
-                f"`python -m eagle_capture.doctor` shows what each SGLang line does with it")
+                f"`python -m eagle_capture.layer_ids.doctor` shows what each SGLang line does with it")
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
             raise CapturePlanError(f"layer id {dupes[0]} appears more than once in {ids}; each "
@@ -210,10 +210,10 @@ def plan_from_draft_config(config: Union[dict, str, os.PathLike], num_layers: in
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m eagle_capture.plan`` is the doctor now (one CLI, one verdict)."""
+    """``python -m eagle_capture.layer_ids.plan`` is the doctor now (one CLI, one verdict)."""
     import sys
-    from . import doctor
-    print("eagle_capture.plan: the capture plan is part of the doctor's output now; running "
+    from eagle_capture.layer_ids import doctor
+    print("eagle_capture.layer_ids.plan: the capture plan is part of the doctor's output now; running "
           "`eagle-capture doctor`", file=sys.stderr)
     return doctor.main(argv)
 

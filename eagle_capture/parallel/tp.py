@@ -32,8 +32,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import ops
-from .buffer import AuxCaptureBuffer
+from eagle_capture import ops
+from eagle_capture.buffer import AuxCaptureBuffer
 
 
 class CaptureConsistencyError(RuntimeError):
@@ -46,7 +46,7 @@ class TPCapture:
     def __init__(self, buffer: AuxCaptureBuffer, group: Optional[dist.ProcessGroup] = None,
                  attn_tp_group: Optional[dist.ProcessGroup] = None,
                  fused_allreduce=None) -> None:
-        """``fused_allreduce``: an :class:`eagle_capture.symm.SymmAllReduceCapture`
+        """``fused_allreduce``: an :class:`eagle_capture.parallel.symm.SymmAllReduceCapture`
         over ``group``; :meth:`reduce_add_rmsnorm` then runs all-reduce + add +
         RMSNorm + capture as one kernel for the T its path table gives the
         one-shot path (NCCL + the fused op otherwise)."""

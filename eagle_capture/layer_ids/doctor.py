@@ -4,7 +4,7 @@ line and deployment, and is it what the draft was trained on?
     eagle-capture doctor --draft-config <draft folder> --target-config <target folder>
     eagle-capture doctor --draft-config draft/config.json --num-layers 61 --tp 8 \\
         --sglang-version 0.5.23
-    python -m eagle_capture.doctor ...          (the same)
+    python -m eagle_capture.layer_ids.doctor ...          (the same)
 
 For each SGLang line (or the one ``--sglang-version`` is in) it prints the
 layers SGLang captures for the draft config's ids -- read exactly as SGLang's
@@ -28,31 +28,18 @@ engine's defaults ran at 1.2% instead of 58.9% (vLLM issue 50170).
 
 import argparse
 import itertools
-import re
 import sys
-import textwrap
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from . import deployment
-from .sglang_lines import (SGLANG_LINES, CapturePlanError, DraftIds, SGLangLine, assumed_note,
+from eagle_capture.layer_ids import deployment
+from eagle_capture.layer_ids.deployment import WIDTH, wrap as _wrap
+from eagle_capture.layer_ids.lines import (SGLANG_LINES, CapturePlanError, DraftIds, SGLangLine, assumed_note,
                            default_capture_layers, line_of, read_draft_ids, read_target,
                            specforge_default_ids)
 
 __all__ = ["Diagnosis", "LineVerdict", "SGLANG_LINES", "SGLangLine", "diagnose",
            "diagnose_line", "fix_ids", "line_of", "main"]
-
-WIDTH = 100   # output columns
-
-
-def _wrap(text: str, first: str, rest: str) -> str:
-    """Wrap at WIDTH without breaking inside ``[...]`` or ``(...)``."""
-    # (short ones only: a long parenthesis may break)
-    keep = re.sub(r"[\[(][^\])]{0,40}[\])]", lambda m: m.group(0).replace(" ", "\0"), text)
-    wrapped = textwrap.fill(keep, WIDTH, initial_indent=first, subsequent_indent=rest,
-                            break_long_words=False, break_on_hyphens=False)
-    return wrapped.replace("\0", " ")
-
 
 def _source(input_layer: int) -> str:
     """A capture at the start of ``input_layer`` in words, both conventions."""

@@ -21,8 +21,8 @@ measurements behind it).
 
 Under ``torch.compile`` the one-shot path is the custom op
 ``torch.ops.eagle_capture.allreduce_add_rmsnorm_capture`` (fake implementation,
-no graph break); eagerly the method launches the kernel through the same
-cached launcher as the single-GPU ops. Both are CUDA-graph capturable: the
+no graph break); eagerly the method launches the kernel through the eager fast
+path of the single-GPU ops (:class:`eagle_capture.ops.FastLaunch`). Both are CUDA-graph capturable: the
 kernel's epoch lives in device memory.
 
 NVLink multicast stays off: on the shared hosts it can take GPUs out of
@@ -45,13 +45,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _checks, ops
-from ._launcher import CachedLauncher, KernelSignature, hooks_active
+from eagle_capture import ops
 # The path table lives in its own module; re-exported here, where callers look.
-from .allreduce_paths import (DEFAULT_ONE_SHOT_MAX_TOKENS, PATHS, TABLE_ENV, TABLE_FORMAT,  # noqa: F401
+from eagle_capture.parallel.paths import (DEFAULT_ONE_SHOT_MAX_TOKENS, PATHS, TABLE_ENV, TABLE_FORMAT,  # noqa: F401
                               PathTable, default_one_shot_max_tokens)
-from .kernels.add_rmsnorm_capture import MAX_HIDDEN_SIZE, launch_config
-from .kernels.allreduce_add_rmsnorm_capture import (
+from eagle_capture.kernels.add_rmsnorm_capture import MAX_HIDDEN_SIZE, launch_config
+from eagle_capture.kernels.allreduce_add_rmsnorm_capture import (
     NUM_BUFFERS, STATE_INTS, lamport_allreduce_add_rmsnorm_capture_kernel)
 
 _MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
@@ -81,8 +80,6 @@ def ensure_multicast_disabled() -> None:
 # a group name), since a Python object cannot be an op argument.
 _INSTANCES: "weakref.WeakValueDictionary[str, SymmAllReduceCapture]" = weakref.WeakValueDictionary()
 _NAMES = itertools.count()
-_launch = CachedLauncher(lamport_allreduce_add_rmsnorm_capture_kernel)
-_KERNEL = KernelSignature(lamport_allreduce_add_rmsnorm_capture_kernel)
 
 
 class SymmAllReduceCapture:
@@ -108,8 +105,6 @@ class SymmAllReduceCapture:
     call at T <= 64 on 2 H200s (benchmarks/NOTES.md).
     """
 
-    MEMO_ENTRIES = 256   # validated eager call signatures kept (cleared when full)
-
     def __init__(self, max_tokens: int, hidden_size: int, dtype: torch.dtype,
                  group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device] = None,
@@ -122,7 +117,7 @@ class SymmAllReduceCapture:
         if max_tokens < 1 or not 1 <= hidden_size <= MAX_HIDDEN_SIZE:
             raise ValueError(f"eagle_capture: max_tokens must be >= 1 and hidden_size in "
                              f"[1, {MAX_HIDDEN_SIZE}], got {max_tokens}, {hidden_size}")
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        if dtype not in ops.SUPPORTED_DTYPES:
             raise ValueError(f"eagle_capture: dtype must be bfloat16, float16 or float32, "
                              f"got {dtype}")
         if watchdog_s is not None and not watchdog_s > 0:
@@ -169,7 +164,8 @@ class SymmAllReduceCapture:
         # Every rank's buffer holds -0.0 before any peer may push into it.
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
-        self._memo: dict = {}     # eager call signature (no addresses) -> _MemoEntry
+        # The eager fast path (the single-GPU ops' own): validated call signatures.
+        self._fast = ops.FastLaunch(lamport_allreduce_add_rmsnorm_capture_kernel)
         self._ptr_table_addr, self._state_addr = self._ptr_table.data_ptr(), self.state.data_ptr()
         self._buffer_addr = self.buffer.data_ptr()
         self._buffer_bytes = self.buffer.numel() * self.buffer.element_size()
@@ -194,8 +190,8 @@ class SymmAllReduceCapture:
 
     def overlaps_buffer(self, t: torch.Tensor) -> bool:
         """Whether ``t`` shares bytes with this rank's symmetric buffer (which the
-        peers write during a one-shot call): :func:`eagle_capture._checks.ranges_overlap`."""
-        return _checks.ranges_overlap(t, self.buffer)
+        peers write during a one-shot call): :func:`eagle_capture.ops.ranges_overlap`."""
+        return ops.ranges_overlap(t, self.buffer)
 
     def watchdog_tripped(self) -> bool:
         """Whether a poll gave up waiting (host read of pinned memory, no sync)."""
@@ -231,10 +227,10 @@ class SymmAllReduceCapture:
                              f"{tuple(partial.shape)}, got {tuple(out.shape)}")
         # The same contract as the single-GPU add_rmsnorm_capture, with `out` as the
         # normed output (named hidden_states in the messages, as there).
-        _checks.check_add_inputs(out, residual)
-        _checks.check_norm_inputs(out, weight, eps)
+        ops.check_add_inputs(out, residual)
+        ops.check_norm_inputs(out, weight, eps)
         if aux is not None:
-            _checks.check_aux(aux, slot, out.shape[0], out.shape[1], out.dtype, out.device)
+            ops.check_aux(aux, slot, out.shape[0], out.shape[1], out.dtype, out.device)
         if torch.compiler.is_compiling():
             return  # address checks need real tensors; eager calls made them
         for name, t in (("partial", partial), ("out", out), ("residual", residual),
@@ -242,17 +238,17 @@ class SymmAllReduceCapture:
             if t is not None and self.overlaps_buffer(t):
                 raise ValueError(f"eagle_capture: {name} must not lie in the symmetric buffer "
                                  f"(peers write into it during a one-shot call)")
-        _checks.check_no_internal_overlap("hidden_states", out)
-        _checks.check_no_internal_overlap("residual", residual)
-        _checks.check_aliasing(out, residual, aux, slot, weight=weight, residual_mutated=True,
+        ops.check_no_internal_overlap("hidden_states", out)
+        ops.check_no_internal_overlap("residual", residual)
+        ops.check_aliasing(out, residual, aux, slot, weight=weight, residual_mutated=True,
                                hidden_mutated=True)
         # Into partial's own rows is fine: each row is pushed by the program that
         # later overwrites it.
-        if out is not partial and _checks.overlaps_other_elements(out, partial):
+        if out is not partial and ops.overlaps_other_elements(out, partial):
             raise ValueError("eagle_capture: out must be partial itself (or a view of the "
                              "same rows) or not overlap it")
-        if _checks.ranges_overlap(partial, residual) or (
-                aux is not None and _checks.ranges_overlap(partial, aux)):
+        if ops.ranges_overlap(partial, residual) or (
+                aux is not None and ops.ranges_overlap(partial, aux)):
             raise ValueError("eagle_capture: partial must not overlap residual or aux "
                              "(both are written while peers' rows are still arriving)")
 
@@ -274,7 +270,7 @@ class SymmAllReduceCapture:
             self._check_watchdog()
         out = partial if out is None else out
         if torch.is_grad_enabled():   # every call: requires_grad is not in the memo key
-            _checks.check_no_autograd("SymmAllReduceCapture.reduce_add_rmsnorm",
+            ops.check_no_autograd("SymmAllReduceCapture.reduce_add_rmsnorm",
                                       (partial, residual, weight, out, aux))
         if torch.compiler.is_compiling():
             self._validate(partial, residual, weight, eps, aux, slot, out)
@@ -289,67 +285,48 @@ class SymmAllReduceCapture:
                 partial, residual, weight, eps, aux, slot, None if out is partial else out,
                 self.state, self.name, norm_fp32_sum)
             return out
-        try:  # everything the checks depend on except addresses (spelled out: a
-            # generator over the five tensors costs ~2 us more per call)
-            key = (partial.shape, partial.stride(), partial.dtype, partial.device,
-                   residual.shape, residual.stride(), residual.dtype, residual.device,
-                   weight.shape, weight.stride(), weight.dtype, weight.device,
-                   None if out is partial else (out.shape, out.stride(), out.dtype, out.device),
-                   None if aux is None else (aux.shape, aux.stride(), aux.dtype, aux.device),
-                   type(slot), slot, type(eps), eps, bool(norm_fp32_sum),
-                   torch.cuda.current_device())
-        except AttributeError:  # a non-tensor argument: the full check names it
-            key = None
-        entry = self._memo.get(key) if key is not None else None
-        if entry is None:
+        key = self._signature(partial, residual, weight, eps, aux, slot, out, norm_fp32_sum)
+        plan = self._fast.plans.get(key) if key is not None else None
+        ptrs = [partial.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                aux.data_ptr() if aux is not None else 0]
+        if plan is None:
             self._validate(partial, residual, weight, eps, aux, slot, out)
-            tensors = (partial, residual, weight, out, aux)
-            entry = _MemoEntry(self.path_for(partial.shape[0]),
-                               tuple(_checks.byte_extent(t) for t in tensors))
-            entry.ptrs = tuple(t.data_ptr() if t is not None else 0 for t in tensors)
-            if key is not None:
-                if len(self._memo) >= self.MEMO_ENTRIES:
-                    self._memo.clear()
-                self._memo[key] = entry
-        ptrs = (partial.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                aux.data_ptr() if aux is not None else 0)
-        if ptrs != entry.ptrs:
-            # Addresses change between calls (eager allocations): any overlap among
-            # the arguments or with the symmetric buffer gets the full check, which
-            # raises or allows it (a residual read from another slot).
-            if self._ranges_meet(ptrs, entry.extents, out is partial):
+            plan = self._fast.remember(key, self._plan(partial, residual, weight, eps, aux, slot,
+                                                       out, self.state, norm_fp32_sum))
+            plan.checked = ptrs
+        elif ptrs != plan.checked:
+            if self._ranges_meet(ptrs, plan.extents, out is partial):
+                # An overlap among the arguments or with the symmetric buffer gets the
+                # full check, which raises or allows it (a residual from another slot).
                 self._validate(partial, residual, weight, eps, aux, slot, out)
-            entry.ptrs = ptrs
+            plan.checked = ptrs
         if partial.shape[0] == 0:
             return out
-        if entry.path == "nccl":
+        if plan.extra == "nccl":
             return self._nccl_path(partial, residual, weight, eps, aux, slot, out, norm_fp32_sum)
-        direct = entry.direct
-        if direct is not None and not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15 \
-                and not hooks_active():
-            direct.launch(entry.grid_x, 1, 1,
-                          torch._C._cuda_getCurrentRawStream(self.device.index), *direct.mid,
-                          *entry.head(ptrs), *entry.tail)
-            return out
-        launched = self._launch_one_shot(partial, residual, weight, eps, aux, slot, out,
-                                         self.state, norm_fp32_sum)
-        if launched is not None:        # (DirectLaunch, grid x, the launch's values by name)
-            entry.direct, entry.grid_x, values = launched
-            # The launch's argument list from the five call tensors' addresses (in
-            # `ptrs` order); the symmetric-buffer table and the state are this
-            # object's, so their addresses are fixed values.
-            sources = dict(partial_ptr=0, residual_ptr=1, weight_ptr=2, normed_out_ptr=3,
-                           residual_out_ptr=1, aux_ptr=4 if aux is not None else 1)
-            entry.head, entry.tail = _KERNEL.template(
-                sources, dict(values, ptr_table=self._ptr_table_addr, state_ptr=self._state_addr))
+        self._fast.launch(plan, (partial, residual, weight, out, aux), ptrs)
         return out
+
+    def _signature(self, partial, residual, weight, eps, aux, slot, out, norm_fp32_sum):
+        """The memo key: everything the checks and the launch depend on but
+        addresses (spelled out: a generator over the tensors costs ~2 us more)."""
+        try:
+            return (partial.shape, partial.stride(), partial.dtype, partial.device,
+                    residual.shape, residual.stride(), residual.dtype, residual.device,
+                    weight.shape, weight.stride(), weight.dtype, weight.device,
+                    None if out is partial else (out.shape, out.stride(), out.dtype, out.device),
+                    None if aux is None else (aux.shape, aux.stride(), aux.dtype, aux.device),
+                    type(slot), slot, type(eps), eps, bool(norm_fp32_sum),
+                    torch.cuda.current_device())
+        except AttributeError:  # a non-tensor argument: the full check names it
+            return None
 
     def _ranges_meet(self, ptrs, extents, out_is_partial: bool) -> bool:
         """Whether two argument byte ranges intersect (out == partial excepted),
         or one meets this rank's symmetric buffer."""
         if out_is_partial:
             extents = extents[:3] + (0,) + extents[4:]
-        return _checks.spans_meet((*ptrs, self._buffer_addr), (*extents, self._buffer_bytes))
+        return ops.spans_meet((*ptrs, self._buffer_addr), (*extents, self._buffer_bytes))
 
     def _nccl_path(self, partial, residual, weight, eps, aux, slot, out, norm_fp32_sum):
         # Reduce into `out` (partial itself by default); the collective needs a
@@ -364,15 +341,13 @@ class SymmAllReduceCapture:
         ops.add_rmsnorm_capture(out, residual, weight, eps, aux, slot, norm_fp32_sum)
         return out
 
-    def _launch_one_shot(self, partial, residual, weight, eps, aux, slot, out, state,
-                         norm_fp32_sum, debug_spin: int = 0, debug_rank: int = -1):
-        """Launch the kernel; returns ``(DirectLaunch, grid x, the kernel's
-        arguments by parameter name)`` when the launcher holds a compiled kernel
-        for these arguments (the eager memo launches with it), else None."""
+    def _plan(self, partial, residual, weight, eps, aux, slot, out, state, norm_fp32_sum,
+              debug_spin: int = 0, debug_rank: int = -1) -> ops.Plan:
+        """The launch of a call signature (``extra``: its path). The call's five
+        tensors (partial, residual, weight, out, aux) lead the kernel's
+        arguments; the symmetric-buffer table and the state are this object's."""
         num_tokens = partial.shape[0]
         values = dict(
-            partial_ptr=partial, residual_ptr=residual, weight_ptr=weight, normed_out_ptr=out,
-            residual_out_ptr=residual, aux_ptr=aux if aux is not None else residual,
             ptr_table=self._ptr_table, state_ptr=state,
             num_tokens=num_tokens, hidden_size=self.hidden_size, max_tokens=self._rows,
             eps=float(eps), rank=self.rank, stride_partial=partial.stride(0),
@@ -385,33 +360,25 @@ class SymmAllReduceCapture:
             NORM_FP32_SUM=bool(norm_fp32_sum), USE_GLOBALTIMER=True,
             DEBUG_SPIN=int(debug_spin), BLOCK_H=self._block_h,
             ROWS_BY_TICKET=self.rows_by_ticket, DEBUG_REVERSE_DISPATCH=False)
-        args = _KERNEL.bind(values)
-        tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
-        # The key fixes every argument Triton specialises: the pointers' dtypes and
-        # every int and constexpr by value (a superset), except num_tokens, which
-        # is not specialised and varies per call (the grid carries it); floats
-        # are not specialised.
-        key = (self.device.index, *(t.dtype for t in tensors),
-               *(v for p, v in values.items() if p != "num_tokens"
-                 and not isinstance(v, (torch.Tensor, float))))
-        aligned = all(t.data_ptr() % 16 == 0 for t in tensors)
-        grid_x = min(num_tokens, self.max_programs)
-        direct = _launch((grid_x, 1), args, key, self._num_warps, self.device.index, aligned)
-        if direct is None:
-            return None
-        return direct, grid_x, values
+        sources = dict(partial_ptr=0, residual_ptr=1, weight_ptr=2, normed_out_ptr=3,
+                       residual_out_ptr=1, aux_ptr=4 if aux is not None else 1)
+        extents = tuple(ops.byte_extent(t) for t in (partial, residual, weight, out, aux))
+        return self._fast.plan((min(num_tokens, self.max_programs), 1), values, sources,
+                               self._num_warps, self.device.index, False, extents,
+                               extra=self.path_for(num_tokens))
 
-
-class _MemoEntry:
-    """One validated eager call signature of :meth:`SymmAllReduceCapture.reduce_add_rmsnorm`."""
-    __slots__ = ("path", "extents", "ptrs", "direct", "grid_x", "head", "tail")
-
-    def __init__(self, path: str, extents: tuple) -> None:
-        self.path, self.extents = path, extents   # byte extents of the five tensor arguments
-        self.ptrs = ()      # the addresses last found free of overlaps
-        # The cached launch: DirectLaunch, grid, and the argument template
-        # (``(*head(addresses of the five tensors), *tail)``).
-        self.direct, self.grid_x, self.head, self.tail = None, 0, None, ()
+    def _launch_one_shot(self, partial, residual, weight, eps, aux, slot, out, state,
+                         norm_fp32_sum, **debug) -> None:
+        """The one-shot kernel on validated arguments (the custom op's body; tests
+        pass ``debug_spin`` / ``debug_rank``), memoised as the eager calls are."""
+        key = None if debug else ("op", state.data_ptr(), self._signature(
+            partial, residual, weight, eps, aux, slot, out, norm_fp32_sum))
+        plan = self._fast.plans.get(key) if key is not None else None
+        if plan is None:
+            plan = self._fast.remember(key, self._plan(partial, residual, weight, eps, aux, slot,
+                                                       out, state, norm_fp32_sum, **debug))
+        tensors = (partial, residual, weight, out, aux)
+        self._fast.launch(plan, tensors, [t.data_ptr() if t is not None else 0 for t in tensors])
 
 
 @torch.library.custom_op("eagle_capture::allreduce_add_rmsnorm_capture",

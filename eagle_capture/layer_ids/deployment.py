@@ -9,10 +9,12 @@ recorded in docs/engine_facts.md) and, where one runs that wheel, the test.
 """
 
 import argparse
+import re
+import textwrap
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .sglang_lines import SGLangLine, default_capture_layers
+from eagle_capture.layer_ids.lines import SGLangLine, default_capture_layers
 
 # Targets SGLang turns the FlashInfer all-reduce fusion on for by itself
 # (server_args.py / arg_groups/overrides.py, every line read); DeepseekV2 is in none.
@@ -21,6 +23,17 @@ FUSE_MAX_TOKENS = 2048   # FUSE_ALLREDUCE_MAX_BATCH_SIZE, every line
 TP_TESTS = "tests/test_sglang_real_tp.py (TP 2, gloo, this wheel's code)"
 FUSION_TEST = ("tests/test_sglang_real_tp.py tp2_fusion (TP 2, gloo; the GPU gate and "
                "FlashInfer's kernel stood in, the rest this wheel's code)")
+
+WIDTH = 100   # output columns
+
+
+def wrap(text: str, first: str, rest: str) -> str:
+    """Wrap at WIDTH without breaking inside ``[...]`` or ``(...)``."""
+    # (short ones only: a long parenthesis may break)
+    keep = re.sub(r"[\[(][^\])]{0,40}[\])]", lambda m: m.group(0).replace(" ", "\0"), text)
+    wrapped = textwrap.fill(keep, WIDTH, initial_indent=first, subsequent_indent=rest,
+                            break_long_words=False, break_on_hyphens=False)
+    return wrapped.replace("\0", " ")
 
 
 @dataclass(frozen=True)
@@ -99,9 +112,8 @@ class Report:
                    if r.subject == SGLANG)
 
     def format(self, width: int) -> list[str]:
-        from .doctor import _wrap
         d = self.deploy
-        out = [_wrap(f"deployment: TP {d.tp}, all-reduce fusion {d.allreduce_fusion}, "
+        out = [wrap(f"deployment: TP {d.tp}, all-reduce fusion {d.allreduce_fusion}, "
                f"{f'DP attention (DP {d.dp or d.tp}), ' if d.dp_attention else ''}"
                f"{f'MoE all-to-all {d.moe_a2a}, ' if d.moe_a2a != 'none' else ''}"
                f"{f'moe-dense-tp {d.moe_dense_tp}, ' if d.moe_dense_tp else ''}"
@@ -111,7 +123,7 @@ class Report:
         for lr in self.lines:
             out.append(f"  SGLang {lr.line.name}:")
             for r in lr.rows:
-                out.append(_wrap(f"{r.subject}: {r.status}: {r.text}. Basis: {r.basis}",
+                out.append(wrap(f"{r.subject}: {r.status}: {r.text}. Basis: {r.basis}",
                                  "    ", "      "))
         return out
 
@@ -327,7 +339,7 @@ def from_arguments(args: argparse.Namespace, architecture: str = "") -> Optional
              args.moe_a2a, args.moe_dense_tp_size]
     if all(v is None for v in given) and not args.dp_attention and not args.torch_compile:
         return None
-    from .sglang_lines import CapturePlanError
+    from eagle_capture.layer_ids.lines import CapturePlanError
     for name in ("tp", "pp", "dp"):
         value = getattr(args, name)
         if value is not None and value < 1:

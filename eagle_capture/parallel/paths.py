@@ -1,6 +1,6 @@
 """Which all-reduce path a tensor-parallel layer boundary takes, per (world size, T).
 
-:class:`eagle_capture.symm.SymmAllReduceCapture` runs either its one-shot
+:class:`eagle_capture.parallel.symm.SymmAllReduceCapture` runs either its one-shot
 kernel or NCCL + the fused add+RMSNorm; which one is faster depends on the
 machine, the world size and T. A :class:`PathTable` holds what was measured
 (``benchmarks/allreduce_capture.py --write-table``); without one,
@@ -12,7 +12,7 @@ import os
 from typing import Optional, Union
 
 PATHS = ("one_shot", "nccl")
-TABLE_FORMAT = "eagle_capture.allreduce_paths/1"
+TABLE_FORMAT = "eagle_capture.parallel.paths/1"
 TABLE_ENV = "EAGLE_CAPTURE_ALLREDUCE_TABLE"
 # Largest T that takes the one-shot kernel when no measured table is given, per
 # world size (the largest listed world size <= W applies). World 1 and 2:

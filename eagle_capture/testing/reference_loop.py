@@ -22,9 +22,9 @@ from typing import Callable, Optional
 
 import torch
 
-from . import ops
-from .buffer import AuxCaptureBuffer
-from .reference import rmsnorm_fp32
+from eagle_capture import ops
+from eagle_capture.buffer import AuxCaptureBuffer
+from eagle_capture.testing.reference import rmsnorm_fp32
 
 
 class SGLangDeepseekLoop:
@@ -66,7 +66,7 @@ class SGLangDeepseekLoop:
         (SGLang <= 0.5.13: append ``h + r``, ``torch.cat``) or ``"fused"``
         (into ``buffer``, allocated here when not given).
 
-        Tensor parallelism is simulated with ``tp`` (a :class:`~eagle_capture.tp.TPCapture`
+        Tensor parallelism is simulated with ``tp`` (a :class:`~eagle_capture.parallel.tp.TPCapture`
         whose buffer receives the captures) and ``partial(i, mlp_out)``, which returns
         this rank's row-parallel share of layer i's output: every layer boundary then
         all-reduces before its add+RMSNorm, as SGLang's layers do.

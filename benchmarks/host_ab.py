@@ -4,8 +4,10 @@
 
 The host of a shared GPU machine moves ~1.5x within minutes, so figures of two
 code versions compare only when measured in one run: each round times every
-tree in a fresh process, in turn (torch.add as the yardstick of the host's
-speed). Only the public API is used, so any two versions compare.
+tree in a fresh process, in turn (the order reversed every other round), and
+each call is also given as a multiple of torch.add measured in the same
+process (the yardstick of the host's speed at that moment). Only the public
+API is used, so any two versions compare.
 """
 
 import argparse
@@ -63,8 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write every round's figures here")
     args = p.parse_args(argv)
     rounds = {tree: [] for tree in args.tree}
-    for _ in range(args.rounds):
-        for tree in args.tree:
+    for i in range(args.rounds):
+        for tree in (args.tree if i % 2 == 0 else args.tree[::-1]):
             env = dict(os.environ, PYTHONPATH=os.path.abspath(tree),
                        AB_HIDDEN=str(args.hidden_size), AB_DEVICE=args.device)
             run = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
@@ -78,10 +80,12 @@ def main(argv=None) -> int:
         print(f"{tree}: {rounds[tree][0]['package']}")
     print(f"host us per eager call, T = 1, H = {args.hidden_size} bf16: median over "
           f"{args.rounds} rounds (each the median of 5 chunks of 2000 calls)")
-    print(f"{'call':24s}" + "".join(f"{t[-28:]:>30s}" for t in args.tree))
+    print(f"{'call':24s}" + "".join(f"{t[-19:]:>20s}{'x add':>8s}" for t in args.tree))
     for name in names:
         print(f"{name:24s}" + "".join(
-            f"{statistics.median(r[name] for r in rounds[t]):30.2f}" for t in args.tree))
+            f"{statistics.median(r[name] for r in rounds[t]):20.2f}"
+            f"{statistics.median(r[name] / r['torch.add(out=)'] for r in rounds[t]):8.2f}"
+            for t in args.tree))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hidden_size": args.hidden_size, "rounds": rounds}, f, indent=1)

@@ -434,7 +434,7 @@ class FastLaunch:
     def launch(self, plan: Plan, tensors: Sequence, ptrs: Sequence[int]) -> None:
         """Launch ``plan`` on the call's ``tensors`` (``ptrs``: their addresses, 0 for None)."""
         direct = plan.direct
-        aligned = not any(p & 15 for p in ptrs)
+        aligned = not functools.reduce(operator.or_, ptrs) & 15
         if direct is not None and aligned and not hooks_active():
             direct.launch(plan.grid[0], plan.grid[1], 1,
                           torch._C._cuda_getCurrentRawStream(plan.device_index), *direct.mid,

@@ -121,7 +121,7 @@ tests_step() {
             say "TEST_WORKERS=$TEST_WORKERS but pytest-xdist is not installed: one process"
         fi
     fi
-    bash scripts/test.sh -rs -p no:logging -p no:cacheprovider --record "$OUT/test_record.json" "${workers[@]}" \
+    bash scripts/test.sh -rsE -p no:cacheprovider --record "$OUT/test_record.json" "${workers[@]}" \
         > "$OUT/tests.log" 2>&1
     rc=$?
     echo "tests rc=$rc" >> "$OUT/tests.log"

@@ -85,7 +85,7 @@ MUTANTS = [
      "        if ptrs != plan.checked:\n", "        if False:\n",
      ["tests/test_bad_inputs.py"]),
     ("fast path: an unaligned launch reuses the compiled kernel", "eagle_capture/ops.py",
-     "        aligned = not any(p & 15 for p in ptrs)\n", "        aligned = True\n",
+     "        aligned = not functools.reduce(operator.or_, ptrs) & 15\n", "        aligned = True\n",
      ["tests/test_launcher.py"]),
     # The one-shot (Lamport) all-reduce protocol, run across processes on CPU.
     ("lamport: two buffers instead of three", "kernels/allreduce_add_rmsnorm_capture.py",

@@ -469,7 +469,9 @@ def test_session_passes(session):
     result, out = session("--tokens", "1", "4")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all steps passed" in result.stdout
-    assert (out / "test_args").read_text().split()[1:3] == ["-rs", "-p"]
+    args = (out / "test_args").read_text().split()
+    assert args[1:3] == ["-rsE", "-p"]             # skips and errors listed
+    assert args[args.index("--record") + 1] == str(out / "test_record.json")
     assert (out / "bench.log").read_text() == f"bench.sh --out {out} --tokens 1 4\n"
     assert "--host-breakdown" in (out / "host.log").read_text()
     assert "table\ncProfile of\n" in result.stdout

@@ -495,7 +495,7 @@ def pdl_enabled(device_index: int) -> bool:
 
 
 # The device types whose tensors the kernel runs on; the others take the torch
-# implementation. (eagle_capture.testing.interpreter adds "cpu" under Triton's
+# implementation. (eagle_capture.testing.kernel adds "cpu" under Triton's
 # interpreter, so that CPU CI runs the kernel through these same ops.)
 KERNEL_DEVICE_TYPES = {"cuda"}
 

@@ -166,7 +166,6 @@ class SymmAllReduceCapture:
         dist.barrier(group=self.group)
         # The eager fast path (the single-GPU ops' own): validated call signatures.
         self._fast = ops.FastLaunch(lamport_allreduce_add_rmsnorm_capture_kernel)
-        self._ptr_table_addr, self._state_addr = self._ptr_table.data_ptr(), self.state.data_ptr()
         self._buffer_addr = self.buffer.data_ptr()
         self._buffer_bytes = self.buffer.numel() * self.buffer.element_size()
         self.name = f"symm{next(_NAMES)}"

@@ -49,13 +49,16 @@ setup(
         "Programming Language :: Python :: 3.13",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
-    keywords=["eagle-3", "speculative-decoding", "triton", "torch.compile", "sglang"],
+    keywords=["eagle-3", "speculative-decoding", "triton", "torch.compile", "sglang", "vllm"],
     packages=["eagle_capture", "eagle_capture.kernels", "eagle_capture.parallel",
               "eagle_capture.integrations", "eagle_capture.integrations.sglang",
+              "eagle_capture.integrations.vllm",
               "eagle_capture.layer_ids", "eagle_capture.testing"],
     # SGLang's plugin system (0.5.13+) finds the fused capture here in every
     # scheduler process; EAGLE_CAPTURE=1 turns it on (eagle_capture/integrations/sglang/plugin.py).
     entry_points={"sglang.srt.plugins": ["eagle_capture = eagle_capture.integrations.sglang.plugin:register"],
+                  # vLLM's load_general_plugins() runs it in every process (eagle_capture/integrations/vllm/plugin.py)
+                  "vllm.general_plugins": ["eagle_capture = eagle_capture.integrations.vllm.plugin:register"],
                   # eagle-capture doctor ...: the layer-id doctor (eagle_capture/layer_ids/doctor.py)
                   "console_scripts": ["eagle-capture = eagle_capture.layer_ids.doctor:console_main"]},
     install_requires=["torch>=2.6", "triton>=3.2"],

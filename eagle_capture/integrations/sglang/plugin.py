@@ -54,10 +54,11 @@ from typing import Any, Optional
 
 logger = logging.getLogger("eagle_capture")
 
-SWITCH = "EAGLE_CAPTURE"
-ON_PROBLEM = "EAGLE_CAPTURE_ON_PROBLEM"     # refuse (default) | install
-VERIFY = "EAGLE_CAPTURE_VERIFY"             # number of eager forwards to self-check
-MAX_TOKENS = "EAGLE_CAPTURE_MAX_TOKENS"     # override the derived buffer rows
+from eagle_capture.integrations.settings import (MAX_TOKENS, ON_PROBLEM, SWITCH, VERIFY,
+                                               PluginError)
+from eagle_capture.integrations.settings import switch_on as _switch_on
+from eagle_capture.integrations.settings import verify_forwards
+
 RESIDUAL_IN_SLOT = "EAGLE_CAPTURE_RESIDUAL_IN_SLOT"   # 1 (default): path f; 0: path e
 
 # Where each SGLang line sets the layers to capture (module, attribute path).
@@ -67,19 +68,6 @@ HOOK_POINTS = (
     ("sglang.srt.model_executor.model_runner",
      "ModelRunner.init_aux_hidden_state_capture"),                # 0.5.13
 )
-
-
-class PluginError(RuntimeError):
-    """The plugin cannot hook this SGLang."""
-
-
-def _switch_on(env=os.environ) -> bool:
-    value = env.get(SWITCH, "").strip().lower()
-    if value in ("", "0", "off", "false", "no"):
-        return False
-    if value in ("1", "on", "true", "yes"):
-        return True
-    raise PluginError(f"{SWITCH}={env.get(SWITCH)!r}: expected 1 (on) or 0 (off)")
 
 
 def hook_target() -> str:
@@ -314,15 +302,9 @@ def _capture_path(state) -> str:
 
 
 def _setup_verify(state, env) -> None:
-    raw = env.get(VERIFY, "").strip()
-    if not raw or raw == "0":
+    n = verify_forwards(env)
+    if not n:
         return
-    try:
-        n = int(raw)
-        if n < 0:
-            raise ValueError
-    except ValueError:
-        raise PluginError(f"{VERIFY}={raw!r}: expected a number of forwards >= 0") from None
     state.verify_left = state.verify_total = n
     state.verify_group = _tp_group(state.buffer.aux)
     state.verify_rows_group = _attn_tp_group(state.buffer.aux)

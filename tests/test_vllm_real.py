@@ -117,6 +117,8 @@ def test_refusals_and_what_stays_vllms_own(results):
     assert "sequence of integers" in r["string"]
     assert "another pipeline stage" in r["other_stage"] and "4..8" in r["other_stage"]
     assert r["own_stage"] == [4, 6, 8]
+    assert "layer: rows; None = not captured" in r["incomplete"] and "{4: None}" in r["incomplete"]
+    assert r["reinstalled"]
     policy = r["install_policy"]
     assert policy["state"] and policy["same"] and policy["count"] == 2   # vLLM's own, dedup'd
     assert r["sp_moe_state"] and r["sp_moe_log"]

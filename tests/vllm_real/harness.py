@@ -98,7 +98,8 @@ _DIST = {}
 
 def init_distributed(vllm_config, world_size: int = 1, rank: int = 0,
                      init_method: str = None) -> None:
-    """vLLM's world and model-parallel groups, on gloo (once per process)."""
+    """vLLM's world and model-parallel groups (once per process): gloo on CPU,
+    NCCL on a GPU."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import (init_distributed_environment,
                                                  initialize_model_parallel)
@@ -110,14 +111,20 @@ def init_distributed(vllm_config, world_size: int = 1, rank: int = 0,
     os.environ.setdefault("VLLM_DIST_IDENT", "eagle-capture-" + init_method.rsplit(":", 1)[-1])
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
-            world_size=world_size, rank=rank, local_rank=rank, backend="gloo",
+            world_size=world_size, rank=rank, local_rank=rank,
+            backend="nccl" if _on_gpu(vllm_config) else "gloo",
             distributed_init_method=init_method)
         initialize_model_parallel(world_size, 1)
     vllm_config.kernel_config.ir_op_priority.set_default()
-    # vLLM's CPU model runner does this before it loads a model (no accelerator).
-    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
-    _set_torch_accelerator_to_noop()
+    if not _on_gpu(vllm_config):
+        # vLLM's CPU model runner does this before it loads a model (no accelerator).
+        from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+        _set_torch_accelerator_to_noop()
     _DIST["up"] = True
+
+
+def _on_gpu(vllm_config) -> bool:
+    return str(vllm_config.device_config.device).startswith("cuda")
 
 
 def load(vllm_config, model_class=None):
@@ -133,10 +140,11 @@ def load(vllm_config, model_class=None):
         if model_class is None:
             return get_model(vllm_config=vllm_config)
         model_config = vllm_config.model_config
-        with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+        device = torch.device(vllm_config.device_config.device)
+        with set_default_torch_dtype(model_config.dtype), device:
             model = initialize_model(vllm_config=vllm_config, model_class=model_class)
             get_model_loader(vllm_config.load_config).load_weights(model, model_config)
-            process_weights_after_loading(model, model_config, torch.device("cpu"))
+            process_weights_after_loading(model, model_config, device)
         return model.eval()
 
 
@@ -156,7 +164,8 @@ class StandInAttention(torch.nn.Module):
         self.shard = hidden // self.tp
         self.o_proj = RowParallelLinear(hidden, hidden, bias=False, input_is_parallel=True,
                                         params_dtype=dtype, prefix=f"{prefix}.o_proj")
-        full = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(seed)) * 0.15
+        full = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(seed),
+                           device="cpu") * 0.15
         cols = slice(self.rank * self.shard, (self.rank + 1) * self.shard)
         with torch.no_grad():
             self.o_proj.weight.copy_(full[:, cols].to(self.o_proj.weight.dtype))
@@ -179,8 +188,9 @@ def stand_in_attention(model, seed: int = 1) -> None:
 def forward(model, vllm_config, token_ids):
     from vllm.forward_context import set_forward_context
 
-    ids = torch.as_tensor(token_ids, dtype=torch.long)
-    positions = torch.arange(ids.shape[0])
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=device)
+    positions = torch.arange(ids.shape[0], device=device)
     with set_forward_context(None, vllm_config), torch.inference_mode():
         return model(ids, positions)
 

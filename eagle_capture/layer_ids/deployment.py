@@ -300,8 +300,9 @@ def assess_vllm(deploy: Deployment, capture: list[int], num_layers: int) -> Repo
                         "read: v1/worker/gpu_model_runner.py load_model"))
         rows.append(Row(VLLM_PLUGIN, "OK", "installed there; traced by vLLM's torch.compile as "
                         "the project's op (one per captured layer), the install part of vLLM's "
-                        "compile-cache key", f"run: {VLLM_TESTS} compiled (CPU: Inductor, no "
-                        f"CUDA graphs; on CUDA graphs the op is the one the GPU suite captures)"))
+                        "compile-cache key", f"run: {VLLM_TESTS} compiled (CPU Inductor); "
+                        f"scripts/gpu_vllm_real.sh (H200: vLLM's compile on CUDA, a CUDA graph "
+                        f"around the forward; vLLM's own graph runner not run)"))
     return Report(deploy, [lr])
 
 

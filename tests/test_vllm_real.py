@@ -122,6 +122,7 @@ def test_refusals_and_what_stays_vllms_own(results):
     assert r["reinstalled"]
     policy = r["install_policy"]
     assert policy["state"] and policy["same"] and policy["count"] == 2   # vLLM's own, dedup'd
+    assert r["after_fallback"] == {"fused": True, "vllm_list": [], "same": True}
     assert r["sp_moe_state"] and r["sp_moe_log"]
     assert "expects 4 x 64" in r["draft_width"] and "captures 3 layers" in r["draft_width"]
     assert r["draft_width_ok"]

@@ -258,6 +258,14 @@ def refusals():
                                  "count": len(o[1])}
     finally:
         del os.environ["EAGLE_CAPTURE_ON_PROBLEM"]
+    # Good ids after that: the fused capture again, vLLM's own list (set by the
+    # fallback) emptied.
+    model.set_aux_hidden_state_layers((2, 4, 5))
+    ref[0].set_aux_hidden_state_layers((2, 4, 5))
+    r, o = _run_both(ref, ours, None, 6)
+    out["after_fallback"] = {"fused": model._eagle_capture is not None,
+                             "vllm_list": list(model.model.aux_hidden_state_layers),
+                             "same": all(torch.equal(a, b) for a, b in zip(r[1], o[1]))}
 
     # Sequence-parallel MoE: vLLM's own capture stays.
     model.model.layers[3].use_sequence_parallel_moe = True

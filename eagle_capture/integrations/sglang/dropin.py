@@ -51,8 +51,6 @@ class WrongCaptureLayers(ValueError):
     not receive what it was trained on): the plugin refuses to start."""
 
 
-
-
 class CaptureState:
     """What the capturing norms and logits processor of one model share: the
     buffer, the captured layers, the rows each layer stored in the current

@@ -52,12 +52,12 @@ import os
 import sys
 from typing import Any, Optional
 
-logger = logging.getLogger("eagle_capture")
-
 from eagle_capture.integrations.settings import (MAX_TOKENS, ON_PROBLEM, SWITCH, VERIFY,
                                                PluginError)
 from eagle_capture.integrations.settings import switch_on as _switch_on
 from eagle_capture.integrations.settings import verify_forwards
+
+logger = logging.getLogger("eagle_capture")
 
 RESIDUAL_IN_SLOT = "EAGLE_CAPTURE_RESIDUAL_IN_SLOT"   # 1 (default): path f; 0: path e
 

@@ -17,7 +17,6 @@ def _stand_in_cuda_extensions() -> None:
     """vLLM's CUDA extension modules, which its CUDA platform and attention
     utilities import at module level, as empty modules: the model run here calls
     none of them (attention is stood in, custom ops run native)."""
-    import types
 
     def never(name):
         def call(*args, **kwargs):

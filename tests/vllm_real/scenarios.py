@@ -88,7 +88,7 @@ def _pair(dtype="float32", compiled=False, draft=None, dense=False):
     return (ref, ref_vc), (ours, vc)
 
 
-def _run_both(ref, ours, ids, n, seed=None):
+def _run_both(ref, ours, n, seed=None):
     (rm, rvc), (om, ovc) = ref, ours
     tok = h.tokens(n, n if seed is None else seed)
     return h.forward(rm, rvc, tok), h.forward(om, ovc, tok)
@@ -148,7 +148,7 @@ def same_as_vllm_fp32():
         state = ours[0]._eagle_capture
         for n in TOKENS:
             calls = state.fused_calls
-            r, o = _run_both(ref, ours, ids, n)
+            r, o = _run_both(ref, ours, n)
             out.append({
                 "ids": list(ids), "tokens": n,
                 "tuple": isinstance(o, tuple) and isinstance(o[1], list),
@@ -191,7 +191,7 @@ def same_as_vllm_bf16():
         ref[0].set_aux_hidden_state_layers(ids)
         ours[0].set_aux_hidden_state_layers(ids)
         for n in TOKENS:
-            rr, oo = _run_both(ref, ours, ids, n)
+            rr, oo = _run_both(ref, ours, n)
             runs.append({
                 "ids": list(ids), "tokens": n,
                 "first_equal": torch.equal(rr[1][0], oo[1][0]),
@@ -237,13 +237,13 @@ def refusals():
     swapped = model.model.layers[4].input_layernorm
     swapped.__class__ = type(swapped)._eagle_capture_base
     try:
-        _run_both(ref, ours, None, 5)
+        _run_both(ref, ours, 5)
         out["incomplete"] = "served"
     except RuntimeError as e:
         out["incomplete"] = str(e)
     model.set_aux_hidden_state_layers((2, 4, 5))   # a fresh install restores it
     ref[0].set_aux_hidden_state_layers((2, 4, 5))
-    r, o = _run_both(ref, ours, None, 5)
+    r, o = _run_both(ref, ours, 5)
     out["reinstalled"] = all(torch.equal(a, b) for a, b in zip(r[1], o[1]))
 
     # EAGLE_CAPTURE_ON_PROBLEM=install: vLLM's own capture serves the ids.
@@ -251,7 +251,7 @@ def refusals():
     try:
         ref[0].set_aux_hidden_state_layers((2, 2, 5))
         model.set_aux_hidden_state_layers((2, 2, 5))
-        r, o = _run_both(ref, ours, None, 7)
+        r, o = _run_both(ref, ours, 7)
         out["install_policy"] = {"state": model._eagle_capture is None,
                                  "same": torch.equal(r[0], o[0]) and len(r[1]) == len(o[1])
                                  and all(torch.equal(a, b) for a, b in zip(r[1], o[1])),
@@ -262,7 +262,7 @@ def refusals():
     # fallback) emptied.
     model.set_aux_hidden_state_layers((2, 4, 5))
     ref[0].set_aux_hidden_state_layers((2, 4, 5))
-    r, o = _run_both(ref, ours, None, 6)
+    r, o = _run_both(ref, ours, 6)
     out["after_fallback"] = {"fused": model._eagle_capture is not None,
                              "vllm_list": list(model.model.aux_hidden_state_layers),
                              "same": all(torch.equal(a, b) for a, b in zip(r[1], o[1]))}
@@ -304,7 +304,7 @@ def self_check():
         ours[0].set_aux_hidden_state_layers((2, 4, 8))
         start = len(LOG.lines)
         for n in (5, 9, 3):
-            _run_both(ref, ours, None, n)
+            _run_both(ref, ours, n)
         ok_lines = [line for line in LOG.lines[start:] if "self-check" in line]
 
         ours[0].set_aux_hidden_state_layers((2, 4, 8))   # a fresh install, checks again
@@ -317,9 +317,9 @@ def self_check():
         plugin_model.ops.add_rmsnorm_capture = wrong
         try:
             start = len(LOG.lines)
-            r, o = _run_both(ref, ours, None, 6)
+            r, o = _run_both(ref, ours, 6)
             failed = [line for line in LOG.lines[start:] if "self-check" in line]
-            r2, o2 = _run_both(ref, ours, None, 4)
+            r2, o2 = _run_both(ref, ours, 4)
         finally:
             plugin_model.ops.add_rmsnorm_capture = real
         state = ours[0]._eagle_capture
@@ -344,8 +344,8 @@ def overflow():
         ref[0].set_aux_hidden_state_layers((2, 4, 8))
         ours[0].set_aux_hidden_state_layers((2, 4, 8))
         state = ours[0]._eagle_capture
-        r, o = _run_both(ref, ours, None, 33)
-        r2, o2 = _run_both(ref, ours, None, 9)
+        r, o = _run_both(ref, ours, 33)
+        r2, o2 = _run_both(ref, ours, 9)
         out = {"rows": state.buffer.max_tokens, "overflow_forwards": state.overflow_forwards,
                "equal": all(torch.equal(a, b) for a, b in zip(r[1] + r2[1], o[1] + o2[1])),
                "back_in_buffer": all(_in_buffer(b, state.buffer) for b in o2[1])}
@@ -380,7 +380,7 @@ def compiled():
     ours[0].set_aux_hidden_state_layers(ids)
     runs = []
     for n in (7, 33, 5):
-        r, o = _run_both(ref, ours, ids, n)
+        r, o = _run_both(ref, ours, n)
         runs.append({"tokens": n, "count": len(o[1]),
                      "max_abs": max((a - b).abs().max().item() for a, b in zip(r[1], o[1])),
                      "hidden_max_abs": (r[0] - o[0]).abs().max().item(),
@@ -421,7 +421,7 @@ def tp2(rank: int, init_method: str):
     ids = (2, 4, 8)
     ref.set_aux_hidden_state_layers(ids)
     ours.set_aux_hidden_state_layers(ids)
-    r, o = _run_both((ref, ref_vc), (ours, vc), ids, 9)
+    r, o = _run_both((ref, ref_vc), (ours, vc), 9)
     torch.save([t.clone() for t in o[1]], os.path.join(os.environ["EAGLE_TP_OUT"],
                                                        f"rank{rank}.pt"))
     return {"type": type(ours).__name__,

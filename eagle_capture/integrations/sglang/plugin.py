@@ -55,7 +55,7 @@ from typing import Any, Optional
 from eagle_capture.integrations.settings import (MAX_TOKENS, ON_PROBLEM, SWITCH, VERIFY,
                                                PluginError)
 from eagle_capture.integrations.settings import switch_on as _switch_on
-from eagle_capture.integrations.settings import verify_forwards
+from eagle_capture.integrations.settings import on_problem, verify_forwards
 
 logger = logging.getLogger("eagle_capture")
 
@@ -156,9 +156,7 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
             or not causal_lm.model.layers_to_capture:
         logger.info("eagle_capture: this rank captures nothing (not the last pipeline stage)")
         return None
-    policy = env.get(ON_PROBLEM, "refuse").strip().lower()
-    if policy not in ("refuse", "install"):
-        raise PluginError(f"{ON_PROBLEM}={env.get(ON_PROBLEM)!r}: expected refuse or install")
+    policy = on_problem(env)
     args = server_args if server_args is not None else dropin._server_args()
     version = _sglang_version()
     num_layers = int(causal_lm.config.num_hidden_layers)

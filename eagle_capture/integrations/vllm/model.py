@@ -76,11 +76,10 @@ class CaptureState:
     captured layer, the rows each stored in the current eager forward, and the
     self-check."""
 
-    def __init__(self, buffer: AuxCaptureBuffer, layers: list[int], norm_fp32_sum: bool,
-                 provider: str, compiled: bool) -> None:
-        self.buffer = buffer
+    def __init__(self, buffer: AuxCaptureBuffer, norm_fp32_sum: bool, provider: str,
+                 compiled: bool) -> None:
+        self.buffer = buffer          # its layer_ids: the captured layers, ascending
         self.active = buffer          # this forward's buffer (an overflow one in eager)
-        self.layers = layers          # vLLM's aux_hidden_state_layers, to switch back
         self.norm_fp32_sum = norm_fp32_sum
         self.provider = provider      # vLLM's fused_add_rms_norm implementation we match
         self.compiled = compiled      # the layer loop runs under vLLM's torch.compile
@@ -265,7 +264,7 @@ def _end_verify(causal_lm, state: CaptureState, num_tokens: int) -> None:
                      "; ".join(state.verify_mismatches))
         state.disabled = True
         state.verify_left = 0
-        causal_lm.model.aux_hidden_state_layers = tuple(state.layers)
+        causal_lm.model.aux_hidden_state_layers = tuple(state.buffer.layer_ids)
         return
     _log().info("eagle_capture: self-check %d/%d OK (%d tokens): %d captures bit-exact with "
                 "vLLM's hidden_states + residual, normed output within %.3g of vLLM's %s norm",
@@ -313,15 +312,24 @@ def check_layer_ids(layers, num_layers: int, start_layer: int, end_layer: int) -
     return sorted(ids)
 
 
+def _draft_hf_config(vllm_config):
+    """The EAGLE-3 draft's config as vLLM parsed it, or None (no draft here)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return getattr(getattr(spec, "draft_model_config", None), "hf_config", None)
+
+
+def _nested_ids(draft) -> Optional[list]:
+    eagle = getattr(draft, "eagle_config", None)
+    return eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+
+
 def draft_width_problem(vllm_config, num_captures: int, hidden_size: int) -> Optional[str]:
     """The draft's fc input (vLLM's Eagle3 drafts: ``num_aux_hidden_states``, else
     the eagle_config ids' count, else 3) vs what the target captures."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    draft = getattr(getattr(spec, "draft_model_config", None), "hf_config", None)
+    draft = _draft_hf_config(vllm_config)
     if draft is None:
         return None
-    eagle = getattr(draft, "eagle_config", None) or {}
-    ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+    ids = _nested_ids(draft)
     expected = getattr(draft, "num_aux_hidden_states", None) or (len(ids) if ids else 3)
     target_hidden = getattr(draft, "target_hidden_size", None) or hidden_size
     if expected != num_captures or target_hidden != hidden_size:
@@ -394,7 +402,7 @@ def install(causal_lm, layers) -> CaptureState:
     provider = fused_add_rms_norm_provider(weight)
     norm_fp32_sum = provider != "vllm_c"
     buffer = AuxCaptureBuffer(rows, hidden, captured, dtype=weight.dtype, device=weight.device)
-    state = CaptureState(buffer, captured, norm_fp32_sum, provider, compiled)
+    state = CaptureState(buffer, norm_fp32_sum, provider, compiled)
     state.verify_left = state.verify_total = settings.verify_forwards()
     if state.verify_total and compiled:
         _log().warning("eagle_capture: %s=%d needs eager forwards (enforce_eager): the layer "
@@ -434,13 +442,10 @@ def install(causal_lm, layers) -> CaptureState:
 def _log_draft_ids(vllm_config, captured: list[int], num_layers: int) -> None:
     """The field's two silent id failures, said at start-up: a draft without ids
     (vLLM falls back to its defaults), and vLLM's id rule vs SpecForge's."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    draft = getattr(getattr(spec, "draft_model_config", None), "hf_config", None)
+    draft = _draft_hf_config(vllm_config)
     if draft is None:
         return
-    eagle = getattr(draft, "eagle_config", None)
-    named = getattr(draft, "eagle_aux_hidden_state_layer_ids", None) or (
-        eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None)
+    named = getattr(draft, "eagle_aux_hidden_state_layer_ids", None) or _nested_ids(draft)
     if not named:
         _log().warning("eagle_capture: the draft config names no eagle_aux_hidden_state_layer_ids:"
                        " vLLM captures its defaults %s; a draft trained on other layers serves "

@@ -147,3 +147,82 @@ def test_register_logs_instead_of_raising(monkeypatch, caplog):
         plugin.register()
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "could not register" in errors[0].getMessage()
+
+
+@pytest.mark.parametrize("value, on", [("", False), ("0", False), ("1", True), ("on", True)])
+def test_fused_allreduce_switch(value, on):
+    from eagle_capture.integrations.settings import FUSED_ALLREDUCE, fused_allreduce
+    assert fused_allreduce({FUSED_ALLREDUCE: value}) is on
+    assert fused_allreduce({}) is False          # off unless asked for
+    with pytest.raises(plugin.PluginError, match="EAGLE_CAPTURE_FUSED_ALLREDUCE='one'"):
+        fused_allreduce({FUSED_ALLREDUCE: "one"})
+
+
+class _OneShotStandIn:
+    """What CapturedLayerAllReduce asks of a SymmAllReduceCapture: its own path
+    per T (its buffer caps the one-shot rows)."""
+
+    def __init__(self, cap):
+        self.cap = cap
+
+    def path_for(self, num_tokens):
+        return "one_shot" if num_tokens <= self.cap else "nccl"
+
+
+@pytest.mark.parametrize("world, table, one_shot_cap, expect", [
+    # The default rule (W = 2: one-shot up to 1024): above it SGLang's fusion stays.
+    (2, None, 1024, {1: "one_shot", 1024: "one_shot", 1025: "engine_fusion",
+                     2048: "engine_fusion"}),
+    (8, None, 64, {1: "one_shot", 64: "one_shot", 65: "engine_fusion"}),
+    # No kernel here (CPU, or no symmetric memory): one-shot rows take SGLang's
+    # all-reduce + the fused op, never SGLang's fusion silently.
+    (2, None, None, {1: "nccl", 1024: "nccl", 1025: "engine_fusion"}),
+    # A measured table decides, every path by name; another W: the default rule.
+    (4, {"4": [[8, "one_shot"], [64, "nccl"], [2048, "engine_fusion"]]}, 8,
+     {1: "one_shot", 8: "one_shot", 9: "nccl", 64: "nccl", 65: "engine_fusion"}),
+    (2, {"4": [[8, "nccl"]]}, 1024, {1: "one_shot", 1025: "engine_fusion"}),
+    # A table's one-shot row above the kernel's buffer: SGLang's all-reduce.
+    (2, {"2": [[512, "one_shot"]]}, 256, {256: "one_shot", 257: "nccl", 512: "nccl"}),
+])
+def test_captured_layer_allreduce_paths(world, table, one_shot_cap, expect):
+    from eagle_capture.integrations.sglang.allreduce import CapturedLayerAllReduce
+    from eagle_capture.parallel.paths import PathTable
+    ar = CapturedLayerAllReduce(
+        world, reduce=None, table=PathTable(table) if table is not None else None,
+        one_shot=_OneShotStandIn(one_shot_cap) if one_shot_cap is not None else None)
+    assert {t: ar.path_for(t) for t in expect} == expect
+    assert "T=1: " in ar.describe()
+
+
+def test_captured_layer_allreduce_takes_only_its_dtype_and_width():
+    import torch
+
+    from eagle_capture.integrations.sglang.allreduce import CapturedLayerAllReduce
+    ar = CapturedLayerAllReduce(2, reduce=None, dtype=torch.bfloat16, hidden_size=64)
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    assert ar.takes(x, x)
+    assert not ar.takes(x.float(), x.float())          # a float32 call: SGLang's fusion
+    assert not ar.takes(x[:, :32], x[:, :32])
+
+
+def test_fallback_reduces_per_sglang_function(monkeypatch):
+    """Whether SGLang's fusion reduces before its fallback norm is read off its
+    function's code (0.5.22+ call deferred_post_experts_all_reduce there)."""
+    import sys
+    import types
+
+    from eagle_capture.integrations.sglang import allreduce
+
+    def reducing(x):
+        return deferred_post_experts_all_reduce(x)   # noqa: F821 - only its name is read
+
+    def not_reducing(x):
+        return x
+
+    for fn, want in ((reducing, True), (not_reducing, False)):
+        module = types.ModuleType("sglang.srt.layers.layernorm")
+        module._forward_with_allreduce_fusion = fn
+        monkeypatch.setitem(sys.modules, "sglang.srt.layers.layernorm", module)
+        assert allreduce.fallback_reduces() is want
+    monkeypatch.setitem(sys.modules, "sglang.srt.layers.layernorm", types.ModuleType("x"))
+    assert allreduce.fallback_reduces() is False       # 0.5.9: no shared function

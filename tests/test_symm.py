@@ -533,3 +533,15 @@ def test_path_choice_at_the_cap(world, table, cap):
         below = ar.table.path(world, cap - 1) if ar.table and world in ar.table.paths \
             else "one_shot"
         assert ar.path_for(cap - 1) == below
+
+
+def test_engine_fusion_rows_run_nccl_standalone():
+    """A table's engine_fusion rows (the serving engine's own fusion, which a
+    standalone SymmAllReduceCapture does not have) take NCCL + the fused op."""
+    import eagle_capture.parallel.symm as symm
+    ar = object.__new__(symm.SymmAllReduceCapture)
+    ar.world_size = 2
+    ar.table = PathTable({"2": [[4, "one_shot"], [64, "engine_fusion"]]})
+    ar.one_shot_max_tokens = ar._one_shot_limit_from_rule()
+    assert ar.one_shot_max_tokens == 4
+    assert [ar.path_for(t) for t in (1, 4, 5, 64)] == ["one_shot", "one_shot", "nccl", "nccl"]

@@ -9,6 +9,10 @@ SWITCH = "EAGLE_CAPTURE"                    # 1: the fused capture on; unset / 0
 ON_PROBLEM = "EAGLE_CAPTURE_ON_PROBLEM"     # refuse (default) | install
 VERIFY = "EAGLE_CAPTURE_VERIFY"             # number of eager forwards to self-check
 MAX_TOKENS = "EAGLE_CAPTURE_MAX_TOKENS"     # override the derived buffer rows
+# SGLang at TP > 1: 1 runs the all-reduce SGLang fuses into a captured layer's
+# input norm by eagle_capture (the one kernel or SGLang's all-reduce + the fused
+# op, per T); unset / 0: SGLang's fusion and a capture copy.
+FUSED_ALLREDUCE = "EAGLE_CAPTURE_FUSED_ALLREDUCE"
 
 # Normed-output tolerance of the live self-check, per dtype: the residual (the
 # capture) must be bit-exact; the normed output may differ from the engine's own
@@ -22,13 +26,17 @@ class PluginError(RuntimeError):
     """The plugin cannot hook this engine, or one of its settings is malformed."""
 
 
-def switch_on(env=os.environ) -> bool:
-    value = env.get(SWITCH, "").strip().lower()
+def _on_off(env, name: str) -> bool:
+    value = env.get(name, "").strip().lower()
     if value in ("", "0", "off", "false", "no"):
         return False
     if value in ("1", "on", "true", "yes"):
         return True
-    raise PluginError(f"{SWITCH}={env.get(SWITCH)!r}: expected 1 (on) or 0 (off)")
+    raise PluginError(f"{name}={env.get(name)!r}: expected 1 (on) or 0 (off)")
+
+
+def switch_on(env=os.environ) -> bool:
+    return _on_off(env, SWITCH)
 
 
 def on_problem(env=os.environ) -> str:
@@ -49,3 +57,8 @@ def verify_forwards(env=os.environ) -> int:
     except ValueError:
         raise PluginError(f"{VERIFY}={raw!r}: expected a number of forwards >= 0") from None
     return n
+
+
+
+def fused_allreduce(env=os.environ) -> bool:
+    return _on_off(env, FUSED_ALLREDUCE)

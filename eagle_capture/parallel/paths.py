@@ -11,7 +11,11 @@ import json
 import os
 from typing import Optional, Union
 
-PATHS = ("one_shot", "nccl")
+# one_shot: the one kernel; nccl: NCCL (in SGLang: its all-reduce) + the fused
+# add+RMSNorm; engine_fusion: the serving engine's own all-reduce + norm fusion
+# followed by a capture copy (FlashInfer's in SGLang). A standalone
+# SymmAllReduceCapture has no engine: it runs engine_fusion rows as nccl.
+PATHS = ("one_shot", "nccl", "engine_fusion")
 TABLE_FORMAT = "eagle_capture.parallel.paths/1"
 TABLE_ENV = "EAGLE_CAPTURE_ALLREDUCE_TABLE"
 # Largest T that takes the one-shot kernel when no measured table is given, per

@@ -175,6 +175,7 @@ def _install_capture(model, env: dict):
         with ps.plugins_loaded(SGLANG_PLUGINS="eagle_capture", **env) as log:
             ps.configure(model, DRAFT_IDS)
         return harness.text_lm(model)._eagle_capture, log, "plugin (load_plugins + hook)"
+    from eagle_capture.integrations.settings import fused_allreduce
     from eagle_capture.integrations.sglang import plugin as sglang_plugin
     from eagle_capture.integrations.sglang.dropin import install_eagle3_capture
 
@@ -182,7 +183,9 @@ def _install_capture(model, env: dict):
     logging.getLogger("eagle_capture").addHandler(log)
     logging.getLogger("eagle_capture").setLevel(logging.DEBUG)
     model.set_eagle3_layers_to_capture(list(DRAFT_IDS))
-    install_eagle3_capture(model, int(env.get("EAGLE_CAPTURE_MAX_TOKENS", 16)))
+    install_eagle3_capture(model, int(env.get("EAGLE_CAPTURE_MAX_TOKENS", 16)),
+                           fused_allreduce=fused_allreduce(env),
+                           allreduce_table=env.get("EAGLE_CAPTURE_ALLREDUCE_TABLE"))
     state = harness.text_lm(model)._eagle_capture
     sglang_plugin._setup_verify(state, env)
     return state, log, "install_eagle3_capture by hand (0.5.9 has no plugin system)"
@@ -344,7 +347,7 @@ def tp2_equals_tp1():
 
 
 @contextlib.contextmanager
-def _allreduce_fusion_stood_in():
+def _allreduce_fusion_stood_in(declines: bool = False):
     """SGLang's FlashInfer all-reduce + residual + RMSNorm fusion turned on, with
     only the two GPU-bound pieces stood in: the hardware gate (sm90 / FlashInfer
     / the backend flag: here just SGLang's token bound, 0 < T <= 2048) in every
@@ -353,7 +356,9 @@ def _allreduce_fusion_stood_in():
     own ``tensor_model_parallel_all_reduce`` followed by FlashInfer's math (fp32
     sum, residual_out rounded once, the norm of the fp32 sum). Which layers defer
     their all-reduce, which norm takes the fused path and what the capture reads
-    is SGLang's code. Yields the number of fused calls."""
+    is SGLang's code. Yields the number of fused calls. ``declines``: the kernel
+    declines every call (returns (None, None), as FlashInfer does when its
+    workspace cannot be set up): SGLang's fallback runs."""
     import importlib
 
     from sglang.srt.distributed import tensor_model_parallel_all_reduce
@@ -365,6 +370,8 @@ def _allreduce_fusion_stood_in():
 
     def kernel(input_tensor, residual, weight, eps=1e-6, *args, **kwargs):
         calls[0] += 1
+        if declines:
+            return None, None
         reduced = tensor_model_parallel_all_reduce(input_tensor.clone())
         s = reduced.float() + residual.float()
         norm = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
@@ -443,6 +450,187 @@ def tp2_fusion():
     out["sglang_capture"] = ("per-rank partial sums (the doctor's PROBLEM)" if loop_capture
                              else "reduced")
     return out
+
+
+@contextlib.contextmanager
+def _captured_fusion_inputs(model):
+    """What each captured layer's ``forward_with_allreduce_fusion`` receives:
+    yields a list of (layer id, partial, residual) copies, in call order."""
+    lm = harness.text_lm(model)
+    state = lm._eagle_capture
+    cls = type(lm.model.layers[state.layer_ids[0]].input_layernorm)
+    original = cls.forward_with_allreduce_fusion
+    seen = []
+
+    def recording(self, x, residual=None, *args, **kwargs):
+        seen.append((self._eagle_layer_id, x.clone(), None if residual is None
+                     else residual.clone()))
+        return original(self, x, residual, *args, **kwargs)
+
+    cls.forward_with_allreduce_fusion = recording
+    try:
+        yield seen
+    finally:
+        cls.forward_with_allreduce_fusion = original
+
+
+def _check_reduced_captures(state, seen, num_tokens) -> int:
+    """Each captured layer's capture is all_reduce(partial) + residual of what
+    its fused norm received (fp32, one add: bit-exact), reduced here by SGLang's
+    own TP all-reduce. Returns the number of layers checked."""
+    from sglang.srt.distributed import tensor_model_parallel_all_reduce
+    for layer, partial, residual in seen:
+        want = tensor_model_parallel_all_reduce(partial.clone()) + residual
+        got = state.buffer.aux[:num_tokens, state.buffer.slot_of(layer)]
+        assert torch.equal(got, want), (
+            f"layer {layer}: the capture is not all_reduce(partial) + residual (max deviation "
+            f"{(got - want).abs().max().item():.3g}; from the partial alone "
+            f"{(got - partial - residual).abs().max().item():.3g})")
+    return len(seen)
+
+
+def tp2_fused_allreduce():
+    """(g) EAGLE_CAPTURE_FUSED_ALLREDUCE=1 at TP 2 (SGLang's fusion gate and
+    kernel stood in as in tp2_fusion): the captured layers' deferred all-reduce
+    run by the drop-in per its path table -- on CPU no one-shot kernel exists,
+    so one_shot rows take SGLang's all-reduce (gloo) + the fused op (nccl), and
+    engine_fusion rows SGLang's fusion + the copy. Captures and outputs equal
+    the TP 1 run and are identical on both ranks; each captured layer's capture
+    is the all-reduced partial + residual it received; SGLang's fusion kernel
+    runs only at the layers and sizes the table leaves to it."""
+    import json as json_module
+    import tempfile
+
+    ref_tp1 = _wait_for_tp1()
+    sglang = _sglang_reference()
+    table = {"format": "eagle_capture.parallel.paths/1", "hidden_size": HIDDEN,
+             "paths": {"2": [[3, "one_shot"], [5, "nccl"], [16, "engine_fusion"]]}}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json_module.dump(table, f)
+    try:
+        ours = _build(set_capture=False)
+        state, log, how = _install_capture(ours, {
+            "EAGLE_CAPTURE": "1", "EAGLE_CAPTURE_MAX_TOKENS": "16",
+            "EAGLE_CAPTURE_FUSED_ALLREDUCE": "1", "EAGLE_CAPTURE_ALLREDUCE_TABLE": f.name})
+    finally:
+        os.unlink(f.name)
+    _detach_log(log)
+    reducer = state.allreduce
+    assert reducer is not None, f"the fused all-reduce did not install: {log.text()}"
+    assert reducer.one_shot is None   # CPU: no symmetric memory
+    paths = {t: reducer.path_for(t) for t, _ in CASES}
+    assert paths == {5: "nccl", 1: "nccl", 3: "nccl", 11: "engine_fusion",
+                     16: "engine_fusion"}, paths
+    out = {"how": how, "paths": paths, "dropin_vs_tp1": {}, "sglang_kernel_calls": {},
+           "layers_checked": 0}
+    with _allreduce_fusion_stood_in() as calls:
+        for t, mode in CASES:
+            key = f"{t}:{mode}"
+            final_1, aux_1 = ref_tp1[key]
+            before = calls[0]
+            _run(sglang, t, mode)
+            sglang_calls, before = calls[0] - before, calls[0]
+            reducer.calls.clear()
+            with _captured_fusion_inputs(ours) as seen:
+                final_d, aux_d = _run(ours, t, mode)
+            ours_calls = calls[0] - before
+            out["layers_checked"] += _check_reduced_captures(state, seen, t)
+            for name, got, want in (("final", final_d, final_1), ("capture", aux_d, aux_1)):
+                rel = ((got - want).abs().max() / want.abs().max()).item()
+                assert rel <= REL_TOL, f"{key}: the drop-in's {name} is {rel:.3g} off TP 1"
+            out["dropin_vs_tp1"][key] = ((aux_d - aux_1).abs().max() / aux_1.abs().max()).item()
+            _same_on_all_ranks(aux_d, f"{key} drop-in capture")
+            _same_on_all_ranks(final_d, f"{key} drop-in final")
+            fused_here = len(seen)
+            assert fused_here > 0, f"{key}: no captured layer took SGLang's fused entry"
+            if paths[t] == "nccl":
+                assert reducer.calls == {"nccl": fused_here}, (key, reducer.calls)
+                # SGLang's kernel ran at the other deferring layers only.
+                assert ours_calls == sglang_calls - fused_here, (key, ours_calls, sglang_calls)
+            else:
+                assert reducer.calls == {"engine_fusion": fused_here}, (key, reducer.calls)
+                assert ours_calls == sglang_calls, (key, ours_calls, sglang_calls)
+            out["sglang_kernel_calls"][key] = {"sglang_own": sglang_calls, "dropin": ours_calls,
+                                               "captured_layers_fused": fused_here}
+    return out
+
+
+def tp2_fusion_declines():
+    """(h) SGLang's fused kernel declines every call (FlashInfer without a
+    workspace): SGLang <= 0.5.20 then runs its norm on the per-rank partial
+    (SGLang's own outputs are off the TP 1 run: the control), 0.5.22+ reduces
+    first. The drop-in's captured layers reduce first on every line, exactly
+    once (their captures are all_reduce(partial) + residual), with the switch
+    off (SGLang's fallback, then the captured norm) and on (the drop-in's own
+    path: SGLang's kernel never called at captured layers)."""
+    ref_tp1 = _wait_for_tp1()
+    sglang = _sglang_reference()
+    off = _build(set_capture=False)
+    state_off, log, _ = _install_capture(off, {"EAGLE_CAPTURE": "1",
+                                               "EAGLE_CAPTURE_MAX_TOKENS": "16"})
+    _detach_log(log)
+    on = _build(set_capture=False)
+    state_on, log, how = _install_capture(on, {"EAGLE_CAPTURE": "1",
+                                               "EAGLE_CAPTURE_MAX_TOKENS": "16",
+                                               "EAGLE_CAPTURE_FUSED_ALLREDUCE": "1"})
+    _detach_log(log)
+    reduces_itself = state_off.fallback_reduces
+    out = {"how": how, "sglang_fallback_reduces": reduces_itself, "sglang_vs_tp1": {},
+           "layers_checked": 0}
+    with _allreduce_fusion_stood_in(declines=True) as calls:
+        for t, mode in CASES:
+            key = f"{t}:{mode}"
+            final_1, _ = ref_tp1[key]
+            final_s, _ = _run(sglang, t, mode)
+            rel = ((final_s - final_1).abs().max() / final_1.abs().max()).item()
+            out["sglang_vs_tp1"][key] = rel
+            if reduces_itself:
+                assert rel <= REL_TOL, f"{key}: SGLang's own fallback is {rel:.3g} off TP 1"
+            else:
+                assert rel > 0.05, f"{key}: SGLang's fallback is reduced ({rel:.3g} off TP 1)"
+            before = state_off.reduced_on_decline
+            with _captured_fusion_inputs(off) as seen:
+                _run(off, t, mode)
+            out["layers_checked"] += _check_reduced_captures(state_off, seen, t)
+            assert seen, f"{key}: no captured layer took SGLang's fused entry"
+            reduced = state_off.reduced_on_decline - before
+            assert reduced == (0 if reduces_itself else len(seen)), (key, reduced, len(seen))
+            before = calls[0]
+            with _captured_fusion_inputs(on) as seen_on:
+                _run(on, t, mode)
+            out["layers_checked"] += _check_reduced_captures(state_on, seen_on, t)
+            assert state_on.allreduce.calls["nccl"] >= len(seen_on) > 0
+    # SGLang's kernel was asked only by layers that are not captured.
+    out["kernel_calls"] = calls[0]
+    return out
+
+
+def verify_fused_allreduce_tp2():
+    """(i) The live self-check with EAGLE_CAPTURE_FUSED_ALLREDUCE=1: SGLang's
+    all-reduce and norm on copies at each captured layer the drop-in reduces
+    itself (the nccl path: captures bit-exact), three forwards, every rank the
+    same verdict, the capture left on."""
+    from tests.sglang_real import plugin_scenarios as ps
+
+    model = _build(set_capture=False)
+    records = ps._Records()
+    logging.getLogger("eagle_capture").addHandler(records)
+    try:
+        state, log, how = _install_capture(model, {
+            "EAGLE_CAPTURE": "1", "EAGLE_CAPTURE_MAX_TOKENS": "16",
+            "EAGLE_CAPTURE_FUSED_ALLREDUCE": "1", "EAGLE_CAPTURE_VERIFY": "3"})
+        _detach_log(log)
+        with _allreduce_fusion_stood_in():
+            for t, mode in ((5, "extend"), (1, "decode"), (3, "decode")):
+                _run(model, t, mode)
+    finally:
+        _detach_log(records)
+    assert state.allreduce.calls["nccl"] > 0, state.allreduce.calls
+    info = records.text(logging.INFO)
+    assert not state.disabled and state.verified_forwards == 3, records.text()
+    assert info.count("captures bit-identical to SGLang's own") == 3, info
+    assert "MISMATCH" not in records.text(), records.text()
+    return {"how": how, "paths": dict(state.allreduce.calls)}
 
 
 def _plugin_equals_sglang(arch: str):
@@ -646,6 +834,9 @@ WORLD2 = {
     "plugin_kimi_k25_tp2": plugin_kimi_k25_tp2,
     "tp2_equals_tp1": tp2_equals_tp1,      # late: the TP 1 process has had time to write
     "tp2_fusion": tp2_fusion,
+    "tp2_fused_allreduce": tp2_fused_allreduce,
+    "tp2_fusion_declines": tp2_fusion_declines,
+    "verify_fused_allreduce_tp2": verify_fused_allreduce_tp2,
 }
 WORLD1 = {"reference_tp1": reference_tp1}
 

@@ -28,6 +28,7 @@ SGLang's own capture was not re-enabled.
 """
 
 import functools
+import inspect
 import sys
 from typing import NamedTuple, Optional
 
@@ -36,6 +37,7 @@ import torch
 from eagle_capture import ops
 from eagle_capture.buffer import AuxCaptureBuffer
 from eagle_capture.integrations.settings import VERIFY_NORM_RTOL
+from eagle_capture.integrations.sglang import allreduce
 
 __all__ = ["CaptureState", "UnsupportedServer", "WrongCaptureLayers", "install_eagle3_capture",
            "reapply_after_reconfigure", "text_model_of"]
@@ -85,6 +87,14 @@ class CaptureState:
         self.copy_out = False         # hand the LogitsProcessor a copy (return_hidden_states)
         self.in_allreduce_fusion = None   # layer inside forward_with_allreduce_fusion (eager)
         self.stored_in_fusion = False     # ... whose fallback already stored the capture
+        self.fusion_group_arg = None      # ... and its use_attn_tp_group (None: 0.5.9's TP)
+        # Whether SGLang's fusion all-reduces before its fallback norm when FlashInfer
+        # declines (0.5.22+); where not, the captured norm reduces first.
+        self.fallback_reduces = True
+        self.reduced_on_decline = 0
+        # The captured layers' all-reduce when SGLang would fuse it
+        # (EAGLE_CAPTURE_FUSED_ALLREDUCE=1; allreduce.CapturedLayerAllReduce).
+        self.allreduce = None
         # Path f (the residual itself lives in the slot; no extra write): off until
         # install finds the captured layers' post-attention norms. Its input norm
         # takes it for forwards above ``residual_in_slot_above`` tokens (at TP > 1,
@@ -178,25 +188,32 @@ class CaptureState:
 
     def verify_layer(self, layer_id: int, buffer: AuxCaptureBuffer, num_tokens: int,
                      ref_residual: torch.Tensor, normed: Optional[torch.Tensor] = None,
-                     ref_normed: Optional[torch.Tensor] = None) -> bool:
+                     ref_normed: Optional[torch.Tensor] = None,
+                     residual_exact: bool = True) -> bool:
         """Compare one layer's capture (and normed output) with SGLang's own; on a
-        mismatch write SGLang's values into the slot and report. True if equal."""
+        mismatch write SGLang's values into the slot and report. True if equal.
+        ``residual_exact=False``: the capture within the normed output's rounding
+        tolerance (an all-reduce summed in another order than SGLang's)."""
         slot = buffer.slot_of(layer_id)
         got = buffer.aux[:num_tokens, slot]
         problems = []
-        if not torch.equal(got, ref_residual):
+        if residual_exact and not torch.equal(got, ref_residual):
             bad = (got != ref_residual).any(dim=-1).nonzero().flatten()
             problems.append(f"capture differs from SGLang's residual in {bad.numel()} of "
                             f"{num_tokens} rows (first row {bad[0].item() if bad.numel() else '?'})")
+        if not residual_exact and num_tokens:
+            dev = _beyond_rounding(got, ref_residual)
+            if dev is not None:
+                problems.append(f"capture differs from SGLang's all-reduced residual by up to "
+                                f"{dev:.3g}, more than rounding")
         if normed is not None and num_tokens:
             dev = (normed.float() - ref_normed.float()).abs()
-            scale = ref_normed.float().abs()
-            rtol = VERIFY_NORM_RTOL.get(normed.dtype, 2.0 ** -6)
-            worst = (dev - rtol * scale).max().item()
             self.verify_norm_dev = max(self.verify_norm_dev, dev.max().item())
-            if worst > rtol:
+            worst = _beyond_rounding(normed, ref_normed)
+            if worst is not None:
+                rtol = VERIFY_NORM_RTOL.get(normed.dtype, 2.0 ** -6)
                 problems.append(f"normed output differs from SGLang's norm by up to "
-                                f"{dev.max().item():.3g} (tolerance {rtol:.3g} relative)")
+                                f"{worst:.3g} (tolerance {rtol:.3g} relative)")
         if not problems:
             return True
         got.copy_(ref_residual)          # this forward still hands the draft SGLang's value
@@ -284,6 +301,16 @@ class CaptureState:
                 "drop: restart with EAGLE_CAPTURE=0", reason)
 
 
+def _beyond_rounding(got: torch.Tensor, ref: torch.Tensor) -> Optional[float]:
+    """The largest deviation of ``got`` from ``ref`` if some element is further
+    than the self-check's rounding tolerance (relative, per dtype), else None."""
+    dev = (got.float() - ref.float()).abs()
+    rtol = VERIFY_NORM_RTOL.get(got.dtype, 2.0 ** -6)
+    if (dev - rtol * ref.float().abs()).max().item() > rtol:
+        return dev.max().item()
+    return None
+
+
 def _log():
     import logging
     return logging.getLogger("eagle_capture")
@@ -354,6 +381,15 @@ class _CapturingNormMixin:
 
     def forward(self, x, residual=None, post_residual_addition=None, **kwargs):
         state = self._eagle_capture
+        if (state.in_allreduce_fusion == self._eagle_layer_id and not state.fallback_reduces
+                and residual is not None and torch.version.hip is None):
+            # SGLang <= 0.5.20's fallback after FlashInfer declined: x is still this
+            # rank's partial sum (only its ROCm aiter route reduces first). Reduce
+            # it as the fusion would have, so that neither the capture nor the
+            # layer sees the unreduced value.
+            x = allreduce.fallback_all_reduce(x, state.fusion_group_arg)
+            if not torch.compiler.is_compiling():
+                state.reduced_on_decline += 1
         if state.disabled:   # switched back to SGLang's own capture
             return super().forward(x, residual, post_residual_addition, **kwargs)
         if self._eagle_layer_id in state.scattered_layers and residual is not None:
@@ -416,39 +452,96 @@ class _CapturingNormMixin:
                     residual.copy_(ref_r)
         return x, new_residual
 
-    def forward_with_allreduce_fusion(self, x, residual, *args, **kwargs):
-        # SGLang's fused all-reduce + add + RMSNorm writes a fresh, *reduced*
-        # residual_out: capture that (never the per-rank partial input).
+    def forward_with_allreduce_fusion(self, x, residual=None, *args, **kwargs):
+        # x is this rank's partial sum of the previous layer's output; SGLang's
+        # fused all-reduce + add + RMSNorm writes a fresh, *reduced* residual_out.
+        # The capture is that reduced residual, never the partial.
         state = self._eagle_capture
-        if state.disabled:
+        if state.disabled or residual is None:
             return super().forward_with_allreduce_fusion(x, residual, *args, **kwargs)
-        # FlashInfer declines non-contiguous tensors, and then SGLang 0.5.13 /
-        # 0.5.20 run the norm WITHOUT the all-reduce the previous layer skipped
-        # (layernorm.py): hand it contiguous ones.
+        # FlashInfer declines non-contiguous tensors (and then SGLang <= 0.5.20
+        # runs its fallback norm on the partial): hand it contiguous ones.
         x, residual = x.contiguous(), residual.contiguous()
+        post_residual_addition = args[0] if args else kwargs.get("post_residual_addition")
+        reducer = state.allreduce
+        if (reducer is not None and post_residual_addition is None
+                and self._eagle_fusable(x, residual, None, []) and reducer.takes(x, residual)):
+            path = reducer.path_for(x.shape[0])
+            if path != allreduce.ENGINE_FUSION:
+                return self._eagle_reduce_add_rmsnorm(reducer, path, x, residual)
         eager = not torch.compiler.is_compiling()
         unavailable = _flashinfer_allreduce_unavailable() if eager else None
         if eager:
-            # When FlashInfer declines, 0.5.23 all-reduces and calls this norm's
-            # forward() (our capturing one): it then stores the capture itself.
+            # When FlashInfer declines, SGLang calls this norm's forward() (our
+            # capturing one, after an all-reduce from 0.5.22; before that, forward()
+            # reduces first): it then stores the capture itself.
             state.in_allreduce_fusion = self._eagle_layer_id
+            state.fusion_group_arg = _use_attn_tp_group_arg(
+                super().forward_with_allreduce_fusion, args, kwargs)
             state.stored_in_fusion = False
         try:
             out = super().forward_with_allreduce_fusion(x, residual, *args, **kwargs)
         finally:
             if eager:
                 state.in_allreduce_fusion = None
-        if (eager and unavailable is False and _flashinfer_allreduce_unavailable()
-                and state.surface.startswith("layer_communicator")):
+        if eager and unavailable is False and _flashinfer_allreduce_unavailable() \
+                and not state.fallback_reduces:
             _log().error(
                 "eagle_capture: SGLang's FlashInfer all-reduce fusion could not set up its "
-                "workspace in this forward (layer %d): SGLang <= 0.5.20 then runs this norm on "
-                "the per-rank partial sum, so this forward's hidden states (and SGLang's own "
-                "capture) are not reduced. Later forwards take SGLang's explicit all-reduce",
-                self._eagle_layer_id)
+                "workspace in this forward (layer %d): SGLang <= 0.5.20 then runs its norms on "
+                "the per-rank partial sums. The captured layers reduced first; the other layers "
+                "of this forward (and SGLang's own capture) are not reduced. Later forwards "
+                "take SGLang's explicit all-reduce", self._eagle_layer_id)
+        if eager and state.allreduce is not None:
+            state.allreduce.calls[allreduce.ENGINE_FUSION] += 1
         if not (eager and state.stored_in_fusion):
             self._eagle_store(out[1], fused=False)
         return out
+
+    def _eagle_reduce_add_rmsnorm(self, reducer, path, x, residual):
+        """The all-reduce SGLang would fuse here, by ``path`` (one_shot: the one
+        kernel; nccl: SGLang's all-reduce, then the fused op), with the add, the
+        norm and the capture; in place, as SGLang's explicit all-reduce + norm."""
+        state = self._eagle_capture
+        num_tokens = x.shape[0]
+        buffer = state.buffer_for(num_tokens)
+        slot = buffer.slot_of(self._eagle_layer_id)
+        reference = None
+        if state.verifying(x):   # SGLang's all-reduce and norm on copies
+            reference = super().forward(reducer.reduce(x.clone()), residual.clone())
+        if path == allreduce.ONE_SHOT:
+            reducer.one_shot.reduce_add_rmsnorm(x, residual, self.weight, self.variance_epsilon,
+                                                buffer.aux, slot, norm_fp32_sum=True)
+        else:
+            x = reducer.reduce(x)
+            ops.add_rmsnorm_capture(x, residual, self.weight, self.variance_epsilon, buffer.aux,
+                                    slot, norm_fp32_sum=True)
+        state.record(self._eagle_layer_id, num_tokens, True, x)
+        if not torch.compiler.is_compiling() and not _capturing_cuda_graph(x):
+            reducer.calls[path] += 1
+        if reference is not None:
+            ref_x, ref_r = reference
+            # The one kernel sums the partials in fp32 in rank order, SGLang's
+            # all-reduce in its own order and dtype: equal up to rounding there.
+            exact = path != allreduce.ONE_SHOT
+            if not state.verify_layer(self._eagle_layer_id, buffer, num_tokens, ref_r, x, ref_x,
+                                      residual_exact=exact):
+                residual.copy_(ref_r)
+        return x, residual
+
+
+def _use_attn_tp_group_arg(sglang_method, args, kwargs) -> Optional[bool]:
+    """The ``use_attn_tp_group`` of a ``forward_with_allreduce_fusion`` call
+    (the parameter after ``post_residual_addition``); None where SGLang's
+    method has no such parameter (0.5.9: it reduces over the TP group)."""
+    if "use_attn_tp_group" in kwargs:
+        return bool(kwargs["use_attn_tp_group"])
+    params = inspect.signature(sglang_method).parameters
+    if "use_attn_tp_group" not in params:
+        return None
+    if len(args) > 1:
+        return bool(args[1])
+    return bool(params["use_attn_tp_group"].default)
 
 
 class _SlotResidual(NamedTuple):
@@ -796,6 +889,7 @@ def text_model_of(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
 
 def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
                            allow_embedding: bool = False, residual_in_slot: bool = True,
+                           fused_allreduce: bool = False, allreduce_table=None,
                            dtype: Optional[torch.dtype] = None,
                            device: Optional[torch.device] = None) -> AuxCaptureBuffer:
     """Replace SGLang's EAGLE-3 capture in ``causal_lm`` (a ``DeepseekV2ForCausalLM``,
@@ -816,6 +910,14 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
     and CUDA graphs; under torch.compile, and for forwards SGLang's all-reduce
     fusion may take at TP > 1, the residual is stored in place and copied once
     into the slot: path e). False: path e everywhere.
+
+    ``fused_allreduce`` (opt-in): where SGLang would fuse a captured layer's
+    deferred all-reduce into its input norm (TP > 1), run the project's one
+    kernel or SGLang's all-reduce + the fused op instead of SGLang's fusion +
+    a capture copy, per T by ``allreduce_table`` (a :class:`PathTable`, path or
+    dict; default ``$EAGLE_CAPTURE_ALLREDUCE_TABLE``): :mod:`.allreduce`.
+    Collective on CUDA (a symmetric buffer on every TP rank). Where it does not
+    apply (TP 1, DP attention, scattered rows) it logs why and stays off.
 
     Raises :class:`WrongCaptureLayers` for layer ids SGLang's own capture would
     also get wrong, :class:`UnsupportedServer` for server modes the fused capture
@@ -871,6 +973,18 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
             norm._eagle_layer_id = i
         state.residual_in_slot_enabled = True
         state.residual_in_slot_above = _allreduce_fusion_max_tokens()
+    state.fallback_reduces = allreduce.fallback_reduces()
+    if fused_allreduce:
+        why = ("the captured layers' rows are token-scattered over the attention-TP group"
+               if _rows_may_scatter() else "")
+        if not why:
+            fusion_rows = _allreduce_fusion_max_tokens() or max_tokens
+            state.allreduce, why = allreduce.build(min(max_tokens, fusion_rows), buffer.hidden_size,
+                                                   buffer.aux.dtype, buffer.aux.device,
+                                                   allreduce_table)
+        if state.allreduce is None:
+            _log().warning("eagle_capture: the captured layers' fused all-reduce is off (%s): "
+                           "SGLang's all-reduce fusion and a capture copy stay there", why)
     logits.__class__ = _with_mixin(_CapturingLogitsMixin, type(logits))
     logits._eagle_capture = state
     # SGLang's own capture off: no add/list (<= 0.5.13), no packer copy (>= 0.5.18).

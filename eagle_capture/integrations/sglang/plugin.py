@@ -55,7 +55,7 @@ from typing import Any, Optional
 from eagle_capture.integrations.settings import (MAX_TOKENS, ON_PROBLEM, SWITCH, VERIFY,
                                                PluginError)
 from eagle_capture.integrations.settings import switch_on as _switch_on
-from eagle_capture.integrations.settings import on_problem, verify_forwards
+from eagle_capture.integrations.settings import fused_allreduce, on_problem, verify_forwards
 
 logger = logging.getLogger("eagle_capture")
 
@@ -211,9 +211,11 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
         raise PluginError(f"eagle_capture: {RESIDUAL_IN_SLOT} must be 1 (the residual lives in "
                           f"the slot: no extra write) or 0 (stored in place and copied into "
                           f"the slot), got {in_slot!r}")
+    one_kernel = fused_allreduce(env)
     try:
         buffer = dropin.install_eagle3_capture(model, sizing.max_tokens,
-                                               residual_in_slot=in_slot == "1")
+                                               residual_in_slot=in_slot == "1",
+                                               fused_allreduce=one_kernel)
     except dropin.WrongCaptureLayers:
         if policy == "refuse":
             raise
@@ -292,11 +294,12 @@ def _deployment(args, sizing) -> str:
 
 
 def _capture_path(state) -> str:
+    fused = f"; {state.allreduce.describe()}" if state.allreduce is not None else ""
     if not state.residual_in_slot_enabled:
-        return "residual stored in place and copied into its slot (path e)"
+        return "residual stored in place and copied into its slot (path e)" + fused
     above = (f" for forwards over {state.residual_in_slot_above} tokens (smaller ones: SGLang's "
              f"all-reduce fusion size, path e)" if state.residual_in_slot_above else "")
-    return f"residual written into its slot, no extra write (path f){above}"
+    return f"residual written into its slot, no extra write (path f){above}" + fused
 
 
 def _setup_verify(state, env) -> None:

@@ -128,8 +128,9 @@ class SymmAllReduceCapture:
             raise ValueError(f"eagle_capture: path table {self.table.source} was measured for "
                              f"hidden_size {self.table.hidden_size}, not {hidden_size}")
         self.group = group if group is not None else dist.group.WORLD
-        self.device = torch.device(device) if device is not None else torch.device(
-            "cuda", torch.cuda.current_device())
+        self.device = torch.device(device) if device is not None else torch.device("cuda")
+        if self.device.index is None:   # "cuda": the current device, as tensors report it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_tokens, self.hidden_size, self.dtype = max_tokens, hidden_size, dtype
         self.world_size = dist.get_world_size(self.group)
         cap = (self._one_shot_limit_from_rule() if one_shot_max_tokens is None

@@ -63,6 +63,13 @@ failed, 3 when set-up failed before any scenario ran):
   replay) of no capture, SGLang's own capture and the drop-in at T = 1, 64, 1024,
   with the harness's matmul stand-ins and with elementwise ones (``0.5 *
   tanh(h)``: the capture's cost is then not buried under fp32 matmuls).
+* ``one_kernel`` (d, CUDA only): ``EAGLE_CAPTURE_FUSED_ALLREDUCE``'s paths at a
+  captured layer's ``forward_with_allreduce_fusion``, as SGLang calls it at
+  TP > 1: the project's one kernel on a world-1 NCCL group (T <= 64) and the
+  all-reduce + fused op (T = 100, 1024) vs SGLang's own norm (FlashInfer) on
+  the same rows -- residual and capture bit-exact, normed within 2 ulp -- and
+  the one-kernel call captured in a CUDA graph, replayed on new rows. (At
+  W = 1 the kernel's sum is one partial; W >= 2 needs the multi-GPU kinds.)
 
 ``--device cpu`` (a dry run of this file's logic on a machine without a GPU):
 by default SGLang is made to believe it runs on CUDA (``torch.cuda`` queries
@@ -795,6 +802,98 @@ def scenario_graphs(ctx, res: Results):
     res.data["scenarios"]["graphs"] = out
 
 
+def scenario_one_kernel(ctx, res: Results):
+    """(d) EAGLE_CAPTURE_FUSED_ALLREDUCE's paths at a captured layer on one GPU:
+    the capturing norm's forward_with_allreduce_fusion (as SGLang's layer calls
+    it at TP > 1) with the project's one kernel (a world-1 NCCL group: the
+    kernel's Lamport protocol with one rank) for T <= 64 and the all-reduce +
+    fused op above, against SGLang's own norm (FlashInfer's fused_add_rmsnorm)
+    on the same rows: residual and capture bit-exact, normed within 2 ulp;
+    then the one-kernel call inside a CUDA graph, replayed on new rows."""
+    import torch
+    import torch.distributed as dist
+
+    from eagle_capture.integrations.sglang.allreduce import CapturedLayerAllReduce
+    from eagle_capture.parallel.paths import PathTable
+    from eagle_capture.parallel.symm import SymmAllReduceCapture
+
+    dev, dtype, H = ctx.device, ctx.dtype, ctx.args.hidden
+    lm = ctx.harness.text_lm
+    st = ctx.state
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.new_group([0], backend="nccl")
+    table = PathTable({"1": [[64, "one_shot"], [4096, "nccl"]]})
+    one_shot = SymmAllReduceCapture(64, H, dtype, group=group, device=st.buffer.aux.device,
+                                    table=table)
+    reducer = CapturedLayerAllReduce(1, lambda t: t, one_shot, table, dtype, H)
+    layer = CAPTURED_LAYERS[1]
+    norm = lm(ctx.ours).model.layers[layer].input_layernorm
+    ref_norm = lm(ctx.ref).model.layers[layer].input_layernorm
+    slot = st.buffer.slot_of(layer)
+    saved = st.allreduce
+    st.allreduce = reducer
+    out = {"layer": layer, "cases": []}
+    g = torch.Generator(device="cpu").manual_seed(17)
+
+    def rows(T):
+        return (torch.randn(T, H, generator=g).to(dev, dtype),
+                torch.randn(T, H, generator=g).to(dev, dtype))
+
+    def compare(tag, T, x_out, r_out, x, r):
+        rx, rr = ref_norm.forward(x.clone(), r.clone())
+        sync(dev)
+        case = {"T": T, "case": tag, "residual": deviation(r_out, rr),
+                "capture": deviation(st.buffer.aux[:T, slot], rr),
+                "normed": deviation(x_out, rx)}
+        out["cases"].append(case)
+        res.check(f"one kernel {tag} T={T}: residual and capture bit-exact with SGLang's norm",
+                  case["residual"]["equal"] and case["capture"]["equal"],
+                  fmt_dev(case["capture"]))
+        res.check(f"one kernel {tag} T={T}: normed within 2 ulp of SGLang's norm",
+                  case["normed"]["max_ulp"] <= 2, fmt_dev(case["normed"]))
+
+    grad = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)   # as serving runs (the model's weights require grad)
+    try:
+        for T in (1, 7, 64, 100, 1024):
+            x, r = rows(T)
+            st.buffer.aux[:T, slot].fill_(float("nan"))
+            before = dict(reducer.calls)
+            xo, ro = norm.forward_with_allreduce_fusion(x.clone(), r.clone(),
+                                                        use_attn_tp_group=False)
+            want = "one_shot" if T <= 64 else "nccl"
+            res.check(f"one kernel T={T}: path {want}",
+                      reducer.calls[want] == before.get(want, 0) + 1, str(dict(reducer.calls)))
+            compare("eager", T, xo, ro, x, r)
+        # Inside a CUDA graph: static rows, replayed on new values.
+        T = 8
+        xs, rs = rows(T)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                norm.forward_with_allreduce_fusion(xs.clone(), rs.clone(),
+                                                   use_attn_tp_group=False)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gx, gr = norm.forward_with_allreduce_fusion(xs, rs, use_attn_tp_group=False)
+        for rep in range(3):
+            x, r = rows(T)
+            xs.copy_(x)
+            rs.copy_(r)
+            graph.replay()
+            compare(f"graph replay {rep}", T, gx, gr, x, r)
+        out["calls"] = dict(reducer.calls)
+    finally:
+        torch.set_grad_enabled(grad)
+        st.allreduce = saved
+        st.stored_rows = {}   # these calls were not a forward
+        st.residual_in_slot = None
+    res.data["scenarios"]["one_kernel"] = out
+
+
 def _replay_us(graph, n):
     import torch
     for _ in range(5):
@@ -971,11 +1070,14 @@ def main(argv=None) -> int:
     if args.device == "cuda" or args.fake_cuda:
         # CPU dry run: fake graphs (replay = an eager forward), timings of 0.
         steps += [("graphs", scenario_graphs), ("timing", scenario_timing)]
+    if args.device == "cuda":
+        steps += [("one_kernel", scenario_one_kernel)]
     else:
         res.data["scenarios"]["graphs"] = res.data["scenarios"]["timing"] = "skipped on cpu"
     have_models = False
     for name, fn in steps:
-        if name in args.skip or (name in ("eager", "graphs", "timing") and not have_models):
+        if name in args.skip or (name in ("eager", "graphs", "timing", "one_kernel")
+                                 and not have_models):
             res.data["scenarios"].setdefault(name, "skipped")
             print(f"== {name}: skipped", flush=True)
             continue

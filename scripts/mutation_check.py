@@ -379,6 +379,26 @@ MUTANTS = [
      "    return num_layers - (num_layers // pp + (1 if num_layers % pp else 0))",
      "    return num_layers - num_layers // pp",
      ["tests/test_doctor.py"]),
+    # The captured layers' fused all-reduce and SGLang's unreduced fallback (issue 24).
+    ("fused all-reduce: the nccl path skips the all-reduce", "eagle_capture/integrations/sglang/dropin.py",
+     "            x = reducer.reduce(x)\n            ops.add_rmsnorm_capture(",
+     "            ops.add_rmsnorm_capture(",
+     ["tests/test_sglang_real_tp.py"]),
+    ("fused all-reduce: captured layers keep SGLang's fusion", "eagle_capture/integrations/sglang/dropin.py",
+     "            if path != allreduce.ENGINE_FUSION:", "            if False:",
+     ["tests/test_sglang_real_tp.py"]),
+    ("unreduced fallback: the captured norm does not reduce first", "eagle_capture/integrations/sglang/dropin.py",
+     "x = allreduce.fallback_all_reduce(x, state.fusion_group_arg)", "x = x",
+     ["tests/test_sglang_real_tp.py"]),
+    ("unreduced fallback: reduced again where SGLang already did", "eagle_capture/integrations/sglang/dropin.py",
+     "state.fallback_reduces = allreduce.fallback_reduces()", "state.fallback_reduces = False",
+     ["tests/test_sglang_real_tp.py"]),
+    ("fused all-reduce: a one-shot row without the kernel keeps SGLang's fusion", "eagle_capture/integrations/sglang/allreduce.py",
+     "chosen = NCCL   # the kernel cannot run here", "chosen = ENGINE_FUSION",
+     ["tests/test_sglang_plugin.py"]),
+    ("path table: a standalone one-shot runs engine_fusion rows one-shot", "eagle_capture/parallel/symm.py",
+     'return "one_shot" if chosen == "one_shot" else "nccl"', 'return "one_shot"',
+     ["tests/test_symm.py"]),
 ]
 
 

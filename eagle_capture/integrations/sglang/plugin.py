@@ -36,6 +36,11 @@ installs anyway where it can and logs the problem as an error. Otherwise the
 install, sized from the server's arguments (:mod:`eagle_capture.integrations.sglang.sizing`),
 and one log line saying what runs.
 
+``EAGLE_CAPTURE_FUSED_ALLREDUCE=1`` (TP > 1, opt-in): where SGLang would fuse a
+captured layer's deferred all-reduce into its input norm, the drop-in runs it
+(the one kernel on SGLang's TP group or SGLang's all-reduce + the fused op, per T
+from ``EAGLE_CAPTURE_ALLREDUCE_TABLE``): :mod:`eagle_capture.integrations.sglang.allreduce`.
+
 ``EAGLE_CAPTURE_VERIFY=N``: the first N eager forwards also run SGLang's own norm
 on copies and compare (captures bit-exact, normed output within rounding), check
 that every TP rank holds the same captures, log a line per forward, and switch

@@ -541,7 +541,8 @@ def test_engine_fusion_rows_run_nccl_standalone():
     import eagle_capture.parallel.symm as symm
     ar = object.__new__(symm.SymmAllReduceCapture)
     ar.world_size = 2
-    ar.table = PathTable({"2": [[4, "one_shot"], [64, "engine_fusion"]]})
+    ar.table = PathTable({"2": [[4, "engine_fusion"], [64, "one_shot"], [128, "engine_fusion"]]})
     ar.one_shot_max_tokens = ar._one_shot_limit_from_rule()
-    assert ar.one_shot_max_tokens == 4
-    assert [ar.path_for(t) for t in (1, 4, 5, 64)] == ["one_shot", "one_shot", "nccl", "nccl"]
+    assert ar.one_shot_max_tokens == 64
+    assert [ar.path_for(t) for t in (1, 4, 5, 64, 65, 128)] == \
+        ["nccl", "nccl", "one_shot", "one_shot", "nccl", "nccl"]

@@ -59,6 +59,5 @@ def verify_forwards(env=os.environ) -> int:
     return n
 
 
-
 def fused_allreduce(env=os.environ) -> bool:
     return _on_off(env, FUSED_ALLREDUCE)

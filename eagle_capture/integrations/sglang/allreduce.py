@@ -31,6 +31,7 @@ switch says.
 from __future__ import annotations
 
 import collections
+import os
 import sys
 from typing import Optional
 
@@ -113,7 +114,7 @@ def build(max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.d
     if ep > 1 and moe_tp > 1:
         return None, (f"expert parallel {ep} x MoE-TP {moe_tp}: the MoE output's reduction "
                       f"group is not the TP group")
-    table = table if table is not None else _env_table()
+    table = table if table is not None else os.environ.get(TABLE_ENV) or None
     table = PathTable.load(table) if table is not None else None
     if table is not None and table.hidden_size not in (None, hidden_size):
         raise ValueError(f"eagle_capture: path table {table.source} was measured for "
@@ -128,11 +129,6 @@ def build(max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.d
                                             device=device, table=table)
     return CapturedLayerAllReduce(tp.world_size, tp.all_reduce, one_shot, table, dtype,
                                   hidden_size), ""
-
-
-def _env_table():
-    import os
-    return os.environ.get(TABLE_ENV) or None
 
 
 def fallback_all_reduce(x: torch.Tensor, use_attn_tp_group: Optional[bool]) -> torch.Tensor:

@@ -536,12 +536,18 @@ def _use_attn_tp_group_arg(sglang_method, args, kwargs) -> Optional[bool]:
     method has no such parameter (0.5.9: it reduces over the TP group)."""
     if "use_attn_tp_group" in kwargs:
         return bool(kwargs["use_attn_tp_group"])
-    params = inspect.signature(sglang_method).parameters
-    if "use_attn_tp_group" not in params:
+    default = _use_attn_tp_group_default(getattr(sglang_method, "__func__", sglang_method))
+    if default is None:
         return None
-    if len(args) > 1:
-        return bool(args[1])
-    return bool(params["use_attn_tp_group"].default)
+    return bool(args[1]) if len(args) > 1 else default
+
+
+@functools.lru_cache(maxsize=None)
+def _use_attn_tp_group_default(function) -> Optional[bool]:
+    """The default of ``use_attn_tp_group`` in SGLang's method, None without it
+    (read once per function: ``inspect.signature`` costs tens of us)."""
+    param = inspect.signature(function).parameters.get("use_attn_tp_group")
+    return None if param is None else bool(param.default)
 
 
 class _SlotResidual(NamedTuple):

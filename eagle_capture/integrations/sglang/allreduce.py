@@ -73,7 +73,7 @@ class CapturedLayerAllReduce:
             chosen = NCCL   # the kernel cannot run here, or T is above its buffer's rows
         return chosen
 
-    def takes(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+    def takes(self, x: torch.Tensor) -> bool:
         """Whether this call's tensors are the ones the paths were set up for
         (the same on every rank: no address or rank-local property)."""
         return (x.dtype == self.dtype and x.shape[-1] == self.hidden_size

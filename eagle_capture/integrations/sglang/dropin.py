@@ -202,15 +202,14 @@ class CaptureState:
             problems.append(f"capture differs from SGLang's residual in {bad.numel()} of "
                             f"{num_tokens} rows (first row {bad[0].item() if bad.numel() else '?'})")
         if not residual_exact and num_tokens:
-            dev = _beyond_rounding(got, ref_residual)
-            if dev is not None:
+            worst, beyond = _deviation(got, ref_residual)
+            if beyond:
                 problems.append(f"capture differs from SGLang's all-reduced residual by up to "
-                                f"{dev:.3g}, more than rounding")
+                                f"{worst:.3g}, more than rounding")
         if normed is not None and num_tokens:
-            dev = (normed.float() - ref_normed.float()).abs()
-            self.verify_norm_dev = max(self.verify_norm_dev, dev.max().item())
-            worst = _beyond_rounding(normed, ref_normed)
-            if worst is not None:
+            worst, beyond = _deviation(normed, ref_normed)
+            self.verify_norm_dev = max(self.verify_norm_dev, worst)
+            if beyond:
                 rtol = VERIFY_NORM_RTOL.get(normed.dtype, 2.0 ** -6)
                 problems.append(f"normed output differs from SGLang's norm by up to "
                                 f"{worst:.3g} (tolerance {rtol:.3g} relative)")
@@ -301,14 +300,12 @@ class CaptureState:
                 "drop: restart with EAGLE_CAPTURE=0", reason)
 
 
-def _beyond_rounding(got: torch.Tensor, ref: torch.Tensor) -> Optional[float]:
-    """The largest deviation of ``got`` from ``ref`` if some element is further
-    than the self-check's rounding tolerance (relative, per dtype), else None."""
+def _deviation(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
+    """The largest deviation of ``got`` from ``ref``, and whether some element is
+    further than the self-check's rounding tolerance (relative, per dtype)."""
     dev = (got.float() - ref.float()).abs()
     rtol = VERIFY_NORM_RTOL.get(got.dtype, 2.0 ** -6)
-    if (dev - rtol * ref.float().abs()).max().item() > rtol:
-        return dev.max().item()
-    return None
+    return dev.max().item(), (dev - rtol * ref.float().abs()).max().item() > rtol
 
 
 def _log():
@@ -465,7 +462,7 @@ class _CapturingNormMixin:
         post_residual_addition = args[0] if args else kwargs.get("post_residual_addition")
         reducer = state.allreduce
         if (reducer is not None and post_residual_addition is None
-                and self._eagle_fusable(x, residual, None, []) and reducer.takes(x, residual)):
+                and self._eagle_fusable(x, residual, None, []) and reducer.takes(x)):
             path = reducer.path_for(x.shape[0])
             if path != allreduce.ENGINE_FUSION:
                 return self._eagle_reduce_add_rmsnorm(reducer, path, x, residual)

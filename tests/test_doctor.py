@@ -340,7 +340,10 @@ def test_vllm_specforge_ids_are_one_layer_early(tmp_path, capsys):
     assert "aux_hidden_state_layers = [1, 29, 57] -> PROBLEM" in out
     assert "slot 0: vLLM captures the output of layer 0" in out
     assert "the draft expects the output of layer 1" in out
-    assert "fix for this line: eagle_config.eagle_aux_hidden_state_layer_ids = [2, 30, 58]" in out
+    # vLLM's default GPU runner (model runner V2) reads only the top-level key.
+    assert ("fix for this line: eagle_aux_hidden_state_layer_ids at the config's top level "
+            "(vLLM's runners read it first; its default GPU runner reads no other key) = "
+            "[2, 30, 58]") in out
     assert "without SGLang's +1" in out and "--id-convention input" in out
 
 
@@ -407,3 +410,45 @@ def test_vllm_engine_rejects_unknown_values():
         doctor.diagnose([2, 30, 58], 61, engine="trtllm")
     with pytest.raises(CapturePlanError, match="convention must be output or input"):
         doctor.diagnose([2, 30, 58], 61, engine="vllm", convention="middle")
+
+
+def test_llama_target_uses_llamas_own_rule(tmp_path, capsys):
+    """A Llama-3 target (80 layers) with input-convention ids [2, 40, 77]: SGLang's
+    llama.py adds 1 to every id (no ids[0] == 1 rule), so it captures [3, 41, 78]:
+    a PROBLEM, and the fix is the output-convention ids (DeepseekV2's rule would
+    have said OK)."""
+    target = tmp_path / "target.json"
+    target.write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                  "num_hidden_layers": 80, "hidden_size": 8192}))
+    draft = _config(tmp_path, [2, 40, 77])
+    code, out, _ = _doctor(capsys, "--draft-config", draft, "--target-config", target,
+                           "--sglang-version", "0.5.23", "--id-convention", "input")
+    assert code == 1
+    assert "layers_to_capture = [3, 41, 78] -> PROBLEM" in out
+    assert "models/llama.py LlamaForCausalLM.set_eagle3_layers_to_capture adds 1" in out
+    assert "fix for this line: eagle_config.eagle_aux_hidden_state_layer_ids = [1, 39, 76]" in out
+    # The same draft on a DeepSeek-V3 target is right (ids[0] != 1: kept as given).
+    code, out, _ = _doctor(capsys, "--draft-config", draft, "--num-layers", 80,
+                           "--target-architecture", "DeepseekV3ForCausalLM",
+                           "--sglang-version", "0.5.23", "--id-convention", "input")
+    assert code == 0 and "layers_to_capture = [2, 40, 77] -> OK" in out
+
+
+def test_gpt_oss_final_boundary_and_unread_models(tmp_path, capsys):
+    """gpt_oss (0.5.20+) keeps ids that end at the final boundary; an architecture
+    the table lacks is said to be assumed, never applied silently."""
+    draft = _config(tmp_path, [2, 18, 36])
+    code, out, _ = _doctor(capsys, "--draft-config", draft, "--num-layers", 36,
+                           "--target-architecture", "GptOssForCausalLM",
+                           "--sglang-version", "0.5.23", "--id-convention", "input")
+    assert "layers_to_capture = [2, 18, 36] -> OK" in out and code == 0
+    code, out, _ = _doctor(capsys, "--draft-config", draft, "--num-layers", 36,
+                           "--target-architecture", "GptOssForCausalLM",
+                           "--sglang-version", "0.5.13", "--id-convention", "input")
+    assert "layers_to_capture = [3, 19, 37] -> PROBLEM" in out and code == 1
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [1, 17, 32]),
+                           "--num-layers", 36, "--target-architecture", "NoSuchForCausalLM")
+    assert "the model class for NoSuchForCausalLM was not read" in out and "ASSUMES" in out
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [1, 29, 57]),
+                           "--num-layers", 61)
+    assert "architecture is not given: DeepseekV2's id rule is assumed" in out

@@ -28,7 +28,7 @@ VERSIONS = ["0.5.9", "0.5.13", "0.5.18", "0.5.20", "0.5.22", "0.5.23"]
 SCENARIOS = ["same_as_sglang_fp32", "same_as_sglang_bf16", "same_as_sglang_bf16_path_e",
              "residual_in_slot", "norm_paths", "names_and_weights",
              "install_before_torch_compiled", "install_after_torch_compiled",
-             "piecewise_compiled", "layer_id_rules", "draft_config_reading",
+             "piecewise_compiled", "layer_id_rules", "model_id_rules", "draft_config_reading",
              "graph_order", "drop_in_checks", "refusals",
              # the SGLang plugin through each wheel's own load_plugins() and configure step
              "plugin_deepseek_v3", "plugin_kimi_k25", "plugin_off_and_broken",

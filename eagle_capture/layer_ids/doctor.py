@@ -41,8 +41,10 @@ from eagle_capture.layer_ids import deployment
 from eagle_capture.layer_ids.deployment import WIDTH, wrap as _wrap
 from eagle_capture.layer_ids.lines import (SGLANG_LINES, VLLM_LINE, CapturePlanError, DraftIds,
                                            SGLangLine, VLLMLine, assumed_note,
-                                           default_capture_layers, line_of, read_draft_ids,
-                                           read_target, specforge_default_ids)
+                                           default_capture_layers, line_of, parse_version,
+                                           read_draft_ids, read_target, specforge_default_ids)
+from eagle_capture.layer_ids.rules import (SGLANG_MODEL_RULES, SHIFT_ALWAYS, ModelRule,
+                                           sglang_model_rule)
 
 __all__ = ["Diagnosis", "LineVerdict", "SGLANG_LINES", "SGLangLine", "diagnose",
            "diagnose_line", "fix_ids", "line_of", "main"]
@@ -114,7 +116,10 @@ def diagnose_line(line: SGLangLine, ids: Optional[Sequence[int]], num_layers: in
 
     if expected is not None and not (0 in expected and not allow_embedding):
         fixed = fix_ids(line, expected, num_layers, allow_embedding)
-        verdict.fix = (f"eagle_config.eagle_aux_hidden_state_layer_ids = {fixed}" if fixed
+        key = ("eagle_aux_hidden_state_layer_ids at the config's top level (vLLM's runners read "
+               "it first; its default GPU runner reads no other key)" if line.engine == "vLLM"
+               else "eagle_config.eagle_aux_hidden_state_layer_ids")
+        verdict.fix = (f"{key} = {fixed}" if fixed
                        else "no ids make this line capture those layers")
     if 0 in capture and line.layer0 == "crash":
         return problem("FAILS at the first forward: layer 0 is captured and this line's loop "
@@ -213,14 +218,16 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
              sglang_version: Optional[str] = None, accept_defaults: bool = False,
              allow_embedding: bool = False, draft: Optional[DraftIds] = None,
              deploy: Optional["deployment.Deployment"] = None, engine: str = "sglang",
-             convention: str = "output") -> Diagnosis:
+             convention: str = "output", architecture: str = "") -> Diagnosis:
     """Diagnose the draft ids SGLang's target reads (``ids``; None: absent)
     against every SGLang line, or only the one ``sglang_version`` belongs to;
     ``engine="vllm"``: the ids vLLM's runner reads, against vLLM's rule.
     ``draft`` (from :func:`read_draft_ids`) adds what the config says beyond
     them (a top-level key the target ignores); ``deploy`` the deployment;
     ``convention``: how the draft's ids name layers ("output": SpecForge's id X =
-    the output of layer X; "input": id X = the input of layer X)."""
+    the output of layer X; "input": id X = the input of layer X); ``architecture``:
+    the target's (its model class's own id rule, :mod:`eagle_capture.layer_ids.rules`;
+    empty: DeepseekV2's, said in a note)."""
     if engine not in ("sglang", "vllm"):
         raise CapturePlanError(f"engine must be sglang or vllm, got {engine!r}")
     if convention not in ("output", "input"):
@@ -232,11 +239,13 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
         if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
             raise CapturePlanError(f"eagle_aux_hidden_state_layer_ids must be a non-empty list "
                                    f"of integers, got {ids!r}")
+    notes, ok = [], True
     if engine == "vllm":
         lines = [VLLM_LINE]
     else:
         lines = [line_of(sglang_version)] if sglang_version else list(SGLANG_LINES)
-    notes, ok = [], True
+        lines, model_notes = _model_lines(lines, architecture, sglang_version)
+        notes += model_notes
     if engine == "sglang" and sglang_version and assumed_note(sglang_version):
         notes.append(assumed_note(sglang_version))
     trained = ids
@@ -290,6 +299,36 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
                      engine=engine, convention=convention)
 
 
+def _model_lines(lines: list, architecture: str, sglang_version: Optional[str]):
+    """Each SGLang line with the target model's own id rule, and the notes that
+    say which rule applies (or that the model was not read and what is assumed)."""
+    if not architecture:
+        return lines, ["the target's architecture is not given: DeepseekV2's id rule is "
+                       "assumed (other models have their own; pass --target-config or "
+                       "--target-architecture)"]
+    out, notes, said = [], [], set()
+    for line in lines:
+        version = (parse_version(sglang_version) if sglang_version
+                   else parse_version(line.read_versions[-1]))
+        rule = sglang_model_rule(version, architecture)
+        if rule is None:
+            read = sorted({a for rows in SGLANG_MODEL_RULES.values() for a in rows})
+            rule = ModelRule(architecture, SHIFT_ALWAYS, "not read (assumed)",
+                             line.read_versions[-1])
+            text = (f"SGLang {line.name}: the model class for {architecture} was not read; "
+                    f"the doctor ASSUMES it adds 1 to every id (the rule of most models). "
+                    f"Check its set_eagle3_layers_to_capture (models read: {len(read)} "
+                    f"architectures, e.g. LlamaForCausalLM, Qwen3MoeForCausalLM, "
+                    f"GptOssForCausalLM)")
+        else:
+            text = f"SGLang {line.name}'s rule for {rule.describe()}"
+        if text not in said:
+            said.add(text)
+            notes.append(text)
+        out.append(line.for_model(rule))
+    return out, notes
+
+
 def _vllm_notes(draft: Optional[DraftIds], ids, num_layers: int, convention: str) -> list[str]:
     """What vLLM's reading of the draft config and its id rule mean for this draft."""
     notes = []
@@ -321,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "size, architecture; Kimi-K2.5: its text_config)")
     target.add_argument("--num-layers", type=int,
                         help="the target's num_hidden_layers (Kimi-K2 / DeepSeek-V3: 61)")
+    p.add_argument("--target-architecture",
+                   help="the target's architecture (e.g. LlamaForCausalLM), when it is given "
+                        "by --num-layers: its model's own id rule applies (default: from "
+                        "--target-config; none: DeepseekV2's, said in a note)")
     p.add_argument("--engine", choices=("sglang", "vllm"), default="sglang",
                    help="the serving engine whose id rule applies (default: sglang)")
     p.add_argument("--id-convention", choices=("output", "input"), default="output",
@@ -350,6 +393,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           f"hidden size {target.hidden_size})")
         else:
             num_layers = args.num_layers
+        if args.target_architecture:
+            if architecture and architecture != args.target_architecture:
+                raise CapturePlanError(f"--target-architecture {args.target_architecture} "
+                                       f"contradicts the target config's {architecture}")
+            architecture = args.target_architecture
         if args.engine == "vllm" and args.sglang_version:
             raise CapturePlanError("--sglang-version does not apply to --engine vllm")
         ids = VLLMLine.read_ids(draft) if args.engine == "vllm" else draft.read_by_target
@@ -357,7 +405,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              accept_defaults=args.accept_defaults,
                              allow_embedding=args.allow_embedding, draft=draft,
                              deploy=deployment.from_arguments(args, architecture),
-                             engine=args.engine, convention=args.id_convention)
+                             engine=args.engine, convention=args.id_convention,
+                             architecture=architecture)
     except CapturePlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ Draft ids are read in the output convention SpecForge writes: id X = the output
 of decoder layer X, i.e. SGLang's capture at the start of layer X + 1.
 """
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -66,10 +67,27 @@ class SGLangLine:
     layer0: str                      # "crash" | "embedding": a capture at the start of layer 0
     missing_capture: str             # "dropped" | "error": a layer no loop step takes
                                      # (-1, or the second of a duplicate)
+    # The target model's own rule (eagle_capture.layer_ids.rules); None: DeepseekV2's
+    # as read and run per line (shift_always, layer0, missing_capture above).
+    model: Optional[object] = None
     engine: ClassVar[str] = "SGLang"
+
+    @property
+    def last_layer_capturable(self) -> bool:
+        """Capture layer num_layers (the final boundary): only gpt_oss's loop has it."""
+        return self.model is not None and self.model.final_boundary
+
+    def for_model(self, rule) -> "SGLangLine":
+        """This line with ``rule`` (a :class:`~eagle_capture.layer_ids.rules.ModelRule`;
+        DeepseekV2's own: the line itself)."""
+        if rule is None or rule.deepseek_loop:
+            return self
+        return dataclasses.replace(self, model=rule)
 
     def capture_layers(self, ids: Optional[Sequence[int]], num_layers: int) -> list[int]:
         """SGLang's ``layers_to_capture`` for the draft config's ids (None: absent)."""
+        if self.model is not None:
+            return self.model.capture_layers(ids, num_layers)
         if ids is None:
             return default_capture_layers(num_layers)
         shift = 1 if self.shift_always or (ids and ids[0] == 1) else 0

@@ -489,6 +489,106 @@ def layer_id_rules():
     return out
 
 
+# Draft ids that tell the three id rules apart (num_layers 40): only the first
+# starts at 1; the last ends at the final boundary.
+_RULE_PROBES = ([1, 5, 9], [2, 5, 9], [3, 1, 9], [2, 20, 40], None)
+
+
+def _call_model_rule(cls, module, ids, num_layers=40):
+    """``cls``'s own ``set_eagle3_layers_to_capture`` (this wheel's code, called as
+    SGLang's runner calls it) on a shell holding what the method reads; returns the
+    layers it sets on its text model (or hands to the text model's own setter)."""
+    import types
+
+    class TextModel:
+        layers_to_capture = None
+
+        def set_eagle3_layers_to_capture(self, layer_ids):   # qwen3_moe, qwen2_moe, ...
+            self.layers_to_capture = list(layer_ids)
+
+    pp = types.SimpleNamespace(is_last_rank=True)
+    shell = types.SimpleNamespace(config=types.SimpleNamespace(num_hidden_layers=num_layers),
+                                  pp_group=pp, model=TextModel(), language_model=TextModel(),
+                                  capture_aux_hidden_states=False)
+    saved = getattr(module, "get_parallel", None)   # minimax_m2 asks the parallel state
+    if saved is not None:
+        module.get_parallel = lambda: types.SimpleNamespace(pp_group=pp)
+    try:
+        cls.set_eagle3_layers_to_capture(shell, None if ids is None else list(ids))
+    finally:
+        if saved is not None:
+            module.get_parallel = saved
+    if shell.language_model.layers_to_capture is not None:
+        return ("forwards", shell.language_model.layers_to_capture)
+    assert shell.capture_aux_hidden_states, f"{cls.__name__} did not turn the capture on"
+    return shell.model.layers_to_capture
+
+
+def model_id_rules():
+    """Every row of the doctor's per-model rule table
+    (eagle_capture.layer_ids.rules.SGLANG_MODEL_RULES) for this wheel against the
+    wheel's own model classes: each architecture a model file registers
+    (EntryClass) whose class has set_eagle3_layers_to_capture, called on a shell
+    with ids that tell the rules apart. On a wheel the table was read from, every
+    class the shell can call must be in the table (and every row in the wheel)."""
+    import importlib
+    import pathlib
+
+    from sglang.srt import models as models_pkg   # a namespace package: no __file__
+
+    from eagle_capture.layer_ids.lines import parse_version
+    from eagle_capture.layer_ids.rules import (SGLANG_MODEL_RULES, WRAPPERS, _read_version,
+                                               apply_rule)
+
+    version = harness.sglang_version()
+    read = _read_version(parse_version(version))
+    table = SGLANG_MODEL_RULES[read]
+    seen, not_imported, not_in_table, uncallable = {}, [], [], []
+    for path in sorted(pathlib.Path(list(models_pkg.__path__)[0]).glob("*.py")):
+        if "def set_eagle3_layers_to_capture" not in path.read_text():
+            continue
+        try:
+            module = importlib.import_module(f"sglang.srt.models.{path.stem}")
+        except Exception as e:  # noqa: BLE001 - a GPU-only import on this CPU machine
+            not_imported.append(f"{path.stem}: {type(e).__name__}")
+            continue
+        entries = getattr(module, "EntryClass", [])
+        for cls in entries if isinstance(entries, (list, tuple)) else [entries]:
+            if not hasattr(cls, "set_eagle3_layers_to_capture"):
+                continue
+            try:
+                got = {str(ids): _call_model_rule(cls, module, ids) for ids in _RULE_PROBES}
+            except Exception:  # noqa: BLE001 - needs more than a shell (e.g. its layers)
+                uncallable.append(cls.__name__)
+                continue
+            arch = cls.__name__
+            if arch in WRAPPERS:
+                assert all(v == ("forwards", list(ids) if ids else None) or ids is None
+                           for ids, v in zip(_RULE_PROBES, got.values())), \
+                    f"{arch} does not forward the ids unchanged: {got}"
+                continue
+            if arch not in table:
+                not_in_table.append(arch)
+                continue
+            rule, owner = table[arch]
+            owning = next(c for c in cls.__mro__ if "set_eagle3_layers_to_capture" in c.__dict__)
+            assert f"{owning.__module__.rsplit('.', 1)[-1]}.{owning.__name__}" == owner, \
+                f"{arch}: the method is {owning.__module__}.{owning.__name__}'s, table: {owner}"
+            for ids in _RULE_PROBES:
+                want = apply_rule(rule, ids, 40)
+                assert got[str(ids)] == want, \
+                    f"{arch} ({owner}), ids {ids}: SGLang sets {got[str(ids)]}, table: {want}"
+            seen[arch] = rule
+    if read == version:
+        assert not not_in_table, f"classes of SGLang {version} missing from the table: " \
+                                 f"{not_in_table}"
+        missing = sorted(set(table) - set(seen))
+        assert not missing, f"table rows not found (or not callable) in SGLang {version}: " \
+                            f"{missing}"
+    return {"table": read, "rows_checked": len(seen), "not_in_table": not_in_table,
+            "needs_more_than_a_shell": uncallable, "not_importable_here": not_imported}
+
+
 def draft_config_reading():
     """Where the target reads the draft's ids, by running this wheel's own reader
     (0.5.18+: ``spec_aux_hidden_state._resolve_eagle_aux_hidden_state``; loading
@@ -836,6 +936,7 @@ SCENARIOS = {
     "install_after_torch_compiled": lambda: torch_compiled_install_order("after"),
     "piecewise_compiled": piecewise_compiled,
     "layer_id_rules": layer_id_rules,
+    "model_id_rules": model_id_rules,
     "draft_config_reading": draft_config_reading,
     "graph_order": graph_order,
     "drop_in_checks": drop_in_checks,

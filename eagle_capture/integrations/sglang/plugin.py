@@ -185,7 +185,7 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     else:
         try:
             diagnosis = diagnose(draft_ids, num_layers, sglang_version=version,
-                                 accept_defaults=True)
+                                 accept_defaults=True, architecture=type(model).__name__)
             report = diagnosis.format()
             if not diagnosis.ok:
                 problems.append("the doctor's verdict for this SGLang line:\n" + report)

@@ -32,9 +32,16 @@ def _config(tmp_path, ids, nested=True, name="config.json", arch="LlamaForCausal
     return path
 
 
-def _doctor(capsys, *argv):
-    """(exit code, stdout with its line wrapping undone, stderr)."""
-    code = doctor.main([str(a) for a in argv])
+def _doctor(capsys, *argv, defaults=True):
+    """(exit code, stdout with its line wrapping undone, stderr). ``defaults``: one
+    engine (SGLang unless named) and the output convention unless named, as the
+    cases below were written (both engines and the trainer's own convention are
+    the CLI's defaults: tests/test_trainers.py)."""
+    argv = [str(a) for a in argv]
+    if defaults:
+        argv += [] if "--engine" in argv else ["--engine", "sglang"]
+        argv += [] if "--id-convention" in argv else ["--id-convention", "output"]
+    code = doctor.main(argv)
     out = capsys.readouterr()
     assert all(len(line) <= doctor.WIDTH for line in out.out.splitlines()
                if not line.startswith(("draft:", "target:")))   # (tmp paths are long)
@@ -121,8 +128,11 @@ def test_top_level_ids_are_ignored_by_the_target(tmp_path, capsys):
     code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [1, 20, 40], nested=False),
                            "--num-layers", 61)
     assert code == 1
-    assert "draft ids read by SGLang's target" in out and "none (field absent)" in out
-    assert "IGNORES it" in out and "Move them into \"eagle_config\"" in out
+    assert "SGLang's target reads eagle_config.eagle_aux_hidden_state_layer_ids: none (field " \
+        "absent)" in out
+    assert "IGNORES it" in out
+    # The ids to write, by this target's rule (DeepseekV2 assumed: [1, 20, 40] +1 on every line).
+    assert "Write eagle_config.eagle_aux_hidden_state_layer_ids = [1, 20, 40]" in out
     assert out.count("layers_to_capture = [2, 30, 58] -> PROBLEM") == 3
     assert "the draft expects the output of layer 20" in out
     # The defaults coincide with them: what the draft receives is right (but noted).
@@ -333,10 +343,10 @@ def test_one_cli(tmp_path, capsys):
 # no shift; id num_layers = the last layer's output; top-level ids first.
 
 def test_vllm_specforge_ids_are_one_layer_early(tmp_path, capsys):
-    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [1, 29, 57]),
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [1, 29, 57], nested=False),
                            "--num-layers", 61, "--engine", "vllm")
     assert code == 1
-    assert "vLLM 0.32 - 0.33 (read from 0.32.0 (run), 0.33.0)" in out
+    assert "vLLM 0.32 - 0.33, model runners V1 and V2 (read from 0.32.0 (run), 0.33.0)" in out
     assert "aux_hidden_state_layers = [1, 29, 57] -> PROBLEM" in out
     assert "slot 0: vLLM captures the output of layer 0" in out
     assert "the draft expects the output of layer 1" in out
@@ -351,8 +361,9 @@ def test_vllm_input_convention_and_the_last_layer(tmp_path, capsys):
     """Ids written for vLLM's own rule match; id 61 (the last layer's output) exists
     in vLLM's rule, not in SGLang's."""
     cfg = _config(tmp_path, [2, 30, 61])
-    code, out, _ = _doctor(capsys, "--draft-config", cfg, "--num-layers", 61, "--engine",
-                           "vllm", "--id-convention", "input")
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [2, 30, 61], nested=False,
+                                                             name="top.json"),
+                           "--num-layers", 61, "--engine", "vllm", "--id-convention", "input")
     assert code == 0, out
     assert "slot 2: vLLM captures the output of layer 60 (the last layer, before the final " \
            "norm): matches" in out
@@ -369,9 +380,35 @@ def test_vllm_reads_the_top_level_ids_first(tmp_path, capsys):
     code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61, "--engine",
                            "vllm", "--id-convention", "input")
     assert "aux_hidden_state_layers = [2, 30, 58]" in out
-    assert "vLLM's runner reads the top-level ones" in out
+    assert "vLLM's runners read the top-level ones" in out
     code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61)
     assert "layers_to_capture = [2, 30, 58]" in out     # SGLang 0.5.13+: eagle_config's + 1
+
+
+def test_vllm_runner_v2_never_reads_eagle_configs_ids(tmp_path, capsys):
+    """Ids only in eagle_config (as SpecForge, Model Optimizer and TorchSpec write them):
+    vLLM's default model runner (V2) captures its defaults, the V1 runner the ids. Both
+    readings are checked against vLLM's own functions in tests/test_vllm_real.py
+    (doctor_rules)."""
+    code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [1, 3, 4]),
+                           "--num-layers", 61, "--engine", "vllm")
+    assert code == 1
+    assert "V2 (the top-level eagle_aux_hidden_state_layer_ids, else eagle_config.layer_ids " \
+           "(never eagle_config.eagle_aux_hidden_state_layer_ids)): none (field absent)" in out
+    assert "model runner V2 (vLLM's default) (read from 0.32.0 (run), 0.33.0): " \
+           "aux_hidden_state_layers = [2, 30, 58] -> PROBLEM" in out
+    assert "V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) (read from 0.32.0 (run), 0.33.0): " \
+           "aux_hidden_state_layers = [1, 3, 4] -> PROBLEM" in out
+    assert "Write the ids at the config's top level" in out
+    assert out.count("top level (vLLM's runners read it first; its default GPU runner reads no "
+                     "other key) = [2, 4, 5]") == 2
+    # eagle_config.layer_ids: read by V2 only.
+    path = tmp_path / "layer_ids.json"
+    path.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                "eagle_config": {"layer_ids": [2, 30, 58]}}))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61, "--engine",
+                           "vllm", "--id-convention", "input")
+    assert "V2 (the top-level" in out and "[2, 30, 58]; V1" in out
 
 
 def test_vllm_failures_and_defaults(tmp_path, capsys):

@@ -41,7 +41,8 @@ def test_readme_layer_loop_is_the_example():
 def test_readme_doctor_output_is_the_doctors():
     """The README's doctor blocks are what the doctor prints now."""
     for heading, want in (("The seed's case", 1), ("Ids written at the top level", 1),
-                          ("The seed's draft served by vLLM", 1)):
+                          ("The seed's draft served by vLLM", 1),
+                          ("A Llama-3-70B draft trained by SpecForge", 1)):
         block = _readme_block(heading)
         command, _, shown = block.partition("\n")
         assert command.startswith("$ eagle-capture doctor ")

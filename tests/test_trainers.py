@@ -1,0 +1,195 @@
+"""The doctor reads each trainer's ids in that trainer's own convention, on the
+configs the trainers' own exporters wrote (tests/data/trainer_configs, README
+there), and answers for both engines by default. Ambiguous provenance: the verdict
+under each reading, exit 1, and no fix outside the reading it belongs to."""
+
+import json
+import os
+
+import pytest
+
+from eagle_capture.layer_ids import doctor
+from eagle_capture.layer_ids.lines import read_draft_ids
+from eagle_capture.layer_ids.trainers import recognise
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "trainer_configs")
+
+
+def _path(folder, name):
+    return os.path.join(DATA, folder, name)
+
+
+def _doctor(capsys, *argv):
+    code = doctor.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    assert all(len(line) <= doctor.WIDTH for line in out.out.splitlines()
+               if not line.startswith(("draft:", "target:")) and DATA not in line)
+    return code, " ".join(out.out.split()), out.err
+
+
+def _target(tmp_path, arch, layers):
+    path = tmp_path / f"{arch}.json"
+    path.write_text(json.dumps({"architectures": [arch], "num_hidden_layers": layers,
+                                "hidden_size": 64}))
+    return path
+
+
+EXPORTED = sorted((folder, name) for folder in os.listdir(DATA)
+                  if os.path.isdir(os.path.join(DATA, folder))
+                  for name in os.listdir(os.path.join(DATA, folder)))
+TRAINER = {"specforge": "SpecForge", "speculators": "speculators",
+           "modelopt": "NVIDIA Model Optimizer", "torchspec": "TorchSpec",
+           "angelslim": "AngelSlim"}
+
+
+@pytest.mark.parametrize("folder,name", EXPORTED)
+def test_every_exported_config_is_recognised(folder, name):
+    p = recognise(read_draft_ids(_path(folder, name)), 61, "DeepseekV3ForCausalLM")
+    assert p.trainer == TRAINER[folder], (name, p)
+    assert p.evidence
+
+
+def test_speculators_ids_are_vllms_input_convention(capsys):
+    """A speculators draft (top-level [2, 30, 58], vLLM's own convention) on a 61-layer
+    DeepSeek-V3 target: right on both engines (it used to get MISMATCH and a fix to
+    [3, 31, 59] that would break it)."""
+    code, out, _ = _doctor(capsys, "--draft-config",
+                           _path("speculators", "Eagle3SpeculatorConfig_61layer_ids_2_30_58"
+                                 ".config.json"),
+                           "--num-layers", 61, "--target-architecture", "DeepseekV3ForCausalLM")
+    assert code == 0, out
+    assert "trainer: speculators (recognised from speculators_model_type" in out
+    assert "read as input convention" in out and "[3, 31, 59]" not in out
+    assert "verdict (SGLang): every line shown" in out and "verdict (vLLM): every line" in out
+
+
+def test_torchspec_vllm_conversion_is_ambiguous_and_never_gets_a_bare_fix(capsys):
+    """TorchSpec's --vllm conversion of its Kimi-K2.5 template ([2, 30, 58]): input
+    convention after conversion, or output convention natively; the converter
+    leaves no marker. Both verdicts, exit 1, each fix inside its reading;
+    --id-convention input decides (right everywhere)."""
+    path = _path("torchspec", "convert_to_hf_kimi_k25_vllm_flag.config.json")
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
+                           "--target-architecture", "KimiK25ForConditionalGeneration")
+    assert code == 1
+    assert "trainer: TorchSpec (recognised from _torchspec_version)" in out
+    assert "AMBIGUOUS" in out and "--id-convention output|input decides" in out
+    for engine in ("SGLang", "vLLM"):
+        section = out.split(f"verdict ({engine})")[0].rsplit("verdict (", 1)[-1]
+        first_reading = section.index("if the draft was trained in the input convention")
+        assert "fix for this line" not in section[:first_reading]
+        assert "if the draft was trained in the output convention" in section
+    assert "verdict (SGLang): AMBIGUOUS" in out
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
+                           "--target-architecture", "KimiK25ForConditionalGeneration",
+                           "--id-convention", "input", "--sglang-version", "0.5.23")
+    assert code == 0, out   # (SGLang 0.5.9 - 0.5.12 adds 1 to them: wrong there)
+    # The native export (the output-convention default) is not ambiguous.
+    code, out, _ = _doctor(capsys, "--draft-config",
+                           _path("torchspec", "convert_to_hf_kimi_k25_native_sglang.config.json"),
+                           "--num-layers", 61, "--engine", "sglang")
+    assert code == 0 and "AMBIGUOUS" not in out and "TorchSpec's native export" in out
+
+
+def test_model_optimizer_dumps_differ(capsys):
+    """Model Optimizer: HF dump (output convention) or its vLLM dump (ids unshifted):
+    ambiguous whatever the ids."""
+    code, out, _ = _doctor(capsys, "--draft-config",
+                           _path("modelopt", "EagleExporter_tiny_llama_8l_default_ids.config.json"),
+                           "--num-layers", 8, "--target-architecture", "LlamaForCausalLM")
+    assert code == 1
+    assert "NVIDIA Model Optimizer (recognised from eagle_config keys next_layer_regular" in out
+    assert "data from its Hugging Face dump" in out and "data from its vLLM dump" in out
+
+
+def test_angelslim_ids_are_in_a_key_no_engine_reads(tmp_path, capsys):
+    """AngelSlim's aux_hidden_states_layer_ids: both engines capture their defaults;
+    right only when the ids are its defaults; otherwise each engine's fix, in each
+    engine's key and rule (Llama: SGLang adds 1, vLLM does not)."""
+    path = _path("angelslim", "Eagle3LlamaForCausalLM_save_pretrained_template_with_aux_ids_1_3_4"
+                              ".config.json")
+    target = _target(tmp_path, "LlamaForCausalLM", 8)
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--target-config", target)
+    assert code == 0, out
+    assert "aux_hidden_states_layer_ids is read by no engine" in out
+    config = json.load(open(path))
+    config["aux_hidden_states_layer_ids"] = [2, 4, 6]
+    other = tmp_path / "angelslim.json"
+    other.write_text(json.dumps(config))
+    code, out, _ = _doctor(capsys, "--draft-config", other, "--target-config", target)
+    assert code == 1
+    assert "fix for this line: eagle_config.eagle_aux_hidden_state_layer_ids = [2, 4, 6]" in out
+    assert "top level (vLLM's runners read it first; its default GPU runner reads no other " \
+           "key) = [3, 5, 7]" in out
+
+
+def test_specforge_reads_what_its_sglang_captured(capsys, tmp_path):
+    """SpecForge 0.2.0 captures its data with SGLang 0.5.14's target model: on a
+    Llama target that is the output convention (one reading); on DeepSeek-V3 with
+    ids[0] != 1 (its own Kimi-K2.5 template: [2, 30, 58]) SGLang kept the ids while
+    its earlier HF backend took hidden_states[X + 1]: ambiguous."""
+    draft = tmp_path / "specforge.json"
+    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58],
+                                                  "use_aux_hidden_state": True}}))
+    llama = recognise(read_draft_ids(draft), 61, "LlamaForCausalLM")
+    assert not llama.ambiguous and llama.readings[0].expected == (3, 31, 59)
+    kimi = recognise(read_draft_ids(draft), 61, "KimiK25ForConditionalGeneration")
+    assert kimi.ambiguous
+    assert {r.expected for r in kimi.readings} == {(3, 31, 59), (2, 30, 58)}
+    assert recognise(read_draft_ids(draft), 61, "KimiK25ForConditionalGeneration",
+                     "input").readings[0].expected == (2, 30, 58)
+
+
+def test_safeailab_and_unrecognised_configs(tmp_path, capsys):
+    """SafeAILab EAGLE: no ids, layers hard-coded = the engines' defaults: OK with no
+    --accept-defaults. An unrecognised config whose ids are the input-convention
+    default is ambiguous; other ids are read in the output convention, said as
+    assumed."""
+    path = tmp_path / "safeailab.json"
+    path.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
+                                "draft_vocab_size": 32000, "hidden_size": 4096}))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 32,
+                           "--target-architecture", "LlamaForCausalLM")
+    assert code == 0, out
+    assert "SafeAILab EAGLE" in out and "hard-coded" in out
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"architectures": ["SomeEagle3Draft"],
+                                   "eagle_config": {"eagle_aux_hidden_state_layer_ids":
+                                                    [2, 16, 29], "extra": 1}}))
+    p = recognise(read_draft_ids(unknown), 32, "LlamaForCausalLM")
+    assert p.trainer == "" and p.ambiguous
+    unknown.write_text(json.dumps({"architectures": ["SomeEagle3Draft"],
+                                   "eagle_config": {"eagle_aux_hidden_state_layer_ids":
+                                                    [1, 15, 28], "extra": 1}}))
+    code, out, _ = _doctor(capsys, "--draft-config", unknown, "--num-layers", 32,
+                           "--target-architecture", "LlamaForCausalLM", "--engine", "sglang")
+    assert "not recognised from the config's keys" in out and "(ASSUMED)" in out and code == 0
+
+
+def test_one_run_answers_for_both_engines(tmp_path, capsys):
+    """A SpecForge Llama-3 draft (80 layers, its default ids [1, 39, 76]) moved from
+    SGLang to vLLM: right on SGLang; on vLLM the default runner (V2) never reads
+    eagle_config's ids and its defaults happen to be the same layers, the V1 runner
+    takes them one layer early; the fix is the top-level [2, 40, 77]."""
+    target = _target(tmp_path, "LlamaForCausalLM", 80)
+    draft = tmp_path / "draft.json"
+    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 39, 76],
+                                                  "use_aux_hidden_state": True}}))
+    code, out, _ = _doctor(capsys, "--draft-config", draft, "--target-config", target,
+                           "--sglang-version", "0.5.23")
+    assert code == 1
+    assert "verdict (SGLang): every line shown feeds the draft what it was trained on" in out
+    assert "model runner V2 (vLLM's default) (read from 0.32.0 (run), 0.33.0): " \
+           "aux_hidden_state_layers = [2, 40, 77] -> OK" in out
+    assert "aux_hidden_state_layers = [1, 39, 76] -> PROBLEM" in out
+    assert "default GPU runner reads no other key) = [2, 40, 77]" in out
+    code, out, _ = _doctor(capsys, "--draft-config", draft, "--target-config", target,
+                           "--engine", "sglang")
+    assert code == 0 and "verdict (vLLM)" not in out
+    with pytest.raises(SystemExit) as exit_:
+        doctor.main(["--draft-config", str(draft), "--target-config", str(target),
+                     "--engine", "sglang,trtllm"])
+    assert exit_.value.code == 2 and "expected sglang, vllm or sglang,vllm" in \
+        capsys.readouterr().err

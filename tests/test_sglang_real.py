@@ -33,7 +33,7 @@ SCENARIOS = ["same_as_sglang_fp32", "same_as_sglang_bf16", "same_as_sglang_bf16_
              # the SGLang plugin through each wheel's own load_plugins() and configure step
              "plugin_deepseek_v3", "plugin_kimi_k25", "plugin_off_and_broken",
              "plugin_refuses_wrong_ids", "plugin_self_check", "plugin_overflow",
-             "plugin_server_args"]
+             "plugin_server_args", "plugin_checks_every_target"]
 
 pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL") == "1",
                                 reason="EAGLE_CAPTURE_SKIP_SGLANG_REAL=1 (no PyPI here)")

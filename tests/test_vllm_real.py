@@ -46,8 +46,9 @@ def _overlay() -> str:
 
 
 def _env(**extra) -> dict:
+    # The harness's drafts name their ids in vLLM's own (input) convention.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([_overlay(), str(ROOT)]),
-               EAGLE_CAPTURE="1", VLLM_LOGGING_LEVEL="INFO")
+               EAGLE_CAPTURE="1", VLLM_LOGGING_LEVEL="INFO", EAGLE_CAPTURE_ID_CONVENTION="input")
     env.update(extra)
     env.pop("TRITON_INTERPRET", None)   # CPU tensors take the ops' torch path
     for name in ("EAGLE_CAPTURE_VERIFY", "EAGLE_CAPTURE_MAX_TOKENS", "EAGLE_CAPTURE_ON_PROBLEM",
@@ -168,6 +169,30 @@ def test_doctor_vllm_rule_is_vllms(results):
     for case in r["captured"]:
         assert case["matches"], case                  # id k: the input of layer k
     assert r["default_vllm"] == r["default_doctor"] == [2, 4, 5]
+
+
+def test_id_check_on_every_eagle3_target(results):
+    """vLLM's other EAGLE-3 architectures are the plugin's check-only subclasses of
+    vLLM's own classes; the ids vLLM passes are checked against the draft's trainer
+    convention before vLLM's own set_aux_hidden_state_layers runs."""
+    r = _result(results, "id_check")
+    built = {a: v for a, v in r["resolved"].items() if isinstance(v, dict)}
+    assert {"LlamaForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
+            "MiniMaxM2ForCausalLM"} <= set(built), r["resolved"]
+    for arch, v in built.items():
+        assert v["ours"] and v["subclass_of_vllms"] and v["eagle3"], (arch, v)
+    cases = r["cases"]
+    assert cases["speculators"]["status"] == "set" and cases["speculators"]["vllm_set"] == [2, 4, 5]
+    refused = cases["specforge_v1_runner"]
+    assert refused["status"].startswith("refused") and refused["vllm_set"] == []
+    assert "eagle_aux_hidden_state_layer_ids = [2, 4, 5] at the config's top level" in \
+        refused["status"]
+    assert cases["specforge_v2_runner"]["status"] == "set"       # vLLM's defaults: right
+    assert cases["specforge_install"]["vllm_set"] == [1, 3, 4]
+    assert any("PROBLEM" in m for m in cases["specforge_install"]["log"])
+    assert cases["modelopt"]["status"] == "set"
+    assert any("AMBIGUOUS" in m and "EAGLE_CAPTURE_ID_CONVENTION" in m
+               for m in cases["modelopt"]["log"]), cases["modelopt"]
 
 
 def test_tensor_parallel_2_on_gloo(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import logging
 import os
 import types
@@ -450,6 +451,103 @@ def plugin_server_args():
     return {"limits": str(limits), "return_hidden_states": out}
 
 
+# The start-up id check on other EAGLE-3 targets: (architecture, model file) whose
+# set_eagle3_layers_to_capture a shell can run (as scenarios.model_id_rules does).
+CHECKED_TARGETS = (("LlamaForCausalLM", "llama"), ("Qwen3MoeForCausalLM", "qwen3_moe"),
+                   ("GptOssForCausalLM", "gpt_oss"))
+
+
+def _shell_target(arch: str, module_name: str, num_layers: int = 40):
+    """A stand-in target named ``arch`` whose set_eagle3_layers_to_capture is the
+    wheel's own (the config, pipeline group and text model it reads)."""
+    module = importlib.import_module(f"sglang.srt.models.{module_name}")
+    method = getattr(module, arch).set_eagle3_layers_to_capture
+
+    class TextModel:
+        layers_to_capture = None
+        layers = [None] * num_layers
+
+        def set_eagle3_layers_to_capture(self, layer_ids):   # qwen3_moe delegates
+            self.layers_to_capture = list(layer_ids)
+
+    shell = type(arch, (), {"set_eagle3_layers_to_capture": method})()
+    shell.config = types.SimpleNamespace(num_hidden_layers=num_layers, hidden_size=64)
+    shell.pp_group = types.SimpleNamespace(is_last_rank=True)
+    shell.model = TextModel()
+    shell.capture_aux_hidden_states = False
+    return shell
+
+
+def plugin_checks_every_target():
+    """The plugin's start-up id check on Llama, Qwen3-MoE and GPT-OSS targets (the
+    wheel's own set_eagle3_layers_to_capture and configure step): the layers SGLang
+    set against the draft's trainer convention, read from its config.json. Right:
+    served by SGLang's own capture (nothing installed); wrong under every reading:
+    refused with the ids to write; ambiguous: a warning."""
+    skip = _skip_without_plugins()
+    if skip:
+        return skip
+    import tempfile
+
+    from eagle_capture.integrations.sglang import dropin
+    from eagle_capture.integrations.sglang.dropin import WrongCaptureLayers
+
+    def draft(folder, config):
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f)
+        return types.SimpleNamespace(speculative_draft_model_path=folder,
+                                     speculative_draft_model_revision=None)
+
+    specforge = {"architectures": ["LlamaForCausalLMEagle3"],
+                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 19, 36],
+                                  "use_aux_hidden_state": True}}
+    speculators = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                   "speculators_config": {"algorithm": "eagle3"},
+                   "eagle_aux_hidden_state_layer_ids": [5, 10, 15]}
+    modelopt = {"architectures": ["LlamaForCausalLMEagle3"],
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 19, 36],
+                                 "next_layer_regular": True, "parallel_draft_step": 1}}
+    out, saved = {}, dropin._server_args
+    work = tempfile.mkdtemp(prefix="eagle_checks_")
+    try:
+        for arch, module_name in CHECKED_TARGETS:
+            got = {}
+            for case, config, env, expect in (
+                    ("specforge", specforge, {}, "ok"),
+                    ("specforge_told_input", specforge, {"EAGLE_CAPTURE_ID_CONVENTION": "input"},
+                     "refused"),
+                    ("modelopt", modelopt, {}, "ambiguous"),
+                    ("speculators_top_level", speculators, {}, "refused")):
+                args = draft(os.path.join(work, f"{arch}_{case}"), config)
+                dropin._server_args = lambda: args
+                ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+                model = _shell_target(arch, module_name)
+                with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
+                                    **env) as log:
+                    try:
+                        configure(model, ids)
+                    except WrongCaptureLayers as e:
+                        got[case] = ("refused", str(e))
+                    else:
+                        text = log.text(logging.INFO)
+                        status = "ambiguous" if "layer ids AMBIGUOUS" in text else \
+                            "ok" if "what the draft was trained on" in text else "?"
+                        assert "SGLang's own capture serves this model" in text, text
+                        got[case] = (status, text)
+                assert model.capture_aux_hidden_states, f"{arch} {case}: SGLang's capture off"
+                assert got[case][0] == expect, (arch, case, got[case])
+            # The refusals name the ids to write, by this model's own rule.
+            told = got["specforge_told_input"][1]
+            assert "eagle_config.eagle_aux_hidden_state_layer_ids = [1, 19, 36]" in told, told
+            top = got["speculators_top_level"][1]
+            assert "speculators" in top and "[5, 10, 15]" in top, top
+            out[arch] = {case: status for case, (status, _) in got.items()}
+    finally:
+        dropin._server_args = saved
+    return out
+
+
 SCENARIOS = {
     "plugin_deepseek_v3": lambda: plugin_installs("DeepseekV3ForCausalLM"),
     "plugin_kimi_k25": lambda: plugin_installs("KimiK25ForConditionalGeneration"),
@@ -458,4 +556,5 @@ SCENARIOS = {
     "plugin_self_check": plugin_self_check,
     "plugin_overflow": plugin_overflow,
     "plugin_server_args": plugin_server_args,
+    "plugin_checks_every_target": plugin_checks_every_target,
 }

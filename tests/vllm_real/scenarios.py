@@ -505,8 +505,91 @@ def doctor_rules():
             "default_doctor": default_capture_layers(8)}
 
 
+def id_check():
+    """The start-up id check on vLLM's other EAGLE-3 targets: the plugin re-registers
+    each architecture of CHECKED_ARCHITECTURES as a check-only subclass of vLLM's own
+    class (EAGLE-3 interface intact); on vLLM's LlamaForCausalLM (a shell holding
+    vLLM's EagleModelMixin text model) the ids vLLM's runner passes are checked
+    against the draft's config.json, then vLLM's own set_aux_hidden_state_layers runs."""
+    import torch.nn as nn
+    from transformers import LlamaConfig
+    from vllm import ModelRegistry
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.interfaces import EagleModelMixin, supports_eagle3
+
+    from eagle_capture.integrations.vllm import checked
+    from eagle_capture.integrations.vllm.plugin import CHECKED_ARCHITECTURES
+
+    folder = h.write_draft_config(os.path.join(WORK, "draft_id_check"), ids=[1, 4, 8])
+    vc, _ = _setup(draft=folder)
+    resolved = {}
+    for arch in CHECKED_ARCHITECTURES:
+        cls = ModelRegistry._try_load_model_cls(arch)
+        if cls is None:
+            resolved[arch] = "not importable on this machine"
+            continue
+        base = cls.__mro__[2]
+        resolved[arch] = {"ours": cls.__module__ == checked.__name__, "name": cls.__name__,
+                          "base": f"{base.__module__}.{base.__name__}",
+                          "subclass_of_vllms": issubclass(cls, base) and
+                          base.__module__.startswith("vllm.model_executor.models."),
+                          "eagle3": bool(supports_eagle3(cls))}
+
+    def write(config):
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f)
+
+    def run(ids, env=None):
+        cls = ModelRegistry._try_load_model_cls("LlamaForCausalLM")
+        shell = cls.__new__(cls)
+        nn.Module.__init__(shell)
+        shell.config = LlamaConfig(num_hidden_layers=8, hidden_size=64)
+        shell.model = EagleModelMixin()
+        shell.model.start_layer = 0
+        # The trainer's markers decide here (the other scenarios' drafts say "input").
+        env = {"EAGLE_CAPTURE_ID_CONVENTION": "auto", **(env or {})}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        del LOG.lines[:]
+        try:
+            with set_current_vllm_config(vc):
+                shell.set_aux_hidden_state_layers(ids)
+            status = "set"
+        except checked.WrongCaptureLayers as e:
+            status = f"refused: {e}"
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        return {"status": status, "vllm_set": list(shell.model.aux_hidden_state_layers),
+                "log": [m for m in LOG.lines if "layer ids" in m or "PROBLEM" in m]}
+
+    speculators = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                   "speculators_config": {"algorithm": "eagle3"},
+                   "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
+    specforge = {"architectures": ["LlamaForCausalLMEagle3"],
+                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+                                  "use_aux_hidden_state": True}}
+    modelopt = {"architectures": ["LlamaForCausalLMEagle3"],
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+                                 "next_layer_regular": True, "parallel_draft_step": 1}}
+    cases = {}
+    write(speculators)
+    cases["speculators"] = run((2, 4, 5))
+    write(specforge)
+    cases["specforge_v1_runner"] = run((1, 3, 4))      # V1 reads eagle_config's ids
+    cases["specforge_v2_runner"] = run((2, 4, 5))      # V2 reads none: vLLM's defaults
+    cases["specforge_install"] = run((1, 3, 4), {"EAGLE_CAPTURE_ON_PROBLEM": "install"})
+    write(modelopt)
+    cases["modelopt"] = run((1, 3, 4))
+    return {"resolved": resolved, "cases": cases}
+
+
 SCENARIOS = {f.__name__: f for f in (plugin_registry, same_as_vllm_fp32, same_as_vllm_bf16,
-                                     refusals, self_check, overflow, compiled, doctor_rules)}
+                                     refusals, self_check, overflow, compiled, doctor_rules,
+                                     id_check)}
 
 
 def main(argv=None):

@@ -142,18 +142,20 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     layer ids would feed the draft wrongly and ``EAGLE_CAPTURE_ON_PROBLEM`` is
     ``refuse``."""
     from eagle_capture.integrations.sglang import dropin
-    from eagle_capture.layer_ids.doctor import diagnose, line_of
-    from eagle_capture.layer_ids.plan import CapturePlanError
     from eagle_capture.integrations.sglang.sizing import describe, read_limits, size_buffer_for
 
     if not eagle3 or model is None:
         return None   # not the EAGLE-3 target's runner
-    try:
-        causal_lm, path = dropin.text_model_of(model)
-    except TypeError as e:
-        logger.warning("eagle_capture: not applicable here, SGLang's own capture stays: %s", e)
+    site = capture_site(model)
+    if site is None:
+        logger.warning("eagle_capture: %s has no .model.layers_to_capture (or a "
+                       ".language_model holding one): its layer ids are not checked and "
+                       "SGLang's own capture stays", type(model).__name__)
         return None
-    if dropin.reapply_after_reconfigure(model):
+    causal_lm, num_layers, hidden = site
+    path = "" if causal_lm is model else ".language_model"
+    deepseek = type(model).__name__ in FUSED_ARCHITECTURES
+    if deepseek and dropin.reapply_after_reconfigure(model):
         logger.info("eagle_capture: layers to capture set again by SGLang; the fused capture "
                     "stays on")
         return causal_lm._eagle_capture.buffer
@@ -164,35 +166,21 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     policy = on_problem(env)
     args = server_args if server_args is not None else dropin._server_args()
     version = _sglang_version()
-    num_layers = int(causal_lm.config.num_hidden_layers)
     layers = list(causal_lm.model.layers_to_capture)
-    hidden = int(causal_lm.config.hidden_size)
 
     problems = []
-    try:
-        dropin.check_capture_layers(layers, getattr(causal_lm.model, "start_layer", 0),
-                                    getattr(causal_lm.model, "end_layer", num_layers),
-                                    allow_embedding=False)
-    except dropin.WrongCaptureLayers as e:
-        problems.append(str(e).replace("eagle_capture: ", "", 1))
-    draft_config = read_draft_config(args)
-    problems += draft_config_problems(draft_config, draft_ids, layers, hidden)
-    try:
-        line_of(version)
-    except (CapturePlanError, ValueError):
-        logger.warning("eagle_capture: no doctor rules for SGLang %r: the layer ids are checked "
-                       "only for duplicates, range and the pipeline stage", version)
-    else:
+    if deepseek:
         try:
-            diagnosis = diagnose(draft_ids, num_layers, sglang_version=version,
-                                 accept_defaults=True, architecture=type(model).__name__)
-            report = diagnosis.format()
-            if not diagnosis.ok:
-                problems.append("the doctor's verdict for this SGLang line:\n" + report)
-            else:
-                logger.info("eagle_capture: doctor for SGLang %s:\n%s", version, report)
-        except CapturePlanError as e:
-            problems.append(f"the draft's ids {draft_ids!r} cannot be read: {e}")
+            dropin.check_capture_layers(layers, getattr(causal_lm.model, "start_layer", 0),
+                                        getattr(causal_lm.model, "end_layer", num_layers),
+                                        allow_embedding=False)
+        except dropin.WrongCaptureLayers as e:
+            problems.append(str(e).replace("eagle_capture: ", "", 1))
+    draft_config = read_draft_config(args)
+    if deepseek:
+        problems += draft_config_problems(draft_config, draft_ids, layers, hidden)
+    problems += id_problems(layers, num_layers, draft_config, draft_ids, type(model).__name__,
+                            version, env)
 
     if problems and policy == "refuse":
         raise dropin.WrongCaptureLayers(
@@ -203,6 +191,11 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     for problem in problems:
         logger.error("eagle_capture: PROBLEM (%s=install: serving anyway): %s",
                      ON_PROBLEM, problem)
+    if not deepseek:
+        logger.info("eagle_capture: %s: layer ids checked; the fused capture is built for "
+                    "SGLang's DeepseekV2 loop (%s) only, SGLang's own capture serves this model",
+                    type(model).__name__, ", ".join(FUSED_ARCHITECTURES))
+        return None
 
     limits = read_limits(args, runner)
     try:
@@ -249,6 +242,75 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
         f"; self-check of the first {state.verify_total} eager forwards"
         if state.verify_total else "")
     return buffer
+
+
+# The targets the fused capture installs on: SGLang's DeepseekV2 loop. Every other
+# EAGLE-3 target gets the start-up id check and keeps SGLang's own capture.
+FUSED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                       "KimiK25ForConditionalGeneration")
+
+
+def capture_site(model):
+    """(the causal LM whose ``.model`` holds ``layers_to_capture``, the target's layer
+    count, hidden size) for any SGLang EAGLE-3 target: the model itself or its
+    ``.language_model`` (multimodal wrappers); None if neither has one."""
+    for holder in (model, getattr(model, "language_model", None)):
+        inner = getattr(holder, "model", None)
+        if inner is None or not hasattr(inner, "layers_to_capture"):
+            continue
+        config = getattr(holder, "config", None) or getattr(model, "config", None)
+        text = getattr(config, "text_config", None) or config
+        layers = getattr(text, "num_hidden_layers", None)
+        if not isinstance(layers, int):
+            layers = len(getattr(inner, "layers", []))
+        return holder, int(layers), int(getattr(text, "hidden_size", 0) or 0)
+    return None
+
+
+def id_problems(layers, num_layers: int, draft_config: Optional[dict], draft_ids,
+                architecture: str, version: str, env=os.environ) -> list[str]:
+    """The start-up id check (:mod:`eagle_capture.layer_ids.startup`): the layers
+    SGLang set against what the draft was trained on, in its trainer's convention.
+    A problem is returned; an ambiguous or unknown answer is logged as a warning,
+    a table that predicted other layers than SGLang set as one too."""
+    from eagle_capture.layer_ids import startup
+    from eagle_capture.layer_ids.doctor import fix_ids
+    from eagle_capture.layer_ids.lines import IDS_KEY, CapturePlanError, line_of, parse_version
+    from eagle_capture.layer_ids.rules import sglang_model_rule
+
+    try:
+        rule = sglang_model_rule(parse_version(version), architecture)
+        line = line_of(version).for_model(rule)
+    except (CapturePlanError, ValueError):
+        rule = line = None
+    if line is not None and rule is not None and draft_ids is not None:
+        predicted = sorted(line.capture_layers(list(draft_ids), num_layers))
+        if predicted != sorted(layers):
+            logger.warning("eagle_capture: the doctor's rule for %s on SGLang %s predicts layers "
+                           "%s for ids %s, SGLang set %s: the check below uses what SGLang set; "
+                           "the doctor's table needs this model re-read", architecture, version,
+                           predicted, list(draft_ids), sorted(layers))
+
+    def fix(expected):
+        ids = fix_ids(line, expected, num_layers) if line is not None else None
+        return (f"eagle_config.{IDS_KEY} = {ids}" if ids is not None else
+                f"ids that make SGLang capture layers {expected} "
+                f"(`eagle-capture doctor --engine sglang`)")
+
+    config = draft_config
+    if config is None and draft_ids is not None:   # the config is not visible: SGLang's ids
+        config = {"eagle_config": {IDS_KEY: list(draft_ids)}}
+    try:
+        verdict = startup.check("SGLang", layers, num_layers, config, architecture, fix, env)
+    except ValueError as e:
+        raise PluginError(f"eagle_capture: {e}") from None
+    if verdict.status == "problem":
+        return [verdict.text]
+    if verdict.status == "ok":
+        logger.info("eagle_capture: layer ids: %s", verdict.text)
+    else:
+        logger.warning("eagle_capture: layer ids %s: %s", verdict.status.upper(), verdict.text)
+    return []
 
 
 def check_memory(elements: int, causal_lm) -> None:
@@ -363,27 +425,10 @@ def _sglang_version() -> str:
 def read_draft_config(server_args) -> Optional[dict]:
     """The draft's ``config.json`` as SGLang will load it (a local folder, or the
     Hugging Face cache); None when it cannot be seen from here."""
-    path = getattr(server_args, "speculative_draft_model_path", None)
-    if not path:
-        return None
-    candidates = [os.path.join(path, "config.json")] if os.path.isdir(path) else []
-    if not candidates:
-        try:
-            from huggingface_hub import try_to_load_from_cache
-            cached = try_to_load_from_cache(
-                path, "config.json",
-                revision=getattr(server_args, "speculative_draft_model_revision", None))
-            if isinstance(cached, str):
-                candidates.append(cached)
-        except Exception:  # noqa: BLE001 - no hub, or not cached
-            pass
-    for candidate in candidates:
-        try:
-            with open(candidate) as f:
-                return json.load(f)
-        except (OSError, ValueError) as e:
-            logger.warning("eagle_capture: cannot read the draft config %s: %s", candidate, e)
-    return None
+    from eagle_capture.layer_ids.startup import find_draft_config
+
+    return find_draft_config(getattr(server_args, "speculative_draft_model_path", None),
+                             getattr(server_args, "speculative_draft_model_revision", None))
 
 
 def draft_config_problems(config: Optional[dict], draft_ids, layers: list[int],

@@ -53,6 +53,7 @@ from vllm.sequence import IntermediateTensors
 from eagle_capture import ops
 from eagle_capture.buffer import AuxCaptureBuffer
 from eagle_capture.integrations import settings
+from eagle_capture.integrations.vllm.checked import WrongCaptureLayers, check_draft_ids
 from eagle_capture.integrations.vllm.plugin import log as _log
 
 __all__ = ["CaptureState", "EagleCaptureDeepseekV2ForCausalLM",
@@ -60,11 +61,6 @@ __all__ = ["CaptureState", "EagleCaptureDeepseekV2ForCausalLM",
 
 # The key of the install in vLLM's additional_config, which its compile-cache key hashes.
 ADDITIONAL_CONFIG_KEY = "eagle_capture"
-
-
-class WrongCaptureLayers(ValueError):
-    """Layer ids that vLLM's own capture gets wrong too (the draft would not
-    receive what it was trained on, or the server fails later): refused."""
 
 
 class UnsupportedServer(ValueError):
@@ -378,6 +374,7 @@ def install(causal_lm, layers) -> CaptureState:
     problem = draft_width_problem(vllm_config, len(captured), hidden)
     if problem:
         raise WrongCaptureLayers(f"eagle_capture: {problem}")
+    check_draft_ids(causal_lm, layers, vllm_config)   # what the draft was trained on
     decoder_layers = [model.layers[i] for i in range(model.start_layer, model.end_layer)]
     if any(getattr(layer, "use_sequence_parallel_moe", False) for layer in decoder_layers):
         raise UnsupportedServer("sequence-parallel MoE: the captured rows are token-scattered "
@@ -423,7 +420,6 @@ def install(causal_lm, layers) -> CaptureState:
         _log().warning("eagle_capture: vLLM's additional_config is not a dict here: set "
                        "VLLM_DISABLE_COMPILE_CACHE=1 so that no graph compiled without the "
                        "capture is loaded")
-    _log_draft_ids(vllm_config, captured, num_layers)
     nbytes = buffer.aux.numel() * buffer.aux.element_size()
     default = tuple(captured) == (2, num_layers // 2, num_layers - 3)
     _log().info(
@@ -437,26 +433,6 @@ def install(causal_lm, layers) -> CaptureState:
         "traced into vLLM's torch.compile graph" if compiled else "eager",
         f"; self-check of the first {state.verify_total} forwards" if state.verify_total else "")
     return state
-
-
-def _log_draft_ids(vllm_config, captured: list[int], num_layers: int) -> None:
-    """The field's two silent id failures, said at start-up: a draft without ids
-    (vLLM falls back to its defaults), and vLLM's id rule vs SpecForge's."""
-    draft = _draft_hf_config(vllm_config)
-    if draft is None:
-        return
-    named = getattr(draft, "eagle_aux_hidden_state_layer_ids", None) or _nested_ids(draft)
-    if not named:
-        _log().warning("eagle_capture: the draft config names no eagle_aux_hidden_state_layer_ids:"
-                       " vLLM captures its defaults %s; a draft trained on other layers serves "
-                       "with collapsed acceptance and no error. Check with `eagle-capture doctor "
-                       "--engine vllm`", captured)
-        return
-    _log().info("eagle_capture: vLLM captures id k as the input of layer k: ids %s = the "
-                "outputs of layers %s. A draft trained by SpecForge (id X = the output of layer "
-                "X) with these ids expects the outputs of layers %s: ids %s in vLLM "
-                "(`eagle-capture doctor --engine vllm` shows both)", captured,
-                [k - 1 for k in captured], captured, [k + 1 for k in captured])
 
 
 def uninstall(causal_lm) -> None:

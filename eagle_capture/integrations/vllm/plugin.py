@@ -23,6 +23,10 @@ itself is installed when vLLM's model runner sets the layers to capture
 draft are loaded, before the first forward -- hence before vLLM's torch.compile
 traces the model (it compiles lazily, at the profile run) and before any CUDA
 graph is captured. A model without EAGLE-3 is never asked and runs as vLLM's own.
+vLLM's other EAGLE-3 targets (``CHECKED_ARCHITECTURES``: Llama, Qwen2/3, Qwen3-MoE,
+GPT-OSS, MiniMax-M2, ...) are re-registered as check-only classes
+(:mod:`eagle_capture.integrations.vllm.checked`): the same start-up id check, vLLM's
+own capture.
 
 ``EAGLE_CAPTURE_ON_PROBLEM=refuse`` (default): ids vLLM's own capture would get
 wrong stop the server at start-up with the reason; ``install``: logged as an
@@ -57,7 +61,19 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "EagleCaptureDeepseekV3ForCausalLM",
 }
 
-__all__ = ["ARCHITECTURES", "PluginError", "register"]
+# vLLM's other EAGLE-3 targets (classes with SupportsEagle3 in vllm 0.32, the families
+# served with EAGLE-3): the start-up id check only (eagle_capture.integrations.vllm.checked),
+# vLLM's own capture. tests/test_vllm_real.py checks each against vLLM's registry.
+CHECKED_MODULE = "eagle_capture.integrations.vllm.checked"
+CHECKED_ARCHITECTURES = (
+    "LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "GptOssForCausalLM",
+    "MiniMaxM2ForCausalLM", "Phi3ForCausalLM", "Gemma4ForCausalLM", "Llama4ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration", "Llama4ForConditionalGeneration",
+)
+
+__all__ = ["ARCHITECTURES", "CHECKED_ARCHITECTURES", "PluginError", "register"]
 
 
 def register() -> None:
@@ -72,8 +88,16 @@ def register() -> None:
 
         for arch, cls in ARCHITECTURES.items():
             ModelRegistry.register_model(arch, f"{MODEL_MODULE}:{cls}")
-        log().info("eagle_capture: on (%s=1): vLLM's %s use the fused EAGLE-3 capture",
-                    SWITCH, " and ".join(ARCHITECTURES))
+        checked = []
+        for arch in CHECKED_ARCHITECTURES:
+            # Only where the registry still holds vLLM's own class (not another plugin's).
+            entry = ModelRegistry.models.get(arch)
+            if getattr(entry, "module_name", "").startswith("vllm.model_executor.models."):
+                ModelRegistry.register_model(arch, f"{CHECKED_MODULE}:{arch}")
+                checked.append(arch)
+        log().info("eagle_capture: on (%s=1): vLLM's %s use the fused EAGLE-3 capture; the "
+                    "layer ids of %d other EAGLE-3 architectures are checked at start-up",
+                    SWITCH, " and ".join(ARCHITECTURES), len(checked))
     except Exception as e:  # noqa: BLE001 - vLLM would log a bare traceback
         log().error("eagle_capture: the vLLM plugin could not register, vLLM's own capture "
                      "stays: %s: %s", type(e).__name__, e)

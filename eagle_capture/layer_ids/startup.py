@@ -1,0 +1,111 @@
+"""The start-up id check both plugins run on every EAGLE-3 target: the layers the
+engine has just set to capture, against the layers the draft was trained on (read
+from the draft's exported config in its trainer's convention,
+:mod:`eagle_capture.layer_ids.trainers`).
+
+It compares what the engine really set (SGLang's ``layers_to_capture`` after the
+model's own ``set_eagle3_layers_to_capture``; the ids vLLM's runner passes to
+``set_aux_hidden_state_layers``), so it holds for model classes whose rule the
+doctor's table has not read. Outcomes: ``ok``; ``problem`` (the server should not
+start: every reading of the ids says the draft gets other layers); ``ambiguous``
+(right under one reading, wrong under another: a warning naming
+``EAGLE_CAPTURE_ID_CONVENTION``); ``unknown`` (no ids and no trainer default known,
+or the draft's config is not visible).
+"""
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from eagle_capture.layer_ids.lines import CapturePlanError, read_draft_ids
+from eagle_capture.layer_ids.trainers import CONVENTIONS, recognise
+
+ID_CONVENTION = "EAGLE_CAPTURE_ID_CONVENTION"   # auto (default) | output | input
+
+
+@dataclass(frozen=True)
+class StartupCheck:
+    status: str          # "ok" | "problem" | "ambiguous" | "unknown"
+    text: str
+
+
+def id_convention(env=os.environ) -> str:
+    value = env.get(ID_CONVENTION, "auto").strip().lower() or "auto"
+    if value not in CONVENTIONS:
+        raise ValueError(f"{ID_CONVENTION}={env.get(ID_CONVENTION)!r}: expected auto, output "
+                         f"or input")
+    return value
+
+
+def find_draft_config(path: Optional[str], revision: Optional[str] = None) -> Optional[dict]:
+    """The draft's own ``config.json`` (a local folder, or the Hugging Face cache),
+    as its exporter wrote it (the engines' parsed configs drop trainer keys: vLLM
+    rebuilds a speculators config); None when it cannot be seen from here."""
+    if not path:
+        return None
+    candidates = [os.path.join(path, "config.json")] if os.path.isdir(path) else []
+    if not candidates:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+            cached = try_to_load_from_cache(path, "config.json", revision=revision)
+            if isinstance(cached, str):
+                candidates.append(cached)
+        except Exception:  # noqa: BLE001 - no hub, or not cached
+            pass
+    for candidate in candidates:
+        try:
+            with open(candidate) as f:
+                loaded = json.load(f)
+            return loaded if isinstance(loaded, dict) else None
+        except (OSError, ValueError) as e:
+            logging.getLogger("eagle_capture").warning(
+                "eagle_capture: cannot read the draft config %s: %s", candidate, e)
+            return None
+    return None
+
+
+def check(engine: str, captured: Sequence[int], num_layers: int,
+          draft_config: Optional[dict], architecture: str = "", fix=None,
+          env=os.environ) -> StartupCheck:
+    """``engine`` ("SGLang" / "vLLM") has set ``captured`` (capture layers: c = the
+    input of layer c) on a target of ``num_layers`` layers; is that what the draft
+    (``draft_config``, the exported ``config.json``) was trained on? ``fix(expected)``
+    says which ids to write for ``expected`` capture layers on this engine."""
+    captured = tuple(sorted(captured))
+    if draft_config is None:
+        return StartupCheck("unknown", f"{engine} captures layers {list(captured)}; the draft's "
+                                       f"config.json is not visible here: not checked against "
+                                       f"what the draft was trained on")
+    try:
+        draft = read_draft_ids(draft_config)
+        provenance = recognise(draft, num_layers, architecture, id_convention(env))
+    except (CapturePlanError, ValueError) as e:
+        return StartupCheck("problem", f"the draft config cannot be read: {e}")
+    said = provenance.describe()
+    known = [r for r in provenance.readings if r.expected is not None]
+    if not known:
+        return StartupCheck("unknown", f"{said}. {engine} captures its defaults "
+                                       f"{list(captured)}: a draft trained on other layers "
+                                       f"serves with collapsed acceptance and no error")
+    right = [r for r in known if r.expected == captured]
+    if right and len({r.expected for r in known}) == 1:
+        return StartupCheck("ok", f"{said}. {engine} captures layers {list(captured)}: what the "
+                                  f"draft was trained on")
+    if right:
+        wrong = [r for r in known if r.expected != captured]
+        return StartupCheck("ambiguous", (
+            f"{said}. {engine} captures layers {list(captured)}: right if the draft was trained "
+            f"in the {right[0].label}, wrong in the "
+            + " or ".join(f"{r.label} (it expects {list(r.expected)}"
+                          + (f"; write {fix(list(r.expected))}" if fix else "") + ")"
+                          for r in wrong)
+            + f". Set {ID_CONVENTION}=output|input to say which (or check with "
+              f"`eagle-capture doctor`)"))
+    fixes = "; ".join(f"if trained in the {r.label}: {fix(list(r.expected))}" for r in known) \
+        if fix else ""
+    return StartupCheck("problem", (
+        f"{said}. {engine} captures layers {list(captured)} (inputs of those layers), but the "
+        f"draft was trained on " + " or ".join(str(list(r.expected)) for r in known)
+        + ": expect acceptance to collapse" + (f". Fix: {fixes}" if fixes else "")))

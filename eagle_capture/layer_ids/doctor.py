@@ -1,27 +1,33 @@
-"""The layer-id doctor: what will SGLang feed this EAGLE-3 draft, per release
-line and deployment, and is it what the draft was trained on?
+"""The layer-id doctor: what will SGLang and vLLM feed this EAGLE-3 draft, per
+release line, runner and deployment, and is it what the draft was trained on?
 
     eagle-capture doctor --draft-config <draft folder> --target-config <target folder>
     eagle-capture doctor --draft-config draft/config.json --num-layers 61 --tp 8 \\
-        --sglang-version 0.5.23
+        --sglang-version 0.5.23 --engine sglang
     python -m eagle_capture.layer_ids.doctor ...          (the same)
 
-For each SGLang line (or the one ``--sglang-version`` is in) it prints the
-layers SGLang captures for the draft config's ids -- read exactly as SGLang's
-target reads them -- each slot in both conventions, what the draft expects
-there, a verdict, and for a PROBLEM the ids that would fix it on that line; then
-what the deployment (``--tp``, ``--allreduce-fusion``, ``--dp-attention``,
-``--pp``, ``--cuda-graph``, ``--torch-compile``) does to the captured rows, for
-SGLang's own capture and for the fused drop-in, each verdict naming the code it
+First it names who exported the draft (SpecForge, speculators, NVIDIA Model
+Optimizer, TorchSpec, AngelSlim, SafeAILab EAGLE: :mod:`.trainers`, from the
+config's own keys) and the layers its ids were trained on, in that trainer's
+convention. Then, for each engine (``--engine sglang,vllm``, both by default):
+each SGLang line (or the one ``--sglang-version`` is in), with the target model's
+own id rule (:mod:`.rules`), and vLLM's runners (V2 and V1 read the ids in
+different places: :class:`~eagle_capture.layer_ids.lines.VLLMLine`) -- the layers
+captured, each slot in both conventions, what the draft expects there, a
+verdict, and for a PROBLEM the ids that fix it there; then what the deployment
+(``--tp``, ``--allreduce-fusion``, ``--dp-attention``, ``--pp``, ``--cuda-graph``,
+``--torch-compile``) does to the captured rows, each verdict naming the code it
 rests on and the test that runs that wheel.
 
-``--engine vllm``: vLLM's rule instead (ids read top-level first, id k = the
-input of layer k, no shift; :class:`~eagle_capture.layer_ids.lines.VLLMLine`),
-with ``--id-convention`` saying how the draft's ids name layers, and vLLM's
-deployment verdicts.
+Where the trainer's markers cannot decide how the ids were meant (Model
+Optimizer's two dumps, TorchSpec's ``--vllm`` conversion, an unrecognised config
+whose ids are the input-convention default), every reading gets its verdict, no
+fix is printed outside the reading it belongs to, and the exit status is 1 until
+``--id-convention output|input`` decides.
 
 Exit status: 0 the draft receives what it was trained on on every line shown;
-1 it does not, or it cannot be known (no ids without ``--accept-defaults``);
+1 it does not, or it cannot be known (no ids without ``--accept-defaults``; an
+ambiguous reading);
 2 unusable input (unreadable or malformed config, a target config passed as the
 draft's, a version older than every line read).
 
@@ -442,8 +448,9 @@ def _engines(text: str) -> tuple[str, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="eagle-capture doctor",
-        description="What SGLang will capture for an EAGLE-3 draft, per SGLang release line and "
-                    "deployment, and whether it is what the draft was trained on.")
+        description="What SGLang and vLLM will capture for an EAGLE-3 draft, per release line, "
+                    "runner and deployment, and whether it is what the draft was trained on "
+                    "(read in its trainer's convention).")
     p.add_argument("--draft-config", required=True,
                    help="the draft's config.json, or its model folder")
     target = p.add_mutually_exclusive_group(required=True)

@@ -74,13 +74,24 @@ def check(engine: str, captured: Sequence[int], num_layers: int,
     (``draft_config``, the exported ``config.json``) was trained on? ``fix(expected)``
     says which ids to write for ``expected`` capture layers on this engine."""
     captured = tuple(sorted(captured))
+    twice = sorted({c for c in captured if captured.count(c) > 1})
+    if twice:
+        return StartupCheck("problem", f"{engine} is set to capture layer(s) {twice} twice "
+                                       f"({list(captured)}): the draft gets fewer distinct "
+                                       f"hidden states than its fc expects")
+    if 0 in captured:
+        return StartupCheck("problem", f"{engine} is set to capture layer 0, the embedding "
+                                       f"output ({list(captured)}): no trainer's EAGLE-3 draft "
+                                       f"is trained on it (an id of -1 in the output "
+                                       f"convention?), and several models' loops fail there")
     if draft_config is None:
         return StartupCheck("unknown", f"{engine} captures layers {list(captured)}; the draft's "
                                        f"config.json is not visible here: not checked against "
                                        f"what the draft was trained on")
+    convention = id_convention(env)     # a malformed setting is the caller's error
     try:
         draft = read_draft_ids(draft_config)
-        provenance = recognise(draft, num_layers, architecture, id_convention(env))
+        provenance = recognise(draft, num_layers, architecture, convention)
     except (CapturePlanError, ValueError) as e:
         return StartupCheck("problem", f"the draft config cannot be read: {e}")
     said = provenance.describe()

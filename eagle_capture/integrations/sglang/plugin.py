@@ -179,8 +179,9 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     draft_config = read_draft_config(args)
     if deepseek:
         problems += draft_config_problems(draft_config, draft_ids, layers, hidden)
-    problems += id_problems(layers, num_layers, draft_config, draft_ids, type(model).__name__,
-                            version, env)
+    if not problems:   # (a structural problem above already says what is wrong)
+        problems += id_problems(layers, num_layers, draft_config, draft_ids,
+                                type(model).__name__, version, env)
 
     if problems and policy == "refuse":
         raise dropin.WrongCaptureLayers(

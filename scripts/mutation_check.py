@@ -473,10 +473,11 @@ def run_mutant(name, rel, original, mutated, tests, python) -> tuple[bool, str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--list", action="store_true")
-    p.add_argument("-k", default="", help="only mutants whose name contains this")
+    p.add_argument("-k", action="append", default=[],
+                   help="only mutants whose name contains this (repeatable: any of them)")
     p.add_argument("--json", help="write the run (date, each mutant's outcome and seconds) here")
     args = p.parse_args(argv)
-    mutants = [m for m in MUTANTS if args.k in m[0]]
+    mutants = [m for m in MUTANTS if not args.k or any(k in m[0] for k in args.k)]
     if args.list:
         for name, rel, *_ , tests in mutants:
             print(f"{name:48s} {rel:36s} {' '.join(tests)}")

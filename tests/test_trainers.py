@@ -193,3 +193,15 @@ def test_one_run_answers_for_both_engines(tmp_path, capsys):
                      "--engine", "sglang,trtllm"])
     assert exit_.value.code == 2 and "expected sglang, vllm or sglang,vllm" in \
         capsys.readouterr().err
+
+
+def test_a_misspelt_key_is_named_as_ignored(tmp_path, capsys):
+    draft = tmp_path / "typo.json"
+    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                 "eagle_config": {"eagle_aux_hidden_states_layer_ids": [1, 19, 36],
+                                                  "use_aux_hidden_state": True}}))
+    code, out, _ = _doctor(capsys, "--draft-config", draft, "--num-layers", 40,
+                           "--target-architecture", "LlamaForCausalLM", "--engine", "sglang")
+    assert "eagle_config.eagle_aux_hidden_states_layer_ids = [1, 19, 36] is read by no engine" \
+        in out and "a misspelling?" in out
+    assert code == 1    # no ids the engines read: their defaults, unverified

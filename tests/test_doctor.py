@@ -200,8 +200,16 @@ def test_configs_read_as_sglang_does(tmp_path, capsys):
     assert code == 2 and "eagle_config.eagle_aux_hidden_state_layer_ids must be" in err
     code, _, err = _doctor(capsys, "--draft-config", tmp_path / "missing.json", "--num-layers", 61)
     assert code == 2 and "cannot read" in err
-    code, _, err = _doctor(capsys, "--draft-config", tmp_path, "--num-layers", 61)
-    assert code == 0 or "config.json" in err   # tmp_path holds a config.json from _config
+    # A model folder holding a config.json: read as that file (here: ids [1, 29, 57]).
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    _config(folder, [1, 29, 57])
+    code, out, err = _doctor(capsys, "--draft-config", folder, "--num-layers", 61)
+    assert code == 0 and err == "" and str(folder / "config.json") in out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = _doctor(capsys, "--draft-config", empty, "--num-layers", 61)
+    assert code == 2 and f"the folder {empty} has no config.json" in err
     code, _, err = _doctor(capsys, "--draft-config", tmp_path / "draft", "--target-config",
                            tmp_path / "draft")
     assert code == 2 and "num_hidden_layers must be an integer" in err
@@ -226,6 +234,14 @@ def test_deployment_tp8_with_the_fusion(tmp_path, capsys):
     code, out, _ = _doctor(capsys, "--draft-config", config, "--num-layers", 61, "--tp", 8,
                            "--gpu", "other", "--sglang-version", "0.5.13")
     assert code == 0 and "auto: off" in out
+    # Blackwell: SGLang's auto turns the fusion on for DeepSeek-V3 / Kimi there too.
+    code, out, _ = _doctor(capsys, "--draft-config", config, "--num-layers", 61, "--tp", 8,
+                           "--gpu", "blackwell", "--sglang-version", "0.5.13")
+    assert code == 1 and "auto: on for DeepseekV3ForCausalLM (assumed; --target-config " \
+        "names it) on blackwell" in out and "per-rank partial sums" in out
+    code, out, _ = _doctor(capsys, "--draft-config", config, "--num-layers", 61, "--tp", 8,
+                           "--gpu", "blackwell", "--sglang-version", "0.5.23")
+    assert code == 0 and "auto: on for DeepseekV3ForCausalLM" in out and "on blackwell" in out
     code, _, err = _doctor(capsys, "--draft-config", config, "--num-layers", 61, "--tp", 0)
     assert code == 2 and "--tp must be >= 1" in err
 
@@ -489,3 +505,24 @@ def test_gpt_oss_final_boundary_and_unread_models(tmp_path, capsys):
     code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [1, 29, 57]),
                            "--num-layers", 61)
     assert "architecture is not given: DeepseekV2's id rule is assumed" in out
+
+
+def test_the_cli_without_arguments_and_with_help(capsys):
+    """``eagle-capture`` alone: usage and exit 2; ``--help``: usage and exit 0; an
+    unknown command: exit 2 naming it; ``doctor --help``: argparse's help."""
+    import eagle_capture.layer_ids.doctor as cli
+
+    for argv, status, stream, text in (([], 2, "out", "usage: eagle-capture doctor"),
+                                       (["--help"], 0, "out", "usage: eagle-capture doctor"),
+                                       (["plan"], 2, "err", "unknown command 'plan'"),
+                                       (["doctor", "--help"], 0, "out", "--id-convention")):
+        saved = sys.argv
+        sys.argv = ["eagle-capture", *argv]
+        try:
+            with pytest.raises(SystemExit) as exit_:
+                cli.console_main()
+        finally:
+            sys.argv = saved
+        captured = capsys.readouterr()
+        assert exit_.value.code == status, argv
+        assert text in getattr(captured, stream), (argv, captured)

@@ -248,6 +248,37 @@ def test_eager_memo_hit_launches_the_new_tensors(device, op):
             aux[:num_tokens, slot] = float("nan")  # re-poisoned for the next call
 
 
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
+@pytest.mark.parametrize("op", ["add_rmsnorm_capture", "add_rmsnorm_into_slot"])
+def test_eager_memo_tells_norm_fp32_sum_apart(device, op):
+    """Two calls that differ only in ``norm_fp32_sum`` (same tensors' shapes): the
+    second runs its own variant, bit-equal to that variant's first call on an empty
+    memo, not the memoised plan of the other flag."""
+    dtype, num_tokens, hidden_size, slot = torch.bfloat16, 4, 40, 1
+    fn = getattr(ec, op)
+
+    def run(flag):
+        torch.manual_seed(5)
+        h, r, w, _, _ = _norm_case(device, dtype, hidden_size, num_tokens, strided=False)
+        aux = poisoned_aux(num_tokens, 3, hidden_size, dtype, _tensor_device(device))
+        fn(h, r, w, EPS, aux, slot, norm_fp32_sum=flag)
+        return h.clone(), aux[:, slot].clone()
+
+    outputs = {}
+    with _mode(device):   # one block: kernel_on_cpu() empties the memo when it ends
+        for first, second in ((False, True), (True, False)):
+            ops._KERNEL.plans.clear()
+            alone = run(second)                 # its own plan, on an empty memo
+            ops._KERNEL.plans.clear()
+            run(first)                          # the other flag's plan memoised
+            assert ops._KERNEL.plans, "no plan memoised: the test would prove nothing"
+            after = run(second)                 # the same signature but the flag
+            assert_bitwise_equal(after[0], alone[0])
+            assert_bitwise_equal(after[1], alone[1])
+            outputs[second] = alone[0]
+    assert not torch.equal(outputs[True], outputs[False]), "the inputs must tell the flags apart"
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="needs Triton's interpreter")
 @pytest.mark.parametrize("call", ["public", "op"])
 def test_kernel_on_cpu_runs_the_kernel_then_the_torch_path_again(call):

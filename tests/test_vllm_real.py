@@ -182,6 +182,13 @@ def test_doctor_vllm_rule_is_every_models_loop(results):
             assert case.get("matches"), (model, case)
 
 
+def test_norm_follows_vllms_provider(results):
+    """vLLM's native norm (CPU) -> the fp32 sum; its vllm_c kernel -> the rounded sum."""
+    r = _result(results, "norm_provider")
+    assert r["native"] == ["native", True], r
+    assert r["vllm_c"] == ["vllm_c", False], r
+
+
 def test_id_check_on_every_eagle3_target(results):
     """vLLM's other EAGLE-3 architectures are the plugin's check-only subclasses of
     vLLM's own classes; the ids vLLM passes are checked against the draft's trainer

@@ -656,9 +656,30 @@ def model_rules():
     return out
 
 
+def norm_provider():
+    """The plugin's norm follows vLLM's fused_add_rms_norm in use: vLLM's native
+    implementation (what its IR dispatch picks on CPU) normalises the fp32 sum; its
+    ``vllm_c`` CUDA kernel (stood in here: the provider reported as vllm_c) the
+    rounded one."""
+    from eagle_capture.integrations.vllm import model as plugin_model
+
+    _, ours = _pair()
+    model = ours[0]
+    model.set_aux_hidden_state_layers((2, 4, 5))
+    native = (model._eagle_capture.provider, model._eagle_capture.norm_fp32_sum)
+    real = plugin_model.fused_add_rms_norm_provider
+    plugin_model.fused_add_rms_norm_provider = lambda like: "vllm_c"
+    try:
+        model.set_aux_hidden_state_layers((2, 4, 5))
+        kernel = (model._eagle_capture.provider, model._eagle_capture.norm_fp32_sum)
+    finally:
+        plugin_model.fused_add_rms_norm_provider = real
+    return {"native": list(native), "vllm_c": list(kernel)}
+
+
 SCENARIOS = {f.__name__: f for f in (plugin_registry, same_as_vllm_fp32, same_as_vllm_bf16,
                                      refusals, self_check, overflow, compiled, doctor_rules,
-                                     id_check, model_rules)}
+                                     id_check, model_rules, norm_provider)}
 
 
 def main(argv=None):

@@ -13,13 +13,12 @@ start: every reading of the ids says the draft gets other layers); ``ambiguous``
 or the draft's config is not visible).
 """
 
-import json
 import logging
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from eagle_capture.layer_ids.lines import CapturePlanError, read_draft_ids
+from eagle_capture.layer_ids.lines import CapturePlanError, load_config, read_draft_ids
 from eagle_capture.layer_ids.trainers import CONVENTIONS, recognise
 
 ID_CONVENTION = "EAGLE_CAPTURE_ID_CONVENTION"   # auto (default) | output | input
@@ -45,25 +44,19 @@ def find_draft_config(path: Optional[str], revision: Optional[str] = None) -> Op
     rebuilds a speculators config); None when it cannot be seen from here."""
     if not path:
         return None
-    candidates = [os.path.join(path, "config.json")] if os.path.isdir(path) else []
-    if not candidates:
+    if not os.path.isdir(path):   # a hub id: the file in the Hugging Face cache, if there
         try:
             from huggingface_hub import try_to_load_from_cache
-            cached = try_to_load_from_cache(path, "config.json", revision=revision)
-            if isinstance(cached, str):
-                candidates.append(cached)
+            path = try_to_load_from_cache(path, "config.json", revision=revision)
         except Exception:  # noqa: BLE001 - no hub, or not cached
-            pass
-    for candidate in candidates:
-        try:
-            with open(candidate) as f:
-                loaded = json.load(f)
-            return loaded if isinstance(loaded, dict) else None
-        except (OSError, ValueError) as e:
-            logging.getLogger("eagle_capture").warning(
-                "eagle_capture: cannot read the draft config %s: %s", candidate, e)
+            path = None
+        if not isinstance(path, str):
             return None
-    return None
+    try:
+        return load_config(path, "draft config")[0]
+    except CapturePlanError as e:
+        logging.getLogger("eagle_capture").warning("eagle_capture: %s", e)
+        return None
 
 
 def check(engine: str, captured: Sequence[int], num_layers: int,

@@ -78,32 +78,41 @@ def test_read_limits_from_resolved_server_args():
 def test_draft_config_matching_and_not_visible():
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 7168,
            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}
-    assert plugin.draft_config_problems(cfg, [1, 29, 57], [2, 30, 58], 7168) == []
-    assert plugin.draft_config_problems(None, [1, 29, 57], [2, 30, 58], 7168) == []
+    assert plugin.draft_config_problems(cfg, [2, 30, 58], 7168) == []
+    assert plugin.draft_config_problems(None, [2, 30, 58], 7168) == []
 
 
-def test_top_level_ids_are_ignored_by_the_target():
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 7168,
-           "eagle_aux_hidden_state_layer_ids": [1, 20, 40]}
-    problems = plugin.draft_config_problems(cfg, None, [2, 30, 58], 7168)
-    assert len(problems) == 1 and "top level" in problems[0] and "[2, 30, 58]" in problems[0]
+def test_top_level_ids_are_judged_by_the_layers_sglang_captures():
+    """SGLang's target ignores top-level ids and captures its defaults [2, 30, 58]: right
+    for a speculators draft trained on those inputs (not refused), wrong for a SpecForge-style
+    draft trained on other layers (refused by the id check, with the eagle_config fix)."""
+    speculators = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                   "hidden_size": 7168, "eagle_aux_hidden_state_layer_ids": [2, 30, 58]}
+    assert plugin.draft_config_problems(speculators, [2, 30, 58], 7168) == []
+    assert plugin.id_problems([2, 30, 58], 61, speculators, None, "DeepseekV3ForCausalLM",
+                              "0.5.23") == []
+    other = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 7168,
+             "eagle_aux_hidden_state_layer_ids": [1, 20, 40]}
+    assert plugin.draft_config_problems(other, [2, 30, 58], 7168) == []
+    problems = plugin.id_problems([2, 30, 58], 61, other, None, "DeepseekV3ForCausalLM",
+                                  "0.5.23")
+    assert len(problems) == 1 and "eagle_config.eagle_aux_hidden_state_layer_ids" in problems[0]
+    assert "[2, 21, 41]" in problems[0], problems[0]
 
 
 def test_width_mismatches():
     four = {"hidden_size": 7168, "num_aux_hidden_states": 4,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}
-    assert "expects 4 x 7168" in plugin.draft_config_problems(four, [1, 2, 3], [2, 3, 4],
-                                                               7168)[0]
+    assert "expects 4 x 7168" in plugin.draft_config_problems(four, [2, 3, 4], 7168)[0]
     other_target = {"hidden_size": 4096, "target_hidden_size": 5120,
                     "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}
-    assert "3 x 5120" in plugin.draft_config_problems(other_target, [1, 29, 57], [2, 30, 58],
-                                                       7168)[0]
+    assert "3 x 5120" in plugin.draft_config_problems(other_target, [2, 30, 58], 7168)[0]
     # Kimi-K2.5's draft sizes its fc from the top-level key too: two ids -> 2 x H,
     # while the target (nested key only) captures its three defaults.
     kimi = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "hidden_size": 7168,
             "eagle_aux_hidden_state_layer_ids": [1, 29]}
-    problems = plugin.draft_config_problems(kimi, None, [2, 30, 58], 7168)
-    assert len(problems) == 2 and "expects 2 x 7168" in problems[1]
+    problems = plugin.draft_config_problems(kimi, [2, 30, 58], 7168)
+    assert len(problems) == 1 and "expects 2 x 7168" in problems[0]
 
 
 def test_read_draft_config(tmp_path, caplog):

@@ -178,7 +178,7 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
             problems.append(str(e).replace("eagle_capture: ", "", 1))
     draft_config = read_draft_config(args)
     if deepseek:
-        problems += draft_config_problems(draft_config, draft_ids, layers, hidden)
+        problems += draft_config_problems(draft_config, layers, hidden)
     if not problems:   # (a structural problem above already says what is wrong)
         problems += id_problems(layers, num_layers, draft_config, draft_ids,
                                 type(model).__name__, version, env)
@@ -432,9 +432,10 @@ def read_draft_config(server_args) -> Optional[dict]:
                              getattr(server_args, "speculative_draft_model_revision", None))
 
 
-def draft_config_problems(config: Optional[dict], draft_ids, layers: list[int],
+def draft_config_problems(config: Optional[dict], layers: list[int],
                           hidden_size: int) -> list[str]:
-    """What the draft's config says it expects vs what the target will capture."""
+    """The draft's input width (its fc: number of captured states x target hidden size)
+    vs what the target will capture. Which layers those are is the id check's."""
     if config is None:
         logger.info("eagle_capture: the draft's config.json is not visible here: its input "
                     "width is not checked")
@@ -446,11 +447,9 @@ def draft_config_problems(config: Optional[dict], draft_ids, layers: list[int],
         return [f"the draft config: {e}"]
     problems = []
     nested, top = draft.nested, draft.top_level
-    if nested is None and top is not None:
-        problems.append(
-            f"the draft config names eagle_aux_hidden_state_layer_ids {top} at its top level; "
-            f"SGLang's target reads them only from eagle_config, so it captures its defaults "
-            f"{layers} instead. Move them into eagle_config")
+    # Ids only at the top level are not a problem by themselves (SGLang ignores them and
+    # captures its defaults, which may be exactly the draft's layers): the start-up id
+    # check (id_problems) compares what SGLang set with the draft's layers.
     # The draft's fc input, as SGLang's EAGLE-3 drafts size it: num_aux_hidden_states,
     # else the ids' count (Kimi-K2.5's draft also reads the top-level key), else 3.
     arch = (config.get("architectures") or [""])[0]

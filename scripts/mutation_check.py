@@ -462,6 +462,28 @@ MUTANTS = [
      'norm_fp32_sum = provider != "vllm_c"',
      "norm_fp32_sum = True",
      ["tests/test_vllm_real.py::test_norm_follows_vllms_provider"]),
+    ("kernel row index kept 32-bit", "kernels/add_rmsnorm_capture.py",
+     "row = tl.program_id(0).to(tl.int64)",
+     "row = tl.program_id(0)",
+     ["tests/test_kernel.py::test_row_offsets_are_64_bit_in_the_generated_code"]),
+    ("all-reduce kernel slab size in 32 bits", "kernels/allreduce_add_rmsnorm_capture.py",
+     "slab = max_tokens.to(tl.int64) * hidden_size",
+     "slab = max_tokens * hidden_size",
+     ["tests/test_kernel.py::test_row_offsets_are_64_bit_in_the_generated_code"]),
+    ("drop-in re-apply compares the layers in order", "eagle_capture/integrations/sglang/dropin.py",
+     "if again and sorted(again) != state.layer_ids:",
+     "if again and again != state.layer_ids:",
+     ["tests/test_sglang_real.py::test_sglang_real[0.5.23-plugin_deepseek_v3]"]),
+    ("drop-in re-apply accepts other layers", "eagle_capture/integrations/sglang/dropin.py",
+     "if again and sorted(again) != state.layer_ids:",
+     "if False:",
+     ["tests/test_sglang_real.py::test_sglang_real[0.5.23-plugin_deepseek_v3]"]),
+    ("SGLang plugin: top-level ids refused as such", "eagle_capture/integrations/sglang/plugin.py",
+     "    problems = []\n    nested, top = draft.nested, draft.top_level\n",
+     "    problems = [f\"ids {draft.top_level} at the top level\"] "
+     "if draft.nested is None and draft.top_level else []\n"
+     "    nested, top = draft.nested, draft.top_level\n",
+     ["tests/test_sglang_plugin.py"]),
 ]
 
 

@@ -115,3 +115,24 @@ def test_norm_input_choice(norm_fp32_sum):
 
     assert agreement(norm_fp32_sum) >= 0.995
     assert agreement(not norm_fp32_sum) < 0.95
+
+
+def test_row_offsets_are_64_bit_in_the_generated_code():
+    """``rows * stride`` passes 2^31 at T = 100k, K = 3, H = 7168: the kernels' Triton IR
+    (built on this machine for a Hopper target, no GPU needed) may not multiply a stride or
+    size in 32 bits, and widens every stride to i64. The GPU's large-T test
+    (test_reliability.py) runs the real thing."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "eagle_capture.testing.codegen"],
+                         cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert len(report) == 5, report                      # 4 fused variants + the all-reduce
+    assert all(problems == [] for problems in report.values()), report

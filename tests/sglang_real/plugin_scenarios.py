@@ -188,6 +188,7 @@ def plugin_installs(arch: str):
     skip = _skip_without_plugins()
     if skip:
         return skip
+    from eagle_capture.integrations.sglang.dropin import WrongCaptureLayers
     if arch == "KimiK25ForConditionalGeneration" and \
             importlib.util.find_spec("sglang.srt.models.kimi_k25") is None:
         return {"skip": f"SGLang {harness.sglang_version()} has no kimi_k25.py"}
@@ -201,10 +202,23 @@ def plugin_installs(arch: str):
             assert getattr(mr, name) is getattr(module, name), \
                 "model_runner still calls the unhooked configure_aux_hidden_state_capture"
         configure(ours, DRAFT_IDS)
+        state = _state(ours)
+        # SGLang may run its configure step again (a second init of the attention
+        # backends): the same layers, here in another order ([6, 4, 2]: ids[0] != 1,
+        # taken as capture layers), keep the installed capture and turn SGLang's own
+        # off again; other layers refuse (the buffer and graphs are built for the first).
+        configure(ours, [6, 4, 2])
+        assert _state(ours) is state and "set again by SGLang" in log.text(logging.INFO)
+        try:
+            configure(ours, [1, 2, 4])
+        except WrongCaptureLayers as e:
+            assert "restart the server" in str(e) and "[2, 3, 5]" in str(e), e
+        else:
+            raise AssertionError("other layers set again were accepted")
+        configure(ours, DRAFT_IDS)   # back to the installed layers
     configure(ref, DRAFT_IDS)      # unhooked again: SGLang's own capture
     lm = harness.text_lm(ours)
     assert lm.model.layers_to_capture == [] and not lm.capture_aux_hidden_states
-    state = _state(ours)
     assert state.layer_ids == [2, 4, 6] and state.buffer.max_tokens == 16
     _same_as_sglang(ours, ref)
     assert state.fused_calls == 4 * 3, f"{state.fused_calls} fused captures, want 12"

@@ -153,6 +153,46 @@ def pytest_sessionstart(session):
     session.config._record_started = time.time()
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "engines: runs the real SGLang / vLLM code in child processes (needs PyPI "
+                   "for the overlays; -m 'not engines' is the developer's fast tier)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Engine tests are marked ``engines`` and go last: their runs start in the
+    background when the session starts, while the other tests run."""
+    engines = set()
+    for item in items:
+        if hasattr(getattr(item, "module", None), "engine_jobs"):
+            item.add_marker(pytest.mark.engines)
+            engines.add(item)
+    items.sort(key=lambda item: item in engines)   # stable: the order within each part stays
+
+
+# ----------------------------------------------------------------------------
+# The engine runs (tests/engine_jobs.py): planned for the selected tests when the
+# session starts, run in the background while the other tests run.
+# ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_jobs(request, tmp_path_factory):
+    from engine_env import close_servers
+    from engine_jobs import EngineJobs
+
+    jobs = EngineJobs()
+    jobs.cleanups.append(close_servers)
+    base = tmp_path_factory.getbasetemp()
+    for item in request.session.items:
+        plan = getattr(getattr(item, "module", None), "engine_jobs", None)
+        if plan is not None:
+            for job in plan(item, base, jobs):
+                jobs.submit(job)
+    jobs.start()
+    yield jobs
+    jobs.stop()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     path = session.config.getoption("--record")

@@ -3,8 +3,9 @@
 For each version, ``scripts/sglang_real_env.sh`` prepares (once, cached under
 ``.cache/sglang``) an overlay with that SGLang wheel and the transformers it
 pins; ``tests/sglang_real/scenarios.py`` then runs in a child process with the
-overlay first on the path (two SGLang versions cannot share one process) and
-reports each scenario. What the scenarios check is in their docstrings; the
+overlay first on the path (two SGLang versions cannot share one process), forked
+from that line's fork server (tests/forkserver.py) and started in the background
+when the session starts (tests/engine_jobs.py), and reports each scenario. What the scenarios check is in their docstrings; the
 harness (``tests/sglang_real/harness.py``) says what is real and what is stood in.
 
 The set-up needs PyPI. On a machine without it (the GPU machine) set
@@ -13,11 +14,12 @@ The set-up needs PyPI. On a machine without it (the GPU machine) set
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from engine_env import start_sglang
+from engine_jobs import Job
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every release line whose DeepseekV2 capture surface we read: classic loop +
@@ -37,33 +39,62 @@ SCENARIOS = ["same_as_sglang_fp32", "same_as_sglang_bf16", "same_as_sglang_bf16_
 
 pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL") == "1",
                                 reason="EAGLE_CAPTURE_SKIP_SGLANG_REAL=1 (no PyPI here)")
+TIMEOUT_S = 1200
 
-_RESULTS: dict = {}
+
+def run_to_end(jobs, process, log: Path, timeout_s: float, what: str) -> str:
+    """Wait for ``process`` (killed past ``timeout_s``); its log. Fails with the log's
+    tail when it did not exit 0."""
+    import subprocess
+
+    jobs.track(process)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise AssertionError(f"{what} did not finish within {timeout_s} s:\n"
+                             f"{log.read_text(errors='replace')[-5000:]}") from None
+    text = log.read_text(errors="replace")
+    assert process.returncode == 0, f"{what} crashed (exit {process.returncode}):\n{text[-5000:]}"
+    return text
 
 
-def _results(version: str, tmp_dir: Path) -> dict:
-    if version not in _RESULTS:
-        env = dict(os.environ, PY=sys.executable)
-        setup = subprocess.run(["bash", "scripts/sglang_real_env.sh", version], cwd=ROOT,
-                               env=env, capture_output=True, text=True, timeout=1200)
-        assert setup.returncode == 0, f"set-up of sglang {version} failed:\n{setup.stderr[-3000:]}"
-        overlay = setup.stdout.strip().splitlines()[-1]
-        out = tmp_dir / f"sglang_{version}.json"
-        env["PYTHONPATH"] = os.pathsep.join([overlay, str(ROOT)])
-        env.pop("TRITON_INTERPRET", None)   # CPU tensors take the ops' torch path
-        run = subprocess.run([sys.executable, "-m", "tests.sglang_real.scenarios",
-                              "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
-                             text=True, timeout=1200)
-        assert run.returncode == 0 and out.exists(), \
-            f"sglang {version} scenarios crashed:\n{run.stderr[-5000:]}"
-        _RESULTS[version] = json.loads(out.read_text())
-    return _RESULTS[version]
+def _scenarios_job(version: str, base: Path, jobs) -> Job:
+    def run():
+        out = base / f"sglang_{version}.json"
+        log = base / f"sglang_{version}.log"
+        process = start_sglang(version, "tests.sglang_real.scenarios", ["--json", str(out)], log)
+        run_to_end(jobs, process, log, TIMEOUT_S, f"sglang {version} scenarios")
+        return json.loads(out.read_text())
+    return Job(-60, f"sglang {version} scenarios", run)
+
+
+def _gpu_dry_run_job(base: Path, jobs) -> Job:
+    def run():
+        out = base / "sglang_gpu_scenarios_dry_run.json"
+        log = base / "sglang_gpu_scenarios_dry_run.log"
+        process = start_sglang("0.5.23", "tests.sglang_real.gpu_scenarios",
+                               ["--device", "cpu", "--hidden", "64", "--no-fake-cuda",
+                                "--out", str(out)], log)
+        run_to_end(jobs, process, log, 600, "the GPU scenarios' dry run")
+        return json.loads(out.read_text())
+    return Job(-15, "sglang 0.5.23 gpu scenarios dry run", run)
+
+
+def engine_jobs(item, base: Path, jobs) -> list:
+    """The run a selected test needs (tests/engine_jobs.py)."""
+    if os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL") == "1":
+        return []
+    if item.originalname == "test_gpu_scenarios_dry_run":
+        return [_gpu_dry_run_job(base, jobs)]
+    return [_scenarios_job(item.callspec.params["version"], base, jobs)]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("version", VERSIONS)
-def test_sglang_real(version, scenario, tmp_path_factory):
-    results = _results(version, tmp_path_factory.getbasetemp())
+def test_sglang_real(version, scenario, engine_jobs):
+    results = engine_jobs.result(f"sglang {version} scenarios")
     assert results["version"] == version
     result = results.get(scenario)
     assert result is not None, f"scenario {scenario} did not run"
@@ -72,19 +103,8 @@ def test_sglang_real(version, scenario, tmp_path_factory):
         pytest.skip(result["skip"])
 
 
-def test_gpu_scenarios_dry_run(tmp_path):
+def test_gpu_scenarios_dry_run(engine_jobs):
     """The H200 script's scenarios (tests/sglang_real/gpu_scenarios.py, run on the GPU by
     scripts/gpu_sglang_real.sh) kept runnable: the same checks on CPU at H = 64 through
     SGLang 0.5.23's CPU paths (no FlashInfer, no CUDA graphs)."""
-    env = dict(os.environ, PY=sys.executable)
-    setup = subprocess.run(["bash", "scripts/sglang_real_env.sh", "0.5.23"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=1200)
-    assert setup.returncode == 0, setup.stderr[-3000:]
-    env["PYTHONPATH"] = os.pathsep.join([setup.stdout.strip().splitlines()[-1], str(ROOT)])
-    env.pop("TRITON_INTERPRET", None)
-    run = subprocess.run([sys.executable, "-m", "tests.sglang_real.gpu_scenarios", "--device",
-                          "cpu", "--hidden", "64", "--no-fake-cuda", "--out",
-                          str(tmp_path / "out.json")], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
-    assert json.loads((tmp_path / "out.json").read_text())["n_failed"] == 0
+    assert engine_jobs.result("sglang 0.5.23 gpu scenarios dry run")["n_failed"] == 0

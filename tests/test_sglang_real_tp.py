@@ -24,11 +24,13 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from engine_env import start_sglang
+from engine_jobs import Job
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSIONS = ["0.5.9", "0.5.13", "0.5.18", "0.5.20", "0.5.22", "0.5.23"]
@@ -42,8 +44,6 @@ TIMEOUT_S = 300
 pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL") == "1",
                                 reason="EAGLE_CAPTURE_SKIP_SGLANG_REAL=1 (no PyPI here)")
 
-_RESULTS: dict = {}
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -51,131 +51,123 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _overlay(version: str, env: dict) -> str:
-    setup = subprocess.run(["bash", "scripts/sglang_real_env.sh", version], cwd=ROOT,
-                           env=env, capture_output=True, text=True, timeout=1200)
-    assert setup.returncode == 0, f"set-up of sglang {version} failed:\n{setup.stderr[-3000:]}"
-    return setup.stdout.strip().splitlines()[-1]
+def collect(jobs, procs: dict, deadline: float) -> dict:
+    """Each process's exit status, log tail and JSON (``procs``: name -> (process, log
+    path, JSON path)); any still running at ``deadline`` is killed."""
+    results = {}
+    for proc, _, _ in procs.values():
+        jobs.track(proc)
+    try:
+        for proc, _, _ in procs.values():
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for name, (proc, log, json_path) in procs.items():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            results[name] = {"returncode": proc.returncode,
+                             "log_tail": log.read_text(errors="replace")[-4000:],
+                             "json": json.loads(json_path.read_text())
+                             if json_path.exists() else None}
+    return results
 
 
-class _Run:
+def summary(run: dict) -> str:
+    """What went wrong in a run, process by process: the exit status, a failed set-up or
+    the first failed scenario with its detail (the name of what broke, not the log's
+    import warnings), and the log's last lines when neither says."""
+    lines = []
+    for name, result in run.items():
+        if not isinstance(result, dict) or "returncode" not in result:
+            continue
+        data = result["json"] or {}
+        failed = [(k, v) for k, v in data.items() if isinstance(v, dict) and not v.get("ok", True)]
+        what = (f"{failed[0][0]} failed: {failed[0][1].get('detail')}" if failed else
+                "wrote no results" if result["json"] is None else "all its scenarios ok")
+        lines.append(f"{name}: exit {result['returncode']}, {what}")
+        if failed and failed[0][1].get("traceback"):
+            lines.append(failed[0][1]["traceback"][-1500:])
+        elif result["returncode"] not in (0, None) and not failed:
+            tail = [ln for ln in result["log_tail"].splitlines()
+                    if ln.strip() and "warn" not in ln.lower()]
+            lines.append("\n".join(tail[-15:]))
+    return "\n".join(lines)
+
+
+def _tp_job(version: str, base: Path, jobs) -> Job:
     """One version's processes: ranks 0 and 1, and the TP 1 run rank 0 forks."""
-
-    def __init__(self, version: str, out_dir: Path) -> None:
-        self.started = time.monotonic()
-        env = dict(os.environ, PY=sys.executable)
-        overlay = _overlay(version, env)
-        env["PYTHONPATH"] = os.pathsep.join([overlay, str(ROOT)])
-        env.pop("TRITON_INTERPRET", None)       # CPU tensors take the ops' torch path
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
-        env["PYTHONPYCACHEPREFIX"] = str(ROOT / ".cache" / "pycache")
+    def run():
+        started = time.monotonic()
+        out_dir = base / f"sglang_tp_{version}"
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.out_dir = out_dir
         ref = out_dir / "tp1.pt"
         ref.unlink(missing_ok=True)
         Path(str(ref) + ".failed").unlink(missing_ok=True)
         init = f"tcp://127.0.0.1:{_free_port()}"
-        module = [sys.executable, "-m", "tests.sglang_real.tp_scenarios", "--ref", str(ref)]
-        runs = {f"rank{r}": module + ["--world", str(WORLD), "--rank", str(r),
-                                      "--init-method", init] for r in range(WORLD)}
+        module_args = ["--ref", str(ref)]
+        runs = {f"rank{r}": module_args + ["--world", str(WORLD), "--rank", str(r),
+                                           "--init-method", init] for r in range(WORLD)}
         # The TP 1 run: a process forked by rank 0 after its imports, before any
         # distributed init (its own world 1; no second import of SGLang).
-        self.tp1_json = out_dir / "tp1.json"
-        self.tp1_json.unlink(missing_ok=True)
-        runs["rank0"] += ["--tp1-json", str(self.tp1_json)]
-        self.procs = {}
-        for name, cmd in runs.items():
+        tp1_json = out_dir / "tp1.json"
+        tp1_json.unlink(missing_ok=True)
+        runs["rank0"] += ["--tp1-json", str(tp1_json)]
+        procs = {}
+        for name, args in runs.items():
             json_path = out_dir / f"{name}.json"
             json_path.unlink(missing_ok=True)
-            log = open(out_dir / f"{name}.log", "w")
-            proc = subprocess.Popen(cmd + ["--json", str(json_path)], cwd=ROOT, env=env,
-                                    stdout=log, stderr=subprocess.STDOUT)
-            self.procs[name] = (proc, log, json_path)
-        self.deadline = time.monotonic() + TIMEOUT_S
-
-    def collect(self) -> dict:
-        results = {}
-        try:
-            for proc, _, _ in self.procs.values():
-                try:
-                    proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-        finally:
-            for name, (proc, log, json_path) in self.procs.items():
-                if proc.poll() is None:      # one of ours, by its own handle
-                    proc.kill()
-                    proc.wait()
-                log.close()
-                tail = (self.out_dir / f"{name}.log").read_text(errors="replace")[-4000:]
-                results[name] = {"returncode": proc.returncode, "log_tail": tail,
-                                 "json": json.loads(json_path.read_text())
-                                 if json_path.exists() else None}
+            log = out_dir / f"{name}.log"
+            procs[name] = (start_sglang(version, "tests.sglang_real.tp_scenarios",
+                                        args + ["--json", str(json_path)], log),
+                           log, json_path)
+        results = collect(jobs, procs, time.monotonic() + TIMEOUT_S)
         results["tp1"] = {"returncode": results["rank0"]["returncode"],   # rank 0 reaps it
                           "log_tail": results["rank0"]["log_tail"],
-                          "json": json.loads(self.tp1_json.read_text())
-                          if self.tp1_json.exists() else None}
-        results["seconds"] = time.monotonic() - self.started
+                          "json": json.loads(tp1_json.read_text())
+                          if tp1_json.exists() else None}
+        results["seconds"] = time.monotonic() - started
         return results
+    return Job(-100, f"sglang {version} tp2", run, weight=WORLD)
 
 
-_STARTED: dict = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_rank_outlives_the_tests():
-    """A version started ahead and never collected (a failure stopped the session)
-    is killed, not left writing after pytest has gone."""
-    yield
-    for run in _STARTED.values():
-        for proc, log, _ in run.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    _STARTED.clear()
-
-
-def _results(version: str, tmp_dir: Path) -> dict:
-    """This version's results; the next version's processes start meanwhile (two
-    versions at a time keep both cores busy: a rank often waits on its peer)."""
-    if version not in _RESULTS:
-        at = VERSIONS.index(version)
-        for v in VERSIONS[at:at + 2]:
-            if v not in _STARTED and v not in _RESULTS:
-                _STARTED[v] = _Run(v, tmp_dir / f"sglang_tp_{v}")
-        _RESULTS[version] = _STARTED.pop(version).collect()
-    return _RESULTS[version]
+def engine_jobs(item, base: Path, jobs) -> list:
+    """The run a selected test needs (tests/engine_jobs.py)."""
+    if os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL") == "1":
+        return []
+    return [_tp_job(item.callspec.params["version"], base, jobs)]
 
 
 def _rank_result(run: dict, name: str, scenario: str) -> dict:
     data = run[name]["json"]
     assert data is not None, (f"{name} wrote no results (exit {run[name]['returncode']}):\n"
-                              f"{run[name]['log_tail']}")
+                              f"{summary(run)}\n{run[name]['log_tail']}")
     if "setup" in data:
-        pytest.fail(f"{name}: world-{WORLD} set-up failed: {data['setup']['detail']}\n"
-                    f"{data['setup'].get('traceback', '')}")
+        pytest.fail(f"{name}: world-{WORLD if name != 'tp1' else 1} set-up failed: "
+                    f"{data['setup']['detail']}\n{data['setup'].get('traceback', '')}")
     result = data.get(scenario)
     assert result is not None, (f"{name}: scenario {scenario} did not run (exit "
                                 f"{run[name]['returncode']}; an earlier failure stops a rank):\n"
-                                f"{run[name]['log_tail']}")
+                                f"{summary(run)}")
     assert result["ok"], f"{name}: {result['detail']}\n{result.get('traceback', '')}"
     return result
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_tp1_reference(version, tmp_path_factory):
-    run = _results(version, tmp_path_factory.getbasetemp())
+def test_tp1_reference(version, engine_jobs):
+    run = engine_jobs.result(f"sglang {version} tp2")
     assert run["tp1"]["json"] is not None and run["tp1"]["json"].get("version") == version, \
-        run["tp1"]["log_tail"]
+        f"the TP 1 run wrote no results:\n{summary(run)}"
     _rank_result(run, "tp1", "reference_tp1")
-    assert run["tp1"]["returncode"] == 0, run["tp1"]["log_tail"]
+    assert run["tp1"]["returncode"] == 0, summary(run)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("version", VERSIONS)
-def test_sglang_real_tp2(version, scenario, tmp_path_factory):
-    run = _results(version, tmp_path_factory.getbasetemp())
+def test_sglang_real_tp2(version, scenario, engine_jobs):
+    run = engine_jobs.result(f"sglang {version} tp2")
     per_rank = [_rank_result(run, f"rank{r}", scenario) for r in range(WORLD)]
     for r in range(WORLD):
         assert run[f"rank{r}"]["json"]["version"] == version
@@ -196,7 +188,7 @@ def test_sglang_real_tp2(version, scenario, tmp_path_factory):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_ranks_exit_cleanly(version, tmp_path_factory):
-    run = _results(version, tmp_path_factory.getbasetemp())
+def test_ranks_exit_cleanly(version, engine_jobs):
+    run = engine_jobs.result(f"sglang {version} tp2")
     for r in range(WORLD):
-        assert run[f"rank{r}"]["returncode"] == 0, run[f"rank{r}"]["log_tail"]
+        assert run[f"rank{r}"]["returncode"] == 0, summary(run)

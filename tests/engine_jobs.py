@@ -1,0 +1,181 @@
+"""Background runs of the engine tests (real SGLang, real vLLM), started when the
+session starts and run while pytest goes through the other tests.
+
+Each engine test module has ``engine_jobs(item) -> [Job, ...]``: the runs (a scenario
+process, the ranks of a TP or DP run, ...) a selected test needs. The session fixture
+``engine_jobs`` (tests/conftest.py) collects them for every selected test, and a few
+worker threads run them, longest first, within a CPU budget (``weight``: the processes
+a run keeps busy); a test then waits for its run's result (``EngineJobs.result``), which
+moves a run not yet started to the front. A run is a blocking function in a thread
+(it starts processes and waits for them); its exception is re-raised in every test that
+asks for its result. Deselected tests start nothing.
+
+Shared set-ups go through :func:`once` (each key built by one thread, the others wait):
+the overlays of scripts/sglang_real_env.sh and vllm_real_env.sh (pip into the test venv:
+one at a time) and the fork servers (tests/forkserver.py, one per engine line).
+
+``EAGLE_CAPTURE_ENGINE_SLOTS`` sets the budget (default: the CPU count + 1: ranks wait
+on their peers much of the time).
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+SLOTS_ENV = "EAGLE_CAPTURE_ENGINE_SLOTS"
+
+
+@dataclass(order=True)
+class Job:
+    priority: float                     # lower runs first (e.g. minus the expected seconds)
+    key: str = field(compare=False)
+    run: Callable[[], Any] = field(compare=False)
+    weight: int = field(default=1, compare=False)
+
+
+class _Outcome:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value = None
+        self.error: BaseException | None = None
+        self.seconds = None
+
+
+class EngineJobs:
+    def __init__(self, slots: int | None = None) -> None:
+        if slots is None:
+            slots = int(os.environ.get(SLOTS_ENV) or (os.cpu_count() or 2) + 1)
+        self.slots = max(1, slots)
+        self._free = self.slots
+        self._lock = threading.Condition()
+        self._queue: list[Job] = []
+        self._jobs: dict[str, Job] = {}
+        self._outcomes: dict[str, _Outcome] = {}
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+        self.cleanups: list[Callable[[], None]] = []
+        self._processes: set = set()
+
+    def track(self, process):
+        """``process`` (Popen-like) is killed if still running when the session stops."""
+        with self._lock:
+            self._processes.add(process)
+        return process
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if job.key in self._jobs:
+                return
+            self._jobs[job.key] = job
+            self._outcomes[job.key] = _Outcome()
+            heapq.heappush(self._queue, job)
+            self._lock.notify_all()
+
+    def start(self) -> None:
+        for i in range(self.slots):
+            t = threading.Thread(target=self._worker, name=f"engine-jobs-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _next(self):
+        """The first queued job that fits the free slots (a job heavier than the whole
+        budget runs when everything is free); None when stopping."""
+        with self._lock:
+            while True:
+                if self._stopping:
+                    return None
+                for i, job in enumerate(sorted(self._queue)):
+                    need = min(job.weight, self.slots)
+                    if need <= self._free:
+                        self._queue.remove(job)
+                        heapq.heapify(self._queue)
+                        self._free -= need
+                        return job, need
+                    break   # keep the order: the first job waits for its slots
+                self._lock.wait()
+
+    def _worker(self) -> None:
+        while True:
+            picked = self._next()
+            if picked is None:
+                return
+            job, need = picked
+            outcome = self._outcomes[job.key]
+            started = time.monotonic()
+            try:
+                outcome.value = job.run()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the tests that ask
+                outcome.error = e
+            outcome.seconds = time.monotonic() - started
+            with self._lock:
+                self._free += need
+                self._lock.notify_all()
+            outcome.done.set()
+
+    def result(self, key: str, job: Job | None = None):
+        """The run's result (waits for it; a run not yet started goes first). ``job``:
+        submitted here if the session did not (a test run without the fixture's plan)."""
+        if key not in self._jobs:
+            if job is None:
+                raise KeyError(f"no engine run {key!r} was planned for this session")
+            self.submit(job)
+        with self._lock:
+            queued = self._jobs[key]
+            if queued in self._queue:
+                queued.priority = float("-inf")
+                heapq.heapify(self._queue)
+                self._lock.notify_all()
+        outcome = self._outcomes[key]
+        outcome.done.wait()
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.value
+
+    def stop(self) -> None:
+        """Stop starting runs and undo the set-ups (cleanups: kill running processes,
+        close the fork servers)."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+            processes = list(self._processes)
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                try:
+                    process.wait(timeout=30)
+                except Exception:  # noqa: BLE001
+                    pass
+        for cleanup in reversed(self.cleanups):
+            try:
+                cleanup()
+            except Exception:  # noqa: BLE001 - best effort at the session's end
+                pass
+
+
+_ONCE: dict[str, tuple[threading.Lock, list]] = {}
+_ONCE_LOCK = threading.Lock()
+
+
+def once(key: str, build: Callable[[], Any]):
+    """``build()`` for ``key`` once per session, whichever thread asks first; the others
+    wait for it. A failure is re-raised to every caller."""
+    with _ONCE_LOCK:
+        lock, box = _ONCE.setdefault(key, (threading.Lock(), []))
+    with lock:
+        if not box:
+            try:
+                box.append(("ok", build()))
+            except BaseException as e:  # noqa: BLE001
+                box.append(("error", e))
+        kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+PIP_LOCK = threading.Lock()   # one pip at a time in the test venv

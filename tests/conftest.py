@@ -177,20 +177,33 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def engine_jobs(request, tmp_path_factory):
+    plans = [(item, plan) for item in request.session.items
+             if (plan := getattr(getattr(item, "module", None), "engine_jobs", None))]
+    if not plans:   # nothing selected runs in the background
+        yield None
+        return
     from engine_env import close_servers
     from engine_jobs import EngineJobs
 
     jobs = EngineJobs()
     jobs.cleanups.append(close_servers)
     base = tmp_path_factory.getbasetemp()
-    for item in request.session.items:
-        plan = getattr(getattr(item, "module", None), "engine_jobs", None)
-        if plan is not None:
-            for job in plan(item, base, jobs):
-                jobs.submit(job)
+    for item, plan in plans:
+        for job in plan(item, base, jobs):
+            jobs.submit(job)
     jobs.start()
+    request.config._engine_jobs = jobs
     yield jobs
     jobs.stop()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    jobs = getattr(config, "_engine_jobs", None)
+    lines = jobs.report() if jobs is not None else []
+    if lines:
+        terminalreporter.section("engine runs")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.hookimpl(trylast=True)

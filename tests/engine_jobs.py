@@ -43,6 +43,7 @@ class _Outcome:
         self.done = threading.Event()
         self.value = None
         self.error: BaseException | None = None
+        self.started = None
         self.seconds = None
 
 
@@ -60,6 +61,7 @@ class EngineJobs:
         self._threads: list[threading.Thread] = []
         self.cleanups: list[Callable[[], None]] = []
         self._processes: set = set()
+        self._born = time.monotonic()
 
     def track(self, process):
         """``process`` (Popen-like) is killed if still running when the session stops."""
@@ -107,6 +109,7 @@ class EngineJobs:
             job, need = picked
             outcome = self._outcomes[job.key]
             started = time.monotonic()
+            outcome.started = started - self._born
             try:
                 outcome.value = job.run()
             except BaseException as e:  # noqa: BLE001 - re-raised in the tests that ask
@@ -135,6 +138,21 @@ class EngineJobs:
         if outcome.error is not None:
             raise outcome.error
         return outcome.value
+
+    def report(self, top: int = 12) -> list[str]:
+        """Lines for the terminal summary: when the runs ran, the longest of them."""
+        ran = [(o.seconds, o.started, k) for k, o in self._outcomes.items()
+               if o.seconds is not None]
+        if not ran:
+            return []
+        end = max(s + b for s, b, _ in ran)
+        lines = [f"{len(ran)} background engine runs ({self.slots} slots) from "
+                 f"{min(b for _, b, _ in ran):.0f} s to {end:.0f} s of the session; "
+                 f"the longest (seconds, started at):"]
+        for seconds, started, key in sorted(ran, reverse=True)[:top]:
+            failed = " FAILED" if self._outcomes[key].error is not None else ""
+            lines.append(f"  {seconds:6.1f}  @{started:5.0f}  {key}{failed}")
+        return lines
 
     def stop(self) -> None:
         """Stop starting runs and undo the set-ups (cleanups: kill running processes,

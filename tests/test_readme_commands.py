@@ -1,0 +1,153 @@
+"""The README's two commands, run from a fresh checkout as a newcomer runs them, so that a
+set-up step they miss fails CI instead of the next newcomer.
+
+The checkout is what ``git clone`` of this tree gives (tracked files and new files not
+ignored; no .venv, no .cache, no build outputs). Its ``.venv`` is seeded with this test
+Python's torch and Triton (linked, with the packages they need, and nothing else): the
+one step skipped is the torch wheel's install, which ``tests/test_setup_env.py`` covers.
+Everything else is the script's own work: the test and benchmark extras from the package
+index, the package itself, then the command. The test command runs a small selection
+(the whole suite would run this test again); the benchmark command runs as written.
+
+Runs in the background from the session's start (tests/engine_jobs.py). Skipped where
+``python3`` itself has torch (a GPU machine): the scripts use that Python as it is, and
+installing this checkout into it would change the machine's environment.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from engine_jobs import Job
+
+ROOT = Path(__file__).resolve().parents[1]
+SELECTION = ["-m", "not engines", "-k", "test_trainers or test_kernel", "-p", "no:cacheprovider"]
+
+
+def readme_commands() -> list[str]:
+    """The commands of the README's "Two commands" block (comments dropped)."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Two commands", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [line.split("#", 1)[0].strip() for line in block.splitlines()
+            if line.split("#", 1)[0].strip()]
+
+
+def _python3_has_torch() -> bool:
+    return subprocess.run(["python3", "-c", "import torch, triton"],
+                          capture_output=True).returncode == 0
+
+
+def _fresh_checkout(dest: Path) -> None:
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                             "--exclude-standard"], cwd=ROOT, capture_output=True, check=True)
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        src, dst = ROOT / name, dest / name
+        if not src.exists() and not src.is_symlink():
+            continue   # deleted in the working tree, not yet committed
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            dst.symlink_to(os.readlink(src))
+        else:
+            shutil.copy2(src, dst)
+
+
+def _requirement_names(dist) -> list[str]:
+    names = []
+    for req in dist.requires or []:
+        if "extra ==" in req:
+            continue
+        names.append(re.split(r"[ ;<>=!~\[(]", req, 1)[0])
+    return names
+
+
+def _seed_venv(checkout: Path) -> None:
+    """``checkout/.venv`` with this Python's torch and triton and what they require
+    (their files linked into its site-packages), pip and its build tools, nothing else
+    (as ``scripts/setup_env.sh`` leaves a new venv after installing torch: torch's own
+    requirements, setuptools among them, at the versions its install took)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(checkout / ".venv")],
+                   check=True)
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    target = Path(subprocess.run([str(checkout / ".venv" / "bin" / "python"), "-c",
+                                  "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                 capture_output=True, text=True, check=True).stdout.strip())
+    todo, seen = ["torch", "triton", "pip", "setuptools", "wheel"], set()
+    while todo:
+        name = todo.pop().lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue   # an optional requirement this Python lacks
+        todo += _requirement_names(dist)
+        for top in {Path(str(f)).parts[0] for f in dist.files or []} - {".."}:
+            if (purelib / top).exists() and not (target / top).exists():
+                (target / top).symlink_to(purelib / top)
+
+
+def _readme_run(base: Path, jobs):
+    checkout = base / "fresh_checkout"
+    if checkout.exists():
+        shutil.rmtree(checkout)
+    _fresh_checkout(checkout)
+    _seed_venv(checkout)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "VIRTUAL_ENV", "PYTHONPATH")}
+    venv_bin = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if p != venv_bin)
+    out = {}
+    for command in readme_commands():
+        argv = command.split() + (SELECTION if command.endswith("test.sh") else [])
+        log = base / f"fresh_checkout_{Path(argv[1]).stem}.log"
+        with open(log, "w") as f:
+            proc = jobs.track(subprocess.Popen(argv, cwd=checkout, env=env, stdout=f,
+                                               stderr=subprocess.STDOUT))
+        try:
+            proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        out[command] = (proc.returncode, log.read_text(errors="replace"))
+    return checkout, out
+
+
+def engine_jobs(item, base: Path, jobs) -> list:
+    """The fresh-checkout run (tests/engine_jobs.py) for the test that needs it."""
+    if item.originalname != "test_readme_commands_from_a_fresh_checkout" or _python3_has_torch():
+        return []
+    return [Job(-90, "readme commands", lambda: _readme_run(base, jobs))]
+
+
+def test_readme_names_the_two_commands_and_ci_runs_one():
+    assert readme_commands() == ["bash scripts/bench.sh", "bash scripts/test.sh"]
+    assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_commands_from_a_fresh_checkout(engine_jobs):
+    if _python3_has_torch():
+        pytest.skip("python3 already has torch and triton: the README's commands would install "
+                    "this checkout into it")
+    checkout, out = engine_jobs.result("readme commands")
+    code, log = out["bash scripts/bench.sh"]
+    assert code == 0, log[-4000:]
+    assert "installing test/bench extras" in log, log[-4000:]     # the set-up ran, not skipped
+    assert (checkout / "benchmarks" / "out" / "capture_latency_cpu_H7168.json").exists(), log[-3000:]
+    code, log = out["bash scripts/test.sh"]
+    assert code == 0, log[-4000:]
+    assert re.search(r"\d+ passed", log) and " failed" not in log, log[-4000:]
+    installed = subprocess.run([str(checkout / ".venv" / "bin" / "python"), "-c",
+                                "import eagle_capture; print(eagle_capture.__file__)"],
+                               cwd="/", capture_output=True, text=True)
+    assert installed.stdout.strip() == str(checkout / "eagle_capture" / "__init__.py"), \
+        installed.stderr[-2000:]

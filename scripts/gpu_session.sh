@@ -10,9 +10,9 @@
 #   tests  scripts/test.sh -rs > tests.log. Fails when pytest fails, or when a
 #          test was skipped for a reason a GPU machine should not show (see
 #          EXPECTED_SKIPS below; the message names each such skip).
-#          TEST_WORKERS=N runs it on N pytest-xdist workers (the whole suite
-#          then fits one 600 s device call; the timing figures come from the
-#          bench step, which runs alone).
+#          On pytest-xdist workers when it is installed (TEST_WORKERS=N, default
+#          half the CPUs up to 8; 1: one process): the whole session then fits
+#          one 600 s device call; timing figures come from the bench step alone.
 #   bench  scripts/bench.sh (benchmarks/capture_latency.py) > bench.log
 #   host   capture_latency.py --host-breakdown > host.log (host time per call,
 #          layer by layer down the eager call stack)
@@ -113,13 +113,20 @@ visible_gpus() {
 
 tests_step() {
     local rc gpus verdict workers=()
-    # TEST_WORKERS=N: N pytest-xdist workers, a test file per worker (--dist
-    # loadfile keeps a file's GPU tests in one process, in order).
-    if [[ -n ${TEST_WORKERS:-} ]]; then
+    # pytest-xdist workers, a test file per worker (--dist loadfile keeps a file's GPU
+    # tests in one process, in order): TEST_WORKERS=N, else half the CPUs up to 8 when
+    # pytest-xdist is there (the whole session then fits one 600 s device call; the
+    # timing figures come from the bench step, which runs alone). TEST_WORKERS=1: one process.
+    local n=${TEST_WORKERS:-}
+    if [[ -z $n ]]; then
+        n=$(( $(nproc) / 2 )); (( n > 8 )) && n=8; (( n < 1 )) && n=1
+    fi
+    if (( n > 1 )); then
         if "$PY" -c "import xdist" 2> /dev/null; then
-            workers=(-n "$TEST_WORKERS" --dist loadfile)
+            workers=(-n "$n" --dist loadfile)
+            say "tests on $n pytest-xdist workers"
         else
-            say "TEST_WORKERS=$TEST_WORKERS but pytest-xdist is not installed: one process"
+            say "pytest-xdist is not installed: the tests run in one process"
         fi
     fi
     bash scripts/test.sh -rsE -p no:cacheprovider --record "$OUT/test_record.json" "${workers[@]}" \

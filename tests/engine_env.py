@@ -43,6 +43,16 @@ def _overlay(script: str, version: str) -> str:
     return once(f"overlay {script} {version}", build)
 
 
+def sglang_needs(version: str) -> tuple:
+    """A job's ``needs`` (tests/engine_jobs.py) for SGLang ``version``: its overlay."""
+    return ((f"overlay sglang {version}",
+             lambda: _overlay("scripts/sglang_real_env.sh", version)),)
+
+
+def vllm_needs(version: str) -> tuple:
+    return ((f"overlay vllm {version}", lambda: _overlay("scripts/vllm_real_env.sh", version)),)
+
+
 def sglang_env(version: str) -> dict:
     """The environment of a process running SGLang ``version``'s real code: its overlay
     first on the path, the ops' torch path for CPU tensors, bytecode cached under
@@ -81,6 +91,23 @@ def start_sglang(version: str, module: str, args: list[str], log: Path):
     deepep = "--moe-a2a-backend" in args and args[args.index("--moe-a2a-backend") + 1] == "deepep"
     return forkserver.start_process(sglang_server(version, deepep), module, list(args),
                                     sglang_env(version), str(ROOT), str(log))
+
+
+VLLM_PRELOAD = ["vllm", "vllm.plugins", "vllm.config", "vllm.model_executor.models.deepseek_v2",
+                "tests.vllm_real.harness"]
+
+
+def vllm_server(version: str, env: dict):
+    """A fork server that has imported vLLM (``env``: the runs' common environment; each
+    run's own is applied when it is forked). None with EAGLE_CAPTURE_TEST_FORKSERVER=0."""
+    if not forkserver.enabled(BASE_ENV):
+        return None
+
+    def build():
+        server = forkserver.ForkServer(f"vllm {version}", env, str(ROOT), VLLM_PRELOAD)
+        _SERVERS.append(server)
+        return server
+    return once(f"forkserver vllm {version}", build)
 
 
 def close_servers() -> None:

@@ -10,9 +10,12 @@ moves a run not yet started to the front. A run is a blocking function in a thre
 (it starts processes and waits for them); its exception is re-raised in every test that
 asks for its result. Deselected tests start nothing.
 
-Shared set-ups go through :func:`once` (each key built by one thread, the others wait):
-the overlays of scripts/sglang_real_env.sh and vllm_real_env.sh (pip into the test venv:
-one at a time) and the fork servers (tests/forkserver.py, one per engine line).
+Shared set-ups go through :func:`once` (each key built by one thread, the others wait).
+The overlays of scripts/sglang_real_env.sh and vllm_real_env.sh (pip: one at a time) are a
+job's ``needs``: a set-up thread builds them, in the order of the jobs that need them,
+outside the CPU budget, and a job starts only when its needs are built (a job waiting for
+pip would hold slots others could use). The fork servers (tests/forkserver.py, one per
+engine line) are started by the first job that forks from them.
 
 ``EAGLE_CAPTURE_ENGINE_SLOTS`` sets the budget (default: the CPU count + 1: ranks wait
 on their peers much of the time).
@@ -20,7 +23,6 @@ on their peers much of the time).
 
 from __future__ import annotations
 
-import heapq
 import os
 import threading
 import time
@@ -36,6 +38,9 @@ class Job:
     key: str = field(compare=False)
     run: Callable[[], Any] = field(compare=False)
     weight: int = field(default=1, compare=False)
+    # Set-ups built before the job starts: (key, build) pairs; build() is idempotent
+    # (engine_env's builders go through once()).
+    needs: tuple = field(default=(), compare=False)
 
 
 class _Outcome:
@@ -55,6 +60,7 @@ class EngineJobs:
         self._free = self.slots
         self._lock = threading.Condition()
         self._queue: list[Job] = []
+        self._built: set[str] = set()
         self._jobs: dict[str, Job] = {}
         self._outcomes: dict[str, _Outcome] = {}
         self._stopping = False
@@ -75,31 +81,58 @@ class EngineJobs:
                 return
             self._jobs[job.key] = job
             self._outcomes[job.key] = _Outcome()
-            heapq.heappush(self._queue, job)
+            self._queue.append(job)
             self._lock.notify_all()
 
     def start(self) -> None:
-        for i in range(self.slots):
-            t = threading.Thread(target=self._worker, name=f"engine-jobs-{i}", daemon=True)
+        threads = [threading.Thread(target=self._worker, name=f"engine-jobs-{i}", daemon=True)
+                   for i in range(self.slots)]
+        threads.append(threading.Thread(target=self._build_needs, name="engine-jobs-setup",
+                                        daemon=True))
+        for t in threads:
             t.start()
-            self._threads.append(t)
+        self._threads += threads
+
+    def _ready(self, job: Job) -> bool:
+        return all(key in self._built for key, _ in job.needs)
 
     def _next(self):
-        """The first queued job that fits the free slots (a job heavier than the whole
-        budget runs when everything is free); None when stopping."""
+        """The first queued job, in priority order, whose set-ups are built, if it fits
+        the free slots (a job heavier than the whole budget runs when everything is
+        free); None when stopping."""
         with self._lock:
             while True:
                 if self._stopping:
                     return None
-                for i, job in enumerate(sorted(self._queue)):
-                    need = min(job.weight, self.slots)
-                    if need <= self._free:
-                        self._queue.remove(job)
-                        heapq.heapify(self._queue)
-                        self._free -= need
-                        return job, need
-                    break   # keep the order: the first job waits for its slots
+                ready = [job for job in sorted(self._queue) if self._ready(job)]
+                if ready and min(ready[0].weight, self.slots) <= self._free:
+                    job, need = ready[0], min(ready[0].weight, self.slots)
+                    self._queue.remove(job)
+                    self._free -= need
+                    return job, need
                 self._lock.wait()
+
+    def _build_needs(self) -> None:
+        """Build the queued jobs' set-ups one at a time, those of the first job first. A
+        failed build counts as built: the job runs, and its own call of the builder
+        re-raises the failure in its tests."""
+        while True:
+            with self._lock:
+                todo = [(key, build) for job in sorted(self._queue) for key, build in job.needs
+                        if key not in self._built]
+                if self._stopping or not todo:
+                    if self._stopping or all(o.done.is_set() for o in self._outcomes.values()):
+                        return
+                    self._lock.wait(timeout=1.0)
+                    continue
+            key, build = todo[0]
+            try:
+                build()
+            except BaseException:  # noqa: BLE001 - re-raised by the job's own call
+                pass
+            with self._lock:
+                self._built.add(key)
+                self._lock.notify_all()
 
     def _worker(self) -> None:
         while True:
@@ -131,7 +164,6 @@ class EngineJobs:
             queued = self._jobs[key]
             if queued in self._queue:
                 queued.priority = float("-inf")
-                heapq.heapify(self._queue)
                 self._lock.notify_all()
         outcome = self._outcomes[key]
         outcome.done.wait()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_env import start_sglang
+from engine_env import sglang_needs, start_sglang
 from engine_jobs import Job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def _scenarios_job(version: str, base: Path, jobs) -> Job:
         process = start_sglang(version, "tests.sglang_real.scenarios", ["--json", str(out)], log)
         run_to_end(jobs, process, log, TIMEOUT_S, f"sglang {version} scenarios")
         return json.loads(out.read_text())
-    return Job(-60, f"sglang {version} scenarios", run)
+    return Job(-60, f"sglang {version} scenarios", run, needs=sglang_needs(version))
 
 
 def _gpu_dry_run_job(base: Path, jobs) -> Job:
@@ -79,7 +79,7 @@ def _gpu_dry_run_job(base: Path, jobs) -> Job:
                                 "--out", str(out)], log)
         run_to_end(jobs, process, log, 600, "the GPU scenarios' dry run")
         return json.loads(out.read_text())
-    return Job(-15, "sglang 0.5.23 gpu scenarios dry run", run)
+    return Job(-15, "sglang 0.5.23 gpu scenarios dry run", run, needs=sglang_needs("0.5.23"))
 
 
 def engine_jobs(item, base: Path, jobs) -> list:

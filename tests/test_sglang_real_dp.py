@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_env import start_sglang
+from engine_env import sglang_needs, start_sglang
 from engine_jobs import Job
 from test_sglang_real_tp import VERSIONS, _free_port, collect, summary
 
@@ -74,7 +74,8 @@ def _dp_job(config: str, version: str, base: Path, jobs) -> Job:
                                                  args, log), log, json_path)
         return collect(jobs, procs, time.monotonic() + TIMEOUT_S)
     world = _world(config)
-    return Job(-20 * world, f"sglang {version} {config}", run, weight=world)
+    return Job(-20 * world, f"sglang {version} {config}", run, weight=world,
+               needs=sglang_needs(version))
 
 
 def engine_jobs(item, base: Path, jobs) -> list:

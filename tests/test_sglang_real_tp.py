@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_env import start_sglang
+from engine_env import sglang_needs, start_sglang
 from engine_jobs import Job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +130,7 @@ def _tp_job(version: str, base: Path, jobs) -> Job:
                           if tp1_json.exists() else None}
         results["seconds"] = time.monotonic() - started
         return results
-    return Job(-100, f"sglang {version} tp2", run, weight=WORLD)
+    return Job(-100, f"sglang {version} tp2", run, weight=WORLD, needs=sglang_needs(version))
 
 
 def engine_jobs(item, base: Path, jobs) -> list:

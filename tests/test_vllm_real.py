@@ -21,13 +21,13 @@ Python on its CUDA platform instead); nothing else does.
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from engine_env import BASE_ENV, vllm_overlay
+import forkserver
+from engine_env import BASE_ENV, vllm_needs, vllm_overlay, vllm_server
 from engine_jobs import Job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,11 +50,18 @@ def _env(**extra) -> dict:
     return env
 
 
-def _run(jobs, cmd: list, env: dict, timeout_s: float, log: Path) -> tuple[int, str]:
-    """``cmd`` to its end (killed past ``timeout_s``): exit status and output."""
-    with open(log, "w") as out:
-        proc = jobs.track(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out,
-                                           stderr=subprocess.STDOUT))
+def _start(jobs, module: str, args: list, env: dict, log: Path, forked: bool = True):
+    """``python -m module args`` with ``env``: forked from the vLLM fork server (vLLM
+    imported once), or a fresh interpreter (``forked=False``: the engine, which starts
+    processes of its own)."""
+    server = vllm_server(VLLM_VERSION, _env()) if forked else None
+    return jobs.track(forkserver.start_process(server, module, args, env, str(ROOT), str(log)))
+
+
+def _run(jobs, module: str, args: list, env: dict, timeout_s: float, log: Path,
+         forked: bool = True) -> tuple[int, str]:
+    """The run to its end (killed past ``timeout_s``): exit status and output."""
+    proc = _start(jobs, module, args, env, log, forked)
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -66,7 +73,7 @@ def _run(jobs, cmd: list, env: dict, timeout_s: float, log: Path) -> tuple[int, 
 def _scenarios(base: Path, jobs):
     out = base / "vllm_real" / "scenarios.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    code, log = _run(jobs, [sys.executable, "-m", "tests.vllm_real.scenarios", "--json", str(out)],
+    code, log = _run(jobs, "tests.vllm_real.scenarios", ["--json", str(out)],
                      _env(VLLM_CACHE_ROOT=str(out.parent / "cache")), 1800,
                      out.parent / "scenarios.log")
     assert code == 0 and out.exists(), f"scenarios crashed (exit {code}):\n{log[-5000:]}"
@@ -80,14 +87,9 @@ def _tp2(base: Path, jobs):
     work.mkdir(parents=True, exist_ok=True)
     init = f"tcp://127.0.0.1:{free_port()}"
     env = _env(EAGLE_TP_OUT=str(work), VLLM_CACHE_ROOT=str(work / "cache"))
-    procs = []
-    for rank in (0, 1):
-        log = open(work / f"rank{rank}.log", "w")
-        procs.append(jobs.track(subprocess.Popen(
-            [sys.executable, "-m", "tests.vllm_real.scenarios", "--json",
-             str(work / f"tp{rank}.json"), "--rank", str(rank), "--init-method", init],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)))
-        log.close()
+    procs = [_start(jobs, "tests.vllm_real.scenarios",
+                    ["--json", str(work / f"tp{rank}.json"), "--rank", str(rank),
+                     "--init-method", init], env, work / f"rank{rank}.log") for rank in (0, 1)]
     deadline = time.monotonic() + 900
     for proc in procs:
         try:
@@ -102,21 +104,18 @@ def _tp2(base: Path, jobs):
 def _engine(base: Path, jobs):
     work = base / "vllm_engine"
     work.mkdir(parents=True, exist_ok=True)
-    return _run(jobs, [sys.executable, "-m", "tests.vllm_real.engine", "--work", str(work)],
+    return _run(jobs, "tests.vllm_real.engine", ["--work", str(work)],
                 _env(EAGLE_CAPTURE_VERIFY="3", VLLM_CACHE_ROOT=str(work / "c")), 900,
-                work / "engine.log")
+                work / "engine.log", forked=False)
 
 
-OFF_CODE = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
-            "from vllm import ModelRegistry; "
-            "print('CLS', ModelRegistry._try_load_model_cls('DeepseekV3ForCausalLM').__name__)")
 OFF_CASES = ({"EAGLE_CAPTURE": "0"}, {"VLLM_PLUGINS": "someone_else"}, {"EAGLE_CAPTURE": "maybe"})
 
 
 def _plugin_off(base: Path, jobs):
     work = base / "vllm_plugin_off"
     work.mkdir(parents=True, exist_ok=True)
-    return [_run(jobs, [sys.executable, "-c", OFF_CODE], _env(**extra), 300,
+    return [_run(jobs, "tests.vllm_real.registry_probe", [], _env(**extra), 300,
                  work / f"case{i}.log") for i, extra in enumerate(OFF_CASES)]
 
 
@@ -137,7 +136,8 @@ def engine_jobs(item, base: Path, jobs) -> list:
         return []
     key = RUN_OF.get(item.originalname, "vllm scenarios")
     fn, weight, priority = RUNS[key]
-    return [Job(priority, key, lambda: fn(base, jobs), weight=weight)]
+    return [Job(priority, key, lambda: fn(base, jobs), weight=weight,
+                needs=vllm_needs(VLLM_VERSION))]
 
 
 @pytest.fixture(scope="module")

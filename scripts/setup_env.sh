@@ -55,11 +55,12 @@ else
     fi
 fi
 
-# Extras: install only what is missing (pytest, hypothesis, numpy, transformers for tests;
+# Extras: install only what is missing (pytest, pytest-xdist, hypothesis, numpy, transformers
+# for tests;
 # nvidia-ml-py, matplotlib, tqdm for the benchmark).
 missing=$($PY - <<'PYEOF'
 import importlib.util
-need = {"pytest": "pytest", "hypothesis": "hypothesis", "numpy": "numpy",
+need = {"pytest": "pytest", "xdist": "pytest-xdist", "hypothesis": "hypothesis", "numpy": "numpy",
         "transformers": "transformers",
         "pynvml": "nvidia-ml-py", "matplotlib": "matplotlib", "tqdm": "tqdm"}
 print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))

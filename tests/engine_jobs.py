@@ -26,21 +26,25 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 SLOTS_ENV = "EAGLE_CAPTURE_ENGINE_SLOTS"
 
 
-@dataclass(order=True)
+@dataclass(eq=False)   # identity: two runs of the same priority are different runs
 class Job:
     priority: float                     # lower runs first (e.g. minus the expected seconds)
-    key: str = field(compare=False)
-    run: Callable[[], Any] = field(compare=False)
-    weight: int = field(default=1, compare=False)
+    key: str
+    run: Callable[[], Any]
+    weight: int = 1
     # Set-ups built before the job starts: (key, build) pairs; build() is idempotent
     # (engine_env's builders go through once()).
-    needs: tuple = field(default=(), compare=False)
+    needs: tuple = ()
+
+
+def _by_priority(job: Job) -> float:
+    return job.priority
 
 
 class _Outcome:
@@ -104,7 +108,7 @@ class EngineJobs:
             while True:
                 if self._stopping:
                     return None
-                ready = [job for job in sorted(self._queue) if self._ready(job)]
+                ready = [job for job in sorted(self._queue, key=_by_priority) if self._ready(job)]
                 if ready and min(ready[0].weight, self.slots) <= self._free:
                     job, need = ready[0], min(ready[0].weight, self.slots)
                     self._queue.remove(job)
@@ -118,7 +122,8 @@ class EngineJobs:
         re-raises the failure in its tests."""
         while True:
             with self._lock:
-                todo = [(key, build) for job in sorted(self._queue) for key, build in job.needs
+                todo = [(key, build) for job in sorted(self._queue, key=_by_priority)
+                        for key, build in job.needs
                         if key not in self._built]
                 if self._stopping or not todo:
                     if self._stopping or all(o.done.is_set() for o in self._outcomes.values()):

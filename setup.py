@@ -53,17 +53,20 @@ setup(
     packages=["eagle_capture", "eagle_capture.kernels", "eagle_capture.parallel",
               "eagle_capture.integrations", "eagle_capture.integrations.sglang",
               "eagle_capture.integrations.vllm",
-              "eagle_capture.layer_ids", "eagle_capture.testing"],
+              "eagle_capture.layer_ids", "eagle_capture.probe", "eagle_capture.testing"],
+    package_data={"eagle_capture.probe": ["prompts.jsonl"]},
     # SGLang's plugin system (0.5.13+) finds the fused capture here in every
     # scheduler process; EAGLE_CAPTURE=1 turns it on (eagle_capture/integrations/sglang/plugin.py).
     entry_points={"sglang.srt.plugins": ["eagle_capture = eagle_capture.integrations.sglang.plugin:register"],
                   # vLLM's load_general_plugins() runs it in every process (eagle_capture/integrations/vllm/plugin.py)
                   "vllm.general_plugins": ["eagle_capture = eagle_capture.integrations.vllm.plugin:register"],
-                  # eagle-capture doctor ...: the layer-id doctor (eagle_capture/layer_ids/doctor.py)
-                  "console_scripts": ["eagle-capture = eagle_capture.layer_ids.doctor:console_main"]},
+                  # eagle-capture doctor | probe ... (eagle_capture/cli.py)
+                  "console_scripts": ["eagle-capture = eagle_capture.cli:console_main"]},
     install_requires=["torch>=2.6", "triton>=3.2"],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "numpy", "transformers>=4.57"],
+        # eagle-capture probe runs the target as a Hugging Face model
+        "probe": ["transformers>=4.57", "safetensors", "tqdm>=4.60"],
         "bench": ["nvidia-ml-py>=12", "matplotlib>=3.7", "tqdm>=4.60", "numpy"],
     },
 )

@@ -82,7 +82,7 @@ installed=$(cd / && "$PY_ABS" -c 'import os, eagle_capture.kernels as k, eagle_c
 from importlib.metadata import entry_points
 assert any(p.value == "eagle_capture.integrations.sglang.plugin:register"
            for p in entry_points(group="sglang.srt.plugins"))
-assert any(p.value == "eagle_capture.layer_ids.doctor:console_main"
+assert any(p.value == "eagle_capture.cli:console_main"
            for p in entry_points(group="console_scripts"))
 print(os.path.realpath(e.__file__))' 2>/dev/null || true)
 if [ "$installed" != "$(realpath eagle_capture/__init__.py)" ]; then

@@ -342,12 +342,12 @@ def test_one_cli(tmp_path, capsys):
     assert plan.main(["--draft-config", str(config), "--num-layers", "61"]) == 1
     captured = capsys.readouterr()
     assert "running `eagle-capture doctor`" in captured.err and "PROBLEM" in captured.out
-    run = subprocess.run([sys.executable, "-c", "import sys; from eagle_capture.layer_ids.doctor import "
+    run = subprocess.run([sys.executable, "-c", "import sys; from eagle_capture.cli import "
                           "console_main; sys.argv = ['eagle-capture'] + sys.argv[1:]; "
                           "console_main()", "doctor", "--draft-config", str(config),
                           "--num-layers", "61"], capture_output=True, text=True)
     assert run.returncode == 1 and "PROBLEM" in run.stdout
-    run = subprocess.run([sys.executable, "-c", "import sys; from eagle_capture.layer_ids.doctor import "
+    run = subprocess.run([sys.executable, "-c", "import sys; from eagle_capture.cli import "
                           "console_main; sys.argv = ['eagle-capture', 'plan']; console_main()"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "unknown command 'plan'" in run.stderr
@@ -510,9 +510,10 @@ def test_gpt_oss_final_boundary_and_unread_models(tmp_path, capsys):
 def test_the_cli_without_arguments_and_with_help(capsys):
     """``eagle-capture`` alone: usage and exit 2; ``--help``: usage and exit 0; an
     unknown command: exit 2 naming it; ``doctor --help``: argparse's help."""
-    import eagle_capture.layer_ids.doctor as cli
+    import eagle_capture.cli as cli
 
     for argv, status, stream, text in (([], 2, "out", "usage: eagle-capture doctor"),
+                                       ([], 2, "out", "eagle-capture probe"),
                                        (["--help"], 0, "out", "usage: eagle-capture doctor"),
                                        (["plan"], 2, "err", "unknown command 'plan'"),
                                        (["doctor", "--help"], 0, "out", "--id-convention")):

@@ -523,18 +523,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0 if all(d.ok for d in diagnoses) else 1
 
 
-def console_main() -> None:
-    """``eagle-capture``: ``eagle-capture doctor ...`` (the one sub-command)."""
-    argv = sys.argv[1:]
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: eagle-capture doctor [--help] --draft-config ... (--target-config ... | "
-              "--num-layers N) [deployment options]")
-        raise SystemExit(0 if argv else 2)
-    if argv[0] != "doctor":
-        print(f"eagle-capture: unknown command {argv[0]!r} (commands: doctor)", file=sys.stderr)
-        raise SystemExit(2)
-    raise SystemExit(main(argv[1:]))
-
-
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,495 @@
+"""Which layers was an EAGLE-3 draft trained on? Measured, not read.
+
+    eagle-capture probe --target TARGET_DIR --draft DRAFT_DIR [--prompts FILE]
+                        [--device cuda|cpu] [--dtype bf16|fp16|fp32]
+
+A draft's first speculative step tells: fed the states it was trained on, its
+top-1 token agrees with the target's next token far more often than fed states
+one layer off. The probe runs the target (Hugging Face transformers) over
+calibration text, keeps the state at every candidate capture layer (hooks on
+the decoder layers, :mod:`.target`), and runs the draft's first step
+(:mod:`.draft`) once per candidate reading of the draft's ids:
+
+* the config's reading (its trainer's convention, :mod:`~eagle_capture.layer_ids.trainers`;
+  both readings when it is ambiguous);
+* the ids as written in the output and in the input convention, and the whole
+  list one layer lower / higher than those;
+* what each engine captures for this config (SGLang's newest line with the
+  target's own rule, vLLM's runners), and the engines' default;
+* each id alone one layer off the config's reading.
+
+Agreement = the share of positions t where the draft, given the target's states
+at t and the token at t + 1, proposes the token the target itself predicts at
+t + 1 (greedy): the first draft token's acceptance under greedy decoding.
+
+Exit status: 0 the config's reading is what the draft was trained on and every
+engine shown captures it; 1 a mismatch (the ids to write are printed) or a margin
+too small to tell; 2 unusable input (missing folder, unreadable draft, no
+tokenizer for text prompts, a target that does not fit the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from eagle_capture.layer_ids.deployment import wrap
+from eagle_capture.layer_ids.doctor import fix_ids
+from eagle_capture.layer_ids.lines import (SGLANG_LINES, CapturePlanError,
+                                           DraftIds, default_capture_layers, read_draft_ids,
+                                           read_target, vllm_lines, parse_version)
+from eagle_capture.layer_ids.rules import sglang_model_rule
+from eagle_capture.layer_ids.trainers import CONVENTIONS, Provenance, recognise
+from eagle_capture.probe.draft import DraftError, load_draft
+
+__all__ = ["Candidate", "ProbeError", "ProbeReport", "candidates", "main", "run_probe"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class ProbeError(ValueError):
+    """Input the probe cannot use: the message says what and why."""
+
+
+@dataclass
+class Candidate:
+    """One reading of the draft's ids: the capture layers it feeds the draft."""
+    layers: tuple[int, ...]          # capture layers, ascending (c = the input of layer c)
+    labels: list[str]
+    config_reading: bool = False     # one of the config's own readings
+    hits: int = 0
+    tokens: int = 0
+
+    @property
+    def agreement(self) -> float:
+        return self.hits / self.tokens if self.tokens else 0.0
+
+    def describe(self, num_layers: int) -> str:
+        def one(c):
+            return "embedding" if c == 0 else (f"out {c - 1}" if c < num_layers
+                                               else f"out {c - 1} (final)")
+        return f"{list(self.layers)} = {', '.join(one(c) for c in self.layers)}"
+
+
+def _engine_captures(draft: DraftIds, num_layers: int, architecture: str):
+    """(short label, full label, capture layers) for what each engine captures for
+    this config."""
+    newest = SGLANG_LINES[-1]
+    rule = sglang_model_rule(parse_version(newest.read_versions[-1]),
+                             architecture or "DeepseekV3ForCausalLM")
+    line = newest.for_model(rule)
+    out = [(f"SGLang {newest.read_versions[-1]}", f"SGLang {newest.name}",
+            line.capture_layers(draft.read_by_target, num_layers))]
+    for v in vllm_lines(draft):
+        short = {"V2": "vLLM V2", "V1": "vLLM V1"}.get(v.runner, "vLLM")
+        out.append((short, f"vLLM {v.title}", v.capture_layers(v.read_ids(draft), num_layers)))
+    return out
+
+
+def candidates(draft: DraftIds, provenance: Provenance, num_layers: int, num_aux: int,
+               architecture: str = "") -> tuple[list[Candidate], list[str]]:
+    """Every reading worth measuring (deduplicated by layers, labels merged), and
+    notes on readings left out (outside [0, num_layers], a layer twice, or not
+    ``num_aux`` layers: the draft's fc takes exactly that many)."""
+    found: dict[tuple, Candidate] = {}
+    notes: list[str] = []
+
+    def add(layers, label, config_reading=False):
+        if layers is None:
+            return
+        layers = tuple(sorted(layers))
+        if len(layers) != num_aux or len(set(layers)) != len(layers) \
+                or not all(0 <= c <= num_layers for c in layers):
+            notes.append(f"{label}: {list(layers)} left out (the draft takes {num_aux} distinct "
+                         f"capture layers in [0, {num_layers}])")
+            return
+        cand = found.setdefault(layers, Candidate(layers, []))
+        if label not in cand.labels:
+            cand.labels.append(label)
+        cand.config_reading |= config_reading
+
+    readings = [r for r in provenance.readings if r.expected is not None]
+    for r in readings:
+        add(r.expected, f"config: {r.label.split(' (')[0]}", config_reading=True)
+    defaults = default_capture_layers(num_layers)
+    if not readings:
+        # No ids: the config's reading is what the engines feed it, their default.
+        add(defaults, "config: no ids, the engines' default", config_reading=True)
+    ids = provenance.ids
+    if ids is not None:
+        add([i + 1 for i in ids], "ids read as outputs")
+        add(list(ids), "ids read as inputs")
+        add([i - 1 for i in ids], "ids read as inputs, all one lower")
+        add([i + 2 for i in ids], "ids read as outputs, all one higher")
+    for label, _, layers in _engine_captures(draft, num_layers, architecture):
+        add(layers, label + " captures")
+    add(defaults, "the engines' default")
+    base = sorted(readings[0].expected) if readings else defaults
+    for k in range(len(base)):
+        for d in (-1, 1):
+            moved = list(base)
+            moved[k] += d
+            add(moved, f"config, layer {base[k]} -> {base[k] + d}")
+    return list(found.values()), notes
+
+
+@dataclass
+class ProbeReport:
+    num_layers: int
+    candidates: list[Candidate]
+    provenance: Provenance
+    threshold: float
+    verdict: str = ""
+    fixes: list[str] = field(default_factory=list)
+    engines: list[str] = field(default_factory=list)
+    ok: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ranked(self) -> list[Candidate]:
+        return sorted(self.candidates, key=lambda c: (-c.agreement, c.layers))
+
+    def format(self) -> str:
+        n = self.num_layers
+        rows = [("", "capture layers (c = input of layer c)", "agree", "tokens", "reading")]
+        for i, c in enumerate(self.ranked):
+            mark = "*" if c.config_reading else " "
+            rows.append((f"{i + 1}{mark}", c.describe(n), f"{100 * c.agreement:5.1f}%",
+                         str(c.tokens), "; ".join(c.labels)))
+        w = [max(len(r[j]) for r in rows) for j in range(4)]
+        lines = ["  ".join(r[j].ljust(w[j]) for j in range(4)) + "  " + r[4] for r in rows]
+        lines.append("(* the config's own reading; out X = the output of layer X; agree = the "
+                     "draft's first token is the target's greedy next token)")
+        lines.append("")
+        lines += [wrap(self.verdict, "", "  ")]
+        lines += [wrap(f, "  ", "    ") for f in self.fixes]
+        lines += [wrap(e, "  ", "    ") for e in self.engines]
+        lines += [wrap("note: " + t, "", "  ") for t in self.notes]
+        return "\n".join(lines)
+
+
+def _threshold(a: Candidate, b: Candidate, min_margin: float) -> float:
+    """The margin that separates two agreements: ``min_margin``, or three standard
+    errors of the difference when that is larger (few tokens)."""
+    n = max(1, min(a.tokens, b.tokens))
+    se = math.sqrt((a.agreement * (1 - a.agreement) + b.agreement * (1 - b.agreement)) / n)
+    return max(min_margin, 3 * se)
+
+
+def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: float) -> None:
+    """The verdict, the ids to write and each engine's line, from the measured table.
+    The config's reading stands unless another reading beats it by more than the
+    noise (:func:`_threshold`); two config readings (ambiguous ids) must be told
+    apart by that margin too."""
+    ranked = report.ranked
+    best = ranked[0]
+    n = report.num_layers
+    config = [c for c in ranked if c.config_reading]
+    top = config[0]
+    need = _threshold(best, top, min_margin)
+    report.threshold = need
+
+    def pct(c):
+        return f"{100 * c.agreement:.1f}%"
+
+    want: Optional[list[int]] = None
+    if best is not top and best.agreement - top.agreement >= need:
+        want = list(best.layers)
+        report.verdict = (
+            f"MISMATCH: capture layers {want} agree {pct(best)}, "
+            f"{100 * (best.agreement - top.agreement):.1f} points more than the config's "
+            f"reading {list(top.layers)} ({pct(top)}; {100 * need:.1f} needed): the draft was "
+            f"trained on {want}")
+    elif len(config) > 1 and top.agreement - config[1].agreement < _threshold(
+            top, config[1], min_margin):
+        report.verdict = (
+            f"INCONCLUSIVE: the config's two readings {list(top.layers)} ({pct(top)}) and "
+            f"{list(config[1].layers)} ({pct(config[1])}) are within "
+            f"{100 * _threshold(top, config[1], min_margin):.1f} points over {top.tokens} "
+            f"tokens: more calibration text (--prompts, --max-tokens) narrows it; a draft "
+            f"that agrees little everywhere may not belong to this target")
+    else:
+        want = list(top.layers)
+        which = "; ".join(lb for lb in top.labels if lb.startswith("config"))
+        runner = next((c for c in ranked if c is not top), None)
+        report.verdict = f"CONFIRMED: the draft was trained on capture layers {want}, the " \
+                         f"config's reading ({which}): {pct(top)} agreement"
+        if runner is not None:
+            gap = top.agreement - runner.agreement
+            report.verdict += (
+                f", {100 * gap:.1f} points over the next reading {list(runner.layers)}"
+                if gap >= 0 else
+                f"; {list(runner.layers)} agrees {pct(runner)}, within the "
+                f"{100 * need:.1f} points that noise allows")
+        if report.provenance.ambiguous:
+            conv = "output" if "output" in which else "input"
+            report.fixes.append(
+                f"the config's ids are ambiguous; this draft's are in the {conv} convention: "
+                f"pass --id-convention {conv} to the doctor, EAGLE_CAPTURE_ID_CONVENTION={conv} "
+                f"to the plugins")
+    if want is None:
+        report.ok = False
+        return
+    report.ok = want == list(top.layers)
+    newest = SGLANG_LINES[-1]
+    rule = sglang_model_rule(parse_version(newest.read_versions[-1]),
+                             architecture or "DeepseekV3ForCausalLM")
+    sglang_ids = fix_ids(newest.for_model(rule), want, n, allow_embedding=0 in want)
+    for _, label, layers in _engine_captures(draft, n, architecture):
+        if sorted(layers) == want:
+            report.engines.append(f"{label} captures {sorted(layers)}: OK")
+            continue
+        report.ok = False
+        if not label.startswith("SGLang"):
+            fix = f"write the top-level eagle_aux_hidden_state_layer_ids = {want}"
+        elif sglang_ids is None:
+            fix = f"no ids make this line capture {want}"
+        else:
+            fix = f"write eagle_config.eagle_aux_hidden_state_layer_ids = {sglang_ids}"
+        report.engines.append(f"{label} captures {sorted(layers)}: PROBLEM -- {fix}")
+
+
+def _weights_bytes(folder: Path, dtype: torch.dtype) -> int:
+    """The target's weights in ``dtype``: counted from the safetensors headers
+    (no tensor read), else the files' size."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return sum(f.stat().st_size for f in folder.glob("*.bin"))
+    from safetensors import safe_open
+    numel = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                numel += math.prod(h.get_slice(k).get_shape())
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 // 10 else f"{n / 2**20:.1f} MiB"
+
+
+def _available(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def read_prompts(path: Optional[str]) -> list[dict]:
+    """Calibration prompts: a JSON-lines file of {"text": ...} or {"token_ids": [...]}
+    (a plain text file: one prompt per paragraph); default: the package's own."""
+    if path is None:
+        text = resources.files("eagle_capture.probe").joinpath("prompts.jsonl").read_text()
+        where = "the default calibration prompts"
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ProbeError(f"--prompts {path}: {exc.strerror}") from None
+        where = path
+    prompts = []
+    if path is None or path.endswith(".jsonl"):
+        for i, line in enumerate(text.splitlines()):
+            if not line.strip():
+                continue
+            try:
+                p = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ProbeError(f"{where} line {i + 1}: not JSON ({exc})") from None
+            if not isinstance(p, dict) or not (isinstance(p.get("text"), str) or (
+                    isinstance(p.get("token_ids"), list)
+                    and all(isinstance(t, int) for t in p["token_ids"]))):
+                raise ProbeError(f"{where} line {i + 1}: expected {{\"text\": ...}} or "
+                                 f"{{\"token_ids\": [...]}}")
+            prompts.append(p)
+    else:
+        prompts = [{"text": para.strip()} for para in text.split("\n\n") if para.strip()]
+    if not prompts:
+        raise ProbeError(f"{where}: no prompts")
+    return prompts
+
+
+def _load_target(folder: Path, device, dtype):
+    import transformers
+    kwargs = ({"dtype": dtype} if int(transformers.__version__.split(".")[0]) >= 5
+              else {"torch_dtype": dtype})
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ProbeError(f"--target {folder}: transformers cannot load it as a causal LM "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+    return model.to(device).eval()
+
+
+def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: str = "cpu",
+              dtype: str = "fp32", max_tokens: int = 512, convention: str = "auto",
+              min_margin: float = 0.03, log=print, progress: bool = True) -> ProbeReport:
+    """Measure every candidate reading (see the module's docstring); ``log`` gets the
+    plan (memory, tokens) before the target is loaded."""
+    from eagle_capture.probe.target import decoder_layers
+
+    target_dir, draft_dir = Path(target), Path(draft)
+    for name, d in (("--target", target_dir), ("--draft", draft_dir)):
+        if not (d / "config.json").is_file():
+            raise ProbeError(f"{name} {d}: no config.json there (pass the model's folder)")
+    if dtype not in DTYPES:
+        raise ProbeError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    torch_dtype = DTYPES[dtype]
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ProbeError("--device cuda: no CUDA device here (--device cpu runs it on the CPU)")
+    try:
+        tmodel = read_target(target_dir / "config.json")
+        ids = read_draft_ids(draft_dir / "config.json")
+    except CapturePlanError as exc:
+        raise ProbeError(str(exc)) from None
+    n, arch = tmodel.num_layers, tmodel.architecture
+    provenance = recognise(ids, n, arch, convention)
+    try:
+        dmodel = load_draft(draft_dir, dev, torch_dtype, target_hidden=tmodel.hidden_size)
+    except DraftError as exc:
+        raise ProbeError(str(exc)) from None
+    cands, notes = candidates(ids, provenance, n, dmodel.spec.num_aux, arch)
+    if not cands:
+        raise ProbeError(f"no reading of the draft's ids gives {dmodel.spec.num_aux} capture "
+                         f"layers in [0, {n}]: " + "; ".join(notes))
+    prompt_list = read_prompts(prompts)
+    keep = sorted({c for cand in cands for c in cand.layers})
+    weights = _weights_bytes(target_dir, torch_dtype)
+    states = len(keep) * max_tokens * (tmodel.hidden_size or 0) * torch_dtype.itemsize
+    need = int(1.2 * weights) + states
+    free = _available(dev)
+    log(f"probe: target {target_dir} ({arch}, {n} layers, hidden {tmodel.hidden_size}); draft "
+        f"{draft_dir} ({dmodel.format}, {dmodel.spec.num_aux} states in)")
+    log(f"probe: {len(cands)} readings over {len(prompt_list)} prompts (<= {max_tokens} tokens "
+        f"each); needs ~{_size(need)} on {dev} ({_size(weights)} of weights in {dtype}), "
+        f"{_size(free)} free")
+    if need > free:
+        raise ProbeError(f"the target needs ~{_size(need)} in {dtype} on {dev}, "
+                         f"{_size(free)} are free: a target this size does not fit one "
+                         f"device (the probe runs the whole target on one); use a machine with "
+                         f"more memory or --dtype bf16")
+    tokenizer = None
+    if any("text" in p for p in prompt_list):
+        try:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        except (OSError, ValueError) as exc:
+            raise ProbeError(f"text prompts need the target's tokenizer, which did not load from "
+                             f"{target_dir} ({type(exc).__name__}); give --prompts a .jsonl "
+                             f"of {{\"token_ids\": [...]}}") from None
+    model = _load_target(target_dir, dev, torch_dtype)
+    layers = decoder_layers(model, n)
+    embed = dmodel.embed_tokens if dmodel.embed_tokens is not None \
+        else model.get_input_embeddings()
+    bar = _progress(len(prompt_list), progress)
+    started = time.monotonic()
+    with torch.no_grad():
+        for p in prompt_list:
+            tokens = (p["token_ids"] if "token_ids" in p
+                      else tokenizer(p["text"], add_special_tokens=True)["input_ids"])
+            tokens = torch.tensor(tokens[:max_tokens], device=dev).unsqueeze(0)
+            if tokens.shape[1] < 3:
+                bar.update(1)
+                continue
+            agree = first_step_agreement(model, layers, dmodel, embed, tokens,
+                                         [c.layers for c in cands])
+            for cand in cands:
+                cand.hits += int(agree[cand.layers].sum())
+                cand.tokens += int(agree[cand.layers].numel())
+            bar.update(1)
+    bar.close()
+    if not any(c.tokens for c in cands):
+        raise ProbeError("no prompt had 3 tokens or more")
+    report = ProbeReport(n, cands, provenance, 0.0, notes=notes)
+    judge(report, ids, arch, min_margin)
+    log(f"probe: measured in {time.monotonic() - started:.1f} s on {dev} ({dtype})")
+    return report
+
+
+@torch.no_grad()
+def first_step_agreement(model, layers, draft, embed, tokens: torch.Tensor,
+                         readings: Sequence[tuple[int, ...]]) -> dict:
+    """For each reading (capture layers), whether the draft's first step at each
+    position t (the target's states at t, the token at t + 1) proposes the target's
+    greedy token at t + 1: {layers: bool [T - 1]} for ``tokens`` [1, T]."""
+    from eagle_capture.probe.target import target_states
+
+    keep = sorted({c for r in readings for c in r})
+    states, greedy = target_states(model, layers, tokens, keep)
+    dtype = next(draft.parameters()).dtype
+    embeds = embed(tokens[:, 1:]).to(dtype)
+    positions = torch.arange(tokens.shape[1] - 1, device=tokens.device).unsqueeze(0)
+    out = {}
+    for r in readings:
+        aux = torch.cat([states[c][:, :-1] for c in r], dim=-1).to(dtype)
+        proposed = draft.to_target(draft(aux, embeds, positions)[0].argmax(-1))
+        out[tuple(r)] = proposed == greedy[1:]
+    return out
+
+
+class _NoBar:
+    def update(self, k):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, on: bool):
+    if not on:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc="probe: prompts", file=sys.stderr, leave=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="eagle-capture probe",
+        description="Measure which target layers an EAGLE-3 draft was trained on: its first "
+                    "step's agreement with the target for every reading of its ids.")
+    p.add_argument("--target", required=True, help="the target model's folder (HF format)")
+    p.add_argument("--draft", required=True, help="the EAGLE-3 draft's folder")
+    p.add_argument("--prompts", help="calibration prompts: .jsonl of {\"text\"} or "
+                                     "{\"token_ids\"}, or a text file (one prompt per "
+                                     "paragraph); default: the package's own")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per prompt (default 512)")
+    p.add_argument("--id-convention", choices=CONVENTIONS, default="auto",
+                   help="how the config's ids are read (default: from the trainer's markers)")
+    p.add_argument("--min-margin", type=float, default=0.03,
+                   help="the agreement margin (fraction) that decides (default 0.03)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.max_tokens < 3:
+        print("error: --max-tokens must be >= 3", file=sys.stderr)
+        return 2
+    dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    try:
+        report = run_probe(args.target, args.draft, args.prompts, args.device, dtype,
+                           args.max_tokens, args.id_convention, args.min_margin,
+                           log=lambda s: print(s, file=sys.stderr))
+    except ProbeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(wrap(report.provenance.describe(), "", "  "))
+    print()
+    print(report.format())
+    return 0 if report.ok else 1

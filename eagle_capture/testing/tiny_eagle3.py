@@ -1,0 +1,255 @@
+"""A tiny target and EAGLE-3 drafts trained on it, on CPU in a few minutes: the
+probe's test data (``tests/data/tiny_eagle3``, written by
+``python -m eagle_capture.testing.tiny_eagle3 --out DIR``).
+
+The target is an 8-layer Llama (hidden 64, vocabulary 512) with random weights,
+wide enough at init (``initializer_range`` 0.05) that each layer moves the residual
+stream visibly. Its training text is its own: sequences sampled from it at
+temperature 0.7 from random 4-token starts. Each draft is one EAGLE-3 layer
+(2 query heads, 1 key/value head: GQA; a 256-token draft vocabulary with ``d2t``)
+trained as SpecForge's first step trains it: at position t it gets the target's
+states at its capture layers at t and the token at t + 1, and learns the target's
+greedy token at t + 1 (cross-entropy on the draft vocabulary). Weights are kept
+in bfloat16 (rounded before the data is made, so the fp32 load is exact).
+
+Two drafts, one per convention, on different layers so that neither reading can
+pass for the other:
+
+* ``draft_specforge``: SpecForge's export (``LlamaForCausalLMEagle3``,
+  ``midlayer.*``, ``eagle_config`` ids [1, 3, 5] in the output convention):
+  trained on capture layers [2, 4, 6];
+* ``draft_speculators``: speculators' export (``Eagle3Speculator``, ``layers.0.*``,
+  top-level ids [1, 3, 6] in the input convention): trained on capture layers
+  [1, 3, 6].
+
+The configs follow the files each trainer's own exporter wrote
+(``tests/data/trainer_configs``), resized. Deterministic for a given torch build
+(fixed seeds, one thread); the committed files are the reference, and
+MANIFEST.json records how they were made and what the probe measured on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+NUM_LAYERS = 8
+HIDDEN = 64
+VOCAB = 512
+DRAFT_VOCAB = 256
+SEQ_LEN = 64
+TARGET_SEED, DATA_SEED, DRAFT_SEED = 0, 1, 2
+
+TARGET_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
+    "hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": NUM_LAYERS,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "hidden_act": "silu", "initializer_range": 0.05, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "attention_bias": False, "mlp_bias": False,
+}
+
+DRAFT_LAYER = {
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "head_dim": 32, "hidden_act": "silu", "hidden_size": HIDDEN, "initializer_range": 0.02,
+    "intermediate_size": 128, "max_position_embeddings": 256, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 2, "num_hidden_layers": 1,
+    "num_key_value_heads": 1, "pretraining_tp": 1, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    "tie_word_embeddings": False, "use_cache": True, "vocab_size": VOCAB,
+}
+
+# (folder, trainer format, ids as the trainer writes them, capture layers trained on)
+DRAFTS = (
+    ("draft_specforge", "SpecForge", [1, 3, 5], [2, 4, 6]),
+    ("draft_speculators", "speculators", [1, 3, 6], [1, 3, 6]),
+)
+
+
+def specforge_config(ids) -> dict:
+    """SpecForge 0.2.0's export (``export_to_sglang``) of a draft made from its template."""
+    return {"architectures": ["LlamaForCausalLMEagle3"], **DRAFT_LAYER, "dtype": "bfloat16",
+            "draft_vocab_size": DRAFT_VOCAB, "pad_token_id": 0, "rope_theta": 10000.0,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(ids),
+                             "use_aux_hidden_state": True}}
+
+
+def speculators_config(ids) -> dict:
+    """speculators 0.9.0's ``Eagle3SpeculatorConfig.save_pretrained``."""
+    return {"architectures": ["Eagle3Speculator"], "auto_map": {"": "config.Eagle3SpeculatorConfig"},
+            "draft_vocab_size": DRAFT_VOCAB, "eagle_aux_hidden_state_layer_ids": list(ids),
+            "embed_requires_grad": False, "fc_norm": False, "norm_before_fc": False,
+            "norm_before_residual": False, "norm_output": False,
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
+                                      "speculative_tokens": 3, "verifier_accept_k": 1}],
+                "verifier": {"architectures": ["LlamaForCausalLM"],
+                             "name_or_path": "tiny_eagle3/target"}},
+            "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
+            "target_hidden_size": None, "transformer_layer_config": dict(DRAFT_LAYER)}
+
+
+def _bf16_round(module: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+
+
+def make_target():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(TARGET_SEED)
+    model = LlamaForCausalLM(LlamaConfig(**TARGET_CONFIG)).eval()
+    _bf16_round(model)
+    return model
+
+
+@torch.no_grad()
+def sample(target, n: int, seed: int, temperature: float = 0.7) -> torch.Tensor:
+    """``n`` sequences of SEQ_LEN tokens: 4 random tokens, then the target's own
+    samples (one token at a time through its KV cache)."""
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(3, VOCAB, (n, 4), generator=g)
+    out = target(input_ids=seq, use_cache=True)
+    while True:
+        logits = out.logits[:, -1].float()
+        nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g)
+        seq = torch.cat([seq, nxt], 1)
+        if seq.shape[1] == SEQ_LEN:
+            return seq
+        out = target(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+
+
+@torch.no_grad()
+def states_and_greedy(target, seq: torch.Tensor, batch: int = 256):
+    """The states at every capture layer [N + 1, B, T, H] (hooks on the decoder
+    layers, as the probe reads them) and the target's greedy tokens [B, T]."""
+    parts = [_batched_states(target, target.model.layers, seq[b:b + batch])
+             for b in range(0, len(seq), batch)]
+    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 0)
+
+
+def _batched_states(target, layers, seq):
+    kept = {}
+    hooks = [layers[c].register_forward_pre_hook(
+        lambda m, a, k, c=c: kept.__setitem__(c, k.get("hidden_states", a[0] if a else None)),
+        with_kwargs=True) for c in range(NUM_LAYERS)]
+    hooks.append(layers[-1].register_forward_hook(
+        lambda m, a, k, o: kept.__setitem__(NUM_LAYERS, o[0] if isinstance(o, tuple) else o),
+        with_kwargs=True))
+    try:
+        logits = target(input_ids=seq, use_cache=False).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack([kept[c] for c in range(NUM_LAYERS + 1)]), logits.argmax(-1)
+
+
+def draft_vocabulary(greedy: torch.Tensor) -> torch.Tensor:
+    """SpecForge's d2t: the DRAFT_VOCAB most frequent target tokens (ascending ids),
+    stored as offsets (target id = draft id + d2t[draft id])."""
+    counts = torch.bincount(greedy.flatten(), minlength=VOCAB)
+    top = torch.sort(torch.argsort(counts, descending=True, stable=True)[:DRAFT_VOCAB]).values
+    return top - torch.arange(DRAFT_VOCAB)
+
+
+def train_draft(config: dict, fmt: str, capture: list[int], states, greedy, seq, embed,
+                steps: int = 1200, batch: int = 64, log=print):
+    from eagle_capture.probe.draft import DraftSpec, Eagle3Draft
+
+    spec = DraftSpec.from_config(config, fmt)
+    torch.manual_seed(DRAFT_SEED)
+    draft = Eagle3Draft(spec)
+    draft.d2t.copy_(draft_vocabulary(greedy))
+    t2d = torch.full((VOCAB,), -1, dtype=torch.long)
+    t2d[draft.to_target(torch.arange(DRAFT_VOCAB))] = torch.arange(DRAFT_VOCAB)
+    aux = torch.cat([states[c][:, :-1] for c in capture], -1)
+    embeds = embed(seq[:, 1:]).detach()
+    labels = t2d[greedy[:, 1:]]                       # -1: outside the draft vocabulary
+    positions = torch.arange(SEQ_LEN - 1).unsqueeze(0).expand(batch, -1)
+    opt = torch.optim.AdamW(draft.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps)
+    g = torch.Generator().manual_seed(DRAFT_SEED)
+    for step in range(steps):
+        idx = torch.randint(0, len(seq), (batch,), generator=g)
+        logits = draft(aux[idx], embeds[idx], positions)
+        loss = F.cross_entropy(logits.reshape(-1, DRAFT_VOCAB), labels[idx].reshape(-1),
+                               ignore_index=-1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 200 == 0 or step == steps - 1:
+            log(f"  {fmt} draft on {capture}: step {step}, loss {loss.item():.3f}")
+    _bf16_round(draft)
+    return draft.eval()
+
+
+def build(out: Path, train_sequences: int = 3072, eval_sequences: int = 64, steps: int = 1200,
+          log=print) -> dict:
+    from safetensors.torch import save_file
+
+    from eagle_capture.probe.draft import save_draft
+
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    target = make_target()
+    tdir = out / "target"
+    tdir.mkdir(exist_ok=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in target.state_dict().items()},
+              str(tdir / "model.safetensors"), metadata={"format": "pt"})
+    (tdir / "config.json").write_text(json.dumps({**TARGET_CONFIG, "dtype": "bfloat16"},
+                                                 indent=2) + "\n")
+    log(f"target written; sampling {train_sequences} + {eval_sequences} sequences")
+    seq = sample(target, train_sequences, DATA_SEED)
+    held_out = sample(target, eval_sequences, DATA_SEED + 100)
+    with open(out / "prompts.jsonl", "w") as f:
+        for row in held_out.tolist():
+            f.write(json.dumps({"token_ids": row}) + "\n")
+    states, greedy = states_and_greedy(target, seq)
+    manifest = {"made_by": "python -m eagle_capture.testing.tiny_eagle3 --out DIR",
+                "torch": torch.__version__, "train_sequences": train_sequences,
+                "eval_sequences": eval_sequences, "seq_len": SEQ_LEN, "steps": steps,
+                "seeds": {"target": TARGET_SEED, "data": DATA_SEED, "draft": DRAFT_SEED},
+                "drafts": {}}
+    embed = target.get_input_embeddings()
+    for folder, fmt, ids, capture in DRAFTS:
+        config = specforge_config(ids) if fmt == "SpecForge" else speculators_config(ids)
+        draft = train_draft(config, fmt, capture, states, greedy, seq, embed, steps, log=log)
+        save_draft(draft, out / folder, config, fmt)
+        manifest["drafts"][folder] = {"format": fmt, "ids_written": ids,
+                                      "trained_on_capture_layers": capture}
+    manifest["seconds"] = round(time.monotonic() - started, 1)
+    # What the probe measures on the held-out prompts: the margins the tests assert.
+    from eagle_capture.probe.probe import run_probe
+    for folder, *_ in DRAFTS:
+        report = run_probe(str(tdir), str(out / folder), str(out / "prompts.jsonl"),
+                           log=lambda s: None, progress=False)
+        manifest["drafts"][folder]["probe"] = {
+            "verdict": report.verdict.split(":")[0],
+            "agreement": {str(list(c.layers)): round(c.agreement, 4) for c in report.ranked},
+            "tokens": report.ranked[0].tokens}
+    (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--train-sequences", type=int, default=3072)
+    p.add_argument("--steps", type=int, default=1200)
+    args = p.parse_args(argv)
+    manifest = build(Path(args.out), args.train_sequences, steps=args.steps)
+    print(json.dumps(manifest, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,344 @@
+"""The id probe (``eagle-capture probe``): which layers a draft was trained on,
+measured from its first step on a tiny target and drafts trained on it
+(tests/data/tiny_eagle3, made by ``python -m eagle_capture.testing.tiny_eagle3``).
+
+The drafts' own training (capture layers [2, 4, 6] for the SpecForge one, [1, 3, 6]
+for the speculators one) is the answer key: the probe must name it from the
+weights alone, whatever the config says.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from eagle_capture.layer_ids.lines import read_draft_ids
+from eagle_capture.layer_ids.trainers import recognise
+from eagle_capture.probe import probe as probe_mod
+from eagle_capture.probe.draft import (DraftError, DraftSpec, Eagle3Draft, load_draft,
+                                       read_weights, save_draft)
+from eagle_capture.probe.probe import candidates, run_probe
+from eagle_capture.testing import tiny_eagle3
+
+DATA = Path(__file__).parent / "data" / "tiny_eagle3"
+TARGET = DATA / "target"
+PROMPTS = DATA / "prompts.jsonl"
+# The agreement the trained layers must have over the whole list one layer early and
+# one layer late (one of them is the other convention's reading): 10.3 / 4.7 points
+# for the SpecForge draft, 9.4 / 5.2 for the speculators one (MANIFEST.json).
+MIN_CONVENTION_MARGIN = 0.04
+
+
+def _probe(draft, **kw):
+    kw.setdefault("prompts", str(PROMPTS))
+    return run_probe(str(TARGET), str(draft), log=lambda s: None, progress=False, **kw)
+
+
+def _variant(tmp_path, source: str, config: dict, name="draft") -> Path:
+    """The draft ``source``'s weights under another config (what a converter or a
+    hand edit makes of it)."""
+    out = tmp_path / name
+    shutil.copytree(DATA / source, out)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _agreement(report, layers) -> float:
+    return next(c.agreement for c in report.candidates if list(c.layers) == layers)
+
+
+# ---------------------------------------------------------------- the probe's answers
+
+def test_specforge_draft_confirmed_and_vllm_told_where_to_read():
+    """SpecForge's draft (eagle_config [1, 3, 5], output convention = capture layers
+    [2, 4, 6]): confirmed by a margin; SGLang (Llama's +1 rule) captures it; vLLM's
+    runners do not (V1 reads the nested ids as capture layers, V2 takes its
+    defaults): each gets the top-level ids to write."""
+    report = _probe(DATA / "draft_specforge")
+    assert report.verdict.startswith("CONFIRMED: the draft was trained on capture layers "
+                                     "[2, 4, 6]"), report.format()
+    for wrong in ([1, 3, 5], [3, 5, 7]):
+        assert _agreement(report, [2, 4, 6]) - _agreement(report, wrong) >= \
+            MIN_CONVENTION_MARGIN, report.format()
+    engines = "\n".join(report.engines)
+    assert "SGLang 0.5.18 - 0.5.23 captures [2, 4, 6]: OK" in engines
+    assert "vLLM 0.32 - 0.33, model runner V2 (vLLM's default) captures [2, 4, 5]: PROBLEM -- " \
+           "write the top-level eagle_aux_hidden_state_layer_ids = [2, 4, 6]" in engines
+    assert "V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) captures [1, 3, 5]: PROBLEM" in engines
+    assert not report.ok        # vLLM would feed it the wrong layers
+
+
+def test_speculators_draft_confirmed_in_the_input_convention():
+    """speculators' draft (top-level [1, 3, 6], input convention): confirmed;
+    vLLM reads it right; SGLang ignores the top-level key (captures its defaults)
+    and gets the eagle_config ids that make Llama's +1 rule capture [1, 3, 6]."""
+    report = _probe(DATA / "draft_speculators")
+    assert report.verdict.startswith("CONFIRMED: the draft was trained on capture layers "
+                                     "[1, 3, 6]"), report.format()
+    for wrong in ([0, 2, 5], [2, 4, 7]):
+        assert _agreement(report, [1, 3, 6]) - _agreement(report, wrong) >= \
+            MIN_CONVENTION_MARGIN, report.format()
+    engines = "\n".join(report.engines)
+    assert "vLLM 0.32 - 0.33, model runners V1 and V2 captures [1, 3, 6]: OK" in engines
+    assert "SGLang 0.5.18 - 0.5.23 captures [2, 4, 5]: PROBLEM -- write " \
+           "eagle_config.eagle_aux_hidden_state_layer_ids = [0, 2, 5]" in engines
+
+
+def test_converted_ids_one_layer_early_are_found(tmp_path):
+    """The field's failure: SpecForge's draft converted to speculators with its ids
+    copied verbatim ([1, 3, 5] now reads as capture layers [1, 3, 5]): MISMATCH,
+    the trained layers named, vLLM's and SGLang's ids to write."""
+    config = tiny_eagle3.speculators_config([1, 3, 5])
+    report = _probe(_variant(tmp_path, "draft_specforge", config))
+    assert report.verdict.startswith("MISMATCH: capture layers [2, 4, 6]"), report.format()
+    assert _agreement(report, [2, 4, 6]) - _agreement(report, [1, 3, 5]) >= \
+        MIN_CONVENTION_MARGIN
+    engines = "\n".join(report.engines)
+    assert "write the top-level eagle_aux_hidden_state_layer_ids = [2, 4, 6]" in engines
+    assert "write eagle_config.eagle_aux_hidden_state_layer_ids = [1, 3, 5]" in engines
+    assert not report.ok
+
+
+def test_ambiguous_ids_decided_by_measurement(tmp_path):
+    """Model Optimizer's ids cannot be read from the config alone (its HF and vLLM
+    dumps differ by one): the probe measures both readings and names the convention
+    to pass to the doctor and the plugins."""
+    config = tiny_eagle3.specforge_config([1, 3, 5])
+    config["eagle_config"].update(next_layer_regular=True, parallel_draft_step=1)
+    draft = _variant(tmp_path, "draft_specforge", config)
+    assert recognise(read_draft_ids(draft / "config.json"), 8, "LlamaForCausalLM").ambiguous
+    report = _probe(draft)
+    assert report.verdict.startswith("CONFIRMED: the draft was trained on capture layers "
+                                     "[2, 4, 6]"), report.format()
+    assert any("--id-convention output" in f and "EAGLE_CAPTURE_ID_CONVENTION=output" in f
+               for f in report.fixes)
+
+
+def test_no_ids_checks_the_engines_default(tmp_path):
+    """A config without ids: the engines feed their default [2, 4, 5]; the probe
+    says that is not what the draft was trained on."""
+    config = tiny_eagle3.specforge_config([1, 3, 5])
+    del config["eagle_config"]
+    report = _probe(_variant(tmp_path, "draft_specforge", config))
+    assert report.verdict.startswith("MISMATCH"), report.format()
+    assert report.ranked[0].layers != (2, 4, 5)
+
+
+def test_too_few_tokens_is_inconclusive_not_a_verdict(tmp_path):
+    """Two config readings measured on a handful of tokens: the noise allows either,
+    so no convention is named."""
+    config = tiny_eagle3.specforge_config([1, 3, 5])
+    config["eagle_config"].update(next_layer_regular=True)
+    few = tmp_path / "few.jsonl"
+    few.write_text("\n".join(PROMPTS.read_text().splitlines()[:1]) + "\n")
+    report = _probe(_variant(tmp_path, "draft_specforge", config), prompts=str(few),
+                    max_tokens=12)
+    assert report.verdict.startswith("INCONCLUSIVE"), report.format()
+    assert not report.ok and not report.engines
+
+
+# ---------------------------------------------------------------- candidates
+
+def test_candidates_cover_both_conventions_shifts_engines_and_defaults():
+    ids = read_draft_ids(DATA / "draft_specforge" / "config.json")
+    prov = recognise(ids, 8, "LlamaForCausalLM")
+    cands, notes = candidates(ids, prov, 8, 3, "LlamaForCausalLM")
+    by_layers = {c.layers: c for c in cands}
+    assert by_layers[(2, 4, 6)].config_reading
+    assert [c.layers for c in cands if c.config_reading] == [(2, 4, 6)]
+    for layers in ((1, 3, 5), (0, 2, 4), (3, 5, 7), (2, 4, 5), (1, 4, 6), (2, 4, 7)):
+        assert layers in by_layers, layers
+    assert "ids read as inputs" in by_layers[(1, 3, 5)].labels
+    assert any(lb.startswith("vLLM") for lb in by_layers[(1, 3, 5)].labels)
+    assert len(by_layers) == len(cands)      # one row per set of layers, labels merged
+    # An id at the edge: readings outside [0, n] are left out with a note.
+    edge = read_draft_ids({"architectures": ["LlamaForCausalLMEagle3"],
+                           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 7]}})
+    cands, notes = candidates(edge, recognise(edge, 8, "LlamaForCausalLM"), 8, 3,
+                              "LlamaForCausalLM")
+    assert all(0 <= c <= 8 for cand in cands for c in cand.layers)
+    assert any("left out" in n for n in notes)
+
+
+# ---------------------------------------------------------------- the draft's step
+
+def _tiny_spec(**kw):
+    layer = dict(tiny_eagle3.DRAFT_LAYER)
+    return DraftSpec(format="SpecForge", hidden_size=64, target_hidden_size=64, num_aux=3,
+                     num_layers=1, vocab_size=512, draft_vocab_size=256, rms_norm_eps=1e-6,
+                     layer_config=layer, **kw)
+
+
+def _random_draft(seed=0, **kw):
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(_tiny_spec(**kw))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0, 0.3)
+        draft.d2t.copy_(torch.randint(0, 256, (256,)))
+    return draft
+
+
+@pytest.mark.parametrize("fmt, config", [
+    ("SpecForge", tiny_eagle3.specforge_config([1, 3, 5])),
+    ("speculators", tiny_eagle3.speculators_config([1, 3, 6])),
+])
+def test_saved_formats_load_back_to_the_same_step(tmp_path, fmt, config):
+    """SpecForge's names (midlayer.*) and speculators' (layers.0.*) load into the
+    same step: identical logits."""
+    draft = _random_draft()
+    save_draft(draft, tmp_path / fmt, config, fmt)
+    names = set(read_weights(tmp_path / fmt))
+    assert ("midlayer.self_attn.q_proj.weight" in names) == (fmt == "SpecForge")
+    assert ("layers.0.self_attn.q_proj.weight" in names) == (fmt != "SpecForge")
+    loaded = load_draft(tmp_path / fmt)
+    assert loaded.format == fmt
+    aux, emb = torch.randn(2, 7, 192), torch.randn(2, 7, 64)
+    pos = torch.arange(7).unsqueeze(0).expand(2, -1)
+    assert torch.equal(loaded(aux, emb, pos), draft(aux, emb, pos))
+    assert torch.equal(loaded.d2t, draft.d2t)
+
+
+def test_draft_step_matches_a_hand_written_reference():
+    """The step against an independent loop over the same weights (one position at a
+    time, attention written out), norm_before_residual both ways."""
+    for nbr in (False, True):
+        draft = _random_draft(norm_before_residual=nbr).double()
+        T = 6
+        aux, emb = torch.randn(1, T, 192).double(), torch.randn(1, T, 64).double()
+        pos = torch.arange(T).unsqueeze(0)
+        got = draft(aux, emb, pos)[0]
+        L = draft.layers[0]
+
+        def rms(x, w):
+            return w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+
+        h = aux[0] @ draft.fc.weight.T
+        e = rms(emb[0], L.input_layernorm.weight)
+        hn = rms(h, L.hidden_norm.weight)
+        res = hn if nbr else h
+        x = torch.cat([e, hn], -1)
+        q = (x @ L.q_proj.weight.T).view(T, 2, 32)
+        k = (x @ L.k_proj.weight.T).view(T, 1, 32)
+        v = (x @ L.v_proj.weight.T).view(T, 1, 32)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, 32, 2).double() / 32))
+        ang = torch.arange(T).double()[:, None] * inv[None]
+        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+        def rope(t):
+            half = torch.cat([-t[..., 16:], t[..., :16]], -1)
+            return t * cos[:, None] + half * sin[:, None]
+
+        q, k = rope(q), rope(k)
+        out = torch.zeros(T, 2, 32, dtype=torch.double)
+        for t in range(T):
+            for hd in range(2):
+                s = (k[: t + 1, 0] @ q[t, hd]) / 32 ** 0.5
+                out[t, hd] = torch.softmax(s, 0) @ v[: t + 1, 0]
+        a = out.reshape(T, 64) @ L.o_proj.weight.T
+        res = res + a
+        y = rms(res, L.post_attention_layernorm.weight)
+        y = (torch.nn.functional.silu(y @ L.gate_proj.weight.T) * (y @ L.up_proj.weight.T)) \
+            @ L.down_proj.weight.T
+        want = rms(y + res, draft.norm.weight) @ draft.lm_head.weight.T
+        # transformers' rotary tables are fp32 even for double inputs: 1e-6, not 1e-12.
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    ids = torch.tensor([0, 5, 255])
+    assert torch.equal(draft.to_target(ids), ids + draft.d2t[ids])
+
+
+def test_draft_loading_refuses_what_it_cannot_run(tmp_path):
+    good = tmp_path / "good"
+    save_draft(_random_draft(), good, tiny_eagle3.specforge_config([1, 3, 5]))
+    with pytest.raises(DraftError, match="no config.json"):
+        load_draft(tmp_path / "nowhere")
+    from safetensors.torch import load_file, save_file
+    weights = load_file(str(good / "model.safetensors"))
+    for name, edit, message in (
+            ("missing", lambda w: w.pop("midlayer.hidden_norm.weight"),
+             r"missing weights \['layers.0.hidden_norm.weight'\]"),
+            ("extra", lambda w: w.__setitem__("midlayer.q_norm.weight", torch.ones(32)),
+             "weights the EAGLE-3 step does not use"),
+            ("no_fc", lambda w: w.pop("fc.weight"), "no fc.weight: not an EAGLE-3 draft"),
+            ("shape", lambda w: w.__setitem__("lm_head.weight", torch.ones(100, 64)),
+             r"lm_head.weight is \(100, 64\)")):
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        w = dict(weights)
+        edit(w)
+        save_file(w, str(folder / "model.safetensors"))
+        with pytest.raises(DraftError, match=message):
+            load_draft(folder)
+
+
+# ---------------------------------------------------------------- the command line
+
+def test_cli_exit_codes_and_bad_input(tmp_path, capsys, monkeypatch):
+    from eagle_capture.probe.probe import main
+
+    base = ["--target", str(TARGET), "--prompts", str(PROMPTS), "--device", "cpu"]
+    assert main(base + ["--draft", str(DATA / "draft_specforge")]) == 1   # vLLM would be wrong
+    out = capsys.readouterr()
+    assert "CONFIRMED" in out.out and "trainer: SpecForge" in out.out
+    assert "needs ~" in out.err and "of weights in fp32" in out.err   # the plan, before loading
+    assert main(["--target", str(tmp_path), "--draft", str(DATA / "draft_specforge")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    # Text prompts need a tokenizer; the tiny target has none.
+    text = tmp_path / "text.txt"
+    text.write_text("Some calibration text.\n\nAnother paragraph.\n")
+    assert main(base[:2] + ["--prompts", str(text), "--draft",
+                            str(DATA / "draft_specforge")]) == 2
+    assert "text prompts need the target's tokenizer" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tokens": [1, 2]}\n')
+    assert main(base[:2] + ["--prompts", str(bad), "--draft", str(DATA / "draft_specforge")]) == 2
+    assert "line 1: expected" in capsys.readouterr().err
+    # A target that does not fit is refused before it is loaded, with what it needs.
+    monkeypatch.setattr(probe_mod, "_available", lambda device: 1024)
+    assert main(base + ["--draft", str(DATA / "draft_specforge")]) == 2
+    assert "does not fit one device" in capsys.readouterr().err
+
+
+def test_console_script_runs_the_probe():
+    run = subprocess.run([sys.executable, "-m", "eagle_capture.cli", "probe", "--target",
+                          str(TARGET), "--draft", str(DATA / "draft_speculators"), "--prompts",
+                          str(PROMPTS), "--device", "cpu"], capture_output=True, text=True)
+    assert run.returncode == 1, run.stderr       # SGLang would capture its defaults
+    assert "CONFIRMED" in run.stdout and "[1, 3, 6]" in run.stdout
+
+
+def test_default_prompts_ship_with_the_package():
+    prompts = probe_mod.read_prompts(None)
+    assert len(prompts) >= 12 and all("text" in p for p in prompts)
+
+
+def test_test_data_is_what_the_builder_makes():
+    """The committed files carry the builder's configs and the manifest its recipe."""
+    manifest = json.loads((DATA / "MANIFEST.json").read_text())
+    for folder, fmt, ids, capture in tiny_eagle3.DRAFTS:
+        config = json.loads((DATA / folder / "config.json").read_text())
+        want = (tiny_eagle3.specforge_config(ids) if fmt == "SpecForge"
+                else tiny_eagle3.speculators_config(ids))
+        assert config == json.loads(json.dumps(want))
+        assert manifest["drafts"][folder]["trained_on_capture_layers"] == capture
+    target = json.loads((TARGET / "config.json").read_text())
+    assert {k: target[k] for k in tiny_eagle3.TARGET_CONFIG} == \
+        json.loads(json.dumps(tiny_eagle3.TARGET_CONFIG))
+
+
+def test_docs_probe_transcript_is_what_the_probe_prints():
+    """docs/probe.md's tiny-model table is a recorded run: what the probe prints now
+    (scripts/update_readme_examples.py rewrites it)."""
+    import re
+    text = (Path(__file__).parents[1] / "docs" / "probe.md").read_text()
+    command, shown = re.search(r"```\n(\$ eagle-capture probe [^\n]*)\n(.*?)```", text,
+                               re.S).groups()
+    run = subprocess.run([sys.executable, "-m", "eagle_capture.cli", *command.split()[2:]],
+                         cwd=Path(__file__).parents[1], capture_output=True, text=True)
+    assert run.stdout == shown

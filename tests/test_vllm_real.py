@@ -102,28 +102,32 @@ def _tp2(base: Path, jobs):
 
 
 def _engine(base: Path, jobs):
+    """vLLM's LLM engine: the DeepSeek-V3 run, then the acceptance runs
+    (tests/vllm_real/acceptance.py) in the same process: (exit status, log, the
+    acceptance JSON or None)."""
     work = base / "vllm_engine"
     work.mkdir(parents=True, exist_ok=True)
-    return _run(jobs, "tests.vllm_real.engine", ["--work", str(work)],
-                _env(EAGLE_CAPTURE_VERIFY="3", VLLM_CACHE_ROOT=str(work / "c")), 900,
-                work / "engine.log", forked=False)
+    out = work / "acceptance.json"
+    code, log = _run(jobs, "tests.vllm_real.engine",
+                     ["--work", str(work), "--acceptance-json", str(out)],
+                     _env(EAGLE_CAPTURE_VERIFY="3", VLLM_CACHE_ROOT=str(work / "c")), 900,
+                     work / "engine.log", forked=False)
+    return code, log, json.loads(out.read_text()) if out.exists() else None
 
 
-def _acceptance(plugin: str, cases: list):
-    def run(base: Path, jobs):
-        work = base / f"vllm_acceptance_{plugin}"
-        work.mkdir(parents=True, exist_ok=True)
-        out = work / "acceptance.json"
-        # The trainer's own convention (auto), not the harness's input-convention override.
-        env = _env(EAGLE_CAPTURE="1" if plugin == "on" else "0", EAGLE_CAPTURE_ID_CONVENTION="auto",
-                   VLLM_CACHE_ROOT=str(work / "c"), VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        args = ["--data", str(ROOT / "tests" / "data" / "tiny_eagle3"), "--work", str(work),
-                "--json", str(out)] + [a for c in cases for a in ("--case", c)]
-        code, log = _run(jobs, "tests.vllm_real.acceptance", args, env, 900,
-                         work / "acceptance.log", forked=False)
-        assert code == 0 and out.exists(), f"acceptance run crashed (exit {code}):\n{log[-5000:]}"
-        return json.loads(out.read_text()), log
-    return run
+def _acceptance_off(base: Path, jobs):
+    """The acceptance cases with the plugin off (tests/vllm_real/acceptance.py), forked
+    from the vLLM fork server: (exit status, log, the JSON or None)."""
+    work = base / "vllm_acceptance_off"
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "acceptance.json"
+    code, log = _run(jobs, "tests.vllm_real.acceptance",
+                     ["--data", str(ROOT / "tests" / "data" / "tiny_eagle3"), "--work", str(work),
+                      "--json", str(out), "--plugin", "off", "--case", "as_exported", "--case",
+                      "doctor_fix"],
+                     _env(EAGLE_CAPTURE="0", VLLM_CACHE_ROOT=str(work / "c")), 600,
+                     work / "acceptance.log")
+    return code, log, json.loads(out.read_text()) if out.exists() else None
 
 
 OFF_CASES = ({"EAGLE_CAPTURE": "0"}, {"VLLM_PLUGINS": "someone_else"}, {"EAGLE_CAPTURE": "maybe"})
@@ -141,13 +145,12 @@ RUNS = {   # key -> (run, weight, priority: the longest first)
     "vllm tp2": (_tp2, 2, -60),
     "vllm engine": (_engine, 2, -120),
     "vllm plugin off": (_plugin_off, 1, -50),
-    "vllm acceptance off": (_acceptance("off", ["as_exported", "doctor_fix"]), 1, -100),
-    "vllm acceptance on": (_acceptance("on", ["doctor_fix"]), 1, -90),
+    "vllm acceptance off": (_acceptance_off, 1, -40),
 }
 RUN_OF = {"test_tensor_parallel_2_on_gloo": "vllm tp2",
           "test_vllm_engine_with_eagle3_draft": "vllm engine",
           "test_plugin_off_and_filtered": "vllm plugin off",
-          "test_acceptance_in_vllms_engine": ("vllm acceptance off", "vllm acceptance on")}
+          "test_acceptance_in_vllms_engine": ("vllm engine", "vllm acceptance off")}
 
 
 def engine_jobs(item, base: Path, jobs) -> list:
@@ -326,8 +329,9 @@ def test_tensor_parallel_2_on_gloo(engine_jobs):
 
 
 def test_vllm_engine_with_eagle3_draft(engine_jobs):
-    code, log = engine_jobs.result("vllm engine")
+    code, log, _ = engine_jobs.result("vllm engine")
     assert code == 0, log[-5000:]
+    log = log.split("EAGLE_CAPTURE_CASE", 1)[0]          # the DeepSeek-V3 run's part
     lines = [line for line in log.splitlines() if "eagle_capture:" in line]
     # Loaded by vLLM itself in the engine core and in the worker (it builds the model).
     assert any("EngineCore" in line and "on (EAGLE_CAPTURE=1)" in line for line in lines), lines
@@ -388,20 +392,24 @@ def test_acceptance_in_vllms_engine(engine_jobs, tmp_path):
     import torch
     import transformers
 
-    (off, off_log), (on, on_log) = (engine_jobs.result("vllm acceptance off"),
-                                    engine_jobs.result("vllm acceptance on"))
-    wrong, fixed = off["as_exported"], off["doctor_fix"]
+    code, on_log, on_runs = engine_jobs.result("vllm engine")
+    assert code == 0 and on_runs is not None, on_log[-5000:]
+    code, off_log, runs = engine_jobs.result("vllm acceptance off")
+    assert code == 0 and runs is not None, off_log[-5000:]
+    wrong, fixed, on = runs["as_exported"], runs["doctor_fix"], on_runs["doctor_fix"]
     rate = {name: r["accepted"] / r["draft_tokens"] for name, r in
             (("as_exported", wrong), ("doctor_fix", fixed))}
     print(f"vLLM acceptance, tiny target: as exported {wrong['accepted']}/{wrong['draft_tokens']}"
           f" = {rate['as_exported']:.3f}; doctor's fix {fixed['accepted']}/"
           f"{fixed['draft_tokens']} = {rate['doctor_fix']:.3f}; plugin on "
-          f"{on['doctor_fix']['accepted']}/{on['doctor_fix']['draft_tokens']}")
+          f"{on['accepted']}/{on['draft_tokens']}")
     assert rate["doctor_fix"] - rate["as_exported"] >= 0.05, rate
     # The plugin on: the same drafts, the same acceptance, the same tokens.
     for key in ("drafts", "draft_tokens", "accepted", "outputs"):
-        assert on["doctor_fix"][key] == fixed[key], key
-    assert "eagle_capture: layer ids" in on_log and "eagle_capture: layer ids" not in off_log
+        assert on[key] == fixed[key], key
+    # Its start-up id check ran with the plugin on (vLLM loaded it), not off.
+    assert "eagle_capture: layer ids" in on_log.split("EAGLE_CAPTURE_CASE doctor_fix", 1)[1]
+    assert "eagle_capture: layer ids" not in off_log
     # Speculation never changes greedy output.
     assert wrong["outputs"] == fixed["outputs"]
     assert all(len(o) == MAX_TOKENS for o in fixed["outputs"])
@@ -426,13 +434,13 @@ def test_acceptance_in_vllms_engine(engine_jobs, tmp_path):
     layers = decoder_layers(target, 8)
     for name, capture in (("as_exported", (1, 3, 5)), ("doctor_fix", (2, 4, 6))):
         drafts = accepted = 0
-        for prompt, output in zip(off["prompts"], off[name]["outputs"]):
+        for prompt, output in zip(runs["prompts"], runs[name]["outputs"]):
             tokens = torch.tensor(prompt + output).unsqueeze(0)
             agree = first_step_agreement(target, layers, draft, target.get_input_embeddings(),
                                          tokens, [capture])[capture]
             d, a = _replayed_acceptance(agree, PROMPT_LEN, len(output))
             drafts, accepted = drafts + d, accepted + a
-        got = off[name]
+        got = runs[name]
         print(f"{name}: vLLM {got['accepted']}/{got['drafts']}, probe replay {accepted}/{drafts}")
         # Exact on the recorded run (392/1605 and 502/1496); a near-tie may flip a token.
         assert abs(drafts - got["drafts"]) <= 0.005 * got["drafts"], (name, drafts, got)

@@ -1,14 +1,19 @@
 """Acceptance as users read it: vLLM's own ``LLM`` engine serving the tiny target with
 a trained EAGLE-3 draft (tests/data/tiny_eagle3), on CPU, one speculative token,
-greedy; the numbers come from vLLM's spec-decode metrics. Run in a child process by
-tests/test_vllm_real.py, once with the plugin off and once on:
+greedy; the numbers come from vLLM's spec-decode metrics. The plugin is on or off
+for the whole process (vLLM loads plugins once per process), so
+tests/test_vllm_real.py runs the cases twice: with the plugin on after
+tests/vllm_real/engine.py's own run (``run_cases``, one vLLM import for both), and
+with it off in a process forked from the vLLM fork server:
 
-    python -m tests.vllm_real.acceptance --data tests/data/tiny_eagle3 --work DIR \\
-        --case NAME=DRAFT_FOLDER [--case ...] --json OUT
+    EAGLE_CAPTURE=0 python -m tests.vllm_real.acceptance --data tests/data/tiny_eagle3 \\
+        --work DIR --json OUT --plugin off --case as_exported --case doctor_fix
 
-Each case copies a draft folder under ``--work`` (its config as the case writes it)
-and serves it in a fresh ``LLM``; the JSON has, per case, vLLM's draft / accepted
-counters and every sequence's generated tokens (the test replays the probe on them).
+Each case copies the SpecForge draft under ``work`` with its config as the case
+writes it and serves it in a fresh in-process ``LLM``; the JSON has, per case,
+vLLM's draft / accepted counters and every sequence's generated tokens (the test
+replays the probe's step on them). Each case's log starts with
+``EAGLE_CAPTURE_CASE <case> plugin <on|off>``.
 """
 
 import argparse
@@ -16,6 +21,7 @@ import gc
 import json
 import os
 import shutil
+import sys
 
 PROMPT_LEN, MAX_TOKENS = 16, 32
 
@@ -43,7 +49,7 @@ def _per_pos(metrics) -> list:
 def run_case(name: str, data: str, work: str, prompts: list) -> dict:
     from vllm import LLM, SamplingParams
 
-    draft = os.path.join(work, name)
+    draft = os.path.join(work, "draft")
     shutil.copytree(os.path.join(data, "draft_specforge"), draft, dirs_exist_ok=True)
     with open(os.path.join(draft, "config.json")) as f:
         config = json.load(f)
@@ -69,23 +75,34 @@ def run_case(name: str, data: str, work: str, prompts: list) -> dict:
     return result
 
 
+def run_cases(data: str, work: str, out: str, cases, plugin: str) -> None:
+    """``cases`` in this process (``plugin``: whether it loaded the plugin on, for the
+    record), the trainer's own convention for the plugin's id check (auto)."""
+    os.makedirs(work, exist_ok=True)
+    os.environ.update(EAGLE_CAPTURE_ID_CONVENTION="auto", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    with open(os.path.join(data, "prompts.jsonl")) as f:
+        prompts = [json.loads(line)["token_ids"][:PROMPT_LEN] for line in f if line.strip()]
+    results = {"prompts": prompts, "plugin": plugin}
+    for name in cases:
+        print(f"EAGLE_CAPTURE_CASE {name} plugin {plugin}", flush=True)
+        sys.stderr.flush()
+        r = results[name] = run_case(name, data, os.path.join(work, name), prompts)
+        print(f"ACCEPTANCE {name} plugin {plugin}: {r['accepted']} of {r['draft_tokens']} draft "
+              f"tokens", flush=True)
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--data", required=True)
     p.add_argument("--work", required=True)
-    p.add_argument("--case", action="append", required=True, choices=sorted(CASES))
     p.add_argument("--json", required=True)
+    p.add_argument("--plugin", choices=("on", "off"), required=True,
+                   help="what EAGLE_CAPTURE says in this process (recorded)")
+    p.add_argument("--case", action="append", choices=sorted(CASES), required=True)
     args = p.parse_args()
-    os.makedirs(args.work, exist_ok=True)
-    with open(os.path.join(args.data, "prompts.jsonl")) as f:
-        prompts = [json.loads(line)["token_ids"][:PROMPT_LEN] for line in f if line.strip()]
-    results = {"prompts": prompts}
-    for name in args.case:
-        results[name] = run_case(name, args.data, args.work, prompts)
-        print(f"ACCEPTANCE {name}: {results[name]['accepted']} of "
-              f"{results[name]['draft_tokens']} draft tokens", flush=True)
-    with open(args.json, "w") as f:
-        json.dump(results, f)
+    run_cases(args.data, args.work, args.json, args.case, args.plugin)
 
 
 if __name__ == "__main__":

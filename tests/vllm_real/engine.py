@@ -8,7 +8,9 @@ The target is a tiny DeepSeek-V3 with vLLM's CPU MLA attention (its head dim
 kv_lora_rank + qk_rope_head_dim must be 320, 512 or 576) and dummy weights;
 the draft is vLLM's Eagle3DeepseekV2ForCausalLM (model_type deepseek_v2: with
 deepseek_v3 vLLM rewrites it into an MTP model). Prints the generated tokens;
-the test reads the log lines of every process.
+the test reads the log lines of every process. With ``--acceptance-json``, then the
+acceptance runs of tests/vllm_real/acceptance.py (the tiny trained target and draft;
+one vLLM import for both).
 """
 
 import argparse
@@ -43,6 +45,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--work", required=True)
     p.add_argument("--compiled", action="store_true")
+    p.add_argument("--acceptance-json", help="then the acceptance runs, written here")
     args = p.parse_args()
     target = write(os.path.join(args.work, "target"), TARGET)
     draft = write(os.path.join(args.work, "draft"), dict(
@@ -61,6 +64,14 @@ def main():
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, detokenize=False))
     print("EAGLE_CAPTURE_TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]),
           flush=True)
+    if args.acceptance_json:
+        from tests.vllm_real.acceptance import run_cases
+
+        del llm
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        run_cases(os.path.join(root, "tests", "data", "tiny_eagle3"),
+                  os.path.join(args.work, "acceptance"), args.acceptance_json, ["doctor_fix"],
+                  "on")
 
 
 if __name__ == "__main__":

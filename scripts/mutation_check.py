@@ -484,6 +484,31 @@ MUTANTS = [
      "if draft.nested is None and draft.top_level else []\n"
      "    nested, top = draft.nested, draft.top_level\n",
      ["tests/test_sglang_plugin.py"]),
+    # The id probe (issue 35): the measurement, the draft's step, the verdict.
+    ("probe keeps the state one layer later than it names", "eagle_capture/probe/target.py",
+     "hooks.append(layers[c].register_forward_pre_hook(before(c), with_kwargs=True))",
+     "hooks.append(layers[min(c + 1, n - 1)].register_forward_pre_hook(before(c), "
+     "with_kwargs=True))",
+     ["tests/test_probe.py"]),
+    ("draft step concatenates [hidden, embeds]", "eagle_capture/probe/draft.py",
+     "x = torch.cat([e, hidden], dim=-1)", "x = torch.cat([hidden, e], dim=-1)",
+     ["tests/test_probe.py"]),
+    ("draft step ignores d2t", "eagle_capture/probe/draft.py",
+     "return draft_ids + self.d2t[draft_ids]", "return draft_ids",
+     ["tests/test_probe.py"]),
+    ("draft step ignores norm_before_residual", "eagle_capture/probe/draft.py",
+     "            if self.norm_before_residual:", "            if False:",
+     ["tests/test_probe.py"]),
+    ("probe feeds the token at t, not t + 1", "eagle_capture/probe/probe.py",
+     "embeds = embed(tokens[:, 1:]).to(dtype)", "embeds = embed(tokens[:, :-1]).to(dtype)",
+     ["tests/test_probe.py"]),
+    ("probe's verdict ignores the noise margin", "eagle_capture/probe/probe.py",
+     "if best is not top and best.agreement - top.agreement >= need:",
+     "if best is not top and best.agreement - top.agreement > 0:",
+     ["tests/test_probe.py"]),
+    ("probe never tries the ids as inputs", "eagle_capture/probe/probe.py",
+     'add(list(ids), "ids read as inputs")', "pass",
+     ["tests/test_probe.py"]),
 ]
 
 

@@ -342,3 +342,14 @@ def test_docs_probe_transcript_is_what_the_probe_prints():
     run = subprocess.run([sys.executable, "-m", "eagle_capture.cli", *command.split()[2:]],
                          cwd=Path(__file__).parents[1], capture_output=True, text=True)
     assert run.stdout == shown
+
+
+def test_speculators_norm_before_residual_defaults_as_vllm_reads_it():
+    """vLLM reads a speculators config without ``norm_before_residual`` as True; the
+    other formats have no such key (False)."""
+    config = tiny_eagle3.speculators_config([1, 3, 6])
+    assert not DraftSpec.from_config(config, "speculators").norm_before_residual
+    del config["norm_before_residual"]
+    assert DraftSpec.from_config(config, "speculators").norm_before_residual
+    assert not DraftSpec.from_config(tiny_eagle3.specforge_config([1, 3, 5]),
+                                     "SpecForge").norm_before_residual

@@ -85,14 +85,16 @@ class DraftSpec:
             "eagle_aux_hidden_state_layer_ids")
         k = num_aux or config.get("num_aux_hidden_states") or (len(ids) if ids else 3)
 
-        def flag(name):
-            return bool(eagle.get(name, config.get(name, False)))
+        def flag(name, default=False):
+            return bool(eagle.get(name, config.get(name, default)))
 
         return cls(format=fmt, hidden_size=hidden, target_hidden_size=target_hidden,
                    num_aux=k, num_layers=int(layer.get("num_hidden_layers") or 1),
                    vocab_size=int(vocab), draft_vocab_size=int(draft_vocab),
                    rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-                   norm_before_residual=flag("norm_before_residual"),
+                   # vLLM reads a speculators config without the key as True (speculators
+                   # itself always writes it); the other formats have no such flag: False.
+                   norm_before_residual=flag("norm_before_residual", speculators),
                    norm_before_fc=flag("norm_before_fc"), fc_norm=flag("fc_norm"),
                    layer_config=layer)
 

@@ -921,6 +921,74 @@ def _norm_called_on_part_of_the_batch(path: str) -> str:
         handle.remove()
 
 
+class _CausalAttention(torch.nn.Module):
+    """Stands in for RadixAttention (its kernels need a KV pool and a batch plan): causal
+    attention over the one sequence, SGLang's own ``scaling``, grouped key/value heads.
+    Everything around it (qkv, rope, norms, concat, fc, lm_head, d2t) is SGLang's."""
+
+    def __init__(self, real):
+        super().__init__()
+        self.heads, self.kv_heads = real.tp_q_head_num, real.tp_k_head_num
+        self.head_dim, self.scaling = real.head_dim, real.scaling
+
+    def forward(self, q, k, v, forward_batch, **kwargs):
+        t = q.shape[0]
+        q = q.view(t, self.heads, self.head_dim).transpose(0, 1)
+        k = k.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
+        v = v.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
+        rep = self.heads // self.kv_heads
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), is_causal=True,
+            scale=self.scaling)
+        return o.transpose(0, 1).reshape(t, -1)
+
+
+def eagle3_draft_step():
+    """The id probe's EAGLE-3 step (eagle_capture/probe/draft.py) against this wheel's own
+    draft class, ``LlamaForCausalLMEagle3``, loading the same SpecForge checkpoint
+    (tests/data/tiny_eagle3/draft_specforge) through its own ``load_weights``: same target
+    states, embeddings and positions in, the same draft logits and d2t-mapped tokens out."""
+    import json
+    import types
+    from pathlib import Path
+
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from transformers import LlamaConfig
+
+    from eagle_capture.probe.draft import load_draft, read_weights
+
+    folder = Path(__file__).resolve().parents[1] / "data" / "tiny_eagle3" / "draft_specforge"
+    config = LlamaConfig(**json.loads((folder / "config.json").read_text()))
+    model = LlamaForCausalLMEagle3(config).float().eval()
+    model.load_weights(read_weights(folder).items())
+    # <= 0.5.12: one ``midlayer``; later: ``layers`` (``midlayer.*`` weights mapped to layers.0)
+    for layer in getattr(model.model, "layers", None) or [model.model.midlayer]:
+        layer.self_attn.attn = _CausalAttention(layer.self_attn.attn)
+    ours = load_draft(folder)
+    g = torch.Generator().manual_seed(0)
+    t = 11
+    aux = torch.randn(t, 3 * 64, generator=g) * 3
+    embeds = torch.randn(t, 64, generator=g) * 0.05
+    positions = torch.arange(t)
+    mode = types.SimpleNamespace(is_extend=lambda: True, is_draft_extend_v2=lambda: False)
+    batch = types.SimpleNamespace(spec_info=types.SimpleNamespace(hidden_states=aux),
+                                  mm_input_embeds=None, forward_mode=mode,
+                                  contains_mm_inputs=lambda: False)
+    with torch.no_grad():
+        hidden, _ = model.model(torch.zeros(t, dtype=torch.long), positions, batch,
+                                input_embeds=embeds)
+        theirs = hidden @ model.lm_head.weight.T
+        mine = ours(aux.unsqueeze(0), embeds.unsqueeze(0), positions.unsqueeze(0))[0]
+    diff = (theirs - mine).abs().max().item()
+    tokens_theirs = model.hot_token_id[theirs.argmax(-1)]
+    tokens_mine = ours.to_target(mine.argmax(-1))
+    assert diff <= 1e-4 * theirs.abs().max().item(), f"logits differ by {diff}"
+    assert torch.equal(tokens_theirs, tokens_mine), (tokens_theirs, tokens_mine)
+    return {"detail": f"{t} positions: max |logit diff| {diff:.2e} (logits up to "
+                      f"{theirs.abs().max().item():.2f}); tokens equal",
+            "max_abs_diff": diff}
+
+
 def _force_setattr(obj, name, value) -> None:
     """From 0.5.18 resolved server args are a read-only msgspec Struct; a test
     may still flip a field."""
@@ -954,6 +1022,7 @@ SCENARIOS = {
     "graph_order": graph_order,
     "drop_in_checks": drop_in_checks,
     "refusals": refusals,
+    "eagle3_draft_step": eagle3_draft_step,
 }
 SCENARIOS.update(plugin_scenarios.SCENARIOS)
 

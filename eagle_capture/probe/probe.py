@@ -406,6 +406,10 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
             for cand in cands:
                 cand.hits += int(agree[cand.layers].sum())
                 cand.tokens += int(agree[cand.layers].numel())
+            if bar.n == 0 and len(prompt_list) > 1:
+                took = time.monotonic() - started
+                log(f"probe: the first prompt took {took:.1f} s: about "
+                    f"{took * len(prompt_list):.0f} s for all {len(prompt_list)}")
             bar.update(1)
     bar.close()
     if not any(c.tokens for c in cands):
@@ -438,8 +442,10 @@ def first_step_agreement(model, layers, draft, embed, tokens: torch.Tensor,
 
 
 class _NoBar:
+    n = 0
+
     def update(self, k):
-        pass
+        self.n += k
 
     def close(self):
         pass

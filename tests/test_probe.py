@@ -354,3 +354,17 @@ def test_speculators_norm_before_residual_defaults_as_vllm_reads_it():
     assert DraftSpec.from_config(config, "speculators").norm_before_residual
     assert not DraftSpec.from_config(tiny_eagle3.specforge_config([1, 3, 5]),
                                      "SpecForge").norm_before_residual
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_probe_on_cuda_in_bf16():
+    """The documented use: the target and the draft on the GPU in bf16 (the default
+    there). The verdicts stand; agreement moves by rounding only."""
+    fp32 = _probe(DATA / "draft_specforge")
+    report = _probe(DATA / "draft_specforge", device="cuda", dtype="bf16")
+    assert report.verdict.startswith("CONFIRMED: the draft was trained on capture layers "
+                                     "[2, 4, 6]"), report.format()
+    assert abs(_agreement(report, [2, 4, 6]) - _agreement(fp32, [2, 4, 6])) < 0.02
+    report = _probe(DATA / "draft_speculators", device="cuda", dtype="bf16")
+    assert report.verdict.startswith("CONFIRMED: the draft was trained on capture layers "
+                                     "[1, 3, 6]"), report.format()

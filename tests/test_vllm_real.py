@@ -145,7 +145,7 @@ RUNS = {   # key -> (run, weight, priority: the longest first)
     "vllm tp2": (_tp2, 2, -60),
     "vllm engine": (_engine, 2, -120),
     "vllm plugin off": (_plugin_off, 1, -50),
-    "vllm acceptance off": (_acceptance_off, 1, -40),
+    "vllm acceptance off": (_acceptance_off, 1, -110),
 }
 RUN_OF = {"test_tensor_parallel_2_on_gloo": "vllm tp2",
           "test_vllm_engine_with_eagle3_draft": "vllm engine",

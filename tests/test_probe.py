@@ -258,6 +258,12 @@ def test_draft_loading_refuses_what_it_cannot_run(tmp_path):
     save_draft(_random_draft(), good, tiny_eagle3.specforge_config([1, 3, 5]))
     with pytest.raises(DraftError, match="no config.json"):
         load_draft(tmp_path / "nowhere")
+    mla = tmp_path / "mla"
+    shutil.copytree(good, mla)
+    (mla / "config.json").write_text(json.dumps({"architectures": ["Eagle3DeepseekV2ForCausalLM"],
+                                                 "model_type": "kimi_k2"}))
+    with pytest.raises(DraftError, match="MLA attention layer"):
+        load_draft(mla)
     from safetensors.torch import load_file, save_file
     weights = load_file(str(good / "model.safetensors"))
     for name, edit, message in (

@@ -46,6 +46,8 @@ class DraftError(ValueError):
     """A draft folder the probe cannot read: the message names what is wrong."""
 
 
+# Draft classes whose layer is not a Llama layer (SGLang's kimi_k25_eagle3.py: MLA).
+MLA_DRAFTS = ("Eagle3DeepseekV2ForCausalLM",)
 SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "transformer_layer_config")
 
 
@@ -298,6 +300,11 @@ def load_draft(folder, device="cpu", dtype=torch.float32, target_vocab: Optional
         raise DraftError(f"{folder}: no config.json (pass the draft's model folder)") from None
     except json.JSONDecodeError as exc:
         raise DraftError(f"{folder / 'config.json'}: not JSON ({exc})") from None
+    arch = (config.get("architectures") or [""])[0]
+    if arch in MLA_DRAFTS:
+        raise DraftError(f"{folder}: {arch} drafts have a DeepSeek MLA attention layer (SGLang's "
+                         f"Kimi-K2.x EAGLE-3 drafts); the probe runs Llama-layer EAGLE-3 drafts "
+                         f"only")
     weights = read_weights(folder)
     fmt = _format_of(config, weights)
     state = state_dict_for_format(weights)

@@ -321,9 +321,9 @@ def planted_capture_fault(bad_slot: Optional[int], corrupt=None):
     add_rmsnorm_capture and path f's add_rmsnorm_into_slot), after the kernel:
     ``corrupt(rows)`` rewrites a captured slot's ``[T, H]`` rows in place (default:
     +1 on column 0), in slot ``bad_slot`` (None: every slot)."""
-    from eagle_capture.integrations.sglang import dropin
+    from eagle_capture import ops
 
-    real = {name: getattr(dropin.ops, name)
+    real = {name: getattr(ops, name)
             for name in ("add_rmsnorm_capture", "add_rmsnorm_into_slot")}
 
     def planted(real_op):
@@ -338,12 +338,12 @@ def planted_capture_fault(bad_slot: Optional[int], corrupt=None):
         return wrong
 
     for name, op in real.items():
-        setattr(dropin.ops, name, planted(op))
+        setattr(ops, name, planted(op))
     try:
         yield
     finally:
         for name, op in real.items():
-            setattr(dropin.ops, name, op)
+            setattr(ops, name, op)
 
 
 def plugin_self_check():
@@ -354,7 +354,6 @@ def plugin_self_check():
     skip = _skip_without_plugins()
     if skip:
         return skip
-    from eagle_capture.integrations.sglang import dropin
     ref, ours = _build(), _build()
     with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
                         EAGLE_CAPTURE_VERIFY="2"):
@@ -424,11 +423,11 @@ def plugin_server_args():
     skip = _skip_without_plugins()
     if skip:
         return skip
-    from eagle_capture.integrations.sglang.dropin import _server_args
+    from eagle_capture.integrations.sglang.server_modes import server_args
     from eagle_capture.integrations.sglang.sizing import read_limits
     from tests.sglang_real.scenarios import _force_setattr
 
-    args = _server_args()
+    args = server_args()
     limits = read_limits(args)
     assert limits.max_prefill_tokens == args.max_prefill_tokens == 16384, limits
 
@@ -503,7 +502,7 @@ def plugin_checks_every_target():
         return skip
     import tempfile
 
-    from eagle_capture.integrations.sglang import dropin
+    from eagle_capture.integrations.sglang import server_modes
     from eagle_capture.integrations.sglang.dropin import WrongCaptureLayers
 
     def draft(folder, config):
@@ -522,7 +521,7 @@ def plugin_checks_every_target():
     modelopt = {"architectures": ["LlamaForCausalLMEagle3"],
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 19, 36],
                                  "next_layer_regular": True, "parallel_draft_step": 1}}
-    out, saved = {}, dropin._server_args
+    out, saved = {}, server_modes.server_args
     work = tempfile.mkdtemp(prefix="eagle_checks_")
     try:
         for arch, module_name in CHECKED_TARGETS:
@@ -534,7 +533,7 @@ def plugin_checks_every_target():
                     ("modelopt", modelopt, {}, "ambiguous"),
                     ("speculators_top_level", speculators, {}, "refused")):
                 args = draft(os.path.join(work, f"{arch}_{case}"), config)
-                dropin._server_args = lambda: args
+                server_modes.server_args = lambda: args
                 ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
                 model = _shell_target(arch, module_name)
                 with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
@@ -558,7 +557,7 @@ def plugin_checks_every_target():
             assert "speculators" in top and "[5, 10, 15]" in top, top
             out[arch] = {case: status for case, (status, _) in got.items()}
     finally:
-        dropin._server_args = saved
+        server_modes.server_args = saved
     return out
 
 

@@ -820,8 +820,8 @@ def refusals():
     # two-batch overlap: the norm would see half-batches
     # Modes read from SGLang's server arguments, through the accessor this line
     # has (the install must find them: None would mean no refusal at all).
-    from eagle_capture.integrations.sglang.dropin import _server_args
-    args = _server_args()
+    from eagle_capture.integrations.sglang.server_modes import server_args
+    args = server_args()
     assert args is not None, "eagle_capture cannot read this SGLang line's server args"
     # (DP attention and an all-to-all MoE are served where each rank's rows stay
     # whole -- an attention-TP group of one rank, as here at world 1: the TP

@@ -141,7 +141,7 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     else log why not and return None. Raises (the server does not start) when the
     layer ids would feed the draft wrongly and ``EAGLE_CAPTURE_ON_PROBLEM`` is
     ``refuse``."""
-    from eagle_capture.integrations.sglang import dropin
+    from eagle_capture.integrations.sglang import dropin, server_modes
     from eagle_capture.integrations.sglang.sizing import describe, read_limits, size_buffer_for
 
     if not eagle3 or model is None:
@@ -164,7 +164,7 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
         logger.info("eagle_capture: this rank captures nothing (not the last pipeline stage)")
         return None
     policy = on_problem(env)
-    args = server_args if server_args is not None else dropin._server_args()
+    args = server_args if server_args is not None else server_modes.server_args()
     version = _sglang_version()
     layers = list(causal_lm.model.layers_to_capture)
 
@@ -346,8 +346,8 @@ def _deployment(args, sizing) -> str:
         comm = getattr(rc.get_exec(), "comm", None) if rc is not None else None
     except Exception:  # noqa: BLE001
         comm = None
-    from eagle_capture.integrations.sglang.dropin import _attention_tp_size, _dp_attention_enabled
-    dp_attention = _dp_attention_enabled()
+    from eagle_capture.integrations.sglang.server_modes import attention_tp_size, dp_attention_enabled
+    dp_attention = dp_attention_enabled()
     backend = getattr(comm, "flashinfer_allreduce_fusion_backend", None)
     fusion = (backend if backend is not None else
               "on" if getattr(args, "enable_flashinfer_allreduce_fusion", False) else "off")
@@ -355,7 +355,7 @@ def _deployment(args, sizing) -> str:
         fusion = "n/a"
     graphs = (f"CUDA graphs up to {sizing.graph_tokens} tokens" if sizing.graph_tokens
               else "no CUDA graphs seen")
-    dp = (f", DP attention (attention-TP {_attention_tp_size()}: each rank captures its own "
+    dp = (f", DP attention (attention-TP {attention_tp_size()}: each rank captures its own "
           f"requests' rows)" if dp_attention else "")
     return (f"TP {tp}{dp}, all-reduce fusion {fusion} (captures its reduced residual_out), "
             f"{graphs}")

@@ -86,3 +86,21 @@ def test_the_names_of_0_1_still_import_with_a_warning():
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "eagle-capture doctor" in result.stdout, result.stderr
     assert "has moved to eagle_capture.layer_ids.doctor" in result.stderr
+
+
+def test_every_mutant_still_finds_its_text():
+    """Each mutant of scripts/mutation_check.py names a file in which its original text
+    occurs exactly once: a mutant whose code moved or changed would otherwise only be
+    found stale when the (long) mutation run happens."""
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("mutation_check",
+                                                  root / "scripts" / "mutation_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stale = [(name, path, (root / path).read_text().count(original))
+             for name, path, original, _, _ in module.MUTANTS
+             if (root / path).read_text().count(original) != 1]
+    assert not stale, stale
+    for name, path, original, mutated, tests in module.MUTANTS:
+        assert original != mutated, name
+        assert all((root / t.split("::")[0]).exists() for t in tests), (name, tests)

@@ -67,7 +67,7 @@ def test_specforge_draft_confirmed_and_vllm_told_where_to_read():
         assert _agreement(report, [2, 4, 6]) - _agreement(report, wrong) >= \
             MIN_CONVENTION_MARGIN, report.format()
     engines = "\n".join(report.engines)
-    assert "SGLang 0.5.18 - 0.5.23 captures [2, 4, 6]: OK" in engines
+    assert "SGLang 0.5.23 captures [2, 4, 6]: OK" in engines
     assert "vLLM 0.32 - 0.33, model runner V2 (vLLM's default) captures [2, 4, 5]: PROBLEM -- " \
            "write the top-level eagle_aux_hidden_state_layer_ids = [2, 4, 6]" in engines
     assert "V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) captures [1, 3, 5]: PROBLEM" in engines
@@ -86,7 +86,7 @@ def test_speculators_draft_confirmed_in_the_input_convention():
             MIN_CONVENTION_MARGIN, report.format()
     engines = "\n".join(report.engines)
     assert "vLLM 0.32 - 0.33, model runners V1 and V2 captures [1, 3, 6]: OK" in engines
-    assert "SGLang 0.5.18 - 0.5.23 captures [2, 4, 5]: PROBLEM -- write " \
+    assert "SGLang 0.5.23 captures [2, 4, 5]: PROBLEM -- write " \
            "eagle_config.eagle_aux_hidden_state_layer_ids = [0, 2, 5]" in engines
 
 
@@ -166,6 +166,20 @@ def test_candidates_cover_both_conventions_shifts_engines_and_defaults():
     assert any("left out" in n for n in notes)
 
 
+def test_engine_lines_follow_the_sglang_version_and_the_model_rule():
+    """What SGLang captures depends on the line and the target's own rule: DeepseekV3
+    with input-convention ids [2, 30, 58] (61 layers) is taken as is from 0.5.13 and
+    shifted by 0.5.9; a Llama target shifts on every line."""
+    from eagle_capture.probe.probe import _engine_captures
+    ids = read_draft_ids({"architectures": ["LlamaForCausalLMEagle3"],
+                          "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}})
+    for version, arch, want in (("0.5.23", "DeepseekV3ForCausalLM", [2, 30, 58]),
+                                ("0.5.9", "DeepseekV3ForCausalLM", [3, 31, 59]),
+                                ("0.5.13", "LlamaForCausalLM", [3, 31, 59])):
+        sglang = _engine_captures(ids, 61, arch, version)[0]
+        assert sglang[1] == f"SGLang {version}" and sglang[2] == want, (version, arch, sglang)
+
+
 # ---------------------------------------------------------------- the draft's step
 
 def _tiny_spec(**kw):
@@ -198,7 +212,7 @@ def test_saved_formats_load_back_to_the_same_step(tmp_path, fmt, config):
     assert ("midlayer.self_attn.q_proj.weight" in names) == (fmt == "SpecForge")
     assert ("layers.0.self_attn.q_proj.weight" in names) == (fmt != "SpecForge")
     loaded = load_draft(tmp_path / fmt)
-    assert loaded.format == fmt
+    assert loaded.spec.format == fmt
     aux, emb = torch.randn(2, 7, 192), torch.randn(2, 7, 64)
     pos = torch.arange(7).unsqueeze(0).expand(2, -1)
     assert torch.equal(loaded(aux, emb, pos), draft(aux, emb, pos))
@@ -296,6 +310,9 @@ def test_cli_exit_codes_and_bad_input(tmp_path, capsys, monkeypatch):
     assert "the first prompt took" in out.err and "for all 64" in out.err
     assert main(["--target", str(tmp_path), "--draft", str(DATA / "draft_specforge")]) == 2
     assert "no config.json" in capsys.readouterr().err
+    assert main(base + ["--draft", str(DATA / "draft_specforge"), "--sglang-version",
+                        "0.5.1"]) == 2
+    assert "older than every release line" in capsys.readouterr().err
     # Text prompts need a tokenizer; the tiny target has none.
     text = tmp_path / "text.txt"
     text.write_text("Some calibration text.\n\nAnother paragraph.\n")

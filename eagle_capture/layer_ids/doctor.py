@@ -301,7 +301,7 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
         lines = vllm_lines(draft)
     else:
         lines = [line_of(sglang_version)] if sglang_version else list(SGLANG_LINES)
-        lines, model_notes = _model_lines(lines, architecture, sglang_version)
+        lines, model_notes = model_lines(lines, architecture, sglang_version)
         notes += model_notes
     if engine == "sglang" and sglang_version and assumed_note(sglang_version):
         notes.append(assumed_note(sglang_version))
@@ -384,7 +384,7 @@ def _nested_fix(lines, provenance: Provenance, num_layers: int, allow_embedding:
     return "Write them into \"eagle_config\" as each line's rule needs (fix lines below)"
 
 
-def _model_lines(lines: list, architecture: str, sglang_version: Optional[str]):
+def model_lines(lines: list, architecture: str, sglang_version: Optional[str]):
     """Each SGLang line with the target model's own id rule, and the notes that
     say which rule applies (or that the model was not read and what is assumed)."""
     if not architecture:

@@ -346,8 +346,6 @@ def load_draft(folder, device="cpu", dtype=torch.float32, target_vocab: Optional
             raise DraftError(f"{folder} ({fmt}): {name} is {tuple(tensor.shape)}, the config "
                              f"makes it {tuple(own[name].shape)}")
     draft.load_state_dict(state, strict=False)
-    draft.format = fmt
-    draft.config = config
     return draft.to(device=device, dtype=dtype).eval()
 
 

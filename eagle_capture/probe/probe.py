@@ -14,8 +14,9 @@ the decoder layers, :mod:`.target`), and runs the draft's first step
   both readings when it is ambiguous);
 * the ids as written in the output and in the input convention, and the whole
   list one layer lower / higher than those;
-* what each engine captures for this config (SGLang's newest line with the
-  target's own rule, vLLM's runners), and the engines' default;
+* what each engine captures for this config (SGLang -- ``--sglang-version``, the
+  newest read by default -- with the target's own rule, vLLM's runners), and the
+  engines' default;
 * each id alone one layer off the config's reading.
 
 Agreement = the share of positions t where the draft, given the target's states
@@ -44,16 +45,17 @@ from typing import Optional, Sequence
 import torch
 
 from eagle_capture.layer_ids.deployment import wrap
-from eagle_capture.layer_ids.doctor import fix_ids
-from eagle_capture.layer_ids.lines import (SGLANG_LINES, CapturePlanError,
-                                           DraftIds, default_capture_layers, read_draft_ids,
-                                           read_target, vllm_lines, parse_version)
-from eagle_capture.layer_ids.rules import sglang_model_rule
+from eagle_capture.layer_ids.doctor import fix_ids, model_lines
+from eagle_capture.layer_ids.lines import (SGLANG_LINES, CapturePlanError, DraftIds,
+                                           default_capture_layers, line_of, read_draft_ids,
+                                           read_target, vllm_lines)
 from eagle_capture.layer_ids.trainers import CONVENTIONS, Provenance, recognise
 from eagle_capture.probe.draft import DraftError, load_draft
 
 __all__ = ["Candidate", "ProbeError", "ProbeReport", "candidates", "main", "run_probe"]
 
+# The SGLang version whose capture the engine lines show (--sglang-version): the newest read.
+SGLANG_DEFAULT = SGLANG_LINES[-1].read_versions[-1]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -81,14 +83,18 @@ class Candidate:
         return f"{list(self.layers)} = {', '.join(one(c) for c in self.layers)}"
 
 
-def _engine_captures(draft: DraftIds, num_layers: int, architecture: str):
+def _sglang_line(architecture: str, sglang_version: str):
+    """SGLang's line for ``sglang_version`` with the target's own id rule (the
+    doctor's: an architecture not read is ASSUMED to add 1, said in the notes)."""
+    lines, notes = model_lines([line_of(sglang_version)], architecture, sglang_version)
+    return lines[0], notes
+
+
+def _engine_captures(draft: DraftIds, num_layers: int, architecture: str, sglang_version: str):
     """(short label, full label, capture layers) for what each engine captures for
     this config."""
-    newest = SGLANG_LINES[-1]
-    rule = sglang_model_rule(parse_version(newest.read_versions[-1]),
-                             architecture or "DeepseekV3ForCausalLM")
-    line = newest.for_model(rule)
-    out = [(f"SGLang {newest.read_versions[-1]}", f"SGLang {newest.name}",
+    line, _ = _sglang_line(architecture, sglang_version)
+    out = [(f"SGLang {sglang_version}", f"SGLang {sglang_version}",
             line.capture_layers(draft.read_by_target, num_layers))]
     for v in vllm_lines(draft):
         short = {"V2": "vLLM V2", "V1": "vLLM V1"}.get(v.runner, "vLLM")
@@ -97,7 +103,8 @@ def _engine_captures(draft: DraftIds, num_layers: int, architecture: str):
 
 
 def candidates(draft: DraftIds, provenance: Provenance, num_layers: int, num_aux: int,
-               architecture: str = "") -> tuple[list[Candidate], list[str]]:
+               architecture: str = "", sglang_version: str = SGLANG_DEFAULT
+               ) -> tuple[list[Candidate], list[str]]:
     """Every reading worth measuring (deduplicated by layers, labels merged), and
     notes on readings left out (outside [0, num_layers], a layer twice, or not
     ``num_aux`` layers: the draft's fc takes exactly that many)."""
@@ -131,7 +138,7 @@ def candidates(draft: DraftIds, provenance: Provenance, num_layers: int, num_aux
         add(list(ids), "ids read as inputs")
         add([i - 1 for i in ids], "ids read as inputs, all one lower")
         add([i + 2 for i in ids], "ids read as outputs, all one higher")
-    for label, _, layers in _engine_captures(draft, num_layers, architecture):
+    for label, _, layers in _engine_captures(draft, num_layers, architecture, sglang_version):
         add(layers, label + " captures")
     add(defaults, "the engines' default")
     base = sorted(readings[0].expected) if readings else defaults
@@ -186,7 +193,8 @@ def _threshold(a: Candidate, b: Candidate, min_margin: float) -> float:
     return max(min_margin, 3 * se)
 
 
-def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: float) -> None:
+def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: float,
+          sglang_version: str = "") -> None:
     """The verdict, the ids to write and each engine's line, from the measured table.
     The config's reading stands unless another reading beats it by more than the
     noise (:func:`_threshold`); two config readings (ambiguous ids) must be told
@@ -241,11 +249,10 @@ def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: f
         report.ok = False
         return
     report.ok = want == list(top.layers)
-    newest = SGLANG_LINES[-1]
-    rule = sglang_model_rule(parse_version(newest.read_versions[-1]),
-                             architecture or "DeepseekV3ForCausalLM")
-    sglang_ids = fix_ids(newest.for_model(rule), want, n, allow_embedding=0 in want)
-    for _, label, layers in _engine_captures(draft, n, architecture):
+    sglang_version = sglang_version or SGLANG_DEFAULT
+    line, _ = _sglang_line(architecture, sglang_version)
+    sglang_ids = fix_ids(line, want, n, allow_embedding=0 in want)
+    for _, label, layers in _engine_captures(draft, n, architecture, sglang_version):
         if sorted(layers) == want:
             report.engines.append(f"{label} captures {sorted(layers)}: OK")
             continue
@@ -332,7 +339,8 @@ def _load_target(folder: Path, device, dtype):
 
 def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: str = "cpu",
               dtype: str = "fp32", max_tokens: int = 512, convention: str = "auto",
-              min_margin: float = 0.03, log=print, progress: bool = True) -> ProbeReport:
+              min_margin: float = 0.03, log=print, progress: bool = True,
+              sglang_version: str = SGLANG_DEFAULT) -> ProbeReport:
     """Measure every candidate reading (see the module's docstring); ``log`` gets the
     plan (memory, tokens) before the target is loaded."""
     from eagle_capture.probe.target import decoder_layers
@@ -358,7 +366,12 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
         dmodel = load_draft(draft_dir, dev, torch_dtype, target_hidden=tmodel.hidden_size)
     except DraftError as exc:
         raise ProbeError(str(exc)) from None
-    cands, notes = candidates(ids, provenance, n, dmodel.spec.num_aux, arch)
+    try:
+        _, rule_notes = _sglang_line(arch, sglang_version)
+    except CapturePlanError as exc:
+        raise ProbeError(f"--sglang-version: {exc}") from None
+    cands, notes = candidates(ids, provenance, n, dmodel.spec.num_aux, arch, sglang_version)
+    notes = rule_notes + notes
     if not cands:
         raise ProbeError(f"no reading of the draft's ids gives {dmodel.spec.num_aux} capture "
                          f"layers in [0, {n}]: " + "; ".join(notes))
@@ -369,7 +382,7 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
     need = int(1.2 * weights) + states
     free = _available(dev)
     log(f"probe: target {target_dir} ({arch}, {n} layers, hidden {tmodel.hidden_size}); draft "
-        f"{draft_dir} ({dmodel.format}, {dmodel.spec.num_aux} states in)")
+        f"{draft_dir} ({dmodel.spec.format}, {dmodel.spec.num_aux} states in)")
     log(f"probe: {len(cands)} readings over {len(prompt_list)} prompts (<= {max_tokens} tokens "
         f"each); needs ~{_size(need)} on {dev} ({_size(weights)} of weights in {dtype}), "
         f"{_size(free)} free")
@@ -415,7 +428,7 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
     if not any(c.tokens for c in cands):
         raise ProbeError("no prompt had 3 tokens or more")
     report = ProbeReport(n, cands, provenance, 0.0, notes=notes)
-    judge(report, ids, arch, min_margin)
+    judge(report, ids, arch, min_margin, sglang_version)
     log(f"probe: measured in {time.monotonic() - started:.1f} s on {dev} ({dtype})")
     return report
 
@@ -430,6 +443,7 @@ def first_step_agreement(model, layers, draft, embed, tokens: torch.Tensor,
 
     keep = sorted({c for r in readings for c in r})
     states, greedy = target_states(model, layers, tokens, keep)
+    greedy = greedy[0]
     dtype = next(draft.parameters()).dtype
     embeds = embed(tokens[:, 1:]).to(dtype)
     positions = torch.arange(tokens.shape[1] - 1, device=tokens.device).unsqueeze(0)
@@ -477,6 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per prompt (default 512)")
     p.add_argument("--id-convention", choices=CONVENTIONS, default="auto",
                    help="how the config's ids are read (default: from the trainer's markers)")
+    p.add_argument("--sglang-version", default=SGLANG_DEFAULT,
+                   help=f"the SGLang version whose capture is shown (default {SGLANG_DEFAULT})")
     p.add_argument("--min-margin", type=float, default=0.03,
                    help="the agreement margin (fraction) that decides (default 0.03)")
     return p
@@ -491,7 +507,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         report = run_probe(args.target, args.draft, args.prompts, args.device, dtype,
                            args.max_tokens, args.id_convention, args.min_margin,
-                           log=lambda s: print(s, file=sys.stderr))
+                           log=lambda s: print(s, file=sys.stderr),
+                           sglang_version=args.sglang_version)
     except ProbeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -40,8 +40,8 @@ def _hidden(args, kwargs) -> torch.Tensor:
 @torch.no_grad()
 def target_states(model: nn.Module, layers: nn.ModuleList, input_ids: torch.Tensor,
                   keep: Iterable[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-    """Run ``model`` on ``input_ids`` [1, T]: the states at capture layers ``keep``
-    ({c: [1, T, H]}) and the greedy next token after each position [T]."""
+    """Run ``model`` on ``input_ids`` [B, T]: the states at capture layers ``keep``
+    ({c: [B, T, H]}) and the greedy next token after each position [B, T]."""
     keep = sorted(set(keep))
     n = len(layers)
     if any(not 0 <= c <= n for c in keep):
@@ -71,4 +71,4 @@ def target_states(model: nn.Module, layers: nn.ModuleList, input_ids: torch.Tens
     missing = [c for c in keep if c not in states]
     if missing:
         raise RuntimeError(f"the target's forward did not pass capture layers {missing}")
-    return states, logits[0].argmax(-1)
+    return states, logits.argmax(-1)

@@ -128,27 +128,15 @@ def sample(target, n: int, seed: int, temperature: float = 0.7) -> torch.Tensor:
 
 @torch.no_grad()
 def states_and_greedy(target, seq: torch.Tensor, batch: int = 256):
-    """The states at every capture layer [N + 1, B, T, H] (hooks on the decoder
-    layers, as the probe reads them) and the target's greedy tokens [B, T]."""
-    parts = [_batched_states(target, target.model.layers, seq[b:b + batch])
+    """The states at every capture layer [N + 1, B, T, H] (the probe's own hooks) and
+    the target's greedy tokens [B, T]."""
+    from eagle_capture.probe.target import decoder_layers, target_states
+
+    layers = decoder_layers(target, NUM_LAYERS)
+    parts = [target_states(target, layers, seq[b:b + batch], range(NUM_LAYERS + 1))
              for b in range(0, len(seq), batch)]
-    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 0)
-
-
-def _batched_states(target, layers, seq):
-    kept = {}
-    hooks = [layers[c].register_forward_pre_hook(
-        lambda m, a, k, c=c: kept.__setitem__(c, k.get("hidden_states", a[0] if a else None)),
-        with_kwargs=True) for c in range(NUM_LAYERS)]
-    hooks.append(layers[-1].register_forward_hook(
-        lambda m, a, k, o: kept.__setitem__(NUM_LAYERS, o[0] if isinstance(o, tuple) else o),
-        with_kwargs=True))
-    try:
-        logits = target(input_ids=seq, use_cache=False).logits
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack([kept[c] for c in range(NUM_LAYERS + 1)]), logits.argmax(-1)
+    states = torch.stack([torch.cat([p[0][c] for p in parts]) for c in range(NUM_LAYERS + 1)])
+    return states, torch.cat([p[1] for p in parts])
 
 
 def draft_vocabulary(greedy: torch.Tensor) -> torch.Tensor:

@@ -303,8 +303,14 @@ def test_cli_exit_codes_and_bad_input(tmp_path, capsys, monkeypatch):
     from eagle_capture.probe.probe import main
 
     base = ["--target", str(TARGET), "--prompts", str(PROMPTS), "--device", "cpu"]
-    assert main(base + ["--draft", str(DATA / "draft_specforge")]) == 1   # vLLM would be wrong
-    out = capsys.readouterr()
+    record = tmp_path / "probe.json"
+    assert main(base + ["--draft", str(DATA / "draft_specforge"), "--json", str(record)]) == 1
+    out = capsys.readouterr()                                             # (vLLM would be wrong)
+    data = json.loads(record.read_text())
+    assert data["verdict"] == "CONFIRMED" and not data["ok"] and data["trainer"] == "SpecForge"
+    assert data["readings"][0]["capture_layers"] == [2, 4, 6]
+    assert data["readings"][0]["hits"] == round(0.4668 * 4032)
+    assert any("PROBLEM" in e for e in data["engines"])
     assert "CONFIRMED" in out.out and "trainer: SpecForge" in out.out
     assert "needs ~" in out.err and "of weights in fp32" in out.err   # the plan, before loading
     assert "the first prompt took" in out.err and "for all 64" in out.err

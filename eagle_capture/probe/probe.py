@@ -162,6 +162,16 @@ class ProbeReport:
     ok: bool = False
     notes: list[str] = field(default_factory=list)
 
+    def to_json(self) -> dict:
+        """The report as data: what a script checks (``--json``)."""
+        return {"verdict": self.verdict.split(":")[0], "verdict_text": self.verdict,
+                "ok": self.ok, "threshold": self.threshold, "num_layers": self.num_layers,
+                "trainer": self.provenance.trainer, "ids": self.provenance.ids,
+                "readings": [{"capture_layers": list(c.layers), "agreement": c.agreement,
+                              "hits": c.hits, "tokens": c.tokens, "labels": c.labels,
+                              "config_reading": c.config_reading} for c in self.ranked],
+                "engines": self.engines, "fixes": self.fixes, "notes": self.notes}
+
     @property
     def ranked(self) -> list[Candidate]:
         return sorted(self.candidates, key=lambda c: (-c.agreement, c.layers))
@@ -286,8 +296,17 @@ def _size(n: int) -> str:
 
 
 def _available(device: torch.device) -> int:
+    """Memory free for the target: the device's free memory, or the host's available
+    memory (Linux's MemAvailable counts reclaimable page cache; free pages alone do not)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -493,6 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the config's ids are read (default: from the trainer's markers)")
     p.add_argument("--sglang-version", default=SGLANG_DEFAULT,
                    help=f"the SGLang version whose capture is shown (default {SGLANG_DEFAULT})")
+    p.add_argument("--json", metavar="FILE",
+                   help="also write the table, the verdict and each engine's line here")
     p.add_argument("--min-margin", type=float, default=0.03,
                    help="the agreement margin (fraction) that decides (default 0.03)")
     return p
@@ -515,4 +536,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(wrap(report.provenance.describe(), "", "  "))
     print()
     print(report.format())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=1) + "\n")
     return 0 if report.ok else 1

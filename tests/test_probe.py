@@ -21,10 +21,10 @@ pytest.importorskip("transformers")
 from eagle_capture.layer_ids.lines import read_draft_ids
 from eagle_capture.layer_ids.trainers import recognise
 from eagle_capture.probe import probe as probe_mod
-from eagle_capture.probe.draft import (DraftError, DraftSpec, Eagle3Draft, load_draft,
-                                       read_weights, save_draft)
+from eagle_capture.probe.draft import DraftError, DraftSpec, Eagle3Draft, load_draft, read_weights
 from eagle_capture.probe.probe import candidates, run_probe
 from eagle_capture.testing import tiny_eagle3
+from eagle_capture.testing.tiny_eagle3 import save_draft
 
 DATA = Path(__file__).parent / "data" / "tiny_eagle3"
 TARGET = DATA / "target"

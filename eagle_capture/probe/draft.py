@@ -347,31 +347,3 @@ def load_draft(folder, device="cpu", dtype=torch.float32, target_vocab: Optional
                              f"makes it {tuple(own[name].shape)}")
     draft.load_state_dict(state, strict=False)
     return draft.to(device=device, dtype=dtype).eval()
-
-
-def save_draft(draft: Eagle3Draft, folder, config: dict, fmt: str = "SpecForge") -> None:
-    """Write ``draft`` as a trainer would: SpecForge's ``midlayer.*`` names or
-    ``layers.0.*`` (speculators, Model Optimizer), ``d2t`` and ``t2d`` (test data)."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {}
-    for name, tensor in draft.state_dict().items():
-        if name.startswith("rotary."):
-            continue
-        if name.startswith("layers."):
-            i, rest = name.split(".", 2)[1:]
-            group = ("mlp." if rest.split(".")[0] in ("gate_proj", "up_proj", "down_proj")
-                     else "self_attn." if rest.split(".")[0] in ("q_proj", "k_proj", "v_proj",
-                                                                 "o_proj") else "")
-            prefix = "midlayer." if fmt == "SpecForge" and i == "0" else f"layers.{i}."
-            name = prefix + group + rest
-        state[name] = tensor.detach().contiguous()
-    if draft.embed_tokens is not None:
-        state["embed_tokens.weight"] = draft.embed_tokens.weight.detach().contiguous()
-    t2d = torch.zeros(draft.spec.vocab_size, dtype=torch.bool)
-    t2d[draft.to_target(torch.arange(draft.spec.draft_vocab_size))] = True
-    state["t2d"] = t2d
-    save_file(state, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

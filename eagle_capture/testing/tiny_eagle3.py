@@ -71,6 +71,34 @@ DRAFTS = (
 )
 
 
+def save_draft(draft, folder, config: dict, fmt: str = "SpecForge") -> None:
+    """Write ``draft`` as a trainer would: SpecForge's ``midlayer.*`` names or
+    ``layers.0.*`` (speculators, Model Optimizer), ``d2t`` and ``t2d`` (test data)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, tensor in draft.state_dict().items():
+        if name.startswith("rotary."):
+            continue
+        if name.startswith("layers."):
+            i, rest = name.split(".", 2)[1:]
+            group = ("mlp." if rest.split(".")[0] in ("gate_proj", "up_proj", "down_proj")
+                     else "self_attn." if rest.split(".")[0] in ("q_proj", "k_proj", "v_proj",
+                                                                 "o_proj") else "")
+            prefix = "midlayer." if fmt == "SpecForge" and i == "0" else f"layers.{i}."
+            name = prefix + group + rest
+        state[name] = tensor.detach().contiguous()
+    if draft.embed_tokens is not None:
+        state["embed_tokens.weight"] = draft.embed_tokens.weight.detach().contiguous()
+    t2d = torch.zeros(draft.spec.vocab_size, dtype=torch.bool)
+    t2d[draft.to_target(torch.arange(draft.spec.draft_vocab_size))] = True
+    state["t2d"] = t2d
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def specforge_config(ids) -> dict:
     """SpecForge 0.2.0's export (``export_to_sglang``) of a draft made from its template."""
     return {"architectures": ["LlamaForCausalLMEagle3"], **DRAFT_LAYER, "dtype": "bfloat16",
@@ -182,8 +210,6 @@ def train_draft(config: dict, fmt: str, capture: list[int], states, greedy, seq,
 def build(out: Path, train_sequences: int = 3072, eval_sequences: int = 64, steps: int = 1200,
           log=print) -> dict:
     from safetensors.torch import save_file
-
-    from eagle_capture.probe.draft import save_draft
 
     torch.set_num_threads(1)
     started = time.monotonic()

@@ -37,6 +37,13 @@ SCENARIOS = ["same_as_sglang_fp32", "same_as_sglang_bf16", "same_as_sglang_bf16_
              "plugin_refuses_wrong_ids", "plugin_self_check", "plugin_overflow",
              "plugin_server_args", "plugin_checks_every_target"]
 
+# The other families' loops (tests/sglang_real/family_scenarios.py), in the same process.
+FAMILY_SCENARIOS = ["final_boundary", "switch_back", "fp8_input_quant", "refusals"] + [
+    f"{family}_{case}" for family in ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe",
+                                      "gpt_oss", "glm4_moe", "minimax_m2")
+    for case in ("fp32_f", "fp32_e", "bf16_f")] + [
+    f"{family}_compiled" for family in ("llama", "qwen3_moe", "gpt_oss")]
+
 pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL") == "1",
                                 reason="EAGLE_CAPTURE_SKIP_SGLANG_REAL=1 (no PyPI here)")
 TIMEOUT_S = 1200
@@ -101,6 +108,14 @@ def test_sglang_real(version, scenario, engine_jobs):
     assert result["ok"], f"{result['detail']}\n{result.get('traceback', '')}"
     if "skip" in result:  # only where SGLang's own code cannot run here (the reason says why)
         pytest.skip(result["skip"])
+
+
+@pytest.mark.parametrize("scenario", FAMILY_SCENARIOS)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_family_capture(version, scenario, engine_jobs):
+    """Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / GPT-OSS / GLM-4 MoE / MiniMax-M2:
+    what the draft receives with the fused capture == SGLang's own, in each wheel's code."""
+    test_sglang_real(version, f"family_{scenario}", engine_jobs)
 
 
 def test_gpu_scenarios_dry_run(engine_jobs):

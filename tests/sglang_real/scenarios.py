@@ -1052,7 +1052,9 @@ def main() -> None:
     args = parser.parse_args()
     harness.setup()
     results = {"version": harness.sglang_version()}
-    for name, fn in SCENARIOS.items():
+    from tests.sglang_real import family_scenarios   # the other families, same process
+    every = {**SCENARIOS, **{f"family_{k}": v for k, v in family_scenarios.SCENARIOS.items()}}
+    for name, fn in every.items():
         if args.only and name not in args.only:
             continue
         try:

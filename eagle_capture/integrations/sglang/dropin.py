@@ -1,35 +1,38 @@
-"""Drop-in fused EAGLE-3 capture for SGLang's ``DeepseekV2ForCausalLM``
-(DeepSeek-V3, Kimi-K2/K2.5), SGLang 0.5.9 - 0.5.23: :func:`install_eagle3_capture`.
+"""Drop-in fused EAGLE-3 capture for SGLang's model loops, SGLang 0.5.9 - 0.5.23:
+:func:`install_eagle3_capture`. The families (:mod:`.families`: DeepseekV2 /
+DeepSeek-V3 / Kimi-K2 / K2.5, Llama / Qwen2 / Qwen3, Qwen2/3-MoE, GPT-OSS,
+GLM-4 MoE, MiniMax-M2) each name where their captured norms are; this install
+is the same for all.
 
 Every line's captured value is the new residual that a captured layer's input
-norm writes (``norm(x, residual, post_residual_addition)``); what each line
-does around it is in docs/engine_facts.md section 1. The install
+norm writes (``norm(x, residual, post_residual_addition)``; GPT-OSS's final
+boundary: the final norm's); what each line does around it is in
+docs/engine_facts.md section 1. The install
 
-1. swaps each captured layer's input-norm *class* for a capturing subclass of
-   its real class (names, ``state_dict`` keys, weight loading and ``isinstance``
+1. swaps each captured norm's *class* for a capturing subclass of its real
+   class (names, ``state_dict`` keys, weight loading and ``isinstance``
    unchanged): the plain call runs our fused add + RMSNorm + slot store (path f:
    the new residual written into the slot only and handed on as a view; the
    layer's post-attention norm then writes out of place; path e: a second
-   write into the slot, under torch.compile and where SGLang's all-reduce
-   fusion may run); every other branch runs SGLang's own code, then stores
-   the reduced residual;
-2. empties ``model.layers_to_capture`` so SGLang's own capture never runs;
+   write into the slot, under torch.compile, where SGLang's all-reduce fusion
+   may run, and where no post-attention norm follows); every other branch runs
+   SGLang's own code, then stores the reduced residual;
+2. switches the model's own capture off (the family's adapter: layers_to_capture
+   emptied, per-layer marks cleared);
 3. swaps the ``LogitsProcessor``'s class so it is handed the packed
    ``[T, K*H]`` view of our buffer (a list of one for <= 0.5.13).
 
 Only classes are swapped, never an instance ``forward``: SGLang's piecewise
 CUDA graphs replace instance forwards, so installing before or after them works.
 
-This file is the DeepseekV2 family's part: where its captured norms are
-(:func:`text_model_of`, ``_input_norm``, ``_post_attention_norm``), the install
-and its refusals. What every family shares lives beside it: :mod:`.norms` (the
-capturing norm and logits classes, paths e and f), :mod:`.state` (the capture
-state, the completeness check, the self-check), :mod:`.server_modes` (what
-SGLang's server runs, read through each line's helpers).
+Beside it: :mod:`.norms` (the capturing norm and logits classes, paths e and f),
+:mod:`.state` (the capture state, the completeness check, the self-check),
+:mod:`.server_modes` (what SGLang's server runs, read through each line's helpers).
 Rows token-scattered over an attention-TP group are all-gathered into the slot
 over SGLang's own group. Refused at install, with the reason: a capture not
 enabled, another stage's layers, layer 0 (unless ``allow_embedding=True``),
-two-batch overlap, context parallelism, layernorm sequence parallelism.
+two-batch overlap, context parallelism, layernorm sequence parallelism, and
+what a family's adapter refuses.
 Checked on every eager forward: each captured layer stored exactly T rows, and
 SGLang's own capture was not re-enabled.
 """
@@ -48,78 +51,29 @@ from eagle_capture.integrations.sglang.server_modes import (UnsupportedServer,
                                                             dp_attention_enabled,
                                                             refuse_unsupported_modes,
                                                             rows_may_scatter, scattered_captures)
+from eagle_capture.integrations.sglang.families import family_of
 from eagle_capture.integrations.sglang.state import CaptureState, WrongCaptureLayers, logger
+from eagle_capture.layer_ids.lines import parse_version
 
 __all__ = ["CaptureState", "UnsupportedServer", "WrongCaptureLayers", "install_eagle3_capture",
            "reapply_after_reconfigure", "text_model_of"]
 
 
-def _input_norm(layer: torch.nn.Module, layer_id: int) -> tuple[torch.nn.Module, str]:
-    """The captured layer's input norm and the surface it was found on."""
-    norm = getattr(layer, "input_layernorm", None)
-    comm = getattr(layer, "layer_communicator", None)
-    boundary = getattr(layer, "attn_boundary", None)
-    if comm is not None:
-        surface, held = "layer_communicator (SGLang 0.5.9 - 0.5.20)", getattr(comm, "input_layernorm", None)
-    elif boundary is not None:
-        surface = "attn_boundary (SGLang 0.5.22 - 0.5.23)"
-        held = getattr(getattr(boundary, "plan", None), "norm", None)
-    else:
-        raise TypeError(f"eagle_capture: decoder layer {layer_id} ({type(layer).__name__}) has "
-                        f"neither layer_communicator (SGLang <= 0.5.20) nor attn_boundary "
-                        f"(SGLang 0.5.22 - 0.5.23): unsupported SGLang version")
-    if norm is None or held is not norm:
-        raise TypeError(f"eagle_capture: layer {layer_id}'s {surface.split()[0]} calls another "
-                        f"input norm than layer.input_layernorm; unsupported SGLang version")
-    for attr in ("weight", "variance_epsilon", "forward_native"):
-        if not hasattr(norm, attr):
-            raise TypeError(f"eagle_capture: layer {layer_id}'s input norm "
-                            f"({type(norm).__name__}) has no {attr!r}: not SGLang's RMSNorm")
-    return norm, surface
-
-
-def _post_attention_norm(layer: torch.nn.Module) -> Optional[torch.nn.Module]:
-    """The captured layer's post-attention norm, if every surface SGLang calls it
-    through holds the same RMSNorm (else path f stays off for the layer)."""
-    norm = getattr(layer, "post_attention_layernorm", None)
-    comm = getattr(layer, "layer_communicator", None)
-    boundary = getattr(layer, "ffn_boundary", None) or getattr(layer, "mlp_boundary", None)
-    if comm is not None:
-        held = getattr(comm, "post_attention_layernorm", None)
-    elif boundary is not None:
-        held = getattr(getattr(boundary, "plan", None), "norm", None)
-    else:
-        return None
-    if norm is None or held is not norm or not all(
-            hasattr(norm, a) for a in ("weight", "variance_epsilon", "forward_native")):
-        return None
-    return norm
-
-
 def text_model_of(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
-    """The DeepseekV2 causal LM inside ``model`` and the attribute path to it:
-    the model itself (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``) or
-    a wrapper's ``language_model`` (``KimiK25ForConditionalGeneration``, whose
-    ``.model`` aliases it)."""
-    def looks_like(m) -> bool:
-        inner = getattr(m, "model", None)
-        return (isinstance(m, torch.nn.Module) and inner is not None
-                and hasattr(inner, "layers") and hasattr(inner, "layers_to_capture")
-                and hasattr(m, "capture_aux_hidden_states"))
+    """The causal LM inside SGLang's ``model`` and the attribute path to it (its
+    family's reading: the model itself, or a wrapper's ``language_model`` as
+    Kimi-K2.5's)."""
+    return family_of(model).text_model_of(model)
 
-    if looks_like(model):
-        return model, ""
-    language_model = getattr(model, "language_model", None)
-    if looks_like(language_model):
-        return language_model, ".language_model"
-    found = [name for name, child in model.named_children() if looks_like(child)]
-    if found:
-        raise TypeError(f"eagle_capture: {type(model).__name__} holds a DeepseekV2 text model at "
-                        f".{found[0]}, a wrapper eagle_capture does not know (known: the model "
-                        f"itself, .language_model); keep SGLang's own capture")
-    raise TypeError(f"eagle_capture: expected SGLang's DeepseekV2ForCausalLM / "
-                    f"DeepseekV3ForCausalLM or a wrapper with .language_model (Kimi-K2.5), got "
-                    f"{type(model).__name__} (no .model.layers / .model.layers_to_capture)")
+
+def sglang_version() -> Optional[tuple]:
+    """The installed SGLang's version as a tuple (None where it cannot be read:
+    then no line-dependent capture, such as a final boundary, is accepted)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return parse_version(version("sglang"))
+    except (PackageNotFoundError, ValueError):
+        return None
 
 
 def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
@@ -127,9 +81,8 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
                            fused_allreduce: bool = False, allreduce_table=None,
                            dtype: Optional[torch.dtype] = None,
                            device: Optional[torch.device] = None) -> AuxCaptureBuffer:
-    """Replace SGLang's EAGLE-3 capture in ``causal_lm`` (a ``DeepseekV2ForCausalLM``,
-    ``DeepseekV3ForCausalLM`` or ``KimiK25ForConditionalGeneration``) by the fused
-    one; returns the buffer (``max_tokens`` rows: the most tokens one forward
+    """Replace SGLang's EAGLE-3 capture in ``causal_lm`` (one of
+    :data:`.families.FUSED_ARCHITECTURES`) by the fused one; returns the buffer (``max_tokens`` rows: the most tokens one forward
     runs, chunked prefill and CUDA-graph batches included; an eager forward with
     more gets a buffer of its own, with a warning).
 
@@ -156,39 +109,47 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
 
     Raises :class:`WrongCaptureLayers` for layer ids SGLang's own capture would
     also get wrong, :class:`UnsupportedServer` for server modes the fused capture
-    does not handle, ``TypeError`` for a model it does not know.
+    does not handle (the family's refusals among them), ``TypeError`` for a model
+    it does not know (:class:`.families.UnknownFamily`).
     """
+    family = family_of(causal_lm)
     wrapper = causal_lm
-    causal_lm, _ = text_model_of(wrapper)
+    causal_lm, _ = family.text_model_of(wrapper)
     model = causal_lm.model
     if isinstance(getattr(causal_lm, "_eagle_capture", None), CaptureState):
         raise ValueError("eagle_capture: the fused capture is already installed on this model")
-    if not getattr(causal_lm, "capture_aux_hidden_states", False) or not model.layers_to_capture:
+    sglang_layers = family.engine_layers(causal_lm)
+    if not getattr(causal_lm, "capture_aux_hidden_states", False) or not sglang_layers:
         raise ValueError("eagle_capture: EAGLE-3 capture is not enabled on this model; install "
                          "after set_eagle3_layers_to_capture(...) (on the last PP rank)")
     logits = getattr(causal_lm, "logits_processor", None)
     if not isinstance(logits, torch.nn.Module):
         raise TypeError("eagle_capture: the model has no logits_processor module")
-    sglang_layers = list(model.layers_to_capture)
-    check_capture_layers(sglang_layers, getattr(model, "start_layer", 0),
-                          getattr(model, "end_layer", len(model.layers)), allow_embedding)
+    end = getattr(model, "end_layer", len(model.layers))
+    final_boundary = (family.captures_final_boundary(sglang_version())
+                      and end == len(model.layers))
+    check_capture_layers(sglang_layers, getattr(model, "start_layer", 0), end, allow_embedding,
+                          final_boundary=final_boundary)
     layer_ids = sorted(sglang_layers)
     refuse_unsupported_modes()
+    family.refuse(causal_lm, layer_ids)
 
-    norms, surfaces = [], set()
+    norms, surfaces = [], []
     for i in layer_ids:
-        norm, surface = _input_norm(model.layers[i], i)
+        norm, surface = family.captured_norm(model, i)
         norms.append(norm)
-        surfaces.add(surface)
-    post_norms = [_post_attention_norm(model.layers[i]) for i in layer_ids]
+        if surface not in surfaces:
+            surfaces.append(surface)
+    post_norms = [family.post_attention_norm(model, i) for i in layer_ids]
     weight = norms[0].weight
     buffer = AuxCaptureBuffer(max_tokens, weight.shape[0], layer_ids,
                               dtype=dtype or weight.dtype, device=device or weight.device)
-    # Hand the LogitsProcessor what the model itself would have: a packed tensor
-    # where the model builds an AuxHiddenStatePacker (0.5.18+), else a list.
-    packed_tensor = hasattr(sys.modules.get(type(model).__module__), "AuxHiddenStatePacker")
-    state = CaptureState(buffer, layer_ids, surfaces.pop(), packed_tensor,
-                         sglang_layers=sglang_layers, causal_lm=causal_lm)
+    # Hand the LogitsProcessor a packed tensor where its line takes one (0.5.18+:
+    # it reads a tensor or a list), else the list it concatenates.
+    packed_tensor = any(hasattr(sys.modules.get(c.__module__), "pack_aux_hidden_states")
+                        for c in type(logits).__mro__)
+    state = CaptureState(buffer, layer_ids, " and ".join(surfaces), packed_tensor,
+                         sglang_layers=sglang_layers, causal_lm=causal_lm, family=family)
 
     for i, norm in zip(layer_ids, norms):
         norm.__class__ = with_mixin(CapturingNormMixin, type(norm))
@@ -199,6 +160,8 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
     # attention-TP group of several ranks, where the reduced rows are scattered
     # back into the residual), so the slot could not hand it on. Nor where rows
     # are token-scattered: SGLang then slices the residual around that norm.
+    # Nor where a captured norm has no post-attention norm after it (the final
+    # boundary): nothing would take the residual from the slot.
     state.scattered_layers = scattered_captures(model, layer_ids)
     if residual_in_slot and not dp_attention_enabled() and not rows_may_scatter() and \
             all(n is not None for n in post_norms):
@@ -222,9 +185,7 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
                            "SGLang's all-reduce fusion and a capture copy stay there", why)
     logits.__class__ = with_mixin(CapturingLogitsMixin, type(logits))
     logits._eagle_capture = state
-    # SGLang's own capture off: no add/list (<= 0.5.13), no packer copy (>= 0.5.18).
-    model.layers_to_capture = []
-    causal_lm.capture_aux_hidden_states = False
+    family.engine_capture_off(causal_lm)
     causal_lm._eagle_capture = state
     if wrapper is not causal_lm:
         object.__setattr__(wrapper, "_eagle_capture", state)
@@ -236,27 +197,28 @@ def reapply_after_reconfigure(model: torch.nn.Module) -> bool:
     model (a second ``configure_aux_hidden_state_capture``): turn its own capture
     off again if it asks for the same layers (True), else raise. False when
     nothing is installed."""
-    causal_lm, _ = text_model_of(model)
+    family = family_of(model)
+    causal_lm, _ = family.text_model_of(model)
     state = getattr(causal_lm, "_eagle_capture", None)
     if not isinstance(state, CaptureState):
         return False
     if state.disabled:
         return True   # SGLang's own capture on by design (self-check mismatch)
-    again = list(causal_lm.model.layers_to_capture)
+    again = family.engine_layers(causal_lm)
     if again and sorted(again) != state.layer_ids:
         raise WrongCaptureLayers(
             f"eagle_capture: SGLang set layers_to_capture to {again} after the fused capture "
             f"was installed for {state.layer_ids}; restart the server (the buffer and CUDA "
             f"graphs are built for the first set)")
-    causal_lm.model.layers_to_capture = []
-    causal_lm.capture_aux_hidden_states = False
+    family.engine_capture_off(causal_lm)
     return True
 
 
 def check_capture_layers(layers: list[int], start: int, end: int,
-                          allow_embedding: bool) -> None:
+                          allow_embedding: bool, *, final_boundary: bool = False) -> None:
     """Refuse layers_to_capture that would not give the draft K distinct, existing
-    layers of this stage."""
+    layers of this stage (``final_boundary``: ``end``, the final norm's input, is
+    one too: the family's loop captures it on this line and this is the last stage)."""
     duplicates = sorted({i for i in layers if layers.count(i) > 1})
     if duplicates:
         raise WrongCaptureLayers(
@@ -272,7 +234,8 @@ def check_capture_layers(layers: list[int], start: int, end: int,
             f"from a draft id of -1 (the embedding output) that this SGLang line does not shift; "
             f"no SpecForge draft is trained on it: fix the draft's "
             f"eagle_aux_hidden_state_layer_ids")
-    outside = [i for i in sorted(layers) if not start <= i < end]
+    outside = [i for i in sorted(layers) if not start <= i < end
+               and not (final_boundary and i == end)]
     if outside:
         raise WrongCaptureLayers(
             f"eagle_capture: layers {outside} are captured but this rank runs layers "

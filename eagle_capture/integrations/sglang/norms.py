@@ -31,13 +31,30 @@ def _batch_invariant_mode(norm: torch.nn.Module) -> bool:
     return bool(flag()) if flag is not None else False
 
 
+def _fuses_input_quant(norm: torch.nn.Module, quant_linear) -> bool:
+    """Whether SGLang's norm would fuse ``quant_linear``'s static per-tensor FP8
+    input quantization into its output (0.5.20: the ``quant_linear`` argument;
+    0.5.23: ``fuse_input_quant``), read with the norm module's own test. Our
+    kernel writes the plain normed output, so SGLang's own code runs there."""
+    if quant_linear is None:
+        return False
+    for cls in type(norm).__mro__:
+        static_scale = getattr(sys.modules.get(cls.__module__), "_fp8_static_input_scale", None)
+        if static_scale is not None:
+            return static_scale(quant_linear) is not None
+    return True   # a line whose test we cannot read: never drop its quantization
+
+
 class CapturingNormMixin:
     """Methods of the capturing subclass; ``_eagle_capture`` (state) and
     ``_eagle_layer_id`` are set on the instance at install."""
 
-    def _eagle_fusable(self, x, residual, post_residual_addition, extra) -> bool:
+    def _eagle_fusable(self, x, residual, post_residual_addition, kwargs) -> bool:
         """The plain fused_add_rmsnorm case our kernel reproduces; anything else
-        (SGLang's special norms and modes) runs SGLang's own code."""
+        (SGLang's special norms and modes, a fused FP8 input quant) runs SGLang's
+        own code."""
+        extra = {k: v for k, v in kwargs.items() if v is not None}
+        quant_linear = extra.pop("quant_linear", None) or getattr(self, "_quant_linear", None)
         return (residual is not None and not extra and x.dim() == 2 and residual.dim() == 2
                 and x.dtype == residual.dtype and x.shape == residual.shape
                 and x.stride(-1) == 1 and residual.stride(-1) == 1
@@ -49,7 +66,8 @@ class CapturingNormMixin:
                 and getattr(self, "override_orig_dtype", None) is None
                 and not getattr(self, "x_pad_to_multiple", 0)
                 and self.weight.shape == (x.shape[1],)
-                and not _batch_invariant_mode(self))
+                and not _batch_invariant_mode(self)
+                and not _fuses_input_quant(self, quant_linear))
 
     def _eagle_store(self, value: torch.Tensor, fused: bool) -> None:
         state = self._eagle_capture
@@ -81,8 +99,7 @@ class CapturingNormMixin:
             if not torch.compiler.is_compiling() and not capturing_cuda_graph(x):
                 state.gathered_calls += 1   # counted as record() counts the others
             return out
-        if not self._eagle_fusable(x, residual, post_residual_addition,
-                                   [v for v in kwargs.values() if v is not None]):
+        if not self._eagle_fusable(x, residual, post_residual_addition, kwargs):
             out = super().forward(x, residual, post_residual_addition, **kwargs)
             # The capture is the residual this norm leaves: the input itself when
             # called without one (layer 0's embedding, or a residual updated
@@ -145,7 +162,7 @@ class CapturingNormMixin:
         post_residual_addition = args[0] if args else kwargs.get("post_residual_addition")
         reducer = state.allreduce
         if (reducer is not None and post_residual_addition is None
-                and self._eagle_fusable(x, residual, None, []) and reducer.takes(x)):
+                and self._eagle_fusable(x, residual, None, {}) and reducer.takes(x)):
             path = reducer.path_for(x.shape[0])
             if path != allreduce.ENGINE_FUSION:
                 return self._eagle_reduce_add_rmsnorm(reducer, path, x, residual)
@@ -252,8 +269,7 @@ class SlotResidualPostNormMixin:
         spare = self._eagle_take_slot(residual)
         if spare is None:
             return super().forward(x, residual, post_residual_addition, **kwargs)
-        if CapturingNormMixin._eagle_fusable(self, x, residual, post_residual_addition,
-                                              [v for v in kwargs.values() if v is not None]) \
+        if CapturingNormMixin._eagle_fusable(self, x, residual, post_residual_addition, kwargs) \
                 and post_residual_addition is None and spare.shape == x.shape \
                 and spare.dtype == x.dtype and spare.is_contiguous():
             ops.add_rmsnorm_out(x, residual, self.weight, self.variance_epsilon, spare,

@@ -34,13 +34,14 @@ class CaptureState:
 
     def __init__(self, buffer: AuxCaptureBuffer, layer_ids: list[int], surface: str,
                  packed_tensor: bool, *, sglang_layers: list[int],
-                 causal_lm: Optional[torch.nn.Module] = None) -> None:
+                 causal_lm: Optional[torch.nn.Module] = None, family=None) -> None:
         self.buffer = buffer
         self.layer_ids = layer_ids
         self.surface = surface
         self.packed_tensor = packed_tensor   # hand the LogitsProcessor a tensor (>= 0.5.18)
         self.sglang_layers = list(sglang_layers)  # SGLang's layers_to_capture, to switch back
         self._causal_lm = causal_lm
+        self.family = family      # its adapter switches SGLang's own capture back on
         self.stored_rows: dict[int, int] = {}
         self.fused_calls = 0      # captures done by our fused kernel (tests count these)
         self.fallback_calls = 0   # SGLang's own norm path + a slot store
@@ -264,8 +265,7 @@ class CaptureState:
         self.verify_left = 0
         lm = self._causal_lm
         if lm is not None:
-            lm.model.layers_to_capture = list(self.sglang_layers)
-            lm.capture_aux_hidden_states = True
+            self.family.engine_capture_on(lm, self.sglang_layers)
         if self.graph_captured:
             logger().error(
                 "eagle_capture: switched back to SGLang's own capture (%s) for eager forwards; "

@@ -1,0 +1,127 @@
+"""SGLang's own model classes of the other EAGLE-3 families, built on CPU the way
+``harness.build_model`` builds DeepseekV2: the wheel's real ``<Model>ForCausalLM``
+(decoder layers, communicator / stage boundaries, RMSNorms, capture loop, logits
+processor), attention and MLP / MoE stood in by ``harness``'s deterministic
+``StandIn`` (TP 1) or ``RowParallelStandIn`` (TP > 1), tiny configs from
+transformers' own config classes.
+
+``build(family, dtype, capture_ids, seed)`` -> the model with SGLang's
+``set_eagle3_layers_to_capture(capture_ids)`` called. ``harness.make_batch``,
+``harness.run`` and ``harness.draft_input`` work on it unchanged.
+"""
+
+from __future__ import annotations
+
+from tests.sglang_real import harness
+
+# family -> (SGLang module, EntryClass, transformers config class)
+FAMILIES = {
+    "llama": ("llama", "LlamaForCausalLM", "LlamaConfig"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", "Qwen2Config"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", "Qwen3Config"),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig"),
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM", "GptOssConfig"),
+    "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig"),
+    "minimax_m2": ("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMaxM2Config"),
+}
+
+# The decoder layer's feed-forward attribute where it is not ``mlp``.
+FFN_ATTR = {"minimax_m2": "block_sparse_moe"}
+# GPU-only packages a model file imports at module level on some lines (minimax_m2
+# <= 0.5.22: tvm_ffi): stubbed (stubs.py: a call raises), the CPU path needs none.
+GPU_ONLY_IMPORTS = {"minimax_m2": ("tvm_ffi",)}
+
+
+def tiny_config(family: str, num_layers: int, hidden_size: int, vocab_size: int = 128):
+    """A tiny config of ``family``'s transformers class: 4 heads of 16, GQA 2 KV
+    heads, 4 experts of which 2 per token for the MoE families."""
+    harness._ensure_stubs()   # before transformers is first imported (stubs.py says why)
+    import transformers
+
+    module, entry, config_class = FAMILIES[family]
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size,
+                  intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
+                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  architectures=[entry])
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2)
+    extra = {
+        "qwen2_moe": dict(moe, decoder_sparse_step=1, mlp_only_layers=[],
+                          shared_expert_intermediate_size=hidden_size),
+        "qwen3_moe": dict(moe, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
+        "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
+                        swiglu_limit=7.0,   # GPT-OSS's config.json (<= 0.5.20 read it)
+                        layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)
+                        + ["sliding_attention"] * (num_layers % 2)),
+        "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                         moe_intermediate_size=hidden_size // 2, first_k_dense_replace=1,
+                         n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                         norm_topk_prob=True, use_qk_norm=False, partial_rotary_factor=0.5),
+        "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2,
+                           use_qk_norm=True, rotary_dim=hidden_size // 8,
+                           scoring_func="sigmoid", use_routing_bias=True),
+    }.get(family, {})
+    cls = getattr(transformers, config_class, None)
+    if cls is None:
+        # A transformers older than the family (0.5.9's pin has no MiniMaxM2Config):
+        # the checkpoint's own config.json fields, as its remote code reads them.
+        cls = transformers.PretrainedConfig
+    return cls(**common, **extra)
+
+
+def build(family: str, dtype=None, capture_ids=(1, 3, 5), seed: int = 3, num_layers: int = 7,
+          hidden_size: int = 64, set_capture: bool = True, standin: str | None = None):
+    import importlib
+
+    import torch
+
+    dtype = dtype or torch.float32
+    cfg = tiny_config(family, num_layers, hidden_size)
+    harness.setup(dtype=dtype, hf_config=cfg)
+    world = harness.tp_world_size()
+    standin = standin or ("tanh" if world == 1 else "row_parallel")
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    module, entry, _ = FAMILIES[family]
+    if family in GPU_ONLY_IMPORTS:
+        from tests.sglang_real import stubs
+        stubs.install(GPU_ONLY_IMPORTS[family])
+    cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), entry)
+    StandIn, RowParallelStandIn = harness._define_modules()
+    torch.manual_seed(seed)
+    with set_default_torch_dtype(dtype), torch.device("cpu"):
+        model = cls(cfg, quant_config=None)
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        if world == 1:
+            emb.copy_(torch.randn(emb.shape, generator=g).to(emb.dtype))
+        else:
+            embed = model.model.embed_tokens
+            full = torch.randn((embed.num_embeddings_padded, emb.shape[1]), generator=g)
+            embed.weight_loader(emb, full[:embed.org_vocab_size].to(emb.dtype))
+        for _, norm in harness._norms(model):
+            w = norm.weight
+            w.copy_((1.0 + 0.1 * torch.randn(w.shape, generator=g)).to(w.dtype))
+    ffn = FFN_ATTR.get(family, "mlp")
+    for i, layer in enumerate(model.model.layers):
+        attn_real, ffn_real = layer.self_attn, getattr(layer, ffn)
+        if standin == "tanh":
+            layer.self_attn = StandIn(hidden_size, seed * 1000 + 2 * i, "attn", attn_real)
+            setattr(layer, ffn, StandIn(hidden_size, seed * 1000 + 2 * i + 1, "mlp", ffn_real))
+        else:
+            with set_default_torch_dtype(dtype):
+                layer.self_attn = RowParallelStandIn(
+                    hidden_size, seed * 1000 + 2 * i, "attn", attn_real,
+                    harness._reduces_itself("attn", attn_real))
+                setattr(layer, ffn, RowParallelStandIn(
+                    hidden_size, seed * 1000 + 2 * i + 1, "mlp", ffn_real,
+                    harness._reduces_itself("mlp", ffn_real)))
+    model.logits_processor = harness._observed_logits_processor(model.config)
+    harness._seed_lm_head(model, seed)
+    if set_capture:
+        model.set_eagle3_layers_to_capture(list(capture_ids))
+    model._harness_dtype = dtype
+    return model

@@ -15,6 +15,10 @@ Paths (all K captured layers of one forward step, bf16 by default):
   f  norm->slot   add+RMSNorm whose residual output *is* the slot (no extra write)
   g  compile      torch.compile of an eager add+RMSNorm (the kernel to beat for d)
   h  liger        Liger-Kernel's fused add+RMSNorm, when liger-kernel is installed
+  j  flashinfer   SGLang >= 0.5.18 on CUDA as it runs: FlashInfer's fused_add_rmsnorm
+                  (the kernel SGLang's RMSNorm calls), then the packer's ``copy_``
+  k  flashinfer   FlashInfer's fused_add_rmsnorm alone: SGLang's norm without capture
+                  (j and k where flashinfer's norm imports: the strongest peer)
 
 For b, e and f the figure that matters is the capture's own cost: the time
 over d, also given as a multiple of a measured write floor (one write of the
@@ -73,7 +77,8 @@ from eagle_capture.ops import pdl_enabled
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the report, beside this file
 import capture_report as report  # noqa: E402
-from capture_report import CPU_WARNING, GPU_ONLY_PATHS, LIGER_MISSING, PATHS, legend_lines  # noqa: E402
+from capture_report import (CPU_WARNING, FLASHINFER_MISSING, GPU_ONLY_PATHS,  # noqa: E402
+                            LIGER_MISSING, PATHS, legend_lines)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_TOKENS = [2**i for i in range(15)]  # 1 .. 16384
@@ -98,6 +103,16 @@ def liger_fused_add_rmsnorm():
     return LigerFusedAddRMSNormFunction
 
 
+def flashinfer_fused_add_rmsnorm():
+    """FlashInfer's in-place fused_add_rmsnorm (residual += x; x = norm(residual) * w),
+    or None where flashinfer's norm does not import."""
+    try:
+        from flashinfer.norm import fused_add_rmsnorm
+    except Exception:  # noqa: BLE001 - not installed, or its JIT / tvm-ffi missing
+        return None
+    return fused_add_rmsnorm
+
+
 def bytes_moved(path: str, num_tokens: int, hidden_size: int, num_captures: int,
                 elem: int) -> int:
     """Fewest bytes each path must move for all K layers (reads + writes)."""
@@ -113,6 +128,8 @@ def bytes_moved(path: str, num_tokens: int, hidden_size: int, num_captures: int,
         "f": 4 * row + weight,                     # r h, r r, w h, w slot
         "g": 4 * row + weight,
         "h": 4 * row + weight + num_tokens * 4,   # + its fp32 rstd per row
+        "j": 4 * row + weight + 2 * row,           # as b
+        "k": 4 * row + weight,                     # as d
     }[path]
     return num_captures * per_layer
 
@@ -220,6 +237,17 @@ def build_step(path: str, x: Inputs) -> Callable[[], object]:
 
         def step():
             return [fn(h[k], r[k], w[k]) for k in k_range]
+    elif path in ("j", "k"):
+        fused_add_rmsnorm = flashinfer_fused_add_rmsnorm()
+        flat = aux.view(aux.shape[0], -1)
+        hidden_size = h[0].shape[1]
+        copy = path == "j"
+
+        def step():
+            for k in k_range:
+                fused_add_rmsnorm(h[k], r[k], w[k], EPS)
+                if copy:
+                    flat[:t, k * hidden_size:(k + 1) * hidden_size].copy_(r[k])
     elif path == "h":
         liger = liger_fused_add_rmsnorm()
 
@@ -243,13 +271,13 @@ def check_path(path: str, x: Inputs) -> None:
         got = torch.cat([res for _, res in out], -1)
     elif path == "a":
         got = out
-    elif path == "d":
+    elif path in ("d", "k"):
         got = torch.cat(y.residual, -1)
     else:
         got = y.aux[:x.num_tokens].flatten(1)
     if not torch.equal(got, torch.cat(expected, -1)):
         raise AssertionError(f"path {path}: captured values differ from eager h + r")
-    if path in ("b", "d", "e", "f", "g", "h", "i"):
+    if path in ("b", "d", "e", "f", "g", "h", "i", "j", "k"):
         for k, s in enumerate(expected):
             ref = add_rmsnorm_reference(s, torch.zeros_like(s), x.weight[k], EPS)[0]
             rel = ((y.hidden[k].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -518,6 +546,10 @@ def run_gpu(args) -> dict:
             floor = row["write_floor"]["net_us"]
             row["capture_cost_x_floor"] = {p: cost / floor if floor > 0 else None
                                            for p, cost in row["capture_cost_us"].items()}
+        if "k" in paths:   # against SGLang's own norm kernel on CUDA (FlashInfer)
+            row.setdefault("capture_cost_us", {}).update(
+                {key: paths[p]["graph_us"] - paths["k"]["graph_us"]
+                 for key, p in (("j", "j"), ("f_k", "f")) if p in paths})
         rows.append(row)
         del sets, steps, buffers, copies
         torch.cuda.empty_cache()
@@ -552,12 +584,15 @@ def run_cpu(args) -> dict:
     return {"rows": rows}
 
 
-def select_paths(requested: list, has_gpu: bool, has_liger: bool) -> tuple:
+def select_paths(requested: list, has_gpu: bool, has_liger: bool,
+                 has_flashinfer: bool = False) -> tuple:
     """(paths to run, {path: one-line reason} for every requested path not run)."""
     skipped = {}
     for p in requested:
         if p == "h" and not has_liger:
             skipped[p] = LIGER_MISSING
+        elif p in "jk" and has_gpu and not has_flashinfer:
+            skipped[p] = FLASHINFER_MISSING
         elif p in GPU_ONLY_PATHS and not has_gpu:
             skipped[p] = GPU_ONLY_PATHS[p]
     return [p for p in requested if p not in skipped], skipped
@@ -573,9 +608,10 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help="T values (default 1 2 4 .. 16384 on a GPU, 1 .. 256 on CPU)")
-    p.add_argument("--paths", default="abcdefghi",
-                   help="which paths to run, as letters (default abcdefghi; g and h on a GPU "
-                        "only, h only where liger-kernel is installed)")
+    p.add_argument("--paths", default="abcdefghijk",
+                   help="which paths to run, as letters (default abcdefghijk; g, h, j, k on a "
+                        "GPU only, h only where liger-kernel is installed, j and k where "
+                        "flashinfer's norm imports)")
     p.add_argument("--reps", type=int, default=100, help="eager repetitions per point")
     add_graph_timing_arguments(
         p, replays=30, one_set_note="one set",
@@ -687,7 +723,9 @@ def main(argv=None) -> int:
         return rerun_with_pdl(argv, args.pdl)
     has_gpu = torch.cuda.is_available()
     has_liger = "h" in args.paths and liger_fused_add_rmsnorm() is not None
-    args.paths, skipped = select_paths(args.requested_paths, has_gpu, has_liger)
+    has_flashinfer = has_gpu and bool(set("jk") & set(args.paths)) \
+        and flashinfer_fused_add_rmsnorm() is not None
+    args.paths, skipped = select_paths(args.requested_paths, has_gpu, has_liger, has_flashinfer)
     info = device_identity()
     print(f"device: {info['device']}  torch {info['torch']}  triton {info['triton']}"
           + (f"  driver {info.get('driver')}" if has_gpu else ""))

@@ -23,6 +23,8 @@ PATHS = {
     "g": "torch.compile add+RMSNorm",
     "h": "Liger fused add+RMSNorm",
     "i": "e, norm of fp32 sum (SGLang drop-in)",
+    "j": "FlashInfer add+RMSNorm + copy_",
+    "k": "FlashInfer add+RMSNorm (no capture)",
 }
 
 # What each path's figure tells the reader (the legend's last column).
@@ -36,6 +38,8 @@ PATH_MEASURES = {
     "g": "Inductor's kernel for d: the one to beat",
     "h": "Liger-Kernel's kernel for d",
     "i": "e, normalising the fp32 sum (SGLang drop-in's kernel)",
+    "j": "SGLang >= 0.5.18's capture on CUDA as it runs",
+    "k": "SGLang's norm on CUDA (FlashInfer), no capture",
 }
 
 WIDTH = 100  # every printed line fits this many columns (tests/test_benchmark_cli.py)
@@ -52,8 +56,11 @@ PDL_PATHS = "bcdefi"  # launch our kernel through the eager entry points
 GPU_ONLY_PATHS = {
     "g": "GPU only (on CPU it would time Inductor's C++ code)",
     "h": "GPU only (Liger-Kernel's kernels are Triton GPU kernels)",
+    "j": "GPU only (FlashInfer's norm is a CUDA kernel)",
+    "k": "GPU only (FlashInfer's norm is a CUDA kernel)",
 }
 LIGER_MISSING = "liger-kernel is not installed (pip install liger-kernel)"
+FLASHINFER_MISSING = "flashinfer's norm does not import here (flashinfer-python, its JIT)"
 
 
 def legend_lines(paths: list, skipped: dict) -> list:
@@ -142,6 +149,8 @@ def format_gpu_table(result: dict, args) -> list:
               "one-row fill_",
               f"(the launch's fixed cost). x floor: cost / floor, where the floor >= "
               f"{FLOOR_MIN_US:g} us.",
+              "j-k: SGLang's capture over its own FlashInfer norm; f-k: the drop-in's norm -> "
+              "slot over it.",
               ""]
     keys = [str(row["T"]) for row in rows]
     columns = [(p, [f"{row['paths'][p]['graph_us']:.1f} "
@@ -156,6 +165,13 @@ def format_gpu_table(result: dict, args) -> list:
                            if row["write_floor"]["net_us"] >= FLOOR_MIN_US else "-"
                            for p in "bef"] for row in rows])
     columns.append(("x floor b / e / f", [" / ".join(r) for r in ratios]))
+    if any("j" in row.get("capture_cost_us", {}) for row in rows):
+        # Against what SGLang runs on CUDA: its capture's cost over its own norm (j - k),
+        # and ours in place of both (f - k: the drop-in's norm and capture vs SGLang's norm).
+        vs = align_parts([[f"{row['capture_cost_us'][p]:+.1f}"
+                           if p in row.get("capture_cost_us", {}) else "-" for p in ("j", "f_k")]
+                          for row in rows])
+        columns.append(("j-k / f-k us", [" / ".join(c) for c in vs]))
     lines += pack_columns("T", keys, columns)
     if paths:
         lines += ["", "Eager (CUDA events, launch overhead included), us per step:"]

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device-tool call: SGLang 0.5.23's REAL DeepseekV2 model code on the GPU
+# One device-tool call: SGLang 0.5.23's REAL model code on the GPU (DeepseekV2 by
+# default; --family llama | qwen3_moe | ... another family's, gpu_scenarios.py)
 # with the fused EAGLE-3 capture, FlashInfer's real fused_add_rmsnorm as SGLang's
 # own norm kernel (tests/sglang_real/gpu_scenarios.py). Needs .gpu_bundle/ (built
 # here by scripts/make_gpu_bundle.sh, carried to the GPU machine).
@@ -12,6 +13,10 @@
 # the run is repeated once with SGLANG_IS_FLASHINFER_AVAILABLE=false (SGLang's
 # module-level FlashInfer imports off; the norms still go to FlashInfer) and its
 # status is returned, its files suffixed _fi_off.
+#
+# GPU_SCENARIOS=0 skips the scenarios; BENCH_HIDDEN="H ..." then runs
+# benchmarks/capture_latency.py at each hidden size in the same environment (paths
+# BENCH_PATHS, default bdfijk, at BENCH_TOKENS), FlashInfer's norm among its peers.
 #
 # Environment: PY (default python3), SITE (default /tmp/site: the wheels, the
 # transformers tree and the trimmed FlashInfer), EC_SGLANG_DIR (default /tmp/sgl: the
@@ -148,14 +153,29 @@ run() {  # run SUFFIX [args]: one gpu_scenarios.py run; returns its status
     return "${PIPESTATUS[0]}"
 }
 
-run "" "$@"
-rc=$?
-if [ "$rc" = 3 ] && [ -z "${SGLANG_IS_FLASHINFER_AVAILABLE:-}" ]; then
-    say "set-up failed (status 3): again with SGLANG_IS_FLASHINFER_AVAILABLE=false"
-    export SGLANG_IS_FLASHINFER_AVAILABLE=false
-    run "_fi_off" "$@"
+rc=0
+if [ "${GPU_SCENARIOS:-1}" != 0 ]; then
+    run "" "$@"
     rc=$?
+    if [ "$rc" = 3 ] && [ -z "${SGLANG_IS_FLASHINFER_AVAILABLE:-}" ]; then
+        say "set-up failed (status 3): again with SGLANG_IS_FLASHINFER_AVAILABLE=false"
+        export SGLANG_IS_FLASHINFER_AVAILABLE=false
+        run "_fi_off" "$@"
+        rc=$?
+    fi
 fi
+
+# BENCH_HIDDEN="2880 4096 ...": the capture benchmark at each hidden size, in this
+# environment (FlashInfer's norm importable: paths j and k, SGLang's own kernel on CUDA).
+for H in ${BENCH_HIDDEN:-}; do
+    say "capture_latency.py --hidden-size $H (log $OUT/bench_H$H.log)"
+    # shellcheck disable=SC2086 # BENCH_TOKENS is a list of T values
+    timeout "${BENCH_TIMEOUT_S:-240}" "$PY" benchmarks/capture_latency.py --hidden-size "$H" \
+        --paths "${BENCH_PATHS:-bdfijk}" --tokens ${BENCH_TOKENS:-1 16 64 256 1024 4096} \
+        --no-plot --out "$OUT/bench" 2>&1 | tee "$OUT/bench_H$H.log"
+    brc=${PIPESTATUS[0]}
+    if [ "$brc" != 0 ]; then say "FAIL: the benchmark at H = $H: status $brc"; rc=1; fi
+done
 if [ "$JIT_FAILED" = 1 ]; then
     say "FAIL: FlashInfer's JIT build failed ($OUT/flashinfer_jit.log); SGLang's norm kernel was $([ "$NORM_IMPL" = torch ] && echo "a torch stand-in" || echo "the bundle's prebuilt FlashInfer module")"
     if [ "$rc" = 0 ]; then rc=1; fi

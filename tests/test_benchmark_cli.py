@@ -72,6 +72,11 @@ def synthetic_gpu_result(paths="abcdefghi", tokens=tuple(2**i for i in range(15)
             if "f" in row["capture_cost_us"] and t % 2 == 0:
                 row["capture_cost_us"]["f"] = -0.3 * scale
             row["capture_cost_x_floor"] = {p: c / floor for p, c in row["capture_cost_us"].items()}
+        if "k" in row["paths"]:
+            k = row["paths"]["k"]["graph_us"]
+            row.setdefault("capture_cost_us", {}).update(
+                {key: row["paths"][p]["graph_us"] - k for key, p in (("j", "j"), ("f_k", "f"))
+                 if p in row["paths"]})
         rows.append(row)
     host = {"torch.add(out=)": 9.0, "add_capture (public, eager fast path)": 15.9,
             "add_capture (torch.ops, dispatcher)": 136.2,
@@ -91,7 +96,7 @@ def test_unknown_paths_exit_2(paths, bad, capsys, tmp_path):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"unknown path letter(s) {bad}" in err
-    assert "valid letters: abcdefghi" in err
+    assert "valid letters: abcdefghijk" in err
     assert not list(tmp_path.iterdir()), "nothing may run or be written"
 
 
@@ -99,7 +104,7 @@ def test_empty_paths_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         cl.parse_args(["--paths", ""])
     assert exc.value.code == 2
-    assert "valid letters: abcdefghi" in capsys.readouterr().err
+    assert "valid letters: abcdefghijk" in capsys.readouterr().err
 
 
 def test_steps_per_graph_must_be_positive(capsys):
@@ -128,6 +133,13 @@ def test_select_paths_gives_every_skip_a_reason():
     run, skipped = cl.select_paths(list("gh"), has_gpu=True, has_liger=False)
     assert run == ["g"] and "not installed" in skipped["h"]
     assert cl.select_paths(list("gh"), has_gpu=True, has_liger=True) == (["g", "h"], {})
+    # FlashInfer's norm (j, k): GPU only, and only where it imports.
+    run, skipped = cl.select_paths(list("dfjk"), has_gpu=False, has_liger=False)
+    assert run == ["d", "f"] and "GPU only" in skipped["j"] and "GPU only" in skipped["k"]
+    run, skipped = cl.select_paths(list("dfjk"), has_gpu=True, has_liger=False)
+    assert run == ["d", "f"] and "flashinfer" in skipped["j"]
+    assert cl.select_paths(list("jk"), has_gpu=True, has_liger=False,
+                           has_flashinfer=True) == (["j", "k"], {})
 
 
 # ---------------------------------------------------------------- CPU run
@@ -165,10 +177,10 @@ def test_cpu_run_report(capsys, tmp_path, monkeypatch):
     # JSON: the old keys kept, the new ones added
     result = json.loads((tmp_path / "capture_latency_cpu_H64.json").read_text())
     assert {"rows", "config", "device", "date", "command", "skipped"} <= set(result)
-    assert set(result["skipped"]) == {"g", "h"}
+    assert set(result["skipped"]) == {"g", "h", "j", "k"}
     assert result["pdl"]["state"] == "n/a" and result["config"]["pdl"] == "env"
     assert result["config"]["paths"] == list("abcdefi")
-    assert result["config"]["requested_paths"] == list("abcdefghi")
+    assert result["config"]["requested_paths"] == list("abcdefghijk")
     for row in result["rows"]:
         assert set(row) == {"T", "paths"} and set(row["paths"]) == set("abcdefi")
         for d in row["paths"].values():
@@ -208,9 +220,10 @@ def test_report_shows_a_cost_per_floor_only_above_the_floor_minimum():
     """The capture cost as a multiple of the write floor is printed only where
     the floor is at least FLOOR_MIN_US (below, graph jitter dominates it);
     negative costs (f beating d) print with their sign."""
-    result = synthetic_gpu_result("abcdefghi", scale=100.0, pdl_state="off")
+    result = synthetic_gpu_result("abcdefghijk", scale=100.0, pdl_state="off")
     result["skipped"] = {}
-    lines = report.format_gpu_table(result, gpu_args("abcdefghi"))
+    lines = report.format_gpu_table(result, gpu_args("abcdefghijk"))
+    assert any("j-k / f-k us" in line for line in lines)   # against FlashInfer's norm
     assert_fits(lines)
     assert next(line for line in lines if line.startswith("PDL: ")).startswith("PDL: off (")
     for row in result["rows"]:
@@ -218,8 +231,9 @@ def test_report_shows_a_cost_per_floor_only_above_the_floor_minimum():
         floor = row["write_floor"]["net_us"]
         for p, cost in row["capture_cost_us"].items():
             assert any(f"{cost:+.1f}" in line for line in t_lines)
-            ratio = f"{row['capture_cost_x_floor'][p]:.2f}"
-            assert any(ratio in line for line in t_lines) == (floor >= report.FLOOR_MIN_US)
+            if p in row["capture_cost_x_floor"]:
+                ratio = f"{row['capture_cost_x_floor'][p]:.2f}"
+                assert any(ratio in line for line in t_lines) == (floor >= report.FLOOR_MIN_US)
 
 
 def test_pdl_comparison_table():

@@ -33,7 +33,7 @@ SCENARIOS = ["same_as_sglang_fp32", "same_as_sglang_bf16", "same_as_sglang_bf16_
              "piecewise_compiled", "layer_id_rules", "model_id_rules", "draft_config_reading",
              "graph_order", "drop_in_checks", "refusals", "eagle3_draft_step",
              # the SGLang plugin through each wheel's own load_plugins() and configure step
-             "plugin_deepseek_v3", "plugin_kimi_k25", "plugin_off_and_broken",
+             "plugin_deepseek_v3", "plugin_kimi_k25", "plugin_families", "plugin_off_and_broken",
              "plugin_refuses_wrong_ids", "plugin_self_check", "plugin_overflow",
              "plugin_server_args", "plugin_checks_every_target"]
 

@@ -70,6 +70,24 @@ def tiny_config(family: str, num_layers: int, hidden_size: int, vocab_size: int 
     return cls(**common, **extra)
 
 
+def _without_cute_dsl_dual_gemm() -> None:
+    """0.5.23's Llama MLP picks its decode dual-GEMM mode at construction on CUDA by
+    importing the CuTe-DSL kernel module (nvidia-cutlass-dsl, cuda-python), which the
+    GPU machine lacks. That kernel runs on SM100 only (its own can_use_dual_gemm), and
+    the MLP is stood in here: without the DSL the mode is None, as on a GPU it does
+    not run on. Nothing changes where the DSL is installed."""
+    import importlib.util
+    if importlib.util.find_spec("cutlass") is not None:
+        return
+    try:
+        from sglang.srt.layers import dual_gemm
+    except ImportError:   # lines before 0.5.23
+        return
+    for obj in vars(dual_gemm).values():
+        if isinstance(obj, type) and "_select_mode" in vars(obj):
+            obj._select_mode = lambda self, *args, **kwargs: None
+
+
 def build(family: str, dtype=None, capture_ids=(1, 3, 5), seed: int = 3, num_layers: int = 7,
           hidden_size: int = 64, set_capture: bool = True, standin: str | None = None):
     import importlib
@@ -88,6 +106,7 @@ def build(family: str, dtype=None, capture_ids=(1, 3, 5), seed: int = 3, num_lay
         from tests.sglang_real import stubs
         stubs.install(GPU_ONLY_IMPORTS[family])
     cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), entry)
+    _without_cute_dsl_dual_gemm()
     StandIn, RowParallelStandIn = harness._define_modules()
     torch.manual_seed(seed)
     with set_default_torch_dtype(dtype), torch.device("cpu"):

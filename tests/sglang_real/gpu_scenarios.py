@@ -1,6 +1,8 @@
 """SGLang 0.5.23's REAL DeepseekV3ForCausalLM on a GPU, with FlashInfer's real
 ``fused_add_rmsnorm`` as SGLang's own norm kernel, against the fused EAGLE-3
-capture installed by the plugin.
+capture installed by the plugin. ``--family llama | qwen3_moe | ...`` builds that
+family's own SGLang class instead (``family_models.py``: the same stand-ins, the
+same scenarios).
 
 Run on the GPU machine through ``scripts/gpu_sglang_real.sh`` (which unpacks
 ``.gpu_bundle/`` and sets the path), or by hand::
@@ -101,6 +103,12 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 ARCH = "DeepseekV3ForCausalLM"
+DEEPSEEK = "deepseek_v3"
+# The other families (tests/sglang_real/family_models.py; names only: no import of
+# SGLang before the harness's set-up) and their feed-forward attribute where not mlp.
+FAMILY_NAMES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe",
+                "minimax_m2")
+FFN_ATTR = {"minimax_m2": "block_sparse_moe"}
 DRAFT_IDS = [1, 3, 5]            # SpecForge ids -> SGLang layers [2, 4, 6]
 CAPTURED_LAYERS = [2, 4, 6]
 EAGER_CASES = ((1024, "extend"), (64, "decode"), (5, "extend"), (1, "decode"),
@@ -510,9 +518,15 @@ def _sglang_is_cuda():
 
 def build(ctx, set_capture=False):
     t = time.time()
-    model = ctx.harness.build_model(num_layers=ctx.args.layers, hidden_size=ctx.args.hidden,
-                                    dtype=ctx.dtype, capture_ids=DRAFT_IDS, seed=ctx.args.seed,
-                                    arch=ARCH, set_capture=set_capture)
+    if ctx.args.family == DEEPSEEK:
+        model = ctx.harness.build_model(num_layers=ctx.args.layers, hidden_size=ctx.args.hidden,
+                                        dtype=ctx.dtype, capture_ids=DRAFT_IDS,
+                                        seed=ctx.args.seed, arch=ARCH, set_capture=set_capture)
+    else:   # another family's own SGLang class (family_models.py)
+        from tests.sglang_real import family_models
+        model = family_models.build(ctx.args.family, dtype=ctx.dtype, capture_ids=DRAFT_IDS,
+                                    seed=ctx.args.seed, num_layers=ctx.args.layers,
+                                    hidden_size=ctx.args.hidden, set_capture=set_capture)
     model.to(ctx.device)
     sync(ctx.device)
     ctx.build_s = getattr(ctx, "build_s", []) + [round(time.time() - t, 2)]
@@ -923,9 +937,10 @@ def scenario_timing(ctx, res: Results):
             continue
         if standin == "elementwise":
             for model in (ctx.ref, ctx.ours):
+                ffn = FFN_ATTR.get(ctx.args.family, "mlp")
                 for layer in h.text_lm(model).model.layers:
                     layer.self_attn = LightStandIn.make(layer.self_attn)
-                    layer.mlp = LightStandIn.make(layer.mlp)
+                    setattr(layer, ffn, LightStandIn.make(getattr(layer, ffn)))
         rows = []
         # The elementwise stand-ins leave the norms and the capture dominant: also
         # T = 4096 there, when the buffer has the rows (--max-tokens 4096).
@@ -953,14 +968,17 @@ def _time_row(ctx, standin, T):
     h = ctx.harness
     pool = torch.cuda.graph_pool_handle()
     lm_ref = h.text_lm(ctx.ref)
-    # no capture: the reference model with SGLang's capture switched off
-    # while its graph is captured (Python decides at capture time).
-    saved = (list(lm_ref.model.layers_to_capture), lm_ref.capture_aux_hidden_states)
-    lm_ref.model.layers_to_capture, lm_ref.capture_aux_hidden_states = [], False
+    # no capture: the reference model with SGLang's capture switched off (by its
+    # family's adapter: Qwen-MoE's per-layer marks too) while its graph is
+    # captured (Python decides at capture time).
+    from eagle_capture.integrations.sglang.families import family_of
+    family = family_of(ctx.ref)
+    saved = family.engine_layers(lm_ref)
+    family.engine_capture_off(lm_ref)
     try:
         g_none, _ = capture_graph(ctx, ctx.ref, _graph_batch(ctx, ctx.ref, T, 1), pool)
     finally:
-        lm_ref.model.layers_to_capture, lm_ref.capture_aux_hidden_states = saved
+        family.engine_capture_on(lm_ref, saved)
     g_ref, _ = capture_graph(ctx, ctx.ref, _graph_batch(ctx, ctx.ref, T, 1), pool)
     g_ours, _ = capture_graph(ctx, ctx.ours, _graph_batch(ctx, ctx.ours, T, 1), pool)
     # path e: the drop-in with the residual updated in place and copied into the
@@ -1004,6 +1022,8 @@ def parse_args(argv=None):
     ap.add_argument("--norm-impl", default=None, choices=("flashinfer", "torch"),
                     help="what SGLang's sgl_kernel norms are routed to (default: flashinfer "
                          "on cuda, torch on cpu)")
+    ap.add_argument("--family", default=DEEPSEEK, choices=(DEEPSEEK,) + tuple(FAMILY_NAMES),
+                    help="the SGLang model family to build (default: DeepSeek-V3)")
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--layers", type=int, default=7)
     ap.add_argument("--dtype", default="bfloat16")
@@ -1041,7 +1061,8 @@ def main(argv=None) -> int:
     res.data["args"] = {k: (sorted(v) if isinstance(v, set) else v)
                         for k, v in vars(args).items()}
     t0 = time.time()
-    print(f"gpu_scenarios: SGLang's real DeepseekV3ForCausalLM, H={args.hidden}, "
+    print(f"gpu_scenarios: SGLang's real {ARCH if args.family == DEEPSEEK else args.family} "
+          f"model, H={args.hidden}, "
           f"{args.layers} layers, {args.dtype}, device {args.device}"
           f"{' (fake CUDA for SGLang)' if args.fake_cuda and args.device == 'cpu' else ''}",
           flush=True)

@@ -495,8 +495,9 @@ def plugin_checks_every_target():
     """The plugin's start-up id check on Llama, Qwen3-MoE and GPT-OSS targets (the
     wheel's own set_eagle3_layers_to_capture and configure step): the layers SGLang
     set against the draft's trainer convention, read from its config.json. Right:
-    served by SGLang's own capture (nothing installed); wrong under every reading:
-    refused with the ids to write; ambiguous: a warning."""
+    served by SGLang's own capture (the shell is not the model's loop: no adapter
+    applies; plugin_families installs on the real classes); wrong under every
+    reading: refused with the ids to write; ambiguous: a warning."""
     skip = _skip_without_plugins()
     if skip:
         return skip
@@ -561,8 +562,39 @@ def plugin_checks_every_target():
     return out
 
 
+def plugin_installs_families():
+    """Every family adapter through the plugin, on the wheel's own model of each
+    family (family_models: Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, GPT-OSS,
+    GLM-4 MoE, MiniMax-M2): discovered by load_plugins(), hooked on the configure
+    step, "fused EAGLE-3 capture ON ... <family> family" logged, and what the draft
+    receives equal to SGLang's own capture on the fused kernel."""
+    skip = _skip_without_plugins()
+    if skip:
+        return skip
+    from tests.sglang_real import family_models
+    out = {}
+    for family in family_models.FAMILIES:
+        ref = family_models.build(family, set_capture=False)
+        ours = family_models.build(family, set_capture=False)
+        with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
+                            EAGLE_CAPTURE_MAX_TOKENS="16") as log:
+            configure(ours, DRAFT_IDS)
+        configure(ref, DRAFT_IDS)      # unhooked: SGLang's own capture
+        state = ours._eagle_capture
+        text = log.text(logging.INFO)
+        on = [m for _, m in log.lines if "fused EAGLE-3 capture ON" in m]
+        assert len(on) == 1 and f"{state.family.name} family" in on[0] \
+            and "[16, 3, 64]" in on[0], (family, text)
+        assert ours.model.layers_to_capture == [] and not ours.capture_aux_hidden_states
+        _same_as_sglang(ours, ref)
+        assert state.fused_calls == 4 * 3, f"{family}: {state.fused_calls} fused captures"
+        out[family] = on[0]
+    return out
+
+
 SCENARIOS = {
     "plugin_deepseek_v3": lambda: plugin_installs("DeepseekV3ForCausalLM"),
+    "plugin_families": plugin_installs_families,
     "plugin_kimi_k25": lambda: plugin_installs("KimiK25ForConditionalGeneration"),
     "plugin_off_and_broken": plugin_off_and_broken,
     "plugin_refuses_wrong_ids": plugin_refuses_wrong_ids,

@@ -142,6 +142,9 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     layer ids would feed the draft wrongly and ``EAGLE_CAPTURE_ON_PROBLEM`` is
     ``refuse``."""
     from eagle_capture.integrations.sglang import dropin, server_modes
+    # The targets the fused capture installs on: one family adapter each (families/).
+    # Every other EAGLE-3 target gets the start-up id check and keeps SGLang's own capture.
+    from eagle_capture.integrations.sglang.families import FUSED_ARCHITECTURES, family_of
     from eagle_capture.integrations.sglang.sizing import describe, read_limits, size_buffer_for
 
     if not eagle3 or model is None:
@@ -154,8 +157,14 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
         return None
     causal_lm, num_layers, hidden = site
     path = "" if causal_lm is model else ".language_model"
-    deepseek = type(model).__name__ in FUSED_ARCHITECTURES
-    if deepseek and dropin.reapply_after_reconfigure(model):
+    family = family_of(model, required=False)
+    if family is not None:
+        try:
+            family.text_model_of(model)
+        except TypeError as e:   # a class of a known name that is not the loop we read
+            logger.warning("eagle_capture: %s", e)
+            family = None
+    if family is not None and dropin.reapply_after_reconfigure(model):
         logger.info("eagle_capture: layers to capture set again by SGLang; the fused capture "
                     "stays on")
         return causal_lm._eagle_capture.buffer
@@ -169,15 +178,17 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     layers = list(causal_lm.model.layers_to_capture)
 
     problems = []
-    if deepseek:
+    if family is not None:
+        end = getattr(causal_lm.model, "end_layer", num_layers)
         try:
-            dropin.check_capture_layers(layers, getattr(causal_lm.model, "start_layer", 0),
-                                        getattr(causal_lm.model, "end_layer", num_layers),
-                                        allow_embedding=False)
+            dropin.check_capture_layers(
+                layers, getattr(causal_lm.model, "start_layer", 0), end, allow_embedding=False,
+                final_boundary=family.captures_final_boundary(dropin.sglang_version())
+                and end == len(causal_lm.model.layers))
         except dropin.WrongCaptureLayers as e:
             problems.append(str(e).replace("eagle_capture: ", "", 1))
     draft_config = read_draft_config(args)
-    if deepseek:
+    if family is not None:
         problems += draft_config_problems(draft_config, layers, hidden)
     if not problems:   # (a structural problem above already says what is wrong)
         problems += id_problems(layers, num_layers, draft_config, draft_ids,
@@ -192,9 +203,9 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     for problem in problems:
         logger.error("eagle_capture: PROBLEM (%s=install: serving anyway): %s",
                      ON_PROBLEM, problem)
-    if not deepseek:
-        logger.info("eagle_capture: %s: layer ids checked; the fused capture is built for "
-                    "SGLang's DeepseekV2 loop (%s) only, SGLang's own capture serves this model",
+    if family is None:
+        logger.info("eagle_capture: %s: layer ids checked; no family adapter has been read "
+                    "against its loop (fused: %s), SGLang's own capture serves this model",
                     type(model).__name__, ", ".join(FUSED_ARCHITECTURES))
         return None
 
@@ -233,9 +244,10 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
         state.copy_out = True
     nbytes = buffer.aux.numel() * buffer.aux.element_size()
     logger.info(
-        "eagle_capture: fused EAGLE-3 capture ON (SGLang %s, %s%s, TP rank %s; %s): layers %s -> "
+        "eagle_capture: fused EAGLE-3 capture ON (SGLang %s, %s%s, %s family, TP rank %s; %s): "
+        "layers %s -> "
         "slots 0..%d, buffer [%d, %d, %d] %s = %.1f MiB on %s (%s); %s%s",
-        version, type(model).__name__, path, _tp_rank(), _deployment(args, sizing),
+        version, type(model).__name__, path, family.name, _tp_rank(), _deployment(args, sizing),
         list(buffer.layer_ids),
         buffer.num_captures - 1, buffer.max_tokens, buffer.num_captures, buffer.hidden_size,
         str(buffer.aux.dtype).replace("torch.", ""), nbytes / 2**20, buffer.aux.device,
@@ -245,10 +257,6 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     return buffer
 
 
-# The targets the fused capture installs on: SGLang's DeepseekV2 loop. Every other
-# EAGLE-3 target gets the start-up id check and keeps SGLang's own capture.
-FUSED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                       "KimiK25ForConditionalGeneration")
 
 
 def capture_site(model):

@@ -54,7 +54,8 @@ class Family:
             inner = getattr(model, attr, None)
             if _looks_like_causal_lm(inner):
                 return inner, f".{attr}"
-        found = [n for n, child in model.named_children() if _looks_like_causal_lm(child)]
+        found = ([n for n, child in model.named_children() if _looks_like_causal_lm(child)]
+                 if isinstance(model, torch.nn.Module) else [])
         known = ", ".join(["the model itself"] + [f".{a}" for a in self.wrappers])
         if found:
             raise TypeError(f"eagle_capture: {type(model).__name__} holds a {self.name} text model "

@@ -4,7 +4,8 @@ The core -- the ops (:mod:`eagle_capture.ops`, over the Triton kernels in
 ``kernels/``) and the aux buffer -- is what every other part builds on:
 
 * ``parallel/``: tensor-parallel capture and the all-reduce fused with it;
-* ``integrations/sglang/``: the drop-in for SGLang's DeepseekV2 loop, its plugin;
+* ``integrations/sglang/``: the drop-in for SGLang's model loops (one adapter per
+  family), its plugin; ``integrations/vllm/``: vLLM's DeepseekV2 classes, its plugin;
 * ``layer_ids/``: which layers a draft gets, per SGLang release (the doctor);
 * ``testing/``: references, the reference loop, benchmark timers -- never
   imported by the product.

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VERSIONS = ["0.5.9", "0.5.13", "0.5.18", "0.5.20", "0.5.22", "0.5.23"]
 SCENARIOS = ["tp2_setup", "tp2_equals_tp1", "plugin_tp2", "verify_tp2",
              "planted_divergence_tp2", "verify_switch_back_tp2", "plugin_kimi_k25_tp2",
+             "plugin_llama_tp2", "plugin_qwen3_moe_tp2",
              "tp2_fusion", "tp2_fused_allreduce", "tp2_fusion_declines",
              "verify_fused_allreduce_tp2"]
 WORLD = 2

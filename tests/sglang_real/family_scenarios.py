@@ -129,16 +129,18 @@ def final_boundary():
     and captures the final norm's input; ours takes it from the final norm (path
     e there, path f off). 0.5.13 captures nothing there: refused at install."""
     from eagle_capture.integrations.sglang.dropin import WrongCaptureLayers, sglang_version
-    ids = (1, 3, NUM_LAYERS)
     if sglang_version() < (0, 5, 18):
-        model = _build("gpt_oss", capture_ids=ids)
+        # Ids the line shifts onto the boundary (+1: layer N): its loop never captures
+        # there, so the draft would get K - 1 states; refused.
+        model = _build("gpt_oss", capture_ids=(1, 3, NUM_LAYERS - 1))
+        assert sorted(model.model.layers_to_capture) == [2, 4, NUM_LAYERS]
         try:
             _install(model)
         except WrongCaptureLayers as e:
-            assert f"layers [{NUM_LAYERS + 1}]" in str(e) or "this rank runs layers" in str(e), e
+            assert f"layers [{NUM_LAYERS}] are captured but this rank runs layers" in str(e), e
             return {"refused": str(e)[:200]}
-        raise AssertionError("ids past the last layer installed on a line without the boundary")
-    result = same_as_sglang("gpt_oss", capture_ids=ids)
+        raise AssertionError("the final boundary installed on a line whose loop has none")
+    result = same_as_sglang("gpt_oss", capture_ids=(1, 3, NUM_LAYERS))
     assert result["layers"] == [1, 3, NUM_LAYERS], result["layers"]
     assert not result["path_f"]
     return result

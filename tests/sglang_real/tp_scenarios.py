@@ -82,6 +82,8 @@ DRAFT_IDS = [1, 3, 5]           # SpecForge ids -> SGLang layers [2, 4, 6]
 SEED = 3
 # (T, mode): extend and decode batches of several sizes; the batch seed is T.
 CASES = ((5, "extend"), (1, "decode"), (3, "decode"), (11, "extend"), (16, "extend"))
+# The other families run at TP 2 here: one dense, one MoE (family_models.py's names).
+FAMILY_ARCHS = {"LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}
 REL_TOL = 1e-5                  # TP 2 vs TP 1: fp32 rounding of the split contraction
 REF_WAIT_S = 150.0
 
@@ -89,6 +91,12 @@ _ARGS: argparse.Namespace | None = None
 
 
 def _build(arch="DeepseekV3ForCausalLM", set_capture=True):
+    if arch in FAMILY_ARCHS:   # another family's own SGLang class (family_models.py)
+        from tests.sglang_real import family_models
+        return family_models.build(FAMILY_ARCHS[arch], dtype=torch.float32,
+                                   capture_ids=DRAFT_IDS, seed=SEED, num_layers=NUM_LAYERS,
+                                   hidden_size=HIDDEN, set_capture=set_capture,
+                                   standin="row_parallel")
     return harness.build_model(num_layers=NUM_LAYERS, hidden_size=HIDDEN, dtype=torch.float32,
                                capture_ids=DRAFT_IDS, seed=SEED, arch=arch,
                                set_capture=set_capture, standin="row_parallel")
@@ -687,6 +695,17 @@ def plugin_kimi_k25_tp2():
     return _plugin_equals_sglang("KimiK25ForConditionalGeneration")
 
 
+def plugin_llama_tp2():
+    """(f) The plugin on SGLang's own LlamaForCausalLM at TP 2 (row-parallel stand-ins
+    reduced by SGLang's own code): captures equal SGLang's own TP 2 captures."""
+    return _plugin_equals_sglang("LlamaForCausalLM")
+
+
+def plugin_qwen3_moe_tp2():
+    """(g) The same on SGLang's own Qwen3MoeForCausalLM (its per-layer capture marks)."""
+    return _plugin_equals_sglang("Qwen3MoeForCausalLM")
+
+
 def verify_tp2():
     """(c) EAGLE_CAPTURE_VERIFY=2 at TP 2: the self-check's group is SGLang's
     TP group (gloo cpu_group, 2 ranks) and each verified forward logs that the
@@ -832,6 +851,8 @@ WORLD2 = {
     "planted_divergence_tp2": planted_divergence_tp2,
     "verify_switch_back_tp2": verify_switch_back_tp2,
     "plugin_kimi_k25_tp2": plugin_kimi_k25_tp2,
+    "plugin_llama_tp2": plugin_llama_tp2,
+    "plugin_qwen3_moe_tp2": plugin_qwen3_moe_tp2,
     "tp2_equals_tp1": tp2_equals_tp1,      # late: the TP 1 process has had time to write
     "tp2_fusion": tp2_fusion,
     "tp2_fused_allreduce": tp2_fused_allreduce,

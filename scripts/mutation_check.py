@@ -500,7 +500,7 @@ MUTANTS = [
      "        elif False:\n            surface,",
      ["tests/test_sglang_real.py::test_family_capture[0.5.13-llama_fp32_f]"]),
     ("SGLang's fused FP8 input quant replaced by our plain norm", "eagle_capture/integrations/sglang/norms.py",
-     "            return static_scale(quant_linear) is not None", "            return False",
+     "    return module._fp8_static_input_scale(quant_linear) is not None", "    return False",
      ["tests/test_sglang_real.py::test_family_capture[0.5.23-fp8_input_quant]"]),
     ("GLM-4 MoE: aiter's fused norm + quant not refused", "eagle_capture/integrations/sglang/families/glm4_moe.py",
      "        if fused:", "        if False:",

@@ -21,7 +21,7 @@ import traceback
 import torch
 
 from tests.sglang_real import family_models, harness
-from tests.sglang_real.scenarios import _fused_ops_compile_mode, _piecewise_context, _run
+from tests.sglang_real.scenarios import _run, compiled_same_as_sglang
 
 NUM_LAYERS = 7
 CAPTURE_IDS = (1, 3, 5)   # SpecForge ids: SGLang captures layers 2, 4, 6 in every family here
@@ -85,43 +85,10 @@ def same_as_sglang(family: str, dtype_name: str = "float32", path: str = "f",
 def compiled(family: str):
     """The layer loop traced by dynamo (fullgraph) through SGLang's own
     ``install_torch_compiled`` trampoline, as its piecewise CUDA graphs run it:
-    ours vs SGLang's own, both compiled."""
-    from sglang.srt.compilation.compile import install_torch_compiled
-
+    ours vs SGLang's own, both compiled (scenarios.compiled_same_as_sglang)."""
     ref, ours = _build(family), _build(family)
     _install(ours)
-    graphs = {"ref": [], "ours": []}
-    for name, model in (("ref", ref), ("ours", ours)):
-        def backend(gm, example_inputs, _graphs=graphs[name]):
-            _graphs.append(gm.code)
-            return gm
-        install_torch_compiled(model.model, dynamic_arg_dims={"input_ids": 0},
-                               backend_factory=backend, fullgraph=True)
-    _run(ref, 2)
-    _run(ours, 2)
-    torch._dynamo.reset()
-    state = ours._eagle_capture
-    eager = state.fused_calls
-    out = {}
-    for num_tokens in (5, 8):
-        with _piecewise_context(), _fused_ops_compile_mode(ref, ours):
-            try:
-                final_ref, aux_ref = _run(ref, num_tokens, seed=num_tokens)
-            except torch._dynamo.exc.Unsupported as e:
-                return {"skip": f"SGLang {harness.sglang_version()}'s own {family} loop does not "
-                                f"trace under dynamo with torch {torch.__version__}: "
-                                f"{str(e).splitlines()[0]}"}
-            final, aux = _run(ours, num_tokens, seed=num_tokens)
-        assert torch.equal(aux, aux_ref), "compiled loop: aux differs from SGLang's own"
-        assert torch.equal(final, final_ref), "compiled loop: final hidden differs"
-        out[f"T{num_tokens}"] = "equal"
-    assert graphs["ours"] and len(graphs["ours"]) == len(graphs["ref"]), \
-        f"graphs traced: ours {len(graphs['ours'])}, SGLang {len(graphs['ref'])}"
-    op_calls = [code.count("eagle_capture.add_rmsnorm_capture") for code in graphs["ours"]]
-    assert all(n == len(CAPTURE_IDS) for n in op_calls), f"capture ops per graph: {op_calls}"
-    assert state.fused_calls == eager, "the norms' Python ran: not the compiled loop"
-    out["graphs"], out["capture_ops_per_graph"] = len(graphs["ours"]), op_calls
-    return out
+    return compiled_same_as_sglang(ref, ours, f"{family} loop")
 
 
 def final_boundary():

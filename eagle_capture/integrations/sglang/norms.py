@@ -38,11 +38,21 @@ def _fuses_input_quant(norm: torch.nn.Module, quant_linear) -> bool:
     kernel writes the plain normed output, so SGLang's own code runs there."""
     if quant_linear is None:
         return False
-    for cls in type(norm).__mro__:
-        static_scale = getattr(sys.modules.get(cls.__module__), "_fp8_static_input_scale", None)
-        if static_scale is not None:
-            return static_scale(quant_linear) is not None
-    return True   # a line whose test we cannot read: never drop its quantization
+    module = _module_with_fp8_scale_test(type(norm))
+    if module is None:
+        return True   # a line whose test we cannot read: never drop its quantization
+    return module._fp8_static_input_scale(quant_linear) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _module_with_fp8_scale_test(norm_class: type):
+    """The module (of the norm's class or a base of it) holding SGLang's
+    ``_fp8_static_input_scale``: found once per class, the norm being on the hot path."""
+    for cls in norm_class.__mro__:
+        module = sys.modules.get(cls.__module__)
+        if hasattr(module, "_fp8_static_input_scale"):
+            return module
+    return None
 
 
 class CapturingNormMixin:

@@ -29,8 +29,10 @@ import pytest
 import forkserver
 from engine_env import BASE_ENV, vllm_needs, vllm_overlay, vllm_server
 from engine_jobs import Job
+from tests.vllm_real.family_scenarios import COMPILED, EAGER, IDS, TP2
 
 ROOT = Path(__file__).resolve().parents[1]
+
 VLLM_VERSION = "0.32.0"
 
 pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1",
@@ -77,6 +79,20 @@ def _scenarios(base: Path, jobs):
                      _env(VLLM_CACHE_ROOT=str(out.parent / "cache")), 1800,
                      out.parent / "scenarios.log")
     assert code == 0 and out.exists(), f"scenarios crashed (exit {code}):\n{log[-5000:]}"
+    return json.loads(out.read_text())
+
+
+def _families(base: Path, jobs):
+    """The other families' scenarios (tests/vllm_real/family_scenarios.py), one child."""
+    from tests.vllm_real.family_scenarios import scenario_names
+
+    out = base / "vllm_families" / "scenarios.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    code, log = _run(jobs, "tests.vllm_real.scenarios",
+                     ["--json", str(out), "--only", *scenario_names()],
+                     _env(VLLM_CACHE_ROOT=str(out.parent / "cache")), 1800,
+                     out.parent / "scenarios.log")
+    assert code == 0 and out.exists(), f"family scenarios crashed (exit {code}):\n{log[-5000:]}"
     return json.loads(out.read_text())
 
 
@@ -142,12 +158,16 @@ def _plugin_off(base: Path, jobs):
 
 RUNS = {   # key -> (run, weight, priority: the longest first)
     "vllm scenarios": (_scenarios, 1, -170),
+    "vllm families": (_families, 1, -130),
     "vllm tp2": (_tp2, 2, -60),
     "vllm engine": (_engine, 2, -120),
     "vllm plugin off": (_plugin_off, 1, -50),
     "vllm acceptance off": (_acceptance_off, 1, -110),
 }
 RUN_OF = {"test_tensor_parallel_2_on_gloo": "vllm tp2",
+          "test_family_capture_bit_exact_with_vllm": "vllm families",
+          "test_family_compiled_as_the_op": "vllm families",
+          "test_family_pipeline_rules": "vllm families",
           "test_vllm_engine_with_eagle3_draft": "vllm engine",
           "test_plugin_off_and_filtered": "vllm plugin off",
           "test_acceptance_in_vllms_engine": ("vllm engine", "vllm acceptance off")}
@@ -295,8 +315,8 @@ def test_id_check_on_every_eagle3_target(results):
     convention before vLLM's own set_aux_hidden_state_layers runs."""
     r = _result(results, "id_check")
     built = {a: v for a, v in r["resolved"].items() if isinstance(v, dict)}
-    assert {"LlamaForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
-            "MiniMaxM2ForCausalLM"} <= set(built), r["resolved"]
+    assert {"Qwen3NextForCausalLM", "Phi3ForCausalLM", "Gemma4ForCausalLM",
+            "Llama4ForCausalLM"} <= set(built), r["resolved"]
     for arch, v in built.items():
         assert v["ours"] and v["subclass_of_vllms"] and v["eagle3"], (arch, v)
     cases = r["cases"]
@@ -313,19 +333,81 @@ def test_id_check_on_every_eagle3_target(results):
                for m in cases["modelopt"]["log"]), cases["modelopt"]
 
 
+def _family_case_ok(case, ids):
+    assert case["ids"] == list(ids) and case["installed"] and case["vllm_capture_off"], case
+    for run in case["runs"]:
+        assert run["count"] == run["expected"] == len(set(ids)), (case["ids"], run)
+        assert run["equal"] and run["hidden_equal"] and run["views_of_buffer"], (ids, run)
+
+
+@pytest.mark.parametrize("family", EAGER)
+def test_family_capture_bit_exact_with_vllm(engine_jobs, family):
+    """Each family's fused capture in vLLM's own model code (the plugin's class from
+    vLLM's registry vs vLLM's own, same weights), fp32: what the draft receives and
+    the model's output bit-exact, for vLLM's defaults, the embedding (id 0) and the
+    final boundary, one id, unsorted ids, every boundary; the live self-check OK."""
+    from tests.vllm_real.family_models import FAMILIES as ARCHS
+
+    r = _result(engine_jobs.result("vllm families"), f"family_{family}")
+    arch = ARCHS[family][0]
+    assert r["type"] == f"eagle_capture.integrations.vllm.model.{arch}", r["type"]
+    assert r["vllm_type"].startswith("vllm.model_executor.models.")
+    for case, ids in zip(r["cases"], IDS):
+        _family_case_ok(case, ids)
+    assert r["cases"][0]["fused_calls"] == 3 * 3       # 3 norms x 3 forwards
+    family_name = {"llama": "Llama", "mistral": "Llama", "qwen2": "Qwen2 / Qwen3",
+                   "qwen3": "Qwen2 / Qwen3", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "GPT-OSS",
+                   "minimax_m2": "MiniMax-M2"}[family]
+    assert any(f"(vLLM, {arch}, {family_name} family" in m for m in r["on_lines"]), \
+        r["on_lines"]
+    _family_case_ok(r["verified"], (0, 4, 8))
+    checks = [m for m in r["self_check_lines"] if "self-check " in m and "/2 " in m]
+    assert len(checks) == 2 and all(" OK " in m for m in checks), checks
+
+
+@pytest.mark.parametrize("family", COMPILED)
+def test_family_compiled_as_the_op(engine_jobs, family):
+    """Under vLLM's torch.compile (Inductor, fullgraph): equal to vLLM's own compiled
+    capture, the norms' Python not run, the op in Inductor's code."""
+    r = _result(engine_jobs.result("vllm families"), f"family_compiled_{family}")
+    _family_case_ok(r["case"], (0, 4, 8))
+    assert r["compiled"] and r["python_calls"] == 0
+    assert r["op_calls_in_inductor_code"] >= 2, r      # the norms of ids 4 and 8
+
+
+def test_family_pipeline_rules(engine_jobs):
+    """At PP > 1: Llama's loop carries the captures over stages (vLLM's own stays),
+    Qwen3-MoE's drops the earlier stages' (fused on the last stage, as DeepseekV2),
+    MiniMax-M2's numbers ids per stage (refused: any ids would be wrong)."""
+    r = _result(engine_jobs.result("vllm families"), "family_pipeline")
+    assert r["llama first stage"] == r["llama last stage"] == "vllm's own"
+    assert r["qwen3_moe first stage"] == "vllm's own" and r["qwen3_moe last stage"] == "fused"
+    for stage in ("first", "last"):
+        assert "numbers the aux ids from its stage's first layer" in \
+            r[f"minimax_m2 {stage} stage"], r
+
+
 def test_tensor_parallel_2_on_gloo(engine_jobs):
+    """DeepSeek-V3, Llama and Qwen3-MoE at TP 2: equal to vLLM's own on each rank, and
+    the ranks hold the same rows."""
     import torch
 
     work, ranks = engine_jobs.result("vllm tp2")
     for rank, (code, log) in enumerate(ranks):
         assert code == 0, log[-4000:]
-        entry = json.loads((work / f"tp{rank}.json").read_text())["tp2"]
+        results = json.loads((work / f"tp{rank}.json").read_text())
+        entry = results["tp2"]
         assert entry["ok"], entry.get("error")
         r = entry["result"]
         assert r["type"] == "EagleCaptureDeepseekV3ForCausalLM"
         assert r["equal"] and r["hidden_equal"] and r["width"] == [9, 64]
-    rank0, rank1 = (torch.load(work / f"rank{rank}.pt") for rank in (0, 1))
-    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))   # every rank: the same rows
+        for family in TP2:
+            r = _result(results, f"family_tp2_{family}")
+            _family_case_ok(r["case"], (0, 4, 8))
+    for suffix in ["", *(f"_{family}" for family in TP2)]:
+        rank0, rank1 = (torch.load(work / f"rank{rank}{suffix}.pt") for rank in (0, 1))
+        assert len(rank0) == 3
+        assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))   # the same rows
 
 
 def test_vllm_engine_with_eagle3_draft(engine_jobs):
@@ -407,8 +489,12 @@ def test_acceptance_in_vllms_engine(engine_jobs, tmp_path):
     # The plugin on: the same drafts, the same acceptance, the same tokens.
     for key in ("drafts", "draft_tokens", "accepted", "outputs"):
         assert on[key] == fixed[key], key
-    # Its start-up id check ran with the plugin on (vLLM loaded it), not off.
-    assert "eagle_capture: layer ids" in on_log.split("EAGLE_CAPTURE_CASE doctor_fix", 1)[1]
+    # Its start-up id check ran with the plugin on (vLLM loaded it), not off; the
+    # Llama target served by the fused capture, the live self-check OK.
+    on_case = on_log.split("EAGLE_CAPTURE_CASE doctor_fix", 1)[1]
+    assert "eagle_capture: layer ids" in on_case
+    assert "fused EAGLE-3 capture ON (vLLM, LlamaForCausalLM, Llama family" in on_case
+    assert all(f"self-check {i}/3 OK" in on_case for i in (1, 2, 3)), on_case[-3000:]
     assert "eagle_capture: layer ids" not in off_log
     # Speculation never changes greedy output.
     assert wrong["outputs"] == fixed["outputs"]

@@ -187,7 +187,141 @@ def compiled():
             "mode": int(ours[1].compilation_config.mode), "runs": runs}
 
 
-SCENARIOS = {f.__name__: f for f in (eager, cuda_graph, compiled)}
+# ---- the other families (family_models.py's configs): Llama (dense), Qwen3-MoE
+
+GPU_FAMILIES = ("llama", "qwen3_moe")
+
+
+class _CoreAttentionStandIn(torch.nn.Module):
+    """vLLM's ``Attention`` (the KV-cache core inside the family's attention block,
+    which would pick a CUDA backend) stood in at construction: qkv_proj, rotary and
+    o_proj around it stay vLLM's."""
+
+    def __init__(self, num_heads, head_size, *args, **kwargs):
+        super().__init__()
+
+    def forward(self, q, k, v, *args, **kwargs):
+        return torch.tanh(q)
+
+
+def _family_stand_ins() -> None:
+    """Before the models are built: the attention core of each family, and
+    Qwen3-MoE's MoE block (vLLM's fused-MoE ops are C++/CUDA, not on this machine)
+    by vLLM's own dense Qwen3MoeMLP."""
+    from vllm.model_executor.models import llama, qwen3_moe
+
+    llama.Attention = qwen3_moe.Attention = _CoreAttentionStandIn
+
+    class DenseBlock(qwen3_moe.Qwen3MoeMLP):   # a class: the model isinstance-checks it
+        def __init__(self, vllm_config, prefix="", **kwargs):
+            config = vllm_config.model_config.hf_text_config
+            super().__init__(config.hidden_size, config.moe_intermediate_size,
+                             config.hidden_act, prefix=prefix)
+            # What Qwen3MoeForCausalLM reads off its MoE blocks at construction.
+            self.experts = torch.nn.Identity()
+            self.n_logical_experts = self.n_physical_experts = config.num_experts
+            self.n_local_physical_experts = self.n_routed_experts = config.num_experts
+            self.n_redundant_experts = 0
+
+    qwen3_moe.Qwen3MoeSparseMoeBlock = DenseBlock
+
+
+def _family_pair(family, dtype="float32", compiled=False):
+    from eagle_capture.integrations.vllm.checked import vllm_class
+    from vllm.plugins import load_general_plugins
+
+    from tests.vllm_real import family_models as fm
+    from tests.vllm_real import harness as h
+
+    folder = fm.write_config(os.path.join(WORK, f"{family}_{dtype}"), family, dtype,
+                             hidden=HIDDEN, vocab=512)
+    vc = _engine_config(folder, dtype, compiled)
+    if not _READY:
+        h.init_distributed(vc)
+        load_general_plugins()
+        _stand_in_attention_class()
+        _READY["up"] = True
+    if "families" not in _READY:
+        _family_stand_ins()
+        _READY["families"] = True
+    ref_vc = _engine_config(folder, dtype, compiled)
+    ref, ours = h.load(ref_vc, vllm_class(fm.FAMILIES[family][0])), h.load(vc)
+    for model in (ref, ours):
+        fm.fill(model)
+    return (ref, ref_vc), (ours, vc)
+
+
+def families():
+    """Llama and Qwen3-MoE in vLLM's own model code on the GPU with the Triton
+    kernel: eager fp32 / bf16 (the embedding id 0 and the final boundary
+    included), a CUDA graph replayed with new tokens, vLLM's torch.compile (bf16)."""
+    from vllm.forward_context import set_forward_context
+
+    from tests.vllm_real import harness as h
+
+    out = {}
+    for family in GPU_FAMILIES:
+        fam = out[family] = {}
+        for dtype in ("float32", "bfloat16"):
+            ref, ours = _family_pair(family, dtype)
+            runs = fam[f"eager_{dtype}"] = []
+            for ids in [(2, 4, 5), (0, 4, 8), (6, 1, 3)]:
+                ref[0].set_aux_hidden_state_layers(ids)
+                os.environ["EAGLE_CAPTURE_ON_PROBLEM"] = "install"   # id 0: served as vLLM does
+                try:
+                    ours[0].set_aux_hidden_state_layers(ids)
+                finally:
+                    del os.environ["EAGLE_CAPTURE_ON_PROBLEM"]
+                for n in (1, 7, 100):
+                    tok = h.tokens(n, n)
+                    r, o = h.forward(ref[0], ref[1], tok), h.forward(ours[0], ours[1], tok)
+                    torch.cuda.synchronize()
+                    entry = dict(ids=list(ids), tokens=n, **_compare(r, o))
+                    entry["first_equal"] = torch.equal(r[1][0], o[1][0])
+                    entry["on_gpu"] = o[1][0].is_cuda
+                    entry["type"] = type(ours[0]).__module__ + "." + type(ours[0]).__name__
+                    entry["fused_calls"] = ours[0]._eagle_capture.fused_calls
+                    runs.append(entry)
+        # A CUDA graph around the forward (fp32), replayed with new tokens.
+        ref, ours = _family_pair(family, "float32")
+        ids = (1, 4, 8)
+        ref[0].set_aux_hidden_state_layers(ids)
+        ours[0].set_aux_hidden_state_layers(ids)
+        n = 16
+        static_ids = torch.zeros(n, dtype=torch.long, device="cuda")
+        positions = torch.arange(n, device="cuda")
+        with set_forward_context(None, ours[1]), torch.inference_mode():
+            for _ in range(2):
+                ours[0](static_ids, positions)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = ours[0](static_ids, positions)
+        runs = fam["cuda_graph"] = []
+        for seed in (1, 2, 3):
+            tok = h.tokens(n, seed)
+            static_ids.copy_(torch.tensor(tok, device="cuda"))
+            graph.replay()
+            torch.cuda.synchronize()
+            runs.append(_compare(h.forward(ref[0], ref[1], tok), (static_out[0], static_out[1])))
+        # vLLM's torch.compile (Inductor, CUDA), bf16.
+        os.environ["VLLM_CACHE_ROOT"] = os.path.join(WORK, f"cache_{family}")
+        ref, ours = _family_pair(family, "bfloat16", compiled=True)
+        ids = (2, 4, 8)
+        ref[0].set_aux_hidden_state_layers(ids)
+        ours[0].set_aux_hidden_state_layers(ids)
+        runs = fam["compiled"] = []
+        for n in (7, 100, 33):
+            tok = h.tokens(n, n)
+            r, o = h.forward(ref[0], ref[1], tok), h.forward(ours[0], ours[1], tok)
+            torch.cuda.synchronize()
+            runs.append(dict(tokens=n, **_compare(r, o)))
+        fam["compiled_python_calls"] = ours[0]._eagle_capture.fused_calls
+        fam["compiled_state"] = ours[0]._eagle_capture.compiled
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (eager, cuda_graph, compiled, families)}
 
 
 def main(argv=None):

@@ -81,12 +81,14 @@ def write_draft_config(folder: str, ids=None, num_aux=None) -> str:
 
 
 def engine_config(checkpoint: str, dtype: str = "float32", tp: int = 1, compiled: bool = False,
-                  draft: str = None, max_num_batched_tokens: int = 256):
+                  draft: str = None, max_num_batched_tokens: int = 256,
+                  load_format: str = "auto"):
     from vllm.engine.arg_utils import EngineArgs
 
     kwargs = dict(model=checkpoint, skip_tokenizer_init=True, dtype=dtype, max_model_len=256,
                   tensor_parallel_size=tp, enforce_eager=not compiled,
-                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8)
+                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
+                  load_format=load_format)
     if draft is not None:
         kwargs["speculative_config"] = {"method": "eagle3", "model": draft,
                                         "num_speculative_tokens": 2}

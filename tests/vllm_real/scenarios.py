@@ -25,6 +25,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import torch  # noqa: E402
 import vllm  # noqa: E402,F401 - its logging set-up first (it disables earlier loggers)
 
+from tests.vllm_real import family_scenarios as fs  # noqa: E402
 from tests.vllm_real import harness as h  # noqa: E402
 
 WORK = tempfile.mkdtemp(prefix="vllm_real_")
@@ -506,12 +507,23 @@ def doctor_rules():
             "default_doctor": default_capture_layers(8)}
 
 
+def _family_tp2(family: str, rank: int):
+    """A family at TP 2 (after tp2 set up the two-rank world): equal to vLLM's own on
+    this rank; the test compares the ranks' saved captures."""
+    result = fs.tp2(family, WORK)
+    torch.save(result.pop("captures"), os.path.join(os.environ["EAGLE_TP_OUT"],
+                                                    f"rank{rank}_{family}.pt"))
+    return result
+
+
 def id_check():
     """The start-up id check on vLLM's other EAGLE-3 targets: the plugin re-registers
     each architecture of CHECKED_ARCHITECTURES as a check-only subclass of vLLM's own
-    class (EAGLE-3 interface intact); on vLLM's LlamaForCausalLM (a shell holding
+    class (EAGLE-3 interface intact); on vLLM's Phi3ForCausalLM (a shell holding
     vLLM's EagleModelMixin text model) the ids vLLM's runner passes are checked
-    against the draft's config.json, then vLLM's own set_aux_hidden_state_layers runs."""
+    against the draft's config.json, then vLLM's own set_aux_hidden_state_layers runs.
+    (Phi3ForCausalLM: vLLM's subclass of its LlamaForCausalLM, check-only; Llama itself
+    has the fused capture, family_scenarios.py.)"""
     import torch.nn as nn
     from transformers import LlamaConfig
     from vllm import ModelRegistry
@@ -541,7 +553,7 @@ def id_check():
             json.dump(config, f)
 
     def run(ids, env=None):
-        cls = ModelRegistry._try_load_model_cls("LlamaForCausalLM")
+        cls = ModelRegistry._try_load_model_cls("Phi3ForCausalLM")
         shell = cls.__new__(cls)
         nn.Module.__init__(shell)
         shell.config = LlamaConfig(num_hidden_layers=8, hidden_size=64)
@@ -682,6 +694,23 @@ SCENARIOS = {f.__name__: f for f in (plugin_registry, same_as_vllm_fp32, same_as
                                      id_check, model_rules, norm_provider)}
 
 
+def _family(fn, *args):
+    def run():
+        _setup()
+        return fn(*args)
+    return run
+
+
+# The other families (family_scenarios.py): run by the "vllm families" job (--only).
+FAMILY_SCENARIOS = {
+    **{f"family_{f}": _family(fs.eager, f, WORK, LOG.lines) for f in fs.EAGER},
+    **{f"family_compiled_{f}": _family(fs.compiled, f, WORK) for f in fs.COMPILED},
+    "family_pipeline": _family(fs.pipeline, WORK),
+}
+assert list(FAMILY_SCENARIOS) == fs.scenario_names()
+SCENARIOS.update(FAMILY_SCENARIOS)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--json", required=True)
@@ -691,13 +720,17 @@ def main(argv=None):
     args = p.parse_args(argv)
     results = {}
     if args.rank is not None:
-        names = ["tp2"]
+        names = ["tp2"] + [f"family_tp2_{f}" for f in fs.TP2]
     else:
-        names = args.only or list(SCENARIOS)
+        names = args.only or [n for n in SCENARIOS if n not in FAMILY_SCENARIOS]
     for name in names:
         try:
-            result = (tp2(args.rank, args.init_method) if name == "tp2"
-                      else SCENARIOS[name]())
+            if name == "tp2":
+                result = tp2(args.rank, args.init_method)
+            elif name.startswith("family_tp2_"):
+                result = _family_tp2(name[len("family_tp2_"):], args.rank)
+            else:
+                result = SCENARIOS[name]()
             results[name] = {"ok": True, "result": result}
         except Exception:  # noqa: BLE001 - reported to the pytest side
             results[name] = {"ok": False, "error": traceback.format_exc()}

@@ -22,7 +22,7 @@ import os
 from eagle_capture.integrations import settings
 from eagle_capture.integrations.vllm.plugin import CHECKED_ARCHITECTURES, log as _log
 
-__all__ = ["check_draft_ids", "WrongCaptureLayers"]
+__all__ = ["check_draft_ids", "vllm_class", "WrongCaptureLayers"]
 
 
 class WrongCaptureLayers(ValueError):
@@ -109,12 +109,19 @@ def _vllm_entry(name: str) -> tuple[str, str]:
     raise AttributeError(name)
 
 
+def vllm_class(name: str) -> type:
+    """vLLM's own class for architecture (or class) ``name``, from its registry table
+    (imports only that model's module)."""
+    module, cls_name = _vllm_entry(name)
+    return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), cls_name)
+
+
 def __getattr__(name: str) -> type:
     if name.startswith("__"):
         raise AttributeError(name)
     if name not in _MADE:
-        module, cls_name = _vllm_entry(name)
-        base = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), cls_name)
+        base = vllm_class(name)
+        cls_name = base.__name__
         # Same name as vLLM's class (its logs and any name check see vLLM's), found here
         # by that name (pickling by reference).
         made = type(cls_name, (_IdCheck, base), {"__module__": __name__,

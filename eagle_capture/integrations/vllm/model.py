@@ -1,15 +1,19 @@
-"""vLLM's DeepseekV2 / DeepSeek-V3 causal LMs with the fused EAGLE-3 capture.
+"""vLLM's EAGLE-3 causal LMs with the fused EAGLE-3 capture: DeepseekV2 /
+DeepSeek-V3 (and Kimi's language model) and the families of
+:mod:`eagle_capture.integrations.vllm.families` (Llama / Mistral, Qwen2 / Qwen3,
+Qwen3-MoE, GPT-OSS, MiniMax-M2).
 
 The plugin (:mod:`eagle_capture.integrations.vllm.plugin`) registers these
 classes under vLLM's own architecture names; Kimi-K2.5 and Kimi-VL get them too,
 since vLLM builds their language model through the registry as
 ``DeepseekV2ForCausalLM``. Names, ``state_dict`` keys and weight loading are
-vLLM's (the classes add no parameter).
+vLLM's (the classes add no parameter; the other families' classes even keep
+vLLM's class name).
 
 vLLM captures id ``k`` as the input of decoder layer ``k`` -- ``hidden_states +
 residual``, an extra add -- and id ``num_layers`` after the last layer, before
-the final norm; the runner concatenates the list it gets back (read in
-``DeepseekV2Model.forward``, vllm 0.32.0 - 0.33.0; docs/engine_facts.md section 6).
+the final norm; the runner concatenates the list it gets back (read in each
+family's ``<Model>.forward``, vllm 0.32.0; docs/engine_facts.md section 6).
 That sum is exactly the new residual that layer ``k``'s input norm (vLLM's
 fused add + RMSNorm, in place) computes next. :meth:`set_aux_hidden_state_layers`
 -- which vLLM's model runner calls in ``load_model``, after the weights and the
@@ -18,7 +22,9 @@ draft are loaded and before anything is traced or captured -- therefore
 1. swaps the input norm of each captured layer (the final norm for id
    ``num_layers``) for a subclass of its own class whose call runs the
    project's add + RMSNorm that also stores the new residual into the layer's
-   slot of a persistent ``[max_tokens, K, H]`` buffer: one kernel, no extra add;
+   slot of a persistent ``[max_tokens, K, H]`` buffer: one kernel, no extra add
+   (id 0 of the families whose loop captures the embedding: layer 0's input
+   norm stores its input, which has no residual yet);
 2. leaves vLLM's ``aux_hidden_state_layers`` empty, so vLLM's own add and list
    never run, and returns ``(hidden_states, [aux[:T, k] for each slot])`` --
    what vLLM would have returned, as ``[T, H]`` views of the buffer;
@@ -30,11 +36,14 @@ Under vLLM's torch.compile the norms trace as the project's op (one node in
 the FX graph, no graph break) inside a piecewise CUDA graph.
 
 Refused at start-up, with the reason (the server does not start): duplicate
-ids, id 0 (the embedding: vLLM's loop fails there with ``residual`` None), ids
-outside ``[1, num_layers]``, ids in another pipeline stage (vLLM drops them),
-a draft whose input width is not ``K x H``. Left to vLLM's own capture, logged:
-sequence-parallel MoE (rows token-scattered over TP), a norm other than
-vLLM's plain weighted ``RMSNorm``, a device the kernels do not run on.
+ids, id 0 in DeepseekV2 (the embedding: vLLM's loop fails there with
+``residual`` None), ids outside ``[0 or 1, num_layers]``, ids in another
+pipeline stage where vLLM drops them, MiniMax-M2 at PP > 1 (its loop numbers
+ids per stage), a draft whose input width is not ``K x H``. Left to vLLM's own
+capture, logged: PP > 1 for the families whose loop carries
+the captures over stages, sequence-parallel MoE (rows token-scattered over TP),
+a norm other than vLLM's plain weighted ``RMSNorm``, a device the kernels do
+not run on.
 """
 
 from __future__ import annotations
@@ -53,7 +62,10 @@ from vllm.sequence import IntermediateTensors
 from eagle_capture import ops
 from eagle_capture.buffer import AuxCaptureBuffer
 from eagle_capture.integrations import settings
-from eagle_capture.integrations.vllm.checked import WrongCaptureLayers, check_draft_ids
+from eagle_capture.integrations.vllm.checked import (WrongCaptureLayers, check_draft_ids,
+                                                     vllm_class)
+from eagle_capture.integrations.vllm.families import (CARRIED, STAGE_RELATIVE, Family,
+                                                      family_of_arch)
 from eagle_capture.integrations.vllm.plugin import log as _log
 
 __all__ = ["CaptureState", "EagleCaptureDeepseekV2ForCausalLM",
@@ -135,9 +147,22 @@ def _capture_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     new residual)``, in place as vLLM's in-place implementations do, with the new
     residual also stored into this layer's slot."""
     state: CaptureState = self._eagle_capture_state
-    if residual is None or state.disabled:
+    if state.disabled:
         return self._eagle_capture_base.forward(self, x, residual)
     eager = not torch.compiler.is_compiling()
+    if residual is None:
+        # Layer 0 of the first stage: the stream is the embedding output itself
+        # (vLLM's mixin loops capture it as is for id 0), stored before the norm.
+        ops.add_capture(x, None, state.active.aux, self._eagle_capture_slot)
+        if eager and not _capturing_graph(x):
+            state.stored_rows[self._eagle_capture_layer] = x.shape[0]
+            if state.verify_left > 0:
+                captured = state.active.aux[:x.shape[0], self._eagle_capture_slot]
+                if not torch.equal(captured, x):
+                    state.verify_mismatches.append(
+                        f"layer {self._eagle_capture_layer}: capture differs from the "
+                        f"embedding output vLLM captures")
+        return self._eagle_capture_base.forward(self, x, residual)
     reference = None
     if eager and state.verify_left > 0:
         # vLLM's own capture (its expression) and its own norm, on copies.
@@ -260,7 +285,9 @@ def _end_verify(causal_lm, state: CaptureState, num_tokens: int) -> None:
                      "; ".join(state.verify_mismatches))
         state.disabled = True
         state.verify_left = 0
-        causal_lm.model.aux_hidden_state_layers = tuple(state.buffer.layer_ids)
+        # vLLM's own set (the mixin families also cache their pipeline layout there).
+        super(_FusedCapture, causal_lm).set_aux_hidden_state_layers(
+            tuple(state.buffer.layer_ids))
         return
     _log().info("eagle_capture: self-check %d/%d OK (%d tokens): %d captures bit-exact with "
                 "vLLM's hidden_states + residual, normed output within %.3g of vLLM's %s norm",
@@ -270,9 +297,11 @@ def _end_verify(causal_lm, state: CaptureState, num_tokens: int) -> None:
 
 # ------------------------------------------------------------------- install
 
-def check_layer_ids(layers, num_layers: int, start_layer: int, end_layer: int) -> list[int]:
+def check_layer_ids(layers, num_layers: int, start_layer: int, end_layer: int,
+                    embedding_id: bool = False) -> list[int]:
     """The sorted captured layers for vLLM's ids, or WrongCaptureLayers saying
-    what vLLM's own capture would do with them."""
+    what vLLM's own capture would do with them. ``embedding_id``: the family's
+    loop captures id 0 as the embedding output (else it fails there)."""
     if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
         raise WrongCaptureLayers(f"eagle_capture: the aux layer ids must be a sequence of "
                                  f"integers, got {layers!r}")
@@ -286,16 +315,18 @@ def check_layer_ids(layers, num_layers: int, start_layer: int, end_layer: int) -
             f"eagle_capture: aux layer ids {ids} name layer(s) {duplicates} twice: vLLM's loop "
             f"captures each layer once and hands the draft {len(set(ids))} of {len(ids)} "
             f"hidden states, so its fc gets the wrong width")
-    if 0 in ids:
+    if 0 in ids and not embedding_id:
         raise WrongCaptureLayers(
             f"eagle_capture: aux layer id 0 in {ids} is the embedding (the input of layer 0): "
             f"vLLM's loop computes hidden_states + residual there with residual None and the "
             f"first forward fails (TypeError); no EAGLE-3 draft is trained on it")
-    invalid = [i for i in ids if not 1 <= i <= num_layers]
+    lowest = 0 if embedding_id else 1
+    invalid = [i for i in ids if not lowest <= i <= num_layers]
     if invalid:
         raise WrongCaptureLayers(
-            f"eagle_capture: aux layer id(s) {invalid} of {ids} are outside 1..{num_layers} "
-            f"(vLLM: id k = the input of layer k, {num_layers} = the last layer's output): "
+            f"eagle_capture: aux layer id(s) {invalid} of {ids} are outside "
+            f"{lowest}..{num_layers} (vLLM: id k = the input of layer k, {num_layers} = the "
+            f"last layer's output): "
             f"vLLM never captures them and the draft gets fewer hidden states than it expects")
     elsewhere = [i for i in ids if not start_layer <= i <= end_layer]
     if elsewhere:
@@ -363,13 +394,27 @@ def install(causal_lm, layers) -> CaptureState:
 
     model = causal_lm.model
     config = causal_lm.config
+    family: Family = causal_lm._eagle_family
     num_layers = int(config.num_hidden_layers)
     hidden = int(config.hidden_size)
     pp = get_pp_group()
+    if pp.world_size > 1 and family.pipeline == CARRIED:
+        raise UnsupportedServer(
+            f"{pp.world_size} pipeline stages: vLLM's {family.name} loop carries the earlier "
+            f"stages' captures to the last one (IntermediateTensors); the fused capture serves "
+            f"one stage")
+    if pp.world_size > 1 and family.pipeline == STAGE_RELATIVE:
+        raise WrongCaptureLayers(
+            f"eagle_capture: {pp.world_size} pipeline stages: vLLM's {family.name} loop numbers "
+            f"the aux ids from its stage's first layer (layers {model.start_layer}.."
+            f"{model.end_layer - 1} here), so on the last stage id k captures the input of "
+            f"layer start + k, not of layer k: the draft would get other layers than {list(layers)}. "
+            f"Serve without pipeline parallelism")
     if not pp.is_last_rank:
         raise UnsupportedServer("not the last pipeline stage (vLLM drops aux hidden states "
                                 "captured here; its runner asks only the last stage)")
-    captured = check_layer_ids(layers, num_layers, model.start_layer, model.end_layer)
+    captured = check_layer_ids(layers, num_layers, model.start_layer, model.end_layer,
+                               family.embedding_id)
     vllm_config = getattr(model, "vllm_config", None) or get_current_vllm_config()
     problem = draft_width_problem(vllm_config, len(captured), hidden)
     if problem:
@@ -423,10 +468,10 @@ def install(causal_lm, layers) -> CaptureState:
     nbytes = buffer.aux.numel() * buffer.aux.element_size()
     default = tuple(captured) == (2, num_layers // 2, num_layers - 3)
     _log().info(
-        "eagle_capture: fused EAGLE-3 capture ON (vLLM, %s, TP rank %s): ids %s = inputs of "
-        "layers %s%s -> slots 0..%d, buffer [%d, %d, %d] %s = %.1f MiB on %s (%s); norm as "
-        "vLLM's %s fused_add_rms_norm (%s sum); %s%s",
-        type(causal_lm).__name__, _tp_rank(), list(layers), captured,
+        "eagle_capture: fused EAGLE-3 capture ON (vLLM, %s, %s family, TP rank %s): ids %s = "
+        "inputs of layers %s%s -> slots 0..%d, buffer [%d, %d, %d] %s = %.1f MiB on %s (%s); "
+        "norm as vLLM's %s fused_add_rms_norm (%s sum); %s%s",
+        type(causal_lm).__name__, family.name, _tp_rank(), list(layers), captured,
         " (vLLM's defaults)" if default else "", len(captured) - 1, rows, len(captured), hidden,
         str(weight.dtype).replace("torch.", ""), nbytes / 2**20, weight.device, rows_reason,
         provider, "fp32" if norm_fp32_sum else "rounded",
@@ -458,10 +503,41 @@ def _tp_rank():
         return "?"
 
 
+_DEEPSEEK = family_of_arch("DeepseekV2ForCausalLM")
+
+
 class EagleCaptureDeepseekV2ForCausalLM(_FusedCapture, DeepseekV2ForCausalLM):
     """vLLM's DeepseekV2ForCausalLM (and Kimi-K2.5's / Kimi-VL's language model)
     with the fused EAGLE-3 capture."""
+    _eagle_family = _DEEPSEEK
 
 
 class EagleCaptureDeepseekV3ForCausalLM(_FusedCapture, DeepseekV3ForCausalLM):
     """vLLM's DeepseekV3ForCausalLM (DeepSeek-V3, Kimi-K2) with the fused EAGLE-3 capture."""
+    _eagle_family = _DEEPSEEK
+
+
+_MADE: dict[type, type] = {}
+
+
+def __getattr__(name: str) -> type:
+    """The capturing class of the other families' architectures (the plugin
+    registers ``"<this module>:<architecture>"``), made on first use from vLLM's
+    own class: the same name (vLLM's logs and name checks see its own), the
+    capture in front."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    try:
+        family = family_of_arch(name)
+    except KeyError:
+        raise AttributeError(name) from None
+    if family is _DEEPSEEK:   # the two classes above
+        raise AttributeError(name)
+    base = vllm_class(name)
+    if base not in _MADE:
+        _MADE[base] = type(base.__name__, (_FusedCapture, base),
+                           {"__module__": __name__, "__qualname__": base.__name__,
+                            "__doc__": base.__doc__, "_eagle_family": family})
+    made = _MADE[base]
+    globals()[base.__name__] = made   # found by its own name too (pickling by reference)
+    return made

@@ -1,6 +1,6 @@
 """vLLM plugin: the fused EAGLE-3 capture for vLLM's DeepseekV2 / DeepSeek-V3
-(and Kimi-K2 / K2.5 / Kimi-VL) models, through vLLM's own extension point --
-no edit of vLLM.
+(and Kimi-K2 / K2.5 / Kimi-VL), Llama / Mistral, Qwen2 / Qwen3, Qwen3-MoE, GPT-OSS
+and MiniMax-M2 models, through vLLM's own extension point -- no edit of vLLM.
 
     pip install eagle-capture
     EAGLE_CAPTURE=1 vllm serve <Kimi-K2.5> --tensor-parallel-size 8 \\
@@ -13,8 +13,8 @@ the worker builds its model) -- and honours ``VLLM_PLUGINS`` (a comma list of
 plugin names; unset: all). Installing the package changes nothing by itself:
 ``EAGLE_CAPTURE=1`` turns it on.
 
-On, it re-registers vLLM's ``DeepseekV2ForCausalLM`` and
-``DeepseekV3ForCausalLM`` architectures as the capturing subclasses in
+On, it re-registers those architectures (``ARCHITECTURES``; the families in
+:mod:`eagle_capture.integrations.vllm.families`) as the capturing subclasses in
 :mod:`eagle_capture.integrations.vllm.model` (by ``"module:Class"`` name, so the
 module is imported only where a model is built). Kimi-K2.5 / Kimi-VL build their
 language model through that registry as ``DeepseekV2ForCausalLM``. The capture
@@ -23,8 +23,8 @@ itself is installed when vLLM's model runner sets the layers to capture
 draft are loaded, before the first forward -- hence before vLLM's torch.compile
 traces the model (it compiles lazily, at the profile run) and before any CUDA
 graph is captured. A model without EAGLE-3 is never asked and runs as vLLM's own.
-vLLM's other EAGLE-3 targets (``CHECKED_ARCHITECTURES``: Llama, Qwen2/3, Qwen3-MoE,
-GPT-OSS, MiniMax-M2, ...) are re-registered as check-only classes
+vLLM's other EAGLE-3 targets (``CHECKED_ARCHITECTURES``: Qwen3-Next, Phi-3, Gemma 4,
+Llama 4, the Qwen VL models) are re-registered as check-only classes
 (:mod:`eagle_capture.integrations.vllm.checked`): the same start-up id check, vLLM's
 own capture.
 
@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 
 from eagle_capture.integrations.settings import SWITCH, PluginError, switch_on
+from eagle_capture.integrations.vllm.families import FAMILIES
 
 # Under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL (a logger outside
 # "vllm" prints nothing below WARNING in vLLM's processes). Taken per call: vLLM's
@@ -55,20 +56,21 @@ def log() -> logging.Logger:
     return log
 
 MODEL_MODULE = "eagle_capture.integrations.vllm.model"
-# vLLM architecture -> the capturing class (same module, same weights).
+# vLLM architecture -> the capturing class in MODEL_MODULE (same weights): DeepseekV2's two
+# by their own names, each other family's (families.py) under vLLM's class name.
 ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "EagleCaptureDeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "EagleCaptureDeepseekV3ForCausalLM",
+    **{arch: arch for family in FAMILIES if family.name != "DeepseekV2"
+       for arch in family.architectures},
 }
 
-# vLLM's other EAGLE-3 targets (classes with SupportsEagle3 in vllm 0.32, the families
-# served with EAGLE-3): the start-up id check only (eagle_capture.integrations.vllm.checked),
-# vLLM's own capture. tests/test_vllm_real.py checks each against vLLM's registry.
+# vLLM's other EAGLE-3 targets (classes with SupportsEagle3 in vllm 0.32 not in a family):
+# the start-up id check only (eagle_capture.integrations.vllm.checked), vLLM's own capture.
+# tests/test_vllm_real.py checks each against vLLM's registry.
 CHECKED_MODULE = "eagle_capture.integrations.vllm.checked"
 CHECKED_ARCHITECTURES = (
-    "LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "GptOssForCausalLM",
-    "MiniMaxM2ForCausalLM", "Phi3ForCausalLM", "Gemma4ForCausalLM", "Llama4ForCausalLM",
+    "Qwen3NextForCausalLM", "Phi3ForCausalLM", "Gemma4ForCausalLM", "Llama4ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration", "Llama4ForConditionalGeneration",
 )
@@ -86,18 +88,20 @@ def register() -> None:
             return
         from vllm import ModelRegistry
 
-        for arch, cls in ARCHITECTURES.items():
-            ModelRegistry.register_model(arch, f"{MODEL_MODULE}:{cls}")
-        checked = []
-        for arch in CHECKED_ARCHITECTURES:
+        def vllms_own(arch):
             # Only where the registry still holds vLLM's own class (not another plugin's).
             entry = ModelRegistry.models.get(arch)
-            if getattr(entry, "module_name", "").startswith("vllm.model_executor.models."):
-                ModelRegistry.register_model(arch, f"{CHECKED_MODULE}:{arch}")
-                checked.append(arch)
+            return getattr(entry, "module_name", "").startswith("vllm.model_executor.models.")
+
+        fused = [arch for arch in ARCHITECTURES if vllms_own(arch)]
+        for arch in fused:
+            ModelRegistry.register_model(arch, f"{MODEL_MODULE}:{ARCHITECTURES[arch]}")
+        checked = [arch for arch in CHECKED_ARCHITECTURES if vllms_own(arch)]
+        for arch in checked:
+            ModelRegistry.register_model(arch, f"{CHECKED_MODULE}:{arch}")
         log().info("eagle_capture: on (%s=1): vLLM's %s use the fused EAGLE-3 capture; the "
                     "layer ids of %d other EAGLE-3 architectures are checked at start-up",
-                    SWITCH, " and ".join(ARCHITECTURES), len(checked))
+                    SWITCH, ", ".join(fused), len(checked))
     except Exception as e:  # noqa: BLE001 - vLLM would log a bare traceback
         log().error("eagle_capture: the vLLM plugin could not register, vLLM's own capture "
                      "stays: %s: %s", type(e).__name__, e)

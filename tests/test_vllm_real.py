@@ -217,6 +217,7 @@ def test_captures_bit_exact_with_vllm_fp32(results):
         assert run["shapes"] == [[run["tokens"], 64]] * k
         assert run["views_of_buffer"] and run["nonzero"], run
         assert run["fused_calls"] == k, run        # one fused norm per captured layer
+        assert run["slot_residual_calls"] == k, run  # eager: each the slot-only write (path f)
         assert run["vllm_list_empty"]              # vLLM's own add + list never ran
 
 
@@ -355,6 +356,8 @@ def test_family_capture_bit_exact_with_vllm(engine_jobs, family):
     for case, ids in zip(r["cases"], IDS):
         _family_case_ok(case, ids)
     assert r["cases"][0]["fused_calls"] == 3 * 3       # 3 norms x 3 forwards
+    # Eager: path f (the slot-only write) on every captured norm but the embedding's.
+    assert [c["slot_residual_calls"] for c in r["cases"]] == [9, 6, 3, 9, 24]
     family_name = {"llama": "Llama", "mistral": "Llama", "qwen2": "Qwen2 / Qwen3",
                    "qwen3": "Qwen2 / Qwen3", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "GPT-OSS",
                    "minimax_m2": "MiniMax-M2"}[family]

@@ -66,7 +66,8 @@ def _compare(ref, ours, ids, tokens) -> dict:
                          _in_buffer(v, state.buffer) for v in o[1])})
     return {"ids": list(ids), "installed": state is not None,
             "vllm_capture_off": list(om.model.aux_hidden_state_layers) == [],
-            "fused_calls": state.fused_calls if state else 0, "runs": runs}
+            "fused_calls": state.fused_calls if state else 0,
+            "slot_residual_calls": state.slot_residual_calls if state else 0, "runs": runs}
 
 
 def eager(family: str, work: str, log_lines: list) -> dict:

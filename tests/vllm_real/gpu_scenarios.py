@@ -130,6 +130,7 @@ def eager():
                 entry["on_gpu"] = o[1][0].is_cuda
                 entry["provider"] = state.provider
                 entry["fused_calls"] = state.fused_calls
+                entry["slot_residual_calls"] = state.slot_residual_calls
                 out[dtype]["runs"].append(entry)
     return out
 
@@ -281,6 +282,7 @@ def families():
                     entry["on_gpu"] = o[1][0].is_cuda
                     entry["type"] = type(ours[0]).__module__ + "." + type(ours[0]).__name__
                     entry["fused_calls"] = ours[0]._eagle_capture.fused_calls
+                    entry["slot_residual_calls"] = ours[0]._eagle_capture.slot_residual_calls
                     runs.append(entry)
         # A CUDA graph around the forward (fp32), replayed with new tokens.
         ref, ours = _family_pair(family, "float32")

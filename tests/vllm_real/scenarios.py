@@ -149,7 +149,7 @@ def same_as_vllm_fp32():
         ours[0].set_aux_hidden_state_layers(ids)
         state = ours[0]._eagle_capture
         for n in TOKENS:
-            calls = state.fused_calls
+            calls, slot_calls = state.fused_calls, state.slot_residual_calls
             r, o = _run_both(ref, ours, n)
             out.append({
                 "ids": list(ids), "tokens": n,
@@ -161,6 +161,7 @@ def same_as_vllm_fp32():
                 "views_of_buffer": all(_in_buffer(b, state.buffer) for b in o[1]),
                 "nonzero": all(bool(b.abs().sum() > 0) for b in o[1]),
                 "fused_calls": state.fused_calls - calls,
+                "slot_residual_calls": state.slot_residual_calls - slot_calls,
                 "vllm_list_empty": ours[0].model.aux_hidden_state_layers == (),
             })
     return {"runs": out}
@@ -310,20 +311,26 @@ def self_check():
         ok_lines = [line for line in LOG.lines[start:] if "self-check" in line]
 
         ours[0].set_aux_hidden_state_layers((2, 4, 8))   # a fresh install, checks again
-        real = plugin_model.ops.add_rmsnorm_capture
+        ops = plugin_model.ops
+        real = {name: getattr(ops, name) for name in ("add_rmsnorm_capture",
+                                                      "add_rmsnorm_into_slot")}
 
-        def wrong(x, residual, weight, eps, aux, slot, norm_fp32_sum=False):
-            real(x, residual, weight, eps, aux, slot, norm_fp32_sum=norm_fp32_sum)
-            aux[:x.shape[0], slot] += 1.0
+        def wrong(name):   # the op writes the slot, then the slot is off by one
+            def run(x, residual, weight, eps, aux, slot, norm_fp32_sum=False):
+                real[name](x, residual, weight, eps, aux, slot, norm_fp32_sum=norm_fp32_sum)
+                aux[:x.shape[0], slot] += 1.0
+            return run
 
-        plugin_model.ops.add_rmsnorm_capture = wrong
+        for name in real:
+            setattr(ops, name, wrong(name))
         try:
             start = len(LOG.lines)
             r, o = _run_both(ref, ours, 6)
             failed = [line for line in LOG.lines[start:] if "self-check" in line]
             r2, o2 = _run_both(ref, ours, 4)
         finally:
-            plugin_model.ops.add_rmsnorm_capture = real
+            for name, fn in real.items():
+                setattr(ops, name, fn)
         state = ours[0]._eagle_capture
         return {"ok_lines": ok_lines, "failed_lines": failed, "disabled": state.disabled,
                 "served_vllm_own": torch.equal(r[0], o[0])

@@ -93,6 +93,13 @@ class CaptureState:
         self.compiled = compiled      # the layer loop runs under vLLM's torch.compile
         self.stored_rows: dict[int, int] = {}
         self.fused_calls = 0
+        # Path f (eager forwards): a captured layer's input norm writes the new
+        # residual into its slot only and hands the slot on as the residual; the
+        # layer's post-attention norm then writes the next residual into the dead
+        # incoming one (``spare``) instead of over the capture.
+        self.residual_in_slot = not compiled
+        self.pending_slot: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
+        self.slot_residual_calls = 0
         self.overflow_forwards = 0
         self.disabled = False         # switched back to vLLM's own capture (self-check)
         self.verify_left = 0
@@ -126,8 +133,19 @@ class CaptureState:
                            "rows: its captures go to a buffer of its own (%d such forwards)",
                            num_tokens, self.buffer.max_tokens, self.overflow_forwards)
 
+    def check_slot_consumed(self) -> None:
+        """A residual left in a slot (path f) must have been taken by its layer's
+        post-attention norm before anything else updates it."""
+        pending, self.pending_slot = self.pending_slot, None
+        if pending is not None:
+            raise RuntimeError(
+                f"eagle_capture: layer {pending[0]}'s residual was left in its aux slot but its "
+                f"post-attention norm never took it: this model's layer does something else "
+                f"between its two norms than the loops the plugin was built on")
+
     def check_complete(self, num_tokens: int) -> None:
         """Every captured layer stored ``num_tokens`` rows in this eager forward."""
+        self.check_slot_consumed()
         stored = self.stored_rows
         wrong = {layer: stored.get(layer) for layer in self.buffer.layer_ids
                  if stored.get(layer) != num_tokens}
@@ -168,16 +186,45 @@ def _capture_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
         # vLLM's own capture (its expression) and its own norm, on copies.
         reference = (x + residual, self._eagle_capture_base.forward(self, x.clone(),
                                                                     residual.clone()))
-    aux = state.active.aux
-    ops.add_rmsnorm_capture(x, residual, self.weight, self.variance_epsilon, aux,
-                            self._eagle_capture_slot, norm_fp32_sum=state.norm_fp32_sum)
+    aux, slot = state.active.aux, self._eagle_capture_slot
+    if eager and state.residual_in_slot and self._eagle_slot_reader is not None:
+        # Path f: one write of the new residual, into the slot.
+        state.check_slot_consumed()
+        ops.add_rmsnorm_into_slot(x, residual, self.weight, self.variance_epsilon, aux, slot,
+                                  norm_fp32_sum=state.norm_fp32_sum)
+        new_residual = aux[:x.shape[0], slot]
+        if self._eagle_slot_reader == POST_NORM:   # else the final norm's, discarded
+            state.pending_slot = (self._eagle_capture_layer, new_residual, residual)
+        state.slot_residual_calls += 1
+    else:
+        ops.add_rmsnorm_capture(x, residual, self.weight, self.variance_epsilon, aux, slot,
+                                norm_fp32_sum=state.norm_fp32_sum)
+        new_residual = residual
     if eager and not _capturing_graph(x):
         state.stored_rows[self._eagle_capture_layer] = x.shape[0]
         state.fused_calls += 1
         if reference is not None:
-            _compare(state, self._eagle_capture_layer, aux[:x.shape[0], self._eagle_capture_slot],
-                     x, residual, reference)
-    return x, residual
+            _compare(state, self._eagle_capture_layer, aux[:x.shape[0], slot], x, new_residual,
+                     reference)
+    return x, new_residual
+
+
+def _slot_taking_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+    """A captured layer's post-attention norm under path f: when ``residual`` is
+    the slot its input norm left, the next residual goes into the spare (vLLM's
+    in-place norm would overwrite the capture), bit-identical to vLLM's."""
+    state: CaptureState = self._eagle_capture_state
+    pending = state.pending_slot
+    if pending is None or pending[0] != self._eagle_capture_layer or residual is not pending[1]:
+        return self._eagle_capture_base.forward(self, x, residual)
+    state.pending_slot = None
+    spare = pending[2]
+    if spare.shape == x.shape and spare.dtype == x.dtype and spare.is_contiguous():
+        ops.add_rmsnorm_out(x, residual, self.weight, self.variance_epsilon, spare,
+                            norm_fp32_sum=state.norm_fp32_sum)
+        return x, spare
+    spare = residual.clone()   # vLLM's own norm on a copy (never reached in vLLM 0.32's loops)
+    return self._eagle_capture_base.forward(self, x, spare)
 
 
 def _compare(state: CaptureState, layer: int, captured, normed, residual, reference) -> None:
@@ -198,17 +245,28 @@ def _compare(state: CaptureState, layer: int, captured, normed, residual, refere
                                        f"{dev:.3g} (relative, tolerance {rtol:.3g})")
 
 
-_NORM_CLASSES: dict[type, type] = {}
+_NORM_CLASSES: dict[tuple, type] = {}
+# Who reads a captured norm's new residual next, for path f: the layer's post-attention
+# norm (swapped to take it), or nobody (the final norm: every family discards it).
+POST_NORM, NOBODY = "post-attention norm", "nobody"
 
 
-def _capturing_class(cls: type) -> type:
-    """A subclass of vLLM's norm class whose call also captures (the instance's
-    class is swapped: names, parameters and ``isinstance`` unchanged)."""
-    if cls not in _NORM_CLASSES:
-        _NORM_CLASSES[cls] = type(f"EagleCapture{cls.__name__}", (cls,),
-                                  {"forward": _capture_norm, "_eagle_capture_base": cls,
+def _plain_rmsnorm(norm) -> bool:
+    return isinstance(norm, RMSNorm) and norm.has_weight and norm.variance_size_override is None
+
+
+
+def _capturing_class(cls: type, forward=_capture_norm) -> type:
+    """A subclass of vLLM's norm class whose call also captures (or, for
+    ``_slot_taking_norm``, takes the slot's residual): the instance's class is
+    swapped; names, parameters and ``isinstance`` unchanged."""
+    key = (cls, forward)
+    if key not in _NORM_CLASSES:
+        prefix = "EagleCapture" if forward is _capture_norm else "EagleSlotTaking"
+        _NORM_CLASSES[key] = type(f"{prefix}{cls.__name__}", (cls,),
+                                  {"forward": forward, "_eagle_capture_base": cls,
                                    "__module__": __name__})
-    return _NORM_CLASSES[cls]
+    return _NORM_CLASSES[key]
 
 
 def fused_add_rms_norm_provider(like: torch.Tensor) -> str:
@@ -427,8 +485,7 @@ def install(causal_lm, layers) -> CaptureState:
     norms = {i: (model.norm if i == model.end_layer else model.layers[i].input_layernorm)
              for i in captured}
     for i, norm in norms.items():
-        if not isinstance(norm, RMSNorm) or not norm.has_weight \
-                or norm.variance_size_override is not None:
+        if not _plain_rmsnorm(norm):
             raise UnsupportedServer(f"layer {i}'s norm is {type(norm).__name__} (the fused "
                                     f"capture replaces vLLM's plain weighted RMSNorm)")
     weight = norms[captured[0]].weight
@@ -457,6 +514,17 @@ def install(causal_lm, layers) -> CaptureState:
         norm._eagle_capture_state = state
         norm._eagle_capture_slot = slot
         norm._eagle_capture_layer = i
+        post = getattr(model.layers[i], "post_attention_layernorm", None) \
+            if i < model.end_layer else None
+        if i == model.end_layer:
+            norm._eagle_slot_reader = NOBODY
+        elif i > 0 and _plain_rmsnorm(post):
+            norm._eagle_slot_reader = POST_NORM
+            post.__class__ = _capturing_class(type(post), _slot_taking_norm)
+            post._eagle_capture_state = state
+            post._eagle_capture_layer = i
+        else:
+            norm._eagle_slot_reader = None   # path f off: a norm we do not know reads it
     additional = getattr(vllm_config, "additional_config", None)
     if isinstance(additional, dict):
         additional[ADDITIONAL_CONFIG_KEY] = {"layers": captured, "rows": rows,
@@ -475,7 +543,8 @@ def install(causal_lm, layers) -> CaptureState:
         " (vLLM's defaults)" if default else "", len(captured) - 1, rows, len(captured), hidden,
         str(weight.dtype).replace("torch.", ""), nbytes / 2**20, weight.device, rows_reason,
         provider, "fp32" if norm_fp32_sum else "rounded",
-        "traced into vLLM's torch.compile graph" if compiled else "eager",
+        "traced into vLLM's torch.compile graph" if compiled
+        else "eager, the new residual written into the slot only (path f)",
         f"; self-check of the first {state.verify_total} forwards" if state.verify_total else "")
     return state
 
@@ -484,12 +553,14 @@ def uninstall(causal_lm) -> None:
     """vLLM's own norms and capture back (a later install starts from them)."""
     state = causal_lm.__dict__.pop("_eagle_capture", None)
     model = causal_lm.model
-    for norm in [getattr(layer, "input_layernorm", None) for layer in model.layers] + \
+    for norm in [getattr(layer, name, None) for layer in model.layers
+                 for name in ("input_layernorm", "post_attention_layernorm")] + \
             [getattr(model, "norm", None)]:
         base = getattr(type(norm), "_eagle_capture_base", None)
         if base is not None:
             norm.__class__ = base
-            for name in ("_eagle_capture_state", "_eagle_capture_slot", "_eagle_capture_layer"):
+            for name in ("_eagle_capture_state", "_eagle_capture_slot", "_eagle_capture_layer",
+                         "_eagle_slot_reader"):
                 norm.__dict__.pop(name, None)
     if state is not None:
         model.aux_hidden_state_layers = ()

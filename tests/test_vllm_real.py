@@ -407,6 +407,18 @@ def test_tensor_parallel_2_on_gloo(engine_jobs):
         for family in TP2:
             r = _result(results, f"family_tp2_{family}")
             _family_case_ok(r["case"], (0, 4, 8))
+        # vLLM's all-reduce + RMSNorm fusion pass (its own pattern, counted on the graph
+        # its compile hands the pass): 16 all-reduce -> norm sites in this 8-layer Llama.
+        r = _result(results, "family_allreduce_fusion")
+        assert r["vllm"]["norms"] == r["ours_fusion_kept"]["norms"] == 16, r
+        assert r["ours_fusion_kept"]["matches"] == 16 and r["ours_fusion_kept"]["keep"], r
+        assert r["ours_fusion_kept"]["equal"], r          # same captures and output as vLLM
+        assert r["ours_fusion_kept"]["additional"]["keep_allreduce_fusion"] is True
+        # vLLM's own capture (hidden_states + residual reads the all-reduce output) and
+        # the capture inside our norm op each leave the 3 captured layers unfused.
+        assert r["vllm"]["matches"] == r["ours_fused_op"]["matches"] == 13, r
+        assert r["decision"] == {"flag_compiled": True, "flag_eager": False, "no_flag": False,
+                                 "flag_unset": False}, r["decision"]
     for suffix in ["", *(f"_{family}" for family in TP2)]:
         rank0, rank1 = (torch.load(work / f"rank{rank}{suffix}.pt") for rank in (0, 1))
         assert len(rank0) == 3

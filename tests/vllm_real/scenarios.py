@@ -727,7 +727,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     results = {}
     if args.rank is not None:
-        names = ["tp2"] + [f"family_tp2_{f}" for f in fs.TP2]
+        names = ["tp2"] + [f"family_tp2_{f}" for f in fs.TP2] + ["family_allreduce_fusion"]
     else:
         names = args.only or [n for n in SCENARIOS if n not in FAMILY_SCENARIOS]
     for name in names:
@@ -736,6 +736,8 @@ def main(argv=None):
                 result = tp2(args.rank, args.init_method)
             elif name.startswith("family_tp2_"):
                 result = _family_tp2(name[len("family_tp2_"):], args.rank)
+            elif name == "family_allreduce_fusion":
+                result = fs.allreduce_fusion(WORK, args.rank)
             else:
                 result = SCENARIOS[name]()
             results[name] = {"ok": True, "result": result}

@@ -91,6 +91,7 @@ class CaptureState:
         self.norm_fp32_sum = norm_fp32_sum
         self.provider = provider      # vLLM's fused_add_rms_norm implementation we match
         self.compiled = compiled      # the layer loop runs under vLLM's torch.compile
+        self.keep_allreduce_fusion = False   # capture after vLLM's norm (keeps_allreduce_fusion)
         self.stored_rows: dict[int, int] = {}
         self.fused_calls = 0
         # Path f (eager forwards): a captured layer's input norm writes the new
@@ -187,6 +188,13 @@ def _capture_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
         reference = (x + residual, self._eagle_capture_base.forward(self, x.clone(),
                                                                     residual.clone()))
     aux, slot = state.active.aux, self._eagle_capture_slot
+    if state.keep_allreduce_fusion and not eager:
+        # vLLM's AllReduceFusionPass matches all_reduce -> its fused_add_rms_norm IR op
+        # and swaps in FlashInfer's all-reduce + add + RMSNorm: the norm stays vLLM's
+        # (one pattern like every other layer's) and the capture copies its residual.
+        normed, new_residual = self._eagle_capture_base.forward(self, x, residual)
+        ops.add_capture(new_residual, None, aux, slot)
+        return normed, new_residual
     if eager and state.residual_in_slot and self._eagle_slot_reader is not None:
         # Path f: one write of the new residual, into the slot.
         state.check_slot_consumed()
@@ -267,6 +275,20 @@ def _capturing_class(cls: type, forward=_capture_norm) -> type:
                                   {"forward": forward, "_eagle_capture_base": cls,
                                    "__module__": __name__})
     return _NORM_CLASSES[key]
+
+
+def keeps_allreduce_fusion(vllm_config, compiled: bool) -> bool:
+    """Whether vLLM's compile runs its all-reduce + RMSNorm fusion pass here
+    (``pass_config.fuse_allreduce_rms``: on by default at TP > 1 on Hopper /
+    Blackwell with FlashInfer). The pass matches ``all_reduce`` followed by vLLM's
+    ``fused_add_rms_norm`` IR op; a captured norm replaced by the project's op
+    would leave that layer's all-reduce unfused, so the capture goes after vLLM's
+    norm instead (a copy of its residual)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    pass_config = getattr(getattr(vllm_config, "compilation_config", None), "pass_config", None)
+    return (compiled and bool(getattr(pass_config, "fuse_allreduce_rms", False))
+            and get_tensor_model_parallel_world_size() > 1)
 
 
 def fused_add_rms_norm_provider(like: torch.Tensor) -> str:
@@ -502,6 +524,7 @@ def install(causal_lm, layers) -> CaptureState:
     norm_fp32_sum = provider != "vllm_c"
     buffer = AuxCaptureBuffer(rows, hidden, captured, dtype=weight.dtype, device=weight.device)
     state = CaptureState(buffer, norm_fp32_sum, provider, compiled)
+    state.keep_allreduce_fusion = keeps_allreduce_fusion(vllm_config, compiled)
     state.verify_left = state.verify_total = settings.verify_forwards()
     if state.verify_total and compiled:
         _log().warning("eagle_capture: %s=%d needs eager forwards (enforce_eager): the layer "
@@ -527,8 +550,9 @@ def install(causal_lm, layers) -> CaptureState:
             norm._eagle_slot_reader = None   # path f off: a norm we do not know reads it
     additional = getattr(vllm_config, "additional_config", None)
     if isinstance(additional, dict):
-        additional[ADDITIONAL_CONFIG_KEY] = {"layers": captured, "rows": rows,
-                                             "norm_fp32_sum": norm_fp32_sum}
+        additional[ADDITIONAL_CONFIG_KEY] = {
+            "layers": captured, "rows": rows, "norm_fp32_sum": norm_fp32_sum,
+            "keep_allreduce_fusion": state.keep_allreduce_fusion}
     elif compiled:
         _log().warning("eagle_capture: vLLM's additional_config is not a dict here: set "
                        "VLLM_DISABLE_COMPILE_CACHE=1 so that no graph compiled without the "
@@ -543,7 +567,9 @@ def install(causal_lm, layers) -> CaptureState:
         " (vLLM's defaults)" if default else "", len(captured) - 1, rows, len(captured), hidden,
         str(weight.dtype).replace("torch.", ""), nbytes / 2**20, weight.device, rows_reason,
         provider, "fp32" if norm_fp32_sum else "rounded",
-        "traced into vLLM's torch.compile graph" if compiled
+        ("traced into vLLM's torch.compile graph" + (
+            " after vLLM's own norm, which its all-reduce + RMSNorm fusion pass keeps fusing"
+            if state.keep_allreduce_fusion else "")) if compiled
         else "eager, the new residual written into the slot only (path f)",
         f"; self-check of the first {state.verify_total} forwards" if state.verify_total else "")
     return state

@@ -163,8 +163,10 @@ def _capturing_graph(like: torch.Tensor) -> bool:
 
 def _capture_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
     """The capturing norm's call: vLLM's ``RMSNorm(x, residual)`` -> ``(normed,
-    new residual)``, in place as vLLM's in-place implementations do, with the new
-    residual also stored into this layer's slot."""
+    new residual)`` with the new residual also stored into this layer's slot:
+    eager, written into the slot only and handed on as the residual (path f);
+    compiled, in place as vLLM's in-place implementations do plus the slot (path
+    e), or after vLLM's own norm where its all-reduce fusion pass runs."""
     state: CaptureState = self._eagle_capture_state
     if state.disabled:
         return self._eagle_capture_base.forward(self, x, residual)
@@ -488,8 +490,8 @@ def install(causal_lm, layers) -> CaptureState:
             f"eagle_capture: {pp.world_size} pipeline stages: vLLM's {family.name} loop numbers "
             f"the aux ids from its stage's first layer (layers {model.start_layer}.."
             f"{model.end_layer - 1} here), so on the last stage id k captures the input of "
-            f"layer start + k, not of layer k: the draft would get other layers than {list(layers)}. "
-            f"Serve without pipeline parallelism")
+            f"layer start + k, not of layer k: the draft would get other layers than "
+            f"{list(layers)}. Serve without pipeline parallelism")
     if not pp.is_last_rank:
         raise UnsupportedServer("not the last pipeline stage (vLLM drops aux hidden states "
                                 "captured here; its runner asks only the last stage)")

@@ -158,8 +158,8 @@ def _plugin_off(base: Path, jobs):
 
 RUNS = {   # key -> (run, weight, priority: the longest first)
     "vllm scenarios": (_scenarios, 1, -170),
-    "vllm families": (_families, 1, -130),
-    "vllm tp2": (_tp2, 2, -60),
+    "vllm families": (_families, 1, -300),
+    "vllm tp2": (_tp2, 2, -200),
     "vllm engine": (_engine, 2, -120),
     "vllm plugin off": (_plugin_off, 1, -50),
     "vllm acceptance off": (_acceptance_off, 1, -110),
@@ -414,9 +414,9 @@ def test_tensor_parallel_2_on_gloo(engine_jobs):
         assert r["ours_fusion_kept"]["matches"] == 16 and r["ours_fusion_kept"]["keep"], r
         assert r["ours_fusion_kept"]["equal"], r          # same captures and output as vLLM
         assert r["ours_fusion_kept"]["additional"]["keep_allreduce_fusion"] is True
-        # vLLM's own capture (hidden_states + residual reads the all-reduce output) and
-        # the capture inside our norm op each leave the 3 captured layers unfused.
-        assert r["vllm"]["matches"] == r["ours_fused_op"]["matches"] == 13, r
+        # vLLM's own capture (hidden_states + residual reads the all-reduce output)
+        # leaves the 3 captured layers unfused.
+        assert r["vllm"]["matches"] == 13, r
         assert r["decision"] == {"flag_compiled": True, "flag_eager": False, "no_flag": False,
                                  "flag_unset": False}, r["decision"]
     for suffix in ["", *(f"_{family}" for family in TP2)]:

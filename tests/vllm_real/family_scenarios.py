@@ -34,11 +34,6 @@ def _folder(work: str, family: str, dtype: str = "float32") -> str:
     return fm.write_config(os.path.join(work, f"family_{family}_{dtype}"), family, dtype)
 
 
-def _in_buffer(view, buffer) -> bool:
-    start = buffer.aux.data_ptr()
-    return start <= view.data_ptr() < start + buffer.aux.numel() * buffer.aux.element_size()
-
-
 def _compare(ref, ours, ids, tokens) -> dict:
     (rm, rvc), (om, ovc) = ref, ours
     rm.set_aux_hidden_state_layers(ids)
@@ -64,7 +59,7 @@ def _compare(ref, ours, ids, tokens) -> dict:
                          torch.equal(a, b) for a, b in zip(r[1], o[1])),
                      "hidden_equal": torch.equal(r[0], o[0]),
                      "views_of_buffer": state is not None and all(
-                         _in_buffer(v, state.buffer) for v in o[1])})
+                         h.in_buffer(v, state.buffer) for v in o[1])})
     return {"ids": list(ids), "installed": state is not None,
             "vllm_capture_off": list(om.model.aux_hidden_state_layers) == [],
             "fused_calls": state.fused_calls if state else 0,
@@ -96,14 +91,7 @@ def compiled(family: str, work: str) -> dict:
     os.environ["VLLM_CACHE_ROOT"] = os.path.join(work, "vllm_cache")
     ref, ours = fm.load_pair(family, _folder(work, family), compiled=True)
     case = _compare(ref, ours, (0, 4, 8), (7, 33, 5))
-    calls = 0
-    for root, _, files in os.walk(ours[0].model.compilation_config.local_cache_dir or ""):
-        for f in files:
-            if f.endswith(".py"):
-                with open(os.path.join(root, f), errors="replace") as fh:
-                    text = fh.read()
-                if "def call(" in text:
-                    calls += text.count("torch.ops.eagle_capture.")
+    calls = h.op_calls_in_inductor_code(ours[0].model.compilation_config.local_cache_dir)
     return {"case": case, "compiled": ours[0]._eagle_capture.compiled,
             "python_calls": ours[0]._eagle_capture.fused_calls,
             "op_calls_in_inductor_code": calls}

@@ -139,15 +139,18 @@ def cuda_graph():
     """A CUDA graph captured around the plugin model's forward (vLLM's runner
     captures its graphs the same way: static inputs, replayed): replays with new
     tokens give what an eager vLLM forward gives."""
+    return {"runs": _graph_replays(*_pair("float32"))}
+
+
+def _graph_replays(ref, ours, ids=(1, 4, 8), n=16) -> list:
+    """The plugin model's forward of ``n`` tokens captured in a CUDA graph, replayed
+    with three new token sets, each compared with vLLM's own eager forward."""
     from vllm.forward_context import set_forward_context
 
     from tests.vllm_real import harness as h
 
-    ref, ours = _pair("float32")
-    ids = (1, 4, 8)
     ref[0].set_aux_hidden_state_layers(ids)
     ours[0].set_aux_hidden_state_layers(ids)
-    n = 16
     static_ids = torch.zeros(n, dtype=torch.long, device="cuda")
     positions = torch.arange(n, device="cuda")
     with set_forward_context(None, ours[1]), torch.inference_mode():
@@ -163,9 +166,8 @@ def cuda_graph():
         static_ids.copy_(torch.tensor(tok, device="cuda"))
         graph.replay()
         torch.cuda.synchronize()
-        r = h.forward(ref[0], ref[1], tok)
-        runs.append(_compare(r, (static_out[0], static_out[1])))
-    return {"runs": runs}
+        runs.append(_compare(h.forward(ref[0], ref[1], tok), (static_out[0], static_out[1])))
+    return runs
 
 
 def compiled():
@@ -256,8 +258,6 @@ def families():
     """Llama and Qwen3-MoE in vLLM's own model code on the GPU with the Triton
     kernel: eager fp32 / bf16 (the embedding id 0 and the final boundary
     included), a CUDA graph replayed with new tokens, vLLM's torch.compile (bf16)."""
-    from vllm.forward_context import set_forward_context
-
     from tests.vllm_real import harness as h
 
     out = {}
@@ -285,27 +285,7 @@ def families():
                     entry["slot_residual_calls"] = ours[0]._eagle_capture.slot_residual_calls
                     runs.append(entry)
         # A CUDA graph around the forward (fp32), replayed with new tokens.
-        ref, ours = _family_pair(family, "float32")
-        ids = (1, 4, 8)
-        ref[0].set_aux_hidden_state_layers(ids)
-        ours[0].set_aux_hidden_state_layers(ids)
-        n = 16
-        static_ids = torch.zeros(n, dtype=torch.long, device="cuda")
-        positions = torch.arange(n, device="cuda")
-        with set_forward_context(None, ours[1]), torch.inference_mode():
-            for _ in range(2):
-                ours[0](static_ids, positions)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_out = ours[0](static_ids, positions)
-        runs = fam["cuda_graph"] = []
-        for seed in (1, 2, 3):
-            tok = h.tokens(n, seed)
-            static_ids.copy_(torch.tensor(tok, device="cuda"))
-            graph.replay()
-            torch.cuda.synchronize()
-            runs.append(_compare(h.forward(ref[0], ref[1], tok), (static_out[0], static_out[1])))
+        fam["cuda_graph"] = _graph_replays(*_family_pair(family, "float32"))
         # vLLM's torch.compile (Inductor, CUDA), bf16.
         os.environ["VLLM_CACHE_ROOT"] = os.path.join(WORK, f"cache_{family}")
         ref, ours = _family_pair(family, "bfloat16", compiled=True)

@@ -199,3 +199,22 @@ def forward(model, vllm_config, token_ids):
 
 def tokens(n: int, seed: int = 0) -> list:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def in_buffer(view, buffer) -> bool:
+    """``view`` lies in the capture buffer's storage (a view, not a copy)."""
+    start = buffer.aux.data_ptr()
+    return start <= view.data_ptr() < start + buffer.aux.numel() * buffer.aux.element_size()
+
+
+def op_calls_in_inductor_code(cache_dir) -> int:
+    """Calls of the project's ops in the code Inductor generated under ``cache_dir``."""
+    calls = 0
+    for root, _, files in os.walk(cache_dir or ""):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(root, f), errors="replace") as fh:
+                    text = fh.read()
+                if "def call(" in text:
+                    calls += text.count("torch.ops.eagle_capture.")
+    return calls

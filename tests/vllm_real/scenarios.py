@@ -96,12 +96,6 @@ def _run_both(ref, ours, n, seed=None):
     return h.forward(rm, rvc, tok), h.forward(om, ovc, tok)
 
 
-def _in_buffer(view, buffer):
-    start = buffer.aux.data_ptr()
-    end = start + buffer.aux.numel() * buffer.aux.element_size()
-    return start <= view.data_ptr() < end
-
-
 # ---------------------------------------------------------------- scenarios
 
 def plugin_registry():
@@ -158,7 +152,7 @@ def same_as_vllm_fp32():
                 "hidden_equal": torch.equal(r[0], o[0]),
                 "captures_equal": [torch.equal(a, b) for a, b in zip(r[1], o[1])],
                 "shapes": [list(b.shape) for b in o[1]],
-                "views_of_buffer": all(_in_buffer(b, state.buffer) for b in o[1]),
+                "views_of_buffer": all(h.in_buffer(b, state.buffer) for b in o[1]),
                 "nonzero": all(bool(b.abs().sum() > 0) for b in o[1]),
                 "fused_calls": state.fused_calls - calls,
                 "slot_residual_calls": state.slot_residual_calls - slot_calls,
@@ -357,7 +351,7 @@ def overflow():
         r2, o2 = _run_both(ref, ours, 9)
         out = {"rows": state.buffer.max_tokens, "overflow_forwards": state.overflow_forwards,
                "equal": all(torch.equal(a, b) for a, b in zip(r[1] + r2[1], o[1] + o2[1])),
-               "back_in_buffer": all(_in_buffer(b, state.buffer) for b in o2[1])}
+               "back_in_buffer": all(h.in_buffer(b, state.buffer) for b in o2[1])}
         from eagle_capture.integrations.vllm.model import buffer_rows
         try:
             buffer_rows(ours[1], compiled=True)
@@ -393,18 +387,11 @@ def compiled():
         runs.append({"tokens": n, "count": len(o[1]),
                      "max_abs": max((a - b).abs().max().item() for a, b in zip(r[1], o[1])),
                      "hidden_max_abs": (r[0] - o[0]).abs().max().item(),
-                     "views_of_buffer": all(_in_buffer(b, ours[0]._eagle_capture.buffer)
+                     "views_of_buffer": all(h.in_buffer(b, ours[0]._eagle_capture.buffer)
                                             for b in o[1])})
     our_dir = ours[0].model.compilation_config.local_cache_dir
     ref_dir = ref[0].model.compilation_config.local_cache_dir
-    calls = 0
-    for root, _, files in os.walk(our_dir):
-        for f in files:
-            if f.endswith(".py"):
-                with open(os.path.join(root, f), errors="replace") as fh:
-                    text = fh.read()
-                if "def call(" in text:
-                    calls += text.count("torch.ops.eagle_capture.")
+    calls = h.op_calls_in_inductor_code(our_dir)
     return {"mode": int(ours[1].compilation_config.mode),
             "compiled": ours[0]._eagle_capture.compiled,
             "python_calls": ours[0]._eagle_capture.fused_calls,

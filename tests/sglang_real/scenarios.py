@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import time
 import traceback
 
 import torch
@@ -1067,11 +1068,13 @@ def main() -> None:
     for name, fn in every.items():
         if args.only and name not in args.only:
             continue
+        start = time.perf_counter()
         try:
             results[name] = {"ok": True, **(fn() or {})}
         except Exception as e:  # noqa: BLE001 - reported per scenario
             results[name] = {"ok": False, "detail": f"{type(e).__name__}: {e}",
                              "traceback": traceback.format_exc()}
+        results[name]["seconds"] = round(time.perf_counter() - start, 2)  # the cost, visible
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1, default=str)
 

@@ -281,8 +281,13 @@ def allreduce_fusion(work: str, rank: int) -> dict:
     # (use_custom_op_collectives), which the pattern names; its CPU platform calls its
     # shared-memory op directly. As on CUDA for the count (the CPU communicator reduces
     # in place under that out-of-place op: no numbers are compared in this part).
+    # That in-place reduce returns its input, which torch's first-call aliasing check of
+    # custom ops rejects where it is an error (the default when the CI variable is set):
+    # the check is off for this part only.
     group = get_tp_group()
     custom_op_call, group.use_custom_op_call = group.use_custom_op_call, True
+    aliasing_check = functorch_config.check_custom_op_aliasing
+    functorch_config.check_custom_op_aliasing = False
     try:
         # (Our op at the captured layers instead, the placement where vLLM runs no such
         # pass, matches 13 here too: the mutant "the capture inside our op where vLLM
@@ -297,6 +302,7 @@ def allreduce_fusion(work: str, rank: int) -> dict:
                          "additional": (vc.additional_config or {}).get("eagle_capture")}
     finally:
         group.use_custom_op_call = custom_op_call
+        functorch_config.check_custom_op_aliasing = aliasing_check
     # When the plugin picks that placement: vLLM's pass_config flag, compiled, TP > 1.
     from eagle_capture.integrations.vllm import model as plugin_model
 

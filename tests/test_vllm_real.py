@@ -28,7 +28,7 @@ import pytest
 
 import forkserver
 from engine_env import BASE_ENV, vllm_needs, vllm_overlay, vllm_server
-from engine_jobs import Job
+from engine_jobs import Job, once
 from tests.vllm_real.family_scenarios import COMPILED, EAGER, IDS, TP2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +50,29 @@ def _env(**extra) -> dict:
         if name not in extra:
             env.pop(name, None)
     return env
+
+
+def _cache_root(base: Path, path: Path) -> str:
+    """A run's own VLLM_CACHE_ROOT (its compile caches) sharing the session's model-
+    inspection cache: vLLM fills it with a fresh interpreter per architecture
+    (tests/vllm_real/harness.py's use_cache_root says more)."""
+    shared = base / "vllm_modelinfos"
+    shared.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
+    if not (path / "modelinfos").is_symlink():
+        (path / "modelinfos").symlink_to(shared, target_is_directory=True)
+    return str(path)
+
+
+def _modelinfos(base: Path, jobs) -> str:
+    """The shared model-inspection cache filled in one process before the runs start
+    (tests/vllm_real/modelinfos.py): its output. A failure costs time only (each run
+    then inspects what it loads)."""
+    work = base / "vllm_modelinfos_run"
+    code, log = _run(jobs, "tests.vllm_real.modelinfos", [],
+                     _env(VLLM_CACHE_ROOT=_cache_root(base, work)), 300, base / "modelinfos.log")
+    assert code == 0, f"the model-inspection warm-up failed (exit {code}):\n{log[-3000:]}"
+    return log
 
 
 def _start(jobs, module: str, args: list, env: dict, log: Path, forked: bool = True):
@@ -76,7 +99,7 @@ def _scenarios(base: Path, jobs):
     out = base / "vllm_real" / "scenarios.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     code, log = _run(jobs, "tests.vllm_real.scenarios", ["--json", str(out)],
-                     _env(VLLM_CACHE_ROOT=str(out.parent / "cache")), 1800,
+                     _env(VLLM_CACHE_ROOT=_cache_root(base, out.parent / "cache")), 1800,
                      out.parent / "scenarios.log")
     assert code == 0 and out.exists(), f"scenarios crashed (exit {code}):\n{log[-5000:]}"
     return json.loads(out.read_text())
@@ -90,7 +113,7 @@ def _families(base: Path, jobs):
     out.parent.mkdir(parents=True, exist_ok=True)
     code, log = _run(jobs, "tests.vllm_real.scenarios",
                      ["--json", str(out), "--only", *scenario_names()],
-                     _env(VLLM_CACHE_ROOT=str(out.parent / "cache")), 1800,
+                     _env(VLLM_CACHE_ROOT=_cache_root(base, out.parent / "cache")), 1800,
                      out.parent / "scenarios.log")
     assert code == 0 and out.exists(), f"family scenarios crashed (exit {code}):\n{log[-5000:]}"
     return json.loads(out.read_text())
@@ -102,7 +125,7 @@ def _tp2(base: Path, jobs):
     work = base / "vllm_tp2"
     work.mkdir(parents=True, exist_ok=True)
     init = f"tcp://127.0.0.1:{free_port()}"
-    env = _env(EAGLE_TP_OUT=str(work), VLLM_CACHE_ROOT=str(work / "cache"))
+    env = _env(EAGLE_TP_OUT=str(work), VLLM_CACHE_ROOT=_cache_root(base, work / "cache"))
     procs = [_start(jobs, "tests.vllm_real.scenarios",
                     ["--json", str(work / f"tp{rank}.json"), "--rank", str(rank),
                      "--init-method", init], env, work / f"rank{rank}.log") for rank in (0, 1)]
@@ -124,9 +147,9 @@ def _engine(base: Path, jobs):
     work = base / "vllm_engine"
     work.mkdir(parents=True, exist_ok=True)
     out = work / "acceptance.json"
+    env = _env(EAGLE_CAPTURE_VERIFY="3", VLLM_CACHE_ROOT=_cache_root(base, work / "c"))
     code, log = _run(jobs, "tests.vllm_real.engine",
-                     ["--work", str(work), "--acceptance-json", str(out)],
-                     _env(EAGLE_CAPTURE_VERIFY="3", VLLM_CACHE_ROOT=str(work / "c")), 900,
+                     ["--work", str(work), "--acceptance-json", str(out)], env, 900,
                      work / "engine.log", forked=False)
     return code, log, json.loads(out.read_text()) if out.exists() else None
 
@@ -141,7 +164,7 @@ def _acceptance_off(base: Path, jobs):
                      ["--data", str(ROOT / "tests" / "data" / "tiny_eagle3"), "--work", str(work),
                       "--json", str(out), "--plugin", "off", "--case", "as_exported", "--case",
                       "doctor_fix"],
-                     _env(EAGLE_CAPTURE="0", VLLM_CACHE_ROOT=str(work / "c")), 600,
+                     _env(EAGLE_CAPTURE="0", VLLM_CACHE_ROOT=_cache_root(base, work / "c")), 600,
                      work / "acceptance.log")
     return code, log, json.loads(out.read_text()) if out.exists() else None
 
@@ -178,8 +201,10 @@ def engine_jobs(item, base: Path, jobs) -> list:
     if os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1":
         return []
     keys = RUN_OF.get(item.originalname, "vllm scenarios")
+    needs = vllm_needs(VLLM_VERSION) + (
+        ("vllm modelinfos", lambda: once("vllm modelinfos", lambda: _modelinfos(base, jobs))),)
     return [Job(RUNS[key][2], key, lambda fn=RUNS[key][0]: fn(base, jobs), weight=RUNS[key][1],
-                needs=vllm_needs(VLLM_VERSION))
+                needs=needs)
             for key in ((keys,) if isinstance(keys, str) else keys)]
 
 

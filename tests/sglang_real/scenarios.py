@@ -1060,13 +1060,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", required=True)
     parser.add_argument("--only", nargs="*")
+    parser.add_argument("--skip", nargs="*", default=[])
     args = parser.parse_args()
     harness.setup()
     results = {"version": harness.sglang_version()}
     from tests.sglang_real import family_scenarios   # the other families, same process
     every = {**SCENARIOS, **{f"family_{k}": v for k, v in family_scenarios.SCENARIOS.items()}}
     for name, fn in every.items():
-        if args.only and name not in args.only:
+        if (args.only and name not in args.only) or name in args.skip:
             continue
         start = time.perf_counter()
         try:

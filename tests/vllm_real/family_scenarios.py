@@ -88,7 +88,7 @@ def eager(family: str, work: str, log_lines: list) -> dict:
 def compiled(family: str, work: str) -> dict:
     """Under vLLM's own torch.compile (Inductor, fullgraph): the capture is the
     project's op in the generated code, equal to vLLM's own compiled capture."""
-    os.environ["VLLM_CACHE_ROOT"] = os.path.join(work, "vllm_cache")
+    h.use_cache_root(os.path.join(work, "vllm_cache"))
     ref, ours = fm.load_pair(family, _folder(work, family), compiled=True)
     case = _compare(ref, ours, (0, 4, 8), (7, 33, 5))
     calls = h.op_calls_in_inductor_code(ours[0].model.compilation_config.local_cache_dir)
@@ -272,7 +272,7 @@ def allreduce_fusion(work: str, rank: int) -> dict:
 
     # Every model compiled here (no vLLM or Inductor cache hit): the passes run.
     os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
-    os.environ["VLLM_CACHE_ROOT"] = os.path.join(work, f"vllm_cache_fusion_{rank}")
+    h.use_cache_root(os.path.join(work, f"vllm_cache_fusion_{rank}"))
     inductor_config.fx_graph_cache = False
     functorch_config.enable_autograd_cache = False
     tok = h.tokens(9, 9)

@@ -174,7 +174,7 @@ def compiled():
     """vLLM's own torch.compile on CUDA (Inductor): the capture inside the graph."""
     from tests.vllm_real import harness as h
 
-    os.environ["VLLM_CACHE_ROOT"] = os.path.join(WORK, "cache")
+    h.use_cache_root(os.path.join(WORK, "cache"))
     ref, ours = _pair("bfloat16", compiled=True)
     ids = (2, 4, 8)
     ref[0].set_aux_hidden_state_layers(ids)
@@ -287,7 +287,7 @@ def families():
         # A CUDA graph around the forward (fp32), replayed with new tokens.
         fam["cuda_graph"] = _graph_replays(*_family_pair(family, "float32"))
         # vLLM's torch.compile (Inductor, CUDA), bf16.
-        os.environ["VLLM_CACHE_ROOT"] = os.path.join(WORK, f"cache_{family}")
+        h.use_cache_root(os.path.join(WORK, f"cache_{family}"))
         ref, ours = _family_pair(family, "bfloat16", compiled=True)
         ids = (2, 4, 8)
         ref[0].set_aux_hidden_state_layers(ids)

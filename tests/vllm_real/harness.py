@@ -23,6 +23,22 @@ NUM_LAYERS = 8          # vLLM's default ids (2, 4, 5): distinct
 VOCAB = 128
 
 
+def use_cache_root(path: str) -> None:
+    """``VLLM_CACHE_ROOT = path``: a fresh compile cache, keeping vLLM's model-inspection
+    cache (``modelinfos``) where the previous root had it. vLLM fills that cache by
+    importing each registered architecture in a fresh interpreter (~10 s on CPU, each
+    architecture, each cold cache); the result depends only on the module's source,
+    which is part of its key."""
+    previous = os.environ.get("VLLM_CACHE_ROOT")
+    os.makedirs(path, exist_ok=True)
+    link = os.path.join(path, "modelinfos")
+    if previous and not os.path.lexists(link):
+        shared = os.path.realpath(os.path.join(previous, "modelinfos"))
+        os.makedirs(shared, exist_ok=True)
+        os.symlink(shared, link)
+    os.environ["VLLM_CACHE_ROOT"] = path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 import traceback
 import types
 
@@ -376,7 +377,7 @@ def compiled():
     Inductor generated; vLLM compiles fullgraph, so a graph break would raise),
     the install is part of vLLM's compile-cache key, and the results match
     vLLM's own compiled capture."""
-    os.environ["VLLM_CACHE_ROOT"] = os.path.join(WORK, "vllm_cache")
+    h.use_cache_root(os.path.join(WORK, "vllm_cache"))
     ref, ours = _pair(compiled=True)
     ids = (1, 4, 8)
     ref[0].set_aux_hidden_state_layers(ids)
@@ -718,6 +719,7 @@ def main(argv=None):
     else:
         names = args.only or [n for n in SCENARIOS if n not in FAMILY_SCENARIOS]
     for name in names:
+        start = time.perf_counter()
         try:
             if name == "tp2":
                 result = tp2(args.rank, args.init_method)
@@ -730,6 +732,7 @@ def main(argv=None):
             results[name] = {"ok": True, "result": result}
         except Exception:  # noqa: BLE001 - reported to the pytest side
             results[name] = {"ok": False, "error": traceback.format_exc()}
+        results[name]["seconds"] = round(time.perf_counter() - start, 2)  # the cost, visible
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1, default=str)
     return 0

@@ -12,12 +12,7 @@ import os
 import platform
 import time
 
-# Inductor compiles in one thread in every test process: its default worker pool
-# (one fresh interpreter per worker, per compiling process) cost ~12 s of each
-# compiling run on CI's 2 cores, which three concurrent engine runs already share.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

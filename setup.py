@@ -14,12 +14,9 @@ if int(setuptools.__version__.split(".")[0]) >= 77:
 else:
     LICENSE = {"license": "Apache-2.0"}
 
-# The Triton kernels live in the top-level folder kernels/ (the architecture at a
-# glance) but ship as eagle_capture.kernels: a top-level import name "kernels"
-# would collide with Hugging Face's "kernels" package on PyPI. The symlink
-# eagle_capture/kernels -> ../kernels makes the same import work from a source
-# checkout, an editable install and a wheel alike (setuptools' package_dir
-# mapping of a subpackage breaks its editable finder).
+# The Triton kernels live in eagle_capture/kernels/: no top-level "kernels" folder,
+# which a checkout or an editable install would put on sys.path ahead of Hugging
+# Face's "kernels" package (a dependency of transformers >= 5.25).
 setup(
     name="eagle-capture",
     version="0.2.0",

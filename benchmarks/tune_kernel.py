@@ -1,4 +1,4 @@
-"""Tuning sweeps of the production kernel (kernels/add_rmsnorm_capture.py) on a GPU.
+"""Tuning sweeps of the production kernel (eagle_capture/kernels/add_rmsnorm_capture.py) on a GPU.
 
 Every cell launches ``add_rmsnorm_capture_kernel`` itself -- the kernel the
 ops launch, not a copy -- varied only through what it exposes: its constexpr

@@ -1,4 +1,4 @@
-"""The capture ops: the Python side of ``kernels/add_rmsnorm_capture.py``.
+"""The capture ops: the Python side of ``eagle_capture/kernels/add_rmsnorm_capture.py``.
 
 Four destination-passing ops over the one kernel. Each takes the whole aux
 buffer ``[max_tokens, K, H]`` and a slot index, never a view of it (mutated

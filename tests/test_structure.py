@@ -30,21 +30,17 @@ def test_importing_the_package_leaves_the_environment_alone():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_wheel_ships_the_kernels_as_files(tmp_path):
-    """eagle_capture/kernels is a symlink to the top-level kernels/: a wheel built
-    from the checkout must hold the kernel files themselves, byte for byte."""
+def test_wheel_ships_the_kernels(tmp_path):
+    """A wheel built from the checkout holds the kernel files, byte for byte."""
     if importlib.util.find_spec("setuptools") is None:
         pytest.skip("setuptools is not installed: no wheel to build")
     root = Path(__file__).resolve().parent.parent
-    # Built from a copy (the link kept a link): a build writes build/ and
-    # *.egg-info next to setup.py.
+    # Built from a copy: a build writes build/ and *.egg-info next to setup.py.
     src = tmp_path / "src"
-    no_cache = shutil.ignore_patterns("__pycache__")
-    for name in ("eagle_capture", "kernels"):
-        shutil.copytree(root / name, src / name, symlinks=True, ignore=no_cache)
+    shutil.copytree(root / "eagle_capture", src / "eagle_capture",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(root / name, src / name)
-    assert (src / "eagle_capture" / "kernels").is_symlink()
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
                              "--no-build-isolation", "-q", "-w", str(tmp_path), str(src)],
                             capture_output=True, text=True)
@@ -53,8 +49,30 @@ def test_wheel_ships_the_kernels_as_files(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         shipped = {n: z.read(n) for n in z.namelist() if n.startswith("eagle_capture/kernels/")}
     expected = {f"eagle_capture/kernels/{p.name}": p.read_bytes()
-                for p in (root / "kernels").glob("*.py")}
+                for p in (root / "eagle_capture" / "kernels").glob("*.py")}
     assert shipped == expected
+
+
+def test_the_checkout_hides_no_installed_package():
+    """A checkout, ``python -m`` from it and an editable install put the repository root
+    on sys.path, where a top-level package folder hides any installed distribution of
+    its name. A top-level kernels/ folder hid Hugging Face's ``kernels`` (a dependency of
+    transformers >= 5.25), and transformers' hub-kernels import then failed in every
+    process that loaded a model from the checkout."""
+    root = Path(__file__).resolve().parent.parent
+    packages = sorted(p.name for p in root.iterdir()
+                      if p.is_dir() and (p / "__init__.py").exists())
+    assert packages == ["eagle_capture"], f"top-level packages besides eagle_capture: {packages}"
+    modules = sorted(p.name for p in root.glob("*.py"))
+    assert modules == ["setup.py"], f"top-level modules besides setup.py: {modules}"
+    # The import that broke, from the root (nothing to check where transformers has no
+    # hub-kernels module or Hugging Face's kernels is not installed).
+    code = ("import importlib.util as u\n"
+            "if u.find_spec('transformers') and u.find_spec('transformers.integrations.hub_kernels'):\n"
+            "    import transformers.integrations.hub_kernels\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                            text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(root)))
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_the_names_of_0_1_still_import_with_a_warning():

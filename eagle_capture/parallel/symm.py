@@ -7,7 +7,7 @@ row-parallel *partial* hidden states and, by the path chosen for (world
 size, T) by a :class:`PathTable`,
 
 * ``one_shot``: one launch of the Lamport kernel
-  (kernels/allreduce_add_rmsnorm_capture.py): every rank pushes its partial
+  (eagle_capture/kernels/allreduce_add_rmsnorm_capture.py): every rank pushes its partial
   into every rank's buffer over NVLink, polls its own buffer until the rows
   have arrived, sums, adds the residual, normalises and stores the capture.
   No barrier, no staging copy (the partial is read where it lies);

@@ -68,8 +68,8 @@ def narrow_offsets(text: str, stride_args) -> list[str]:
 
 
 def _variants():
-    from kernels.add_rmsnorm_capture import add_rmsnorm_capture_kernel
-    from kernels.allreduce_add_rmsnorm_capture import (
+    from eagle_capture.kernels.add_rmsnorm_capture import add_rmsnorm_capture_kernel
+    from eagle_capture.kernels.allreduce_add_rmsnorm_capture import (
         lamport_allreduce_add_rmsnorm_capture_kernel,
     )
 

@@ -196,6 +196,12 @@ if _ROOT not in sys.path:
 
 from tests.sglang_real import stubs  # noqa: E402
 
+# Hugging Face's kernels package is in the test venv (transformers >= 5.25 there depends
+# on it) but in no SGLang line's own environment; the older transformers each line pins
+# imports it when present and fails on its newer API. Hidden from these processes
+# (importlib.util.find_spec answers None for a name mapped to None).
+sys.modules.setdefault("kernels", None)
+
 # Version-specific extra stubs (names whose absence breaks that version's
 # module-level imports).
 EXTRA_STUBS = {

@@ -54,14 +54,10 @@ def _env(**extra) -> dict:
 
 def _cache_root(base: Path, path: Path) -> str:
     """A run's own VLLM_CACHE_ROOT (its compile caches) sharing the session's model-
-    inspection cache: vLLM fills it with a fresh interpreter per architecture
-    (tests/vllm_real/harness.py's use_cache_root says more)."""
-    shared = base / "vllm_modelinfos"
-    shared.mkdir(parents=True, exist_ok=True)
-    path.mkdir(parents=True, exist_ok=True)
-    if not (path / "modelinfos").is_symlink():
-        (path / "modelinfos").symlink_to(shared, target_is_directory=True)
-    return str(path)
+    inspection cache (tests/vllm_real/harness.py's link_modelinfos)."""
+    from tests.vllm_real.harness import link_modelinfos
+
+    return link_modelinfos(str(path), str(base / "vllm_modelinfos"))
 
 
 def _modelinfos(base: Path, jobs) -> str:

@@ -23,19 +23,27 @@ NUM_LAYERS = 8          # vLLM's default ids (2, 4, 5): distinct
 VOCAB = 128
 
 
+def link_modelinfos(cache_root: str, shared: str) -> str:
+    """``cache_root`` (made if missing) whose vLLM model-inspection cache (``modelinfos``)
+    is the folder ``shared``: vLLM fills that cache by importing each registered
+    architecture in a fresh interpreter (~10 s on CPU, each architecture, each cold
+    cache); the result depends only on the module's source, which is part of its key."""
+    os.makedirs(shared, exist_ok=True)
+    os.makedirs(cache_root, exist_ok=True)
+    link = os.path.join(cache_root, "modelinfos")
+    if not os.path.lexists(link):
+        os.symlink(shared, link, target_is_directory=True)
+    return cache_root
+
+
 def use_cache_root(path: str) -> None:
-    """``VLLM_CACHE_ROOT = path``: a fresh compile cache, keeping vLLM's model-inspection
-    cache (``modelinfos``) where the previous root had it. vLLM fills that cache by
-    importing each registered architecture in a fresh interpreter (~10 s on CPU, each
-    architecture, each cold cache); the result depends only on the module's source,
-    which is part of its key."""
+    """``VLLM_CACHE_ROOT = path``: a fresh compile cache, keeping the model-inspection
+    cache of the previous root (link_modelinfos)."""
     previous = os.environ.get("VLLM_CACHE_ROOT")
-    os.makedirs(path, exist_ok=True)
-    link = os.path.join(path, "modelinfos")
-    if previous and not os.path.lexists(link):
-        shared = os.path.realpath(os.path.join(previous, "modelinfos"))
-        os.makedirs(shared, exist_ok=True)
-        os.symlink(shared, link)
+    if previous:
+        link_modelinfos(path, os.path.realpath(os.path.join(previous, "modelinfos")))
+    else:
+        os.makedirs(path, exist_ok=True)
     os.environ["VLLM_CACHE_ROOT"] = path
 
 

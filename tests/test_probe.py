@@ -397,3 +397,61 @@ def test_probe_on_cuda_in_bf16():
     report = _probe(DATA / "draft_speculators", device="cuda", dtype="bf16")
     assert report.verdict.startswith("CONFIRMED: the draft was trained on capture layers "
                                      "[1, 3, 6]"), report.format()
+
+
+# ------------------------------------------------- engine mode without an engine
+# (tests/test_probe_engine.py runs it in vLLM's engine)
+
+def _answer(states: dict) -> dict:
+    from eagle_capture.probe.engine import digest
+
+    return {"width": {c: s.shape[-1] for c, s in states.items()},
+            "rows": {c: s.shape[0] for c, s in states.items()},
+            "digest": {c: digest(s) for c, s in states.items()}}
+
+
+def test_rank_check_refuses_partial_sums_and_shards():
+    """Equal full states pass; two ranks' partial sums (adding up to the full state),
+    a TP-local width or missing rows are refused."""
+    from eagle_capture.probe.engine import EngineError, check_ranks
+
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(5, 64, generator=g)
+    residual, update = full * 0.8, full * 0.2
+    noise = torch.randn(5, 64, generator=g) * 0.05
+    assert check_ranks([_answer({2: full}), _answer({2: full.clone()})], 64, 5) == 0.0
+    partial = [_answer({2: residual + update / 2 + noise}),
+               _answer({2: residual + update / 2 - noise})]
+    with pytest.raises(EngineError, match="partial sums"):
+        check_ranks(partial, 64, 5)
+    with pytest.raises(EngineError, match="tensor-parallel shard"):
+        check_ranks([_answer({2: full[:, :32]}), _answer({2: full[:, 32:]})], 64, 5)
+    with pytest.raises(EngineError, match="rows"):
+        check_ranks([_answer({2: full[:3]})], 64, 5)
+
+
+def test_bad_engine_input_is_one_line_exit_2(capsys):
+    """What a user can type wrong about the engine mode: exit 2, one line, no traceback."""
+    from eagle_capture.probe.probe import main
+
+    base = ["--target", str(TARGET), "--draft", str(DATA / "draft_specforge")]
+    for extra, message in [
+            (["--device", "tpu"], "--device tpu: the probe runs on cpu, cuda or cuda:N"),
+            (["--device", "gpu0"], "--device gpu0: the probe runs on cpu, cuda or cuda:N"),
+            (["--tp", "2"], "--tp and --engine-arg need --engine vllm"),
+            (["--engine", "vllm", "--tp", "0"], "--tp 0"),
+            (["--engine", "sglang"], "invalid choice: 'sglang'"),
+            (["--engine", "vllm", "--engine-arg", "oops"], "is not KEY=VALUE"),
+            (["--dtype", "auto"], "--dtype must be one of"),
+            (["--min-margin", "2"], "--min-margin must be in [0, 1)")]:
+        assert _exit_status(main, base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (extra, err)
+
+
+def _exit_status(main, argv) -> int:
+    """main's return value, or the status of the SystemExit its option parser raises."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code

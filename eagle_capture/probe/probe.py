@@ -2,13 +2,15 @@
 
     eagle-capture probe --target TARGET_DIR --draft DRAFT_DIR [--prompts FILE]
                         [--device cuda|cpu] [--dtype bf16|fp16|fp32]
+    eagle-capture probe --engine vllm --tp 8 --target TARGET_DIR --draft DRAFT_DIR ...
 
 A draft's first speculative step tells: fed the states it was trained on, its
 top-1 token agrees with the target's next token far more often than fed states
-one layer off. The probe runs the target (Hugging Face transformers) over
-calibration text, keeps the state at every candidate capture layer (hooks on
-the decoder layers, :mod:`.target`), and runs the draft's first step
-(:mod:`.draft`) once per candidate reading of the draft's ids:
+one layer off. The probe runs the target over calibration text -- Hugging Face
+transformers on one device (hooks on the decoder layers, :mod:`.target`), or
+vLLM's engine as it serves the target, at its tensor-parallel size
+(:mod:`.engine`) -- keeps the state at every candidate capture layer, and runs
+the draft's first step (:mod:`.draft`) once per candidate reading of the draft's ids:
 
 * the config's reading (its trainer's convention, :mod:`~eagle_capture.layer_ids.trainers`;
   both readings when it is ambiguous);
@@ -57,6 +59,8 @@ __all__ = ["Candidate", "ProbeError", "ProbeReport", "candidates", "main", "run_
 # The SGLang version whose capture the engine lines show (--sglang-version): the newest read.
 SGLANG_DEFAULT = SGLANG_LINES[-1].read_versions[-1]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Where the target runs: Hugging Face transformers on one device, or vLLM's engine.
+ENGINES = ("transformers", "vllm")
 
 
 class ProbeError(ValueError):
@@ -161,6 +165,7 @@ class ProbeReport:
     engines: list[str] = field(default_factory=list)
     ok: bool = False
     notes: list[str] = field(default_factory=list)
+    measured: dict = field(default_factory=dict)   # where and how the target ran
 
     def to_json(self) -> dict:
         """The report as data: what a script checks (``--json``)."""
@@ -170,7 +175,8 @@ class ProbeReport:
                 "readings": [{"capture_layers": list(c.layers), "agreement": c.agreement,
                               "hits": c.hits, "tokens": c.tokens, "labels": c.labels,
                               "config_reading": c.config_reading} for c in self.ranked],
-                "engines": self.engines, "fixes": self.fixes, "notes": self.notes}
+                "engines": self.engines, "fixes": self.fixes, "notes": self.notes,
+                "measured": self.measured}
 
     @property
     def ranked(self) -> list[Candidate]:
@@ -356,24 +362,85 @@ def _load_target(folder: Path, device, dtype):
     return model.to(device).eval()
 
 
+def _device(device: str) -> torch.device:
+    """``--device``: the CPU or a CUDA device that is here."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ProbeError(f"--device {device}: the probe runs on cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ProbeError(f"--device {device}: no CUDA device here (--device cpu runs it on "
+                             f"the CPU)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ProbeError(f"--device {device}: there are {torch.cuda.device_count()} CUDA "
+                             f"devices here")
+    return dev
+
+
+def _states_bytes(keep, max_tokens: int, hidden: int, itemsize: int) -> int:
+    return len(keep) * max_tokens * (hidden or 0) * itemsize
+
+
+def _transformers_target(target_dir: Path, dev, torch_dtype, tmodel, keep, dtype: str,
+                         max_tokens: int, plan: str, log):
+    """The target in transformers on one device, the plan logged first (refused with the
+    numbers when it does not fit): a function of a prompt's tokens -> (states, greedy
+    tokens, the target's embeddings)."""
+    from eagle_capture.probe.target import decoder_layers, target_states
+
+    weights = _weights_bytes(target_dir, torch_dtype)
+    need = int(1.2 * weights) + _states_bytes(keep, max_tokens, tmodel.hidden_size,
+                                              torch_dtype.itemsize)
+    free = _available(dev)
+    log(f"probe: {plan}; needs ~{_size(need)} on {dev} ({_size(weights)} of weights in "
+        f"{dtype}), {_size(free)} free")
+    if need > free:
+        raise ProbeError(f"the target needs ~{_size(need)} in {dtype} on {dev}, "
+                         f"{_size(free)} are free: a target this size does not fit one "
+                         f"device (the probe runs the whole target on one); use a machine with "
+                         f"more memory, --dtype bf16, or --engine vllm --tp N to run it in "
+                         f"vLLM's engine over N GPUs")
+    model = _load_target(target_dir, dev, torch_dtype)
+    layers = decoder_layers(model, tmodel.num_layers)
+    embed = model.get_input_embeddings()
+
+    def run(tokens):
+        ids = torch.tensor([tokens], device=dev)
+        states, greedy = target_states(model, layers, ids, keep)
+        return states, greedy, embed(ids)
+    return run
+
+
 def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: str = "cpu",
               dtype: str = "fp32", max_tokens: int = 512, convention: str = "auto",
               min_margin: float = 0.03, log=print, progress: bool = True,
-              sglang_version: str = SGLANG_DEFAULT) -> ProbeReport:
+              sglang_version: str = SGLANG_DEFAULT, engine: str = "transformers",
+              tp: int = 1, engine_args: Optional[dict] = None,
+              engine_target=None) -> ProbeReport:
     """Measure every candidate reading (see the module's docstring); ``log`` gets the
-    plan (memory, tokens) before the target is loaded."""
-    from eagle_capture.probe.target import decoder_layers
-
+    plan (memory, tokens) before the target is loaded. ``engine="vllm"``: the target in
+    vLLM's engine at tensor parallel ``tp`` (:mod:`eagle_capture.probe.engine`; ``dtype``
+    may be ``"auto"``: the checkpoint's, as vLLM serves it); ``engine_target``: a
+    started :class:`~eagle_capture.probe.engine.VllmTarget` to use (and leave running)."""
+    if engine_target is not None:
+        engine = "vllm"
     target_dir, draft_dir = Path(target), Path(draft)
     for name, d in (("--target", target_dir), ("--draft", draft_dir)):
         if not (d / "config.json").is_file():
             raise ProbeError(f"{name} {d}: no config.json there (pass the model's folder)")
-    if dtype not in DTYPES:
-        raise ProbeError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    torch_dtype = DTYPES[dtype]
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ProbeError("--device cuda: no CUDA device here (--device cpu runs it on the CPU)")
+    if engine not in ENGINES:
+        raise ProbeError(f"--engine must be one of {list(ENGINES)}, got {engine!r}")
+    dtypes = sorted(DTYPES) + (["auto"] if engine == "vllm" else [])
+    if dtype not in dtypes:
+        raise ProbeError(f"--dtype must be one of {dtypes} with --engine {engine}, got "
+                         f"{dtype!r}")
+    if tp < 1 or (tp > 1 and engine != "vllm"):
+        raise ProbeError(f"--tp {tp}: a tensor-parallel size >= 1, and only with --engine vllm "
+                         f"(transformers runs the target on one device)")
+    dev = _device(device)
     try:
         tmodel = read_target(target_dir / "config.json")
         ids = read_draft_ids(draft_dir / "config.json")
@@ -381,8 +448,11 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
         raise ProbeError(str(exc)) from None
     n, arch = tmodel.num_layers, tmodel.architecture
     provenance = recognise(ids, n, arch, convention)
+    # The draft's dtype; "auto" (the engine's choice for the target) runs it as the device's
+    # default, bf16 on a GPU, fp32 on the CPU.
+    torch_dtype = DTYPES.get(dtype) or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     try:
-        dmodel = load_draft(draft_dir, dev, torch_dtype, target_hidden=tmodel.hidden_size)
+        dmodel = load_draft(draft_dir, "cpu", torch_dtype, target_hidden=tmodel.hidden_size)
     except DraftError as exc:
         raise ProbeError(str(exc)) from None
     try:
@@ -396,20 +466,8 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
                          f"layers in [0, {n}]: " + "; ".join(notes))
     prompt_list = read_prompts(prompts)
     keep = sorted({c for cand in cands for c in cand.layers})
-    weights = _weights_bytes(target_dir, torch_dtype)
-    states = len(keep) * max_tokens * (tmodel.hidden_size or 0) * torch_dtype.itemsize
-    need = int(1.2 * weights) + states
-    free = _available(dev)
     log(f"probe: target {target_dir} ({arch}, {n} layers, hidden {tmodel.hidden_size}); draft "
         f"{draft_dir} ({dmodel.spec.format}, {dmodel.spec.num_aux} states in)")
-    log(f"probe: {len(cands)} readings over {len(prompt_list)} prompts (<= {max_tokens} tokens "
-        f"each); needs ~{_size(need)} on {dev} ({_size(weights)} of weights in {dtype}), "
-        f"{_size(free)} free")
-    if need > free:
-        raise ProbeError(f"the target needs ~{_size(need)} in {dtype} on {dev}, "
-                         f"{_size(free)} are free: a target this size does not fit one "
-                         f"device (the probe runs the whole target on one); use a machine with "
-                         f"more memory or --dtype bf16")
     tokenizer = None
     if any("text" in p for p in prompt_list):
         try:
@@ -419,59 +477,155 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
             raise ProbeError(f"text prompts need the target's tokenizer, which did not load from "
                              f"{target_dir} ({type(exc).__name__}); give --prompts a .jsonl "
                              f"of {{\"token_ids\": [...]}}") from None
-    model = _load_target(target_dir, dev, torch_dtype)
-    layers = decoder_layers(model, n)
-    embed = dmodel.embed_tokens if dmodel.embed_tokens is not None \
-        else model.get_input_embeddings()
-    bar = _progress(len(prompt_list), progress)
-    started = time.monotonic()
-    with torch.no_grad():
-        for p in prompt_list:
-            tokens = (p["token_ids"] if "token_ids" in p
-                      else tokenizer(p["text"], add_special_tokens=True)["input_ids"])
-            tokens = torch.tensor(tokens[:max_tokens], device=dev).unsqueeze(0)
-            if tokens.shape[1] < 3:
+    plan = f"{len(cands)} readings over {len(prompt_list)} prompts (<= {max_tokens} tokens each)"
+    owned = None
+    try:
+        if engine == "vllm":
+            target_run, owned, measured = _engine_target(
+                target_dir, tmodel, keep, tp, dtype, max_tokens, engine_args, engine_target,
+                dev, dmodel, plan, log)
+        else:
+            target_run = _transformers_target(target_dir, dev, torch_dtype, tmodel, keep, dtype,
+                                              max_tokens, plan, log)
+            measured = {"engine": "transformers", "device": str(dev), "dtype": dtype}
+        dmodel = dmodel.to(dev)
+        bar = _progress(len(prompt_list), progress)
+        started = time.monotonic()
+        with torch.no_grad():
+            for p in prompt_list:
+                tokens = (p["token_ids"] if "token_ids" in p
+                          else tokenizer(p["text"], add_special_tokens=True)["input_ids"])
+                tokens = list(tokens[:max_tokens])
+                if len(tokens) < 3:
+                    bar.update(1)
+                    continue
+                states, greedy, embeds = target_run(tokens)
+                if dmodel.embed_tokens is not None:
+                    embeds = dmodel.embed_tokens(torch.tensor([tokens], device=dev))
+                agree = score_readings(dmodel, states, greedy, embeds,
+                                       [c.layers for c in cands])
+                for cand in cands:
+                    cand.hits += int(agree[cand.layers].sum())
+                    cand.tokens += int(agree[cand.layers].numel())
+                if bar.n == 0 and len(prompt_list) > 1:
+                    took = time.monotonic() - started
+                    log(f"probe: the first prompt took {took:.1f} s: about "
+                        f"{took * len(prompt_list):.0f} s for all {len(prompt_list)}")
                 bar.update(1)
-                continue
-            agree = first_step_agreement(model, layers, dmodel, embed, tokens,
-                                         [c.layers for c in cands])
-            for cand in cands:
-                cand.hits += int(agree[cand.layers].sum())
-                cand.tokens += int(agree[cand.layers].numel())
-            if bar.n == 0 and len(prompt_list) > 1:
-                took = time.monotonic() - started
-                log(f"probe: the first prompt took {took:.1f} s: about "
-                    f"{took * len(prompt_list):.0f} s for all {len(prompt_list)}")
-            bar.update(1)
-    bar.close()
+        bar.close()
+        if engine == "vllm":
+            notes += _engine_notes(owned or engine_target, measured)
+    finally:
+        if owned is not None:
+            owned.close()
     if not any(c.tokens for c in cands):
         raise ProbeError("no prompt had 3 tokens or more")
-    report = ProbeReport(n, cands, provenance, 0.0, notes=notes)
+    report = ProbeReport(n, cands, provenance, 0.0, notes=notes, measured=measured)
     judge(report, ids, arch, min_margin, sglang_version)
-    log(f"probe: measured in {time.monotonic() - started:.1f} s on {dev} ({dtype})")
+    where = f"vLLM's engine at tensor parallel {measured['tp']}" if engine == "vllm" else dev
+    log(f"probe: measured in {time.monotonic() - started:.1f} s in {where} ({dtype})")
     return report
 
 
+def _engine_target(target_dir: Path, tmodel, keep, tp: int, dtype: str, max_tokens: int,
+                   engine_args, engine_target, dev, dmodel, plan: str, log):
+    """The target in vLLM's engine (started here unless ``engine_target`` is given): the
+    plan logged first, then (run, the target to close or None, what was measured)."""
+    from eagle_capture.probe.engine import EngineError, VllmTarget, kv_cache_bytes
+
+    hidden = tmodel.hidden_size or 0
+    itemsize = DTYPES[dtype].itemsize if dtype in DTYPES else _checkpoint_itemsize(target_dir)
+    on_disk = sum(f.stat().st_size for f in target_dir.glob("*.safetensors"))
+    per_rank = _states_bytes(keep, max_tokens, hidden, itemsize)
+    host = per_rank + _states_bytes(keep, max_tokens, hidden, 4)
+    log(f"probe: {plan}; the target in vLLM's engine at tensor parallel {tp}, dtype {dtype}: "
+        f"{_size(on_disk)} of weights on disk (~{_size(on_disk // tp)} per rank, as vLLM "
+        f"loads them) and a KV cache of {_size(kv_cache_bytes(tmodel.num_layers, hidden, max_tokens))} "
+        f"per rank (one prompt at a time); per prompt each rank keeps {len(keep)} states of "
+        f"<= {max_tokens} tokens x {hidden} ({_size(per_rank)}) on its device, this process "
+        f"rank 0's on the host and the draft's inputs (~{_size(host)}); the draft "
+        f"({_size(sum(p.numel() * p.element_size() for p in dmodel.parameters()))}) on {dev}")
+    owned = None
+    if engine_target is None:
+        t0 = time.monotonic()
+        try:
+            engine_target = owned = VllmTarget(target_dir, tmodel.num_layers, hidden, keep,
+                                               tp=tp, dtype=dtype, max_tokens=max_tokens,
+                                               engine_args=engine_args)
+        except EngineError as exc:
+            raise ProbeError(str(exc)) from None
+        log(f"probe: vLLM served the target in {time.monotonic() - t0:.0f} s "
+            f"({engine_target.tp} ranks, on {engine_target.device})")
+    missing = sorted(set(keep) - set(engine_target.keep))
+    if missing:
+        raise ProbeError(f"the engine's capture does not hold capture layers {missing}")
+
+    def run(tokens):
+        try:
+            states, greedy, embeds = engine_target.run(tokens)
+        except EngineError as exc:
+            raise ProbeError(str(exc)) from None
+        return ({c: s.to(dev) for c, s in states.items()}, greedy.to(dev), embeds.to(dev))
+    measured = {"engine": "vllm", "tp": engine_target.tp, "dtype": dtype,
+                "device": engine_target.device, "hidden_size": hidden}
+    return run, owned, measured
+
+
+def _engine_notes(target, measured: dict) -> list[str]:
+    measured.update(ranks_checked=len(target.ranks), prompts=target.prompts,
+                    max_rank_difference=target.worst_rank_difference,
+                    engine_token_differs=target.engine_disagreements)
+    notes = [f"measured in vLLM's engine at tensor parallel {target.tp}: every rank's "
+             f"captured states are {measured['hidden_size']} wide (the full hidden size) and "
+             f"equal to rank 0's (largest relative difference "
+             f"{target.worst_rank_difference:.2g}) over {target.prompts} prompts"]
+    if target.engine_disagreements:
+        notes.append(f"vLLM's own sampled token differs from the probe's greedy token at the "
+                     f"last position in {target.engine_disagreements} of {target.prompts} "
+                     f"prompts (near-ties in the logits: computed over other rows)")
+    return notes
+
+
+def _checkpoint_itemsize(folder: Path) -> int:
+    """Bytes per element of the checkpoint's dtype (its config's), 2 when unsaid."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return 2
+    name = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return 4 if "32" in name else 2
+
+
 @torch.no_grad()
-def first_step_agreement(model, layers, draft, embed, tokens: torch.Tensor,
-                         readings: Sequence[tuple[int, ...]]) -> dict:
+def score_readings(draft, states: dict, greedy: torch.Tensor, embeds: torch.Tensor,
+                   readings: Sequence[tuple[int, ...]]) -> dict:
     """For each reading (capture layers), whether the draft's first step at each
     position t (the target's states at t, the token at t + 1) proposes the target's
-    greedy token at t + 1: {layers: bool [T - 1]} for ``tokens`` [1, T]."""
-    from eagle_capture.probe.target import target_states
-
-    keep = sorted({c for r in readings for c in r})
-    states, greedy = target_states(model, layers, tokens, keep)
+    greedy token at t + 1: {layers: bool [T - 1]}, from the target's ``states``
+    ({c: [1, T, H]}), its ``greedy`` next tokens [1, T] and the draft's ``embeds``
+    [1, T, H] of the prompt's tokens."""
     greedy = greedy[0]
     dtype = next(draft.parameters()).dtype
-    embeds = embed(tokens[:, 1:]).to(dtype)
-    positions = torch.arange(tokens.shape[1] - 1, device=tokens.device).unsqueeze(0)
+    embeds = embeds[:, 1:].to(dtype)
+    positions = torch.arange(greedy.shape[0] - 1, device=greedy.device).unsqueeze(0)
     out = {}
     for r in readings:
         aux = torch.cat([states[c][:, :-1] for c in r], dim=-1).to(dtype)
         proposed = draft.to_target(draft(aux, embeds, positions)[0].argmax(-1))
         out[tuple(r)] = proposed == greedy[1:]
     return out
+
+
+@torch.no_grad()
+def first_step_agreement(model, layers, draft, embed, tokens: torch.Tensor,
+                         readings: Sequence[tuple[int, ...]]) -> dict:
+    """:func:`score_readings` for a transformers ``model`` (its decoder ``layers``) on
+    ``tokens`` [1, T], the draft's embeddings from ``embed``."""
+    from eagle_capture.probe.target import target_states
+
+    keep = sorted({c for r in readings for c in r})
+    states, greedy = target_states(model, layers, tokens, keep)
+    return score_readings(draft, states, greedy, embed(tokens), readings)
 
 
 class _NoBar:
@@ -494,8 +648,27 @@ def _progress(total: int, on: bool):
     return tqdm(total=total, desc="probe: prompts", file=sys.stderr, leave=False)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad options: one line on stderr and exit 2 (not the usage block)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def _engine_arg(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` for vLLM's ``LLM(...)``: the value as JSON when it parses, else text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. "
+                                         f"gpu_memory_utilization=0.85)")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="eagle-capture probe",
         description="Measure which target layers an EAGLE-3 draft was trained on: its first "
                     "step's agreement with the target for every reading of its ids.")
@@ -504,9 +677,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="calibration prompts: .jsonl of {\"text\"} or "
                                      "{\"token_ids\"}, or a text file (one prompt per "
                                      "paragraph); default: the package's own")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--engine", choices=ENGINES, default="transformers",
+                   help="where the target runs: transformers on one device (default), or "
+                        "vLLM's engine as it serves the target (--tp, its dtype, quantisation)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="--engine vllm: the tensor-parallel size the target is served with")
+    p.add_argument("--engine-arg", action="append", type=_engine_arg, default=[],
+                   metavar="KEY=VALUE",
+                   help="--engine vllm: another argument of vLLM's LLM(...) (repeatable; "
+                        "e.g. quantization=fp8, trust_remote_code=true)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the target (transformers) and the draft run: cpu, cuda, cuda:N")
+    p.add_argument("--dtype", choices=sorted(DTYPES) + ["auto"], default=None,
+                   help="default: with --engine vllm auto (the checkpoint's, as vLLM serves "
+                        "it); else bf16 on cuda, fp32 on cpu")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per prompt (default 512)")
     p.add_argument("--id-convention", choices=CONVENTIONS, default="auto",
                    help="how the config's ids are read (default: from the trainer's markers)")
@@ -521,15 +705,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.max_tokens < 3:
-        print("error: --max-tokens must be >= 3", file=sys.stderr)
+    bad = ("--max-tokens must be >= 3" if args.max_tokens < 3 else
+           "--min-margin must be in [0, 1)" if not 0 <= args.min_margin < 1 else
+           "--tp and --engine-arg need --engine vllm"
+           if args.engine != "vllm" and (args.tp != 1 or args.engine_arg) else "")
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
         return 2
-    dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    dtype = args.dtype or ("auto" if args.engine == "vllm" else
+                           "bf16" if args.device.startswith("cuda") else "fp32")
     try:
         report = run_probe(args.target, args.draft, args.prompts, args.device, dtype,
                            args.max_tokens, args.id_convention, args.min_margin,
                            log=lambda s: print(s, file=sys.stderr),
-                           sglang_version=args.sglang_version)
+                           sglang_version=args.sglang_version, engine=args.engine, tp=args.tp,
+                           engine_args=dict(args.engine_arg))
     except ProbeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -537,5 +727,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print()
     print(report.format())
     if args.json:
-        Path(args.json).write_text(json.dumps(report.to_json(), indent=1) + "\n")
+        try:
+            Path(args.json).write_text(json.dumps(report.to_json(), indent=1) + "\n")
+        except OSError as exc:
+            print(f"error: --json {args.json}: {exc.strerror}", file=sys.stderr)
+            return 2
     return 0 if report.ok else 1

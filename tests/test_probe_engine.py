@@ -81,8 +81,8 @@ def _result(engine_jobs, key):
     return data
 
 
-def _transformers(draft: Path) -> dict:
-    return run_probe(str(DATA / "target"), str(draft), str(DATA / "prompts.jsonl"),
+def _transformers(draft: Path, prompts: Path = DATA / "prompts.jsonl") -> dict:
+    return run_probe(str(DATA / "target"), str(draft), str(prompts),
                      device="cpu", dtype="fp32", max_tokens=64, log=lambda s: None,
                      progress=False).to_json()
 
@@ -113,6 +113,7 @@ def test_engine_mode_equals_transformers_mode(engine_jobs, case, tmp_path):
     reference = _transformers(cases(tmp_path)[case])
     _assert_same_answer(engine, reference, max_token_flips=0)
     assert engine["measured"]["engine"] == "vllm" and engine["measured"]["tp"] == 1
+    assert engine["measured"]["prompts"] == 64 and engine["measured"]["ranks_checked"] == 1
     assert engine["measured"]["engine_token_differs"] == 0     # vLLM's own greedy token
     expected = {"specforge": "CONFIRMED", "speculators": "CONFIRMED", "converted": "MISMATCH"}
     assert engine["verdict"] == expected[case]
@@ -120,17 +121,20 @@ def test_engine_mode_equals_transformers_mode(engine_jobs, case, tmp_path):
         assert engine["verdict_text"].startswith("MISMATCH: capture layers [2, 4, 6]")
 
 
-def test_tensor_parallel_2_captures_full_reduced_states(engine_jobs):
-    """TP 2 over gloo: both ranks' states are the full width and equal (digests), the
-    answer equal to transformers' up to float noise (another reduction order); one
-    layer's all-reduce switched off -> refused, naming partial sums."""
+def test_tensor_parallel_2_captures_full_reduced_states(engine_jobs, tmp_path):
+    """TP 2 over gloo, 16 prompts: both ranks' states are the full width and equal
+    (digests), the answer equal to transformers' up to float noise (another reduction
+    order); one layer's all-reduce switched off -> refused, naming partial sums."""
+    from tests.vllm_real.probe_engine import TP2_PROMPTS, prompts
+
     data = _result(engine_jobs, "probe engine tp2")
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
     engine = data["specforge"]
     measured = engine["measured"]
     assert measured["tp"] == 2 and measured["ranks_checked"] == 2
-    assert measured["hidden_size"] == 64 and measured["prompts"] == 64
+    assert measured["hidden_size"] == 64 and measured["prompts"] == TP2_PROMPTS
     assert measured["max_rank_difference"] <= 1e-6
-    _assert_same_answer(engine, _transformers(DATA / "draft_specforge"), max_token_flips=4)
+    _assert_same_answer(engine, _transformers(DATA / "draft_specforge", prompts(tmp_path, 2)),
+                        max_token_flips=2)
     assert data["partial_sums"]["refused"], data["partial_sums"]
     assert "partial sums" in data["partial_sums"]["error"]

@@ -114,9 +114,7 @@ class VllmTarget:
         self.num_layers, self.hidden_size = num_layers, hidden_size
         self.keep = sorted(set(keep))
         self.tp = tp
-        self.worst_rank_difference = 0.0
-        self.engine_disagreements = 0
-        self.prompts = 0
+        self.reset_counts()
         kwargs = dict(model=str(folder), tensor_parallel_size=tp, dtype=VLLM_DTYPES[dtype],
                       # The hooks run in eager PyTorch: torch.compile would trace the layer
                       # loop without them, a CUDA graph replay would skip them.
@@ -147,6 +145,12 @@ class VllmTarget:
             raise EngineError(f"the probe's capture could not be installed in vLLM's workers: "
                               f"{type(exc).__name__}: {exc}") from None
         self.sampling = vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+    def reset_counts(self) -> None:
+        """Start the counts a report quotes (a target serving several probe runs)."""
+        self.worst_rank_difference = 0.0
+        self.engine_disagreements = 0
+        self.prompts = 0
 
     @property
     def device(self) -> str:

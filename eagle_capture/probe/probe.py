@@ -534,6 +534,7 @@ def _engine_target(target_dir: Path, tmodel, keep, tp: int, dtype: str, max_toke
     from eagle_capture.probe.engine import EngineError, VllmTarget, kv_cache_bytes
 
     hidden = tmodel.hidden_size or 0
+    tp = engine_target.tp if engine_target is not None else tp
     itemsize = DTYPES[dtype].itemsize if dtype in DTYPES else _checkpoint_itemsize(target_dir)
     on_disk = sum(f.stat().st_size for f in target_dir.glob("*.safetensors"))
     per_rank = _states_bytes(keep, max_tokens, hidden, itemsize)
@@ -556,6 +557,7 @@ def _engine_target(target_dir: Path, tmodel, keep, tp: int, dtype: str, max_toke
             raise ProbeError(str(exc)) from None
         log(f"probe: vLLM served the target in {time.monotonic() - t0:.0f} s "
             f"({engine_target.tp} ranks, on {engine_target.device})")
+    engine_target.reset_counts()
     missing = sorted(set(keep) - set(engine_target.keep))
     if missing:
         raise ProbeError(f"the engine's capture does not hold capture layers {missing}")

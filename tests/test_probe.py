@@ -432,9 +432,12 @@ def test_rank_check_refuses_partial_sums_and_shards():
 
 def test_bad_engine_input_is_one_line_exit_2(capsys):
     """What a user can type wrong about the engine mode: exit 2, one line, no traceback."""
+    import importlib.util
+
     from eagle_capture.probe.probe import main
 
-    base = ["--target", str(TARGET), "--draft", str(DATA / "draft_specforge")]
+    base = ["--target", str(TARGET), "--draft", str(DATA / "draft_specforge"), "--prompts",
+            str(PROMPTS)]
     for extra, message in [
             (["--device", "tpu"], "--device tpu: the probe runs on cpu, cuda or cuda:N"),
             (["--device", "gpu0"], "--device gpu0: the probe runs on cpu, cuda or cuda:N"),
@@ -442,8 +445,14 @@ def test_bad_engine_input_is_one_line_exit_2(capsys):
             (["--engine", "vllm", "--tp", "0"], "--tp 0"),
             (["--engine", "sglang"], "invalid choice: 'sglang'"),
             (["--engine", "vllm", "--engine-arg", "oops"], "is not KEY=VALUE"),
+            (["--engine", "vllm", "--engine-arg", "enforce_eager=false"],
+             "--engine-arg enforce_eager (the hooks run in eager mode only): set by the probe"),
+            (["--engine", "vllm", "--engine-arg", "pipeline_parallel_size=2"],
+             "pipeline_parallel_size (the probe hooks one pipeline stage)"),
             (["--dtype", "auto"], "--dtype must be one of"),
-            (["--min-margin", "2"], "--min-margin must be in [0, 1)")]:
+            (["--min-margin", "2"], "--min-margin must be in [0, 1)")] + (
+            [] if importlib.util.find_spec("vllm") else
+            [(["--engine", "vllm"], "--engine vllm: vLLM is not installed in this Python")]):
         assert _exit_status(main, base + extra) == 2, extra
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, (extra, err)

@@ -19,8 +19,6 @@ is refused, never scored.
 from __future__ import annotations
 
 import gc
-import json
-import math
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -28,8 +26,8 @@ import torch
 
 from eagle_capture.integrations.vllm.probe_capture import QUALNAME, digest, unpack
 
-__all__ = ["EngineError", "RANK_TOLERANCE", "VLLM_DTYPES", "VllmTarget", "check_ranks", "digest",
-           "kv_cache_bytes"]
+__all__ = ["EngineError", "FIXED_ARGS", "RANK_TOLERANCE", "VLLM_DTYPES", "VllmTarget",
+           "check_ranks", "check_vllm", "digest", "kv_cache_bytes"]
 
 # Relative difference allowed between a rank's per-row digest and rank 0's. An
 # all-reduce leaves the same bits on every rank (NCCL, vLLM's custom all-reduce and
@@ -44,6 +42,15 @@ def kv_cache_bytes(num_layers: int, hidden_size: int, max_tokens: int) -> int:
     plus a few blocks of slack, K and V of the full hidden width in fp32 per layer (an
     upper bound for every attention kind), at least 64 MiB."""
     return max(64 << 20, num_layers * (max_tokens + 256) * 2 * hidden_size * 4)
+
+
+# LLM(...) arguments the probe sets itself: the capture needs them (eager, every row
+# computed, one pipeline stage, one replica), or a probe option says them (--target, --tp).
+FIXED_ARGS = {"model": "--target", "tensor_parallel_size": "--tp",
+              "enforce_eager": "the hooks run in eager mode only",
+              "enable_prefix_caching": "every prompt's rows must be computed",
+              "pipeline_parallel_size": "the probe hooks one pipeline stage",
+              "data_parallel_size": "the probe runs one replica"}
 
 
 class EngineError(ValueError):
@@ -92,11 +99,21 @@ def _decoded(answer: dict) -> dict:
     return out
 
 
+def check_vllm() -> None:
+    """vLLM is installed (found, not imported: its import takes seconds)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise EngineError("--engine vllm: vLLM is not installed in this Python; run the probe "
+                          "where the target is served, or leave out --engine to run the target "
+                          "with transformers")
+
+
 def _import_vllm():
     try:
         import vllm
     except ImportError as exc:
-        raise EngineError(f"--engine vllm: vLLM does not import here ({exc}); install vLLM "
+        raise EngineError(f"--engine vllm: vLLM does not import here ({exc}); run the probe "
                           f"where the target is served, or leave out --engine to run the "
                           f"target with transformers") from None
     return vllm
@@ -160,13 +177,17 @@ class VllmTarget:
     def run(self, tokens: list[int]):
         out = self.llm.generate([{"prompt_token_ids": list(tokens)}], self.sampling,
                                 use_tqdm=False)
-        answers = [_decoded(a) for a in
-                   self.llm.collective_rpc("eagle_probe_take", args=(list(tokens),))]
+        try:
+            answers = [_decoded(a) for a in
+                       self.llm.collective_rpc("eagle_probe_take", args=(list(tokens),))]
+        except Exception as exc:  # noqa: BLE001 - raised in the workers
+            raise EngineError(f"vLLM's workers could not hand over the probe's captures: "
+                              f"{type(exc).__name__}: {exc}") from None
         n = len(tokens)
         self.worst_rank_difference = max(self.worst_rank_difference,
                                          check_ranks(answers, self.hidden_size, n))
-        first = answers[0]
-        if first.get("greedy") is None or "states" not in first:
+        first = next((a for a in answers if "states" in a), {})   # TP rank 0's
+        if first.get("greedy") is None:
             raise EngineError("vLLM's workers returned no final hidden states for a prompt: "
                               "the model's final norm was not called as the probe expects")
         greedy = first["greedy"].long()

@@ -53,6 +53,7 @@ from eagle_capture.layer_ids.lines import (SGLANG_LINES, CapturePlanError, Draft
                                            read_target, vllm_lines)
 from eagle_capture.layer_ids.trainers import CONVENTIONS, Provenance, recognise
 from eagle_capture.probe.draft import DraftError, load_draft
+from eagle_capture.probe.engine import FIXED_ARGS, EngineError, check_vllm
 
 __all__ = ["Candidate", "ProbeError", "ProbeReport", "candidates", "main", "run_probe"]
 
@@ -441,6 +442,11 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
         raise ProbeError(f"--tp {tp}: a tensor-parallel size >= 1, and only with --engine vllm "
                          f"(transformers runs the target on one device)")
     dev = _device(device)
+    if engine == "vllm" and engine_target is None:
+        try:
+            check_vllm()
+        except EngineError as exc:
+            raise ProbeError(str(exc)) from None
     try:
         tmodel = read_target(target_dir / "config.json")
         ids = read_draft_ids(draft_dir / "config.json")
@@ -531,7 +537,7 @@ def _engine_target(target_dir: Path, tmodel, keep, tp: int, dtype: str, max_toke
                    engine_args, engine_target, dev, dmodel, plan: str, log):
     """The target in vLLM's engine (started here unless ``engine_target`` is given): the
     plan logged first, then (run, the target to close or None, what was measured)."""
-    from eagle_capture.probe.engine import EngineError, VllmTarget, kv_cache_bytes
+    from eagle_capture.probe.engine import VllmTarget, kv_cache_bytes
 
     hidden = tmodel.hidden_size or 0
     tp = engine_target.tp if engine_target is not None else tp
@@ -711,6 +717,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
            "--min-margin must be in [0, 1)" if not 0 <= args.min_margin < 1 else
            "--tp and --engine-arg need --engine vllm"
            if args.engine != "vllm" and (args.tp != 1 or args.engine_arg) else "")
+    fixed = [f"{key} ({why})" for key, why in FIXED_ARGS.items()
+             if key in dict(args.engine_arg)]
+    if fixed and not bad:
+        bad = f"--engine-arg {', '.join(fixed)}: set by the probe"
     if bad:
         print(f"error: {bad}", file=sys.stderr)
         return 2

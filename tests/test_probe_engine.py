@@ -24,6 +24,7 @@ import pytest
 import forkserver
 from engine_env import BASE_ENV, vllm_needs, vllm_overlay
 from engine_jobs import Job
+from tests.vllm_real.harness import link_modelinfos
 from eagle_capture.probe.probe import run_probe
 
 pytest.importorskip("transformers")
@@ -41,8 +42,11 @@ def _run(base: Path, jobs, tp: int):
     work = base / f"probe_engine_tp{tp}"
     work.mkdir(parents=True, exist_ok=True)
     out, log = work / "probe.json", work / "probe.log"
+    # The run's own compile cache, the session's shared model-inspection cache (vLLM
+    # inspects each architecture in a fresh interpreter otherwise: ~10 s each, each run).
+    cache = link_modelinfos(str(work / "cache"), str(base / "vllm_modelinfos"))
     env = dict(BASE_ENV, PYTHONPATH=os.pathsep.join([vllm_overlay(VLLM_VERSION), str(ROOT)]),
-               VLLM_CACHE_ROOT=str(work / "cache"), VLLM_LOGGING_LEVEL="WARNING",
+               VLLM_CACHE_ROOT=cache, VLLM_LOGGING_LEVEL="WARNING",
                # vLLM's CPU workers bind one NUMA node each by default; the ranks share one.
                VLLM_CPU_OMP_THREADS_BIND="nobind")
     env.pop("TRITON_INTERPRET", None)

@@ -65,16 +65,17 @@ def check_ranks(answers: Sequence[dict], hidden_size: int, num_tokens: int) -> f
     worst = 0.0
     for rank, a in enumerate(answers):
         for c in sorted(a["width"]):
+            if a["rows"][c] != num_tokens:
+                raise EngineError(
+                    f"rank {rank} captured {a['rows'][c]} rows at capture layer {c} for a "
+                    f"prompt of {num_tokens} tokens (rows scattered over ranks, a layer the "
+                    f"forward did not pass, or forwards besides the prompt's); the probe does "
+                    f"not score it")
             if a["width"][c] != hidden_size:
                 raise EngineError(
                     f"rank {rank}'s state at capture layer {c} is {a['width'][c]} wide, the "
                     f"target's hidden size is {hidden_size}: a tensor-parallel shard, not the "
                     f"full state; the probe does not score it")
-            if a["rows"][c] != num_tokens:
-                raise EngineError(
-                    f"rank {rank} captured {a['rows'][c]} rows at capture layer {c} for a "
-                    f"prompt of {num_tokens} tokens (rows scattered over ranks, or a prompt "
-                    f"split into forwards the probe did not see); the probe does not score it")
             mine, theirs = a["digest"][c], ref["digest"][c]
             scale = theirs.norm(dim=-1).clamp_min(1e-30)
             rel = float(((mine - theirs).norm(dim=-1) / scale).max()) if mine.numel() else 0.0

@@ -109,7 +109,7 @@ class ProbeCapture:
         self.eagle_probe_remove()
         model = self._eagle_probe_model()
         stack, norm = _decoder_stack(model, num_layers)
-        store: dict = {"states": {}, "final": []}
+        store: dict = {"states": {}, "final": [], "layers": list(layers)}
         hooks = []
 
         def before(c):
@@ -128,6 +128,7 @@ class ProbeCapture:
             hooks.append(target.register_forward_pre_hook(before(c), with_kwargs=True))
         hooks.append(norm.register_forward_hook(final, with_kwargs=True))
         self._eagle_probe = (store, hooks)
+        self._eagle_probe_hidden = norm.weight.shape[-1] if hasattr(norm, "weight") else 0
         from vllm.distributed import (get_tensor_model_parallel_rank,
                                       get_tensor_model_parallel_world_size)
         return {"rank": get_tensor_model_parallel_rank(),
@@ -136,7 +137,7 @@ class ProbeCapture:
 
     def eagle_probe_take(self, token_ids: list) -> dict:
         """This rank's captures of the prompt ``token_ids`` (the rows of the forwards since
-        the last call, in order; the first len(token_ids) are the prompt's), then cleared:
+        the last call, in order: the prompt's), then cleared:
         per layer its width and per-row digest, the greedy tokens; from TP rank 0 also
         the states themselves (on the CPU) and the prompt's embeddings."""
         from vllm.distributed import get_tensor_model_parallel_rank
@@ -144,8 +145,11 @@ class ProbeCapture:
         send_states = get_tensor_model_parallel_rank() == 0
         store, _ = self._eagle_probe
         n = len(token_ids)
-        states = {c: torch.cat(chunks)[:n] for c, chunks in store["states"].items()}
-        final = torch.cat(store["final"])[:n] if store["final"] else None
+        # Every row since the last call: the prompt's forwards only (one, or its chunks),
+        # so exactly n rows per layer; anything else is reported (rows), never trimmed.
+        states = {c: torch.cat(store["states"][c]) if store["states"].get(c)
+                  else torch.empty(0, self._eagle_probe_hidden) for c in store["layers"]}
+        final = torch.cat(store["final"]) if store["final"] else None
         store["states"], store["final"] = {}, []
         rows = {c: s.shape[0] for c, s in states.items()}
         out = {"rows": rows, "width": {c: s.shape[-1] for c, s in states.items()},

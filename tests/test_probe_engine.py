@@ -125,6 +125,23 @@ def test_engine_mode_equals_transformers_mode(engine_jobs, case, tmp_path):
         assert engine["verdict_text"].startswith("MISMATCH: capture layers [2, 4, 6]")
 
 
+def test_command_line_in_vllms_engine(engine_jobs):
+    """``eagle-capture probe --engine vllm`` end to end: the plan (vLLM, the KV cache it
+    asks for, the states kept) before vLLM starts, the report and --json as the
+    transformers mode writes them, the engine's note, exit 1 (vLLM's lines are wrong for
+    SpecForge's ids), the same numbers as the shared engine's run."""
+    data = _result(engine_jobs, "probe engine tp1")
+    cli = data["cli"]
+    assert cli["exit"] == 1, cli["stderr"][-3000:]
+    plan = cli["stderr"].index("the target in vLLM's engine at tensor parallel 1, dtype fp32")
+    assert "KV cache of 64.0 MiB per rank" in cli["stderr"][plan:]
+    assert cli["stderr"].index("vLLM served the target in") > plan
+    assert "trainer: SpecForge" in cli["stdout"] and "CONFIRMED" in cli["stdout"]
+    assert "note: measured in vLLM's engine at tensor parallel 1" in cli["stdout"]
+    shared = {tuple(r["capture_layers"]): r["hits"] for r in data["specforge"]["readings"]}
+    assert {tuple(r["capture_layers"]): r["hits"] for r in cli["json"]["readings"]} == shared
+
+
 def test_tensor_parallel_2_captures_full_reduced_states(engine_jobs, tmp_path):
     """TP 2 over gloo, 16 prompts: both ranks' states are the full width and equal
     (digests), the answer equal to transformers' up to float noise (another reduction

@@ -5,7 +5,8 @@ child process by tests/test_probe_engine.py:
     python -m tests.vllm_real.probe_engine --work DIR --json OUT --tp 1
     VLLM_CPU_OMP_THREADS_BIND=nobind python -m tests.vllm_real.probe_engine ... --tp 2
 
-One engine start per run (the cost): the target is served once with every capture
+At TP 1 the command line first, as a user runs it (the probe starts and stops its own
+engine); then one engine start for the rest: the target is served once with every capture
 layer hooked, and the probe runs on it for each case (``run_probe(engine_target=...)``);
 the JSON has each case's report (``ProbeReport.to_json``). ``--tp 2`` adds the case of
 per-rank partial sums: :class:`PartialSums` (the probe's worker extension plus one
@@ -62,6 +63,26 @@ def prompts(work: Path, tp: int) -> Path:
     return path
 
 
+def command_line(work: Path) -> dict:
+    """``eagle-capture probe --engine vllm`` as a user runs it (its own engine, started
+    and shut down by the probe): exit status, stdout, stderr, the --json record."""
+    import contextlib
+    import io
+
+    from eagle_capture.probe.probe import main as probe
+
+    record = work / "cli.json"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = probe(["--engine", "vllm", "--target", str(DATA / "target"), "--draft",
+                      str(DATA / "draft_specforge"), "--prompts", str(DATA / "prompts.jsonl"),
+                      "--dtype", "fp32", "--max-tokens", "64", "--device", "cpu", "--json",
+                      str(record)])
+    print(stderr.getvalue(), file=sys.stderr)
+    return {"exit": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(),
+            "json": json.loads(record.read_text()) if record.exists() else None}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--work", required=True)
@@ -74,9 +95,15 @@ def main():
     from eagle_capture.probe.engine import EngineError, VllmTarget
     from eagle_capture.probe.probe import ProbeError, run_probe
 
+    out = {}
+    if args.tp == 1:
+        out["cli"] = command_line(work)
+    # TP 2 serves PartialSums; at TP 1 the probe's own extension, the one the command line's
+    # engine mixed into vLLM's worker class in this process (vLLM refuses a second one).
     target = VllmTarget(DATA / "target", 8, 64, range(9), tp=args.tp, dtype="fp32",
-                        max_tokens=64, engine_args={"worker_extension_cls": EXTENSION})
-    out = {"ranks": target.ranks}
+                        max_tokens=64, engine_args={"worker_extension_cls": EXTENSION}
+                        if args.tp > 1 else None)
+    out["ranks"] = target.ranks
     names = ["specforge", "speculators", "converted"] if args.tp == 1 else ["specforge"]
     calibration = str(prompts(work, args.tp))
     for name, draft in cases(work).items():

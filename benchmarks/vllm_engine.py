@@ -28,6 +28,7 @@ the report puts them side by side.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -66,7 +67,7 @@ SPEED_DRAFT = {
     "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
 }
 SPEED_BATCHES = (1, 8, 64)
-SPEED_PROMPT_LEN, SPEED_NEW_TOKENS, SPEED_SPEC_TOKENS = 128, 128, 3
+SPEED_PROMPT_LEN, SPEED_NEW_TOKENS, SPEED_SPEC_TOKENS, SPEED_REPEATS = 128, 128, 3, 3
 
 
 # ---------------------------------------------------------------- in the child process
@@ -140,21 +141,25 @@ def child_accept(spec: dict) -> dict:
         (draft / "config.json").write_text(json.dumps(config))
         llm = _llm(str(DATA / "target"), str(draft), 1, spec["dtype"], spec["eager"],
                    max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512,
-                   kv_cache_memory_bytes=256 << 20)
+                   kv_cache_memory_bytes=256 << 20,
+                   # per sequence, per verify step: explains a count difference to the token
+                   per_request_spec_decode_metrics="detailed")
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         seconds = time.perf_counter() - t0
         r = _spec_counts(llm)
         r["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
+        r["accepted_per_step"] = [list(o.outputs[0].spec_decode_metrics.per_step_accepted)
+                                  if o.outputs[0].spec_decode_metrics else None for o in outs]
         r["outputs_sha1"] = hashlib.sha1(json.dumps(r["outputs"]).encode()).hexdigest()[:12]
         r["generate_s"] = round(seconds, 3)
         # A second, profiled generate (4 prompts): does the plugin's kernel run in the engine?
-        generate, few = llm.generate, [{"prompt_token_ids": p} for p in prompts[:4]]
-        r.update(_kernel_counts(lambda: generate(few, params)))
+        few = [{"prompt_token_ids": p} for p in prompts[:4]]
+        r.update(_kernel_counts(functools.partial(llm.generate, few, params)))
         result[case] = r
         print(f"ACCEPT {spec['label']} {case}: {r['accepted']} of {r['draft_tokens']} draft tokens, "
               f"our kernel launched {r.get('our_kernel_launches', 'n/a')} times", flush=True)
-        del llm, generate  # the bound method holds the engine: free both before the next
+        del llm  # the engine's own finaliser must run before the next engine starts
         _free()
     return result
 
@@ -213,18 +218,22 @@ def child_speed(spec: dict) -> dict:
         torch.cuda.synchronize()
         timings.clear()
         before = _spec_counts(llm)
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        walls = []
+        for _ in range(SPEED_REPEATS):
+            t0 = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+        wall = statistics.median(walls)
         after = _spec_counts(llm)
         by_tokens: dict = {}
         for tokens, start, end in timings:
             by_tokens.setdefault(tokens, []).append(start.elapsed_time(end) * 1e3)
         new_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         result["batches"][str(batch)] = {
-            "output_tokens": new_tokens, "wall_s": round(wall, 4),
+            "output_tokens": new_tokens, "wall_s": [round(w, 4) for w in walls],
             "output_tokens_per_s": round(new_tokens / wall, 1),
+            # over the timed repeats
             "accepted": after["accepted"] - before["accepted"],
             "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
             "forward_us": {str(t): {"n": len(v), "median": round(statistics.median(v), 1),
@@ -318,12 +327,16 @@ def _finish(procs: list, log, timeout: float) -> dict:
     return results
 
 
-def run_accept(log, work: Path, parallel: int, timeout: float) -> dict:
+MODES = ("eager_fp32", "graphs_bf16")
+
+
+def run_accept(log, work: Path, parallel: int, timeout: float, runners=("v1", "v2"),
+               modes=MODES) -> dict:
     specs = [{"label": f"accept_{runner}_{mode}_{plugin}", "runner": runner, "plugin": plugin,
               "dtype": "float32" if mode == "eager_fp32" else "bfloat16",
               "eager": mode == "eager_fp32", "cases": list(CASES),
               "work": str(work / f"accept_{runner}_{mode}_{plugin}")}
-             for runner in ("v1", "v2") for mode in ("eager_fp32", "graphs_bf16")
+             for runner in runners for mode in modes
              for plugin in ("off", "on")]
     results: dict = {}
     for i in range(0, len(specs), parallel):
@@ -334,9 +347,9 @@ def run_accept(log, work: Path, parallel: int, timeout: float) -> dict:
 
 def run_speed(log, work: Path, timeout: float, order=("off", "on")) -> dict:
     results = {}
-    for plugin in order:  # one at a time: timings never share the GPU
-        spec = {"label": f"speed_{plugin}", "runner": "v1", "plugin": plugin,
-                "work": str(work / f"speed_{plugin}")}
+    for i, plugin in enumerate(order):  # one at a time: timings never share the GPU
+        spec = {"label": f"speed_{i}_{plugin}", "runner": "v1", "plugin": plugin,
+                "work": str(work / f"speed_{i}_{plugin}")}
         results.update(_finish([(spec, _start("speed", spec))], log, timeout))
     return results
 
@@ -353,6 +366,13 @@ def main(argv=None) -> int:
         p.add_argument("--timeout", type=float, default=400, help="seconds per wave of children")
         if name == "accept":
             p.add_argument("--parallel", type=int, default=8, help="children side by side")
+            p.add_argument("--runner", action="append", choices=("v1", "v2"),
+                           help="vLLM model runner(s) (default: both)")
+            p.add_argument("--mode", action="append", choices=MODES,
+                           help="execution and dtype (default: both)")
+        else:
+            p.add_argument("--order", default="off,on",
+                           help="plugin states in the order they run, e.g. on,off,on")
     sub.add_parser("smoke").add_argument("--out", required=True, type=Path)
     child = sub.add_parser("child")
     child.add_argument("kind", choices=("accept", "speed"))
@@ -370,9 +390,10 @@ def main(argv=None) -> int:
         return 0
     with open(args.out / f"{args.command}.log", "w") as log:
         if args.command == "accept":
-            results = run_accept(log, args.work, args.parallel, args.timeout)
+            results = run_accept(log, args.work, args.parallel, args.timeout,
+                                 args.runner or ("v1", "v2"), args.mode or MODES)
         else:
-            results = run_speed(log, args.work, args.timeout)
+            results = run_speed(log, args.work, args.timeout, args.order.split(","))
     (args.out / f"{args.command}.json").write_text(json.dumps(results))
     return 0 if all("error" not in r for r in results.values()) else 1
 

@@ -22,7 +22,9 @@ fi
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 rc=0
 for step in "$@"; do
-    python3 benchmarks/vllm_engine.py "$step" --out "$OUT" 2>&1 | tee "$OUT/$step.console" \
+    # ACCEPT_ARGS / SPEED_ARGS: more options of that step (benchmarks/vllm_engine.py STEP --help)
+    var=${step^^}_ARGS
+    python3 benchmarks/vllm_engine.py "$step" --out "$OUT" ${!var:-} 2>&1 | tee "$OUT/$step.console" \
         | grep -E "^(SMOKE|ACCEPT|SPEED|accept_|speed_)|Error|error:" | cut -c1-400
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 done

@@ -9,6 +9,7 @@ script gathers their JSON.
     python benchmarks/vllm_engine.py smoke --out DIR    # vLLM's rms_norm and FA3 vs torch
     python benchmarks/vllm_engine.py accept --out DIR   # tiny target + trained draft
     python benchmarks/vllm_engine.py speed --out DIR    # Llama-3-70B layer shapes, random weights
+    python benchmarks/vllm_engine.py report DIR/accept.json DIR/speed.json ...   # the tables
 
 ``accept``: the suite's tiny target (tests/data/tiny_eagle3) with its SpecForge draft, the
 ids as exported and with the doctor's fix, per (model runner, execution, dtype): V1 / V2,
@@ -354,6 +355,57 @@ def run_speed(log, work: Path, timeout: float, order=("off", "on")) -> dict:
     return results
 
 
+# ---------------------------------------------------------------- the report
+
+def _identical(a: list, b: list) -> list:
+    return [i for i, (x, y) in enumerate(zip(a, b)) if x == y]
+
+
+def report_accept(results: dict) -> list:
+    """Per configuration and case: vLLM's counts off / on, and where they differ, why: the
+    sequences whose target tokens are the same both ways and what the draft got accepted
+    on exactly those (vLLM's per-request, per-step counts)."""
+    lines = ["| runner, execution | case | accepted / drafted, off | on | our kernel launches, on "
+             "(off) | identical target streams | accepted on those, off / on |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for label in sorted(k for k in results if k.endswith("_off")):
+        off, on = results[label], results.get(label[:-4] + "_on")
+        if on is None or "error" in off or "error" in on:
+            continue
+        for case in CASES:
+            a, b = off[case], on[case]
+            same = _identical(a["outputs"], b["outputs"])
+            steps = (a.get("accepted_per_step"), b.get("accepted_per_step"))
+            on_same = ("n/a" if None in steps or None in steps[0] + steps[1] else
+                       f"{sum(sum(steps[0][i]) for i in same)} / {sum(sum(steps[1][i]) for i in same)}")
+            lines.append(f"| {label[len('accept_'):-4]} | {case} | {a['accepted']} / {a['draft_tokens']}"
+                         f" | {b['accepted']} / {b['draft_tokens']} | {b.get('our_kernel_launches')} "
+                         f"({a.get('our_kernel_launches')}) | {len(same)} of {len(a['outputs'])} | {on_same} |")
+    return lines
+
+
+def report_speed(runs: list) -> list:
+    """Per batch: each run's median GPU time of the target forward by token count and its
+    output tokens/s, on / off within the same call."""
+    lines = ["| call | batch | forward tokens | off us | on us | on / off | off tok/s | on tok/s | on / off |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, results in runs:
+        by_plugin = {r["spec"]["plugin"]: r for r in results.values() if "error" not in r}
+        if set(by_plugin) != {"off", "on"}:
+            continue
+        off, on = by_plugin["off"]["batches"], by_plugin["on"]["batches"]
+        for batch in off:
+            for tokens, f_off in off[batch]["forward_us"].items():
+                f_on = on[batch]["forward_us"].get(tokens)
+                if f_on is None or f_off["n"] < 10:   # prefills: one to three forwards
+                    continue
+                t_off, t_on = off[batch]["output_tokens_per_s"], on[batch]["output_tokens_per_s"]
+                lines.append(f"| {name} | {batch} | {tokens} | {f_off['median']} | {f_on['median']} "
+                             f"| {f_on['median'] / f_off['median']:.3f} | {t_off} | {t_on} "
+                             f"| {t_on / t_off:.3f} |")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -374,6 +426,8 @@ def main(argv=None) -> int:
             p.add_argument("--order", default="off,on",
                            help="plugin states in the order they run, e.g. on,off,on")
     sub.add_parser("smoke").add_argument("--out", required=True, type=Path)
+    rep = sub.add_parser("report", help="tables from recorded accept.json / speed.json files")
+    rep.add_argument("files", nargs="+", type=Path)
     child = sub.add_parser("child")
     child.add_argument("kind", choices=("accept", "speed"))
     child.add_argument("spec")
@@ -383,6 +437,17 @@ def main(argv=None) -> int:
         spec = json.loads(args.spec)
         result = (child_accept if args.kind == "accept" else child_speed)(spec)
         Path(args.json).write_text(json.dumps({"spec": spec, **result}))
+        return 0
+    if args.command == "report":
+        accept = {}
+        speed = []
+        for path in args.files:
+            results = json.loads(path.read_text())
+            if path.name.startswith("accept"):
+                accept.update(results)   # later files replace earlier runs of a configuration
+            else:
+                speed.append((path.parent.name, results))
+        print("\n".join(report_accept(accept) + [""] + report_speed(speed)))
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     if args.command == "smoke":

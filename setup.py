@@ -47,11 +47,12 @@ setup(
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
     keywords=["eagle-3", "speculative-decoding", "triton", "torch.compile", "sglang", "vllm"],
-    packages=["eagle_capture", "eagle_capture.kernels", "eagle_capture.parallel",
-              "eagle_capture.integrations", "eagle_capture.integrations.sglang",
-              "eagle_capture.integrations.vllm",
-              "eagle_capture.layer_ids", "eagle_capture.probe", "eagle_capture.testing"],
-    package_data={"eagle_capture.probe": ["prompts.jsonl"]},
+    # Found, not listed: a hand-kept list once dropped integrations/sglang/families/
+    # from every wheel (tests/test_packaging.py installs a built wheel and imports it all).
+    packages=setuptools.find_packages(include=["eagle_capture", "eagle_capture.*"]),
+    # Data files inside packages (the probe's calibration prompts); MANIFEST.in puts
+    # the same files in the sdist.
+    package_data={"": ["*.jsonl"]},
     # SGLang's plugin system (0.5.13+) finds the fused capture here in every
     # scheduler process; EAGLE_CAPTURE=1 turns it on (eagle_capture/integrations/sglang/plugin.py).
     entry_points={"sglang.srt.plugins": ["eagle_capture = eagle_capture.integrations.sglang.plugin:register"],

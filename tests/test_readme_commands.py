@@ -19,12 +19,11 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 
+from checkout import fresh_checkout, seed_venv
 from engine_jobs import Job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,62 +44,12 @@ def _python3_has_torch() -> bool:
                           capture_output=True).returncode == 0
 
 
-def _fresh_checkout(dest: Path) -> None:
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
-                             "--exclude-standard"], cwd=ROOT, capture_output=True, check=True)
-    for name in filter(None, listed.stdout.decode().split("\0")):
-        src, dst = ROOT / name, dest / name
-        if not src.exists() and not src.is_symlink():
-            continue   # deleted in the working tree, not yet committed
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_symlink():
-            dst.symlink_to(os.readlink(src))
-        else:
-            shutil.copy2(src, dst)
-
-
-def _requirement_names(dist) -> list[str]:
-    names = []
-    for req in dist.requires or []:
-        if "extra ==" in req:
-            continue
-        names.append(re.split(r"[ ;<>=!~\[(]", req, 1)[0])
-    return names
-
-
-def _seed_venv(checkout: Path) -> None:
-    """``checkout/.venv`` with this Python's torch and triton and what they require
-    (their files linked into its site-packages), pip and its build tools, nothing else
-    (as ``scripts/setup_env.sh`` leaves a new venv after installing torch: torch's own
-    requirements, setuptools among them, at the versions its install took)."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(checkout / ".venv")],
-                   check=True)
-    purelib = Path(sysconfig.get_paths()["purelib"])
-    target = Path(subprocess.run([str(checkout / ".venv" / "bin" / "python"), "-c",
-                                  "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                 capture_output=True, text=True, check=True).stdout.strip())
-    todo, seen = ["torch", "triton", "pip", "setuptools", "wheel"], set()
-    while todo:
-        name = todo.pop().lower().replace("_", "-")
-        if name in seen:
-            continue
-        seen.add(name)
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            continue   # an optional requirement this Python lacks
-        todo += _requirement_names(dist)
-        for top in {Path(str(f)).parts[0] for f in dist.files or []} - {".."}:
-            if (purelib / top).exists() and not (target / top).exists():
-                (target / top).symlink_to(purelib / top)
-
-
 def _readme_run(base: Path, jobs):
     checkout = base / "fresh_checkout"
     if checkout.exists():
         shutil.rmtree(checkout)
-    _fresh_checkout(checkout)
-    _seed_venv(checkout)
+    fresh_checkout(checkout)
+    seed_venv(checkout / ".venv")
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "VIRTUAL_ENV", "PYTHONPATH")}
     venv_bin = str(Path(sys.executable).parent)

@@ -163,3 +163,35 @@ def test_the_installed_console_script_runs_the_doctor(installed):
     # 1: the example's draft is fed wrongly on vLLM (the README's excerpt).
     assert result.returncode == 1, result.stderr[-3000:]
     assert "trainer: SpecForge" in result.stdout and "verdict (vLLM)" in result.stdout
+    assert result.stderr == "", result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def without_torch(built, tmp_path_factory):
+    """A fresh venv holding only the wheel (``--no-deps``): no torch, no Triton."""
+    base = tmp_path_factory.mktemp("no_torch")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", base / "venv"], check=True)
+    python = base / "venv" / "bin" / "python"
+    _install(built[1], python, base)
+    return python, base
+
+
+def test_the_doctor_runs_without_torch_or_triton(without_torch):
+    python, cwd = without_torch
+    assert _run([python, "-c", "import torch"], cwd).returncode != 0, "the venv has torch"
+    script = Path(python).parent / "eagle-capture"
+    for argv in ([script, "--help"], [script, "doctor", "--help"], [python, "-m", "eagle_capture", "--help"]):
+        result = _run(argv, cwd)
+        assert result.returncode == 0 and result.stderr == "", (argv, result.stderr[-3000:])
+    result = _run([script, *EXAMPLE], cwd)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "verdict (vLLM)" in result.stdout and result.stderr == "", result.stderr[-3000:]
+    # The package itself imports; an op, used, says what is missing.
+    code = ("import sys, eagle_capture\n"
+            "assert 'torch' not in sys.modules and 'triton' not in sys.modules\n"
+            "try:\n"
+            "    eagle_capture.add_capture\n"
+            "except ModuleNotFoundError as e:\n"
+            "    print(e.name)\n")
+    result = _run([python, "-c", code], cwd)
+    assert result.returncode == 0 and result.stdout.strip() == "torch", result.stderr[-3000:]

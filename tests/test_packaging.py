@@ -186,6 +186,12 @@ def test_the_doctor_runs_without_torch_or_triton(without_torch):
     result = _run([script, *EXAMPLE], cwd)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "verdict (vLLM)" in result.stdout and result.stderr == "", result.stderr[-3000:]
+    result = _run([script, "--version"], cwd)
+    assert result.returncode == 0 and result.stdout.startswith("eagle-capture "), result.stderr
+    # The probe runs the models: without torch it says so in one line.
+    result = _run([script, "probe", "--help"], cwd)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert "needs torch" in result.stderr
     # The package itself imports; an op, used, says what is missing.
     code = ("import sys, eagle_capture\n"
             "assert 'torch' not in sys.modules and 'triton' not in sys.modules\n"

@@ -6,7 +6,8 @@ source tree: a wheel without ``integrations/sglang/families/`` once passed them 
 SGLang's plugin then failed with ModuleNotFoundError in every wheel install.)
 
 Built with the build backend's own PEP 517 hooks, as ``python -m build --no-isolation``
-does, with the setuptools this Python has: offline, a few seconds.
+does, with the setuptools this Python has: offline, a few seconds. ``EAGLE_CAPTURE_DIST=DIR``
+tests the sdist and wheel in DIR instead (``scripts/release.sh`` passes what it built).
 """
 
 import json
@@ -77,6 +78,10 @@ def built(tmp_path_factory):
     base = tmp_path_factory.mktemp("packaging")
     src, dist = base / "src", base / "dist"
     fresh_checkout(src)
+    if os.environ.get("EAGLE_CAPTURE_DIST"):
+        dist = Path(os.environ["EAGLE_CAPTURE_DIST"]).resolve()
+        (wheel,), (sdist,) = dist.glob("*.whl"), dist.glob("*.tar.gz")
+        return src, wheel, sdist
     dist.mkdir()
     code = ("import sys, setuptools.build_meta as backend\n"
             "out = sys.argv[1]; backend.build_sdist(out); backend.build_wheel(out)\n")
@@ -109,8 +114,17 @@ def test_the_wheel_and_the_sdist_carry_every_file_of_the_package(built):
         top = t.getnames()[0].split("/")[0]
         in_sdist = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     wanted = set(expected) | {"setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE",
+                              "CHANGELOG.md",
                               "examples/llama3_70b_specforge_draft_config.json"}
     assert sorted(wanted - in_sdist) == [], f"files the sdist {top} lacks"
+
+
+def test_the_version_has_a_changelog_section(built):
+    """The one version (eagle_capture.__version__, which setup.py reads) is what the wheel
+    is called, and CHANGELOG.md describes it."""
+    import eagle_capture
+    assert built[1].name.startswith(f"eagle_capture-{eagle_capture.__version__}-")
+    assert f"\n## {eagle_capture.__version__} " in (ROOT / "CHANGELOG.md").read_text()
 
 
 def test_the_installed_wheel_imports_every_module_and_registers_its_plugins(built, installed):

@@ -100,3 +100,27 @@ def test_readme_commands_from_a_fresh_checkout(engine_jobs):
                                cwd="/", capture_output=True, text=True)
     assert installed.stdout.strip() == str(checkout / "eagle_capture" / "__init__.py"), \
         installed.stderr[-2000:]
+
+
+def test_test_sh_runs_the_file_it_is_given_and_else_the_suite(tmp_path):
+    """``bash scripts/test.sh tests/FILE.py`` runs that file only (it once always added
+    ``tests`` and ran the whole suite); no path: pyproject.toml's testpaths; options pass
+    through. Run on a two-file suite with this checkout's test.sh and pyproject.toml."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "tests").mkdir()
+    shutil.copy(ROOT / "scripts" / "test.sh", tmp_path / "scripts" / "test.sh")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "scripts" / "setup_env.sh").write_text(f"echo {sys.executable}\n")
+    for name in ("a", "b"):
+        (tmp_path / "tests" / f"test_{name}.py").write_text(f"def test_{name}():\n    pass\n")
+
+    def run(*args):
+        result = subprocess.run(["bash", "scripts/test.sh", "-p", "no:cacheprovider", *args],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return re.search(r"(\d+) passed", result.stdout).group(1)
+
+    assert run("tests/test_a.py") == "1"
+    assert run("tests/test_b.py::test_b") == "1"
+    assert run() == "2"
+    assert run("-k", "test_b") == "1"

@@ -19,8 +19,6 @@ kernel is launched.
 
 import importlib
 
-from . import _moved
-
 __version__ = "0.2.0"
 
 # Public name -> the submodule that defines it, imported on first access (PEP 562).
@@ -40,7 +38,7 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
         globals()[name] = value   # later lookups skip this function
         return value
-    return _moved.moved_attribute(name)   # names of 0.1 that moved (deprecated)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():

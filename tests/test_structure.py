@@ -1,10 +1,13 @@
 """Properties of the package as a whole, checked in a fresh interpreter."""
 
+import importlib
 import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 # The variables eagle_capture.parallel.symm handles; unset in the child so that an
@@ -49,35 +52,15 @@ def test_the_checkout_hides_no_installed_package():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_the_names_of_0_1_still_import_with_a_warning():
-    """The modules that moved into folders (and the references, into testing/)
-    import under their old names, warn, and are the very same objects."""
-    code = ("import warnings; warnings.simplefilter('error'); import eagle_capture\n"
-            "import eagle_capture.parallel.symm as new, eagle_capture.testing.reference as ref\n"
-            "for old, now in [('eagle_capture.symm', new)]:\n"
-            "    try:\n"
-            "        __import__(old)\n"
-            "    except DeprecationWarning as w:\n"
-            "        assert 'eagle_capture.parallel.symm' in str(w), w\n"
-            "    else:\n"
-            "        raise AssertionError('no warning')\n"
-            "warnings.simplefilter('ignore')\n"
-            "import eagle_capture.symm, eagle_capture.sglang, eagle_capture.doctor\n"
-            "assert eagle_capture.symm is new and eagle_capture.symm.__spec__.name == new.__name__\n"
-            "import eagle_capture.integrations.sglang.dropin as d; assert eagle_capture.sglang is d\n"
-            "assert eagle_capture.add_rmsnorm_reference is ref.add_rmsnorm_reference\n"
-            "try:\n"
-            "    eagle_capture.no_such_name\n"
-            "except AttributeError:\n"
-            "    pass\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    # python -m with the old name runs the doctor (a warning on stderr).
-    result = subprocess.run([sys.executable, "-m", "eagle_capture.doctor", "--help"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "eagle-capture doctor" in result.stdout, result.stderr
-    assert "has moved to eagle_capture.layer_ids.doctor" in result.stderr
+def test_one_name_per_thing():
+    """No aliases for the pre-release layout (nothing under those names was ever
+    published): each module and object imports under its one name only."""
+    import eagle_capture
+    for old in ("eagle_capture.symm", "eagle_capture.sglang", "eagle_capture.doctor"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+    with pytest.raises(AttributeError, match="no attribute 'add_rmsnorm_reference'"):
+        eagle_capture.add_rmsnorm_reference
 
 
 def test_every_mutant_still_finds_its_text():

@@ -16,8 +16,8 @@
 # the requirement is torch==2.13.0+cpu: PyPI's torch there is the CUDA build (~0.5 GB
 # plus several GB of cuda-toolkit / nvidia-* dependencies), so only a CPU wheel may
 # satisfy it. When the configured index (PyPI, a local wheel directory) has none,
-# it comes from PyPI's companion, PyTorch's CPU wheel index (the download's size is
-# said first); EAGLE_CAPTURE_TORCH_CPU_INDEX names another such index (a mirror).
+# it comes from PyTorch's own CPU wheel index (the download's size is said first);
+# EAGLE_CAPTURE_TORCH_CPU_INDEX names another such index (a mirror).
 # EAGLE_CAPTURE_TORCH overrides the requirement (e.g. EAGLE_CAPTURE_TORCH=torch==2.13.0
 # to accept PyPI's build). On other platforms PyPI's torch 2.13.0 is taken.
 set -euo pipefail

@@ -65,3 +65,19 @@ def seed_venv(venv: Path) -> Path:
             if (where / top).exists() and not (target / top).exists():
                 (target / top).symlink_to(where / top)
     return venv / "bin" / "python"
+
+
+def build_dists(src: Path, dist: Path) -> tuple[Path, Path]:
+    """(wheel, sdist) of the tree ``src``, written to ``dist``, by the build backend's own
+    PEP 517 hooks -- what ``python -m build --no-isolation`` does -- with this Python's
+    setuptools: offline, seconds."""
+    dist.mkdir(parents=True, exist_ok=True)
+    # The hooks rewrite sys.argv (setuptools runs setup.py through it): the folder is read first.
+    code = ("import sys, setuptools.build_meta as backend\n"
+            "out = sys.argv[1]; backend.build_sdist(out); backend.build_wheel(out)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", code, str(dist)], cwd=src, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    (wheel,), (sdist,) = dist.glob("*.whl"), dist.glob("*.tar.gz")
+    return wheel, sdist

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from checkout import ROOT, fresh_checkout, seed_venv
+from checkout import ROOT, build_dists, fresh_checkout, seed_venv
 
 # Modules that import a serving engine at their top: checked only where the engine imports
 # (the fresh venv has torch and Triton, no engine); the real-engine tests import them.
@@ -82,12 +82,7 @@ def built(tmp_path_factory):
         dist = Path(os.environ["EAGLE_CAPTURE_DIST"]).resolve()
         (wheel,), (sdist,) = dist.glob("*.whl"), dist.glob("*.tar.gz")
         return src, wheel, sdist
-    dist.mkdir()
-    code = ("import sys, setuptools.build_meta as backend\n"
-            "out = sys.argv[1]; backend.build_sdist(out); backend.build_wheel(out)\n")
-    result = _run([sys.executable, "-c", code, dist], src)
-    assert result.returncode == 0, result.stderr[-4000:]
-    (wheel,), (sdist,) = dist.glob("*.whl"), dist.glob("*.tar.gz")
+    wheel, sdist = build_dists(src, dist)
     return src, wheel, sdist
 
 

@@ -126,6 +126,15 @@ def _llm(target: str, draft: str, spec_tokens: int, dtype: str, eager: bool, **e
                                    "num_speculative_tokens": spec_tokens}, **extra)
 
 
+def write_draft(folder: Path, config_updates: dict) -> Path:
+    """A copy of the suite's SpecForge draft with ``config_updates`` written into its config."""
+    shutil.copytree(DATA / "draft_specforge", folder, dirs_exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(config_updates)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 def child_accept(spec: dict) -> dict:
     from vllm import SamplingParams
 
@@ -135,11 +144,7 @@ def child_accept(spec: dict) -> dict:
     params = SamplingParams(max_tokens=32, temperature=0, detokenize=False, ignore_eos=True)
     result = {}
     for case in spec["cases"]:
-        draft = work / case / "draft"
-        shutil.copytree(DATA / "draft_specforge", draft, dirs_exist_ok=True)
-        config = json.loads((draft / "config.json").read_text())
-        config.update(CASES[case])
-        (draft / "config.json").write_text(json.dumps(config))
+        draft = write_draft(work / case / "draft", CASES[case])
         llm = _llm(str(DATA / "target"), str(draft), 1, spec["dtype"], spec["eager"],
                    max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512,
                    kv_cache_memory_bytes=256 << 20,
@@ -161,11 +166,11 @@ def child_accept(spec: dict) -> dict:
         print(f"ACCEPT {spec['label']} {case}: {r['accepted']} of {r['draft_tokens']} draft tokens, "
               f"our kernel launched {r.get('our_kernel_launches', 'n/a')} times", flush=True)
         del llm  # the engine's own finaliser must run before the next engine starts
-        _free()
+        free_engine_memory()
     return result
 
 
-def _free():
+def free_engine_memory():
     import gc
 
     import torch
@@ -308,7 +313,7 @@ def _start(kind: str, spec: dict) -> subprocess.Popen:
 KEEP = ("ACCEPT ", "SPEED ", "eagle_capture", "Error", "error:", "Traceback")
 
 
-def _finish(procs: list, log, timeout: float) -> dict:
+def finish_wave(procs: list, log, timeout: float) -> dict:
     results, deadline = {}, time.time() + timeout
     for spec, proc in procs:
         label, work = spec["label"], Path(spec["work"])
@@ -342,7 +347,7 @@ def run_accept(log, work: Path, parallel: int, timeout: float, runners=("v1", "v
     results: dict = {}
     for i in range(0, len(specs), parallel):
         wave = [(s, _start("accept", s)) for s in specs[i:i + parallel]]
-        results.update(_finish(wave, log, timeout))
+        results.update(finish_wave(wave, log, timeout))
     return results
 
 
@@ -351,7 +356,7 @@ def run_speed(log, work: Path, timeout: float, order=("off", "on")) -> dict:
     for i, plugin in enumerate(order):  # one at a time: timings never share the GPU
         spec = {"label": f"speed_{i}_{plugin}", "runner": "v1", "plugin": plugin,
                 "work": str(work / f"speed_{i}_{plugin}")}
-        results.update(_finish([(spec, _start("speed", spec))], log, timeout))
+        results.update(finish_wave([(spec, _start("speed", spec))], log, timeout))
     return results
 
 

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import setuptools
@@ -5,6 +6,10 @@ from setuptools import setup
 
 HERE = Path(__file__).resolve().parent
 URL = "https://github.com/eagle-capture/eagle-capture"
+# One version, eagle_capture.__version__ (what `eagle-capture --version` prints), read as
+# text: importing the package here would need it importable before it is installed.
+VERSION = re.search(r'^__version__ = "([^"]+)"$', (HERE / "eagle_capture" / "__init__.py")
+                    .read_text(encoding="utf-8"), re.M).group(1)
 
 # License-Expression (PEP 639) from setuptools 77 on; older setuptools (an
 # offline --no-build-isolation install uses whatever is there) has only the
@@ -19,7 +24,7 @@ else:
 # Face's "kernels" package (a dependency of transformers >= 5.25).
 setup(
     name="eagle-capture",
-    version="0.2.0",
+    version=VERSION,
     description="Fused EAGLE-3 aux-hidden-state capture kernels and torch.library ops",
     long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
@@ -47,11 +52,12 @@ setup(
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
     keywords=["eagle-3", "speculative-decoding", "triton", "torch.compile", "sglang", "vllm"],
-    packages=["eagle_capture", "eagle_capture.kernels", "eagle_capture.parallel",
-              "eagle_capture.integrations", "eagle_capture.integrations.sglang",
-              "eagle_capture.integrations.vllm",
-              "eagle_capture.layer_ids", "eagle_capture.probe", "eagle_capture.testing"],
-    package_data={"eagle_capture.probe": ["prompts.jsonl"]},
+    # Found, not listed: a hand-kept list once dropped integrations/sglang/families/
+    # from every wheel (tests/test_packaging.py installs a built wheel and imports it all).
+    packages=setuptools.find_packages(include=["eagle_capture", "eagle_capture.*"]),
+    # Data files inside packages (the probe's calibration prompts); MANIFEST.in puts
+    # the same files in the sdist.
+    package_data={"": ["*.jsonl"]},
     # SGLang's plugin system (0.5.13+) finds the fused capture here in every
     # scheduler process; EAGLE_CAPTURE=1 turns it on (eagle_capture/integrations/sglang/plugin.py).
     entry_points={"sglang.srt.plugins": ["eagle_capture = eagle_capture.integrations.sglang.plugin:register"],

@@ -10,22 +10,36 @@ The core -- the ops (:mod:`eagle_capture.ops`, over the Triton kernels in
 * ``testing/``: references, the reference loop, benchmark timers -- never
   imported by the product.
 
-Importing this package registers the ``torch.ops.eagle_capture`` ops. It does
-not initialise CUDA: no device is queried until a kernel is launched.
+The ops and the buffer load on first use (``eagle_capture.add_capture``, ``import
+eagle_capture.ops``), which is when the ``torch.ops.eagle_capture`` ops are registered:
+importing the package itself loads neither torch nor Triton, so the doctor starts in a
+fraction of the time and runs where they are not installed. No device is queried until a
+kernel is launched.
 """
 
-from . import _moved
-from .buffer import AuxCaptureBuffer
-from .ops import add_capture, add_rmsnorm_capture, add_rmsnorm_into_slot, add_rmsnorm_out
+import importlib
 
 __version__ = "0.2.0"
 
-__all__ = [
-    "AuxCaptureBuffer",
-    "add_capture",
-    "add_rmsnorm_capture",
-    "add_rmsnorm_into_slot",
-    "add_rmsnorm_out",
-]
+# Public name -> the submodule that defines it, imported on first access (PEP 562).
+_LAZY = {
+    "AuxCaptureBuffer": "buffer",
+    "add_capture": "ops",
+    "add_rmsnorm_capture": "ops",
+    "add_rmsnorm_into_slot": "ops",
+    "add_rmsnorm_out": "ops",
+}
 
-__getattr__ = _moved.moved_attribute  # names of 0.1 that moved (deprecated)
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value   # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

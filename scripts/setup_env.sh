@@ -2,26 +2,31 @@
 # Set up a Python that has torch, triton, this package and its test/bench extras;
 # print that Python's path on stdout -- one line, nothing else (callers do
 # PY=$(bash scripts/setup_env.sh)). Progress goes to stderr: a line before each
-# long step, and pip's own output while torch installs.
+# long step, pip's own output while torch installs, and at the end (when it
+# installed something) how to use what it installed.
 #
-# * A python3 that already has torch and triton (the GPU machine: no network)
-#   is used as it is: torch is never reinstalled, and only what is missing of
-#   the extras is installed.
-# * Otherwise a virtualenv .venv gets the CPU build of torch 2.13.0, whose
-#   Triton interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors.
-#   On Linux x86_64 the requirement is torch==2.13.0+cpu: PyPI's torch there is
-#   the CUDA build (~0.5 GB plus several GB of cuda-toolkit / nvidia-*
-#   dependencies), so only a CPU wheel may satisfy it -- the local wheel
-#   (/opt/wheels) on the CI machine, or PyTorch's CPU index elsewhere:
-#       PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup_env.sh
-#   EAGLE_CAPTURE_TORCH overrides the requirement (e.g. EAGLE_CAPTURE_TORCH=torch==2.13.0
-#   to accept PyPI's build). On other platforms PyPI's torch 2.13.0 is taken.
+# Which Python:
+# * an activated virtualenv ($VIRTUAL_ENV) is used, never replaced: what it lacks
+#   is installed into it;
+# * else a python3 that already has torch and triton (the GPU machine: no network)
+#   is used as it is: torch is never reinstalled;
+# * else a virtualenv .venv in the checkout.
+# A Python without torch gets the CPU build of torch 2.13.0, whose Triton
+# interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors. On Linux x86_64
+# the requirement is torch==2.13.0+cpu: PyPI's torch there is the CUDA build (~0.5 GB
+# plus several GB of cuda-toolkit / nvidia-* dependencies), so only a CPU wheel may
+# satisfy it. When the configured index (PyPI, a local wheel directory) has none,
+# it comes from PyTorch's own CPU wheel index (the download's size is said first);
+# EAGLE_CAPTURE_TORCH_CPU_INDEX names another such index (a mirror).
+# EAGLE_CAPTURE_TORCH overrides the requirement (e.g. EAGLE_CAPTURE_TORCH=torch==2.13.0
+# to accept PyPI's build). On other platforms PyPI's torch 2.13.0 is taken.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 say() { echo "setup_env: $*" >&2; }
 
 TORCH_VERSION=2.13.0
+CPU_INDEX=${EAGLE_CAPTURE_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 if [ -n "${EAGLE_CAPTURE_TORCH:-}" ]; then
     TORCH_SPEC=$EAGLE_CAPTURE_TORCH
     TORCH_WHAT="$TORCH_SPEC"
@@ -33,7 +38,57 @@ else
     TORCH_WHAT="torch ${TORCH_VERSION}"
 fi
 
-if python3 -c "import torch, triton" >/dev/null 2>&1; then
+# wheel_size SPEC: the size of the wheel PyTorch's CPU index has for SPEC and this
+# Python, e.g. "192 MB"; empty when the index does not say (offline, no such wheel).
+wheel_size() {
+    "$PY" - "$CPU_INDEX" "$1" <<'PYEOF' 2>/dev/null || true
+import re, sys, urllib.parse, urllib.request
+index, spec = sys.argv[1].rstrip("/") + "/torch/", sys.argv[2]
+prefix = "torch-%s-cp%d%d-" % ((spec.split("==", 1) + [""])[1], *sys.version_info[:2])
+page = urllib.request.urlopen(index, timeout=20).read().decode()
+for href in re.findall(r'href="([^"]+)"', page):
+    url = urllib.parse.urljoin(index, href.split("#")[0])
+    name = urllib.parse.unquote(url.rsplit("/", 1)[-1])
+    if name.startswith(prefix) and "linux" in name and name.endswith("_x86_64.whl"):
+        head = urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=20)
+        print(f"{int(head.headers['Content-Length']) / 1e6:.0f} MB")
+        break
+PYEOF
+}
+
+# install_torch: the torch requirement and triton, from the configured index; when that
+# has no such torch, from PyTorch's CPU index. No -q: pip's progress (and a download's
+# progress bar) is the feedback for the longest step.
+install_torch() {
+    local log
+    log=$(mktemp)
+    say "installing ${TORCH_WHAT} and triton into $PY (a few minutes) ..."
+    if $PY -m pip install "$TORCH_SPEC" triton 2>&1 | tee "$log" >&2; then
+        rm -f "$log"
+        return 0
+    fi
+    if grep -qE "No matching distribution found for torch|Could not find a version that satisfies the requirement torch" "$log" \
+            && [[ $TORCH_SPEC == *+cpu ]]; then
+        rm -f "$log"
+        local size
+        size=$(wheel_size "$TORCH_SPEC")
+        say "${TORCH_SPEC} is not on the configured package index; downloading it from PyTorch's"
+        say "CPU wheel index ${CPU_INDEX} (${size:-size not known: the index did not say}) ..."
+        if $PY -m pip install --extra-index-url "$CPU_INDEX" "$TORCH_SPEC" triton >&2; then
+            return 0
+        fi
+    fi
+    rm -f "$log"
+    say "pip could not install ${TORCH_SPEC} and triton (its message is above). To take PyPI's"
+    say "build instead (on Linux x86_64 the CUDA one, several GB): EAGLE_CAPTURE_TORCH=torch==${TORCH_VERSION};"
+    say "another CPU wheel index: EAGLE_CAPTURE_TORCH_CPU_INDEX=URL."
+    exit 1
+}
+
+INSTALLED=""
+if [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
+    PY=$VIRTUAL_ENV/bin/python              # the user's own environment: used, not replaced
+elif python3 -c "import torch, triton" >/dev/null 2>&1; then
     PY=python3
 else
     if [ ! -x .venv/bin/python ]; then
@@ -41,18 +96,10 @@ else
         python3 -m venv .venv >&2
     fi
     PY=.venv/bin/python
-    if ! $PY -c "import torch, triton" >/dev/null 2>&1; then
-        # Pinned: an unpinned torch pulls a multi-GB CUDA build. No -q: pip's
-        # progress (and a download's progress bar) is the feedback for the longest step.
-        say "installing ${TORCH_WHAT} and triton into .venv (a few minutes) ..."
-        if ! $PY -m pip install "$TORCH_SPEC" triton >&2; then
-            say "pip could not install ${TORCH_SPEC} and triton. If it found no such torch: PyPI"
-            say "has no CPU build for this platform; point pip at PyTorch's CPU index with"
-            say "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu, or set"
-            say "EAGLE_CAPTURE_TORCH=torch==${TORCH_VERSION} to take PyPI's (CUDA, multi-GB) build."
-            exit 1
-        fi
-    fi
+fi
+if ! $PY -c "import torch, triton" >/dev/null 2>&1; then
+    install_torch
+    INSTALLED="torch, triton"
 fi
 
 # Extras: install only what is missing (pytest, pytest-xdist, hypothesis, numpy, transformers
@@ -69,6 +116,7 @@ PYEOF
 if [ -n "$missing" ]; then
     say "installing test/bench extras: $missing ..."
     $PY -m pip install -q $missing >&2
+    INSTALLED="${INSTALLED:+$INSTALLED, }the test/bench extras"
 fi
 
 # The package itself, editable, without touching dependencies or the network.
@@ -88,5 +136,20 @@ print(os.path.realpath(e.__file__))' 2>/dev/null || true)
 if [ "$installed" != "$(realpath eagle_capture/__init__.py)" ]; then
     say "installing eagle-capture (editable) into $PY ..."
     $PY -m pip install -q --no-deps --no-build-isolation -e . >&2
+    INSTALLED="${INSTALLED:+$INSTALLED, }eagle-capture (editable)"
+fi
+
+# How to use it, once something was installed (a run with nothing to do stays silent).
+if [ -n "$INSTALLED" ]; then
+    BIN=$("$PY_ABS" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
+    say "ready: $PY_ABS now has $INSTALLED. To use it:"
+    if [ "$(command -v eagle-capture 2>/dev/null)" = "$BIN/eagle-capture" ]; then
+        say "  eagle-capture --help                 (on your PATH)"
+    elif [ -f "$BIN/activate" ]; then
+        say "  source $BIN/activate   then   eagle-capture --help"
+    else
+        say "  $BIN/eagle-capture --help"
+    fi
+    say "  bash scripts/test.sh [tests/FILE.py]   bash scripts/bench.sh   (README: Two commands)"
 fi
 echo "$PY"

@@ -19,6 +19,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# The package loads its ops on first use; tests call them by their torch name too.
+import eagle_capture.ops  # noqa: E402,F401
+
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -19,12 +19,11 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 
+from checkout import fresh_checkout, seed_venv
 from engine_jobs import Job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,62 +44,12 @@ def _python3_has_torch() -> bool:
                           capture_output=True).returncode == 0
 
 
-def _fresh_checkout(dest: Path) -> None:
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
-                             "--exclude-standard"], cwd=ROOT, capture_output=True, check=True)
-    for name in filter(None, listed.stdout.decode().split("\0")):
-        src, dst = ROOT / name, dest / name
-        if not src.exists() and not src.is_symlink():
-            continue   # deleted in the working tree, not yet committed
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_symlink():
-            dst.symlink_to(os.readlink(src))
-        else:
-            shutil.copy2(src, dst)
-
-
-def _requirement_names(dist) -> list[str]:
-    names = []
-    for req in dist.requires or []:
-        if "extra ==" in req:
-            continue
-        names.append(re.split(r"[ ;<>=!~\[(]", req, 1)[0])
-    return names
-
-
-def _seed_venv(checkout: Path) -> None:
-    """``checkout/.venv`` with this Python's torch and triton and what they require
-    (their files linked into its site-packages), pip and its build tools, nothing else
-    (as ``scripts/setup_env.sh`` leaves a new venv after installing torch: torch's own
-    requirements, setuptools among them, at the versions its install took)."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(checkout / ".venv")],
-                   check=True)
-    purelib = Path(sysconfig.get_paths()["purelib"])
-    target = Path(subprocess.run([str(checkout / ".venv" / "bin" / "python"), "-c",
-                                  "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                 capture_output=True, text=True, check=True).stdout.strip())
-    todo, seen = ["torch", "triton", "pip", "setuptools", "wheel"], set()
-    while todo:
-        name = todo.pop().lower().replace("_", "-")
-        if name in seen:
-            continue
-        seen.add(name)
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            continue   # an optional requirement this Python lacks
-        todo += _requirement_names(dist)
-        for top in {Path(str(f)).parts[0] for f in dist.files or []} - {".."}:
-            if (purelib / top).exists() and not (target / top).exists():
-                (target / top).symlink_to(purelib / top)
-
-
 def _readme_run(base: Path, jobs):
     checkout = base / "fresh_checkout"
     if checkout.exists():
         shutil.rmtree(checkout)
-    _fresh_checkout(checkout)
-    _seed_venv(checkout)
+    fresh_checkout(checkout)
+    seed_venv(checkout / ".venv")
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "VIRTUAL_ENV", "PYTHONPATH")}
     venv_bin = str(Path(sys.executable).parent)
@@ -151,3 +100,27 @@ def test_readme_commands_from_a_fresh_checkout(engine_jobs):
                                cwd="/", capture_output=True, text=True)
     assert installed.stdout.strip() == str(checkout / "eagle_capture" / "__init__.py"), \
         installed.stderr[-2000:]
+
+
+def test_test_sh_runs_the_file_it_is_given_and_else_the_suite(tmp_path):
+    """``bash scripts/test.sh tests/FILE.py`` runs that file only (it once always added
+    ``tests`` and ran the whole suite); no path: pyproject.toml's testpaths; options pass
+    through. Run on a two-file suite with this checkout's test.sh and pyproject.toml."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "tests").mkdir()
+    shutil.copy(ROOT / "scripts" / "test.sh", tmp_path / "scripts" / "test.sh")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "scripts" / "setup_env.sh").write_text(f"echo {sys.executable}\n")
+    for name in ("a", "b"):
+        (tmp_path / "tests" / f"test_{name}.py").write_text(f"def test_{name}():\n    pass\n")
+
+    def run(*args):
+        result = subprocess.run(["bash", "scripts/test.sh", "-p", "no:cacheprovider", *args],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return re.search(r"(\d+) passed", result.stdout).group(1)
+
+    assert run("tests/test_a.py") == "1"
+    assert run("tests/test_b.py::test_b") == "1"
+    assert run() == "2"
+    assert run("-k", "test_b") == "1"

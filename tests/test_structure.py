@@ -1,14 +1,14 @@
 """Properties of the package as a whole, checked in a fresh interpreter."""
 
+import importlib
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
+
 
 # The variables eagle_capture.parallel.symm handles; unset in the child so that an
 # import-time setdefault would show.
@@ -28,29 +28,6 @@ def test_importing_the_package_leaves_the_environment_alone():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-
-
-def test_wheel_ships_the_kernels(tmp_path):
-    """A wheel built from the checkout holds the kernel files, byte for byte."""
-    if importlib.util.find_spec("setuptools") is None:
-        pytest.skip("setuptools is not installed: no wheel to build")
-    root = Path(__file__).resolve().parent.parent
-    # Built from a copy: a build writes build/ and *.egg-info next to setup.py.
-    src = tmp_path / "src"
-    shutil.copytree(root / "eagle_capture", src / "eagle_capture",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy2(root / name, src / name)
-    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                             "--no-build-isolation", "-q", "-w", str(tmp_path), str(src)],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    (wheel,) = tmp_path.glob("eagle_capture-*.whl")
-    with zipfile.ZipFile(wheel) as z:
-        shipped = {n: z.read(n) for n in z.namelist() if n.startswith("eagle_capture/kernels/")}
-    expected = {f"eagle_capture/kernels/{p.name}": p.read_bytes()
-                for p in (root / "eagle_capture" / "kernels").glob("*.py")}
-    assert shipped == expected
 
 
 def test_the_checkout_hides_no_installed_package():
@@ -75,35 +52,15 @@ def test_the_checkout_hides_no_installed_package():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_the_names_of_0_1_still_import_with_a_warning():
-    """The modules that moved into folders (and the references, into testing/)
-    import under their old names, warn, and are the very same objects."""
-    code = ("import warnings; warnings.simplefilter('error'); import eagle_capture\n"
-            "import eagle_capture.parallel.symm as new, eagle_capture.testing.reference as ref\n"
-            "for old, now in [('eagle_capture.symm', new)]:\n"
-            "    try:\n"
-            "        __import__(old)\n"
-            "    except DeprecationWarning as w:\n"
-            "        assert 'eagle_capture.parallel.symm' in str(w), w\n"
-            "    else:\n"
-            "        raise AssertionError('no warning')\n"
-            "warnings.simplefilter('ignore')\n"
-            "import eagle_capture.symm, eagle_capture.sglang, eagle_capture.doctor\n"
-            "assert eagle_capture.symm is new and eagle_capture.symm.__spec__.name == new.__name__\n"
-            "import eagle_capture.integrations.sglang.dropin as d; assert eagle_capture.sglang is d\n"
-            "assert eagle_capture.add_rmsnorm_reference is ref.add_rmsnorm_reference\n"
-            "try:\n"
-            "    eagle_capture.no_such_name\n"
-            "except AttributeError:\n"
-            "    pass\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    # python -m with the old name runs the doctor (a warning on stderr).
-    result = subprocess.run([sys.executable, "-m", "eagle_capture.doctor", "--help"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "eagle-capture doctor" in result.stdout, result.stderr
-    assert "has moved to eagle_capture.layer_ids.doctor" in result.stderr
+def test_one_name_per_thing():
+    """No aliases for the pre-release layout (nothing under those names was ever
+    published): each module and object imports under its one name only."""
+    import eagle_capture
+    for old in ("eagle_capture.symm", "eagle_capture.sglang", "eagle_capture.doctor"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+    with pytest.raises(AttributeError, match="no attribute 'add_rmsnorm_reference'"):
+        eagle_capture.add_rmsnorm_reference
 
 
 def test_every_mutant_still_finds_its_text():

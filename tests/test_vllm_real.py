@@ -450,6 +450,9 @@ def test_vllm_engine_with_eagle3_draft(engine_jobs):
     code, log, _ = engine_jobs.result("vllm engine")
     assert code == 0, log[-5000:]
     log = log.split("EAGLE_CAPTURE_CASE", 1)[0]          # the DeepSeek-V3 run's part
+    # The MLA backend the run asked for, target and draft (vLLM logs each choice once),
+    # whatever the CPU: one with AMX tiles would pick AMX_MLA, which refuses fp32 models.
+    assert "Using CPU_MLA backend." in log and "Using AMX_MLA backend." not in log
     lines = [line for line in log.splitlines() if "eagle_capture:" in line]
     # Loaded by vLLM itself in the engine core and in the worker (it builds the model).
     assert any("EngineCore" in line and "on (EAGLE_CAPTURE=1)" in line for line in lines), lines

@@ -49,6 +49,8 @@ def _per_pos(metrics) -> list:
 def run_case(name: str, data: str, work: str, prompts: list) -> dict:
     from vllm import LLM, SamplingParams
 
+    from tests.vllm_real.harness import attention_backend
+
     draft = os.path.join(work, "draft")
     shutil.copytree(os.path.join(data, "draft_specforge"), draft, dirs_exist_ok=True)
     with open(os.path.join(draft, "config.json")) as f:
@@ -59,8 +61,9 @@ def run_case(name: str, data: str, work: str, prompts: list) -> dict:
     llm = LLM(model=os.path.join(data, "target"), skip_tokenizer_init=True, dtype="float32",
               max_model_len=256, enforce_eager=True, max_num_seqs=16,
               max_num_batched_tokens=512, gpu_memory_utilization=0.3, disable_log_stats=False,
+              **attention_backend(os.path.join(data, "target")),
               speculative_config={"method": "eagle3", "model": draft,
-                                  "num_speculative_tokens": 1})
+                                  "num_speculative_tokens": 1, **attention_backend(draft)})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False,
                                        ignore_eos=True))

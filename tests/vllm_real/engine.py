@@ -4,8 +4,9 @@ starts; run in a child process by tests/test_vllm_real.py:
 
     EAGLE_CAPTURE=1 EAGLE_CAPTURE_VERIFY=3 python -m tests.vllm_real.engine --work DIR
 
-The target is a tiny DeepSeek-V3 with vLLM's CPU MLA attention (its head dim
-kv_lora_rank + qk_rope_head_dim must be 320, 512 or 576) and dummy weights;
+The target is a tiny DeepSeek-V3 with vLLM's CPU MLA attention, asked for by name (its head
+dim kv_lora_rank + qk_rope_head_dim must be 320, 512 or 576; harness.attention_backend says
+why not the AMX one) and dummy weights;
 the draft is vLLM's Eagle3DeepseekV2ForCausalLM (model_type deepseek_v2: with
 deepseek_v3 vLLM rewrites it into an MTP model). Prints the generated tokens;
 the test reads the log lines of every process. With ``--acceptance-json``, then the
@@ -55,11 +56,14 @@ def main():
 
     from vllm import LLM, SamplingParams
 
+    from tests.vllm_real.harness import attention_backend
+
     llm = LLM(model=target, skip_tokenizer_init=True, load_format="dummy", dtype="float32",
               max_model_len=256, enforce_eager=not args.compiled, max_num_seqs=4,
               gpu_memory_utilization=0.3, max_num_batched_tokens=256,
+              **attention_backend(target),
               speculative_config={"method": "eagle3", "model": draft,
-                                  "num_speculative_tokens": 2})
+                                  "num_speculative_tokens": 2, **attention_backend(draft)})
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, {"prompt_token_ids": [11, 12, 13]}]
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, detokenize=False))
     print("EAGLE_CAPTURE_TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]),

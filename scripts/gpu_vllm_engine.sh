@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On the H200 (no network): vLLM 0.32.0's real CUDA engine with the eagle-capture plugin,
+# from scripts/make_vllm_engine_bundle.sh's folders (carry [".vllm_engine", ".whl"]).
+#   bash scripts/gpu_vllm_engine.sh smoke accept speed    # any of the three, in that order
+# Installs once per machine (marker in /tmp/vllm_site), then runs
+# benchmarks/vllm_engine.py; results and log lines land in $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; SITE=/tmp/vllm_site; mkdir -p "$OUT" "$SITE"
+if [ ! -f "$SITE/.ok" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" .whl/*.whl || { echo "gpu_vllm_engine: wheels did not install"; exit 2; }
+    for t in .vllm_engine/*.tar.xz; do
+        tar -xJf "$t" -C "$SITE" || { echo "gpu_vllm_engine: $t did not unpack"; exit 2; }
+    done
+    # The plugin's entry point (vllm.general_plugins) comes from the package's metadata.
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null \
+        || { echo "gpu_vllm_engine: the package did not install"; exit 2; }
+    touch "$SITE/.ok"
+fi
+# vLLM's FlashInfer sampler is not carried (the torch sampler serves greedy decoding).
+export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+rc=0
+for step in "$@"; do
+    # ACCEPT_ARGS / SPEED_ARGS: more options of that step (benchmarks/vllm_engine.py STEP --help)
+    var=${step^^}_ARGS
+    python3 benchmarks/vllm_engine.py "$step" --out "$OUT" ${!var:-} 2>&1 | tee "$OUT/$step.console" \
+        | grep -E "^(SMOKE|ACCEPT|SPEED|accept_|speed_)|Error|error:" | cut -c1-400
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+done
+exit $rc

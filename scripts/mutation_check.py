@@ -552,7 +552,7 @@ MUTANTS = [
      "            if self.norm_before_residual:", "            if False:",
      ["tests/test_probe.py"]),
     ("probe feeds the token at t, not t + 1", "eagle_capture/probe/probe.py",
-     "embeds = embed(tokens[:, 1:]).to(dtype)", "embeds = embed(tokens[:, :-1]).to(dtype)",
+     "embeds = embeds[:, 1:].to(dtype)", "embeds = embeds[:, :-1].to(dtype)",
      ["tests/test_probe.py"]),
     ("probe's verdict ignores the noise margin", "eagle_capture/probe/probe.py",
      "if best is not top and best.agreement - top.agreement >= need:",
@@ -561,6 +561,13 @@ MUTANTS = [
     ("probe never tries the ids as inputs", "eagle_capture/probe/probe.py",
      'add(list(ids), "ids read as inputs")', "pass",
      ["tests/test_probe.py"]),
+    ("probe scores ranks' partial sums", "eagle_capture/probe/engine.py",
+     "if not rel <= RANK_TOLERANCE:", "if False:",
+     ["tests/test_probe.py", "tests/test_probe_engine.py"]),
+    ("probe's engine capture drops the residual stream",
+     "eagle_capture/integrations/vllm/probe_capture.py",
+     "state = hidden if residual is None else hidden + residual", "state = hidden",
+     ["tests/test_probe_engine.py"]),
 ]
 
 

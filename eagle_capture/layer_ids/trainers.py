@@ -50,6 +50,34 @@ MODELOPT_KEYS = ("next_layer_regular", "parallel_draft_step", "parallel_draft_he
 SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "speculators_version")
 SPECFORGE_SGLANG = (0, 5, 14)    # SpecForge 0.2.0's pinned SGLang
 
+# SpecForge's history as data: from which commit its training data came from which
+# capture (read in SpecForge's requirements.txt / pyproject.toml at each commit, and
+# scripts/prepare_hidden_states.py / specforge/core/eagle3.py of v0.1.0). Before the
+# first pin its Hugging Face target took hidden_states[X + 1] (the output
+# convention); each SGLang pin captured the ids through the target model's own
+# set_eagle3_layers_to_capture of that release. (date, commit, SGLang pin)
+SPECFORGE_SGLANG_PINS = (
+    ("2025-09-01", "94d67101", "0.5.1"),
+    ("2025-11-08", "cd975162", "0.5.4"),
+    ("2025-11-23", "00edc174", "0.5.5"),
+    ("2025-12-25", "ee22b877", "0.5.6"),
+    ("2026-03-16", "961ca7c3", "0.5.9"),
+    ("2026-06-26", "9a1c9803", "0.5.14"),
+)
+
+# What each trainer trains on when the draft config names no ids: the output-
+# convention list [1, n//2 - 1, n - 4], i.e. capture layers [2, n//2, n - 3] -- the
+# engines' own default. Read in: SpecForge resolve_eagle_capture_layers
+# (specforge/algorithms/model_providers.py, a6b6b02; v0.1.0's
+# prepare_hidden_states.py the same list); TorchSpec get_default_eagle3_aux_layer_ids
+# (torchspec/utils/misc.py, 6f21829; its SGLang engine passes them to SGLang, its vLLM
+# engine adds 1); AngelSlim (hidden_states[id + 1] of the same list).
+NO_ID_DEFAULTS = {
+    "SpecForge": "SpecForge's resolve_eagle_capture_layers",
+    "TorchSpec": "TorchSpec's get_default_eagle3_aux_layer_ids",
+    "AngelSlim": "AngelSlim's default",
+}
+
 
 def in_default(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
@@ -210,24 +238,29 @@ def recognise(draft, num_layers: int, architecture: str = "",
         readings = (_in(ids, "speculators hands its ids to vLLM unchanged; its converter copies "
                              "the ids given verbatim, so a SpecForge list converted as is would "
                              "be one layer early"),)
+        if ids is not None and sorted(ids) == out_default(num_layers):
+            # The output-convention default of SpecForge / TorchSpec: the mark of a
+            # draft converted with its ids copied as they were.
+            readings = (_out(ids, "a SpecForge or TorchSpec draft converted by speculators' "
+                                  f"converter, which copies the ids verbatim: {ids} is "
+                                  f"SpecForge's default list for {num_layers} layers"),
+                        _in(ids, "trained by speculators on vLLM's own captures"))
+            notes.append(f"{ids} is SpecForge's and TorchSpec's default list (output "
+                         f"convention) for a {num_layers}-layer target: the mark of a draft "
+                         f"converted to speculators' format with its ids copied verbatim. "
+                         f"Only the draft's training run can say which reading is right: "
+                         f"measure it with `eagle-capture probe`")
         if ids is None:
             notes.append("speculators wrote null: its converter does not read the source "
                          "draft's ids")
+    elif trainer in NO_ID_DEFAULTS and ids is None:
+        readings = (_in(in_default(num_layers),
+                        f"no ids written: {NO_ID_DEFAULTS[trainer]} trains on "
+                        f"{out_default(num_layers)} in the output convention, the engines' "
+                        f"default layers"),)
+        where = f"none written; {NO_ID_DEFAULTS[trainer]} {out_default(num_layers)}"
     elif trainer == "SpecForge":
-        # The doctor assumes DeepseekV2's rule when the architecture is not given.
-        rule = sglang_model_rule(SPECFORGE_SGLANG, architecture or "DeepseekV3ForCausalLM")
-        sglang = apply_rule(rule.rule if rule else SHIFT_ALWAYS, ids, num_layers) \
-            if ids is not None else None
-        out = _out(ids, "SpecForge's Hugging Face target backend: hidden_states[X + 1]")
-        via = Reading("SGLang 0.5.14's capture of them (SpecForge 0.2.0's data)",
-                      None if sglang is None else tuple(sorted(sglang)),
-                      f"SpecForge 0.2.0 captures its data with SGLang 0.5.14's "
-                      f"{architecture or 'DeepseekV2 (assumed)'} set_eagle3_layers_to_capture")
-        if via.expected == out.expected:
-            readings = (_out(ids, "what SpecForge 0.2.0 captured with SGLang 0.5.14, as its "
-                                  "earlier HF backend's hidden_states[X + 1]"),)
-        else:
-            readings = (out, via)
+        readings = _specforge_readings(ids, num_layers, architecture)
     elif trainer == "NVIDIA Model Optimizer":
         readings = (_out(ids, "data from its Hugging Face dump"),
                     _in(ids, "data from its vLLM dump with the ids passed unshifted"))
@@ -256,3 +289,35 @@ def recognise(draft, num_layers: int, architecture: str = "",
         return Provenance("", "", ids, where, readings, tuple(notes),
                           "markers" if len(readings) > 1 else "assumed")
     return Provenance(trainer, evidence, ids, where, readings, tuple(notes))
+
+
+def _specforge_readings(ids, num_layers: int, architecture: str) -> tuple[Reading, ...]:
+    """The capture layers a SpecForge draft's ids were trained on, one reading per
+    distinct answer over SpecForge's history: its Hugging Face target backend
+    (hidden_states[X + 1]) and each pinned SGLang's rule for the target model
+    (pins older than every wheel read take the oldest read, 0.5.9, whose rules the
+    older releases share)."""
+    # The doctor assumes DeepseekV2's rule when the architecture is not given.
+    arch = architecture or "DeepseekV3ForCausalLM"
+    found: dict[tuple[int, ...], list] = {_shifted(ids, 1): ["HF"]}
+    for date, _commit, pin in SPECFORGE_SGLANG_PINS:
+        version = tuple(int(p) for p in pin.split("."))
+        rule = sglang_model_rule(max(version, (0, 5, 9)), arch)
+        captured = apply_rule(rule.rule if rule else SHIFT_ALWAYS, ids, num_layers)
+        found.setdefault(tuple(sorted(captured)), []).append((date, pin))
+    if len(found) == 1:
+        return (_out(ids, "what SpecForge captured on every SGLang it pinned, as its HF "
+                          "backend's hidden_states[X + 1]"),)
+    readings = []
+    for expected, sources in found.items():
+        label = ("output convention (id X = the output of layer X)" if expected ==
+                 _shifted(ids, 1) else "input convention (id X = the input of layer X)"
+                 if expected == _shifted(ids, 0) else "SpecForge's capture of them")
+        pins = [p for p in sources if p != "HF"]
+        said = (["its Hugging Face target (hidden_states[X + 1])"] if "HF" in sources else []) \
+            + ([f"SGLang {pins[0][1]}" + (f" - {pins[-1][1]}" if len(pins) > 1 else "")
+                + f" as pinned from {pins[0][0]}"] if pins else [])
+        readings.append(Reading(label, expected,
+                                f"SpecForge's data from {' and '.join(said)}, with "
+                                f"{architecture or 'DeepseekV2 (assumed)'}'s rule"))
+    return tuple(readings)

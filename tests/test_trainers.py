@@ -45,7 +45,9 @@ TRAINER = {"specforge": "SpecForge", "speculators": "speculators",
 @pytest.mark.parametrize("folder,name", EXPORTED)
 def test_every_exported_config_is_recognised(folder, name):
     p = recognise(read_draft_ids(_path(folder, name)), 61, "DeepseekV3ForCausalLM")
-    assert p.trainer == TRAINER[folder], (name, p)
+    # (a template with no ids and no marker: SpecForge's and TorchSpec's look alike)
+    assert p.trainer == TRAINER[folder] or p.trainer == "SpecForge or TorchSpec" == \
+        f"{TRAINER[folder]} or TorchSpec", (name, p)
     assert p.evidence
 
 

@@ -75,6 +75,7 @@ SPECFORGE_SGLANG_PINS = (
 NO_ID_DEFAULTS = {
     "SpecForge": "SpecForge's resolve_eagle_capture_layers",
     "TorchSpec": "TorchSpec's get_default_eagle3_aux_layer_ids",
+    "SpecForge or TorchSpec": "SpecForge's and TorchSpec's default",
     "AngelSlim": "AngelSlim's default",
 }
 
@@ -163,6 +164,11 @@ def _markers(config: dict) -> tuple[str, str]:
         keys = [k for k in (ANGELSLIM_KEY, "modal_type") if k in config]
         return "AngelSlim", ", ".join(keys + ([f"architectures {arch}"]
                                                if arch == "Eagle3LlamaForCausalLM" else []))
+    if arch == "LlamaForCausalLMEagle3" and eagle is None and IDS_KEY not in config:
+        # SpecForge's and TorchSpec's templates without ids look alike (TorchSpec's
+        # exporter adds _torchspec_version); both train such a draft on the same layers.
+        return ("SpecForge or TorchSpec",
+                "architectures LlamaForCausalLMEagle3, no eagle_config, no _torchspec_version")
     if arch == "LlamaForCausalLMEagle3" and (eagle is None or set(eagle) <= {
             IDS_KEY, "use_aux_hidden_state"}):
         return "SpecForge", ("architectures LlamaForCausalLMEagle3" + (

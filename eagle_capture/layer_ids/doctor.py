@@ -395,7 +395,10 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     unsorted = slot_order_problem(trained)
     if unsorted:
         config_problems.append(unsorted)
-    if engine == "vllm":
+    cannot = _cannot_load(engine, draft)
+    if cannot:
+        pass    # no note on ids for a file this engine cannot load
+    elif engine == "vllm":
         notes += _vllm_notes(draft, ids, provenance)
     elif draft is not None and draft.nested is None and draft.top_level is not None:
         notes.append(
@@ -437,7 +440,7 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
         by_reading.append((reading, [
             diagnose_line(line, lids, num_layers, allow_embedding, expected=expected)
             for line, lids in zip(lines, line_ids)]))
-    special = _cannot_load(engine, draft)
+    special = cannot
     if special:
         status, text = "CANNOT LOAD", special
     elif draft is not None and not draft.use_aux:
@@ -691,8 +694,8 @@ def single_fix(diagnosis: Diagnosis) -> Optional[list[int]]:
         raise CapturePlanError(f"--write-config: the verdict is {kind}: which layers the draft "
                                f"was trained on is not known (measure them with `eagle-capture "
                                f"probe`, or pass --id-convention), so no fix can be written")
-    bad = [v for v in diagnosis.verdicts if v.decides and not v.ok]
-    fixes = {tuple(v.fix_ids) if v.fix_ids else None for v in bad}
+    # The written ids must serve every line that decides, the right ones included.
+    fixes = {tuple(v.fix_ids) if v.fix_ids else None for v in diagnosis.verdicts if v.decides}
     if None in fixes:
         raise CapturePlanError(f"--write-config: no id list fixes this draft on "
                                f"{diagnosis.engine_name} (the problem above is not in the ids)")

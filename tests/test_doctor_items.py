@@ -268,3 +268,38 @@ def test_a_file_or_its_folder_either_way(tmp_path):
         for t in (target, target / "config.json"):
             run = _cli("--draft-config", d, "--target-config", t)
             assert run.returncode == 0, run.stderr
+
+
+# Item 8 ------------------------------------------------------------------------------------
+
+def test_deepspec_top_level_target_layer_ids(tmp_path, capsys):
+    """DeepSpec writes its ids as a top-level target_layer_ids (its build_draft_config)
+    and trains on each named layer's output (run_target_forward_with_hooks). vLLM's V2
+    runner reads them + 1 (right); SGLang's EAGLE-3 target and vLLM's V1 runner read
+    none (their 3 defaults for a 5-layer draft)."""
+    path = tmp_path / "deepspec.json"
+    path.write_text(json.dumps({"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3",
+                                "num_hidden_layers": 5, "num_target_layers": 36,
+                                "hidden_size": 4096, "target_layer_ids": [1, 9, 17, 25, 33]}))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 36,
+                           "--target-architecture", "Qwen3ForCausalLM", "--sglang-version", "0.5.23")
+    assert code == 1 and "summary: SGLang: PROBLEM; vLLM: OK (exit 1)" in out
+    assert "trainer: DeepSpec (recognised from top-level target_layer_ids" in out
+    assert "trained on capture layers [2, 10, 18, 26, 34]" in out
+    assert "aux_hidden_state_layers = [2, 10, 18, 26, 34] -> OK" in out
+    assert "vLLM's V1 runner reads no target_layer_ids" in out
+    assert "fix for this line: eagle_config.eagle_aux_hidden_state_layer_ids = [1, 9, 17, 25, 33]" \
+        in out
+
+
+def test_torchspec_export_is_credited_to_torchspec(tmp_path, capsys):
+    """A TorchSpec export (its convert_to_hf adds _torchspec_version) is TorchSpec's, and
+    with no ids it trains on its default, the engines' default layers: OK."""
+    config = json.load(open(os.path.join(PUBLISHED, "torchspec_kimi_k25.config.json")))
+    config["_torchspec_version"] = "0.1.0"
+    path = tmp_path / "exported.json"
+    path.write_text(json.dumps(config))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
+                           "--target-architecture", "KimiK25ForConditionalGeneration")
+    assert code == 0 and "trainer: TorchSpec (recognised from _torchspec_version)" in out
+    assert "TorchSpec's get_default_eagle3_aux_layer_ids trains on [1, 29, 57]" in out

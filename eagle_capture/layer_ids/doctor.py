@@ -559,7 +559,9 @@ def _vllm_notes(draft: Optional[DraftIds], ids, provenance: Provenance) -> list[
         notes.append(f"{draft.source} names ids {draft.top_level} at its top level and "
                      f"{draft.nested} in eagle_config: vLLM's runners read the top-level ones, "
                      f"SGLang's target eagle_config's; remove the other")
-    if len(vllm_lines(draft)) > 1:
+    if draft is not None and draft.target_layer_ids and not draft.top_level:
+        notes.append("vLLM's V1 runner reads no target_layer_ids: it captures its defaults")
+    elif len(vllm_lines(draft)) > 1:
         notes.append("vLLM's model runner V2 (its default wherever Triton runs) never reads "
                      "eagle_config.eagle_aux_hidden_state_layer_ids: this draft gets vLLM's "
                      "defaults there and its ids only under the V1 runner. Write the ids at "

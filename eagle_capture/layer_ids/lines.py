@@ -159,7 +159,10 @@ class VLLMLine:
         list counts as absent, as vLLM's ``if not layer_ids`` does)."""
         top = draft.top_level or None
         if self.runner == "V2":
-            return top or draft.nested_layer_ids or None
+            # (then DeepSpec's top-level target_layer_ids, "+1 to convert" its output
+            # convention: eagle3_utils.py get_eagle3_aux_layers_from_config)
+            shifted = [i + 1 for i in draft.target_layer_ids] if draft.target_layer_ids else None
+            return top or shifted or draft.nested_layer_ids or None
         return top or draft.nested or None
 
     def reads(self) -> str:
@@ -288,6 +291,8 @@ class DraftIds:
     # the draft the target's last hidden state, no aux states (SGLang's
     # spec_aux_hidden_state.py, vLLM's llm_base_proposer.py)
     use_aux: bool = True
+    # DeepSpec's top-level target_layer_ids (vLLM's V2 runner reads them + 1)
+    target_layer_ids: Optional[list[int]] = None
 
     @property
     def trained(self) -> Optional[list[int]]:
@@ -320,15 +325,17 @@ def read_draft_ids(config: Union[dict, str, os.PathLike]) -> DraftIds:
             f"EAGLE-3 draft's: pass it as --target-config and the draft's config.json as "
             f"--draft-config")
     use_aux = (eagle or {}).get("use_aux_hidden_state", True)
-    return DraftIds(nested, top, arch, source, layer_ids, loaded, use_aux is not False)
+    targets = _check_ids(loaded.get("target_layer_ids"), "target_layer_ids", source)
+    return DraftIds(nested, top, arch, source, layer_ids, loaded, use_aux is not False, targets)
 
 
 def looks_like_draft(config: dict) -> bool:
     """An EAGLE-3 draft's config by its own keys (for a config passed in the
     wrong place)."""
-    return (_architecture(config) in DRAFT_ARCHITECTURES or "eagle_config" in config
-            or IDS_KEY in config or "speculators_config" in config
-            or config.get("num_hidden_layers") == 1)
+    return (_architecture(config) in DRAFT_ARCHITECTURES or config.get("num_hidden_layers") == 1
+            or any(k in config for k in ("eagle_config", IDS_KEY, "speculators_config",
+                                         "target_layer_ids", "dflash_config",
+                                         "dspark_target_layer_ids", "num_target_layers")))
 
 
 def looks_like_target(config: dict) -> bool:

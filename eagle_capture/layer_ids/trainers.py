@@ -157,6 +157,10 @@ def _markers(config: dict) -> tuple[str, str]:
         return "speculators", ", ".join(found or ["architectures Eagle3Speculator"])
     if "_torchspec_version" in config:
         return "TorchSpec", "_torchspec_version"
+    if isinstance(config.get("target_layer_ids"), list) and IDS_KEY not in config and not (
+            eagle and IDS_KEY in eagle):
+        return "DeepSpec", "top-level target_layer_ids" + (f", architectures {arch}" if arch
+                                                           else "")
     if eagle is not None and any(k in eagle for k in MODELOPT_KEYS):
         return ("NVIDIA Model Optimizer",
                 "eagle_config keys " + ", ".join(k for k in MODELOPT_KEYS if k in eagle))
@@ -221,6 +225,8 @@ def recognise(draft, num_layers: int, architecture: str = "",
         notes.append(f"{ANGELSLIM_KEY} is read by no engine (SGLang reads "
                      f"eagle_config.{IDS_KEY}, vLLM the top-level {IDS_KEY}): both capture "
                      f"their defaults instead. Write the ids below where each engine reads")
+    elif trainer == "DeepSpec":
+        ids, where = draft.target_layer_ids, "top-level target_layer_ids"
     elif draft.nested is not None:
         ids, where = draft.nested, f"eagle_config.{IDS_KEY}"
     else:
@@ -285,6 +291,11 @@ def recognise(draft, num_layers: int, architecture: str = "",
                              "; no ids written: its default" if ids is None else "")),)
         if ids is None:
             ids, where = out_default(num_layers), "AngelSlim's default (none written)"
+    elif trainer == "DeepSpec":
+        readings = (_out(ids, "DeepSpec hooks each named target layer's output "
+                              "(run_target_forward_with_hooks: hidden_states[X + 1])"),)
+        notes.append("SGLang's EAGLE-3 target reads no target_layer_ids (only eagle_config's "
+                     f"{IDS_KEY}); vLLM's V2 runner reads them, adding 1")
     elif trainer == "SafeAILab EAGLE":
         readings = (_in(in_default(num_layers), "hard-coded in SafeAILab's EAGLE-3 training"),)
     else:

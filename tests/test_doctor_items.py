@@ -302,4 +302,35 @@ def test_torchspec_export_is_credited_to_torchspec(tmp_path, capsys):
     code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
                            "--target-architecture", "KimiK25ForConditionalGeneration")
     assert code == 0 and "trainer: TorchSpec (recognised from _torchspec_version)" in out
-    assert "TorchSpec's get_default_eagle3_aux_layer_ids trains on [1, 29, 57]" in out
+    assert "TorchSpec's get_default_eagle3_aux_layer_ids takes the outputs of layers " \
+           "[1, 29, 57]" in out
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`eagle-capture doctor ... | head -1`: the pipe closes under the doctor."""
+    run = subprocess.Popen([sys.executable, "-m", "eagle_capture.layer_ids.doctor",
+                            "--draft-config", os.path.join(PUBLISHED, "specforge_kimi_k25.config.json"),
+                            "--num-layers", "61"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert run.stdout.readline().startswith(b"summary: ")
+    run.stdout.close()
+    assert run.wait(timeout=120) == 1 and b"Traceback" not in run.stderr.read()
+
+
+def test_every_doctor_transcript_in_the_docs_is_current(capsys):
+    """Each `$ eagle-capture doctor ...` block of docs/doctor.md is what the doctor prints
+    now, with the exit status its verdict line says (scripts/update_readme_examples.py
+    rewrites them)."""
+    import re
+    text = open(os.path.join(HERE, "..", "docs", "doctor.md")).read()
+    blocks = re.findall(r"```\n\$ eagle-capture doctor ([^\n]*)\n(.*?)```", text, re.S)
+    assert len(blocks) >= 12
+    cwd = os.getcwd()
+    os.chdir(os.path.join(HERE, ".."))
+    try:
+        for argv, shown in blocks:
+            code = doctor.main(argv.split())
+            out = capsys.readouterr().out
+            assert out == shown, argv
+            assert f"(exit {code})" in out.splitlines()[0], argv
+    finally:
+        os.chdir(cwd)

@@ -40,6 +40,7 @@ engine's defaults ran at 1.2% instead of 58.9% (vLLM issue 50170).
 import argparse
 import itertools
 import json
+import os
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
@@ -672,17 +673,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(as_json(draft, provenance, diagnoses, code, written), indent=2))
-        return code
-    print("summary: " + "; ".join(d.summary() for d in diagnoses) + f" (exit {code})")
-    print("\n".join(_wrap(h, "", "  ") for h in header))
-    print(_wrap(provenance.describe(), "", "  "))
+        return _emit(json.dumps(as_json(draft, provenance, diagnoses, code, written), indent=2),
+                     code)
+    out = ["summary: " + "; ".join(d.summary() for d in diagnoses) + f" (exit {code})"]
+    out += [_wrap(h, "", "  ") for h in header]
+    out.append(_wrap(provenance.describe(), "", "  "))
     for diagnosis in diagnoses:
-        print()
-        print(diagnosis.format(with_provenance=False))
+        out += ["", diagnosis.format(with_provenance=False)]
     if written:
-        print()
-        print(_wrap(written, "", "  "))
+        out += ["", _wrap(written, "", "  ")]
+    return _emit("\n".join(out), code)
+
+
+def _emit(text: str, code: int) -> int:
+    """Print the answer; a reader that stops early (``| head``) ends it quietly."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return code
 
 

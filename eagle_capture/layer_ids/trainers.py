@@ -266,10 +266,11 @@ def recognise(draft, num_layers: int, architecture: str = "",
             notes.append("speculators wrote null: its converter does not read the source "
                          "draft's ids")
     elif trainer in NO_ID_DEFAULTS and ids is None:
-        readings = (_in(in_default(num_layers),
-                        f"no ids written: {NO_ID_DEFAULTS[trainer]} trains on "
-                        f"{out_default(num_layers)} in the output convention, the engines' "
-                        f"default layers"),)
+        readings = (Reading("trainer's default (no ids written)",
+                            tuple(in_default(num_layers)),
+                            f"{NO_ID_DEFAULTS[trainer]} takes the outputs of layers "
+                            f"{out_default(num_layers)}, the layers both engines capture by "
+                            f"default"),)
         where = f"none written; {NO_ID_DEFAULTS[trainer]} {out_default(num_layers)}"
     elif trainer == "SpecForge":
         readings = _specforge_readings(ids, num_layers, architecture)

@@ -2,6 +2,7 @@
 release line, runner and deployment, and is it what the draft was trained on?
 
     eagle-capture doctor --draft-config <draft folder> --target-config <target folder>
+    eagle-capture doctor ... --engine vllm --write-config fixed/config.json   (the fix applied)
     eagle-capture doctor --draft-config draft/config.json --num-layers 61 --tp 8 \\
         --sglang-version 0.5.23 --engine sglang
     python -m eagle_capture.layer_ids.doctor ...          (the same)
@@ -25,11 +26,17 @@ whose ids are the input-convention default), every reading gets its verdict, no
 fix is printed outside the reading it belongs to, and the exit status is 1 until
 ``--id-convention output|input`` decides.
 
-Exit status: 0 the draft receives what it was trained on on every line shown;
-1 it does not, or it cannot be known (no ids without ``--accept-defaults``; an
-ambiguous reading);
-2 unusable input (unreadable or malformed config, a target config passed as the
-draft's, a version older than every line read).
+The first line is one verdict per engine (:attr:`Diagnosis.verdict_class`): OK,
+PROBLEM, CANNOT LOAD (no class for the draft's format in that engine), AMBIGUOUS
+(right under one reading of the ids, wrong under another), UNVERIFIED (no ids and
+no trainer default known) or ASSUMED (right under a rule that was not read).
+vLLM's V1 runner, when its default V2 reads other ids, is shown and decides only
+with ``--vllm-runner v1``.
+
+Exit status: 0 OK on every engine asked; 1 any other verdict; 2 unusable input
+(an unreadable, binary or malformed config, a hub id where a path is expected, a
+target config passed as the draft's or the reverse, a version older than every
+line read, a --write-config no single id list can satisfy).
 
 Acceptance figures quoted in verdicts are field reports, not laws: an embedding
 capture added to a draft trained without it took acceptance from ~47% to ~19%
@@ -203,6 +210,7 @@ class Diagnosis:
     by_reading: list = field(default_factory=list)
     assumed: bool = False             # a rule the answer rests on was not read
     accepted: bool = False            # --accept-defaults
+    deployment_ok: bool = True        # no PROBLEM row in the deployment's report
 
     @property
     def unknown(self) -> bool:
@@ -223,16 +231,13 @@ class Diagnosis:
             return "ASSUMED" if self.assumed else "OK"
         if len(self.by_reading) > 1 and any(v.ok for v in self.by_reading_decisive()):
             return "AMBIGUOUS"
-        if self.unknown and all(v.ok for v in decisive) and not self.deployment_problem:
+        if self.unknown and all(v.ok for v in decisive) and self.deployment_ok:
             return "UNVERIFIED"
         return "PROBLEM"
 
     def by_reading_decisive(self):
         return [v for _, vs in self.by_reading for v in vs if v.decides]
 
-    @property
-    def deployment_problem(self) -> bool:
-        return any(": PROBLEM:" in line for line in self.deployment)
 
     @property
     def exit_ok(self) -> bool:
@@ -464,6 +469,7 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     verdicts = by_reading[0][1]
     ok = ok and all(v.ok for _, vs in by_reading for v in vs if v.decides)
     deploy_lines: list[str] = []
+    deploy_ok = True
     if deploy is not None:
         captures = [v.capture_layers for v in verdicts]
         if engine == "vllm":
@@ -471,11 +477,12 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
         else:
             report = deployment.assess(deploy, lines, captures, num_layers, trained)
         deploy_lines = report.format(WIDTH)
+        deploy_ok = report.ok
         ok = ok and report.ok
     return Diagnosis(draft, line_ids[0], num_layers, verdicts, notes, ok, deploy_lines,
                      engine=engine, convention=provenance.readings[0].convention,
                      provenance=provenance, by_reading=by_reading, assumed=assumed,
-                     accepted=accept_defaults)
+                     accepted=accept_defaults, deployment_ok=deploy_ok)
 
 
 def _cannot_load(engine: str, draft: Optional[DraftIds]) -> Optional[str]:

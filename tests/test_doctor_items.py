@@ -98,6 +98,12 @@ def test_use_aux_hidden_state_false(tmp_path, capsys):
     assert out.count("SGLang feeds the draft the target's last hidden state") == 3   # each line
     assert "vLLM feeds the draft the target's last hidden state" in out
     assert "layers_to_capture = [] -> OK" in out and "fix for this line" not in out
+    # No ids and no trainer known (the ids would not be read): still OK, not UNVERIFIED.
+    path.write_text(json.dumps({"architectures": ["SomeEagle3Draft"],
+                                "eagle_config": {"use_aux_hidden_state": False}}))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
+                           "--target-architecture", "DeepseekV3ForCausalLM")
+    assert code == 0 and "summary: SGLang: OK; vLLM: OK (exit 0)" in out, out
 
 
 def test_an_empty_id_list(tmp_path, capsys):

@@ -417,8 +417,9 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     elif draft is not None and draft.top_level is not None and draft.top_level != draft.nested:
         notes.append(f"{draft.source} also names ids {draft.top_level} at its top level: the "
                      f"target reads only eagle_config's {draft.nested}; remove the other")
+    no_aux = draft is not None and not draft.use_aux   # the ids are then never read
     unknown = all(r.expected is None for r in provenance.readings)
-    if unknown and all(i is None for i in line_ids):
+    if unknown and all(i is None for i in line_ids) and not (no_aux or cannot):
         defaults = default_capture_layers(num_layers)
         notes.append(
             f"the draft config names no eagle_aux_hidden_state_layer_ids: "
@@ -449,12 +450,12 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     special = cannot
     if special:
         status, text = "CANNOT LOAD", special
-    elif draft is not None and not draft.use_aux:
+    elif no_aux:
         status, text = "OK", (
             "no aux hidden states: eagle_config.use_aux_hidden_state is false, so "
             f"{lines[0].engine} feeds the draft the target's last hidden state and captures no "
             "layer (its ids are not used); right for a draft trained so (a single-state head)")
-    if special or (draft is not None and not draft.use_aux):
+    if special or no_aux:
         config_problems = []
         by_reading = [(by_reading[0][0], [
             LineVerdict(line, [], status == "OK", [text], status=status) for line in lines])]

@@ -7,13 +7,14 @@ are named here as capture layers: capture layer c = the input of layer c = the
 output of layer c - 1 (HF ``hidden_states[c]``); both engines number their
 captures so.
 
-* SpecForge 0.2.0 (``LlamaForCausalLMEagle3``, ``eagle_config`` = ids +
-  ``use_aux_hidden_state``): its training data is what SGLang 0.5.14 (its pinned
-  dependency) captures for the ids, through the target model's own
-  ``set_eagle3_layers_to_capture``; its earlier Hugging Face target backend took
-  ``hidden_states[X + 1]`` (the output of layer X). The two agree unless the
-  target's SGLang rule does not add 1 (DeepseekV2 with ``ids[0] != 1``, gpt_oss's
-  final boundary): then ambiguous.
+* SpecForge (``LlamaForCausalLMEagle3``, ``eagle_config`` = ids +
+  ``use_aux_hidden_state``): its training data came from its Hugging Face target
+  (the output of layer X, ``hidden_states[X + 1]``) or from the SGLang it pinned
+  (:data:`SPECFORGE_SGLANG_PINS`), through the target model's own
+  ``set_eagle3_layers_to_capture`` of that release. One reading per distinct
+  answer: they differ where a pinned rule does not add 1 (DeepseekV2 with
+  ``ids[0] != 1`` from 0.5.13, gpt_oss's final boundary from 0.5.18): ambiguous.
+  A template with no ids and no marker is "SpecForge or TorchSpec".
 * speculators (``speculators_model_type`` / ``speculators_config``): top-level ids
   handed to vLLM unchanged: the input convention (``null``: unknown).
 * NVIDIA Model Optimizer (``eagle_config`` with ``next_layer_regular`` /
@@ -28,8 +29,15 @@ captures so.
 * AngelSlim (``Eagle3LlamaForCausalLM`` / top-level ``aux_hidden_states_layer_ids``):
   the output convention, in a key no engine reads (the engines capture their
   defaults).
+* DeepSpec (a top-level ``target_layer_ids``): the output convention (it hooks
+  each named layer's output); vLLM's V2 runner reads them with 1 added.
 * SafeAILab EAGLE (a plain one-layer ``LlamaForCausalLM`` with ``draft_vocab_size``):
   no ids; layers ``[2, n//2, n-3]`` hard-coded as capture layers.
+
+A draft that writes no ids is read as trained on its trainer's default where the
+trainer is recognised and has one (:data:`NO_ID_DEFAULTS`: the engines' own
+default layers); a speculators draft whose ids are SpecForge's default list is
+read both ways (a converted draft keeps SpecForge's ids verbatim).
 
 An unrecognised config is read in the output convention, said as assumed;
 ids equal to the input-convention default then are ambiguous.
@@ -48,7 +56,6 @@ IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 ANGELSLIM_KEY = "aux_hidden_states_layer_ids"
 MODELOPT_KEYS = ("next_layer_regular", "parallel_draft_step", "parallel_draft_heads_num_layers")
 SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "speculators_version")
-SPECFORGE_SGLANG = (0, 5, 14)    # SpecForge 0.2.0's pinned SGLang
 
 # SpecForge's history as data: from which commit its training data came from which
 # capture (read in SpecForge's requirements.txt / pyproject.toml at each commit, and

@@ -85,6 +85,27 @@ def test_unsorted_ids_are_refused_at_start_up_by_both_plugins(tmp_path):
     assert startup.slot_order_problem([1, 29, 57]) is None
 
 
+def test_vllms_plugin_refuses_unsorted_ids(tmp_path):
+    """vLLM's plugin (checked.check_draft_ids, run where vLLM sets its aux layers) reads
+    the draft's own config.json and refuses the server, in the doctor's words."""
+    from types import SimpleNamespace
+
+    from eagle_capture.integrations.vllm import checked
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    _specforge(draft, [57, 1, 29], name="config.json")
+    model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=61))
+    vllm_config = SimpleNamespace(
+        speculative_config=SimpleNamespace(draft_model_config=SimpleNamespace(
+            model=str(draft), revision=None, hf_config=None)),
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"])))
+    with pytest.raises(checked.WrongCaptureLayers, match="not in ascending order"):
+        checked.check_draft_ids(model, [2, 30, 58], vllm_config, env={})
+    _specforge(draft, [1, 29, 57], name="config.json")
+    checked.check_draft_ids(model, [2, 30, 58], vllm_config, env={})     # sorted: starts
+
+
 # Item 5 ------------------------------------------------------------------------------------
 
 def test_use_aux_hidden_state_false(tmp_path, capsys):

@@ -153,6 +153,25 @@ def test_a_format_sglang_cannot_load(capsys):
     assert code == 0
 
 
+def test_sglangs_registry_per_line(tmp_path, capsys):
+    """SGLang's Kimi-K2.5 EAGLE-3 class (Eagle3DeepseekV2ForCausalLM, Model Optimizer's and
+    TorchSpec's Kimi format) is in the 0.5.13 wheel and later, not in 0.5.9: that line
+    cannot load the draft, the later ones judge its ids."""
+    path = tmp_path / "kimi.json"
+    path.write_text(json.dumps({"architectures": ["Eagle3DeepseekV2ForCausalLM"],
+                                "num_hidden_layers": 1, "eagle_config": {
+                                    "eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}))
+    argv = ["--draft-config", path, "--num-layers", 61, "--target-architecture",
+            "KimiK25ForConditionalGeneration", "--engine", "sglang", "--id-convention", "output"]
+    code, out, _ = _doctor(capsys, *argv)
+    assert code == 1 and "summary: SGLang: PROBLEM (exit 1)" in out
+    assert "0.5.12 (read from 0.5.9): layers_to_capture = [] -> CANNOT LOAD" in out
+    assert "registered from 0.5.13 on (not in 0.5.9)" in out
+    assert out.count("layers_to_capture = [2, 30, 58] -> OK") == 2
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.13")
+    assert code == 0 and "CANNOT LOAD" not in out
+
+
 # Item 6 ------------------------------------------------------------------------------------
 
 def test_unverified_is_not_do_not_serve(tmp_path, capsys):

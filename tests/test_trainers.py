@@ -91,7 +91,7 @@ def test_torchspec_vllm_conversion_is_ambiguous_and_never_gets_a_bare_fix(capsys
     # The native export (the output-convention default) is not ambiguous.
     code, out, _ = _doctor(capsys, "--draft-config",
                            _path("torchspec", "convert_to_hf_kimi_k25_native_sglang.config.json"),
-                           "--num-layers", 61, "--engine", "sglang",
+                           "--num-layers", 61, "--engine", "sglang", "--sglang-version", "0.5.13",
                            "--target-architecture", "KimiK25ForConditionalGeneration")
     assert code == 0 and "AMBIGUOUS" not in out and "TorchSpec's native export" in out
 

@@ -225,8 +225,8 @@ class Diagnosis:
         ASSUMED (exit 0 only for OK)."""
         decisive = [v for _, vs in (self.by_reading or [(None, self.verdicts)]) for v in vs
                     if v.decides]
-        if any(v.status == "CANNOT LOAD" for v in decisive):
-            return "CANNOT LOAD"
+        if decisive and all(v.status == "CANNOT LOAD" for v in decisive):
+            return "CANNOT LOAD"    # (on some lines only: a PROBLEM there, below)
         if self.ok:
             return "ASSUMED" if self.assumed else "OK"
         if len(self.by_reading) > 1 and any(v.ok for v in self.by_reading_decisive()):
@@ -401,7 +401,9 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     unsorted = slot_order_problem(trained)
     if unsorted:
         config_problems.append(unsorted)
-    cannot = _cannot_load(engine, draft)
+    # Per line (SGLang's registry grew); every line: no id notes either.
+    cannot_on = [_cannot_load(engine, draft, line) for line in lines]
+    cannot = cannot_on[0] if all(cannot_on) else None
     if cannot:
         pass    # no note on ids for a file this engine cannot load
     elif engine == "vllm":
@@ -447,18 +449,23 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
         by_reading.append((reading, [
             diagnose_line(line, lids, num_layers, allow_embedding, expected=expected)
             for line, lids in zip(lines, line_ids)]))
-    special = cannot
-    if special:
-        status, text = "CANNOT LOAD", special
-    elif no_aux:
-        status, text = "OK", (
-            "no aux hidden states: eagle_config.use_aux_hidden_state is false, so "
-            f"{lines[0].engine} feeds the draft the target's last hidden state and captures no "
-            "layer (its ids are not used); right for a draft trained so (a single-state head)")
-    if special or no_aux:
+    if cannot:
         config_problems = []
         by_reading = [(by_reading[0][0], [
-            LineVerdict(line, [], status == "OK", [text], status=status) for line in lines])]
+            LineVerdict(line, [], False, [text], status="CANNOT LOAD")
+            for line, text in zip(lines, cannot_on)])]
+    elif no_aux:
+        config_problems = []
+        text = ("no aux hidden states: eagle_config.use_aux_hidden_state is false, so "
+                f"{lines[0].engine} feeds the draft the target's last hidden state and captures "
+                "no layer (its ids are not used); right for a draft trained so (a single-state "
+                "head)")
+        by_reading = [(by_reading[0][0], [LineVerdict(line, [], True, [text], status="OK")
+                                          for line in lines])]
+    elif any(cannot_on):
+        by_reading = [(reading, [
+            LineVerdict(v.line, [], False, [text], status="CANNOT LOAD") if text else v
+            for v, text in zip(vs, cannot_on)]) for reading, vs in by_reading]
     for _, vs in by_reading:
         for v in vs:
             if config_problems:
@@ -486,19 +493,25 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
                      accepted=accept_defaults, deployment_ok=deploy_ok)
 
 
-def _cannot_load(engine: str, draft: Optional[DraftIds]) -> Optional[str]:
-    """Why ``engine`` cannot load the draft at all (its class is not registered
-    there), or None."""
+def _cannot_load(engine: str, draft: Optional[DraftIds], line=None) -> Optional[str]:
+    """Why ``engine`` (its release ``line``, where the registry changed) cannot load
+    the draft (its class is not registered there), or None."""
     if draft is None or not draft.architecture:
         return None
     arch = draft.architecture
     # Only formats known to be EAGLE-3 drafts are judged (an unknown name may be a
     # format newer than the registries read).
-    if engine == "sglang" and arch in DRAFT_ARCHITECTURES and arch not in SGLANG_DRAFT_CLASSES:
+    since = SGLANG_DRAFT_CLASSES.get(arch)
+    if engine == "sglang" and arch in DRAFT_ARCHITECTURES and (
+            since is None or (line is not None and line.last < since[0])):
+        if since is not None:
+            return (f"SGLang cannot load this draft format on this line: {arch} "
+                    f"({since[1]}) is registered from {'.'.join(map(str, since[0]))} on (not "
+                    f"in {line.read_versions[0]}). Serve it with a later SGLang, or with vLLM")
         speculators = arch == "Eagle3Speculator" or "speculators_config" in draft.raw
         return (f"SGLang cannot load this draft format: no SGLang model class is registered as "
                 f"{arch} (its EAGLE-3 drafts: {', '.join(SGLANG_DRAFT_CLASSES)}; read in SGLang "
-                f"0.5.23)" + (
+                f"0.5.9 - 0.5.23)" + (
                     ", and nothing in SGLang reads speculators' speculators_config. Serve it with "
                     "vLLM, which loads speculators' format, or convert it back to "
                     "LlamaForCausalLMEagle3 with the ids in eagle_config"

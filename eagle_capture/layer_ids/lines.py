@@ -28,11 +28,12 @@ TARGET_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 # The EAGLE-3 draft classes each engine registers, by the name a config's
-# ``architectures`` gives (SGLang: the ``EntryClass`` of ``models/*eagle3*.py``,
-# read in 0.5.23; vLLM: ``model_executor/models/registry.py``, read in 0.32.0, which
-# also loads speculators' format by translating its ``speculators_config``).
-SGLANG_DRAFT_CLASSES = {"LlamaForCausalLMEagle3": "models/llama_eagle3.py",
-                        "Eagle3DeepseekV2ForCausalLM": "models/kimi_k25_eagle3.py"}
+# ``architectures`` gives (SGLang: the ``EntryClass`` of ``models/*eagle*.py``, read
+# in 0.5.9, 0.5.13, 0.5.18, 0.5.20 and 0.5.23, with the first wheel read that has
+# it; vLLM: ``model_executor/models/registry.py``, read in 0.32.0, which also loads
+# speculators' format by translating its ``speculators_config``).
+SGLANG_DRAFT_CLASSES = {"LlamaForCausalLMEagle3": ((0, 5, 9), "models/llama_eagle3.py"),
+                        "Eagle3DeepseekV2ForCausalLM": ((0, 5, 13), "models/kimi_k25_eagle3.py")}
 VLLM_DRAFT_CLASSES = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3",
                       "Eagle3MiniMaxM2ForCausalLM", "Eagle3Qwen2_5vlForCausalLM",
                       "Eagle3Qwen3vlForCausalLM", "Eagle3Qwen3ForCausalLM",

@@ -32,7 +32,7 @@ def _config(tmp_path, ids, nested=True, name="config.json", arch="LlamaForCausal
     return path
 
 
-def _doctor(capsys, *argv, defaults=True):
+def _doctor(capsys, *argv, defaults=True, architecture=True):
     """(exit code, stdout with its line wrapping undone, stderr). ``defaults``: one
     engine (SGLang unless named) and the output convention unless named, as the
     cases below were written (both engines and the trainer's own convention are
@@ -41,6 +41,11 @@ def _doctor(capsys, *argv, defaults=True):
     if defaults:
         argv += [] if "--engine" in argv else ["--engine", "sglang"]
         argv += [] if "--id-convention" in argv else ["--id-convention", "output"]
+        # The cases below were written for DeepSeek-V3's rule; an unnamed target is an
+        # ASSUMED answer (exit 1: test_an_assumed_rule_exits_1).
+        argv += [] if {"--target-config", "--target-architecture"} & set(argv) \
+            or not architecture else [
+            "--target-architecture", "DeepseekV3ForCausalLM"]
     code = doctor.main(argv)
     out = capsys.readouterr()
     assert all(len(line) <= doctor.WIDTH for line in out.out.splitlines()
@@ -58,7 +63,7 @@ def test_the_users_config_minus_one(tmp_path, capsys):
     assert "2 of 3 slots ([T, 2*H]) without an error" in out  # 0.5.13 drops -1 silently
     assert "the packer gets 2 of 3 captures (RuntimeError)" in out  # 0.5.18+
     assert "SpecForge requires non-negative ids" in out and "[1, 29, 57]" in out
-    assert out.count("PROBLEM") == 3
+    assert out.count("-> PROBLEM") == 3
 
 
 def test_specforge_default_ids_are_fine_everywhere(tmp_path, capsys):
@@ -149,7 +154,7 @@ def test_duplicate_ids(tmp_path, capsys):
     the packer (0.5.18+) raises."""
     code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [1, 1, 57]),
                            "--num-layers", 61)
-    assert code == 1 and out.count("PROBLEM") == 3
+    assert code == 1 and out.count("-> PROBLEM") == 3
     assert "named twice (duplicate ids)" in out and "[T, 2*H]" in out
     assert "the packer gets 2 of 3 captures (RuntimeError)" in out
     assert "name a layer twice" in out
@@ -168,7 +173,9 @@ def test_versions(tmp_path, capsys):
     assert code == 2 and "older than every release line" in err
     code, out, _ = _doctor(capsys, "--draft-config", config, "--num-layers", 61,
                            "--sglang-version", "0.5.24")
-    assert code == 0 and "rules are ASSUMED" in out and out.count("layers_to_capture =") == 1
+    # Right under the newest line's rules, which are assumed there: exit 1, said.
+    assert code == 1 and "rules are ASSUMED" in out and out.count("layers_to_capture =") == 1
+    assert "summary: SGLang: ASSUMED (exit 1)" in out and "verdict (SGLang): ASSUMED" in out
     code, _, err = _doctor(capsys, "--draft-config", config, "--num-layers", 61,
                            "--sglang-version", "latest")
     assert code == 2 and "cannot read SGLang version" in err
@@ -181,8 +188,9 @@ def test_configs_read_as_sglang_does(tmp_path, capsys):
     (tmp_path / "target").mkdir()
     _config(tmp_path / "draft", [1, 29, 57], arch="Eagle3DeepseekV2ForCausalLM")
     (tmp_path / "target" / "config.json").write_text(json.dumps(KIMI_TARGET))
+    # (SGLang 0.5.9 has no class for this Kimi-K2.5 draft format: the 0.5.13+ lines)
     code, out, _ = _doctor(capsys, "--draft-config", tmp_path / "draft",
-                           "--target-config", tmp_path / "target")
+                           "--target-config", tmp_path / "target", "--sglang-version", "0.5.23")
     assert code == 0 and "KimiK25ForConditionalGeneration, 61 layers, hidden size 7168" in out
     target = read_target(tmp_path / "target")
     assert (target.num_layers, target.hidden_size) == (61, 7168)
@@ -236,7 +244,7 @@ def test_deployment_tp8_with_the_fusion(tmp_path, capsys):
     assert code == 0 and "auto: off" in out
     # Blackwell: SGLang's auto turns the fusion on for DeepSeek-V3 / Kimi there too.
     code, out, _ = _doctor(capsys, "--draft-config", config, "--num-layers", 61, "--tp", 8,
-                           "--gpu", "blackwell", "--sglang-version", "0.5.13")
+                           "--gpu", "blackwell", "--sglang-version", "0.5.13", architecture=False)
     assert code == 1 and "auto: on for DeepseekV3ForCausalLM (assumed; --target-config " \
         "names it) on blackwell" in out and "per-rank partial sums" in out
     code, out, _ = _doctor(capsys, "--draft-config", config, "--num-layers", 61, "--tp", 8,
@@ -502,9 +510,11 @@ def test_gpt_oss_final_boundary_and_unread_models(tmp_path, capsys):
     code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [1, 17, 32]),
                            "--num-layers", 36, "--target-architecture", "NoSuchForCausalLM")
     assert "the model class for NoSuchForCausalLM was not read" in out and "ASSUMES" in out
+    assert code == 1 and "summary: SGLang: ASSUMED (exit 1)" in out
     code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [1, 29, 57]),
-                           "--num-layers", 61)
+                           "--num-layers", 61, architecture=False)
     assert "architecture is not given: DeepseekV2's id rule is assumed" in out
+    assert code == 1 and "verdict (SGLang): ASSUMED" in out
 
 
 def test_the_cli_without_arguments_and_with_help(capsys):

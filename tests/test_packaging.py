@@ -169,8 +169,10 @@ print(json.dumps(out))
 def test_the_installed_console_script_runs_the_doctor(installed):
     python, cwd = installed
     result = _run([Path(python).parent / "eagle-capture", *EXAMPLE], cwd)
-    # 1: the example's draft is fed wrongly on vLLM (the README's excerpt).
-    assert result.returncode == 1, result.stderr[-3000:]
+    # 0: the example's draft is fed right by SGLang and by vLLM's default runner (the README's
+    # excerpt); its V1 runner's problem is shown without deciding.
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.startswith("summary: SGLang: OK; vLLM: OK")
     assert "trainer: SpecForge" in result.stdout and "verdict (vLLM)" in result.stdout
     assert result.stderr == "", result.stderr[-3000:]
 
@@ -193,7 +195,7 @@ def test_the_doctor_runs_without_torch_or_triton(without_torch):
         result = _run(argv, cwd)
         assert result.returncode == 0 and result.stderr == "", (argv, result.stderr[-3000:])
     result = _run([script, *EXAMPLE], cwd)
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "verdict (vLLM)" in result.stdout and result.stderr == "", result.stderr[-3000:]
     result = _run([script, "--version"], cwd)
     assert result.returncode == 0 and result.stdout.startswith("eagle-capture "), result.stderr

@@ -93,11 +93,12 @@ def test_cli_is_the_doctor(tmp_path, capsys):
     codes are the doctor's (2: unusable input)."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": KIMI_IDS}}))
-    assert main(["--draft-config", str(config), "--num-layers", "61", "--engine", "sglang"]) == 0
+    deepseek = ["--num-layers", "61", "--target-architecture", "DeepseekV3ForCausalLM"]
+    assert main(["--draft-config", str(config), *deepseek, "--engine", "sglang"]) == 0
     out = capsys.readouterr().out
     assert out.count("layers_to_capture = [2, 30, 58] -> OK") == 3
-    # Both engines by default: vLLM's V1 runner takes these nested ids one layer early.
-    assert main(["--draft-config", str(config), "--num-layers", "61"]) == 1
+    # vLLM's V1 runner takes these nested ids one layer early (V2, its default, reads none).
+    assert main(["--draft-config", str(config), *deepseek, "--vllm-runner", "v1"]) == 1
     assert "aux_hidden_state_layers = [1, 29, 57] -> PROBLEM" in capsys.readouterr().out
     assert main(["--draft-config", str(config), "--num-layers", "61", "--pp", "2",
                  "--engine", "sglang"]) == 1

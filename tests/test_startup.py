@@ -37,8 +37,12 @@ def test_right_wrong_ambiguous_unknown():
     assert "twice" in startup.check("vLLM", [2, 2, 37], 40, SPECULATORS).text
     embedding = startup.check("SGLang", [0, 20, 37], 40, SPECFORGE)
     assert embedding.status == "problem" and "embedding" in embedding.text
+    # SpecForge with no ids trains on its default, the engines' default layers (item 1):
+    # the same answer as the doctor's.
     none = {"architectures": ["LlamaForCausalLMEagle3"]}
-    assert startup.check("SGLang", [2, 20, 37], 40, none).status == "unknown"
+    assert startup.check("SGLang", [2, 20, 37], 40, none).status == "ok"
+    assert startup.check("SGLang", [2, 21, 37], 40, none).status == "problem"
+    assert startup.check("SGLang", [2, 20, 37], 40, {"architectures": ["X"]}).status == "unknown"
 
 
 def test_the_user_decides_with_the_environment():

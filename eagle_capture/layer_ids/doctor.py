@@ -2,6 +2,7 @@
 release line, runner and deployment, and is it what the draft was trained on?
 
     eagle-capture doctor --draft-config <draft folder> --target-config <target folder>
+    eagle-capture doctor ... --engine vllm --write-config fixed/config.json   (the fix applied)
     eagle-capture doctor --draft-config draft/config.json --num-layers 61 --tp 8 \\
         --sglang-version 0.5.23 --engine sglang
     python -m eagle_capture.layer_ids.doctor ...          (the same)
@@ -25,11 +26,17 @@ whose ids are the input-convention default), every reading gets its verdict, no
 fix is printed outside the reading it belongs to, and the exit status is 1 until
 ``--id-convention output|input`` decides.
 
-Exit status: 0 the draft receives what it was trained on on every line shown;
-1 it does not, or it cannot be known (no ids without ``--accept-defaults``; an
-ambiguous reading);
-2 unusable input (unreadable or malformed config, a target config passed as the
-draft's, a version older than every line read).
+The first line is one verdict per engine (:attr:`Diagnosis.verdict_class`): OK,
+PROBLEM, CANNOT LOAD (no class for the draft's format in that engine), AMBIGUOUS
+(right under one reading of the ids, wrong under another), UNVERIFIED (no ids and
+no trainer default known) or ASSUMED (right under a rule that was not read).
+vLLM's V1 runner, when its default V2 reads other ids, is shown and decides only
+with ``--vllm-runner v1``.
+
+Exit status: 0 OK on every engine asked; 1 any other verdict; 2 unusable input
+(an unreadable, binary or malformed config, a hub id where a path is expected, a
+target config passed as the draft's or the reverse, a version older than every
+line read, a --write-config no single id list can satisfy).
 
 Acceptance figures quoted in verdicts are field reports, not laws: an embedding
 capture added to a draft trained without it took acceptance from ~47% to ~19%
@@ -39,19 +46,23 @@ engine's defaults ran at 1.2% instead of 58.9% (vLLM issue 50170).
 
 import argparse
 import itertools
+import json
+import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from eagle_capture.layer_ids import deployment
 from eagle_capture.layer_ids.deployment import WIDTH, wrap as _wrap
-from eagle_capture.layer_ids.lines import (SGLANG_LINES, VLLM_LINE, CapturePlanError, DraftIds,
+from eagle_capture.layer_ids.lines import (DRAFT_ARCHITECTURES, SGLANG_DRAFT_CLASSES, SGLANG_LINES, VLLM_DRAFT_CLASSES,
+                                           VLLM_LINE, CapturePlanError, DraftIds, IDS_KEY,
                                            SGLangLine, VLLMLine, assumed_note,
                                            default_capture_layers, line_of, parse_version,
                                            read_draft_ids, read_target, specforge_default_ids,
                                            vllm_lines)
 from eagle_capture.layer_ids.rules import (SGLANG_MODEL_RULES, SHIFT_ALWAYS, ModelRule,
                                            sglang_model_rule)
+from eagle_capture.layer_ids.startup import slot_order_problem
 from eagle_capture.layer_ids.trainers import CONVENTIONS, Provenance, Reading, recognise
 
 __all__ = ["Diagnosis", "LineVerdict", "SGLANG_LINES", "SGLangLine", "diagnose",
@@ -101,6 +112,9 @@ class LineVerdict:
     lines: list[str]
     fix: Optional[str] = None
     ids: Optional[list[int]] = None      # the ids this line reads
+    fix_ids: Optional[list[int]] = None  # the ids the fix writes
+    status: str = ""                     # set when not decided by the slots (CANNOT LOAD...)
+    decides: bool = True                 # False: a non-default runner, shown only
 
 
 _FROM_TRAINED = object()
@@ -136,6 +150,7 @@ def diagnose_line(line: SGLangLine, ids: Optional[Sequence[int]], num_layers: in
                else "eagle_config.eagle_aux_hidden_state_layer_ids")
         verdict.fix = (f"{key} = {fixed}" if fixed
                        else "no ids make this line capture those layers")
+        verdict.fix_ids = fixed
     if 0 in capture and line.layer0 == "crash":
         return problem("FAILS at the first forward: layer 0 is captured and this line's loop "
                        "computes hidden_states + residual there, with residual None (TypeError)")
@@ -193,6 +208,40 @@ class Diagnosis:
     provenance: Optional[Provenance] = None
     # every reading of the draft's ids with its verdicts (more than one: ambiguous)
     by_reading: list = field(default_factory=list)
+    assumed: bool = False             # a rule the answer rests on was not read
+    accepted: bool = False            # --accept-defaults
+    deployment_ok: bool = True        # no PROBLEM row in the deployment's report
+
+    @property
+    def unknown(self) -> bool:
+        """The draft's layers are not known (no ids, no trainer default)."""
+        if self.by_reading:
+            return all(r is not None and r.expected is None for r, _ in self.by_reading)
+        return self.ids is None
+
+    @property
+    def verdict_class(self) -> str:
+        """One word per engine: OK, PROBLEM, CANNOT LOAD, AMBIGUOUS, UNVERIFIED or
+        ASSUMED (exit 0 only for OK)."""
+        decisive = [v for _, vs in (self.by_reading or [(None, self.verdicts)]) for v in vs
+                    if v.decides]
+        if decisive and all(v.status == "CANNOT LOAD" for v in decisive):
+            return "CANNOT LOAD"    # (on some lines only: a PROBLEM there, below)
+        if self.ok:
+            return "ASSUMED" if self.assumed else "OK"
+        if len(self.by_reading) > 1 and any(v.ok for v in self.by_reading_decisive()):
+            return "AMBIGUOUS"
+        if self.unknown and all(v.ok for v in decisive) and self.deployment_ok:
+            return "UNVERIFIED"
+        return "PROBLEM"
+
+    def by_reading_decisive(self):
+        return [v for _, vs in self.by_reading for v in vs if v.decides]
+
+
+    @property
+    def exit_ok(self) -> bool:
+        return self.verdict_class == "OK"
 
     @property
     def engine_name(self) -> str:
@@ -236,30 +285,51 @@ class Diagnosis:
         return "none (field absent)" if ids is None else str(ids)
 
     def _line(self, v: LineVerdict, indent: str) -> list[str]:
-        unknown = all(r is not None and r.expected is None for r, _ in self.by_reading) \
-            if self.by_reading else self.ids is None
-        status = ("PROBLEM" if not v.ok else
-                  "UNVERIFIED (the draft's layers are unknown)" if unknown else "OK")
+        status = (v.status or ("PROBLEM" if not v.ok else
+                               "UNVERIFIED (the draft's layers are unknown)" if self.unknown
+                               else "OK"))
         title = v.line.title if v.line.engine == "vLLM" else v.line.name
         out = [f"{indent}{v.line.engine} {title} (read from {', '.join(v.line.read_versions)}):"]
         name = "aux_hidden_state_layers" if v.line.engine == "vLLM" else "layers_to_capture"
         out.append(f"{indent}  {name} = {v.capture_layers} -> {status}")
+        if not v.decides:
+            out.append(_wrap("(not vLLM's default runner: shown, and decides the verdict only "
+                             "for a server run with it: --vllm-runner v1)", indent + "    ",
+                             indent + "      "))
         out += [_wrap(text, indent + "    ", indent + "      ") for text in v.lines]
         if not v.ok and v.fix:
             out.append(_wrap(f"fix for this line: {v.fix}", indent + "    ", indent + "      "))
         return out
 
     def _verdict(self) -> str:
-        if not self.ok:
-            if len(self.by_reading) > 1:
-                return ("AMBIGUOUS: what the draft receives is right or wrong depending on how "
-                        "its ids were meant (each reading above); pass --id-convention "
-                        "output|input to decide (exit 1 until then)")
+        kind = self.verdict_class
+        if kind == "CANNOT LOAD":
+            return f"CANNOT LOAD: {self.engine_name} cannot load this draft format (above)"
+        if kind == "AMBIGUOUS":
+            return ("AMBIGUOUS: what the draft receives is right or wrong depending on how "
+                    "its ids were meant (each reading above); measure it with `eagle-capture "
+                    "probe`, or pass --id-convention output|input if you know (exit 1 until then)")
+        if kind == "UNVERIFIED":
+            return ("UNVERIFIED: the draft's layers cannot be known from its config; measure "
+                    "them with `eagle-capture probe`, or pass --accept-defaults if it was "
+                    "trained on the layers above")
+        if kind == "PROBLEM":
             return "problems above; do not serve this as is"
-        if self.draft_trained is None and all(
-                r is None or r.expected is None for r, _ in self.by_reading or [(None, 0)]):
-            return "accepted (--accept-defaults): the draft is taken to be trained on these"
-        return "every line shown feeds the draft what it was trained on"
+        said = ("accepted (--accept-defaults): the draft is taken to be trained on these"
+                if self.unknown and self.accepted else
+                "every line shown feeds the draft what it was trained on")
+        if any(not v.ok and not v.decides for _, vs in self.by_reading for v in vs):
+            said = ("vLLM's default runner (V2) feeds the draft what it was trained on; its V1 "
+                    "runner would not (above): pass --vllm-runner v1 if you serve with it")
+        if kind == "ASSUMED":
+            return (f"ASSUMED: {said}, under the assumption in the notes (a rule not read for "
+                    f"this target or release); exit 1 until --target-config or "
+                    f"--target-architecture names a model whose rule was read")
+        return said
+
+    def summary(self) -> str:
+        """One line: the engine and its verdict word."""
+        return f"{self.engine_name}: {self.verdict_class}"
 
     @property
     def draft_trained(self) -> Optional[list[int]]:
@@ -273,7 +343,8 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
              allow_embedding: bool = False, draft: Optional[DraftIds] = None,
              deploy: Optional["deployment.Deployment"] = None, engine: str = "sglang",
              convention: str = "output", architecture: str = "",
-             provenance: Optional[Provenance] = None) -> Diagnosis:
+             provenance: Optional[Provenance] = None,
+             vllm_runner: Optional[str] = None) -> Diagnosis:
     """Diagnose a draft against every SGLang line (or only the one
     ``sglang_version`` belongs to), or ``engine="vllm"``: vLLM's runners.
     ``ids``: what the engine reads (None: absent); ``draft`` (from
@@ -293,18 +364,23 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
         raise CapturePlanError(f"num_layers must be an int >= 4, got {num_layers!r}")
     if ids is not None:
         ids = list(ids)
-        if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-            raise CapturePlanError(f"eagle_aux_hidden_state_layer_ids must be a non-empty list "
-                                   f"of integers, got {ids!r}")
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+            raise CapturePlanError(f"eagle_aux_hidden_state_layer_ids must be a list of "
+                                   f"integers, got {ids!r}")
     notes, ok = [], True
+    assumed = False
     if engine == "vllm":
         lines = vllm_lines(draft)
+        if vllm_runner:   # the runner the user serves with: only that one
+            lines = [line for line in lines if line.runner in (vllm_runner.upper(), "V1 and V2")]
     else:
         lines = [line_of(sglang_version)] if sglang_version else list(SGLANG_LINES)
         lines, model_notes = model_lines(lines, architecture, sglang_version)
         notes += model_notes
+        assumed = not architecture or any("ASSUMES" in n for n in model_notes)
     if engine == "sglang" and sglang_version and assumed_note(sglang_version):
         notes.append(assumed_note(sglang_version))
+        assumed = True
     line_ids = [(line.read_ids(draft) if engine == "vllm" and draft is not None else ids)
                 for line in lines]
     if provenance is None:
@@ -312,7 +388,25 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
         provenance = recognise(bare, num_layers, architecture, convention)
     notes += list(provenance.notes)
     trained = provenance.ids
-    if engine == "vllm":
+    if engine == "vllm" and not architecture and provenance.trainer == "SpecForge" \
+            and trained and provenance.decided_by == "markers":
+        assumed = True    # SpecForge's history was read with DeepseekV2's rule
+    config_problems = []
+    if trained == [] or ids == []:
+        config_problems.append(
+            "the draft config's id list is empty: SGLang then captures no layer (the draft "
+            "gets no aux states), vLLM its defaults; no trainer trains on an empty list "
+            "(SpecForge refuses fewer than three ids). Write the ids the draft was trained on")
+        provenance = replace(provenance, readings=(Reading("", None),))
+    unsorted = slot_order_problem(trained)
+    if unsorted:
+        config_problems.append(unsorted)
+    # Per line (SGLang's registry grew); every line: no id notes either.
+    cannot_on = [_cannot_load(engine, draft, line) for line in lines]
+    cannot = cannot_on[0] if all(cannot_on) else None
+    if cannot:
+        pass    # no note on ids for a file this engine cannot load
+    elif engine == "vllm":
         notes += _vllm_notes(draft, ids, provenance)
     elif draft is not None and draft.nested is None and draft.top_level is not None:
         notes.append(
@@ -325,8 +419,9 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     elif draft is not None and draft.top_level is not None and draft.top_level != draft.nested:
         notes.append(f"{draft.source} also names ids {draft.top_level} at its top level: the "
                      f"target reads only eagle_config's {draft.nested}; remove the other")
+    no_aux = draft is not None and not draft.use_aux   # the ids are then never read
     unknown = all(r.expected is None for r in provenance.readings)
-    if unknown and all(i is None for i in line_ids):
+    if unknown and all(i is None for i in line_ids) and not (no_aux or cannot):
         defaults = default_capture_layers(num_layers)
         notes.append(
             f"the draft config names no eagle_aux_hidden_state_layer_ids: "
@@ -354,9 +449,35 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
         by_reading.append((reading, [
             diagnose_line(line, lids, num_layers, allow_embedding, expected=expected)
             for line, lids in zip(lines, line_ids)]))
+    if cannot:
+        config_problems = []
+        by_reading = [(by_reading[0][0], [
+            LineVerdict(line, [], False, [text], status="CANNOT LOAD")
+            for line, text in zip(lines, cannot_on)])]
+    elif no_aux:
+        config_problems = []
+        text = ("no aux hidden states: eagle_config.use_aux_hidden_state is false, so "
+                f"{lines[0].engine} feeds the draft the target's last hidden state and captures "
+                "no layer (its ids are not used); right for a draft trained so (a single-state "
+                "head)")
+        by_reading = [(by_reading[0][0], [LineVerdict(line, [], True, [text], status="OK")
+                                          for line in lines])]
+    elif any(cannot_on):
+        by_reading = [(reading, [
+            LineVerdict(v.line, [], False, [text], status="CANNOT LOAD") if text else v
+            for v, text in zip(vs, cannot_on)]) for reading, vs in by_reading]
+    for _, vs in by_reading:
+        for v in vs:
+            if config_problems:
+                v.ok = False
+                v.lines[:0] = config_problems
+            # vLLM's V1 runner when V2 (its default) is also shown: reported, not decisive
+            v.decides = not (engine == "vllm" and not vllm_runner and len(lines) > 1
+                             and v.line.runner == "V1")
     verdicts = by_reading[0][1]
-    ok = ok and all(v.ok for _, vs in by_reading for v in vs)
+    ok = ok and all(v.ok for _, vs in by_reading for v in vs if v.decides)
     deploy_lines: list[str] = []
+    deploy_ok = True
     if deploy is not None:
         captures = [v.capture_layers for v in verdicts]
         if engine == "vllm":
@@ -364,10 +485,48 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
         else:
             report = deployment.assess(deploy, lines, captures, num_layers, trained)
         deploy_lines = report.format(WIDTH)
+        deploy_ok = report.ok
         ok = ok and report.ok
     return Diagnosis(draft, line_ids[0], num_layers, verdicts, notes, ok, deploy_lines,
                      engine=engine, convention=provenance.readings[0].convention,
-                     provenance=provenance, by_reading=by_reading)
+                     provenance=provenance, by_reading=by_reading, assumed=assumed,
+                     accepted=accept_defaults, deployment_ok=deploy_ok)
+
+
+def _cannot_load(engine: str, draft: Optional[DraftIds], line=None) -> Optional[str]:
+    """Why ``engine`` (its release ``line``, where the registry changed) cannot load
+    the draft (its class is not registered there), or None."""
+    if draft is None or not draft.architecture:
+        return None
+    arch = draft.architecture
+    # Only formats known to be EAGLE-3 drafts are judged (an unknown name may be a
+    # format newer than the registries read).
+    since = SGLANG_DRAFT_CLASSES.get(arch)
+    if engine == "sglang" and arch in DRAFT_ARCHITECTURES and (
+            since is None or (line is not None and line.last < since[0])):
+        if since is not None:
+            return (f"SGLang cannot load this draft format on this line: {arch} "
+                    f"({since[1]}) is registered from {'.'.join(map(str, since[0]))} on (not "
+                    f"in {line.read_versions[0]}). Serve it with a later SGLang, or with vLLM")
+        speculators = arch == "Eagle3Speculator" or "speculators_config" in draft.raw
+        return (f"SGLang cannot load this draft format: no SGLang model class is registered as "
+                f"{arch} (its EAGLE-3 drafts: {', '.join(SGLANG_DRAFT_CLASSES)}; read in SGLang "
+                f"0.5.9 - 0.5.23)" + (
+                    ", and nothing in SGLang reads speculators' speculators_config. Serve it with "
+                    "vLLM, which loads speculators' format, or convert it back to "
+                    "LlamaForCausalLMEagle3 with the ids in eagle_config"
+                    if speculators else
+                    ". Serve it with vLLM, which registers it, or export the draft as "
+                    "LlamaForCausalLMEagle3 (its trainer's SGLang export)"))
+    # vLLM names an EAGLE-3 draft's class "Eagle3" + its architecture unless the name
+    # already starts or ends with Eagle3 (transformers_utils/configs/eagle.py).
+    loaded = arch if arch.startswith("Eagle3") or arch.endswith("Eagle3") else f"Eagle3{arch}"
+    if engine == "vllm" and arch in DRAFT_ARCHITECTURES and loaded not in VLLM_DRAFT_CLASSES \
+            and "speculators_config" not in draft.raw:
+        return (f"vLLM cannot load this draft format: no vLLM EAGLE-3 model is registered as "
+                f"{arch} (model_executor/models/registry.py, read in 0.32.0). Serve it with SGLang"
+                f" if it registers it, or convert it to a vLLM format (speculators' converter)")
+    return None
 
 
 def _nested_fix(lines, provenance: Provenance, num_layers: int, allow_embedding: bool) -> str:
@@ -422,7 +581,9 @@ def _vllm_notes(draft: Optional[DraftIds], ids, provenance: Provenance) -> list[
         notes.append(f"{draft.source} names ids {draft.top_level} at its top level and "
                      f"{draft.nested} in eagle_config: vLLM's runners read the top-level ones, "
                      f"SGLang's target eagle_config's; remove the other")
-    if len(vllm_lines(draft)) > 1:
+    if draft is not None and draft.target_layer_ids and not draft.top_level:
+        notes.append("vLLM's V1 runner reads no target_layer_ids: it captures its defaults")
+    elif len(vllm_lines(draft)) > 1:
         notes.append("vLLM's model runner V2 (its default wherever Triton runs) never reads "
                      "eagle_config.eagle_aux_hidden_state_layer_ids: this draft gets vLLM's "
                      "defaults there and its ids only under the V1 runner. Write the ids at "
@@ -476,6 +637,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a config without ids is fine: the draft was trained on SGLang's defaults")
     p.add_argument("--allow-embedding", action="store_true",
                    help="the draft really was trained on the embedding output (id -1)")
+    p.add_argument("--vllm-runner", choices=("v1", "v2"),
+                   help="the vLLM model runner you serve with (default: V2, vLLM's own default; "
+                        "the V1 runner's answer is then shown without deciding the verdict)")
+    p.add_argument("--json", action="store_true",
+                   help="print the answer as one JSON object (verdict per engine, lines, fixes)")
+    p.add_argument("--write-config", metavar="PATH",
+                   help="with one --engine: write the draft config to PATH with the fix applied "
+                        "in the field that engine reads (nothing else changed)")
     deployment.add_arguments(p)
     return p
 
@@ -502,6 +671,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         engines = args.engine
         if args.sglang_version and "sglang" not in engines:
             raise CapturePlanError("--sglang-version does not apply to --engine vllm")
+        if args.vllm_runner and "vllm" not in engines:
+            raise CapturePlanError("--vllm-runner does not apply to --engine sglang")
+        if args.write_config and len(engines) != 1:
+            raise CapturePlanError("--write-config needs one engine: --engine sglang or "
+                                   "--engine vllm (each reads the ids in its own field)")
         provenance = recognise(draft, num_layers, architecture, args.id_convention)
         diagnoses = [
             diagnose(VLLMLine().read_ids(draft) if engine == "vllm" else draft.read_by_target,
@@ -510,17 +684,103 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      allow_embedding=args.allow_embedding, draft=draft,
                      deploy=deployment.from_arguments(args, architecture),
                      engine=engine, convention=args.id_convention,
-                     architecture=architecture, provenance=provenance)
+                     architecture=architecture, provenance=provenance,
+                     vllm_runner=args.vllm_runner if engine == "vllm" else None)
             for engine in engines]
+        code = 0 if all(d.exit_ok for d in diagnoses) else 1
+        written = write_config(draft, diagnoses[0], args.write_config) \
+            if args.write_config else None
     except CapturePlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print("\n".join(_wrap(h, "", "  ") for h in header))
-    print(_wrap(provenance.describe(), "", "  "))
+    if args.json:
+        return _emit(json.dumps(as_json(draft, provenance, diagnoses, code, written), indent=2),
+                     code)
+    out = ["summary: " + "; ".join(d.summary() for d in diagnoses) + f" (exit {code})"]
+    out += [_wrap(h, "", "  ") for h in header]
+    out.append(_wrap(provenance.describe(), "", "  "))
     for diagnosis in diagnoses:
-        print()
-        print(diagnosis.format(with_provenance=False))
-    return 0 if all(d.ok for d in diagnoses) else 1
+        out += ["", diagnosis.format(with_provenance=False)]
+    if written:
+        out += ["", _wrap(written, "", "  ")]
+    return _emit("\n".join(out), code)
+
+
+def _emit(text: str, code: int) -> int:
+    """Print the answer; a reader that stops early (``| head``) ends it quietly."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return code
+
+
+def single_fix(diagnosis: Diagnosis) -> Optional[list[int]]:
+    """The one id list that fixes every decisive line of ``diagnosis``; None when
+    nothing needs fixing. Refused (CapturePlanError) when no single list can."""
+    kind = diagnosis.verdict_class
+    if kind in ("OK", "ASSUMED"):
+        return None
+    if kind in ("AMBIGUOUS", "UNVERIFIED"):
+        raise CapturePlanError(f"--write-config: the verdict is {kind}: which layers the draft "
+                               f"was trained on is not known (measure them with `eagle-capture "
+                               f"probe`, or pass --id-convention), so no fix can be written")
+    # The written ids must serve every line that decides, the right ones included.
+    fixes = {tuple(v.fix_ids) if v.fix_ids else None for v in diagnosis.verdicts if v.decides}
+    if None in fixes:
+        raise CapturePlanError(f"--write-config: no id list fixes this draft on "
+                               f"{diagnosis.engine_name} (the problem above is not in the ids)")
+    if len(fixes) > 1:
+        raise CapturePlanError(f"--write-config: the {diagnosis.engine_name} lines need different "
+                               f"ids ({', '.join(str(list(f)) for f in sorted(fixes))}); pass "
+                               f"--sglang-version to choose the release you serve with")
+    return list(fixes.pop())
+
+
+def write_config(draft: DraftIds, diagnosis: Diagnosis, path: str) -> str:
+    """Write the draft's config with the fix in the field ``diagnosis``'s engine
+    reads (SGLang: eagle_config's; vLLM: the top-level key); what was done, in words."""
+    ids = single_fix(diagnosis)
+    config = json.loads(json.dumps(draft.raw))
+    if ids is None:
+        what = "nothing to fix: the config is written unchanged"
+    elif diagnosis.engine == "vllm":
+        config[IDS_KEY] = ids
+        what = f"top-level {IDS_KEY} = {ids}"
+    else:
+        eagle = config.get("eagle_config")
+        config["eagle_config"] = dict(eagle or {}, **{IDS_KEY: ids})
+        what = f"eagle_config.{IDS_KEY} = {ids}"
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
+    except OSError as e:
+        raise CapturePlanError(f"--write-config: cannot write {path}: {e.strerror or e}") from None
+    return f"wrote {path} for {diagnosis.engine_name}: {what}"
+
+
+def as_json(draft: DraftIds, provenance: Provenance, diagnoses: list, code: int,
+            written: Optional[str]) -> dict:
+    """The answer as data (``--json``)."""
+    def line(v: LineVerdict) -> dict:
+        return {"line": v.line.title if v.line.engine == "vLLM" else v.line.name,
+                "ids_read": v.ids, "capture_layers": v.capture_layers,
+                "status": v.status or ("OK" if v.ok else "PROBLEM"), "decides": v.decides,
+                "detail": v.lines, "fix": v.fix_ids if not v.ok else None}
+
+    return {
+        "exit": code, "draft": draft.source,
+        "trainer": provenance.trainer or None, "ids": provenance.ids,
+        "readings": [{"label": r.label, "why": r.why,
+                      "trained_capture_layers": None if r.expected is None else list(r.expected)}
+                     for r in provenance.readings],
+        "engines": {d.engine: {
+            "verdict": d.verdict_class, "text": d._verdict(), "notes": d.notes,
+            "readings": [{"reading": r.label if r else None, "lines": [line(v) for v in vs]}
+                         for r, vs in (d.by_reading or [(None, d.verdicts)])],
+            "deployment": d.deployment} for d in diagnoses},
+        "written": written}
 
 
 if __name__ == "__main__":

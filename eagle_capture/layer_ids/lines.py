@@ -14,6 +14,7 @@ of decoder layer X, i.e. SGLang's capture at the start of layer X + 1.
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Sequence, Union
 
@@ -24,6 +25,22 @@ IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 # Target architectures whose text model is SGLang's DeepseekV2 loop.
 TARGET_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                         "KimiK25ForConditionalGeneration")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+# The EAGLE-3 draft classes each engine registers, by the name a config's
+# ``architectures`` gives (SGLang: the ``EntryClass`` of ``models/*eagle*.py``, read
+# in 0.5.9, 0.5.13, 0.5.18, 0.5.20 and 0.5.23, with the first wheel read that has
+# it; vLLM: ``model_executor/models/registry.py``, read in 0.32.0, which also loads
+# speculators' format by translating its ``speculators_config``).
+SGLANG_DRAFT_CLASSES = {"LlamaForCausalLMEagle3": ((0, 5, 9), "models/llama_eagle3.py"),
+                        "Eagle3DeepseekV2ForCausalLM": ((0, 5, 13), "models/kimi_k25_eagle3.py")}
+VLLM_DRAFT_CLASSES = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3",
+                      "Eagle3MiniMaxM2ForCausalLM", "Eagle3Qwen2_5vlForCausalLM",
+                      "Eagle3Qwen3vlForCausalLM", "Eagle3Qwen3ForCausalLM",
+                      "Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM",
+                      "PEagleDraftModel", "PeagleLlamaForCausalLM", "PeagleQwen3ForCausalLM")
+DRAFT_ARCHITECTURES = frozenset(SGLANG_DRAFT_CLASSES) | frozenset(VLLM_DRAFT_CLASSES) | {
+    "Eagle3Speculator"}
 
 
 class CapturePlanError(ValueError):
@@ -143,7 +160,10 @@ class VLLMLine:
         list counts as absent, as vLLM's ``if not layer_ids`` does)."""
         top = draft.top_level or None
         if self.runner == "V2":
-            return top or draft.nested_layer_ids or None
+            # (then DeepSpec's top-level target_layer_ids, "+1 to convert" its output
+            # convention: eagle3_utils.py get_eagle3_aux_layers_from_config)
+            shifted = [i + 1 for i in draft.target_layer_ids] if draft.target_layer_ids else None
+            return top or shifted or draft.nested_layer_ids or None
         return top or draft.nested or None
 
     def reads(self) -> str:
@@ -219,11 +239,20 @@ def load_config(config: Union[dict, str, os.PathLike], what: str = "config") -> 
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise CapturePlanError(f"{what}: the folder {path} has no config.json")
         path = os.path.join(path, "config.json")
+    elif not os.path.exists(path) and _HUB_ID.fullmatch(path):
+        # A Hugging Face model id: nothing is downloaded here (the doctor runs offline).
+        raise CapturePlanError(
+            f"{what}: {path} is not a file or folder here; if it is a Hugging Face model id, "
+            f"download its config first (`huggingface-cli download {path} config.json "
+            f"--local-dir {path.rsplit('/', 1)[-1]}`) and pass that folder")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             loaded = json.load(f)
     except OSError as e:
         raise CapturePlanError(f"{what}: cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise CapturePlanError(f"{what}: {path} is not a text file (not UTF-8): pass the "
+                               f"model's config.json or its folder") from None
     except json.JSONDecodeError as e:
         raise CapturePlanError(f"{what}: {path} is not valid JSON ({e.msg} at line {e.lineno}, "
                                f"column {e.colno})") from None
@@ -240,10 +269,10 @@ def _architecture(config: dict) -> str:
 def _check_ids(ids, field: str, source: str) -> Optional[list[int]]:
     if ids is None:
         return None
-    if not isinstance(ids, list) or not ids or any(
+    # An empty list is read (the engines differ on it: the doctor says how).
+    if not isinstance(ids, list) or any(
             isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise CapturePlanError(f"{source}: {field} must be a non-empty list of integers, "
-                               f"got {ids!r}")
+        raise CapturePlanError(f"{source}: {field} must be a list of integers, got {ids!r}")
     return list(ids)
 
 
@@ -259,6 +288,12 @@ class DraftIds:
     nested_layer_ids: Optional[list[int]] = None
     # the whole config, for the trainer's markers (eagle_capture.layer_ids.trainers)
     raw: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # eagle_config.use_aux_hidden_state (default true): false, and both engines feed
+    # the draft the target's last hidden state, no aux states (SGLang's
+    # spec_aux_hidden_state.py, vLLM's llm_base_proposer.py)
+    use_aux: bool = True
+    # DeepSpec's top-level target_layer_ids (vLLM's V2 runner reads them + 1)
+    target_layer_ids: Optional[list[int]] = None
 
     @property
     def trained(self) -> Optional[list[int]]:
@@ -284,13 +319,32 @@ def read_draft_ids(config: Union[dict, str, os.PathLike]) -> DraftIds:
     nested = _check_ids((eagle or {}).get(IDS_KEY), f"eagle_config.{IDS_KEY}", source)
     top = _check_ids(loaded.get(IDS_KEY), IDS_KEY, source)
     layer_ids = _check_ids((eagle or {}).get("layer_ids"), "eagle_config.layer_ids", source)
-    if arch in TARGET_ARCHITECTURES or (nested is None and top is None
-                                        and "text_config" in loaded):
+    if arch in TARGET_ARCHITECTURES or (nested is None and top is None and looks_like_target(
+            loaded)):
         raise CapturePlanError(
             f"{source} is a target model's config ({arch or 'with a text_config'}), not an "
             f"EAGLE-3 draft's: pass it as --target-config and the draft's config.json as "
             f"--draft-config")
-    return DraftIds(nested, top, arch, source, layer_ids, loaded)
+    use_aux = (eagle or {}).get("use_aux_hidden_state", True)
+    targets = _check_ids(loaded.get("target_layer_ids"), "target_layer_ids", source)
+    return DraftIds(nested, top, arch, source, layer_ids, loaded, use_aux is not False, targets)
+
+
+def looks_like_draft(config: dict) -> bool:
+    """An EAGLE-3 draft's config by its own keys (for a config passed in the
+    wrong place)."""
+    return (_architecture(config) in DRAFT_ARCHITECTURES or config.get("num_hidden_layers") == 1
+            or any(k in config for k in ("eagle_config", IDS_KEY, "speculators_config",
+                                         "target_layer_ids", "dflash_config",
+                                         "dspark_target_layer_ids", "num_target_layers")))
+
+
+def looks_like_target(config: dict) -> bool:
+    """A full model's config: a text_config, or several layers and no draft key."""
+    if looks_like_draft(config) or "draft_vocab_size" in config:
+        return False
+    layers = config.get("num_hidden_layers")
+    return "text_config" in config or (isinstance(layers, int) and layers >= 4)
 
 
 @dataclass(frozen=True)
@@ -312,6 +366,6 @@ def read_target(config: Union[dict, str, os.PathLike]) -> TargetModel:
         where = "text_config.num_hidden_layers" if text is not loaded else "num_hidden_layers"
         raise CapturePlanError(f"{source}: {where} must be an integer >= 4, got {layers!r}"
                                + (" (an EAGLE-3 draft's config? pass it as --draft-config)"
-                                  if IDS_KEY in json.dumps(loaded) else ""))
+                                  if looks_like_draft(loaded) else ""))
     hidden = text.get("hidden_size")
     return TargetModel(arch, layers, hidden if isinstance(hidden, int) else None, source)

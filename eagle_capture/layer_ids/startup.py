@@ -59,6 +59,24 @@ def find_draft_config(path: Optional[str], revision: Optional[str] = None) -> Op
         return None
 
 
+def slot_order_problem(ids) -> Optional[str]:
+    """Why ids not in ascending order feed the draft the wrong slot, or None.
+
+    Both engines capture in the layer loop's order, ascending, whatever the
+    config's order (SGLang's model loops, vLLM's ``aux_hidden_state_layers``);
+    SpecForge's Hugging Face target concatenates ``hidden_states[X + 1]`` in the
+    order the config lists the ids. The doctor and both plugins' start-up checks
+    ask this one question."""
+    if not ids or list(ids) == sorted(ids):
+        return None
+    moved = [i for i, (a, b) in enumerate(zip(ids, sorted(ids))) if a != b]
+    return (f"ids {list(ids)} are not in ascending order: the engines capture in layer order "
+            f"{sorted(ids)}, so a draft trained with its slots in the config's order (SpecForge's "
+            f"Hugging Face target concatenates them so) gets slots {moved} swapped, with no "
+            f"error. If the draft was trained on an engine's capture (ascending), write the ids "
+            f"sorted, {sorted(ids)}; otherwise no id list fixes it")
+
+
 def check(engine: str, captured: Sequence[int], num_layers: int,
           draft_config: Optional[dict], architecture: str = "", fix=None,
           env=os.environ) -> StartupCheck:
@@ -88,6 +106,9 @@ def check(engine: str, captured: Sequence[int], num_layers: int,
     except (CapturePlanError, ValueError) as e:
         return StartupCheck("problem", f"the draft config cannot be read: {e}")
     said = provenance.describe()
+    unsorted = slot_order_problem(provenance.ids)
+    if unsorted:
+        return StartupCheck("problem", f"{said}. {unsorted}")
     known = [r for r in provenance.readings if r.expected is not None]
     if not known:
         return StartupCheck("unknown", f"{said}. {engine} captures its defaults "

@@ -7,13 +7,14 @@ are named here as capture layers: capture layer c = the input of layer c = the
 output of layer c - 1 (HF ``hidden_states[c]``); both engines number their
 captures so.
 
-* SpecForge 0.2.0 (``LlamaForCausalLMEagle3``, ``eagle_config`` = ids +
-  ``use_aux_hidden_state``): its training data is what SGLang 0.5.14 (its pinned
-  dependency) captures for the ids, through the target model's own
-  ``set_eagle3_layers_to_capture``; its earlier Hugging Face target backend took
-  ``hidden_states[X + 1]`` (the output of layer X). The two agree unless the
-  target's SGLang rule does not add 1 (DeepseekV2 with ``ids[0] != 1``, gpt_oss's
-  final boundary): then ambiguous.
+* SpecForge (``LlamaForCausalLMEagle3``, ``eagle_config`` = ids +
+  ``use_aux_hidden_state``): its training data came from its Hugging Face target
+  (the output of layer X, ``hidden_states[X + 1]``) or from the SGLang it pinned
+  (:data:`SPECFORGE_SGLANG_PINS`), through the target model's own
+  ``set_eagle3_layers_to_capture`` of that release. One reading per distinct
+  answer: they differ where a pinned rule does not add 1 (DeepseekV2 with
+  ``ids[0] != 1`` from 0.5.13, gpt_oss's final boundary from 0.5.18): ambiguous.
+  A template with no ids and no marker is "SpecForge or TorchSpec".
 * speculators (``speculators_model_type`` / ``speculators_config``): top-level ids
   handed to vLLM unchanged: the input convention (``null``: unknown).
 * NVIDIA Model Optimizer (``eagle_config`` with ``next_layer_regular`` /
@@ -28,8 +29,15 @@ captures so.
 * AngelSlim (``Eagle3LlamaForCausalLM`` / top-level ``aux_hidden_states_layer_ids``):
   the output convention, in a key no engine reads (the engines capture their
   defaults).
+* DeepSpec (a top-level ``target_layer_ids``): the output convention (it hooks
+  each named layer's output); vLLM's V2 runner reads them with 1 added.
 * SafeAILab EAGLE (a plain one-layer ``LlamaForCausalLM`` with ``draft_vocab_size``):
   no ids; layers ``[2, n//2, n-3]`` hard-coded as capture layers.
+
+A draft that writes no ids is read as trained on its trainer's default where the
+trainer is recognised and has one (:data:`NO_ID_DEFAULTS`: the engines' own
+default layers); a speculators draft whose ids are SpecForge's default list is
+read both ways (a converted draft keeps SpecForge's ids verbatim).
 
 An unrecognised config is read in the output convention, said as assumed;
 ids equal to the input-convention default then are ambiguous.
@@ -48,7 +56,35 @@ IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 ANGELSLIM_KEY = "aux_hidden_states_layer_ids"
 MODELOPT_KEYS = ("next_layer_regular", "parallel_draft_step", "parallel_draft_heads_num_layers")
 SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "speculators_version")
-SPECFORGE_SGLANG = (0, 5, 14)    # SpecForge 0.2.0's pinned SGLang
+
+# SpecForge's history as data: from which commit its training data came from which
+# capture (read in SpecForge's requirements.txt / pyproject.toml at each commit, and
+# scripts/prepare_hidden_states.py / specforge/core/eagle3.py of v0.1.0). Before the
+# first pin its Hugging Face target took hidden_states[X + 1] (the output
+# convention); each SGLang pin captured the ids through the target model's own
+# set_eagle3_layers_to_capture of that release. (date, commit, SGLang pin)
+SPECFORGE_SGLANG_PINS = (
+    ("2025-09-01", "94d67101", "0.5.1"),
+    ("2025-11-08", "cd975162", "0.5.4"),
+    ("2025-11-23", "00edc174", "0.5.5"),
+    ("2025-12-25", "ee22b877", "0.5.6"),
+    ("2026-03-16", "961ca7c3", "0.5.9"),
+    ("2026-06-26", "9a1c9803", "0.5.14"),
+)
+
+# What each trainer trains on when the draft config names no ids: the output-
+# convention list [1, n//2 - 1, n - 4], i.e. capture layers [2, n//2, n - 3] -- the
+# engines' own default. Read in: SpecForge resolve_eagle_capture_layers
+# (specforge/algorithms/model_providers.py, a6b6b02; v0.1.0's
+# prepare_hidden_states.py the same list); TorchSpec get_default_eagle3_aux_layer_ids
+# (torchspec/utils/misc.py, 6f21829; its SGLang engine passes them to SGLang, its vLLM
+# engine adds 1); AngelSlim (hidden_states[id + 1] of the same list).
+NO_ID_DEFAULTS = {
+    "SpecForge": "SpecForge's resolve_eagle_capture_layers",
+    "TorchSpec": "TorchSpec's get_default_eagle3_aux_layer_ids",
+    "SpecForge or TorchSpec": "SpecForge's and TorchSpec's default",
+    "AngelSlim": "AngelSlim's default",
+}
 
 
 def in_default(num_layers: int) -> list[int]:
@@ -128,6 +164,10 @@ def _markers(config: dict) -> tuple[str, str]:
         return "speculators", ", ".join(found or ["architectures Eagle3Speculator"])
     if "_torchspec_version" in config:
         return "TorchSpec", "_torchspec_version"
+    if isinstance(config.get("target_layer_ids"), list) and IDS_KEY not in config and not (
+            eagle and IDS_KEY in eagle):
+        return "DeepSpec", "top-level target_layer_ids" + (f", architectures {arch}" if arch
+                                                           else "")
     if eagle is not None and any(k in eagle for k in MODELOPT_KEYS):
         return ("NVIDIA Model Optimizer",
                 "eagle_config keys " + ", ".join(k for k in MODELOPT_KEYS if k in eagle))
@@ -135,6 +175,11 @@ def _markers(config: dict) -> tuple[str, str]:
         keys = [k for k in (ANGELSLIM_KEY, "modal_type") if k in config]
         return "AngelSlim", ", ".join(keys + ([f"architectures {arch}"]
                                                if arch == "Eagle3LlamaForCausalLM" else []))
+    if arch == "LlamaForCausalLMEagle3" and eagle is None and IDS_KEY not in config:
+        # SpecForge's and TorchSpec's templates without ids look alike (TorchSpec's
+        # exporter adds _torchspec_version); both train such a draft on the same layers.
+        return ("SpecForge or TorchSpec",
+                "architectures LlamaForCausalLMEagle3, no eagle_config, no _torchspec_version")
     if arch == "LlamaForCausalLMEagle3" and (eagle is None or set(eagle) <= {
             IDS_KEY, "use_aux_hidden_state"}):
         return "SpecForge", ("architectures LlamaForCausalLMEagle3" + (
@@ -187,6 +232,8 @@ def recognise(draft, num_layers: int, architecture: str = "",
         notes.append(f"{ANGELSLIM_KEY} is read by no engine (SGLang reads "
                      f"eagle_config.{IDS_KEY}, vLLM the top-level {IDS_KEY}): both capture "
                      f"their defaults instead. Write the ids below where each engine reads")
+    elif trainer == "DeepSpec":
+        ids, where = draft.target_layer_ids, "top-level target_layer_ids"
     elif draft.nested is not None:
         ids, where = draft.nested, f"eagle_config.{IDS_KEY}"
     else:
@@ -210,24 +257,30 @@ def recognise(draft, num_layers: int, architecture: str = "",
         readings = (_in(ids, "speculators hands its ids to vLLM unchanged; its converter copies "
                              "the ids given verbatim, so a SpecForge list converted as is would "
                              "be one layer early"),)
+        if ids is not None and sorted(ids) == out_default(num_layers):
+            # The output-convention default of SpecForge / TorchSpec: the mark of a
+            # draft converted with its ids copied as they were.
+            readings = (_out(ids, "a SpecForge or TorchSpec draft converted by speculators' "
+                                  f"converter, which copies the ids verbatim: {ids} is "
+                                  f"SpecForge's default list for {num_layers} layers"),
+                        _in(ids, "trained by speculators on vLLM's own captures"))
+            notes.append(f"{ids} is SpecForge's and TorchSpec's default list (output "
+                         f"convention) for a {num_layers}-layer target: the mark of a draft "
+                         f"converted to speculators' format with its ids copied verbatim. "
+                         f"Only the draft's training run can say which reading is right: "
+                         f"measure it with `eagle-capture probe`")
         if ids is None:
             notes.append("speculators wrote null: its converter does not read the source "
                          "draft's ids")
+    elif trainer in NO_ID_DEFAULTS and ids is None:
+        readings = (Reading("trainer's default (no ids written)",
+                            tuple(in_default(num_layers)),
+                            f"{NO_ID_DEFAULTS[trainer]} takes the outputs of layers "
+                            f"{out_default(num_layers)}, the layers both engines capture by "
+                            f"default"),)
+        where = f"none written; {NO_ID_DEFAULTS[trainer]} {out_default(num_layers)}"
     elif trainer == "SpecForge":
-        # The doctor assumes DeepseekV2's rule when the architecture is not given.
-        rule = sglang_model_rule(SPECFORGE_SGLANG, architecture or "DeepseekV3ForCausalLM")
-        sglang = apply_rule(rule.rule if rule else SHIFT_ALWAYS, ids, num_layers) \
-            if ids is not None else None
-        out = _out(ids, "SpecForge's Hugging Face target backend: hidden_states[X + 1]")
-        via = Reading("SGLang 0.5.14's capture of them (SpecForge 0.2.0's data)",
-                      None if sglang is None else tuple(sorted(sglang)),
-                      f"SpecForge 0.2.0 captures its data with SGLang 0.5.14's "
-                      f"{architecture or 'DeepseekV2 (assumed)'} set_eagle3_layers_to_capture")
-        if via.expected == out.expected:
-            readings = (_out(ids, "what SpecForge 0.2.0 captured with SGLang 0.5.14, as its "
-                                  "earlier HF backend's hidden_states[X + 1]"),)
-        else:
-            readings = (out, via)
+        readings = _specforge_readings(ids, num_layers, architecture)
     elif trainer == "NVIDIA Model Optimizer":
         readings = (_out(ids, "data from its Hugging Face dump"),
                     _in(ids, "data from its vLLM dump with the ids passed unshifted"))
@@ -246,6 +299,11 @@ def recognise(draft, num_layers: int, architecture: str = "",
                              "; no ids written: its default" if ids is None else "")),)
         if ids is None:
             ids, where = out_default(num_layers), "AngelSlim's default (none written)"
+    elif trainer == "DeepSpec":
+        readings = (_out(ids, "DeepSpec hooks each named target layer's output "
+                              "(run_target_forward_with_hooks: hidden_states[X + 1])"),)
+        notes.append("SGLang's EAGLE-3 target reads no target_layer_ids (only eagle_config's "
+                     f"{IDS_KEY}); vLLM's V2 runner reads them, adding 1")
     elif trainer == "SafeAILab EAGLE":
         readings = (_in(in_default(num_layers), "hard-coded in SafeAILab's EAGLE-3 training"),)
     else:
@@ -256,3 +314,35 @@ def recognise(draft, num_layers: int, architecture: str = "",
         return Provenance("", "", ids, where, readings, tuple(notes),
                           "markers" if len(readings) > 1 else "assumed")
     return Provenance(trainer, evidence, ids, where, readings, tuple(notes))
+
+
+def _specforge_readings(ids, num_layers: int, architecture: str) -> tuple[Reading, ...]:
+    """The capture layers a SpecForge draft's ids were trained on, one reading per
+    distinct answer over SpecForge's history: its Hugging Face target backend
+    (hidden_states[X + 1]) and each pinned SGLang's rule for the target model
+    (pins older than every wheel read take the oldest read, 0.5.9, whose rules the
+    older releases share)."""
+    # The doctor assumes DeepseekV2's rule when the architecture is not given.
+    arch = architecture or "DeepseekV3ForCausalLM"
+    found: dict[tuple[int, ...], list] = {_shifted(ids, 1): ["HF"]}
+    for date, _commit, pin in SPECFORGE_SGLANG_PINS:
+        version = tuple(int(p) for p in pin.split("."))
+        rule = sglang_model_rule(max(version, (0, 5, 9)), arch)
+        captured = apply_rule(rule.rule if rule else SHIFT_ALWAYS, ids, num_layers)
+        found.setdefault(tuple(sorted(captured)), []).append((date, pin))
+    if len(found) == 1:
+        return (_out(ids, "what SpecForge captured on every SGLang it pinned, as its HF "
+                          "backend's hidden_states[X + 1]"),)
+    readings = []
+    for expected, sources in found.items():
+        label = ("output convention (id X = the output of layer X)" if expected ==
+                 _shifted(ids, 1) else "input convention (id X = the input of layer X)"
+                 if expected == _shifted(ids, 0) else "SpecForge's capture of them")
+        pins = [p for p in sources if p != "HF"]
+        said = (["its Hugging Face target (hidden_states[X + 1])"] if "HF" in sources else []) \
+            + ([f"SGLang {pins[0][1]}" + (f" - {pins[-1][1]}" if len(pins) > 1 else "")
+                + f" as pinned from {pins[0][0]}"] if pins else [])
+        readings.append(Reading(label, expected,
+                                f"SpecForge's data from {' and '.join(said)}, with "
+                                f"{architecture or 'DeepseekV2 (assumed)'}'s rule"))
+    return tuple(readings)

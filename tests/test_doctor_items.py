@@ -1,0 +1,382 @@
+"""The doctor on what published drafts do: converted drafts, slot order, drafts
+without aux states, formats an engine cannot load, verdict words and exit status,
+--json / --write-config, and bad input (one line, exit 2, no traceback)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eagle_capture.integrations.sglang import plugin
+from eagle_capture.layer_ids import doctor, startup
+
+HERE = os.path.dirname(__file__)
+PUBLISHED = os.path.join(HERE, "data", "published_configs")
+SPECULATORS = os.path.join(HERE, "data", "trainer_configs", "speculators",
+                           "Eagle3SpeculatorConfig_61layer_ids_2_30_58.config.json")
+
+
+def _doctor(capsys, *argv):
+    code = doctor.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, " ".join(out.out.split()), out.err
+
+
+def _specforge(tmp_path, ids, name="draft.json", **eagle):
+    path = tmp_path / name
+    path.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                "eagle_config": dict({"eagle_aux_hidden_state_layer_ids": ids,
+                                                      "use_aux_hidden_state": True}, **eagle)}))
+    return path
+
+
+# Item 2 ------------------------------------------------------------------------------------
+
+def test_a_converted_specforge_draft_is_never_a_silent_ok(tmp_path, capsys):
+    """speculators' converter copies a SpecForge draft's ids verbatim: [1, 29, 57] at the
+    top level of a speculators config is SpecForge's default list, trained on capture
+    layers [2, 30, 58], which vLLM would take one layer early. Both readings, the probe
+    recommended, exit 1 (it used to be OK on vLLM)."""
+    config = json.load(open(SPECULATORS))
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 29, 57]
+    path = tmp_path / "converted.json"
+    path.write_text(json.dumps(config))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
+                           "--target-architecture", "DeepseekV3ForCausalLM", "--engine", "vllm")
+    assert code == 1
+    assert "summary: vLLM: AMBIGUOUS (exit 1)" in out
+    assert "SpecForge's and TorchSpec's default list" in out and "eagle-capture probe" in out
+    assert "trained on capture layers [2, 30, 58]" in out
+    assert "trained on capture layers [1, 29, 57]" in out
+    # Its own convention's ids (not a default list) keep one reading.
+    code, out, _ = _doctor(capsys, "--draft-config", SPECULATORS, "--num-layers", 61,
+                           "--target-architecture", "DeepseekV3ForCausalLM", "--engine", "vllm")
+    assert code == 0 and "AMBIGUOUS" not in out
+
+
+# Item 4 ------------------------------------------------------------------------------------
+
+def test_unsorted_ids_swap_slots_in_the_doctor(tmp_path, capsys):
+    """The engines capture in ascending order; SpecForge's HF target concatenates in the
+    config's order. [57, 1, 29] on Llama (+1 to every id) used to be sorted and called a
+    match."""
+    path = _specforge(tmp_path, [57, 1, 29])
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
+                           "--target-architecture", "LlamaForCausalLM")
+    assert code == 1
+    assert "summary: SGLang: PROBLEM; vLLM: PROBLEM (exit 1)" in out
+    assert "ids [57, 1, 29] are not in ascending order" in out and "slots [0, 1, 2]" in out
+    assert "write the ids sorted, [1, 29, 57]" in out
+
+
+def test_unsorted_ids_are_refused_at_start_up_by_both_plugins(tmp_path):
+    """The same rule (startup.slot_order_problem) in the start-up check that SGLang's
+    plugin (id_problems) and vLLM's (checked.py) run: a problem, so the server refuses."""
+    config = json.loads(_specforge(tmp_path, [57, 1, 29]).read_text())
+    check = startup.check("vLLM", [2, 30, 58], 61, config, "LlamaForCausalLM")
+    assert check.status == "problem" and "not in ascending order" in check.text
+    problems = plugin.id_problems([2, 30, 58], 61, config, [57, 1, 29], "LlamaForCausalLM",
+                                  "0.5.23")
+    assert len(problems) == 1 and "not in ascending order" in problems[0]
+    # Without the config in view, SGLang's own ids (in the config's order) say the same.
+    assert plugin.id_problems([2, 30, 58], 61, None, [57, 1, 29], "LlamaForCausalLM", "0.5.23")
+    assert startup.slot_order_problem([1, 29, 57]) is None
+
+
+def test_vllms_plugin_refuses_unsorted_ids(tmp_path):
+    """vLLM's plugin (checked.check_draft_ids, run where vLLM sets its aux layers) reads
+    the draft's own config.json and refuses the server, in the doctor's words."""
+    from types import SimpleNamespace
+
+    from eagle_capture.integrations.vllm import checked
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    _specforge(draft, [57, 1, 29], name="config.json")
+    model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=61))
+    vllm_config = SimpleNamespace(
+        speculative_config=SimpleNamespace(draft_model_config=SimpleNamespace(
+            model=str(draft), revision=None, hf_config=None)),
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"])))
+    with pytest.raises(checked.WrongCaptureLayers, match="not in ascending order"):
+        checked.check_draft_ids(model, [2, 30, 58], vllm_config, env={})
+    _specforge(draft, [1, 29, 57], name="config.json")
+    checked.check_draft_ids(model, [2, 30, 58], vllm_config, env={})     # sorted: starts
+
+
+# Item 5 ------------------------------------------------------------------------------------
+
+def test_use_aux_hidden_state_false(tmp_path, capsys):
+    """Both engines then feed the draft the last hidden state and capture nothing
+    (SGLang's spec_aux_hidden_state.py, vLLM's llm_base_proposer.py): the doctor says
+    so instead of judging ids that are never used."""
+    path = _specforge(tmp_path, [1, 29, 57], use_aux_hidden_state=False)
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
+                           "--target-architecture", "DeepseekV3ForCausalLM")
+    assert code == 0, out
+    assert out.count("SGLang feeds the draft the target's last hidden state") == 3   # each line
+    assert "vLLM feeds the draft the target's last hidden state" in out
+    assert "layers_to_capture = [] -> OK" in out and "fix for this line" not in out
+    # No ids and no trainer known (the ids would not be read): still OK, not UNVERIFIED.
+    path.write_text(json.dumps({"architectures": ["SomeEagle3Draft"],
+                                "eagle_config": {"use_aux_hidden_state": False}}))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
+                           "--target-architecture", "DeepseekV3ForCausalLM")
+    assert code == 0 and "summary: SGLang: OK; vLLM: OK (exit 0)" in out, out
+
+
+def test_an_empty_id_list(tmp_path, capsys):
+    """[] used to be refused as bad input (exit 2); it is a config both engines read:
+    SGLang captures nothing, vLLM its defaults."""
+    path = _specforge(tmp_path, [])
+    code, out, err = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
+                             "--target-architecture", "DeepseekV3ForCausalLM")
+    assert code == 1 and err == ""
+    assert "summary: SGLang: PROBLEM; vLLM: PROBLEM (exit 1)" in out
+    assert "the draft config's id list is empty" in out
+
+
+# Item 3 ------------------------------------------------------------------------------------
+
+def test_a_format_sglang_cannot_load(capsys):
+    """speculators' Eagle3Speculator: SGLang has no class for it. No eagle_config fix is
+    offered for a file SGLang cannot load; vLLM loads it."""
+    code, out, _ = _doctor(capsys, "--draft-config", SPECULATORS, "--num-layers", 61,
+                           "--target-architecture", "DeepseekV3ForCausalLM")
+    assert code == 1 and "summary: SGLang: CANNOT LOAD; vLLM: OK (exit 1)" in out
+    assert "SGLang cannot load this draft format" in out and "Serve it with vLLM" in out
+    assert "Write eagle_config" not in out and "fix for this line" not in out
+    code, out, _ = _doctor(capsys, "--draft-config", SPECULATORS, "--num-layers", 61,
+                           "--target-architecture", "DeepseekV3ForCausalLM", "--engine", "vllm")
+    assert code == 0
+
+
+def test_sglangs_registry_per_line(tmp_path, capsys):
+    """SGLang's Kimi-K2.5 EAGLE-3 class (Eagle3DeepseekV2ForCausalLM, Model Optimizer's and
+    TorchSpec's Kimi format) is in the 0.5.13 wheel and later, not in 0.5.9: that line
+    cannot load the draft, the later ones judge its ids."""
+    path = tmp_path / "kimi.json"
+    path.write_text(json.dumps({"architectures": ["Eagle3DeepseekV2ForCausalLM"],
+                                "num_hidden_layers": 1, "eagle_config": {
+                                    "eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}))
+    argv = ["--draft-config", path, "--num-layers", 61, "--target-architecture",
+            "KimiK25ForConditionalGeneration", "--engine", "sglang", "--id-convention", "output"]
+    code, out, _ = _doctor(capsys, *argv)
+    assert code == 1 and "summary: SGLang: PROBLEM (exit 1)" in out
+    assert "0.5.12 (read from 0.5.9): layers_to_capture = [] -> CANNOT LOAD" in out
+    assert "registered from 0.5.13 on (not in 0.5.9)" in out
+    assert out.count("layers_to_capture = [2, 30, 58] -> OK") == 2
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.13")
+    assert code == 0 and "CANNOT LOAD" not in out
+
+
+# Item 6 ------------------------------------------------------------------------------------
+
+def test_unverified_is_not_do_not_serve(tmp_path, capsys):
+    """An unrecognised draft with no ids: UNVERIFIED, pointing at the probe; 'do not
+    serve' is kept for PROBLEM."""
+    path = tmp_path / "mystery.json"
+    path.write_text(json.dumps({"architectures": ["SomeEagle3Draft"], "num_hidden_layers": 1}))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
+                           "--target-architecture", "DeepseekV3ForCausalLM")
+    assert code == 1 and "summary: SGLang: UNVERIFIED; vLLM: UNVERIFIED (exit 1)" in out
+    assert "eagle-capture probe" in out and "do not serve" not in out
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
+                           "--target-architecture", "DeepseekV3ForCausalLM", "--accept-defaults")
+    assert code == 0 and "accepted (--accept-defaults)" in out
+
+
+def test_release_boundaries_are_inclusive(tmp_path, capsys):
+    """gpt_oss keeps ids whose max is num_layers from 0.5.18 (the wheel read at exactly
+    that version); 0.5.17 still adds 1 and names a layer that does not exist."""
+    path = _specforge(tmp_path, [1, 12, 24])
+    argv = ["--draft-config", path, "--num-layers", 24, "--target-architecture",
+            "GptOssForCausalLM", "--engine", "sglang", "--id-convention", "input"]
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.18")
+    assert code == 0 and "layers_to_capture = [1, 12, 24] -> OK" in out
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.17")
+    assert code == 1 and "layers_to_capture = [2, 13, 25] -> PROBLEM" in out
+
+
+# Item 7 ------------------------------------------------------------------------------------
+
+def test_json(capsys):
+    path = os.path.join(PUBLISHED, "specforge_gpt_oss_20b.config.json")
+    code = doctor.main(["--draft-config", path, "--num-layers", "24", "--target-architecture",
+                        "GptOssForCausalLM", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == out["exit"] == 1
+    assert out["trainer"] == "SpecForge" and out["ids"] == [1, 11, 21]
+    assert out["engines"]["sglang"]["verdict"] == "OK"
+    assert out["engines"]["vllm"]["verdict"] == "PROBLEM"
+    v2, v1 = out["engines"]["vllm"]["readings"][0]["lines"]
+    assert (v2["capture_layers"], v2["fix"], v2["decides"]) == ([2, 12, 21], [2, 12, 22], True)
+    assert v1["decides"] is False
+
+
+def test_write_config_applies_the_fix_where_the_engine_reads(tmp_path, capsys):
+    """vLLM: the top-level key, nothing else changed; the written file then passes."""
+    path = os.path.join(PUBLISHED, "specforge_gpt_oss_20b.config.json")
+    out_path = tmp_path / "fixed.json"
+    base = ["--num-layers", "24", "--target-architecture", "GptOssForCausalLM"]
+    code, out, _ = _doctor(capsys, "--draft-config", path, *base, "--engine", "vllm",
+                           "--write-config", out_path)
+    assert code == 1 and f"wrote {out_path} for vLLM: top-level " \
+        "eagle_aux_hidden_state_layer_ids = [2, 12, 22]" in out
+    original, written = json.load(open(path)), json.load(open(out_path))
+    assert written.pop("eagle_aux_hidden_state_layer_ids") == [2, 12, 22]
+    assert written == original
+    code, out, _ = _doctor(capsys, "--draft-config", out_path, *base)
+    assert code == 0 and "summary: SGLang: OK; vLLM: OK (exit 0)" in out
+
+
+def test_write_config_for_sglang(tmp_path, capsys):
+    """SGLang: eagle_config's key, its other keys kept (Kimi-K2.5's SpecForge draft
+    from its 0.5.6 days, served by SGLang 0.5.23: [3, 31, 59])."""
+    path = os.path.join(PUBLISHED, "specforge_kimi_k25.config.json")
+    out_path = tmp_path / "fixed.json"
+    base = ["--num-layers", "61", "--target-architecture", "KimiK25ForConditionalGeneration",
+            "--id-convention", "output", "--engine", "sglang"]
+    code, out, _ = _doctor(capsys, "--draft-config", path, *base, "--sglang-version", "0.5.23",
+                           "--write-config", out_path)
+    assert code == 1 and "eagle_config.eagle_aux_hidden_state_layer_ids = [3, 31, 59]" in out
+    written = json.load(open(out_path))
+    assert written["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [3, 31, 59],
+                                       "use_aux_hidden_state": True}
+    # The file now holds SGLang's ids for those layers, not SpecForge's: re-check it so.
+    code, out, _ = _doctor(capsys, "--draft-config", out_path, *base, "--sglang-version", "0.5.23",
+                           "--id-convention", "input")
+    assert code == 0, out
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--write-config needs one engine"),
+    (["--engine", "sglang"], "the sglang lines need different ids"),
+    (["--engine", "sglang", "--sglang-version", "0.5.23", "--id-convention", "auto"],
+     "the verdict is AMBIGUOUS"),
+])
+def test_write_config_refuses_what_it_cannot_decide(tmp_path, capsys, extra, message):
+    path = os.path.join(PUBLISHED, "specforge_kimi_k25.config.json")
+    argv = ["--draft-config", path, "--num-layers", 61, "--target-architecture",
+            "KimiK25ForConditionalGeneration", "--write-config", tmp_path / "x.json",
+            "--id-convention", "output", *extra]
+    code, out, err = _doctor(capsys, *argv)
+    assert code == 2 and message.lower() in err.lower() and len(err.splitlines()) == 1
+    assert not (tmp_path / "x.json").exists()
+
+
+# Bad input (issue 47 item 5) -----------------------------------------------------------------
+
+def _cli(*argv):
+    """The doctor as a user runs it: a separate process (a traceback would show)."""
+    return subprocess.run([sys.executable, "-m", "eagle_capture.layer_ids.doctor",
+                           *map(str, argv)], capture_output=True, text=True)
+
+
+def test_bad_inputs_are_one_line_exit_2(tmp_path):
+    binary = tmp_path / "model.safetensors"
+    binary.write_bytes(b"\x80\x81\xfe\xff" * 64)
+    latin = tmp_path / "latin1.json"
+    latin.write_bytes('{"name": "caf\xe9"}'.encode("latin-1"))
+    target = tmp_path / "target.json"
+    target.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32,
+                                  "hidden_size": 4096}))
+    draft = os.path.join(PUBLISHED, "specforge_llama3_70b.config.json")
+    cases = [
+        (["--draft-config", binary, "--num-layers", 32], "is not a text file (not UTF-8)"),
+        (["--draft-config", latin, "--num-layers", 32], "is not a text file (not UTF-8)"),
+        (["--draft-config", "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B", "--num-layers", 32],
+         "huggingface-cli download lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B config.json"),
+        (["--draft-config", target, "--num-layers", 32], "is a target model's config"),
+        (["--draft-config", draft, "--target-config", draft], "pass it as --draft-config"),
+        (["--draft-config", draft, "--target-config", "meta-llama/Llama-3.3-70B-Instruct"],
+         "huggingface-cli download meta-llama/Llama-3.3-70B-Instruct config.json"),
+    ]
+    for argv, message in cases:
+        run = _cli(*argv)
+        assert run.returncode == 2, (argv, run.stdout, run.stderr)
+        assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+        assert "Traceback" not in run.stderr and run.stdout == ""
+
+
+def test_a_file_or_its_folder_either_way(tmp_path):
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        open(os.path.join(PUBLISHED, "specforge_llama3_70b.config.json")).read())
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                    "num_hidden_layers": 80, "hidden_size": 8192}))
+    for d in (folder, folder / "config.json"):
+        for t in (target, target / "config.json"):
+            run = _cli("--draft-config", d, "--target-config", t)
+            assert run.returncode == 0, run.stderr
+
+
+# Item 8 ------------------------------------------------------------------------------------
+
+def test_deepspec_top_level_target_layer_ids(tmp_path, capsys):
+    """DeepSpec writes its ids as a top-level target_layer_ids (its build_draft_config)
+    and trains on each named layer's output (run_target_forward_with_hooks). vLLM's V2
+    runner reads them + 1 (right); SGLang's EAGLE-3 target and vLLM's V1 runner read
+    none (their 3 defaults for a 5-layer draft)."""
+    path = tmp_path / "deepspec.json"
+    path.write_text(json.dumps({"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3",
+                                "num_hidden_layers": 5, "num_target_layers": 36,
+                                "hidden_size": 4096, "target_layer_ids": [1, 9, 17, 25, 33]}))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 36,
+                           "--target-architecture", "Qwen3ForCausalLM", "--sglang-version", "0.5.23")
+    assert code == 1 and "summary: SGLang: PROBLEM; vLLM: OK (exit 1)" in out
+    assert "trainer: DeepSpec (recognised from top-level target_layer_ids" in out
+    assert "trained on capture layers [2, 10, 18, 26, 34]" in out
+    assert "aux_hidden_state_layers = [2, 10, 18, 26, 34] -> OK" in out
+    assert "vLLM's V1 runner reads no target_layer_ids" in out
+    assert "fix for this line: eagle_config.eagle_aux_hidden_state_layer_ids = [1, 9, 17, 25, 33]" \
+        in out
+
+
+def test_torchspec_export_is_credited_to_torchspec(tmp_path, capsys):
+    """A TorchSpec export (its convert_to_hf adds _torchspec_version) is TorchSpec's, and
+    with no ids it trains on its default, the engines' default layers: OK."""
+    config = json.load(open(os.path.join(PUBLISHED, "torchspec_kimi_k25.config.json")))
+    config["_torchspec_version"] = "0.1.0"
+    path = tmp_path / "exported.json"
+    path.write_text(json.dumps(config))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
+                           "--target-architecture", "KimiK25ForConditionalGeneration")
+    assert code == 0 and "trainer: TorchSpec (recognised from _torchspec_version)" in out
+    assert "TorchSpec's get_default_eagle3_aux_layer_ids takes the outputs of layers " \
+           "[1, 29, 57]" in out
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`eagle-capture doctor ... | head -1`: the pipe closes under the doctor."""
+    run = subprocess.Popen([sys.executable, "-m", "eagle_capture.layer_ids.doctor",
+                            "--draft-config", os.path.join(PUBLISHED, "specforge_kimi_k25.config.json"),
+                            "--num-layers", "61"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert run.stdout.readline().startswith(b"summary: ")
+    run.stdout.close()
+    assert run.wait(timeout=120) == 1 and b"Traceback" not in run.stderr.read()
+
+
+def test_every_doctor_transcript_in_the_docs_is_current(capsys):
+    """Each `$ eagle-capture doctor ...` block of docs/doctor.md is what the doctor prints
+    now, with the exit status its verdict line says (scripts/update_readme_examples.py
+    rewrites them)."""
+    import re
+    text = open(os.path.join(HERE, "..", "docs", "doctor.md")).read()
+    blocks = re.findall(r"```\n\$ eagle-capture doctor ([^\n]*)\n(.*?)```", text, re.S)
+    assert len(blocks) >= 12
+    cwd = os.getcwd()
+    os.chdir(os.path.join(HERE, ".."))
+    try:
+        for argv, shown in blocks:
+            code = doctor.main(argv.split())
+            out = capsys.readouterr().out
+            assert out == shown, argv
+            assert f"(exit {code})" in out.splitlines()[0], argv
+    finally:
+        os.chdir(cwd)

@@ -23,7 +23,8 @@ COMMANDS = {
                "(exit 0: as trained; 1: not, or unknown)"),
     "probe": ("eagle_capture.probe.probe",
               "which layers a draft was trained on, measured by running the target and the "
-              "draft on calibration text (needs torch and transformers)"),
+              "draft on calibration text: in transformers (needs torch and transformers), or "
+              "in vLLM's engine at the tensor-parallel size you serve with (--engine vllm)"),
 }
 
 

@@ -97,7 +97,8 @@ def test_speculators_draft_confirmed_in_the_input_convention():
 def test_converted_ids_one_layer_early_are_found(tmp_path):
     """The field's failure: SpecForge's draft converted to speculators with its ids
     copied verbatim ([1, 3, 5] now reads as capture layers [1, 3, 5]): MISMATCH,
-    the trained layers named, vLLM's and SGLang's ids to write."""
+    the trained layers named, vLLM's ids to write (SGLang cannot load the converted
+    format: no ids offered there)."""
     config = tiny_eagle3.speculators_config([1, 3, 5])
     report = _probe(_variant(tmp_path, "draft_specforge", config))
     assert report.verdict.startswith("MISMATCH: capture layers [2, 4, 6]"), report.format()
@@ -105,7 +106,7 @@ def test_converted_ids_one_layer_early_are_found(tmp_path):
         MIN_CONVENTION_MARGIN
     engines = "\n".join(report.engines)
     assert "write the top-level eagle_aux_hidden_state_layer_ids = [2, 4, 6]" in engines
-    assert "write eagle_config.eagle_aux_hidden_state_layer_ids = [1, 3, 5]" in engines
+    assert "SGLang 0.5.23: CANNOT LOAD" in engines and "write eagle_config" not in engines
     assert not report.ok
 
 
@@ -521,8 +522,8 @@ def test_draft_trained_in_config_order_is_named_and_its_fc_fix_given(tmp_path):
     assert "no id list fixes it on either engine" in report["verdict_text"]
     assert not report["ok"]
     fix = "\n".join(report["fixes"])
-    assert "new block j is old block [1, 2, 0][j]" in fix and "write the ids sorted, [1, 3, 5]" \
-        in fix, fix
+    assert "the new blocks are the old blocks [1, 2, 0] in that order" in fix, fix
+    assert "write the ids sorted, [1, 3, 5]. Or retrain" in fix, fix
     permuted = load_file(str(draft / "model.safetensors"))["fc.weight"].split(64, dim=1)
     trained = load_file(str(DATA / "draft_specforge" / "model.safetensors"))["fc.weight"]
     assert torch.equal(torch.cat([permuted[j] for j in [1, 2, 0]], dim=1), trained)

@@ -239,10 +239,11 @@ def _threshold(a: Candidate, b: Candidate, min_margin: float) -> float:
     return max(min_margin, 3 * se)
 
 
-def _fc_reorder(trained: list[int], spec) -> str:
+def _fc_reorder(trained: list[int], spec, ids) -> str:
     """How to make a draft trained with its slots in ``trained`` order (capture layers,
     not ascending) take the engines' ascending feed: its fc is linear in the
-    concatenated states, so permuting fc's input column blocks is exact."""
+    concatenated states, so permuting fc's input column blocks is exact; then the
+    config's ``ids`` are written sorted."""
     ascending = sorted(trained)
     perm = [trained.index(c) for c in ascending]
     k = len(trained)
@@ -254,11 +255,12 @@ def _fc_reorder(trained: list[int], spec) -> str:
     if spec is not None and spec.fc_norm:
         extra += f"; reorder its {k} per-state fc norms the same way"
     return (f"fix the draft, not the ids: reorder the input columns of its fc.weight in {k} "
-            f"blocks{width}, one per target state, so that new block j is old block "
-            f"{perm}[j]{extra}. fc is linear in the concatenated states, so the draft then "
-            f"computes from the engines' ascending feed {ascending} exactly what it was "
-            f"trained to; nothing else in the draft sees the states. Or retrain the draft on "
-            f"the engines' order")
+            f"blocks{width}, one per target state, so that the new blocks are the old blocks "
+            f"{perm} in that order (new block j = old block {perm}[j]){extra}. fc is linear "
+            f"in the concatenated states and nothing else in the draft sees them, so the "
+            f"draft then computes from the engines' ascending feed {ascending} exactly what "
+            f"it was trained to" + (f"; then write the ids sorted, {sorted(ids)}" if ids else "")
+            + ". Or retrain the draft on the engines' order")
 
 
 def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: float,
@@ -332,8 +334,7 @@ def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: f
             + (f"; ascending, {sorted(want)}, {pct(asc)}" if asc is not None else "")
             + f"): no engine can feed it so. SGLang and vLLM capture in ascending layer order "
               f"whatever the order of the ids, so no id list fixes it on either engine")
-        report.fixes.append(_fc_reorder(want, draft_spec) + (
-            f"; then write the ids sorted, {sorted(ids)}" if ids else ""))
+        report.fixes.append(_fc_reorder(want, draft_spec, ids))
         want = sorted(want)
     elif ids and slot_order_problem(ids) and want == list(top.layers):
         ordered = next((c for c in ranked if c.config_order), None)

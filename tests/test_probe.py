@@ -76,8 +76,9 @@ def test_specforge_draft_confirmed_and_vllm_told_where_to_read():
 
 def test_speculators_draft_confirmed_in_the_input_convention():
     """speculators' draft (top-level [1, 3, 6], input convention): confirmed;
-    vLLM reads it right; SGLang ignores the top-level key (captures its defaults)
-    and gets the eagle_config ids that make Llama's +1 rule capture [1, 3, 6]."""
+    vLLM reads it right; SGLang has no class for speculators' Eagle3Speculator: its
+    line says CANNOT LOAD (the doctor's words), not an eagle_config fix for a file
+    SGLang cannot load."""
     report = _probe(DATA / "draft_speculators")
     assert report.verdict.startswith("CONFIRMED: the draft was trained on capture layers "
                                      "[1, 3, 6]"), report.format()
@@ -86,14 +87,18 @@ def test_speculators_draft_confirmed_in_the_input_convention():
             MIN_CONVENTION_MARGIN, report.format()
     engines = "\n".join(report.engines)
     assert "vLLM 0.32 - 0.33, model runners V1 and V2 captures [1, 3, 6]: OK" in engines
-    assert "SGLang 0.5.23 captures [2, 4, 5]: PROBLEM -- write " \
-           "eagle_config.eagle_aux_hidden_state_layer_ids = [0, 2, 5]" in engines
+    sglang = next(e for e in report.engines if e.startswith("SGLang"))
+    assert sglang.startswith("SGLang 0.5.23: CANNOT LOAD -- SGLang cannot load this draft "
+                             "format"), sglang
+    assert "Serve it with vLLM" in sglang and "write eagle_config" not in engines
+    assert not report.ok
 
 
 def test_converted_ids_one_layer_early_are_found(tmp_path):
     """The field's failure: SpecForge's draft converted to speculators with its ids
     copied verbatim ([1, 3, 5] now reads as capture layers [1, 3, 5]): MISMATCH,
-    the trained layers named, vLLM's and SGLang's ids to write."""
+    the trained layers named, vLLM's ids to write (SGLang cannot load the converted
+    format: no ids offered there)."""
     config = tiny_eagle3.speculators_config([1, 3, 5])
     report = _probe(_variant(tmp_path, "draft_specforge", config))
     assert report.verdict.startswith("MISMATCH: capture layers [2, 4, 6]"), report.format()
@@ -101,7 +106,7 @@ def test_converted_ids_one_layer_early_are_found(tmp_path):
         MIN_CONVENTION_MARGIN
     engines = "\n".join(report.engines)
     assert "write the top-level eagle_aux_hidden_state_layer_ids = [2, 4, 6]" in engines
-    assert "write eagle_config.eagle_aux_hidden_state_layer_ids = [1, 3, 5]" in engines
+    assert "SGLang 0.5.23: CANNOT LOAD" in engines and "write eagle_config" not in engines
     assert not report.ok
 
 
@@ -339,7 +344,7 @@ def test_console_script_runs_the_probe():
     run = subprocess.run([sys.executable, "-m", "eagle_capture.cli", "probe", "--target",
                           str(TARGET), "--draft", str(DATA / "draft_speculators"), "--prompts",
                           str(PROMPTS), "--device", "cpu"], capture_output=True, text=True)
-    assert run.returncode == 1, run.stderr       # SGLang would capture its defaults
+    assert run.returncode == 1, run.stderr       # SGLang cannot load its format
     assert "CONFIRMED" in run.stdout and "[1, 3, 6]" in run.stdout
 
 
@@ -464,3 +469,112 @@ def _exit_status(main, argv) -> int:
         return main(argv)
     except SystemExit as exc:
         return exc.code
+
+
+# ------------------------------------------------- slot order, formats, exit status
+
+def _fc_permuted(tmp_path, source: str, order, config: dict) -> Path:
+    """``source``'s draft with its fc input column blocks reordered so that it expects its
+    trained capture layers in ``order`` (what a trainer that concatenates the states in
+    the config's order makes): no training needed, fc is linear in the concatenation."""
+    from safetensors.torch import load_file, save_file
+
+    out = _variant(tmp_path, source, config, name="permuted")
+    weights = load_file(str(out / "model.safetensors"))
+    fc = weights["fc.weight"]
+    width = fc.shape[1] // len(order)
+    blocks = fc.split(width, dim=1)
+    weights["fc.weight"] = torch.cat([blocks[sorted(order).index(c)] for c in order], dim=1)
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+def test_unsorted_ids_on_a_draft_trained_sorted_say_write_them_sorted(tmp_path):
+    """SpecForge's draft (trained on [2, 4, 6], slots ascending) with its ids written
+    [5, 1, 3]: the config-order reading (6, 2, 4) is measured and loses; the report says
+    to write the ids sorted."""
+    report = _probe(_variant(tmp_path, "draft_specforge", tiny_eagle3.specforge_config([5, 1, 3])))
+    layers = {c.layers: c for c in report.candidates}
+    assert (6, 2, 4) in layers and layers[(6, 2, 4)].config_reading, report.format()
+    assert report.verdict.startswith("CONFIRMED: the draft was trained on capture layers "
+                                     "[2, 4, 6]"), report.format()
+    assert _agreement(report, [2, 4, 6]) - layers[(6, 2, 4)].agreement >= MIN_CONVENTION_MARGIN
+    fixes = "\n".join(report.fixes)
+    assert "are not in ascending order" in fixes and "write the ids sorted, [1, 3, 5]" in fixes
+    assert "SGLang 0.5.23 captures [2, 4, 6]: OK" in report.engines
+
+
+def test_draft_trained_in_config_order_is_named_and_its_fc_fix_given(tmp_path):
+    """A draft whose fc expects its states in the config's order [5, 1, 3] (capture layers
+    6, 2, 4: SpecForge's Hugging Face target concatenates so): no engine feeds that, so no
+    id list fixes it; the report says so, gives the fc column permutation that makes the
+    ascending feed exact (applied, it gives back the draft trained ascending) and exits 1."""
+    from safetensors.torch import load_file
+
+    draft = _fc_permuted(tmp_path, "draft_specforge", (6, 2, 4),
+                         tiny_eagle3.specforge_config([5, 1, 3]))
+    record = tmp_path / "probe.json"
+    assert _exit_code(draft, "--json", str(record)) == 1
+    report = json.loads(record.read_text())
+    assert report["readings"][0]["capture_layers"] == [6, 2, 4], report
+    assert report["verdict_text"].startswith("MISMATCH: the draft was trained with its slots "
+                                             "in the config's order"), report
+    assert "no id list fixes it on either engine" in report["verdict_text"]
+    assert not report["ok"]
+    fix = "\n".join(report["fixes"])
+    assert "the new blocks are the old blocks [1, 2, 0] in that order" in fix, fix
+    assert "write the ids sorted, [1, 3, 5]. Or retrain" in fix, fix
+    permuted = load_file(str(draft / "model.safetensors"))["fc.weight"].split(64, dim=1)
+    trained = load_file(str(DATA / "draft_specforge" / "model.safetensors"))["fc.weight"]
+    assert torch.equal(torch.cat([permuted[j] for j in [1, 2, 0]], dim=1), trained)
+    assert all("PROBLEM -- no ids feed slots in the config's order" in e
+               for e in report["engines"]), report["engines"]
+
+
+def test_config_order_candidates_only_for_unsorted_ids():
+    ids = read_draft_ids(tiny_eagle3.specforge_config([5, 1, 3]))
+    cands, _ = candidates(ids, recognise(ids, 8, "LlamaForCausalLM"), 8, 3, "LlamaForCausalLM")
+    assert [c.layers for c in cands if c.config_order] == [(6, 2, 4)]
+    ids = read_draft_ids(tiny_eagle3.specforge_config([1, 3, 5]))
+    cands, _ = candidates(ids, recognise(ids, 8, "LlamaForCausalLM"), 8, 3, "LlamaForCausalLM")
+    assert not any(c.config_order for c in cands)
+
+
+def test_mismatch_exits_1_even_where_the_engines_capture_the_measured_layers():
+    """The config's reading (its ids in the input convention, as --id-convention says)
+    is [1, 3, 5]; the draft measures [2, 4, 6], which SGLang (Llama's +1 rule) and vLLM
+    (the top-level key) both capture: still a MISMATCH of the config, exit 1."""
+    from eagle_capture.probe.probe import ProbeReport, judge
+
+    config = tiny_eagle3.specforge_config([1, 3, 5])
+    config["eagle_aux_hidden_state_layer_ids"] = [2, 4, 6]
+    ids = read_draft_ids(config)
+    prov = recognise(ids, 8, "LlamaForCausalLM", "input")
+    cands, _ = candidates(ids, prov, 8, 3, "LlamaForCausalLM")
+    for c in cands:
+        c.tokens, c.hits = 4000, 2000 if c.layers == (2, 4, 6) else 1500
+    report = ProbeReport(8, cands, prov, 0.0)
+    judge(report, ids, "LlamaForCausalLM", 0.03)
+    assert report.verdict.startswith("MISMATCH: capture layers [2, 4, 6]"), report.format()
+    assert report.engines and all(e.endswith(": OK") for e in report.engines), report.engines
+    assert not report.ok
+
+
+def test_readings_at_the_final_boundary_are_measured(tmp_path):
+    """Ids whose reading includes capture layer 8 (= num_layers: the last layer's output
+    before the final norm) are measured like any other, not a crash."""
+    few = tmp_path / "few.jsonl"
+    few.write_text("\n".join(PROMPTS.read_text().splitlines()[:2]) + "\n")
+    report = _probe(_variant(tmp_path, "draft_specforge", tiny_eagle3.specforge_config([1, 3, 7])),
+                    prompts=str(few), max_tokens=32)
+    final = [c for c in report.candidates if 8 in c.layers]
+    assert final and all(c.tokens > 0 for c in final), report.format()
+    assert any(c.config_reading for c in final)
+    assert "(final)" in report.format()
+
+
+def _exit_code(draft, *extra) -> int:
+    from eagle_capture.probe.probe import main
+
+    return main(["--target", str(TARGET), "--draft", str(draft), "--prompts", str(PROMPTS),
+                 "--device", "cpu", *extra])

@@ -19,15 +19,20 @@ the draft's first step (:mod:`.draft`) once per candidate reading of the draft's
 * what each engine captures for this config (SGLang -- ``--sglang-version``, the
   newest read by default -- with the target's own rule, vLLM's runners), and the
   engines' default;
-* each id alone one layer off the config's reading.
+* each id alone one layer off the config's reading;
+* ids not in ascending order: the config's reading with its slots in the config's
+  order as well (a trainer that concatenates the states in the order the ids are
+  listed, as SpecForge's Hugging Face target does; the engines concatenate in
+  layer order). A draft trained so is told how to reorder its ``fc`` columns.
 
 Agreement = the share of positions t where the draft, given the target's states
 at t and the token at t + 1, proposes the token the target itself predicts at
 t + 1 (greedy): the first draft token's acceptance under greedy decoding.
 
 Exit status: 0 the config's reading is what the draft was trained on and every
-engine shown captures it; 1 a mismatch (the ids to write are printed) or a margin
-too small to tell; 2 unusable input (missing folder, unreadable draft, no
+engine shown captures it; 1 a mismatch (the ids to write are printed; slots in
+the config's order: how to reorder the draft's fc), an engine that cannot load the
+draft's format, or a margin too small to tell; 2 unusable input (missing folder, unreadable draft, no
 tokenizer for text prompts, a target that does not fit the device).
 """
 
@@ -47,10 +52,11 @@ from typing import Optional, Sequence
 import torch
 
 from eagle_capture.layer_ids.deployment import wrap
-from eagle_capture.layer_ids.doctor import fix_ids, model_lines
+from eagle_capture.layer_ids.doctor import _cannot_load, fix_ids, model_lines
 from eagle_capture.layer_ids.lines import (SGLANG_LINES, CapturePlanError, DraftIds,
                                            default_capture_layers, line_of, read_draft_ids,
                                            read_target, vllm_lines)
+from eagle_capture.layer_ids.startup import slot_order_problem
 from eagle_capture.layer_ids.trainers import CONVENTIONS, Provenance, recognise
 from eagle_capture.probe.draft import DraftError, load_draft
 from eagle_capture.probe.engine import FIXED_ARGS, EngineError, check_vllm
@@ -71,11 +77,18 @@ class ProbeError(ValueError):
 @dataclass
 class Candidate:
     """One reading of the draft's ids: the capture layers it feeds the draft."""
-    layers: tuple[int, ...]          # capture layers, ascending (c = the input of layer c)
+    layers: tuple[int, ...]          # capture layers (c = the input of layer c) in the order
+    #                                  the draft's fc takes them: ascending (the engines'
+    #                                  order) but for a reading in the config's slot order
     labels: list[str]
     config_reading: bool = False     # one of the config's own readings
     hits: int = 0
     tokens: int = 0
+
+    @property
+    def config_order(self) -> bool:
+        """Slots in the config's order, not ascending: no engine feeds that."""
+        return list(self.layers) != sorted(self.layers)
 
     @property
     def agreement(self) -> float:
@@ -112,14 +125,15 @@ def candidates(draft: DraftIds, provenance: Provenance, num_layers: int, num_aux
                ) -> tuple[list[Candidate], list[str]]:
     """Every reading worth measuring (deduplicated by layers, labels merged), and
     notes on readings left out (outside [0, num_layers], a layer twice, or not
-    ``num_aux`` layers: the draft's fc takes exactly that many)."""
+    ``num_aux`` layers: the draft's fc takes exactly that many). Readings are in
+    ascending order, as the engines feed them, except the config-order ones."""
     found: dict[tuple, Candidate] = {}
     notes: list[str] = []
 
-    def add(layers, label, config_reading=False):
+    def add(layers, label, config_reading=False, ordered=False):
         if layers is None:
             return
-        layers = tuple(sorted(layers))
+        layers = tuple(layers) if ordered else tuple(sorted(layers))
         if len(layers) != num_aux or len(set(layers)) != len(layers) \
                 or not all(0 <= c <= num_layers for c in layers):
             notes.append(f"{label}: {list(layers)} left out (the draft takes {num_aux} distinct "
@@ -131,13 +145,17 @@ def candidates(draft: DraftIds, provenance: Provenance, num_layers: int, num_aux
         cand.config_reading |= config_reading
 
     readings = [r for r in provenance.readings if r.expected is not None]
+    ids = provenance.ids
     for r in readings:
         add(r.expected, f"config: {r.label.split(' (')[0]}", config_reading=True)
+        in_order = config_order(ids, r.expected)
+        if in_order is not None:
+            add(in_order, f"config: {r.label.split(' (')[0]}, slots in the config's order",
+                config_reading=True, ordered=True)
     defaults = default_capture_layers(num_layers)
     if not readings:
         # No ids: the config's reading is what the engines feed it, their default.
         add(defaults, "config: no ids, the engines' default", config_reading=True)
-    ids = provenance.ids
     if ids is not None:
         add([i + 1 for i in ids], "ids read as outputs")
         add(list(ids), "ids read as inputs")
@@ -153,6 +171,17 @@ def candidates(draft: DraftIds, provenance: Provenance, num_layers: int, num_aux
             moved[k] += d
             add(moved, f"config, layer {base[k]} -> {base[k] + d}")
     return list(found.values()), notes
+
+
+def config_order(ids, expected) -> Optional[tuple[int, ...]]:
+    """The capture layers ``expected`` (ascending) in the order the config lists ``ids``,
+    when that order is not ascending (None otherwise). Every reading moves all ids by
+    one constant, so the k-th smallest id names the k-th capture layer."""
+    if not ids or expected is None or list(ids) == sorted(ids) \
+            or len(set(ids)) != len(ids) or len(ids) != len(expected):
+        return None
+    rank = {i: k for k, i in enumerate(sorted(ids))}
+    return tuple(expected[rank[i]] for i in ids)
 
 
 @dataclass
@@ -210,12 +239,38 @@ def _threshold(a: Candidate, b: Candidate, min_margin: float) -> float:
     return max(min_margin, 3 * se)
 
 
+def _fc_reorder(trained: list[int], spec, ids) -> str:
+    """How to make a draft trained with its slots in ``trained`` order (capture layers,
+    not ascending) take the engines' ascending feed: its fc is linear in the
+    concatenated states, so permuting fc's input column blocks is exact; then the
+    config's ``ids`` are written sorted."""
+    ascending = sorted(trained)
+    perm = [trained.index(c) for c in ascending]
+    k = len(trained)
+    width = f" of {spec.target_hidden_size} columns" if spec is not None else ""
+    extra = ""
+    if spec is not None and spec.norm_before_fc:
+        extra += (f"; permute the {k} blocks of the weight of the norm before fc the same way "
+                  f"(its RMS over the whole concatenation does not depend on the order)")
+    if spec is not None and spec.fc_norm:
+        extra += f"; reorder its {k} per-state fc norms the same way"
+    return (f"fix the draft, not the ids: reorder the input columns of its fc.weight in {k} "
+            f"blocks{width}, one per target state, so that the new blocks are the old blocks "
+            f"{perm} in that order (new block j = old block {perm}[j]){extra}. fc is linear "
+            f"in the concatenated states and nothing else in the draft sees them, so the "
+            f"draft then computes from the engines' ascending feed {ascending} exactly what "
+            f"it was trained to" + (f"; then write the ids sorted, {sorted(ids)}" if ids else "")
+            + ". Or retrain the draft on the engines' order")
+
+
 def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: float,
-          sglang_version: str = "") -> None:
+          sglang_version: str = "", draft_spec=None) -> None:
     """The verdict, the ids to write and each engine's line, from the measured table.
     The config's reading stands unless another reading beats it by more than the
-    noise (:func:`_threshold`); two config readings (ambiguous ids) must be told
-    apart by that margin too."""
+    noise (:func:`_threshold`); two config readings (ambiguous ids, or unsorted ids
+    in ascending and in the config's slot order) must be told apart by that margin
+    too. ``draft_spec`` (the draft's :class:`~eagle_capture.probe.draft.DraftSpec`)
+    names the weights to reorder for a draft trained in the config's slot order."""
     ranked = report.ranked
     best = ranked[0]
     n = report.num_layers
@@ -238,7 +293,7 @@ def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: f
     elif len(config) > 1 and top.agreement - config[1].agreement < _threshold(
             top, config[1], min_margin):
         report.verdict = (
-            f"INCONCLUSIVE: the config's two readings {list(top.layers)} ({pct(top)}) and "
+            f"INCONCLUSIVE: the config's readings {list(top.layers)} ({pct(top)}) and "
             f"{list(config[1].layers)} ({pct(config[1])}) are within "
             f"{100 * _threshold(top, config[1], min_margin):.1f} points over {top.tokens} "
             f"tokens: more calibration text (--prompts, --max-tokens) narrows it; a draft "
@@ -266,21 +321,54 @@ def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: f
         report.ok = False
         return
     report.ok = want == list(top.layers)
+    ids = report.provenance.ids
+    in_order = want != sorted(want)
+    if in_order:
+        # Trained with the slots in the config's order: what no engine feeds.
+        report.ok = False
+        won = next(c for c in ranked if list(c.layers) == want)
+        asc = next((c for c in ranked if list(c.layers) == sorted(want)), None)
+        report.verdict = (
+            f"MISMATCH: the draft was trained with its slots in the config's order, capture "
+            f"layers {want} in that order ({pct(won)}"
+            + (f"; ascending, {sorted(want)}, {pct(asc)}" if asc is not None else "")
+            + f"): no engine can feed it so. SGLang and vLLM capture in ascending layer order "
+              f"whatever the order of the ids, so no id list fixes it on either engine")
+        report.fixes.append(_fc_reorder(want, draft_spec, ids))
+        want = sorted(want)
+    elif ids and slot_order_problem(ids) and want == list(top.layers):
+        ordered = next((c for c in ranked if c.config_order), None)
+        report.fixes.append(
+            slot_order_problem(ids) + ". Measured: this draft takes its slots in ascending "
+            f"order, as the engines feed them ({pct(top)}"
+            + (f"; in the config's order {pct(ordered)}" if ordered is not None else "")
+            + f"): write the ids sorted, {sorted(ids)}")
     sglang_version = sglang_version or SGLANG_DEFAULT
     line, _ = _sglang_line(architecture, sglang_version)
     sglang_ids = fix_ids(line, want, n, allow_embedding=0 in want)
     for _, label, layers in _engine_captures(draft, n, architecture, sglang_version):
+        sglang = label.startswith("SGLang")
+        cannot = _cannot_load("sglang" if sglang else "vllm", draft, line if sglang else None)
+        if cannot:
+            # No class for the format: no ids help there (the doctor's words).
+            report.ok = False
+            report.engines.append(f"{label}: CANNOT LOAD -- {cannot}")
+            continue
+        head = (f"{label} captures {sorted(layers)} in ascending order: PROBLEM -- no ids "
+                f"feed slots in the config's order; with the draft's fc reordered (above), "
+                if in_order else f"{label} captures {sorted(layers)}: ")
         if sorted(layers) == want:
-            report.engines.append(f"{label} captures {sorted(layers)}: OK")
+            report.engines.append(head + ("it captures the right layers" if in_order
+                                          else "OK"))
             continue
         report.ok = False
-        if not label.startswith("SGLang"):
+        if not sglang:
             fix = f"write the top-level eagle_aux_hidden_state_layer_ids = {want}"
         elif sglang_ids is None:
             fix = f"no ids make this line capture {want}"
         else:
             fix = f"write eagle_config.eagle_aux_hidden_state_layer_ids = {sglang_ids}"
-        report.engines.append(f"{label} captures {sorted(layers)}: PROBLEM -- {fix}")
+        report.engines.append(head + (fix if in_order else f"PROBLEM -- {fix}"))
 
 
 def _weights_bytes(folder: Path, dtype: torch.dtype) -> int:
@@ -527,7 +615,7 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
     if not any(c.tokens for c in cands):
         raise ProbeError("no prompt had 3 tokens or more")
     report = ProbeReport(n, cands, provenance, 0.0, notes=notes, measured=measured)
-    judge(report, ids, arch, min_margin, sglang_version)
+    judge(report, ids, arch, min_margin, sglang_version, draft_spec=dmodel.spec)
     where = f"vLLM's engine at tensor parallel {measured['tp']}" if engine == "vllm" else dev
     log(f"probe: measured in {time.monotonic() - started:.1f} s in {where} ({dtype})")
     return report

@@ -402,7 +402,7 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     if unsorted:
         config_problems.append(unsorted)
     # Per line (SGLang's registry grew); every line: no id notes either.
-    cannot_on = [_cannot_load(engine, draft, line) for line in lines]
+    cannot_on = [cannot_load(engine, draft, line) for line in lines]
     cannot = cannot_on[0] if all(cannot_on) else None
     if cannot:
         pass    # no note on ids for a file this engine cannot load
@@ -493,7 +493,7 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
                      accepted=accept_defaults, deployment_ok=deploy_ok)
 
 
-def _cannot_load(engine: str, draft: Optional[DraftIds], line=None) -> Optional[str]:
+def cannot_load(engine: str, draft: Optional[DraftIds], line=None) -> Optional[str]:
     """Why ``engine`` (its release ``line``, where the registry changed) cannot load
     the draft (its class is not registered there), or None."""
     if draft is None or not draft.architecture:

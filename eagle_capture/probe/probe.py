@@ -52,7 +52,7 @@ from typing import Optional, Sequence
 import torch
 
 from eagle_capture.layer_ids.deployment import wrap
-from eagle_capture.layer_ids.doctor import _cannot_load, fix_ids, model_lines
+from eagle_capture.layer_ids.doctor import cannot_load, fix_ids, model_lines
 from eagle_capture.layer_ids.lines import (SGLANG_LINES, CapturePlanError, DraftIds,
                                            default_capture_layers, line_of, read_draft_ids,
                                            read_target, vllm_lines)
@@ -348,7 +348,7 @@ def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: f
     sglang_ids = fix_ids(line, want, n, allow_embedding=0 in want)
     for _, label, layers in _engine_captures(draft, n, architecture, sglang_version):
         sglang = label.startswith("SGLang")
-        cannot = _cannot_load("sglang" if sglang else "vllm", draft, line if sglang else None)
+        cannot = cannot_load("sglang" if sglang else "vllm", draft, line if sglang else None)
         if cannot:
             # No class for the format: no ids help there (the doctor's words).
             report.ok = False

@@ -252,7 +252,66 @@ def child_speed(spec: dict) -> dict:
     result.update(_kernel_counts(lambda: llm.generate(
         [{"prompt_token_ids": [rng.randrange(1000, 120000) for _ in range(SPEED_PROMPT_LEN)]}],
         SamplingParams(max_tokens=8, temperature=0, detokenize=False, ignore_eos=True))))
+    if spec.get("profile"):
+        batch = int(spec["profile"])
+        prompts = [[rng.randrange(1000, 120000) for _ in range(SPEED_PROMPT_LEN)]
+                   for _ in range(batch)]
+        result["profile"] = _host_profile(llm, runner, lambda: llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+        result["profile"]["batch"] = batch
     return result
+
+
+def _host_profile(llm, runner, run) -> dict:
+    """Where an engine step's time goes (``speed --profile BATCH``): one generate under
+    torch's profiler with CPU and CUDA activities -- wall time, the GPU's busy time (the
+    sum of its kernels), the CPU ranges vLLM marks (``gpu_model_runner: ...``) and the
+    busiest host ops -- and which CUDA-graph mode each forward was dispatched to."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    dispatched: collections.Counter = collections.Counter()
+    dispatchers = [("target", runner.cudagraph_dispatcher)]
+    drafter = getattr(runner, "drafter", None)
+    if getattr(drafter, "cudagraph_dispatcher", None) is not None:
+        dispatchers.append(("draft", drafter.cudagraph_dispatcher))
+    originals = []
+    for who, dispatcher in dispatchers:
+        original = dispatcher.dispatch
+
+        def counted(*args, _who=who, _original=original, **kwargs):
+            mode, descriptor = _original(*args, **kwargs)
+            dispatched[f"{_who} {getattr(mode, 'name', mode)} T={descriptor.num_tokens}"] += 1
+            return mode, descriptor
+
+        dispatcher.dispatch = counted
+        originals.append((dispatcher, original))
+    run()   # warm-up of this batch size
+    dispatched.clear()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    for dispatcher, original in originals:
+        dispatcher.dispatch = original
+    rows = prof.key_averages()
+    gpu_us = sum(r.self_device_time_total for r in rows)
+
+    def table(key, n):
+        top = sorted(rows, key=lambda r: getattr(r, key), reverse=True)[:n]
+        return [f"{getattr(r, key) / 1e3:9.2f} ms  x{r.count:<6d} {r.key[:110]}" for r in top]
+
+    return {"wall_s": round(wall, 4), "gpu_busy_ms": round(gpu_us / 1e3, 2),
+            "dispatched": dict(dispatched.most_common()),
+            "vllm_ranges": sorted(f"{r.cpu_time_total / 1e3:9.2f} ms  x{r.count:<6d} {r.key}"
+                                  for r in rows if r.key.startswith(("gpu_model_runner",
+                                                                     "eagle", "Eagle"))),
+            "cpu_total": table("cpu_time_total", 45), "cpu_self": table("self_cpu_time_total", 45),
+            "gpu_self": table("self_device_time_total", 25)}
 
 
 def smoke() -> dict:
@@ -351,11 +410,11 @@ def run_accept(log, work: Path, parallel: int, timeout: float, runners=("v1", "v
     return results
 
 
-def run_speed(log, work: Path, timeout: float, order=("off", "on")) -> dict:
+def run_speed(log, work: Path, timeout: float, order=("off", "on"), profile: int = 0) -> dict:
     results = {}
     for i, plugin in enumerate(order):  # one at a time: timings never share the GPU
         spec = {"label": f"speed_{i}_{plugin}", "runner": "v1", "plugin": plugin,
-                "work": str(work / f"speed_{i}_{plugin}")}
+                "work": str(work / f"speed_{i}_{plugin}"), "profile": profile}
         results.update(finish_wave([(spec, _start("speed", spec))], log, timeout))
     return results
 
@@ -430,6 +489,8 @@ def main(argv=None) -> int:
         else:
             p.add_argument("--order", default="off,on",
                            help="plugin states in the order they run, e.g. on,off,on")
+            p.add_argument("--profile", type=int, default=0, metavar="BATCH",
+                           help="also profile one generate of BATCH sequences (host and GPU)")
     sub.add_parser("smoke").add_argument("--out", required=True, type=Path)
     rep = sub.add_parser("report", help="tables from recorded accept.json / speed.json files")
     rep.add_argument("files", nargs="+", type=Path)
@@ -463,7 +524,8 @@ def main(argv=None) -> int:
             results = run_accept(log, args.work, args.parallel, args.timeout,
                                  args.runner or ("v1", "v2"), args.mode or MODES)
         else:
-            results = run_speed(log, args.work, args.timeout, args.order.split(","))
+            results = run_speed(log, args.work, args.timeout, args.order.split(","),
+                                args.profile)
     (args.out / f"{args.command}.json").write_text(json.dumps(results))
     return 0 if all("error" not in r for r in results.values()) else 1
 

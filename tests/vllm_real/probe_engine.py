@@ -4,6 +4,11 @@ child process by tests/test_probe_engine.py:
 
     python -m tests.vllm_real.probe_engine --work DIR --json OUT --tp 1
     VLLM_CPU_OMP_THREADS_BIND=nobind python -m tests.vllm_real.probe_engine ... --tp 2
+    python -m tests.vllm_real.probe_engine ... --device cuda    # vLLM's CUDA engine
+
+``--device`` is where the draft runs (vLLM serves the target on its own platform: the
+CPU with vllm-cpu, the GPUs with vLLM's CUDA build), ``--dtype`` the target's and the
+draft's dtype.
 
 At TP 1 the command line first, as a user runs it (the probe starts and stops its own
 engine); then one engine start for the rest: the target is served once with every capture
@@ -63,7 +68,7 @@ def prompts(work: Path, tp: int) -> Path:
     return path
 
 
-def command_line(work: Path) -> dict:
+def command_line(work: Path, device: str = "cpu", dtype: str = "fp32") -> dict:
     """``eagle-capture probe --engine vllm`` as a user runs it (its own engine, started
     and shut down by the probe): exit status, stdout, stderr, the --json record."""
     import contextlib
@@ -76,7 +81,7 @@ def command_line(work: Path) -> dict:
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = probe(["--engine", "vllm", "--target", str(DATA / "target"), "--draft",
                       str(DATA / "draft_specforge"), "--prompts", str(DATA / "prompts.jsonl"),
-                      "--dtype", "fp32", "--max-tokens", "64", "--device", "cpu", "--json",
+                      "--dtype", dtype, "--max-tokens", "64", "--device", device, "--json",
                       str(record)])
     print(stderr.getvalue(), file=sys.stderr)
     return {"exit": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(),
@@ -88,6 +93,8 @@ def main():
     p.add_argument("--work", required=True)
     p.add_argument("--json", required=True)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32")
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -97,10 +104,10 @@ def main():
 
     out = {}
     if args.tp == 1:
-        out["cli"] = command_line(work)
+        out["cli"] = command_line(work, args.device, args.dtype)
     # TP 2 serves PartialSums; at TP 1 the probe's own extension, the one the command line's
     # engine mixed into vLLM's worker class in this process (vLLM refuses a second one).
-    target = VllmTarget(DATA / "target", 8, 64, range(9), tp=args.tp, dtype="fp32",
+    target = VllmTarget(DATA / "target", 8, 64, range(9), tp=args.tp, dtype=args.dtype,
                         max_tokens=64, engine_args={"worker_extension_cls": EXTENSION}
                         if args.tp > 1 else None)
     out["ranks"] = target.ranks
@@ -110,15 +117,15 @@ def main():
         if name not in names:
             continue
         report = run_probe(str(DATA / "target"), str(draft), calibration,
-                           device="cpu", dtype="fp32", max_tokens=64, engine_target=target,
-                           log=lambda s: print(s, file=sys.stderr), progress=False)
+                           device=args.device, dtype=args.dtype, max_tokens=64,
+                           engine_target=target, log=lambda s: print(s, file=sys.stderr), progress=False)
         out[name] = report.to_json()
         print(f"PROBE_ENGINE {name} tp {args.tp}: {report.verdict}", flush=True)
     if args.tp > 1:
         target.llm.collective_rpc("eagle_probe_test_skip_allreduce", args=(PARTIAL_LAYER,))
         try:
             run_probe(str(DATA / "target"), str(DATA / "draft_specforge"), calibration,
-                      device="cpu", dtype="fp32", max_tokens=64,
+                      device=args.device, dtype=args.dtype, max_tokens=64,
                       engine_target=target, log=lambda s: None, progress=False)
             out["partial_sums"] = {"refused": False}
         except (ProbeError, EngineError) as exc:

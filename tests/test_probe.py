@@ -320,6 +320,7 @@ def test_cli_exit_codes_and_bad_input(tmp_path, capsys, monkeypatch):
     assert "CONFIRMED" in out.out and "trainer: SpecForge" in out.out
     assert "needs ~" in out.err and "of weights in fp32" in out.err   # the plan, before loading
     assert "the first prompt took" in out.err and "for all 64" in out.err
+    assert "(one-time warm-up included), the second" in out.err   # estimated past the warm-up
     assert main(["--target", str(tmp_path), "--draft", str(DATA / "draft_specforge")]) == 2
     assert "no config.json" in capsys.readouterr().err
     assert main(base + ["--draft", str(DATA / "draft_specforge"), "--sglang-version",

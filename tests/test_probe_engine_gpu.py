@@ -82,14 +82,8 @@ def test_engine_mode_on_cuda_equals_transformers_mode(engine_run):
     from tests.vllm_real.probe_engine import cases
 
     dtype, data, work = engine_run
-    references = {case: _transformers(draft, dtype)
-                  for case, draft in cases(work / "drafts").items()}
-    record = os.environ.get("EAGLE_CAPTURE_RECORD")
-    if record:          # the transformers side of the recorded comparison
-        (Path(record) / f"probe_transformers_cuda_{dtype}.json").write_text(
-            json.dumps(references, indent=1))
-    for case, reference in references.items():
-        engine = data[case]
+    for case, draft in cases(work / "drafts").items():
+        engine, reference = data[case], _transformers(draft, dtype)
         assert engine["verdict_text"].startswith(EXPECTED[case]), (case, engine["verdict_text"])
         for key in ("verdict", "ok", "engines", "fixes", "trainer", "ids"):
             assert engine[key] == reference[key], (case, key)

@@ -20,8 +20,12 @@ or two buffers instead of three that overwrites rows not yet read (a wrong
 sum) or rows cleared after the push (a lost row: the poll waits forever). The
 watchdog bounds every poll, so a protocol that loses a row fails in seconds
 with the flag set instead of hanging. scripts/mutation_check.py checks that
-each of these mutants fails here. Runs anywhere (the GPU machine too: the
-worker processes select the interpreter themselves)."""
+each of these mutants fails here. Runs anywhere, the GPU machine too: the
+ranks are spawned with ``TRITON_INTERPRET=1`` in their environment, because a
+spawned process imports this module -- and through conftest the package, whose
+``@triton.jit`` helpers are compiled or interpreted as the variable says *at
+import* -- before the rank function runs; each rank checks that every Triton
+function it reaches is interpreted."""
 
 import os
 import traceback
@@ -46,11 +50,23 @@ def _expected(partials, residual):
     return truncate_to_bf16(h.float() + residual.float())
 
 
+def _check_interpreted(module) -> None:
+    """Every Triton function ``module`` holds (its kernel and the helpers it calls,
+    imported ones too) must be interpreted: one compiled for the GPU raises
+    "Cannot call @triton.jit'd outside of the scope of a kernel" when the
+    interpreted kernel calls it."""
+    from triton.runtime.jit import JITFunction   # the compiled kind (InterpretedFunction is not one)
+    compiled = [name for name, value in vars(module).items() if isinstance(value, JITFunction)]
+    if compiled:
+        raise RuntimeError(f"compiled, not interpreted, in this rank: {compiled} (was the "
+                           "package imported before TRITON_INTERPRET=1 was set?)")
+
+
 def _rank(rank, world, by_ticket, reverse_dispatch, shared):
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported in this process
     try:
-        from eagle_capture.kernels.allreduce_add_rmsnorm_capture import (
-            lamport_allreduce_add_rmsnorm_capture_kernel as kernel)
+        import eagle_capture.kernels.allreduce_add_rmsnorm_capture as module
+        _check_interpreted(module)
+        kernel = module.lamport_allreduce_add_rmsnorm_capture_kernel
         bufs, states, flags, partials, residuals, outs, auxes, weight = shared
         ptr_table = torch.tensor([b.data_ptr() for b in bufs] + [flags[rank].data_ptr()],
                                  dtype=torch.int64)
@@ -78,7 +94,7 @@ def _rank(rank, world, by_ticket, reverse_dispatch, shared):
                          [(2, False, False), (4, False, False), (2, True, False),
                           (2, True, True)],
                          ids=["2", "4", "2-by-ticket", "2-by-ticket-reverse-dispatch"])
-def test_one_shot_protocol_across_processes(world, by_ticket, reverse_dispatch):
+def test_one_shot_protocol_across_processes(world, by_ticket, reverse_dispatch, monkeypatch):
     """by_ticket: rows by start order (ROWS_BY_TICKET). reverse_dispatch: rank 1
     runs its programs as if its GPU dispatched the highest program id first;
     rows by program id would then wait on a peer program that runs only after
@@ -103,6 +119,8 @@ def test_one_shot_protocol_across_processes(world, by_ticket, reverse_dispatch):
     auxes = [[torch.full((t + 2, K, H), float("nan"), dtype=torch.bfloat16).share_memory_()
               for t in CALL_TOKENS] for _ in range(world)]
     shared = (bufs, states, flags, partials, residuals, outs, auxes, weight)
+    # Inherited by the spawned ranks before they import anything (see the module docstring).
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     run_spawned(_rank, (world, by_ticket, reverse_dispatch, shared), world, TIMEOUT_S, "the ranks (lost row? hang?)")
     for call, tokens in enumerate(CALL_TOKENS):
         expected = _expected(partials[call], residual_in[call])

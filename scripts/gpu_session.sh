@@ -7,6 +7,10 @@
 #
 # Steps (each runs even when one before it failed; the exit status is non-zero
 # when any failed, and the last lines name them):
+#   vllm   when scripts/make_vllm_engine_bundle.sh's folders are carried (.vllm_engine,
+#          .whl), vLLM's CUDA build is installed (scripts/gpu_vllm_engine.sh) and put on
+#          the tests' path, so that the vLLM-engine GPU tests run; without them
+#          those tests' "not installed" skip is expected, and the summary says they did not run.
 #   tests  scripts/test.sh -rs > tests.log. Fails when pytest fails, or when a
 #          test was skipped for a reason a GPU machine should not show (see
 #          EXPECTED_SKIPS below; the message names each such skip).
@@ -34,6 +38,8 @@ EXPECTED_SKIPS=(
     "self-overlap is a property of the strides alone"  # a CPU-only parametrisation
     "python3 already has torch and triton"             # setup_env.sh's virtualenv branch
 )
+# Added by main() when vLLM's CUDA bundle is not carried (then nothing can install it there).
+VLLM_NOT_CARRIED_SKIP="vLLM's CUDA build is not installed"
 
 say() { echo "gpu_session: $*"; }
 
@@ -178,6 +184,19 @@ main() {
     } > "$OUT/smi.txt"
 
     local failed=()
+    if [[ -d .vllm_engine && -d .whl ]]; then
+        if bash scripts/gpu_vllm_engine.sh > "$OUT/vllm_install.log" 2>&1; then
+            export PYTHONPATH="/tmp/vllm_site${PYTHONPATH:+:$PYTHONPATH}" VLLM_USE_FLASHINFER_SAMPLER=0
+            say "vLLM's CUDA build installed from the carried bundle: the vLLM-engine GPU tests run"
+        else
+            say "vLLM's CUDA bundle did not install ($OUT/vllm_install.log)"
+            failed+=(vllm)
+        fi
+    else
+        EXPECTED_SKIPS+=("$VLLM_NOT_CARRIED_SKIP")
+        say "NOT RUN: the vLLM-engine GPU tests (carry .vllm_engine and .whl from" \
+            "scripts/make_vllm_engine_bundle.sh to run them)"
+    fi
     tests_step || failed+=(tests)
     bench_step "$@" || failed+=(bench)
     host_step || failed+=(host)

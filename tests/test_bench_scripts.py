@@ -497,3 +497,35 @@ def test_session_names_the_failed_step(session, kw, failed):
     result, _ = session(**kw)
     assert result.returncode == 1
     assert f"gpu_session: FAILED: {failed} (logs in" in result.stdout
+
+
+VLLM_SKIP_LOG = EXPECTED_LOG.replace("63 skipped", "65 skipped").replace(
+    "2504 passed", "SKIPPED [2] tests/test_probe_engine_gpu.py:81: vLLM's CUDA build is not "
+    "installed (the GPU machine: carry scripts/make_vllm_engine_bundle.sh's .vllm_engine and .whl)"
+    "\n2504 passed")
+
+
+def test_session_without_the_vllm_bundle_says_what_did_not_run(session):
+    result, _ = session(log_text=VLLM_SKIP_LOG)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "NOT RUN: the vLLM-engine GPU tests" in result.stdout
+
+
+@pytest.mark.parametrize("install_rc", [0, 1])
+def test_session_with_the_vllm_bundle_installs_it_and_refuses_the_skip(session, tmp_path,
+                                                                       install_rc):
+    """Carried, the bundle is installed and the vLLM-engine tests must run: their skip is
+    then a failure; a bundle that does not install fails the session's vllm step."""
+    repo = tmp_path / "repo"
+    for folder in (".vllm_engine", ".whl"):
+        (repo / folder).mkdir()
+    _write(repo / "scripts" / "gpu_vllm_engine.sh", f'echo installed; exit {install_rc}\n')
+    result, out = session(log_text=VLLM_SKIP_LOG)
+    assert result.returncode == 1
+    assert "NOT RUN" not in result.stdout
+    if install_rc:
+        assert "FAILED: vllm tests" in result.stdout
+    else:
+        assert "installed from the carried bundle" in result.stdout
+        assert "FAILED: tests (logs in" in result.stdout
+        assert "vLLM's CUDA build is not installed" in result.stdout

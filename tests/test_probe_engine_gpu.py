@@ -28,9 +28,15 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
-    reason="needs a CUDA device and vLLM's CUDA build")
+# Two reasons, so that a GPU machine's run tells "no GPU" from "vLLM not carried"
+# (scripts/gpu_session.sh installs vLLM's CUDA build when its bundle is carried, and
+# then refuses this skip).
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM's CUDA build is not installed (the GPU machine: carry "
+                              "scripts/make_vllm_engine_bundle.sh's .vllm_engine and .whl)"),
+]
 
 from eagle_capture.probe.probe import run_probe  # noqa: E402
 

@@ -227,6 +227,9 @@ def test_write_config_applies_the_fix_where_the_engine_reads(tmp_path, capsys):
         "eagle_aux_hidden_state_layer_ids = [2, 12, 22]" in out
     original, written = json.load(open(path)), json.load(open(out_path))
     assert written.pop("eagle_aux_hidden_state_layer_ids") == [2, 12, 22]
+    record = written.pop("eagle_capture")
+    assert record["trained_capture_layers"] == [2, 12, 22]
+    assert record["ids_written_for"].startswith("vLLM ")
     assert written == original
     code, out, _ = _doctor(capsys, "--draft-config", out_path, *base)
     assert code == 0 and "summary: SGLang: OK; vLLM: OK (exit 0)" in out
@@ -245,10 +248,45 @@ def test_write_config_for_sglang(tmp_path, capsys):
     written = json.load(open(out_path))
     assert written["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [3, 31, 59],
                                        "use_aux_hidden_state": True}
-    # The file now holds SGLang's ids for those layers, not SpecForge's: re-check it so.
-    code, out, _ = _doctor(capsys, "--draft-config", out_path, *base, "--sglang-version", "0.5.23",
-                           "--id-convention", "input")
-    assert code == 0, out
+    assert written["eagle_capture"]["trained_capture_layers"] == [3, 31, 59]
+    # The file now holds SGLang's ids for those layers, not SpecForge's, while SpecForge's
+    # markers stay: checked again as a user would (no --id-convention), the recorded layers
+    # decide, and the doctor's own fix is OK -- not AMBIGUOUS with a second shift proposed.
+    again = [a for a in base if a not in ("--id-convention", "output")]
+    code, out, _ = _doctor(capsys, "--draft-config", out_path, *again, "--sglang-version", "0.5.23")
+    assert code == 0 and "summary: SGLang: OK (exit 0)" in out, out
+    assert "trained on capture layers [3, 31, 59]" in out and "AMBIGUOUS" not in out
+    # --write-config again on the fixed file: nothing to fix, nothing shifted twice.
+    code, out, _ = _doctor(capsys, "--draft-config", out_path, *again, "--sglang-version", "0.5.23",
+                           "--write-config", tmp_path / "again.json")
+    assert code == 0 and "nothing to fix" in out
+    assert json.load(open(tmp_path / "again.json")) == written
+
+
+@pytest.mark.parametrize("ids", [[1, 1, 29], [2, 2, 30], [0, 0, 28]])
+@pytest.mark.parametrize("convention", ["output", "input"])
+def test_write_config_never_writes_duplicate_ids(tmp_path, capsys, ids, convention):
+    """A draft whose ids name a layer twice: every engine captures a layer once, so no
+    list feeds it; the doctor refuses to write one (it once wrote [1, 1, 29] and
+    [29, 1, 1], right after saying duplicates starve a slot)."""
+    out_path = tmp_path / "fixed.json"
+    code, out, err = _doctor(capsys, "--draft-config", _specforge(tmp_path, ids), "--num-layers",
+                             61, "--target-architecture", "DeepseekV3ForCausalLM", "--engine",
+                             "sglang", "--sglang-version", "0.5.23", "--id-convention",
+                             convention, "--write-config", out_path)
+    assert code == 2 and "twice" in err and len(err.splitlines()) == 1, err
+    assert not out_path.exists()
+
+
+def test_an_edited_record_is_refused(tmp_path, capsys):
+    path = tmp_path / "draft.json"
+    for record in ({"trained_capture_layers": [3, 3, 59]}, {"trained_capture_layers": "3"},
+                   {"trained_capture_layers": [-1, 3, 59]}, [3, 31, 59]):
+        path.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 31, 59]},
+                                    "eagle_capture": record}))
+        code, _, err = _doctor(capsys, "--draft-config", path, "--num-layers", 61)
+        assert code == 2 and "eagle_capture.trained_capture_layers must be" in err, err
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -294,6 +332,15 @@ def test_bad_inputs_are_one_line_exit_2(tmp_path):
         (["--draft-config", draft, "--target-config", "meta-llama/Llama-3.3-70B-Instruct"],
          "huggingface-cli download meta-llama/Llama-3.3-70B-Instruct config.json"),
     ]
+    # Ids that name no layer of the target (a typo, not a deployment): one line, not a
+    # 110-line analysis that calls -2 the embedding output.
+    for ids, shown in [([-2, 30, 58], "names -2,"), ([2, 30, 99], "names 99,"),
+                       ([2, 30, 10**30], "names 100000...(31 digits),")]:
+        bad = tmp_path / f"bad{ids[-1] % 97}{ids[0]}.json"
+        bad.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}))
+        cases.append((["--draft-config", bad, "--num-layers", 61],
+                      f"{shown} not a layer of a 61-layer target"))
     for argv, message in cases:
         run = _cli(*argv)
         assert run.returncode == 2, (argv, run.stdout, run.stderr)

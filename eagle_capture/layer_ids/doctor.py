@@ -55,7 +55,7 @@ from typing import Optional, Sequence
 from eagle_capture.layer_ids import deployment
 from eagle_capture.layer_ids.deployment import WIDTH, wrap as _wrap
 from eagle_capture.layer_ids.lines import (DRAFT_ARCHITECTURES, SGLANG_DRAFT_CLASSES, SGLANG_LINES, VLLM_DRAFT_CLASSES,
-                                           VLLM_LINE, CapturePlanError, DraftIds, IDS_KEY,
+                                           VLLM_LINE, CapturePlanError, DraftIds, IDS_KEY, check_id_range,
                                            SGLangLine, VLLMLine, assumed_note,
                                            default_capture_layers, line_of, parse_version,
                                            read_draft_ids, read_target, specforge_default_ids,
@@ -63,7 +63,8 @@ from eagle_capture.layer_ids.lines import (DRAFT_ARCHITECTURES, SGLANG_DRAFT_CLA
 from eagle_capture.layer_ids.rules import (SGLANG_MODEL_RULES, SHIFT_ALWAYS, ModelRule,
                                            sglang_model_rule)
 from eagle_capture.layer_ids.startup import slot_order_problem
-from eagle_capture.layer_ids.trainers import CONVENTIONS, Provenance, Reading, recognise
+from eagle_capture.layer_ids.trainers import (CONVENTIONS, RECORD_KEY, RECORD_LAYERS, Provenance,
+                                              Reading, recognise)
 
 __all__ = ["Diagnosis", "LineVerdict", "SGLANG_LINES", "SGLangLine", "diagnose",
            "diagnose_line", "fix_ids", "line_of", "main"]
@@ -91,7 +92,9 @@ def fix_ids(line: SGLangLine, want: Sequence[int], num_layers: int,
     the output-convention ids, else the input-convention ones, in ascending
     order first (``ids[0]`` decides 0.5.13+'s +1, so the order matters)."""
     want = sorted(want)
-    if any(not 0 <= w < _capturable(line, num_layers) for w in want) \
+    # A layer wanted twice: every line captures a layer once, so no ids fill both slots.
+    if len(set(want)) != len(want) or any(not 0 <= w < _capturable(line, num_layers)
+                                          for w in want) \
             or (0 in want and not allow_embedding):
         return None
     if 0 in want and line.layer0 == "crash":
@@ -676,6 +679,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.write_config and len(engines) != 1:
             raise CapturePlanError("--write-config needs one engine: --engine sglang or "
                                    "--engine vllm (each reads the ids in its own field)")
+        check_id_range(draft, num_layers)
         provenance = recognise(draft, num_layers, architecture, args.id_convention)
         diagnoses = [
             diagnose(VLLMLine().read_ids(draft) if engine == "vllm" else draft.read_by_target,
@@ -727,6 +731,14 @@ def single_fix(diagnosis: Diagnosis) -> Optional[list[int]]:
                                f"probe`, or pass --id-convention), so no fix can be written")
     # The written ids must serve every line that decides, the right ones included.
     fixes = {tuple(v.fix_ids) if v.fix_ids else None for v in diagnosis.verdicts if v.decides}
+    trained = diagnosis.provenance.readings[0].expected if diagnosis.provenance else None
+    twice = sorted({c for c in trained or () if list(trained).count(c) > 1})
+    if None in fixes and twice:
+        raise CapturePlanError(f"--write-config: the draft's ids name capture layer(s) {twice} "
+                               f"twice; every engine captures a layer once, so the draft would "
+                               f"get fewer states than its fc expects whatever ids are written. "
+                               f"It needs {len(trained)} distinct layers: the ones it was "
+                               f"trained on (`eagle-capture probe` measures them)")
     if None in fixes:
         raise CapturePlanError(f"--write-config: no id list fixes this draft on "
                                f"{diagnosis.engine_name} (the problem above is not in the ids)")
@@ -744,13 +756,24 @@ def write_config(draft: DraftIds, diagnosis: Diagnosis, path: str) -> str:
     config = json.loads(json.dumps(draft.raw))
     if ids is None:
         what = "nothing to fix: the config is written unchanged"
-    elif diagnosis.engine == "vllm":
-        config[IDS_KEY] = ids
-        what = f"top-level {IDS_KEY} = {ids}"
     else:
-        eagle = config.get("eagle_config")
-        config["eagle_config"] = dict(eagle or {}, **{IDS_KEY: ids})
-        what = f"eagle_config.{IDS_KEY} = {ids}"
+        if diagnosis.engine == "vllm":
+            config[IDS_KEY] = ids
+            what = f"top-level {IDS_KEY} = {ids}"
+        else:
+            eagle = config.get("eagle_config")
+            config["eagle_config"] = dict(eagle or {}, **{IDS_KEY: ids})
+            what = f"eagle_config.{IDS_KEY} = {ids}"
+        # The new ids follow one engine line's rule, not the trainer's convention that the
+        # config's markers still name: record what they were written for, so that the
+        # doctor (and the probe) read this file back the same way.
+        reading = diagnosis.provenance.readings[0]
+        lines = [v.line.title if v.line.engine == "vLLM" else v.line.name
+                 for v in diagnosis.verdicts if v.decides]
+        config[RECORD_KEY] = {RECORD_LAYERS: list(reading.expected),
+                              "read_as": reading.label,
+                              "ids_written_for": f"{diagnosis.engine_name} {', '.join(lines)}"}
+        what += f"; {RECORD_KEY}.{RECORD_LAYERS} = {list(reading.expected)} recorded"
     try:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)

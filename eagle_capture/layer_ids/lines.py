@@ -276,6 +276,25 @@ def _check_ids(ids, field: str, source: str) -> Optional[list[int]]:
     return list(ids)
 
 
+def check_id_range(draft: "DraftIds", num_layers: int) -> None:
+    """Refuse ids that name no layer of a ``num_layers``-layer target in any convention:
+    below -1 (the embedding output, output convention) or above ``num_layers`` (the
+    final norm's input, input convention). Such a list is a typo, not a deployment to
+    diagnose."""
+    fields = ((f"eagle_config.{IDS_KEY}", draft.nested), (IDS_KEY, draft.top_level),
+              ("eagle_config.layer_ids", draft.nested_layer_ids),
+              ("target_layer_ids", draft.target_layer_ids))
+    for field, ids in fields:
+        bad = [i for i in ids or () if not -1 <= i <= num_layers]
+        if bad:
+            shown = ", ".join(str(i) if len(str(i)) <= 12 else f"{str(i)[:6]}...({len(str(i))} "
+                              f"digits)" for i in bad)
+            raise CapturePlanError(
+                f"{draft.source}: {field} names {shown}, not a layer of a {num_layers}-layer "
+                f"target (ids run from -1, the embedding output, to {num_layers}, the final "
+                f"norm's input)")
+
+
 @dataclass(frozen=True)
 class DraftIds:
     """A draft config's layer ids, where SGLang's target and its draft classes

@@ -47,6 +47,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from eagle_capture.layer_ids.lines import CapturePlanError
 from eagle_capture.layer_ids.rules import SHIFT_ALWAYS, apply_rule, sglang_model_rule
 
 __all__ = ["Provenance", "Reading", "recognise", "CONVENTIONS"]
@@ -56,6 +57,12 @@ IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 ANGELSLIM_KEY = "aux_hidden_states_layer_ids"
 MODELOPT_KEYS = ("next_layer_regular", "parallel_draft_step", "parallel_draft_heads_num_layers")
 SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "speculators_version")
+# What `eagle-capture doctor --write-config` records beside the ids it writes: the capture
+# layers the draft was trained on, as decided when the fix was written. Read back, the
+# rewritten ids need no convention (they are one engine line's ids, no trainer's), so a
+# fixed config checked again is read the same way. Engines ignore the key.
+RECORD_KEY = "eagle_capture"
+RECORD_LAYERS = "trained_capture_layers"
 
 # SpecForge's history as data: from which commit its training data came from which
 # capture (read in SpecForge's requirements.txt / pyproject.toml at each commit, and
@@ -253,6 +260,18 @@ def recognise(draft, num_layers: int, architecture: str = "",
         return Provenance(trainer, evidence, ids, where, (reading,), tuple(notes),
                           "--id-convention")
 
+    recorded = recorded_capture_layers(config, draft.source)
+    if recorded is not None:
+        record = config[RECORD_KEY]
+        why = "recorded when eagle-capture doctor --write-config wrote the ids" + (
+            f" for {record['ids_written_for']}" if isinstance(record.get("ids_written_for"), str)
+            else "") + (f", from the {record['read_as']}" if isinstance(record.get("read_as"), str)
+                        else "")
+        evidence = ", ".join(filter(None, [evidence, f"{RECORD_KEY}.{RECORD_LAYERS}"]))
+        return Provenance(trainer, evidence, ids, where,
+                          (Reading("input convention (the recorded capture layers)",
+                                   tuple(sorted(recorded)), why),), tuple(notes))
+
     if trainer == "speculators":
         readings = (_in(ids, "speculators hands its ids to vLLM unchanged; its converter copies "
                              "the ids given verbatim, so a SpecForge list converted as is would "
@@ -314,6 +333,23 @@ def recognise(draft, num_layers: int, architecture: str = "",
         return Provenance("", "", ids, where, readings, tuple(notes),
                           "markers" if len(readings) > 1 else "assumed")
     return Provenance(trainer, evidence, ids, where, readings, tuple(notes))
+
+
+def recorded_capture_layers(config: dict, source: str = "the draft config") -> Optional[list[int]]:
+    """The capture layers ``--write-config`` recorded in ``config`` (None: no record).
+    A record that is not a list of distinct non-negative integers is refused
+    (CapturePlanError): it was edited, and reading past it would guess."""
+    record = config.get(RECORD_KEY)
+    if record is None:
+        return None
+    layers = record.get(RECORD_LAYERS) if isinstance(record, dict) else None
+    if not isinstance(layers, list) or not layers or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers) \
+            or len(set(layers)) != len(layers):
+        raise CapturePlanError(f"{source}: {RECORD_KEY}.{RECORD_LAYERS} must be a list of distinct non-negative "
+                         f"integers (the capture layers eagle-capture recorded), got "
+                         f"{layers if isinstance(record, dict) else record!r}")
+    return list(layers)
 
 
 def _specforge_readings(ids, num_layers: int, architecture: str) -> tuple[Reading, ...]:

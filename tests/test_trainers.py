@@ -20,7 +20,8 @@ def _path(folder, name):
 
 
 def _doctor(capsys, *argv):
-    code = doctor.main([str(a) for a in argv])
+    argv = [str(a) for a in argv]
+    code = doctor.main(argv + ([] if "--json" in argv else ["--explain"]))
     out = capsys.readouterr()
     assert all(len(line) <= doctor.WIDTH for line in out.out.splitlines()
                if not line.startswith(("draft:", "target:")) and DATA not in line)

@@ -95,6 +95,7 @@ class Row:
     status: str        # OK | PROBLEM | NOTE
     text: str
     basis: str
+    brief: str = ""    # the PROBLEM and its fix in a few words (the doctor's short answer)
 
 
 @dataclass
@@ -129,6 +130,19 @@ class Report:
                                  "    ", "      "))
         return out
 
+    def brief(self) -> list[str]:
+        """The engine's own PROBLEM rows, one line each (the rest: ``format``)."""
+        d = self.deploy
+        out = []
+        for lr in self.lines:
+            for r in lr.rows:
+                if r.status == "PROBLEM" and r.subject in (SGLANG, VLLM):
+                    out.append(wrap(f"{lr.line.name}: PROBLEM: {r.brief or r.text}",
+                                    "    ", "      "))
+        head = f"  deployment (TP {d.tp}{', DP attention' if d.dp_attention else ''}" \
+               f"{f', PP {d.pp}' if d.pp > 1 else ''})"
+        return [head + (":" if out else ": no problem on any line shown")] + out
+
 
 SGLANG, DROPIN = "SGLang's own capture", "drop-in"
 VLLM, VLLM_PLUGIN = "vLLM's own capture", "plugin"
@@ -161,7 +175,8 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
         if deploy.architecture == "KimiK25ForConditionalGeneration" and old:
             rows.append(Row(SGLANG, "PROBLEM", "KimiK25ForConditionalGeneration has no "
                             "set_eagle3_layers_to_capture on this line: EAGLE-3 fails at start-up",
-                            "read: models/kimi_k25.py"))
+                            "read: models/kimi_k25.py",
+                            "the target class cannot capture on this line (start-up fails)"))
         # Tensor parallelism and the fused all-reduce.
         if deploy.tp > 1 and not deploy.dp_attention:   # (DP attention: its own rows below)
             fused, why = deploy.fusion_on(line)
@@ -183,7 +198,10 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
                        "--enforce-disable-flashinfer-allreduce-fusion, or the drop-in"),
                     f"read: models/deepseek_v2.py DeepseekV2Model.forward, "
                     f"DeepseekV2DecoderLayer.forward (should_allreduce_fusion); run: {FUSION_RUN}"
-                    f" (SGLang's capture 12% - 19% off the TP 1 run, different per rank)"))
+                    f" (SGLang's capture 12% - 19% off the TP 1 run, different per rank)",
+                    "per-rank partial sums under the all-reduce fusion; fix: " + (
+                        "the drop-in" if old else
+                        "--enforce-disable-flashinfer-allreduce-fusion, or EAGLE_CAPTURE=1")))
                 rows.append(Row(DROPIN, "OK", "captures the fused norm's reduced residual_out "
                                 "(never the partial input)", f"run: {FUSION_RUN}"))
             else:
@@ -214,7 +232,9 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
                                 f"(layers {start} - {num_layers - 1}) captures; layers {outside} "
                                 f"run on earlier stages and are never captured: {how}",
                                 "read: DeepseekV2ForCausalLM.set_eagle3_layers_to_capture "
-                                "(pp_group.is_last_rank), distributed/utils.py get_pp_indices"))
+                                "(pp_group.is_last_rank), distributed/utils.py get_pp_indices",
+                                f"layers {outside} run before the last PP stage: never "
+                                f"captured"))
                 rows.append(Row(DROPIN, "NOTE", f"refuses to start on the last stage (layers "
                                 f"{outside} outside [{start}, {num_layers}))",
                                 "run: the drop-in's start-up refusals in this release's code"))
@@ -234,7 +254,8 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
                     f"defaults", "read: model_executor/model_runner.py ModelRunner.initialize "
                     "(init_device_graphs before set_eagle3_layers_to_capture), "
                     "cuda_graph_runner.py CudaGraphRunner.__init__; the call order checked in this "
-                    "release's code"))
+                    "release's code",
+                    f"CUDA graphs replay the defaults {defaults}; fix: --disable-cuda-graph"))
             elif not old:
                 rows.append(Row(SGLANG, "OK", "the ids are set before any CUDA graph is "
                                 "captured", "read: ModelRunner.initialize / "
@@ -331,7 +352,8 @@ def _rows_of_each_rank(line: SGLangLine, deploy: Deployment) -> list[Row]:
                             f"all-gathers the captures after sparse layers over the whole TP "
                             f"group, so they hold all {dp} DP ranks' rows while the draft's own "
                             f"are fewer", "read: models/deepseek_v2.py DeepseekV2Model.forward "
-                            "(tensor_model_parallel_all_gather)"))
+                            "(tensor_model_parallel_all_gather)",
+                            "every DP rank's rows gathered into each draft's input"))
         else:
             rows.append(Row(SGLANG, "OK", f"DP attention ({dp} DP ranks, attention-TP "
                             f"{deploy.attn_tp}): each rank captures its own requests' rows "
@@ -350,7 +372,8 @@ def _rows_of_each_rank(line: SGLangLine, deploy: Deployment) -> list[Row]:
                             "(--moe-dense-tp-size 1): the loop captures this rank's slice "
                             "ungathered, and the LogitsProcessor fails on the mixed row counts",
                             f"run: {DP_RUN_TEXT}, --moe-dense-tp-size 1 (IndexError / torch.cat size "
-                            f"mismatch in SGLang's own forward)"))
+                            f"mismatch in SGLang's own forward)",
+                            "the rank's slice captured ungathered: SGLang fails"))
         else:
             rows.append(Row(SGLANG, "OK", f"rows token-scattered {scattered}: the capture "
                             f"all-gathers them over the attention-TP group "

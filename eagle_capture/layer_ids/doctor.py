@@ -214,6 +214,7 @@ class Diagnosis:
     assumed: bool = False             # a rule the answer rests on was not read
     accepted: bool = False            # --accept-defaults
     deployment_ok: bool = True        # no PROBLEM row in the deployment's report
+    deployment_brief: list = field(default_factory=list)  # its PROBLEM rows, one line each
 
     @property
     def unknown(self) -> bool:
@@ -269,6 +270,42 @@ class Diagnosis:
         out += self.deployment
         out.append(_wrap(f"verdict ({self.engine_name}): " + self._verdict(), "", "  "))
         return "\n".join(out)
+
+    def brief(self) -> str:
+        """The short answer: per line, what it captures and whether that is what the
+        draft was trained on (per reading where ambiguous), the fix; the deployment's
+        problems; the verdict. ``format`` holds the reasoning (``--explain``)."""
+        out = [_wrap(self._reads(), "", "  ")]
+        readings = self.by_reading or [(None, self.verdicts)]
+        for i, v in enumerate(readings[0][1]):
+            title = v.line.title if v.line.engine == "vLLM" else v.line.name
+            answers = [self._brief_answer(vs[i]) for _, vs in readings]
+            if len(readings) > 1:
+                answer = "; ".join(f"if {_short_label(r)}: {a}"
+                                   for (r, _), a in zip(readings, answers))
+            else:
+                answer = answers[0]
+            shown = "" if v.decides else " (shown; decides with --vllm-runner v1)"
+            out.append(_wrap(f"{title}{shown}: captures {v.capture_layers}: {answer}",
+                             "  ", "    "))
+        if self.deployment_brief:
+            out += self.deployment_brief
+        out.append(_wrap(f"verdict ({self.engine_name}): " + self._verdict(), "", "  "))
+        return "\n".join(out)
+
+    def _brief_answer(self, v: LineVerdict) -> str:
+        status = v.status or ("PROBLEM" if not v.ok else
+                              "UNVERIFIED" if self.unknown else "OK")
+        if v.ok:
+            return status
+        problems = [t for t in v.lines if not t.endswith((": matches", "(no ids)"))]
+        why = problems[0] if problems else ""
+        if any("MISMATCH" in t for t in problems):
+            why = ""                       # wrong slots: the ids to write say it all
+        elif len(why) > 90:
+            why = why[:why.find(":", 20) if ":" in why[20:] else 90].rstrip(" ,;")
+        fix = f" -> write {v.fix_ids}" if v.fix_ids else ""
+        return f"{status}{f' ({why})' if why else ''}{fix}"
 
     def _reads(self) -> str:
         target = f"target: {self.num_layers} layers"
@@ -480,6 +517,7 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     verdicts = by_reading[0][1]
     ok = ok and all(v.ok for _, vs in by_reading for v in vs if v.decides)
     deploy_lines: list[str] = []
+    deploy_brief: list[str] = []
     deploy_ok = True
     if deploy is not None:
         captures = [v.capture_layers for v in verdicts]
@@ -488,12 +526,14 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
         else:
             report = deployment.assess(deploy, lines, captures, num_layers, trained)
         deploy_lines = report.format(WIDTH)
+        deploy_brief = report.brief()
         deploy_ok = report.ok
         ok = ok and report.ok
     return Diagnosis(draft, line_ids[0], num_layers, verdicts, notes, ok, deploy_lines,
                      engine=engine, convention=provenance.readings[0].convention,
                      provenance=provenance, by_reading=by_reading, assumed=assumed,
-                     accepted=accept_defaults, deployment_ok=deploy_ok)
+                     accepted=accept_defaults, deployment_ok=deploy_ok,
+                     deployment_brief=deploy_brief)
 
 
 def cannot_load(engine: str, draft: Optional[DraftIds], line=None) -> Optional[str]:
@@ -602,6 +642,11 @@ def _vllm_notes(draft: Optional[DraftIds], ids, provenance: Provenance) -> list[
     return notes
 
 
+def _short_label(reading: Reading) -> str:
+    """"output convention", "input convention", "the recorded capture layers"..."""
+    return reading.label.split(" (")[0]
+
+
 def _engines(text: str) -> tuple[str, ...]:
     engines = tuple(dict.fromkeys(e.strip().lower() for e in text.split(",") if e.strip()))
     if not engines or any(e not in ("sglang", "vllm") for e in engines):
@@ -643,6 +688,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-runner", choices=("v1", "v2"),
                    help="the vLLM model runner you serve with (default: V2, vLLM's own default; "
                         "the V1 runner's answer is then shown without deciding the verdict)")
+    p.add_argument("--explain", action="store_true",
+                   help="the reasoning behind each answer: the id rule read per line, every "
+                        "slot, the deployment's rows and what each rests on (default: the "
+                        "short answer)")
     p.add_argument("--json", action="store_true",
                    help="print the answer as one JSON object (verdict per engine, lines, fixes)")
     p.add_argument("--write-config", metavar="PATH",
@@ -702,9 +751,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      code)
     out = ["summary: " + "; ".join(d.summary() for d in diagnoses) + f" (exit {code})"]
     out += [_wrap(h, "", "  ") for h in header]
-    out.append(_wrap(provenance.describe(), "", "  "))
-    for diagnosis in diagnoses:
-        out += ["", diagnosis.format(with_provenance=False)]
+    if args.explain:
+        out.append(_wrap(provenance.describe(), "", "  "))
+        for diagnosis in diagnoses:
+            out += ["", diagnosis.format(with_provenance=False)]
+    else:
+        out.append(_wrap(provenance.brief(), "", "  "))
+        for diagnosis in diagnoses:
+            out += [diagnosis.brief()]
+        out.append("(why, slot by slot, and what each answer rests on: --explain)")
     if written:
         out += ["", _wrap(written, "", "  ")]
     return _emit("\n".join(out), code)

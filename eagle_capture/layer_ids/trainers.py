@@ -149,6 +149,23 @@ class Provenance:
         return f"trainer: {who}; {ids}; {how}"
 
 
+    def brief(self) -> str:
+        """Who trained the draft and on which capture layers, in one sentence."""
+        who = self.trainer or "trainer not recognised"
+        ids = f"{self.field} = {self.ids}" if self.ids is not None else "no ids written"
+        layers = [f"{list(r.expected)} ({r.label.split(' (')[0]})" for r in self.readings
+                  if r.expected is not None]
+        if not layers:
+            trained = "the layers it was trained on are unknown"
+        elif self.ambiguous:
+            trained = "trained on capture layers " + " or ".join(layers) + ": AMBIGUOUS"
+        else:
+            by = {"--id-convention": ", as --id-convention says",
+                  "assumed": ", ASSUMED"}.get(self.decided_by, "")
+            trained = f"trained on capture layers {layers[0][:-1]}{by})"
+        return f"trainer: {who}; {ids}; {trained}"
+
+
 def _shifted(ids, by: int) -> Optional[tuple[int, ...]]:
     return None if ids is None else tuple(sorted(i + by for i in ids))
 

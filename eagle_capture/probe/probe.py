@@ -415,12 +415,14 @@ def read_prompts(path: Optional[str], vocab_size: Optional[int] = None) -> list[
         where = "the default calibration prompts"
     else:
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            data = Path(path).read_bytes()
         except OSError as exc:
             raise ProbeError(f"--prompts {path}: {exc.strerror}") from None
+        try:
+            text = data.decode("utf-8")
         except UnicodeDecodeError:
-            text = "\0"
-        if "\0" in text:       # NUL decodes as UTF-8 but is in no text: a binary file
+            text = None
+        if text is None or "\0" in text:    # NUL is valid UTF-8 but in no text file
             raise ProbeError(f"--prompts {path}: not a text file (binary content); give a "
                              f".jsonl of {{\"text\": ...}} or {{\"token_ids\": [...]}}, or a "
                              f"UTF-8 text file") from None

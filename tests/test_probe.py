@@ -350,6 +350,20 @@ def test_console_script_runs_the_probe():
     assert "CONFIRMED" in run.stdout and "[1, 3, 6]" in run.stdout
 
 
+def test_console_script_refuses_a_binary_prompt_file(tmp_path):
+    """The command as a user types it, a binary file given as --prompts: exit 2 and one
+    line (it was a UnicodeDecodeError traceback and exit 1, the MISMATCH code)."""
+    binary = tmp_path / "prompts.bin"
+    binary.write_bytes(bytes(range(256)) * 16)
+    run = subprocess.run([sys.executable, "-m", "eagle_capture.cli", "probe", "--target",
+                          str(TARGET), "--draft", str(DATA / "draft_specforge"), "--prompts",
+                          str(binary), "--device", "cpu"], capture_output=True, text=True)
+    assert run.returncode == 2 and run.stdout == "", run
+    assert run.stderr.splitlines() == [f"error: --prompts {binary}: not a text file (binary "
+                                       f"content); give a .jsonl of {{\"text\": ...}} or "
+                                       f"{{\"token_ids\": [...]}}, or a UTF-8 text file"], run
+
+
 def test_default_prompts_ship_with_the_package():
     prompts = probe_mod.read_prompts(None)
     assert len(prompts) >= 12 and all("text" in p for p in prompts)

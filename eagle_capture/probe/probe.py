@@ -33,7 +33,8 @@ Exit status: 0 the config's reading is what the draft was trained on and every
 engine shown captures it; 1 a mismatch (the ids to write are printed; slots in
 the config's order: how to reorder the draft's fc), an engine that cannot load the
 draft's format, or a margin too small to tell; 2 unusable input (missing folder, unreadable draft, no
-tokenizer for text prompts, a target that does not fit the device).
+tokenizer for text prompts, a target that does not fit the device; prompt files, token ids, the
+--json path and --tp are checked before anything is loaded).
 """
 
 from __future__ import annotations

@@ -191,6 +191,28 @@ def test_unverified_is_not_do_not_serve(tmp_path, capsys):
     assert code == 0 and "accepted (--accept-defaults)" in out
 
 
+def test_a_deployment_problem_under_a_no_id_draft_is_a_problem(tmp_path, capsys):
+    """A draft with no ids (its layers unknown: UNVERIFIED on its own) served where the
+    deployment itself breaks the capture -- DP attention with DeepEP on SGLang 0.5.9 (its
+    loop gathers the captures over the whole TP group) or a PP stage that does not hold
+    the captured layers: PROBLEM, 'do not serve', whatever the draft was trained on;
+    --accept-defaults does not make it OK."""
+    path = tmp_path / "mystery.json"
+    path.write_text(json.dumps({"architectures": ["SomeEagle3Draft"], "num_hidden_layers": 1}))
+    base = ["--draft-config", path, "--num-layers", 61, "--target-architecture",
+            "DeepseekV3ForCausalLM", "--engine", "sglang"]
+    for deploy in (["--tp", 8, "--dp-attention", "--moe-a2a", "deepep", "--sglang-version",
+                    "0.5.9", "--allreduce-fusion", "off"],
+                   ["--pp", 2, "--sglang-version", "0.5.23"]):
+        for accept in ([], ["--accept-defaults"]):
+            code, out, _ = _doctor(capsys, *base, *deploy, *accept)
+            assert code == 1 and "summary: SGLang: PROBLEM (exit 1)" in out, (deploy, out)
+            assert "verdict (SGLang): problems above; do not serve this as is" in out
+    # The same draft, deployment fine: UNVERIFIED (the draft's layers are unknown).
+    code, out, _ = _doctor(capsys, *base, "--tp", 8, "--sglang-version", "0.5.23")
+    assert code == 1 and "summary: SGLang: UNVERIFIED (exit 1)" in out, out
+
+
 def test_release_boundaries_are_inclusive(tmp_path, capsys):
     """gpt_oss keeps ids whose max is num_layers from 0.5.18 (the wheel read at exactly
     that version); 0.5.17 still adds 1 and names a layer that does not exist."""

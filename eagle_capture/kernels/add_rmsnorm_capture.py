@@ -93,6 +93,10 @@ def add_rmsnorm_capture_kernel(
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr,
     NORM_FP32_SUM: tl.constexpr = False,
+    AUX_EVICT: tl.constexpr = "",
+    AUX_CACHE: tl.constexpr = "",
+    RESIDUAL_EVICT: tl.constexpr = "",
+    PDL_TRIGGER_LATE: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     # Without the norm, axis 1 walks column blocks; with it, the grid has one.
@@ -101,7 +105,8 @@ def add_rmsnorm_capture_kernel(
     if USE_PDL:
         # Everything below may read what the previous kernel wrote.
         gdc_wait()
-        gdc_launch_dependents()
+        if not PDL_TRIGGER_LATE:
+            gdc_launch_dependents()
     if APPLY_NORM:
         # Issued first so its latency overlaps the row loads (decode sizes are
         # latency-bound: one DRAM round trip fewer per launch).
@@ -111,7 +116,8 @@ def add_rmsnorm_capture_kernel(
     # on the H200 (benchmarks/NOTES.md).
     h = tl.load(hidden_ptr + row * stride_hidden + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0,
+                    eviction_policy=RESIDUAL_EVICT)
     else:
         r = h
     if not APPLY_NORM:
@@ -119,7 +125,9 @@ def add_rmsnorm_capture_kernel(
     add_rmsnorm_store_row(h, r, w, cols, mask, row, hidden_size, eps, normed_out_ptr,
                           stride_normed_out, residual_out_ptr, stride_residual_out, aux_ptr,
                           stride_aux_row, aux_slot_offset, HAS_RESIDUAL, APPLY_NORM,
-                          STORE_RESIDUAL, CAPTURE, NORM_FP32_SUM)
+                          STORE_RESIDUAL, CAPTURE, NORM_FP32_SUM, AUX_EVICT, AUX_CACHE)
+    if USE_PDL and PDL_TRIGGER_LATE:
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -127,7 +135,8 @@ def add_rmsnorm_store_row(h, r, w, cols, mask, row, hidden_size, eps, normed_out
                           stride_normed_out, residual_out_ptr, stride_residual_out, aux_ptr,
                           stride_aux_row, aux_slot_offset, HAS_RESIDUAL: tl.constexpr,
                           APPLY_NORM: tl.constexpr, STORE_RESIDUAL: tl.constexpr,
-                          CAPTURE: tl.constexpr, NORM_FP32_SUM: tl.constexpr):
+                          CAPTURE: tl.constexpr, NORM_FP32_SUM: tl.constexpr,
+                          AUX_EVICT: tl.constexpr = "", AUX_CACHE: tl.constexpr = ""):
     """The row epilogue both kernels share (this one and the all-reduce kernel):
     ``s = h + r`` (HAS_RESIDUAL; else ``s = h``) in fp32 rounded once to h's
     dtype, stored into the aux slot (CAPTURE) and the residual output
@@ -140,7 +149,8 @@ def add_rmsnorm_store_row(h, r, w, cols, mask, row, hidden_size, eps, normed_out
     else:
         s = h
     if CAPTURE:
-        tl.store(aux_ptr + row * stride_aux_row + aux_slot_offset + cols, s, mask=mask)
+        tl.store(aux_ptr + row * stride_aux_row + aux_slot_offset + cols, s, mask=mask,
+                 cache_modifier=AUX_CACHE, eviction_policy=AUX_EVICT)
     if STORE_RESIDUAL:
         tl.store(residual_out_ptr + row * stride_residual_out + cols, s, mask=mask)
     if APPLY_NORM:

@@ -31,6 +31,13 @@ Numerics
 * Row offsets are int64: ``rows * K * H`` passes 2^31 for T = 100k, K = 3,
   H = 7168, and an int32 product would wrap into another request's rows.
 
+Cache hints (tuning knobs, benchmarks/tune_kernel.py --sweep flashinfer)
+----------------------------------------------------------------------
+``AUX_CACHE`` / ``AUX_EVICT`` are the slot store's cache modifier and eviction
+policy, ``RESIDUAL_EVICT`` the residual load's; with ``PDL_TRIGGER_LATE`` the
+dependents are signalled after the stores instead of at the top. Hints change
+where lines sit in L2, never a value: every setting stores the same bits.
+
 Programmatic dependent launch (PDL, sm_90+)
 -------------------------------------------
 With ``USE_PDL`` (launched with ``launch_pdl=True``) a program first waits in

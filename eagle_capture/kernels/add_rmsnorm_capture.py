@@ -173,13 +173,19 @@ def add_rmsnorm_store_row(h, r, w, cols, mask, row, hidden_size, eps, normed_out
 
 
 @functools.lru_cache(maxsize=None)
-def launch_config(hidden_size: int, apply_norm: bool = True) -> tuple[int, int, int]:
+def launch_config(hidden_size: int, apply_norm: bool = True,
+                  allreduce: bool = False) -> tuple[int, int, int]:
     """(BLOCK_H, num_warps, column blocks) for rows of ``hidden_size`` elements.
 
     With the norm: the whole row in one program, with enough warps that each
     thread holds <= 32 fp32 values up to H = 32768 (64 above; not profiled)
-    and issues 16-byte accesses.
-    Without it: column blocks of at most COPY_BLOCK_H elements (see
+    and issues 16-byte accesses; BLOCK_H = 4096 (H 2049 - 4096) takes 16 warps,
+    8 values a thread: with 8 warps FlashInfer's norm beat ours by 8% at T = 512,
+    H = 4096 on the H100, and 16 warps were at or below it at every T but 16384
+    there and at H = 2880 (benchmarks/NOTES.md). ``allreduce``: the table the
+    one-shot all-reduce kernel (parallel/symm.py, one program per SM) was
+    measured with, 8 warps at BLOCK_H = 4096.
+    Without the norm: column blocks of at most COPY_BLOCK_H elements (see
     benchmarks/NOTES.md for the sweep that chose it).
     """
     block_h = triton.next_power_of_2(max(int(hidden_size), 1))
@@ -187,7 +193,7 @@ def launch_config(hidden_size: int, apply_norm: bool = True) -> tuple[int, int, 
         return COPY_BLOCK_H, COPY_NUM_WARPS, triton.cdiv(hidden_size, COPY_BLOCK_H)
     if block_h >= 32768:
         num_warps = 32
-    elif block_h >= 8192:
+    elif block_h >= 8192 or (block_h == 4096 and not allreduce):
         num_warps = 16
     elif block_h >= 2048:
         num_warps = 8
@@ -231,5 +237,7 @@ def kernel_arguments(hidden, residual=None, weight=None, normed_out=None, residu
         HAS_RESIDUAL=residual is not None, APPLY_NORM=apply_norm,
         STORE_RESIDUAL=residual_out is not None, CAPTURE=aux is not None,
         BLOCK_H=block_h, USE_PDL=use_pdl,
-        NORM_FP32_SUM=bool(norm_fp32_sum) and apply_norm and residual is not None)
+        NORM_FP32_SUM=bool(norm_fp32_sum) and apply_norm and residual is not None,
+        # No cache hint: none beat the default with cold inputs (benchmarks/NOTES.md).
+        AUX_CACHE="", AUX_EVICT="", RESIDUAL_EVICT="", PDL_TRIGGER_LATE=False)
     return (num_tokens, col_blocks), values, default_warps if num_warps is None else num_warps

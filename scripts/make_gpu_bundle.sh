@@ -295,7 +295,8 @@ fi
 
 # --------------------------------------------------------------- manifest
 {
-    echo "# .gpu_bundle for scripts/gpu_sglang_real.sh (built $(date -u +%Y-%m-%dT%H:%MZ))"
+    echo "# .gpu_bundle for $([ "$FLASHINFER_ONLY" = 1 ] && echo "benchmarks/flashinfer_norm.py" \
+        || echo "scripts/gpu_sglang_real.sh") (built $(date -u +%Y-%m-%dT%H:%MZ))"
     if [ "$FLASHINFER_ONLY" = 1 ]; then
         echo "flashinfer-python $FI_VER (norm only) and apache-tvm-ffi: FLASHINFER_ONLY=1, no SGLang"
     else

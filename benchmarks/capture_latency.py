@@ -18,7 +18,10 @@ Paths (all K captured layers of one forward step, bf16 by default):
   j  flashinfer   SGLang >= 0.5.18 on CUDA as it runs: FlashInfer's fused_add_rmsnorm
                   (the kernel SGLang's RMSNorm calls), then the packer's ``copy_``
   k  flashinfer   FlashInfer's fused_add_rmsnorm alone: SGLang's norm without capture
-                  (j and k where flashinfer's norm imports: the strongest peer)
+                  (j and k where FlashInfer's norm loads: the strongest peer; the installed
+                  package, else built from its kernel source, see flashinfer_norm.py)
+  l  norm->slot   f normalising the unrounded fp32 sum: the SGLang drop-in's exact call
+                  (``add_rmsnorm_into_slot(..., norm_fp32_sum=True)``), FlashInfer's math
 
 For b, e and f the figure that matters is the capture's own cost: the time
 over d, also given as a multiple of a measured write floor (one write of the
@@ -103,14 +106,22 @@ def liger_fused_add_rmsnorm():
     return LigerFusedAddRMSNormFunction
 
 
+_FLASHINFER = {}   # flashinfer_norm.load()'s answer, once per process
+
+
 def flashinfer_fused_add_rmsnorm():
     """FlashInfer's in-place fused_add_rmsnorm (residual += x; x = norm(residual) * w),
-    or None where flashinfer's norm does not import."""
-    try:
-        from flashinfer.norm import fused_add_rmsnorm
-    except Exception:  # noqa: BLE001 - not installed, or its JIT / tvm-ffi missing
-        return None
-    return fused_add_rmsnorm
+    or None where it cannot be loaded (flashinfer_norm.load: the installed package,
+    else FlashInfer's norm built from its kernel source in a carried bundle)."""
+    return flashinfer_load()[0]
+
+
+def flashinfer_load() -> tuple:
+    """(fused_add_rmsnorm or None, which FlashInfer and how it was loaded, or why not)."""
+    if not _FLASHINFER:
+        import flashinfer_norm
+        _FLASHINFER["fn"], _FLASHINFER["line"] = flashinfer_norm.load()
+    return _FLASHINFER["fn"], _FLASHINFER["line"]
 
 
 def bytes_moved(path: str, num_tokens: int, hidden_size: int, num_captures: int,
@@ -126,6 +137,7 @@ def bytes_moved(path: str, num_tokens: int, hidden_size: int, num_captures: int,
         "e": 5 * row + weight,                     # d + w slot
         "i": 5 * row + weight,                     # e, FlashInfer's norm input
         "f": 4 * row + weight,                     # r h, r r, w h, w slot
+        "l": 4 * row + weight,                     # as f
         "g": 4 * row + weight,
         "h": 4 * row + weight + num_tokens * 4,   # + its fp32 rstd per row
         "j": 4 * row + weight + 2 * row,           # as b
@@ -228,10 +240,12 @@ def build_step(path: str, x: Inputs) -> Callable[[], object]:
         def step():
             for k in k_range:
                 ec.add_rmsnorm_capture(h[k], r[k], w[k], EPS, aux, k, norm_fp32_sum=True)
-    elif path == "f":
+    elif path in ("f", "l"):
+        fp32_sum = path == "l"
+
         def step():
             for k in k_range:
-                ec.add_rmsnorm_into_slot(h[k], r[k], w[k], EPS, aux, k)
+                ec.add_rmsnorm_into_slot(h[k], r[k], w[k], EPS, aux, k, norm_fp32_sum=fp32_sum)
     elif path == "g":
         fn = compiled_add_rmsnorm()
 
@@ -277,7 +291,7 @@ def check_path(path: str, x: Inputs) -> None:
         got = y.aux[:x.num_tokens].flatten(1)
     if not torch.equal(got, torch.cat(expected, -1)):
         raise AssertionError(f"path {path}: captured values differ from eager h + r")
-    if path in ("b", "d", "e", "f", "g", "h", "i", "j", "k"):
+    if path in ("b", "d", "e", "f", "g", "h", "i", "j", "k", "l"):
         for k, s in enumerate(expected):
             ref = add_rmsnorm_reference(s, torch.zeros_like(s), x.weight[k], EPS)[0]
             rel = ((y.hidden[k].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -549,7 +563,10 @@ def run_gpu(args) -> dict:
         if "k" in paths:   # against SGLang's own norm kernel on CUDA (FlashInfer)
             row.setdefault("capture_cost_us", {}).update(
                 {key: paths[p]["graph_us"] - paths["k"]["graph_us"]
-                 for key, p in (("j", "j"), ("f_k", "f")) if p in paths})
+                 for key, p in (("j", "j"), ("f_k", "f"), ("l_k", "l")) if p in paths})
+            # each path's GPU time as a multiple of FlashInfer's norm alone
+            row["x_k"] = {p: paths[p]["graph_us"] / paths["k"]["graph_us"]
+                          for p in paths if p != "k"}
         rows.append(row)
         del sets, steps, buffers, copies
         torch.cuda.empty_cache()
@@ -608,10 +625,11 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help="T values (default 1 2 4 .. 16384 on a GPU, 1 .. 256 on CPU)")
-    p.add_argument("--paths", default="abcdefghijk",
-                   help="which paths to run, as letters (default abcdefghijk; g, h, j, k on a "
+    p.add_argument("--paths", default="abcdefghijkl",
+                   help="which paths to run, as letters (default abcdefghijkl; g, h, j, k on a "
                         "GPU only, h only where liger-kernel is installed, j and k where "
-                        "flashinfer's norm imports)")
+                        "FlashInfer's norm loads: installed, or built from the kernel source "
+                        "in .gpu_bundle, see benchmarks/flashinfer_norm.py)")
     p.add_argument("--reps", type=int, default=100, help="eager repetitions per point")
     add_graph_timing_arguments(
         p, replays=30, one_set_note="one set",
@@ -723,12 +741,18 @@ def main(argv=None) -> int:
         return rerun_with_pdl(argv, args.pdl)
     has_gpu = torch.cuda.is_available()
     has_liger = "h" in args.paths and liger_fused_add_rmsnorm() is not None
-    has_flashinfer = has_gpu and bool(set("jk") & set(args.paths)) \
-        and flashinfer_fused_add_rmsnorm() is not None
+    flashinfer_line = None
+    if has_gpu and not args.host_breakdown and set("jk") & set(args.paths):
+        flashinfer_line = flashinfer_load()[1]
+    has_flashinfer = flashinfer_line is not None and flashinfer_fused_add_rmsnorm() is not None
     args.paths, skipped = select_paths(args.requested_paths, has_gpu, has_liger, has_flashinfer)
     info = device_identity()
+    if flashinfer_line is not None:
+        info["flashinfer"] = flashinfer_line
     print(f"device: {info['device']}  torch {info['torch']}  triton {info['triton']}"
           + (f"  driver {info.get('driver')}" if has_gpu else ""))
+    if flashinfer_line is not None:   # which FlashInfer, or why none (a long line)
+        print(f"FlashInfer (paths j, k): {flashinfer_line}")
     if args.host_breakdown:
         return host_breakdown_main(args, argv, info)
     if has_gpu:

@@ -25,6 +25,7 @@ PATHS = {
     "i": "e, norm of fp32 sum (SGLang drop-in)",
     "j": "FlashInfer add+RMSNorm + copy_",
     "k": "FlashInfer add+RMSNorm (no capture)",
+    "l": "f, norm of fp32 sum (SGLang drop-in)",
 }
 
 # What each path's figure tells the reader (the legend's last column).
@@ -40,6 +41,7 @@ PATH_MEASURES = {
     "i": "e, normalising the fp32 sum (SGLang drop-in's kernel)",
     "j": "SGLang >= 0.5.18's capture on CUDA as it runs",
     "k": "SGLang's norm on CUDA (FlashInfer), no capture",
+    "l": "f, normalising the fp32 sum (the drop-in's call)",
 }
 
 WIDTH = 100  # every printed line fits this many columns (tests/test_benchmark_cli.py)
@@ -50,7 +52,7 @@ CPU_WARNING = "WARNING: CPU figures are not performance figures: timings swing b
 # is this many us: below it, graph-replay jitter is a large part of the floor.
 FLOOR_MIN_US = 1.0
 
-PDL_PATHS = "bcdefi"  # launch our kernel through the eager entry points
+PDL_PATHS = "bcdefil"  # launch our kernel through the eager entry points
 
 # Paths the CPU run leaves out, and why (printed under "Not run").
 GPU_ONLY_PATHS = {
@@ -60,7 +62,8 @@ GPU_ONLY_PATHS = {
     "k": "GPU only (FlashInfer's norm is a CUDA kernel)",
 }
 LIGER_MISSING = "liger-kernel is not installed (pip install liger-kernel)"
-FLASHINFER_MISSING = "flashinfer's norm does not import here (flashinfer-python, its JIT)"
+FLASHINFER_MISSING = ("FlashInfer's norm does not load here (not installed, no bundle to "
+                      "build it from, or its build failed)")
 
 
 def legend_lines(paths: list, skipped: dict) -> list:
@@ -173,6 +176,13 @@ def format_gpu_table(result: dict, args) -> list:
                           for row in rows])
         columns.append(("j-k / f-k us", [" / ".join(c) for c in vs]))
     lines += pack_columns("T", keys, columns)
+    ours = [p for p in paths if p in "dfil" and any(p in row.get("x_k", {}) for row in rows)]
+    if ours:
+        lines += ["", "Against FlashInfer's norm alone (k): GPU time / k's, graph replay "
+                      "(<= 1.000: at or below it)."]
+        lines += pack_columns("T", keys, [(f"{p} / k", [
+            "-" if row.get("x_k", {}).get(p) is None else f"{row['x_k'][p]:.3f}"
+            for row in rows]) for p in ours])
     if paths:
         lines += ["", "Eager (CUDA events, launch overhead included), us per step:"]
         lines += pack_columns("T", keys, [(p, [f"{row['paths'][p]['event_us']:.1f}"

@@ -14,6 +14,14 @@ the launch's num_warps, grid and ``launch_pdl``. Two sweeps:
                      layers of a forward step): each kind at the shipped launch
                      configuration with PDL off and on, another block or warp
                      count, out-of-place outputs (Liger-Kernel's form).
+  --sweep flashinfer the SGLang drop-in's in-slot call (l) against FlashInfer's
+                     fused_add_rmsnorm alone (k, loaded by flashinfer_norm.py:
+                     the installed package, else built from its kernel source),
+                     3 launches per step: l as shipped, with each cache hint the
+                     kernel exposes (AUX_CACHE / AUX_EVICT on the slot store,
+                     RESIDUAL_EVICT on the residual load), PDL's trigger after
+                     the stores, other warp counts; d for reference. Every cell
+                     also as a multiple of k's time (table "x k").
 
 Kinds (which outputs a launch writes; the letters of capture_latency.py):
   c  add_capture: h + r into the aux slot
@@ -21,6 +29,8 @@ Kinds (which outputs a launch writes; the letters of capture_latency.py):
   e  add+RMSNorm in place + the residual stored into the slot
   f  add+RMSNorm whose residual output is the slot (residual untouched)
   i  e, normalising the unrounded fp32 sum (NORM_FP32_SUM: the SGLang drop-in)
+  l  f, normalising the unrounded fp32 sum (the SGLang drop-in's in-slot call)
+  k  FlashInfer's fused_add_rmsnorm (not our kernel: the peer; flashinfer sweep)
 
 Each cell: CUDA-graph replay, median GPU us per step over --replays replays,
 each step on the next of N buffer sets (h, r, w, aux; outputs of out-of-place
@@ -33,15 +43,18 @@ goes to stderr.
 
 Not swept: knobs the kernel does not have. The fork of the kernel this script
 replaces (tune_variants.py; benchmarks/NOTES.md, results/tune_variants_round*.txt)
-also tried evict_first loads, .cs (streaming) stores on all outputs or on the
-capture alone, and 2 or 4 rows per program; none was adopted. Sweeping them
-again means adding them to the kernel as constexprs first.
+also tried evict_first loads on h and r, .cs (streaming) stores on all outputs,
+and 2 or 4 rows per program; none was adopted. Sweeping them again means adding
+them to the kernel as constexprs first (as AUX_CACHE, AUX_EVICT, RESIDUAL_EVICT
+and PDL_TRIGGER_LATE were).
 
 Without a GPU the script says so and exits 0; ``--list`` prints a sweep's
 variants and their launch settings (no GPU needed). Results: benchmarks/NOTES.md.
 """
 
 import argparse
+import json
+import os
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -81,7 +94,26 @@ KINDS = {
     "e": Kind("add+RMSNorm in place + residual into the slot", True, True, True),
     "f": Kind("add+RMSNorm, residual output is the slot", True, False, True),
     "i": Kind("e, norm of the fp32 sum (SGLang drop-in)", True, True, True, True),
+    "l": Kind("f, norm of the fp32 sum (SGLang drop-in, in slot)", True, False, True, True),
 }
+# The peer, not our kernel: FlashInfer's in-place fused_add_rmsnorm (residual += h;
+# h = norm(residual) * w, of the fp32 sum), launched by the flashinfer sweep alone.
+PEER = "k"
+PEER_KIND = Kind("FlashInfer's fused_add_rmsnorm (peer)", True, True, False, True)
+_flashinfer = {}   # "fn", "line": flashinfer_norm.load()'s answer, once per process
+
+
+def kind_of(v: "Variant") -> Kind:
+    return PEER_KIND if v.kind == PEER else KINDS[v.kind]
+
+
+def flashinfer_peer() -> tuple:
+    """(FlashInfer's fused_add_rmsnorm or None, how it was loaded), once per process."""
+    if not _flashinfer:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import flashinfer_norm
+        _flashinfer["fn"], _flashinfer["line"] = flashinfer_norm.load()
+    return _flashinfer["fn"], _flashinfer["line"]
 
 
 @dataclass(frozen=True)
@@ -92,10 +124,11 @@ class Variant:
     num_warps: Optional[int] = None   # None: launch_config's
     pdl: bool = False                 # USE_PDL, launched with launch_pdl=True
     out_of_place: bool = False        # normed and residual outputs to other tensors
+    knobs: tuple = ()                 # (constexpr, value) pairs: the kernel's cache hints
 
     def launch_shape(self, hidden_size: int) -> tuple:
         """(BLOCK_H, num_warps, column blocks) at this hidden size."""
-        norm = KINDS[self.kind].apply_norm
+        norm = kind_of(self).apply_norm
         block_h, num_warps, _ = launch_config(hidden_size, norm)
         block_h, num_warps = self.block_h or block_h, self.num_warps or num_warps
         if norm and block_h < hidden_size:
@@ -125,7 +158,24 @@ def variants_sweep(hidden_size: int) -> list:
                        Variant("e oop", "e", out_of_place=True)]
 
 
-SWEEPS = {"launch": (launch_sweep, 1), "variants": (variants_sweep, SLOTS)}  # launches per step
+def flashinfer_sweep(hidden_size: int) -> list:
+    """The drop-in's in-slot call (l) as shipped and varied, against FlashInfer's norm."""
+    warps = launch_config(hidden_size, True)[1]   # names alike at every H: w/2 = half of it
+    cs, ef = ("AUX_CACHE", ".cs"), ("AUX_EVICT", "evict_first")
+    ref = ("RESIDUAL_EVICT", "evict_first")
+    return [Variant("k flashinfer", PEER), Variant("d pdl", "d", pdl=True),
+            Variant("l pdl", "l", pdl=True), Variant("l", "l"),
+            Variant("l aux.cs", "l", pdl=True, knobs=(cs,)),
+            Variant("l aux.ef", "l", pdl=True, knobs=(ef,)),
+            Variant("l r.ef", "l", pdl=True, knobs=(ref,)),
+            Variant("l r.ef aux.cs", "l", pdl=True, knobs=(ref, cs)),
+            Variant("l late", "l", pdl=True, knobs=(("PDL_TRIGGER_LATE", True),)),
+            Variant("l w/2", "l", num_warps=max(1, warps // 2), pdl=True),
+            Variant("l w*2", "l", num_warps=min(32, warps * 2), pdl=True)]
+
+
+SWEEPS = {"launch": (launch_sweep, 1), "variants": (variants_sweep, SLOTS),  # launches per step
+          "flashinfer": (flashinfer_sweep, SLOTS)}
 
 
 # ----------------------------------------------------------------------------
@@ -161,7 +211,11 @@ def set_bytes(num_tokens: int, hidden_size: int, elem: int, out_of_place: bool) 
 
 
 def launch(v: Variant, shape: tuple, inputs: BufferSet, aux: torch.Tensor, slot: int) -> None:
-    """One launch of the production kernel: ``inputs``' rows, ``aux[:, slot]``."""
+    """One launch of the production kernel: ``inputs``' rows, ``aux[:, slot]``
+    (of FlashInfer's norm for the peer: in place on ``inputs``' rows)."""
+    if v.kind == PEER:
+        flashinfer_peer()[0](inputs.h, inputs.r, inputs.w, EPS)
+        return
     kind = KINDS[v.kind]
     block_h, num_warps, col_blocks = shape
     h, r = inputs.h, inputs.r
@@ -172,6 +226,7 @@ def launch(v: Variant, shape: tuple, inputs: BufferSet, aux: torch.Tensor, slot:
         res_out if kind.store_residual else None, aux if kind.capture else None, eps=EPS,
         slot=slot, norm_fp32_sum=kind.norm_fp32_sum, use_pdl=v.pdl, block_h=block_h,
         num_warps=num_warps)
+    values.update(v.knobs)
     add_rmsnorm_capture_kernel[(h.shape[0], col_blocks)](
         **values, num_warps=num_warps, **({"launch_pdl": True} if v.pdl else {}))
 
@@ -183,7 +238,7 @@ def check_variant(v: Variant, shape: tuple, inputs: BufferSet) -> None:
     out = inputs.clone()
     out.aux.fill_(float("nan"))
     launch(v, shape, out, out.aux, 0)
-    kind = KINDS[v.kind]
+    kind = kind_of(v)
     s32 = inputs.h.float() + inputs.r.float()
     s = s32.to(inputs.h.dtype)
     stored = {"capture": out.aux[:, 0]} if kind.capture else {}
@@ -205,12 +260,19 @@ def check_variant(v: Variant, shape: tuple, inputs: BufferSet) -> None:
 
 def graph_steps_of(v: Variant, shape: tuple, sets: list, launches: int) -> list:
     """One zero-argument step per buffer set: step i launches ``launches`` times,
-    launch k on set i + k's rows (so no launch reads what the one before wrote)
-    into slot k of set i's aux buffer."""
+    launch k on the rows of set i * launches + k (mod the number of sets) into
+    slot k of set i's aux buffer. Consecutive launches walk the sets in order, so
+    a set's rows are read again only after every other set's (>= --rotate-l2 x L2
+    of traffic): no launch finds its inputs in L2. (Step i on sets i + k, as
+    before, read every set in every step once there were as few sets as launches,
+    and a set came back two launches later: at T = 512 - 1024, where a set is
+    about L2's size, that put FlashInfer's norm above the copy roofline.)"""
+    n = len(sets)
+
     def step(i):
         for k in range(launches):
-            launch(v, shape, sets[(i + k) % len(sets)], sets[i].aux, k % SLOTS)
-    return [lambda i=i: step(i) for i in range(len(sets))]
+            launch(v, shape, sets[(i * launches + k) % n], sets[i].aux, k % SLOTS)
+    return [lambda i=i: step(i) for i in range(n)]
 
 
 # ----------------------------------------------------------------------------
@@ -232,7 +294,10 @@ def measure_cell(v: Variant, shape: tuple, sets: list, launches: int, args) -> f
                              args.replays)
 
 
-def run(args, variants: list, launches: int) -> None:
+def run(args, variants: list, launches: int) -> dict:
+    """Print the sweep's table at ``args.hidden_size``; return its cells,
+    ``{T: {variant name: median us per step, or None}}``. With the peer among
+    the variants, a second table gives every cell as a multiple of the peer's."""
     device, dtype = torch.device("cuda"), DTYPES[args.dtype]
     elem = torch.tensor([], dtype=dtype).element_size()
     H = args.hidden_size
@@ -247,14 +312,16 @@ def run(args, variants: list, launches: int) -> None:
           f"per step (% of roofline)")
     width = max(16, max(len(v.name) for v in variants) + 1)
     print(f"{'T':>6} {'sets':>5} " + " ".join(v.name.rjust(width) for v in variants), flush=True)
+    table = {}
     for T in args.tokens:
         one_set = set_bytes(T, H, elem, out_of_place)
         free, _ = torch.cuda.mem_get_info(device)
-        num_sets = max(launches, rotation_sets(one_set, l2_bytes, args.rotate_l2,
+        num_sets = max(2 * launches, rotation_sets(one_set, l2_bytes, args.rotate_l2,
                                                max_sets=MAX_SETS, budget_bytes=free // 2))
         sets = [make_set(T, H, dtype, device, out_of_place) for _ in range(num_sets)]
-        cells = []
+        cells, table[T] = [], {}
         for v in variants:
+            table[T][v.name] = None
             try:
                 us = measure_cell(v, shapes[v.name], sets, launches, args)
             except Exception as exc:  # a variant this GPU / Triton cannot run: say why, go on
@@ -263,12 +330,23 @@ def run(args, variants: list, launches: int) -> None:
                 wrong = isinstance(exc, AssertionError)  # check_variant: wrong outputs
                 cells.append("WRONG" if wrong else f"err {type(exc).__name__}"[:width - 1])
                 continue
-            kind = KINDS[v.kind]
+            table[T][v.name] = us
+            kind = kind_of(v)
             nbytes = launches * elem * (kind.rows_moved * T * H + H * kind.apply_norm)
             cells.append(f"{us:8.2f} ({100 * nbytes / us / 1e3 / roof:3.0f}%)")
         print(f"{T:>6} {num_sets:>5} " + " ".join(c.rjust(width) for c in cells), flush=True)
         del sets
         torch.cuda.empty_cache()
+    peer = next((v.name for v in variants if v.kind == PEER), None)
+    if peer is not None:
+        print(f"x k: each cell / {peer}'s (below 1.00: faster than FlashInfer's norm alone)")
+        print(f"{'T':>6} " + " ".join(v.name.rjust(width) for v in variants))
+        for T, cells in table.items():
+            base = cells[peer]
+            print(f"{T:>6} " + " ".join(
+                (f"{cells[v.name] / base:.3f}" if base and cells[v.name] else "-").rjust(width)
+                for v in variants), flush=True)
+    return table
 
 
 def per_step(launches: int) -> str:
@@ -292,7 +370,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", choices=sorted(SWEEPS), default="launch",
                    help="launch: launch parameters (default); variants: named variants")
-    p.add_argument("--hidden-size", type=int, default=7168)
+    p.add_argument("--hidden-size", type=int, nargs="+", default=[7168],
+                   help="H, one or more (default 7168): one table per H")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--tokens", type=int, nargs="+", default=DEFAULT_TOKENS,
                    help=f"T values (default {' '.join(map(str, DEFAULT_TOKENS))})")
@@ -300,11 +379,15 @@ def parse_args(argv=None):
                    help="run only these variants of the sweep (names as --list prints them)")
     add_graph_timing_arguments(p, replays=30, one_set_note="one set per launch of a step",
                                steps_note="every buffer set once where there are more")
+    p.add_argument("--json", metavar="PATH",
+                   help="also write the cells (us per step per H, T and variant), the device "
+                        "and, in the flashinfer sweep, which FlashInfer ran, to PATH")
     p.add_argument("--list", action="store_true",
                    help="print the sweep's variants and launch settings and exit (no GPU needed)")
     args = p.parse_args(argv)
-    if args.hidden_size < 1 or args.replays < 1 or args.steps_per_graph < 1:
+    if min(args.hidden_size) < 1 or args.replays < 1 or args.steps_per_graph < 1:
         p.error("--hidden-size, --replays and --steps-per-graph must be at least 1")
+    args.hidden_sizes, args.hidden_size = args.hidden_size, args.hidden_size[0]
     make_variants, args.launches = SWEEPS[args.sweep]
     args.variants = make_variants(args.hidden_size)
     if args.only:
@@ -316,7 +399,8 @@ def parse_args(argv=None):
         args.variants = [v for v in args.variants if v.name in args.only]
     try:
         for v in args.variants:
-            v.launch_shape(args.hidden_size)
+            for hidden_size in args.hidden_sizes:
+                v.launch_shape(hidden_size)
     except ValueError as exc:
         p.error(str(exc))
     return args
@@ -325,7 +409,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.list:
-        print("\n".join(list_lines(args.variants, args.hidden_size, args.launches)))
+        names = {v.name for v in args.variants}
+        for hidden_size in args.hidden_sizes:
+            variants = [v for v in SWEEPS[args.sweep][0](hidden_size) if v.name in names]
+            print("\n".join(list_lines(variants, hidden_size, args.launches)))
         return 0
     if not torch.cuda.is_available():
         print("tune_kernel: no CUDA GPU here, nothing measured: the sweeps time compiled kernels "
@@ -337,12 +424,35 @@ def main(argv=None) -> int:
         print(f"PDL variants left out: {no_pdl}")
         variants = [v for v in variants if not v.pdl]
     props = torch.cuda.get_device_properties(0)
-    print(f"device: {props.name}  torch {torch.__version__}  triton {triton.__version__}; "
-          f"sweep: {args.sweep}")
+    device = f"{props.name}  torch {torch.__version__}  triton {triton.__version__}"
+    print(f"device: {device}; sweep: {args.sweep}")
+    peer_line = None
+    if any(v.kind == PEER for v in variants):
+        fn, peer_line = flashinfer_peer()
+        print(f"peer (k): {peer_line}", flush=True)
+        if fn is None:
+            print("FlashInfer's norm is not available: its cells are left out")
+            variants = [v for v in variants if v.kind != PEER]
     if not variants:
         print("No variant to run.")
         return 0
-    run(args, variants, args.launches)
+    tables = {}
+    for hidden_size in args.hidden_sizes:
+        args.hidden_size = hidden_size
+        names = {v.name for v in variants}
+        # the sweep's variants at this H, as selected (the same names at every H)
+        chosen = [v for v in SWEEPS[args.sweep][0](hidden_size) if v.name in names]
+        tables[hidden_size] = run(args, chosen, args.launches)
+        if args.json:   # after every H: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"device": device, "sweep": args.sweep, "flashinfer": peer_line,
+                           "config": {k: v for k, v in vars(args).items() if k != "variants"},
+                           "variants": {v.name: {"kind": v.kind, "num_warps": v.num_warps,
+                                                 "pdl": v.pdl, "knobs": dict(v.knobs)}
+                                        for v in chosen},
+                           "us_per_step": tables}, f, indent=1, default=str)
+    if args.json:
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -17,11 +17,13 @@
 #          On pytest-xdist workers when it is installed (TEST_WORKERS=N, default
 #          half the CPUs up to 8; 1: one process): the whole session then fits
 #          one 600 s device call; timing figures come from the bench step alone.
-#   bench  scripts/bench.sh (benchmarks/capture_latency.py) > bench.log
+#   bench  scripts/bench.sh (benchmarks/capture_latency.py) > bench.log; its FlashInfer
+#          paths (j, k) run where FlashInfer's norm loads: carry .gpu_bundle/ (made here
+#          by FLASHINFER_ONLY=1 bash scripts/make_gpu_bundle.sh) and it is JIT-built there
 #   host   capture_latency.py --host-breakdown > host.log (host time per call,
 #          layer by layer down the eager call stack)
-# The tuning sweeps (benchmarks/tune_kernel.py --sweep launch | variants) take
-# long: run them in a call of their own.
+# The tuning sweeps (benchmarks/tune_kernel.py --sweep launch | variants |
+# flashinfer) take long: run them in a call of their own.
 #
 # --check-skips LOG [GPUS] only checks the skip reasons in a saved pytest -rs log
 # (e.g. benchmarks/results/gpu_tests_*.txt) against a machine with GPUS GPUs

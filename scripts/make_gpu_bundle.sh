@@ -32,6 +32,10 @@
 #                               JIT build on the GPU machine fails
 #   MANIFEST.txt                versions, sizes, sha256
 #
+# FLASHINFER_ONLY=1: only what benchmarks/flashinfer_norm.py needs to run FlashInfer's norm
+# beside ours (the trimmed flashinfer tree, the apache-tvm-ffi wheel, the prebuilt module;
+# about 4 MiB): no SGLang, transformers or SGLang's dependencies, so no CPU overlay first.
+#
 # Downloads are cached under .cache/gpu_bundle_dl/ (git-ignored). The bundle folder
 # is git-ignored through .git/info/exclude (this script adds the line).
 set -euo pipefail
@@ -58,17 +62,22 @@ WHEELS=(
     apache-tvm-ffi==0.1.11
 )
 
+FLASHINFER_ONLY=${FLASHINFER_ONLY:-0}
+if [ "$FLASHINFER_ONLY" = 1 ]; then WHEELS=(apache-tvm-ffi==0.1.11); fi
+
 say() { echo "make_gpu_bundle: $*" >&2; }
 
-mkdir -p .git/info
-grep -qxF '/.gpu_bundle/' .git/info/exclude 2>/dev/null || echo '/.gpu_bundle/' >> .git/info/exclude
+# A worktree's .git is a file: ask git where the exclude file is.
+EXCLUDE=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$EXCLUDE")"
+grep -qxF '/.gpu_bundle/' "$EXCLUDE" 2>/dev/null || echo '/.gpu_bundle/' >> "$EXCLUDE"
 
-if [ ! -f "$OVERLAY/.ok" ]; then
+if [ "$FLASHINFER_ONLY" != 1 ] && [ ! -f "$OVERLAY/.ok" ]; then
     say "building the CPU overlay $OVERLAY first"
     bash scripts/sglang_real_env.sh "$SGLANG_VER" >/dev/null
 fi
 for d in sglang "sglang-$SGLANG_VER.dist-info" transformers "transformers-$TF_VER.dist-info"; do
-    [ -e "$OVERLAY/$d" ] || { say "missing $OVERLAY/$d"; exit 1; }
+    [ "$FLASHINFER_ONLY" = 1 ] || [ -e "$OVERLAY/$d" ] || { say "missing $OVERLAY/$d"; exit 1; }
 done
 
 rm -rf "$BUNDLE.tmp"
@@ -210,11 +219,13 @@ EOF
     mv "$BUILT/flashinfer-$FI_VER-norm.tar.xz.part" "$BUILT/flashinfer-$FI_VER-norm.tar.xz"
 }
 
-[ -f "$BUILT/sglang-$SGLANG_VER.tar.xz" ] || make_sglang
-[ -f "$BUILT/transformers-$TF_VER.tar.xz" ] || make_transformers
 [ -f "$BUILT/flashinfer-$FI_VER-norm.tar.xz" ] || make_flashinfer
-cp "$BUILT/sglang-$SGLANG_VER.tar.xz" "$BUILT/transformers-$TF_VER.tar.xz" \
-    "$BUILT/flashinfer-$FI_VER-norm.tar.xz" "$BUNDLE.tmp/"
+cp "$BUILT/flashinfer-$FI_VER-norm.tar.xz" "$BUNDLE.tmp/"
+if [ "$FLASHINFER_ONLY" != 1 ]; then
+    [ -f "$BUILT/sglang-$SGLANG_VER.tar.xz" ] || make_sglang
+    [ -f "$BUILT/transformers-$TF_VER.tar.xz" ] || make_transformers
+    cp "$BUILT/sglang-$SGLANG_VER.tar.xz" "$BUILT/transformers-$TF_VER.tar.xz" "$BUNDLE.tmp/"
+fi
 
 # ------------------------------------------------- prebuilt norm module (optional)
 # A fallback for gpu_sglang_real.sh when FlashInfer's JIT build fails on the GPU
@@ -284,8 +295,13 @@ fi
 
 # --------------------------------------------------------------- manifest
 {
-    echo "# .gpu_bundle for scripts/gpu_sglang_real.sh (built $(date -u +%Y-%m-%dT%H:%MZ))"
-    echo "sglang $SGLANG_VER (trimmed tree), transformers $TF_VER, flashinfer-python $FI_VER (norm only)"
+    echo "# .gpu_bundle for $([ "$FLASHINFER_ONLY" = 1 ] && echo "benchmarks/flashinfer_norm.py" \
+        || echo "scripts/gpu_sglang_real.sh") (built $(date -u +%Y-%m-%dT%H:%MZ))"
+    if [ "$FLASHINFER_ONLY" = 1 ]; then
+        echo "flashinfer-python $FI_VER (norm only) and apache-tvm-ffi: FLASHINFER_ONLY=1, no SGLang"
+    else
+        echo "sglang $SGLANG_VER (trimmed tree), transformers $TF_VER, flashinfer-python $FI_VER (norm only)"
+    fi
     (cd "$BUNDLE.tmp" && find . -type f ! -name MANIFEST.txt | sort | while read -r f; do
         printf '%10d  %s  %s\n' "$(stat -c %s "$f")" "$(sha256sum "$f" | cut -c1-16)" "${f#./}"
     done)

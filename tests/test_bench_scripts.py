@@ -111,7 +111,9 @@ def test_norm_variant_needs_the_whole_row():
 
 def test_kinds_match_the_ops_bytes():
     assert {k: kind.rows_moved for k, kind in tk.KINDS.items()} == \
-        {"c": 3, "d": 4, "e": 5, "f": 4, "i": 5}
+        {"c": 3, "d": 4, "e": 5, "f": 4, "i": 5, "l": 4}
+    assert tk.PEER_KIND.rows_moved == 4 and cl.bytes_moved("k", 4, 7168, 1, 2) == \
+        4 * 4 * 7168 * 2 + 7168 * 2
     for k, kind in tk.KINDS.items():  # capture_latency.bytes_moved, weight included
         weight = 7168 * 2 * kind.apply_norm
         assert cl.bytes_moved(k, 4, 7168, 1, 2) == kind.rows_moved * 4 * 7168 * 2 + weight
@@ -161,7 +163,14 @@ def test_steps_rotate_inputs_and_slots(monkeypatch):
     steps = tk.graph_steps_of(tk.Variant("c", "c"), None, sets, 3)
     assert len(steps) == 5
     steps[4]()
-    assert calls == [(sets[4], "aux4", 0), (sets[0], "aux4", 1), (sets[1], "aux4", 2)]
+    assert calls == [(sets[2], "aux4", 0), (sets[3], "aux4", 1), (sets[4], "aux4", 2)]
+    # a graph's steps walk the sets in order, launch after launch: a set's rows come
+    # back only after all the others' (no launch finds its inputs in L2)
+    calls.clear()
+    for step in steps:
+        step()
+    order = [sets.index(inputs) for inputs, _, _ in calls]
+    assert order == [i % 5 for i in range(15)]
 
 
 class _CudaOnCpu:
@@ -529,3 +538,59 @@ def test_session_with_the_vllm_bundle_installs_it_and_refuses_the_skip(session, 
         assert "installed from the carried bundle" in result.stdout
         assert "FAILED: tests (logs in" in result.stdout
         assert "vLLM's CUDA build is not installed" in result.stdout
+
+# ---------------------------------------------------------------- FlashInfer's norm, the peer
+
+fi = _load("flashinfer_norm")
+
+
+def _fake_bundle(root, version="9.9.9", wheel=True):
+    """A bundle as scripts/make_gpu_bundle.sh lays it out: the trimmed tree (here a
+    two-file stand-in) and the tvm-ffi wheel (a zip of site-packages files)."""
+    import tarfile
+    import zipfile
+    src = root / "src"
+    (src / "flashinfer").mkdir(parents=True)
+    (src / "flashinfer" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    bundle = root / "bundle"
+    (bundle / "wheels").mkdir(parents=True)
+    with tarfile.open(bundle / f"flashinfer-{version}-norm.tar.xz", "w:xz") as tar:
+        tar.add(src / "flashinfer", arcname="flashinfer")
+    if wheel:
+        with zipfile.ZipFile(bundle / "wheels" / "apache_tvm_ffi-0.1.11-cp312-abi3-x.whl",
+                             "w") as z:
+            info = zipfile.ZipInfo("tvm_ffi/lib/libtvm_ffi.so")
+            info.external_attr = 0o755 << 16
+            z.writestr(info, b"\x7fELF")
+    return bundle
+
+
+def test_flashinfer_bundle_parts_and_unpack(tmp_path):
+    bundle = _fake_bundle(tmp_path)
+    parts = fi.bundle_parts(bundle)
+    assert parts["version"] == "9.9.9" and len(parts["wheels"]) == 1
+    assert parts["prebuilt"] is None
+    assert fi.bundle_parts(tmp_path / "nowhere") is None
+    site = tmp_path / "site"
+    fi.unpack(parts, site)
+    assert (site / "flashinfer" / "__init__.py").read_text() == "__version__ = '9.9.9'\n"
+    so = site / "tvm_ffi" / "lib" / "libtvm_ffi.so"
+    assert so.read_bytes() == b"\x7fELF" and os.access(so, os.X_OK)  # the .so stays executable
+    (site / "flashinfer" / "__init__.py").write_text("edited")
+    fi.unpack(parts, site)   # unpacked once per bundle: a second call keeps the files
+    assert (site / "flashinfer" / "__init__.py").read_text() == "edited"
+
+
+def test_flashinfer_load_says_why_not(tmp_path, monkeypatch):
+    """Without an importable flashinfer: no bundle -> the line names the script that
+    makes one; a bundle but no GPU -> says so. Never raises."""
+    monkeypatch.setattr(fi, "_installed", lambda: (None, "ModuleNotFoundError: flashinfer"))
+    monkeypatch.setenv(fi.BUNDLE_ENV, str(tmp_path / "none"))
+    fn, line = fi.load()
+    assert fn is None and "FLASHINFER_ONLY=1 bash scripts/make_gpu_bundle.sh" in line
+    assert "ModuleNotFoundError" in line
+    monkeypatch.setenv(fi.BUNDLE_ENV, str(_fake_bundle(tmp_path)))
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda *a: (_ for _ in ()).throw(RuntimeError("no GPU")))
+    fn, line = fi.load()
+    assert fn is None and line.startswith("no CUDA GPU")

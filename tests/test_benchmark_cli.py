@@ -75,8 +75,9 @@ def synthetic_gpu_result(paths="abcdefghi", tokens=tuple(2**i for i in range(15)
         if "k" in row["paths"]:
             k = row["paths"]["k"]["graph_us"]
             row.setdefault("capture_cost_us", {}).update(
-                {key: row["paths"][p]["graph_us"] - k for key, p in (("j", "j"), ("f_k", "f"))
-                 if p in row["paths"]})
+                {key: row["paths"][p]["graph_us"] - k
+                 for key, p in (("j", "j"), ("f_k", "f"), ("l_k", "l")) if p in row["paths"]})
+            row["x_k"] = {p: row["paths"][p]["graph_us"] / k for p in row["paths"] if p != "k"}
         rows.append(row)
     host = {"torch.add(out=)": 9.0, "add_capture (public, eager fast path)": 15.9,
             "add_capture (torch.ops, dispatcher)": 136.2,
@@ -96,7 +97,7 @@ def test_unknown_paths_exit_2(paths, bad, capsys, tmp_path):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"unknown path letter(s) {bad}" in err
-    assert "valid letters: abcdefghijk" in err
+    assert "valid letters: abcdefghijkl" in err
     assert not list(tmp_path.iterdir()), "nothing may run or be written"
 
 
@@ -104,7 +105,7 @@ def test_empty_paths_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         cl.parse_args(["--paths", ""])
     assert exc.value.code == 2
-    assert "valid letters: abcdefghijk" in capsys.readouterr().err
+    assert "valid letters: abcdefghijkl" in capsys.readouterr().err
 
 
 def test_steps_per_graph_must_be_positive(capsys):
@@ -137,7 +138,7 @@ def test_select_paths_gives_every_skip_a_reason():
     run, skipped = cl.select_paths(list("dfjk"), has_gpu=False, has_liger=False)
     assert run == ["d", "f"] and "GPU only" in skipped["j"] and "GPU only" in skipped["k"]
     run, skipped = cl.select_paths(list("dfjk"), has_gpu=True, has_liger=False)
-    assert run == ["d", "f"] and "flashinfer" in skipped["j"]
+    assert run == ["d", "f"] and "FlashInfer" in skipped["j"]
     assert cl.select_paths(list("jk"), has_gpu=True, has_liger=False,
                            has_flashinfer=True) == (["j", "k"], {})
 
@@ -157,7 +158,7 @@ def test_cpu_run_report(capsys, tmp_path, monkeypatch):
     legend_at = lines.index("Paths (key, what runs, what it measures):")
     table_at = next(i for i, line in enumerate(lines) if re.match(r"\s*T \| ", line))
     assert legend_at < table_at
-    for p in "abcdefi":
+    for p in "abcdefil":
         assert any(line.startswith(f"  {p}  {cl.PATHS[p]}") and report.PATH_MEASURES[p] in line
                    for line in lines[legend_at:table_at]), p
     # a reason for each requested path that is not run
@@ -179,10 +180,10 @@ def test_cpu_run_report(capsys, tmp_path, monkeypatch):
     assert {"rows", "config", "device", "date", "command", "skipped"} <= set(result)
     assert set(result["skipped"]) == {"g", "h", "j", "k"}
     assert result["pdl"]["state"] == "n/a" and result["config"]["pdl"] == "env"
-    assert result["config"]["paths"] == list("abcdefi")
-    assert result["config"]["requested_paths"] == list("abcdefghijk")
+    assert result["config"]["paths"] == list("abcdefil")
+    assert result["config"]["requested_paths"] == list("abcdefghijkl")
     for row in result["rows"]:
-        assert set(row) == {"T", "paths"} and set(row["paths"]) == set("abcdefi")
+        assert set(row) == {"T", "paths"} and set(row["paths"]) == set("abcdefil")
         for d in row["paths"].values():
             assert d["min_us"] <= d["wall_us"] <= d["max_us"] and d["reps"] == 3
 
@@ -220,10 +221,18 @@ def test_report_shows_a_cost_per_floor_only_above_the_floor_minimum():
     """The capture cost as a multiple of the write floor is printed only where
     the floor is at least FLOOR_MIN_US (below, graph jitter dominates it);
     negative costs (f beating d) print with their sign."""
-    result = synthetic_gpu_result("abcdefghijk", scale=100.0, pdl_state="off")
+    result = synthetic_gpu_result("abcdefghijkl", scale=100.0, pdl_state="off")
     result["skipped"] = {}
-    lines = report.format_gpu_table(result, gpu_args("abcdefghijk"))
+    lines = report.format_gpu_table(result, gpu_args("abcdefghijkl"))
     assert any("j-k / f-k us" in line for line in lines)   # against FlashInfer's norm
+    # every path of ours as a multiple of FlashInfer's norm alone, 3 decimals
+    ratio_at = next(i for i, line in enumerate(lines) if line.startswith("Against FlashInfer"))
+    head = next(line for line in lines[ratio_at:] if re.match(r"\s*T \|", line))
+    assert [h.strip() for h in head.split("|")[1:]] == ["d / k", "f / k", "i / k", "l / k"]
+    for row in result["rows"]:
+        t_line = next(line for line in lines[ratio_at:] if re.match(rf"\s*{row['T']} \| ", line))
+        assert [c.strip() for c in t_line.split("|")[1:]] == \
+            [f"{row['x_k'][p]:.3f}" for p in "dfil"]
     assert_fits(lines)
     assert next(line for line in lines if line.startswith("PDL: ")).startswith("PDL: off (")
     for row in result["rows"]:

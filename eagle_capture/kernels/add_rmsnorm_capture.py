@@ -31,6 +31,13 @@ Numerics
 * Row offsets are int64: ``rows * K * H`` passes 2^31 for T = 100k, K = 3,
   H = 7168, and an int32 product would wrap into another request's rows.
 
+Cache hints (tuning knobs, benchmarks/tune_kernel.py --sweep flashinfer)
+----------------------------------------------------------------------
+``AUX_CACHE`` / ``AUX_EVICT`` are the slot store's cache modifier and eviction
+policy, ``RESIDUAL_EVICT`` the residual load's; with ``PDL_TRIGGER_LATE`` the
+dependents are signalled after the stores instead of at the top. Hints change
+where lines sit in L2, never a value: every setting stores the same bits.
+
 Programmatic dependent launch (PDL, sm_90+)
 -------------------------------------------
 With ``USE_PDL`` (launched with ``launch_pdl=True``) a program first waits in
@@ -93,6 +100,10 @@ def add_rmsnorm_capture_kernel(
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr,
     NORM_FP32_SUM: tl.constexpr = False,
+    AUX_EVICT: tl.constexpr = "",
+    AUX_CACHE: tl.constexpr = "",
+    RESIDUAL_EVICT: tl.constexpr = "",
+    PDL_TRIGGER_LATE: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     # Without the norm, axis 1 walks column blocks; with it, the grid has one.
@@ -101,7 +112,8 @@ def add_rmsnorm_capture_kernel(
     if USE_PDL:
         # Everything below may read what the previous kernel wrote.
         gdc_wait()
-        gdc_launch_dependents()
+        if not PDL_TRIGGER_LATE:
+            gdc_launch_dependents()
     if APPLY_NORM:
         # Issued first so its latency overlaps the row loads (decode sizes are
         # latency-bound: one DRAM round trip fewer per launch).
@@ -111,7 +123,8 @@ def add_rmsnorm_capture_kernel(
     # on the H200 (benchmarks/NOTES.md).
     h = tl.load(hidden_ptr + row * stride_hidden + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0,
+                    eviction_policy=RESIDUAL_EVICT)
     else:
         r = h
     if not APPLY_NORM:
@@ -119,7 +132,9 @@ def add_rmsnorm_capture_kernel(
     add_rmsnorm_store_row(h, r, w, cols, mask, row, hidden_size, eps, normed_out_ptr,
                           stride_normed_out, residual_out_ptr, stride_residual_out, aux_ptr,
                           stride_aux_row, aux_slot_offset, HAS_RESIDUAL, APPLY_NORM,
-                          STORE_RESIDUAL, CAPTURE, NORM_FP32_SUM)
+                          STORE_RESIDUAL, CAPTURE, NORM_FP32_SUM, AUX_EVICT, AUX_CACHE)
+    if USE_PDL and PDL_TRIGGER_LATE:
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -127,7 +142,8 @@ def add_rmsnorm_store_row(h, r, w, cols, mask, row, hidden_size, eps, normed_out
                           stride_normed_out, residual_out_ptr, stride_residual_out, aux_ptr,
                           stride_aux_row, aux_slot_offset, HAS_RESIDUAL: tl.constexpr,
                           APPLY_NORM: tl.constexpr, STORE_RESIDUAL: tl.constexpr,
-                          CAPTURE: tl.constexpr, NORM_FP32_SUM: tl.constexpr):
+                          CAPTURE: tl.constexpr, NORM_FP32_SUM: tl.constexpr,
+                          AUX_EVICT: tl.constexpr = "", AUX_CACHE: tl.constexpr = ""):
     """The row epilogue both kernels share (this one and the all-reduce kernel):
     ``s = h + r`` (HAS_RESIDUAL; else ``s = h``) in fp32 rounded once to h's
     dtype, stored into the aux slot (CAPTURE) and the residual output
@@ -140,7 +156,8 @@ def add_rmsnorm_store_row(h, r, w, cols, mask, row, hidden_size, eps, normed_out
     else:
         s = h
     if CAPTURE:
-        tl.store(aux_ptr + row * stride_aux_row + aux_slot_offset + cols, s, mask=mask)
+        tl.store(aux_ptr + row * stride_aux_row + aux_slot_offset + cols, s, mask=mask,
+                 cache_modifier=AUX_CACHE, eviction_policy=AUX_EVICT)
     if STORE_RESIDUAL:
         tl.store(residual_out_ptr + row * stride_residual_out + cols, s, mask=mask)
     if APPLY_NORM:
@@ -156,13 +173,19 @@ def add_rmsnorm_store_row(h, r, w, cols, mask, row, hidden_size, eps, normed_out
 
 
 @functools.lru_cache(maxsize=None)
-def launch_config(hidden_size: int, apply_norm: bool = True) -> tuple[int, int, int]:
+def launch_config(hidden_size: int, apply_norm: bool = True,
+                  allreduce: bool = False) -> tuple[int, int, int]:
     """(BLOCK_H, num_warps, column blocks) for rows of ``hidden_size`` elements.
 
     With the norm: the whole row in one program, with enough warps that each
     thread holds <= 32 fp32 values up to H = 32768 (64 above; not profiled)
-    and issues 16-byte accesses.
-    Without it: column blocks of at most COPY_BLOCK_H elements (see
+    and issues 16-byte accesses; BLOCK_H = 4096 (H 2049 - 4096) takes 16 warps,
+    8 values a thread: with 8 warps FlashInfer's norm beat ours by 8% at T = 512,
+    H = 4096 on the H100, and 16 warps were at or below it at every T but 16384
+    there and at H = 2880 (benchmarks/NOTES.md). ``allreduce``: the table the
+    one-shot all-reduce kernel (parallel/symm.py, one program per SM) was
+    measured with, 8 warps at BLOCK_H = 4096.
+    Without the norm: column blocks of at most COPY_BLOCK_H elements (see
     benchmarks/NOTES.md for the sweep that chose it).
     """
     block_h = triton.next_power_of_2(max(int(hidden_size), 1))
@@ -170,7 +193,7 @@ def launch_config(hidden_size: int, apply_norm: bool = True) -> tuple[int, int, 
         return COPY_BLOCK_H, COPY_NUM_WARPS, triton.cdiv(hidden_size, COPY_BLOCK_H)
     if block_h >= 32768:
         num_warps = 32
-    elif block_h >= 8192:
+    elif block_h >= 8192 or (block_h == 4096 and not allreduce):
         num_warps = 16
     elif block_h >= 2048:
         num_warps = 8
@@ -214,5 +237,7 @@ def kernel_arguments(hidden, residual=None, weight=None, normed_out=None, residu
         HAS_RESIDUAL=residual is not None, APPLY_NORM=apply_norm,
         STORE_RESIDUAL=residual_out is not None, CAPTURE=aux is not None,
         BLOCK_H=block_h, USE_PDL=use_pdl,
-        NORM_FP32_SUM=bool(norm_fp32_sum) and apply_norm and residual is not None)
+        NORM_FP32_SUM=bool(norm_fp32_sum) and apply_norm and residual is not None,
+        # No cache hint: none beat the default with cold inputs (benchmarks/NOTES.md).
+        AUX_CACHE="", AUX_EVICT="", RESIDUAL_EVICT="", PDL_TRIGGER_LATE=False)
     return (num_tokens, col_blocks), values, default_warps if num_warps is None else num_warps

@@ -161,7 +161,7 @@ class SymmAllReduceCapture:
                              else self.device)
         dist.all_reduce(bound, op=dist.ReduceOp.MIN, group=self.group)
         self.max_programs = max(1, int(bound.item()))
-        self._block_h, self._num_warps, _ = launch_config(hidden_size, True)
+        self._block_h, self._num_warps, _ = launch_config(hidden_size, True, allreduce=True)
         # Every rank's buffer holds -0.0 before any peer may push into it.
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)

@@ -35,7 +35,12 @@ def ttir(kernel, signature: dict, constexprs: dict) -> str:
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TTIR needs TRITON_INTERPRET unset (run this module in a child)")
-    params = list(inspect.signature(kernel.fn).parameters)
+    parameters = inspect.signature(kernel.fn).parameters
+    params = list(parameters)
+    # A constexpr left out takes its default, as at a launch (the cache-hint knobs).
+    constexprs = {**{name: p.default for name, p in parameters.items()
+                     if "constexpr" in str(p.annotation)
+                     and p.default is not inspect.Parameter.empty}, **constexprs}
     sig = {p: ("constexpr" if p in constexprs else signature[p]) for p in params}
     consts = {(params.index(name),): value for name, value in constexprs.items()}
     target = GPUTarget("cuda", 90, 32)

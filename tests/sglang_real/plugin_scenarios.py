@@ -574,6 +574,29 @@ def plugin_return_modes():
                 out[name].append(_return_mode(name, cli, mode, capture_only, layer_ids))
             except Exception as e:  # noqa: BLE001 - reported together below
                 failed.append(f"{name} (ids {layer_ids}): {type(e).__name__}: {e}")
+    if "enable_return_aux_hidden_states" in fields:
+        # Capture-only ids whose shift names a layer past the last one ([1, 3, 6] ->
+        # [2, 4, 7] of 7): no draft to protect, so no refusal -- SGLang's own capture
+        # stays (and fails its own first forward there), with one warning.
+        past_end = [1, 3, NUM_LAYERS - 1]
+        with served_with(enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+                         return_aux_hidden_state_layer_ids=past_end) as args:
+            model = _build()
+            with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture") as log:
+                configure(model, _capture_only_ids(args, NUM_LAYERS))
+            try:
+                harness.run(model, harness.make_batch(model, 5))
+                own = "no error"
+            except Exception as e:  # noqa: BLE001 - SGLang's own error is the expected outcome
+                own = f"{type(e).__name__}: {e}"
+        lm = harness.text_lm(model)
+        warned = log.text(logging.WARNING)
+        if hasattr(lm, "_eagle_capture") or "not installed (capture-only mode" not in warned \
+                or lm.model.layers_to_capture != [2, 4, NUM_LAYERS] or own == "no error":
+            failed.append(f"capture_only (ids {past_end}): installed, refused or served: "
+                          f"{lm.model.layers_to_capture} {own} {log.text()}")
+        out["capture_only_past_the_last_layer"] = {"plugin": warned.splitlines()[:1],
+                                                   "SGLang's first forward": own}
     assert not failed, "\n".join(failed)
     return out
 

@@ -41,6 +41,14 @@ captured layer's deferred all-reduce into its input norm, the drop-in runs it
 (the one kernel on SGLang's TP group or SGLang's all-reduce + the fused op, per T
 from ``EAGLE_CAPTURE_ALLREDUCE_TABLE``): :mod:`eagle_capture.integrations.sglang.allreduce`.
 
+Responses with hidden states (any return mode SGLang resolves: ``--enable-return-hidden-states``,
+``--return-hidden-states-mode last|full``, 0.5.23's capture-only
+``--enable-return-aux-hidden-states``): SGLang copies them to the host asynchronously, so the
+LogitsProcessor gets a copy of the captures each forward, never the buffer
+(:func:`eagle_capture.integrations.sglang.server_modes.return_hidden_states_mode`). Capture-only
+mode loads no draft: the fused capture installs on the layers SGLang set (the embedding output
+included) without the draft's checks.
+
 ``EAGLE_CAPTURE_VERIFY=N``: the first N eager forwards also run SGLang's own norm
 on copies and compare (captures bit-exact, normed output within rounding), check
 that every TP rank holds the same captures, log a line per forward, and switch
@@ -194,7 +202,8 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
         except dropin.WrongCaptureLayers as e:
             if capture_only:   # nothing to protect: SGLang's own capture answers for it
                 logger.warning("eagle_capture: not installed (capture-only mode, no draft), "
-                               "SGLang's own capture stays: %s", e)
+                               "SGLang's own capture stays: %s",
+                               str(e).replace("eagle_capture: ", "", 1))
                 return None
             problems.append(str(e).replace("eagle_capture: ", "", 1))
     if capture_only:

@@ -608,9 +608,14 @@ def _return_mode(name, cli, mode, capture_only, layer_ids) -> str:
     extra = {} if layer_ids is None or not capture_only else \
         {"return_aux_hidden_state_layer_ids": layer_ids}
     with served_with(**cli, **extra) as args:
-        assert server_modes.return_hidden_states_mode() == mode, \
-            (name, server_modes.return_hidden_states_mode(), mode)
-        assert (server_modes.aux_capture_only() is not None) == capture_only, name
+        # What SGLang's runtime says, and SGLang's rule on the published record (what
+        # the plugin reads where no runtime context answers).
+        assert server_modes.return_hidden_states_mode() == mode \
+            == server_modes.return_mode_of_args(args), \
+            (name, server_modes.return_hidden_states_mode(),
+             server_modes.return_mode_of_args(args), mode)
+        assert (server_modes.aux_capture_only() is not None) == capture_only \
+            == (server_modes.capture_only_of_args(args) is not None), name
         ids = _capture_only_ids(args, NUM_LAYERS) if capture_only else layer_ids
         # Built here: 0.5.23's LogitsProcessor reads capture-only mode when built.
         ref, ours = _build(), _build()

@@ -1,5 +1,6 @@
 """What SGLang is running: its server arguments and the modes its model runner set
-up (DP attention, attention-TP width, token-scattered rows, two-batch overlap, ...),
+up (DP attention, attention-TP width, token-scattered rows, two-batch overlap, the
+hidden states returned with responses, capture-only mode, ...),
 whether it is capturing a CUDA graph or running its compiled layer loop now, and
 the server modes the fused capture refuses. Read through each line's own helpers
 (0.5.9 - 0.5.23); family-neutral."""
@@ -10,10 +11,11 @@ from typing import Optional
 import torch
 
 __all__ = ["allreduce_fusion_max_tokens", "attention_tp_gather", "attention_tp_size",
-           "aux_capture_only", "capturing_cuda_graph", "dp_attention_enabled",
-           "ffn_on_rank_rows", "flashinfer_allreduce_unavailable", "in_compiled_region",
-           "refuse_unsupported_modes", "return_hidden_states_mode", "rows_may_scatter",
-           "runtime_modes", "scattered_captures", "server_args", "UnsupportedServer"]
+           "aux_capture_only", "capture_only_of_args", "capturing_cuda_graph",
+           "dp_attention_enabled", "ffn_on_rank_rows", "flashinfer_allreduce_unavailable",
+           "in_compiled_region", "refuse_unsupported_modes", "return_hidden_states_mode",
+           "return_mode_of_args", "rows_may_scatter", "runtime_modes", "scattered_captures",
+           "server_args", "UnsupportedServer"]
 
 
 class UnsupportedServer(ValueError):
@@ -130,7 +132,13 @@ def return_hidden_states_mode(args=None) -> Optional[str]:
             name = None
         if name in _CAPTURE_HIDDEN_MODES:
             return _CAPTURE_HIDDEN_MODES[name]
-    args = server_args() if args is None else args
+    return return_mode_of_args(server_args() if args is None else args)
+
+
+def return_mode_of_args(args) -> Optional[str]:
+    """SGLang's rule on its (resolved) server arguments: ``handle_return_hidden_states_mode``
+    (0.5.20+; ``ServerArgs._handle_return_hidden_states_mode`` in 0.5.18), the flag alone
+    on 0.5.13."""
     mode = _resolved(args, "return_hidden_states_mode")
     if mode in ("last", "full"):
         return mode
@@ -156,7 +164,13 @@ def aux_capture_only(args=None) -> Optional[str]:
                 return features.aux_hidden_state_capture or None
         except Exception:  # noqa: BLE001 - nothing published in this process
             pass
-    args = server_args() if args is None else args
+    return capture_only_of_args(server_args() if args is None else args)
+
+
+def capture_only_of_args(args) -> Optional[str]:
+    """:func:`aux_capture_only` from the server arguments: the resolved
+    ``aux_hidden_state_capture``, else the raw flag with the convention its
+    ``--speculative-algorithm`` names (``handle_aux_hidden_state_capture``, 0.5.23)."""
     method = _resolved(args, "aux_hidden_state_capture")
     if method:
         return str(method).lower()

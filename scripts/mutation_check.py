@@ -623,6 +623,24 @@ MUTANTS = [
      "elif block_h >= 8192 or (block_h == 4096 and not allreduce):",
      "elif block_h >= 8192:",
      ["tests/test_kernel.py"]),
+
+    # The host-copy guard reads the server's effective return mode; capture-only mode
+    # (0.5.23) is no draft deployment.
+    ("return-mode guard reads the raw --enable-return-hidden-states only",
+     "eagle_capture/integrations/sglang/plugin.py",
+     "returned = server_modes.return_hidden_states_mode(args)",
+     'returned = "full" if getattr(args, "enable_return_hidden_states", False) else None',
+     ["tests/test_sglang_real.py::test_sglang_real[0.5.20-plugin_return_modes]",
+      "tests/test_sglang_real.py::test_sglang_real[0.5.23-plugin_return_modes]"]),
+    ("return-mode guard off in mode last", "eagle_capture/integrations/sglang/plugin.py",
+     "if returned is not None and state.packed_tensor:",
+     'if returned == "full" and state.packed_tensor:',
+     ["tests/test_sglang_real.py::test_sglang_real[0.5.20-plugin_return_modes]"]),
+    ("capture-only mode checked as a draft deployment",
+     "eagle_capture/integrations/sglang/plugin.py",
+     "capture_only = server_modes.aux_capture_only(args) is not None",
+     "capture_only = False",
+     ["tests/test_sglang_real.py::test_sglang_real[0.5.23-plugin_return_modes]"]),
 ]
 
 

@@ -35,7 +35,7 @@ SCENARIOS = ["same_as_sglang_fp32", "same_as_sglang_bf16", "same_as_sglang_bf16_
              # the SGLang plugin through each wheel's own load_plugins() and configure step
              "plugin_deepseek_v3", "plugin_kimi_k25", "plugin_families", "plugin_off_and_broken",
              "plugin_refuses_wrong_ids", "plugin_self_check", "plugin_overflow",
-             "plugin_server_args", "plugin_checks_every_target"]
+             "plugin_server_args", "plugin_return_modes", "plugin_checks_every_target"]
 
 # The other families' loops (tests/sglang_real/family_scenarios.py), in the same process.
 FAMILY_SCENARIOS = ["final_boundary", "switch_back", "fp8_input_quant", "refusals"] + [

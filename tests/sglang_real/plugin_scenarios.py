@@ -417,51 +417,249 @@ def plugin_overflow():
 
 def plugin_server_args():
     """What the plugin reads of this line's server: SGLang's own resolved limits
-    (the wheel's ServerArgs / runtime-context bags), and --enable-return-hidden-states
-    (0.5.18+ copies the returned hidden states on a side stream the next forward does
-    not wait for: the LogitsProcessor then gets a copy, not the persistent buffer)."""
+    (the wheel's ServerArgs / runtime-context bags), and with no hidden states
+    returned, the draft handed the persistent buffer itself (0.5.18+; no copy). The
+    return modes: plugin_return_modes."""
     skip = _skip_without_plugins()
     if skip:
         return skip
     from eagle_capture.integrations.sglang.server_modes import server_args
     from eagle_capture.integrations.sglang.sizing import read_limits
-    from tests.sglang_real.scenarios import _force_setattr
 
     args = server_args()
     limits = read_limits(args)
     assert limits.max_prefill_tokens == args.max_prefill_tokens == 16384, limits
 
-    def handed(model):
-        aux = harness.run(model, harness.make_batch(model, 5)).output.hidden_states
-        state = _state(model)
-        return state, (aux.untyped_storage().data_ptr()
-                       == state.buffer.aux.untyped_storage().data_ptr())
-
     plain = _build()
     with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
                         EAGLE_CAPTURE_MAX_TOKENS="16"):
         configure(plain)
-    state, shares = handed(plain)
+    aux = harness.run(plain, harness.make_batch(plain, 5)).output.hidden_states
+    state = _state(plain)
     # 0.5.18+ pass the packed view through to the draft (no copy); 0.5.13's
     # LogitsProcessor torch.cat's the one-element list (a copy).
-    assert shares == state.packed_tensor, (shares, state.packed_tensor)
-    model = _build()
-    old = args.enable_return_hidden_states
-    _force_setattr(args, "enable_return_hidden_states", True)
+    assert _shares_buffer(aux, state) == state.packed_tensor and not state.copy_out, \
+        (state.packed_tensor, state.copy_out)
+    return {"limits": str(limits)}
+
+
+# The server's hidden-state return modes (its command line, as ServerArgs fields):
+# (name, fields, the mode SGLang resolves, capture-only). A mode whose fields this
+# line does not have is reported as such.
+RETURN_MODES = (
+    ("off", {}, None, False),
+    ("legacy_flag", {"enable_return_hidden_states": True}, "full", False),
+    ("mode_full", {"return_hidden_states_mode": "full"}, "full", False),
+    ("mode_last", {"return_hidden_states_mode": "last"}, "last", False),
+    ("capture_only", {"enable_return_aux_hidden_states": True,
+                      "speculative_algorithm": "EAGLE3"}, "full", True),
+    ("capture_only_last", {"enable_return_aux_hidden_states": True,
+                           "speculative_algorithm": "EAGLE3",
+                           "return_hidden_states_mode": "last"}, "last", True),
+)
+
+
+def _server_fields() -> set:
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs
+    names = getattr(ServerArgs, "__struct_fields__", None)
+    return set(names) if names is not None else {f.name for f in dataclasses.fields(ServerArgs)}
+
+
+@contextlib.contextmanager
+def served_with(**fields):
+    """This process's SGLang published as a server started with ``fields`` (its command
+    line), resolved by SGLang's own code: 0.5.18+ ``ServerArgs`` resolution
+    (``__post_init__``; 0.5.20+ ``resolve_once``, which keeps the command line on the
+    record and the decisions in its declaration stash) and the runtime context's own
+    ``set_server_args`` (the bags SGLang's code reads), restored afterwards as
+    SGLang's ``override_server_args`` restores them; <= 0.5.13 the global the
+    scheduler sets (``set_global_server_args_for_scheduler``)."""
+    from sglang.srt import server_args as sa_module
+    args = sa_module.ServerArgs(model_path="dummy", device="cpu", **fields)
+    if hasattr(args, "resolve_once"):
+        args.resolve_once()
+    rc = importlib.util.find_spec("sglang.srt.runtime_context") and \
+        importlib.import_module("sglang.srt.runtime_context")
+    ctx = rc.get_context() if rc and hasattr(rc, "get_context") else None
+    if ctx is None or not hasattr(ctx, "set_server_args"):
+        previous = sa_module.get_global_server_args()
+        sa_module.set_global_server_args_for_scheduler(args)
+        try:
+            yield args
+        finally:
+            sa_module.set_global_server_args_for_scheduler(previous)
+        return
+    saved = {k: getattr(ctx, k) for k in ("_server_args", "_config_bags", "_overrides_log",
+                                          "_publish_role") if hasattr(ctx, k)}
+    parallel_config = ctx.parallel._config
+    compile_flag = ctx.flags.capture.enable_torch_compile
+    ctx.set_server_args(args)
     try:
-        with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
-                            EAGLE_CAPTURE_MAX_TOKENS="16"):
-            configure(model)
+        yield args
     finally:
-        _force_setattr(args, "enable_return_hidden_states", old)
-    state, shares = handed(model)
-    if state.packed_tensor:
-        assert state.copy_out and not shares, "the persistent buffer reached the host copy"
-        out = "a copy, not the buffer"
-    else:   # 0.5.13 copies to the host on the forward stream; its LogitsProcessor cats
-        assert not state.copy_out
-        out = "the LogitsProcessor's own copy (0.5.13: host copy on the forward stream)"
-    return {"limits": str(limits), "return_hidden_states": out}
+        for k, v in saved.items():
+            setattr(ctx, k, v)
+        ctx.parallel._config = parallel_config
+        ctx.flags.capture.enable_torch_compile = compile_flag
+
+
+def _capture_only_ids(args, num_layers: int):
+    """The ids 0.5.23's model runner hands its configure step in capture-only mode:
+    SGLang's own ``resolve_spec_aux_hidden_state_config`` (no draft, the published
+    ``--return-aux-hidden-state-layer-ids``), as ``ModelRunner.init_spec_aux_hidden_state``
+    calls it."""
+    from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import \
+        resolve_spec_aux_hidden_state_config
+    from sglang.srt.runtime_context import get_spec
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    model_config = types.SimpleNamespace(
+        hf_text_config=types.SimpleNamespace(num_hidden_layers=num_layers))
+    config = resolve_spec_aux_hidden_state_config(
+        server_args=args, model_config=model_config,
+        spec_algorithm=SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm),
+        is_draft_worker=False)
+    assert config.eagle_use_aux_hidden_state and config.draft_kv_num_layers is None, config
+    return config.eagle_aux_hidden_state_layer_ids
+
+
+def sglang_host_copy(out, num_rows: int):
+    """What SGLang's scheduler hands a response: its own ``GenerationBatchResult.copy_to_cpu``
+    (queued on a copy stream the next forward does not wait for, 0.5.18+) on this
+    forward's LogitsProcessorOutput, as for a batch whose requests asked for hidden
+    states. On CPU the device-to-host copy is the tensor itself (``_async_d2h`` /
+    ``async_d2h`` of a CPU tensor): the copy that has not run yet when the next forward
+    writes -- the race, made deterministic."""
+    from sglang.srt.managers.utils import GenerationBatchResult
+    result = GenerationBatchResult(logits_output=out,
+                                   next_token_ids=torch.zeros(num_rows, dtype=torch.int64))
+    result.copy_done = torch.get_device_module("cpu").Event()   # the scheduler's device_module.Event()
+    result.copy_to_cpu(return_logprob=False, return_hidden_states=True)
+    return out.hidden_states
+
+
+def _shares_buffer(tensor, state) -> bool:
+    return tensor.untyped_storage().data_ptr() == state.buffer.aux.untyped_storage().data_ptr()
+
+
+def plugin_return_modes():
+    """Each hidden-state return mode this line has (off; --enable-return-hidden-states;
+    --return-hidden-states-mode full / last; 0.5.23's capture-only
+    --enable-return-aux-hidden-states, its default mode full and with last), published
+    and resolved by SGLang's own code: the plugin reads the mode SGLang resolved, and
+    the hidden states SGLang's host copy reads are never the plugin's persistent
+    buffer -- after SGLang's own copy_to_cpu of a response's LogitsProcessorOutput,
+    the next forward (which overwrites the buffer) leaves them as they were, equal to
+    SGLang's own capture. Off: the draft still gets the buffer itself (no copy).
+    Capture-only (no draft): the ids SGLang's own resolver hands the configure step
+    (its defaults; [1, 3, 5] shifted; [0, 3, 5] with the embedding output) are served
+    as SGLang captures them, no start-up id check refusing a server without a draft."""
+    skip = _skip_without_plugins()
+    if skip:
+        return skip
+    fields = _server_fields()
+    out, failed = {}, []
+    for name, cli, mode, capture_only in RETURN_MODES:
+        if not set(cli) <= fields:
+            out[name] = f"not on SGLang {harness.sglang_version()}"
+            continue
+        # Capture-only: SGLang's defaults (no ids), ids shifted (ids[0] == 1) and the
+        # embedding output (0); a draft deployment: the draft's ids.
+        id_cases = ([None, [1, 3, 5], [0, 3, 5]] if name == "capture_only"
+                    else [None] if capture_only else [DRAFT_IDS])
+        out[name] = []
+        for layer_ids in id_cases:   # every case runs: a failure names each one
+            try:
+                out[name].append(_return_mode(name, cli, mode, capture_only, layer_ids))
+            except Exception as e:  # noqa: BLE001 - reported together below
+                failed.append(f"{name} (ids {layer_ids}): {type(e).__name__}: {e}")
+    if "enable_return_aux_hidden_states" in fields:
+        # Capture-only ids whose shift names a layer past the last one ([1, 3, 6] ->
+        # [2, 4, 7] of 7): no draft to protect, so no refusal -- SGLang's own capture
+        # stays (and fails its own first forward there), with one warning.
+        past_end = [1, 3, NUM_LAYERS - 1]
+        with served_with(enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+                         return_aux_hidden_state_layer_ids=past_end) as args:
+            model = _build()
+            with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture") as log:
+                configure(model, _capture_only_ids(args, NUM_LAYERS))
+            try:
+                harness.run(model, harness.make_batch(model, 5))
+                own = "no error"
+            except Exception as e:  # noqa: BLE001 - SGLang's own error is the expected outcome
+                own = f"{type(e).__name__}: {e}"
+        lm = harness.text_lm(model)
+        warned = log.text(logging.WARNING)
+        if hasattr(lm, "_eagle_capture") or "not installed (capture-only mode" not in warned \
+                or lm.model.layers_to_capture != [2, 4, NUM_LAYERS] or own == "no error":
+            failed.append(f"capture_only (ids {past_end}): installed, refused or served: "
+                          f"{lm.model.layers_to_capture} {own} {log.text()}")
+        out["capture_only_past_the_last_layer"] = {"plugin": warned.splitlines()[:1],
+                                                   "SGLang's first forward": own}
+    assert not failed, "\n".join(failed)
+    return out
+
+
+def _return_mode(name, cli, mode, capture_only, layer_ids) -> str:
+    """One server of RETURN_MODES (``layer_ids``: the draft's, or capture-only's
+    --return-aux-hidden-state-layer-ids): what plugin_return_modes checks."""
+    from eagle_capture.integrations.sglang import server_modes
+    extra = {} if layer_ids is None or not capture_only else \
+        {"return_aux_hidden_state_layer_ids": layer_ids}
+    with served_with(**cli, **extra) as args:
+        # What SGLang's runtime says, and SGLang's rule on the published record (what
+        # the plugin reads where no runtime context answers).
+        assert server_modes.return_hidden_states_mode() == mode \
+            == server_modes.return_mode_of_args(args), \
+            (name, server_modes.return_hidden_states_mode(),
+             server_modes.return_mode_of_args(args), mode)
+        assert (server_modes.aux_capture_only() is not None) == capture_only \
+            == (server_modes.capture_only_of_args(args) is not None), name
+        ids = _capture_only_ids(args, NUM_LAYERS) if capture_only else layer_ids
+        # Built here: 0.5.23's LogitsProcessor reads capture-only mode when built.
+        ref, ours = _build(), _build()
+        with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
+                            EAGLE_CAPTURE_MAX_TOKENS="16") as log:
+            configure(ours, ids)
+        configure(ref, ids)
+        state = _state(ours)
+        assert state.layer_ids == sorted(harness.text_lm(ref).model.layers_to_capture)
+        # The target's forwards: FULL (EAGLE-3 extend / verify; capture-only in
+        # mode full); capture-only in mode last: LAST, whose decodes pass the
+        # packed aux through as it is.
+        batch_mode, capture, rows = (("decode", "last", 3) if mode == "last"
+                                     and capture_only else ("extend", "full", 5))
+
+        def forward(model, seed):
+            return harness.run(model, harness.make_batch(model, rows, batch_mode,
+                                                         seed=seed, capture=capture)).output
+        first, first_ref = forward(ours, 1), forward(ref, 1)
+        assert torch.equal(first.hidden_states, first_ref.hidden_states), \
+            f"{name} ids {ids}: not what SGLang's own capture returns"
+        if mode is None:
+            # No request may ask for hidden states: no host copy of them, and
+            # the draft reads the buffer itself (0.5.18+), no copy made.
+            assert not state.copy_out, f"{name}: a copy per forward for nothing"
+            assert _shares_buffer(first.hidden_states, state) == state.packed_tensor
+            return ("no copy (the draft reads the buffer)" if state.packed_tensor
+                    else "no copy of ours (0.5.13's LogitsProcessor torch.cat's)")
+        host = sglang_host_copy(first, rows)
+        kept = host.clone()
+        forward(ours, 2)     # overwrites the persistent buffer's rows
+        assert torch.equal(host, kept), (
+            f"{name}: the hidden states SGLang's asynchronous host copy reads were "
+            f"overwritten by the next forward (the plugin handed it its persistent "
+            f"buffer; mode {mode})")
+        assert not _shares_buffer(host, state), f"{name}: the buffer reached the host copy"
+        assert state.copy_out == state.packed_tensor, (name, state.copy_out)
+        text = log.text(logging.INFO)
+        assert "fused EAGLE-3 capture ON" in text, text
+        if capture_only:
+            assert "capture-only mode" in text and "PROBLEM" not in log.text(), text
+        return (f"ids {ids} -> layers {state.layer_ids}: "
+                + ("a copy per forward" if state.copy_out
+                   else "the LogitsProcessor's own copy (0.5.13: torch.cat)"))
 
 
 # The start-up id check on other EAGLE-3 targets: (architecture, model file) whose
@@ -601,5 +799,6 @@ SCENARIOS = {
     "plugin_self_check": plugin_self_check,
     "plugin_overflow": plugin_overflow,
     "plugin_server_args": plugin_server_args,
+    "plugin_return_modes": plugin_return_modes,
     "plugin_checks_every_target": plugin_checks_every_target,
 }

@@ -41,6 +41,14 @@ captured layer's deferred all-reduce into its input norm, the drop-in runs it
 (the one kernel on SGLang's TP group or SGLang's all-reduce + the fused op, per T
 from ``EAGLE_CAPTURE_ALLREDUCE_TABLE``): :mod:`eagle_capture.integrations.sglang.allreduce`.
 
+Responses with hidden states (any return mode SGLang resolves: ``--enable-return-hidden-states``,
+``--return-hidden-states-mode last|full``, 0.5.23's capture-only
+``--enable-return-aux-hidden-states``): SGLang copies them to the host asynchronously, so the
+LogitsProcessor gets a copy of the captures each forward, never the buffer
+(:func:`eagle_capture.integrations.sglang.server_modes.return_hidden_states_mode`). Capture-only
+mode loads no draft: the fused capture installs on the layers SGLang set (the embedding output
+included) without the draft's checks.
+
 ``EAGLE_CAPTURE_VERIFY=N``: the first N eager forwards also run SGLang's own norm
 on copies and compare (captures bit-exact, normed output within rounding), check
 that every TP rank holds the same captures, log a line per forward, and switch
@@ -176,23 +184,39 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     args = server_args if server_args is not None else server_modes.server_args()
     version = _sglang_version()
     layers = list(causal_lm.model.layers_to_capture)
+    # 0.5.23's --enable-return-aux-hidden-states: the target captures for its
+    # responses and no draft is loaded, so there is no training to check the
+    # layers against: they are the ones the user named (the embedding output,
+    # layer 0, included), as SGLang set them.
+    capture_only = server_modes.aux_capture_only(args) is not None
 
     problems = []
     if family is not None:
         end = getattr(causal_lm.model, "end_layer", num_layers)
         try:
             dropin.check_capture_layers(
-                layers, getattr(causal_lm.model, "start_layer", 0), end, allow_embedding=False,
+                layers, getattr(causal_lm.model, "start_layer", 0), end,
+                allow_embedding=capture_only,
                 final_boundary=family.captures_final_boundary(dropin.sglang_version())
                 and end == len(causal_lm.model.layers))
         except dropin.WrongCaptureLayers as e:
+            if capture_only:   # nothing to protect: SGLang's own capture answers for it
+                logger.warning("eagle_capture: not installed (capture-only mode, no draft), "
+                               "SGLang's own capture stays: %s",
+                               str(e).replace("eagle_capture: ", "", 1))
+                return None
             problems.append(str(e).replace("eagle_capture: ", "", 1))
-    draft_config = read_draft_config(args)
-    if family is not None:
-        problems += draft_config_problems(draft_config, layers, hidden)
-    if not problems:   # (a structural problem above already says what is wrong)
-        problems += id_problems(layers, num_layers, draft_config, draft_ids,
-                                type(model).__name__, version, env)
+    if capture_only:
+        logger.info("eagle_capture: capture-only mode (--enable-return-aux-hidden-states, no "
+                    "draft): SGLang set layers %s for ids %s; no draft to check them against",
+                    sorted(layers), None if draft_ids is None else list(draft_ids))
+    else:
+        draft_config = read_draft_config(args)
+        if family is not None:
+            problems += draft_config_problems(draft_config, layers, hidden)
+        if not problems:   # (a structural problem above already says what is wrong)
+            problems += id_problems(layers, num_layers, draft_config, draft_ids,
+                                    type(model).__name__, version, env)
 
     if problems and policy == "refuse":
         raise dropin.WrongCaptureLayers(
@@ -224,6 +248,7 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     one_kernel = fused_allreduce(env)
     try:
         buffer = dropin.install_eagle3_capture(model, sizing.max_tokens,
+                                               allow_embedding=capture_only,
                                                residual_in_slot=in_slot == "1",
                                                fused_allreduce=one_kernel)
     except dropin.WrongCaptureLayers:
@@ -237,10 +262,14 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
         return None
     state = causal_lm._eagle_capture
     _setup_verify(state, env)
-    if getattr(args, "enable_return_hidden_states", False) and state.packed_tensor:
-        # 0.5.18+: returned hidden states are copied to the host on a side stream
-        # the next forward does not wait for; a persistent buffer would be
-        # overwritten under that copy. Hand SGLang a copy instead (one per forward).
+    returned = server_modes.return_hidden_states_mode(args)
+    if returned is not None and state.packed_tensor:
+        # 0.5.18+: a response's hidden states are the LogitsProcessor output's (the
+        # packed aux, all rows, in the target's FULL forwards; the view itself in
+        # LAST-mode decodes), copied to the host on a side stream the next forward
+        # does not wait for: the persistent buffer would be overwritten under that
+        # copy. Hand SGLang a copy instead (one per forward) whenever a request may
+        # ask for them ("last" or "full").
         state.copy_out = True
     nbytes = buffer.aux.numel() * buffer.aux.element_size()
     logger.info(
@@ -254,6 +283,11 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
         sizing.reason, _capture_path(state),
         f"; self-check of the first {state.verify_total} eager forwards"
         if state.verify_total else "")
+    if state.copy_out:
+        logger.info("eagle_capture: responses may return hidden states (mode %s%s): the "
+                    "LogitsProcessor gets a copy of the captures each forward, not the "
+                    "buffer SGLang's asynchronous host copy would read", returned,
+                    ", capture-only" if capture_only else "")
     return buffer
 
 

@@ -1,5 +1,6 @@
 """What SGLang is running: its server arguments and the modes its model runner set
-up (DP attention, attention-TP width, token-scattered rows, two-batch overlap, ...),
+up (DP attention, attention-TP width, token-scattered rows, two-batch overlap, the
+hidden states returned with responses, capture-only mode, ...),
 whether it is capturing a CUDA graph or running its compiled layer loop now, and
 the server modes the fused capture refuses. Read through each line's own helpers
 (0.5.9 - 0.5.23); family-neutral."""
@@ -10,10 +11,11 @@ from typing import Optional
 import torch
 
 __all__ = ["allreduce_fusion_max_tokens", "attention_tp_gather", "attention_tp_size",
-           "capturing_cuda_graph", "dp_attention_enabled", "ffn_on_rank_rows",
-           "flashinfer_allreduce_unavailable", "in_compiled_region",
-           "refuse_unsupported_modes", "rows_may_scatter", "runtime_modes",
-           "scattered_captures", "server_args", "UnsupportedServer"]
+           "aux_capture_only", "capture_only_of_args", "capturing_cuda_graph",
+           "dp_attention_enabled", "ffn_on_rank_rows", "flashinfer_allreduce_unavailable",
+           "in_compiled_region", "refuse_unsupported_modes", "return_hidden_states_mode",
+           "return_mode_of_args", "rows_may_scatter", "runtime_modes", "scattered_captures",
+           "server_args", "UnsupportedServer"]
 
 
 class UnsupportedServer(ValueError):
@@ -83,6 +85,97 @@ def server_args():
             continue
         if args is not None:
             return args
+    return None
+
+
+def _resolved(args, name: str, default=None):
+    """``name`` as SGLang resolved it on the ``args`` record: 0.5.20+ keep the
+    command line on the record and the resolution in its declaration stash
+    (``arg_groups.overrides.resolution_result``); earlier lines resolve the
+    record's own fields in place."""
+    if args is None:
+        return default
+    overrides = sys.modules.get("sglang.srt.arg_groups.overrides")
+    resolution_result = getattr(overrides, "resolution_result", None)
+    if resolution_result is not None:
+        try:
+            value = resolution_result(args, name, default)
+            return default if value is None else value
+        except Exception:  # noqa: BLE001 - a record this line's resolver cannot read
+            pass
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+_CAPTURE_HIDDEN_MODES = {"NULL": None, "LAST": "last", "FULL": "full"}
+
+
+def return_hidden_states_mode(args=None) -> Optional[str]:
+    """The most hidden states this server hands back with a response: None, "last"
+    or "full" -- what SGLang itself decides it is, on every line:
+
+    * 0.5.18+: its own ``forward_batch_info.get_server_return_hidden_states_mode()``
+      (the published ``get_exec().features``), when this process has them;
+    * else its rule on the server arguments (``--return-hidden-states-mode``; unset,
+      ``--enable-return-hidden-states`` or 0.5.23's ``--enable-return-aux-hidden-states``
+      make it "full"), read resolved (``_resolved``). 0.5.13 has only the flag.
+
+    From 0.5.20 the record's raw ``enable_return_hidden_states`` stays False under
+    ``--return-hidden-states-mode full|last`` and under capture-only mode: it is not
+    the answer."""
+    fbi = sys.modules.get("sglang.srt.model_executor.forward_batch_info")
+    runtime = getattr(fbi, "get_server_return_hidden_states_mode", None)
+    if runtime is not None:
+        try:
+            name = getattr(runtime(), "name", None)
+        except Exception:  # noqa: BLE001 - nothing published in this process
+            name = None
+        if name in _CAPTURE_HIDDEN_MODES:
+            return _CAPTURE_HIDDEN_MODES[name]
+    return return_mode_of_args(server_args() if args is None else args)
+
+
+def return_mode_of_args(args) -> Optional[str]:
+    """SGLang's rule on its (resolved) server arguments: ``handle_return_hidden_states_mode``
+    (0.5.20+; ``ServerArgs._handle_return_hidden_states_mode`` in 0.5.18), the flag alone
+    on 0.5.13."""
+    mode = _resolved(args, "return_hidden_states_mode")
+    if mode in ("last", "full"):
+        return mode
+    if _resolved(args, "enable_return_hidden_states", False) \
+            or _resolved(args, "enable_return_aux_hidden_states", False):
+        return "full"
+    return None
+
+
+def aux_capture_only(args=None) -> Optional[str]:
+    """The capture convention ("eagle3", "dflash", "dspark") when the server captures
+    aux hidden states for its responses WITHOUT a draft (0.5.23's
+    ``--enable-return-aux-hidden-states``: ``--speculative-algorithm`` then only
+    names the convention and is resolved to None); None otherwise. Read where
+    SGLang's model runner reads it (``get_exec().features.aux_hidden_state_capture``),
+    else from the resolved arguments."""
+    rc = sys.modules.get("sglang.srt.runtime_context")
+    get_exec = getattr(rc, "get_exec", None)
+    if get_exec is not None:
+        try:
+            features = get_exec().features
+            if "aux_hidden_state_capture" in features:
+                return features.aux_hidden_state_capture or None
+        except Exception:  # noqa: BLE001 - nothing published in this process
+            pass
+    return capture_only_of_args(server_args() if args is None else args)
+
+
+def capture_only_of_args(args) -> Optional[str]:
+    """:func:`aux_capture_only` from the server arguments: the resolved
+    ``aux_hidden_state_capture``, else the raw flag with the convention its
+    ``--speculative-algorithm`` names (``handle_aux_hidden_state_capture``, 0.5.23)."""
+    method = _resolved(args, "aux_hidden_state_capture")
+    if method:
+        return str(method).lower()
+    if _resolved(args, "enable_return_aux_hidden_states", False):
+        return str(getattr(args, "speculative_algorithm", None) or "eagle3").lower()
     return None
 
 

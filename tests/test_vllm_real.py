@@ -47,7 +47,8 @@ NEW_LAYOUT_TARGETS = {"0.34.0": {"DeepseekV32ForCausalLM", "DeepseekV4ForCausalL
                                  "KimiK31ForConditionalGeneration"}}
 # scenarios.py's DeepSeek-V3 scenarios the other lines run (DeepseekV2 family).
 LINE_SCENARIOS = ("plugin_registry", "same_as_vllm_fp32", "same_as_vllm_bf16", "refusals",
-                  "self_check", "overflow", "compiled", "id_check", "norm_provider")
+                  "self_check", "overflow", "compiled", "id_check", "norm_provider",
+                  "runner_install")
 
 pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1",
                                 reason="EAGLE_CAPTURE_SKIP_VLLM_REAL=1")
@@ -447,6 +448,19 @@ def test_id_check_on_every_eagle3_target(engine_jobs, version):
     assert cases["modelopt"]["status"] == "set"
     assert any("AMBIGUOUS" in m and "EAGLE_CAPTURE_ID_CONVENTION" in m
                for m in cases["modelopt"]["log"]), cases["modelopt"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_installed_by_vllms_own_capture_call(engine_jobs, version):
+    """vLLM's runner's own set_eagle3_aux_hidden_state_layers (0.34: with use_pp) on the
+    plugin's model: the ids it reads from the draft's config are installed, and what
+    the draft receives equals vLLM's own model under the same call."""
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "runner_install")
+    assert r["installed"] and r["layers"] == r["vllm_layers"] == [1, 4, 8], r
+    assert ("use_pp" in r["parameters"]) == (version != VLLM_VERSION), r["parameters"]
+    for run in r["runs"]:
+        assert run["count"] == [3, 3] and run["equal"] and run["hidden_equal"], run
+        assert run["views_of_buffer"], run
 
 
 def _family_case_ok(case, ids):

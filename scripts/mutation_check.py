@@ -594,6 +594,10 @@ MUTANTS = [
      'return module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"',
      'return f"vllm.model_executor.models.{module}"',
      ["tests/test_vllm_real.py::test_id_check_on_every_eagle3_target"]),
+    ("vLLM engine driver: sets the V1 switch on vLLM 0.34", "benchmarks/vllm_engine.py",
+     "    if has_v1_runner():   # the switch exists only where V1 does (0.34: a set 0 aborts)",
+     "    if True:",
+     ["tests/test_vllm_real.py::test_engine_driver_follows_each_lines_model_runners"]),
 ]
 
 

@@ -238,7 +238,8 @@ RUN_OF = {"test_tensor_parallel_2_on_gloo": "vllm tp2",
           "test_family_pipeline_rules": "vllm families",
           "test_vllm_engine_with_eagle3_draft": "vllm engine",
           "test_plugin_off_and_filtered": "vllm plugin off",
-          "test_acceptance_in_vllms_engine": ("vllm engine", "vllm acceptance off")}
+          "test_acceptance_in_vllms_engine": ("vllm engine", "vllm acceptance off"),
+          "test_engine_driver_follows_each_lines_model_runners": ()}   # no engine run
 
 
 def _line_job(base: Path, jobs, key: str, version: str) -> Job:
@@ -270,6 +271,8 @@ def engine_jobs(item, base: Path, jobs) -> list:
     if os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1":
         return []
     keys = RUN_OF.get(item.originalname, "vllm scenarios")
+    if keys == ():
+        return []
     if _version(item) != VLLM_VERSION:
         return [_line_job(base, jobs, keys, _version(item))]
     needs = vllm_needs(VLLM_VERSION) + (
@@ -685,3 +688,38 @@ def test_acceptance_in_vllms_engine(engine_jobs, tmp_path):
         # Exact on the recorded run (392/1605 and 502/1496); a near-tie may flip a token.
         assert abs(drafts - got["drafts"]) <= 0.005 * got["drafts"], (name, drafts, got)
         assert abs(accepted - got["accepted"]) <= 0.005 * got["drafts"], (name, accepted, got)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_engine_driver_follows_each_lines_model_runners(version, tmp_path):
+    """benchmarks/vllm_engine.py (the GPU engine runs) with each line's vLLM on the path:
+    0.32 switches the runner per child; 0.34, which aborts on VLLM_USE_V2_MODEL_RUNNER=0,
+    gets no switch, and the steps that need V1 refuse in one line, exit 2."""
+    import sys
+
+    unbuilt = _unbuilt(version)
+    if unbuilt:
+        pytest.skip(unbuilt["skip"])
+    env = dict(BASE_ENV, PYTHONPATH=os.pathsep.join([vllm_overlay(version), str(ROOT)]))
+    env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+
+    def run(*args):
+        return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+
+    probe = run("-c", "import json, sys; sys.path.insert(0, 'benchmarks'); "
+                      "import vllm_engine as v; "
+                      "print(json.dumps([v.vllm_version(), v.has_v1_runner()] + [v._child_env("
+                      "{'plugin': 'on', 'runner': r, 'work': 'w'}).get('VLLM_USE_V2_MODEL_RUNNER')"
+                      " for r in ('v1', 'v2')]))")
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    line = json.loads(probe.stdout.strip().splitlines()[-1])
+    if version == VLLM_VERSION:
+        assert line == [version, True, "0", "1"], line
+        return
+    assert line == [version, False, None, None], line
+    for args in (["speed"], ["accept", "--runner", "v1"]):
+        out = run("benchmarks/vllm_engine.py", *args, "--out", str(tmp_path / args[0]))
+        assert out.returncode == 2, (args, out.stdout[-500:], out.stderr[-1500:])
+        assert out.stderr.count("\n") == 1 and "has no V1 model runner" in out.stderr, out.stderr
+        assert not (tmp_path / args[0]).exists()    # refused before anything ran

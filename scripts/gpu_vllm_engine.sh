@@ -1,23 +1,53 @@
 #!/usr/bin/env bash
-# On the H200 (no network): vLLM 0.32.0's real CUDA engine with the eagle-capture plugin,
-# from scripts/make_vllm_engine_bundle.sh's folders (carry [".vllm_engine", ".whl"]).
-#   bash scripts/gpu_vllm_engine.sh smoke accept speed    # any of the three, in that order
-# Installs once per machine (marker in /tmp/vllm_site), then runs
-# benchmarks/vllm_engine.py; results and log lines land in $OUT.
+# On the H200 (no network): vLLM's real CUDA engine with the eagle-capture plugin, from
+# scripts/make_vllm_engine_bundle.sh's folders (carry [".vllm_engine", ".whl"]).
+#   bash scripts/gpu_vllm_engine.sh [--vllm VERSION] smoke accept speed   # steps, in order
+# VERSION (default 0.32.0) must be the bundle's (.vllm_engine/VERSION; 0.32.0 if absent).
+# vLLM 0.34 has the V2 model runner only: accept runs V2, speed refuses (vllm_engine.py).
+# Installs once per machine and version (/tmp/vllm_site, /tmp/vllm_site-VERSION for another
+# version than 0.32.0), each part when it is
+# there: a bundle over one call's carry limit (0.34.0's) travels in two calls to the same
+# warm machine, [".vllm_engine"] with no step, then [".whl"] with the steps.
+# Runs benchmarks/vllm_engine.py; results and log lines land in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; SITE=/tmp/vllm_site; mkdir -p "$OUT" "$SITE"
-if [ ! -f "$SITE/.ok" ]; then
+VER=0.32.0
+if [ "${1:-}" = "--vllm" ]; then VER=${2:?--vllm needs a version}; shift 2; fi
+# 0.32.0 keeps its site folder of before (commands name PYTHONPATH=/tmp/vllm_site).
+SITE=/tmp/vllm_site; [ "$VER" = 0.32.0 ] || SITE=/tmp/vllm_site-$VER
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$SITE"
+if ls .vllm_engine/*.tar.xz >/dev/null 2>&1; then
+    BUNDLE=$(cat .vllm_engine/VERSION 2>/dev/null || echo 0.32.0)
+    if [ "$BUNDLE" != "$VER" ]; then
+        echo "gpu_vllm_engine: the bundle in .vllm_engine is vLLM $BUNDLE, not $VER" \
+             "(bash scripts/make_vllm_engine_bundle.sh $VER)"; exit 2
+    fi
+    if [ ! -f "$SITE/.engine_ok" ]; then
+        for t in .vllm_engine/*.tar.xz; do
+            tar -xJf "$t" -C "$SITE" || { echo "gpu_vllm_engine: $t did not unpack"; exit 2; }
+        done
+        touch "$SITE/.engine_ok"
+    fi
+fi
+if [ ! -f "$SITE/.whl_ok" ] && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" .whl/*.whl || { echo "gpu_vllm_engine: wheels did not install"; exit 2; }
-    for t in .vllm_engine/*.tar.xz; do
-        tar -xJf "$t" -C "$SITE" || { echo "gpu_vllm_engine: $t did not unpack"; exit 2; }
-    done
+    touch "$SITE/.whl_ok"
+fi
+missing=""
+[ -f "$SITE/.engine_ok" ] || missing="$missing .vllm_engine"
+[ -f "$SITE/.whl_ok" ] || missing="$missing .whl"
+if [ -n "$missing" ]; then
+    echo "gpu_vllm_engine: vLLM $VER not installed yet on this machine: carry$missing"
+    [ $# = 0 ] && exit 0 || exit 2
+fi
+if [ ! -f "$SITE/.ok" ]; then
     # The plugin's entry point (vllm.general_plugins) comes from the package's metadata.
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null \
         || { echo "gpu_vllm_engine: the package did not install"; exit 2; }
     touch "$SITE/.ok"
 fi
+echo "gpu_vllm_engine: vLLM $VER installed in $SITE"
 # vLLM's FlashInfer sampler is not carried (the torch sampler serves greedy decoding).
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 rc=0
@@ -25,7 +55,7 @@ for step in "$@"; do
     # ACCEPT_ARGS / SPEED_ARGS: more options of that step (benchmarks/vllm_engine.py STEP --help)
     var=${step^^}_ARGS
     python3 benchmarks/vllm_engine.py "$step" --out "$OUT" ${!var:-} 2>&1 | tee "$OUT/$step.console" \
-        | grep -E "^(SMOKE|ACCEPT|SPEED|accept_|speed_)|Error|error:" | cut -c1-400
+        | grep -E "^(SMOKE|ACCEPT|SPEED|accept_|speed_)|Error|error:|vllm_engine.py" | cut -c1-400
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 done
 exit $rc

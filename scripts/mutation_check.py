@@ -641,6 +641,23 @@ MUTANTS = [
      "capture_only = server_modes.aux_capture_only(args) is not None",
      "capture_only = False",
      ["tests/test_sglang_real.py::test_sglang_real[0.5.23-plugin_return_modes]"]),
+
+    # vLLM 0.34: registry entries with a full module name (vllm.models.<name>), the CPU
+    # run of its CUDA wheel (tests/test_vllm_real.py's 0.34.0 cases).
+    ("vLLM plugin: only vllm/model_executor/models entries are vLLM's own",
+     "eagle_capture/integrations/vllm/plugin.py",
+     'return getattr(entry, "module_name", "").startswith("vllm.")',
+     'return getattr(entry, "module_name", "").startswith("vllm.model_executor.models.")',
+     ["tests/test_vllm_real.py::test_id_check_on_every_eagle3_target"]),
+    ("vLLM plugin: registry modules always under vllm.model_executor.models",
+     "eagle_capture/integrations/vllm/plugin.py",
+     'return module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"',
+     'return f"vllm.model_executor.models.{module}"',
+     ["tests/test_vllm_real.py::test_id_check_on_every_eagle3_target"]),
+    ("vLLM engine driver: sets the V1 switch on vLLM 0.34", "benchmarks/vllm_engine.py",
+     "    if has_v1_runner():   # the switch exists only where V1 does (0.34: a set 0 aborts)",
+     "    if True:",
+     ["tests/test_vllm_real.py::test_engine_driver_follows_each_lines_model_runners"]),
 ]
 
 

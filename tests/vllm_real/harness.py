@@ -18,6 +18,8 @@ import socket
 
 import torch
 
+from tests.vllm_real import cuda_wheel
+
 HIDDEN = 64
 NUM_LAYERS = 8          # vLLM's default ids (2, 4, 5): distinct
 VOCAB = 128
@@ -57,11 +59,14 @@ def write_checkpoint(folder: str, dtype: str = "float32", seed: int = 0,
                      num_layers: int = NUM_LAYERS, dense: bool = False) -> str:
     """A random DeepSeek-V3 checkpoint (transformers' own class, safetensors),
     norm weights spread away from 1 so that a wrong weight shows. ``dense``: no
-    MoE layer (a bf16 rounding difference can flip a token's expert choice)."""
+    MoE layer (a bf16 rounding difference can flip a token's expert choice); always
+    on vLLM's CUDA wheel, whose CPU experts are absent (cuda_wheel.cpu_load): every
+    layer then runs vLLM's dense DeepseekV2MLP."""
     import transformers
 
     from eagle_capture.testing.models import tiny_deepseek_v3_config
 
+    dense = dense or cuda_wheel.is_cuda_wheel()
     os.makedirs(folder, exist_ok=True)
     if os.path.exists(os.path.join(folder, "model.safetensors")):
         return folder
@@ -134,7 +139,8 @@ def engine_config(checkpoint: str, dtype: str = "float32", tp: int = 1, compiled
         kwargs["speculative_config"] = {"method": "eagle3", "model": draft,
                                         "num_speculative_tokens": 2,
                                         **attention_backend(draft)}
-    return EngineArgs(**kwargs).create_engine_config()
+    with cuda_wheel.cpu_config():
+        return EngineArgs(**kwargs).create_engine_config()
 
 
 _DIST = {}
@@ -161,9 +167,15 @@ def init_distributed(vllm_config, world_size: int = 1, rank: int = 0,
         initialize_model_parallel(world_size, 1)
     vllm_config.kernel_config.ir_op_priority.set_default()
     if not _on_gpu(vllm_config):
-        # vLLM's CPU model runner does this before it loads a model (no accelerator).
-        from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
-        _set_torch_accelerator_to_noop()
+        # vLLM's CPU model runner does this before it loads a model (no accelerator):
+        # a function of its V1 runner up to 0.33, done at the import of the CPU
+        # runner's shm module from 0.34 (the V1 runner is gone).
+        try:
+            from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+        except ImportError:
+            import vllm.v1.worker.cpu.shm  # noqa: F401
+        else:
+            _set_torch_accelerator_to_noop()
     _DIST["up"] = True
 
 
@@ -182,10 +194,11 @@ def load(vllm_config, model_class=None):
 
     with set_current_vllm_config(vllm_config):
         if model_class is None:
-            return get_model(vllm_config=vllm_config)
+            with cuda_wheel.cpu_load():
+                return get_model(vllm_config=vllm_config)
         model_config = vllm_config.model_config
         device = torch.device(vllm_config.device_config.device)
-        with set_default_torch_dtype(model_config.dtype), device:
+        with set_default_torch_dtype(model_config.dtype), device, cuda_wheel.cpu_load():
             model = initialize_model(vllm_config=vllm_config, model_class=model_class)
             get_model_loader(vllm_config.load_config).load_weights(model, model_config)
             process_weights_after_loading(model, model_config, device)

@@ -536,11 +536,12 @@ def id_check():
         if cls is None:
             resolved[arch] = "not importable on this machine"
             continue
-        base = cls.__mro__[2]
-        resolved[arch] = {"ours": cls.__module__ == checked.__name__, "name": cls.__name__,
+        ours = cls.__module__ == checked.__name__
+        base = cls.__mro__[2] if ours else cls   # ours: (ours, _IdCheck, vLLM's class, ...)
+        resolved[arch] = {"ours": ours, "name": cls.__name__,
                           "base": f"{base.__module__}.{base.__name__}",
                           "subclass_of_vllms": issubclass(cls, base) and
-                          base.__module__.startswith("vllm.model_executor.models."),
+                          base.__module__.startswith("vllm."),
                           "eagle3": bool(supports_eagle3(cls))}
 
     def write(config):
@@ -684,9 +685,47 @@ def norm_provider():
     return {"native": list(native), "vllm_c": list(kernel)}
 
 
+def runner_install():
+    """vLLM's own capture call -- what its (V2) model runner's ``load_model`` runs:
+    ``set_eagle3_aux_hidden_state_layers(model, speculative_config[, use_pp])``, which
+    checks the EAGLE-3 interface, reads the ids from the draft's config and sets them
+    -- on the plugin's model and on vLLM's own: the ids installed, what the draft
+    receives and the output equal."""
+    import inspect
+
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+        set_eagle3_aux_hidden_state_layers)
+
+    folder = h.write_draft_config(os.path.join(WORK, "draft_runner"), num_aux=3)
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 4, 8]   # the key both runners read
+    with open(path, "w") as f:
+        json.dump(config, f)
+    ref, ours = _pair(draft=folder)
+    params = list(inspect.signature(set_eagle3_aux_hidden_state_layers).parameters)
+    kwargs = {"use_pp": False} if "use_pp" in params else {}
+    for model, vc in (ref, ours):
+        with set_current_vllm_config(vc):
+            set_eagle3_aux_hidden_state_layers(model, vc.speculative_config, **kwargs)
+    state = ours[0]._eagle_capture
+    runs = []
+    for n in (1, 7):
+        r, o = _run_both(ref, ours, n)
+        runs.append({"count": [len(r[1]), len(o[1])], "hidden_equal": torch.equal(r[0], o[0]),
+                     "equal": all(torch.equal(a, b) for a, b in zip(r[1], o[1])),
+                     "views_of_buffer": state is not None and all(
+                         h.in_buffer(b, state.buffer) for b in o[1])})
+    return {"parameters": params, "installed": state is not None,
+            "layers": list(state.buffer.layer_ids) if state else None,
+            "vllm_layers": list(ref[0].model.aux_hidden_state_layers), "runs": runs}
+
+
 SCENARIOS = {f.__name__: f for f in (plugin_registry, same_as_vllm_fp32, same_as_vllm_bf16,
                                      refusals, self_check, overflow, compiled, doctor_rules,
-                                     id_check, model_rules, norm_provider)}
+                                     id_check, model_rules, norm_provider, runner_install)}
 
 
 def _family(fn, *args):

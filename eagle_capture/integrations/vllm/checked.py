@@ -20,7 +20,7 @@ import importlib
 import os
 
 from eagle_capture.integrations import settings
-from eagle_capture.integrations.vllm.plugin import CHECKED_ARCHITECTURES, log as _log
+from eagle_capture.integrations.vllm.plugin import CHECKED_ARCHITECTURES, log as _log, vllm_module
 
 __all__ = ["check_draft_ids", "vllm_class", "WrongCaptureLayers"]
 
@@ -113,7 +113,7 @@ def vllm_class(name: str) -> type:
     """vLLM's own class for architecture (or class) ``name``, from its registry table
     (imports only that model's module)."""
     module, cls_name = _vllm_entry(name)
-    return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), cls_name)
+    return getattr(importlib.import_module(vllm_module(module)), cls_name)
 
 
 def __getattr__(name: str) -> type:

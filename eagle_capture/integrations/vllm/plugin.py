@@ -24,9 +24,9 @@ draft are loaded, before the first forward -- hence before vLLM's torch.compile
 traces the model (it compiles lazily, at the profile run) and before any CUDA
 graph is captured. A model without EAGLE-3 is never asked and runs as vLLM's own.
 vLLM's other EAGLE-3 targets (``CHECKED_ARCHITECTURES``: Qwen3-Next, Phi-3, Gemma 4,
-Llama 4, the Qwen VL models) are re-registered as check-only classes
-(:mod:`eagle_capture.integrations.vllm.checked`): the same start-up id check, vLLM's
-own capture.
+Llama 4, the Qwen VL models; from vLLM 0.34 DeepSeek-V3.2 / V4 / V4.1 and Kimi-K3) are
+re-registered as check-only classes (:mod:`eagle_capture.integrations.vllm.checked`): the
+same start-up id check, vLLM's own capture.
 
 ``EAGLE_CAPTURE_ON_PROBLEM=refuse`` (default): ids vLLM's own capture would get
 wrong stop the server at start-up with the reason; ``install``: logged as an
@@ -65,15 +65,26 @@ ARCHITECTURES = {
        for arch in family.architectures},
 }
 
-# vLLM's other EAGLE-3 targets (classes with SupportsEagle3 in vllm 0.32 not in a family):
+# vLLM's other EAGLE-3 targets (classes with SupportsEagle3 in vllm 0.32 not in a family;
+# then 0.34's DeepSeek and Kimi targets, which live in its vllm.models.<name> packages):
 # the start-up id check only (eagle_capture.integrations.vllm.checked), vLLM's own capture.
+# An architecture the running vLLM does not register is left alone.
 # tests/test_vllm_real.py checks each against vLLM's registry.
 CHECKED_MODULE = "eagle_capture.integrations.vllm.checked"
 CHECKED_ARCHITECTURES = (
     "Qwen3NextForCausalLM", "Phi3ForCausalLM", "Gemma4ForCausalLM", "Llama4ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration", "Llama4ForConditionalGeneration",
+    "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM",
+    "KimiK3ForConditionalGeneration", "KimiK31ForConditionalGeneration",
 )
+
+
+def vllm_module(module: str) -> str:
+    """The module of an entry of vLLM's registry table: a file of
+    ``vllm/model_executor/models``, or (vLLM 0.34+) a full name such as
+    ``vllm.models.deepseek_v4`` (vLLM's ``_resolve_module_name``)."""
+    return module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
 
 __all__ = ["ARCHITECTURES", "CHECKED_ARCHITECTURES", "PluginError", "register"]
 
@@ -89,9 +100,10 @@ def register() -> None:
         from vllm import ModelRegistry
 
         def vllms_own(arch):
-            # Only where the registry still holds vLLM's own class (not another plugin's).
+            # Only where the registry still holds vLLM's own class (not another plugin's):
+            # in vllm/model_executor/models, or from 0.34 in vllm.models.<name>.
             entry = ModelRegistry.models.get(arch)
-            return getattr(entry, "module_name", "").startswith("vllm.model_executor.models.")
+            return getattr(entry, "module_name", "").startswith("vllm.")
 
         fused = [arch for arch in ARCHITECTURES if vllms_own(arch)]
         for arch in fused:

@@ -187,9 +187,13 @@ main() {
 
     local failed=()
     if [[ -d .vllm_engine && -d .whl ]]; then
-        if bash scripts/gpu_vllm_engine.sh > "$OUT/vllm_install.log" 2>&1; then
-            export PYTHONPATH="/tmp/vllm_site${PYTHONPATH:+:$PYTHONPATH}" VLLM_USE_FLASHINFER_SAMPLER=0
-            say "vLLM's CUDA build installed from the carried bundle: the vLLM-engine GPU tests run"
+        # The bundle's own version (gpu_vllm_engine.sh's site folder for it).
+        local ver site
+        ver=$(cat .vllm_engine/VERSION 2>/dev/null || echo 0.32.0)
+        site=/tmp/vllm_site; [[ $ver == 0.32.0 ]] || site=/tmp/vllm_site-$ver
+        if bash scripts/gpu_vllm_engine.sh --vllm "$ver" > "$OUT/vllm_install.log" 2>&1; then
+            export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" VLLM_USE_FLASHINFER_SAMPLER=0
+            say "vLLM $ver's CUDA build installed from the carried bundle: the vLLM-engine GPU tests run"
         else
             say "vLLM's CUDA bundle did not install ($OUT/vllm_install.log)"
             failed+=(vllm)

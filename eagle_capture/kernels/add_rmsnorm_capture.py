@@ -143,7 +143,7 @@ def add_rmsnorm_store_row(h, r, w, cols, mask, row, hidden_size, eps, normed_out
                           stride_aux_row, aux_slot_offset, HAS_RESIDUAL: tl.constexpr,
                           APPLY_NORM: tl.constexpr, STORE_RESIDUAL: tl.constexpr,
                           CAPTURE: tl.constexpr, NORM_FP32_SUM: tl.constexpr,
-                          AUX_EVICT: tl.constexpr = "", AUX_CACHE: tl.constexpr = ""):
+                          AUX_EVICT: tl.constexpr, AUX_CACHE: tl.constexpr):
     """The row epilogue both kernels share (this one and the all-reduce kernel):
     ``s = h + r`` (HAS_RESIDUAL; else ``s = h``) in fp32 rounded once to h's
     dtype, stored into the aux slot (CAPTURE) and the residual output

@@ -280,7 +280,9 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
         add_rmsnorm_store_row(h, r, w, cols, mask, row64, hidden_size, eps, normed_out_ptr,
                               stride_normed_out, residual_out_ptr, stride_residual_out, aux_ptr,
                               stride_aux_row, aux_slot_offset, True, True, True, CAPTURE,
-                              NORM_FP32_SUM)
+                              NORM_FP32_SUM, "", "")   # no cache hints, passed explicitly:
+                              # Triton 3.6 failed to compile the call that left them to their
+                              # defaults (its interpreter accepted it)
         row64 += num_programs
 
     # Arrive: the last program bumps the epoch for the next launch (which starts

@@ -123,7 +123,7 @@ def test_use_aux_hidden_state_false(tmp_path, capsys):
     assert "vLLM feeds the draft the target's last hidden state" in out
     assert "layers_to_capture = [] -> OK" in out and "fix for this line" not in out
     # No ids and no trainer known (the ids would not be read): still OK, not UNVERIFIED.
-    path.write_text(json.dumps({"architectures": ["SomeEagle3Draft"],
+    path.write_text(json.dumps({"architectures": ["SomeDraftModel"],
                                 "eagle_config": {"use_aux_hidden_state": False}}))
     code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
                            "--target-architecture", "DeepseekV3ForCausalLM")
@@ -251,7 +251,7 @@ def test_unverified_is_not_do_not_serve(tmp_path, capsys):
     """An unrecognised draft with no ids: UNVERIFIED, pointing at the probe; 'do not
     serve' is kept for PROBLEM."""
     path = tmp_path / "mystery.json"
-    path.write_text(json.dumps({"architectures": ["SomeEagle3Draft"], "num_hidden_layers": 1}))
+    path.write_text(json.dumps({"architectures": ["SomeDraftModel"], "num_hidden_layers": 1}))
     code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
                            "--target-architecture", "DeepseekV3ForCausalLM")
     assert code == 1 and "summary: SGLang: UNVERIFIED; vLLM: UNVERIFIED (exit 1)" in out
@@ -268,7 +268,7 @@ def test_a_deployment_problem_under_a_no_id_draft_is_a_problem(tmp_path, capsys)
     the captured layers: PROBLEM, 'do not serve', whatever the draft was trained on;
     --accept-defaults does not make it OK."""
     path = tmp_path / "mystery.json"
-    path.write_text(json.dumps({"architectures": ["SomeEagle3Draft"], "num_hidden_layers": 1}))
+    path.write_text(json.dumps({"architectures": ["SomeDraftModel"], "num_hidden_layers": 1}))
     base = ["--draft-config", path, "--num-layers", 61, "--target-architecture",
             "DeepseekV3ForCausalLM", "--engine", "sglang"]
     for deploy in (["--tp", 8, "--dp-attention", "--moe-a2a", "deepep", "--sglang-version",
@@ -546,3 +546,24 @@ def test_a_deployment_that_runs_eagle_capture(capsys):
     code, out, _ = _doctor(capsys, *base, "--sglang-version", "0.5.9", "--eagle-capture",
                            explain=False)
     assert code == 1 and "the target class cannot capture on this line" in out
+
+
+def test_a_draft_class_no_engine_registers_cannot_load(tmp_path, capsys):
+    """An EAGLE-3 draft architecture that no release read of either engine registers
+    (the engine facts: SGLang's EntryClass, vLLM's registry) is not passed as loadable."""
+    path = tmp_path / "draft.json"
+    path.write_text(json.dumps({"architectures": ["Eagle3Qwen3MoeForCausalLM"], "eagle_config": {
+        "eagle_aux_hidden_state_layer_ids": [1, 23, 44]}}))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 48,
+                           "--target-architecture", "Qwen3MoeForCausalLM")
+    assert code == 1 and "summary: SGLang: CANNOT LOAD; vLLM: CANNOT LOAD (exit 1)" in out
+    assert "no SGLang model class is registered as Eagle3Qwen3MoeForCausalLM" in out
+    assert "no vLLM EAGLE-3 model is registered as Eagle3Qwen3MoeForCausalLM" in out
+    # (three SGLang lines; vLLM's two runners, which read these nested ids differently)
+    assert out.count("No release read of either engine registers it") == 5
+    # A registered one, on both engines:
+    path.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {
+        "eagle_aux_hidden_state_layer_ids": [1, 23, 44]}}))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 48,
+                           "--target-architecture", "Qwen3MoeForCausalLM")
+    assert "CANNOT LOAD" not in out

@@ -160,3 +160,7 @@ def test_draft_registries():
     assert engine_facts.registers_draft("vllm", "0.32.0", "PEagleDraftModel")
     assert not engine_facts.registers_draft("vllm", "0.34.0", "PEagleDraftModel")
     assert "Eagle3Qwen3ForCausalLM" in engine_facts.eagle3_drafts()
+    assert engine_facts.draft_class("sglang", "Eagle3DeepseekV2ForCausalLM") == (
+        "0.5.13", "kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM")
+    assert engine_facts.registered_anywhere("DeepSeekMTPModel")      # vLLM, speculative
+    assert not engine_facts.registered_anywhere("SomeEagle3Draft")

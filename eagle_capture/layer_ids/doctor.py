@@ -57,8 +57,8 @@ from typing import Optional, Sequence
 
 from eagle_capture.layer_ids import deployment
 from eagle_capture.layer_ids.deployment import WIDTH, wrap as _wrap
-from eagle_capture.layer_ids.lines import (DRAFT_ARCHITECTURES, SGLANG_DRAFT_CLASSES, SGLANG_LINES, VLLM_DRAFT_CLASSES,
-                                           VLLM_LINE, CapturePlanError, DraftIds, IDS_KEY, check_id_range,
+from eagle_capture.layer_ids.lines import (SGLANG_LINES, VLLM_LINE, CapturePlanError, DraftIds,
+                                           IDS_KEY, check_id_range, draft_architectures,
                                            SGLangLine, VLLMLine, assumed_note,
                                            default_capture_layers, line_of, parse_version,
                                            read_draft_ids, read_target, specforge_default_ids,
@@ -571,37 +571,51 @@ def _cannot_capture(v: LineVerdict, cannot: Optional["CannotCapture"]) -> LineVe
 
 def cannot_load(engine: str, draft: Optional[DraftIds], line=None) -> Optional[str]:
     """Why ``engine`` (its release ``line``, where the registry changed) cannot load
-    the draft (its class is not registered there), or None."""
+    the draft (its class is not registered there: the engine facts), or None."""
     if draft is None or not draft.architecture:
         return None
     arch = draft.architecture
-    # Only formats known to be EAGLE-3 drafts are judged (an unknown name may be a
-    # format newer than the registries read).
-    since = SGLANG_DRAFT_CLASSES.get(arch)
-    if engine == "sglang" and arch in DRAFT_ARCHITECTURES and (
-            since is None or (line is not None and line.last < since[0])):
+    # Judged: the EAGLE-3 draft formats some release read registers, and EAGLE-3 names
+    # that no release of either engine registers at all. (Other names are not judged:
+    # SGLang rewrites some draft architectures before it looks them up.)
+    unknown = "eagle3" in arch.lower() and not engine_facts.registered_anywhere(arch)
+    if not (arch in draft_architectures() or unknown):
+        return None
+    nowhere = (" No release read of either engine registers it (SGLang 0.5.9 - 0.5.23, "
+               "vLLM 0.32 - 0.34): check the config's architectures" if unknown else "")
+    if engine == "sglang":
+        releases = (_sglang_releases(line, None) if line is not None
+                    else engine_facts.releases("sglang"))
+        if any(engine_facts.registers_draft("sglang", r, arch) for r in releases):
+            return None
+        since = engine_facts.draft_class("sglang", arch)
         if since is not None:
             return (f"SGLang cannot load this draft format on this line: {arch} "
-                    f"({since[1]}) is registered from {'.'.join(map(str, since[0]))} on (not "
-                    f"in {line.read_versions[0]}). Serve it with a later SGLang, or with vLLM")
+                    f"(models/{since[1].split('.')[0]}.py) is registered from {since[0]} on "
+                    f"(not in {releases[0]}). Serve it with a later SGLang, or with vLLM")
+        newest = engine_facts.releases("sglang")[-1]
         speculators = arch == "Eagle3Speculator" or "speculators_config" in draft.raw
         return (f"SGLang cannot load this draft format: no SGLang model class is registered as "
-                f"{arch} (its EAGLE-3 drafts: {', '.join(SGLANG_DRAFT_CLASSES)}; read in SGLang "
-                f"0.5.9 - 0.5.23)" + (
+                f"{arch} (its EAGLE-3 drafts: "
+                f"{', '.join(engine_facts.load()['sglang'][newest]['eagle3_drafts'])}; read in "
+                f"SGLang 0.5.9 - {newest})" + (
                     ", and nothing in SGLang reads speculators' speculators_config. Serve it with "
                     "vLLM, which loads speculators' format, or convert it back to "
                     "LlamaForCausalLMEagle3 with the ids in eagle_config"
-                    if speculators else
+                    if speculators else "." + nowhere + "." if unknown else
                     ". Serve it with vLLM, which registers it, or export the draft as "
                     "LlamaForCausalLMEagle3 (its trainer's SGLang export)"))
     # vLLM names an EAGLE-3 draft's class "Eagle3" + its architecture unless the name
     # already starts or ends with Eagle3 (transformers_utils/configs/eagle.py).
     loaded = arch if arch.startswith("Eagle3") or arch.endswith("Eagle3") else f"Eagle3{arch}"
-    if engine == "vllm" and arch in DRAFT_ARCHITECTURES and loaded not in VLLM_DRAFT_CLASSES \
-            and "speculators_config" not in draft.raw:
+    releases = _vllm_releases(line if line is not None else VLLM_LINE)
+    if engine == "vllm" and "speculators_config" not in draft.raw and not any(
+            engine_facts.registers_draft("vllm", r, loaded) for r in releases):
         return (f"vLLM cannot load this draft format: no vLLM EAGLE-3 model is registered as "
-                f"{arch} (model_executor/models/registry.py, read in 0.32.0). Serve it with SGLang"
-                f" if it registers it, or convert it to a vLLM format (speculators' converter)")
+                f"{loaded} (model_executor/models/registry.py, read in {', '.join(releases)})."
+                + (nowhere + "." if unknown else
+                   " Serve it with SGLang if it registers it, or convert it to a vLLM format "
+                   "(speculators' converter)"))
     return None
 
 

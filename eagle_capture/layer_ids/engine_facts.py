@@ -9,7 +9,9 @@
   (``owner``), for SGLang the id rule its ``set_eagle3_layers_to_capture``
   applies (a :data:`~eagle_capture.layer_ids.rules.RULE_WORDS` key) and the
   delegation it goes through (``via``);
-* ``eagle3_drafts``: the EAGLE-3 draft architectures it registers.
+* ``eagle3_drafts``: the EAGLE-3 draft architectures it registers -> their class
+  (vLLM also lists ``speculative``: every architecture of its speculative-decoding
+  table).
 
 Regenerate after a new engine release (and review the diff)::
 
@@ -65,6 +67,24 @@ def registers_draft(engine: str, release: str, architecture: str) -> bool:
     return architecture in load()[engine][release]["eagle3_drafts"]
 
 
+def draft_class(engine: str, architecture: str) -> Optional[tuple[str, str]]:
+    """(the first release read that registers ``architecture`` as an EAGLE-3 draft,
+    its class), or None."""
+    for release in releases(engine):
+        cls = load()[engine][release]["eagle3_drafts"].get(architecture)
+        if cls:
+            return release, cls
+    return None
+
+
+def registered_anywhere(architecture: str) -> bool:
+    """Whether any release read of either engine registers ``architecture`` at all
+    (a target, an EAGLE-3 draft, vLLM's other speculative models)."""
+    return any(architecture in r["targets"] or architecture in r["eagle3_drafts"]
+               or architecture in r.get("speculative", ())
+               for engine in ("sglang", "vllm") for r in load()[engine].values())
+
+
 def eagle3_drafts() -> frozenset:
     """Every EAGLE-3 draft architecture any release read registers."""
     return frozenset(a for engine in ("sglang", "vllm") for r in load()[engine].values()
@@ -116,6 +136,8 @@ def dumps(facts: dict) -> str:
             lines.append(f"      \"wheel\": {json.dumps(rel['wheel'])},")
             lines.append(f"      \"registered\": {rel['registered']},")
             lines.append(f"      \"eagle3_drafts\": {json.dumps(rel['eagle3_drafts'])},")
+            if "speculative" in rel:
+                lines.append(f"      \"speculative\": {json.dumps(rel['speculative'])},")
             lines.append("      \"targets\": {")
             targets = list(rel["targets"].items())
             for ti, (arch, fact) in enumerate(targets):
@@ -138,7 +160,8 @@ def drift(generated: dict, committed: dict) -> list[str]:
             if g is None or c is None:
                 out.append(f"{engine} {version}: {'not generated' if g is None else 'not committed'}")
                 continue
-            if g["eagle3_drafts"] != c["eagle3_drafts"]:
+            if g["eagle3_drafts"] != c["eagle3_drafts"] or g.get("speculative") != \
+                    c.get("speculative"):
                 out.append(f"{engine} {version} eagle3_drafts: {c['eagle3_drafts']} -> "
                            f"{g['eagle3_drafts']}")
             for arch in sorted(set(g["targets"]) | set(c["targets"])):

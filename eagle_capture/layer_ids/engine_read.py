@@ -20,6 +20,7 @@ installed). What is read:
 """
 
 import ast
+import builtins
 import re
 import zipfile
 from dataclasses import dataclass, field
@@ -406,11 +407,11 @@ class _Layers(list):
             else self._extra
 
 
-_SAFE_BUILTINS = {n: __builtins__[n] if isinstance(__builtins__, dict) else getattr(
-    __builtins__, n) for n in ("len", "list", "max", "min", "range", "sorted", "tuple", "set",
-                               "setattr", "getattr", "isinstance", "int", "enumerate", "any",
-                               "all", "ValueError", "AttributeError", "RuntimeError", "zip",
-                               "NotImplementedError", "AssertionError", "TypeError", "print")}
+# What a set_eagle3_layers_to_capture body may call; anything else is not followed.
+_SAFE_BUILTINS = {n: getattr(builtins, n) for n in (
+    "len", "list", "max", "min", "range", "sorted", "tuple", "set", "setattr", "getattr",
+    "isinstance", "int", "enumerate", "any", "all", "zip", "print", "ValueError",
+    "AttributeError", "RuntimeError", "NotImplementedError", "AssertionError", "TypeError")}
 
 
 def _execute(run: _Run, owner: ClassRef, fn: ast.FunctionDef, shell: _Shell, args, kwargs):
@@ -433,17 +434,12 @@ def _execute(run: _Run, owner: ClassRef, fn: ast.FunctionDef, shell: _Shell, arg
             raise Unresolved(f"hasattr({obj._path}, {name!r})")
         return hasattr(obj, name)
 
-    def global_(name):
-        raise Unresolved(f"{owner.name}.{METHOD} uses {name}")
-
-    shell_globals = {"__builtins__": dict(_SAFE_BUILTINS, hasattr=hasattr_)}
-    mod = run.src.module(owner.module)
-    for name in mod.imports:
-        # The parallel state helpers: a pipeline's last rank (where captures happen).
-        if name in ("get_pp_group", "get_parallel", "get_tensor_model_parallel_rank",
-                    "logger"):
-            shell_globals[name] = lambda *a, **k: _Shell(run, None, "<parallel>")
-    shell_globals.setdefault("logger", _Shell(run, None, "<logger>"))
+    # The parallel-state helpers answer as the pipeline's last rank (where SGLang
+    # captures); any other global the body names is a NameError: not read.
+    parallel = lambda *a, **k: _Shell(run, None, "<parallel>")      # noqa: E731
+    shell_globals = {"__builtins__": dict(_SAFE_BUILTINS, hasattr=hasattr_),
+                     "get_pp_group": parallel, "get_parallel": parallel,
+                     "logger": _Shell(run, None, "<logger>")}
     namespace: dict = {}
     exec(code, shell_globals, namespace)      # noqa: S102 - one engine method, on a shell
     return namespace[fn.name](shell, *args, **kwargs)
@@ -521,10 +517,10 @@ def is_sglang_eagle3_draft(ref: ClassRef) -> bool:
 def read_sglang(wheel: str) -> dict:
     src = Source(wheel, ("sglang/srt/models/",))
     registry = sglang_registry(src)
-    targets, drafts = {}, []
+    targets, drafts = {}, {}
     for arch, ref in sorted(registry.items()):
         if is_sglang_eagle3_draft(ref):
-            drafts.append(arch)
+            drafts[arch] = ref.short(SGLANG_MODELS)
             continue
         targets[arch] = sglang_fact(src, arch, ref).as_dict()
     return {"wheel": wheel.rsplit("/", 1)[-1], "eagle3_drafts": drafts,
@@ -600,8 +596,8 @@ def vllm_fact(src: Source, ref) -> dict:
 def read_vllm(wheel: str) -> dict:
     src = Source(wheel, ("vllm/model_executor/models/", "vllm/models/"))
     targets, spec = vllm_registry(src)
-    drafts = sorted(a for a, ref in spec.items()
-                    if isinstance(ref, ClassRef) and ref.name.startswith("Eagle3"))
+    drafts = {a: ref.short(VLLM_MODELS) for a, ref in sorted(spec.items())
+              if isinstance(ref, ClassRef) and ref.name.startswith("Eagle3")}
     return {"wheel": wheel.rsplit("/", 1)[-1], "eagle3_drafts": drafts,
-            "registered": len(targets) + len(spec),
+            "registered": len(targets) + len(spec), "speculative": sorted(spec),
             "targets": {a: vllm_fact(src, ref) for a, ref in sorted(targets.items())}}

@@ -567,3 +567,24 @@ def test_a_draft_class_no_engine_registers_cannot_load(tmp_path, capsys):
     code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 48,
                            "--target-architecture", "Qwen3MoeForCausalLM")
     assert "CANNOT LOAD" not in out
+
+
+def test_a_class_some_releases_of_a_line_lack(tmp_path, capsys):
+    """SGLang registers Qwen3_5ForCausalLM from 0.5.18 (models/qwen3_5_text.py), with a
+    set_eagle3_layers_to_capture from 0.5.22: earlier lines serve it, if at all, through
+    the Transformers fallback (no method): CANNOT CAPTURE; the 0.5.18 - 0.5.23 line is a
+    PROBLEM on its first two releases; --sglang-version picks the release."""
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {
+        "eagle_aux_hidden_state_layer_ids": [1, 23, 44]}}))
+    argv = ["--draft-config", path, "--num-layers", 48, "--target-architecture",
+            "Qwen3_5ForCausalLM", "--engine", "sglang", "--id-convention", "output"]
+    code, out, _ = _doctor(capsys, *argv, explain=False)
+    assert code == 1 and out.count("CANNOT CAPTURE (Qwen3_5ForCausalLM is registered from "
+                                   "0.5.18 on) -> it can on SGLang 0.5.22, 0.5.23") == 2
+    assert "captures [2, 24, 45]: PROBLEM (qwen3_5_text.Qwen3_5ForCausalLM has no " \
+           "set_eagle3_layers_to_capture on 0.5.18, 0.5.20; 0.5.22, 0.5.23 capture)" in out
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.20", explain=False)
+    assert code == 1 and "summary: SGLang: CANNOT CAPTURE (exit 1)" in out
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.22")
+    assert code == 0 and "layers_to_capture = [2, 24, 45] -> OK" in out

@@ -647,7 +647,7 @@ def model_lines(lines: list, architecture: str, sglang_version: Optional[str]):
         facts = [(r, engine_facts.target("sglang", r, architecture))
                  for r in _sglang_releases(line, sglang_version)]
         capturing = [(r, f) for r, f in facts if f and f["capture"]]
-        if facts and all(f is not None and f["capture"] is False for _, f in facts):
+        if facts and all(_cannot_here("sglang", architecture, f) for _, f in facts):
             out.append(line)
             continue
         release, fact = capturing[-1] if capturing else (
@@ -724,12 +724,19 @@ def target_cannot_capture(engine: str, line, architecture: str,
     releases = (_vllm_releases(line) if engine == "vllm"
                 else _sglang_releases(line, sglang_version))
     facts = {r: engine_facts.target(engine, r, architecture) for r in releases}
-    cannot = [r for r, f in facts.items() if f is not None and f["capture"] is False]
+    cannot = [r for r, f in facts.items() if _cannot_here(engine, architecture, f)]
     if not cannot:
         return None
     fact = facts[cannot[-1]]
     where = f"{line.engine} {', '.join(cannot)}"
-    if engine == "vllm":
+    if fact is None:
+        first = next(r for r in engine_facts.releases("sglang")
+                     if engine_facts.target("sglang", r, architecture))
+        short = f"{architecture} is registered from {first} on"
+        why = (f"{where}: no model class is registered as {architecture} ({short}), so SGLang "
+               f"serves it, if at all, through its Transformers fallback "
+               f"(TransformersForCausalLM), which has no set_eagle3_layers_to_capture")
+    elif engine == "vllm":
         short = f"{fact['class']} is not SupportsEagle3"
         why = (f"{where}: the target's class {short}, so the server refuses EAGLE-3 at "
                f"start-up (\"Model does not support EAGLE3 interface\")")
@@ -744,10 +751,21 @@ def target_cannot_capture(engine: str, line, architecture: str,
     if not whole:
         can = [r for r in releases if r not in cannot and (facts[r] or {}).get("capture")]
         why += (f"; {', '.join(can)} capture" if can else "")
-        short += f" on {', '.join(cannot)}"
+        short += f" on {', '.join(cannot)}" + (f"; {', '.join(can)} capture" if can else "")
     remedy = _lines_that_capture(architecture)
     return CannotCapture(f"{why}. It cannot feed an EAGLE-3 draft there, whatever the ids; "
                          f"{remedy}", whole, short, remedy)
+
+
+def _cannot_here(engine: str, architecture: str, fact: Optional[dict]) -> bool:
+    """Whether a release whose fact for ``architecture`` is ``fact`` cannot capture for it:
+    its class cannot; or (SGLang) it registers no class for a name that other releases
+    do register -- its Transformers fallback has no set_eagle3_layers_to_capture. (A name
+    no release registers may be a typo: ASSUMED, said in a note.)"""
+    if fact is not None:
+        return fact["capture"] is False
+    return engine == "sglang" and any(engine_facts.target("sglang", r, architecture)
+                                      for r in engine_facts.releases("sglang"))
 
 
 @dataclass(frozen=True)

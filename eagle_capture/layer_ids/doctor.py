@@ -650,8 +650,8 @@ def model_lines(lines: list, architecture: str, sglang_version: Optional[str]):
         if facts and all(_cannot_here("sglang", architecture, f) for _, f in facts):
             out.append(line)
             continue
-        release, fact = capturing[-1] if capturing else (
-            facts[-1] if facts else (line.read_versions[-1], None))
+        others = [(r, f) for r, f in facts if not _cannot_here("sglang", architecture, f)]
+        release, fact = (capturing or others or [(line.read_versions[-1], None)])[-1]
         rule = model_rule_of(architecture, fact, release)
         if rule is None:
             rule = ModelRule(architecture, SHIFT_ALWAYS, "not read (assumed)", release)

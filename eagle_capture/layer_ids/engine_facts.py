@@ -158,7 +158,8 @@ def drift(generated: dict, committed: dict) -> list[str]:
                               key=_key):
             g, c = generated.get(engine, {}).get(version), committed.get(engine, {}).get(version)
             if g is None or c is None:
-                out.append(f"{engine} {version}: {'not generated' if g is None else 'not committed'}")
+                missing = "not generated" if g is None else "not committed"
+                out.append(f"{engine} {version}: {missing}")
                 continue
             if g["eagle3_drafts"] != c["eagle3_drafts"] or g.get("speculative") != \
                     c.get("speculative"):

@@ -21,7 +21,6 @@ installed). What is read:
 
 import ast
 import builtins
-import re
 import zipfile
 from dataclasses import dataclass, field
 from typing import Optional
@@ -76,10 +75,6 @@ class Source:
                 if name.endswith(".py") and name.startswith(packages):
                     self._files[name] = z.read(info).decode("utf-8-sig", errors="replace")
         self._modules: dict[str, Optional[Module]] = {}
-
-    def version(self) -> str:
-        # sglang-0.5.23-cp311-...whl / vllm-0.32.0-cp38-...whl
-        return re.split(r"-", self.wheel.rsplit("/", 1)[-1])[1]
 
     def files(self) -> dict[str, str]:
         return self._files
@@ -532,6 +527,8 @@ def read_sglang(wheel: str) -> dict:
 # ----------------------------------------------------------------------------
 
 VLLM_MODELS = "vllm.model_executor.models"
+# Not listed as targets: the Transformers backend's tables (one generic class each),
+# removed or out-of-tree names, and the union of the others.
 _VLLM_TABLES_SKIPPED = ("_TRANSFORMERS_SUPPORTED_MODELS", "_TRANSFORMERS_BACKEND_MODELS",
                         "_PREVIOUSLY_SUPPORTED_MODELS", "_OOT_SUPPORTED_MODELS", "_VLLM_MODELS")
 

@@ -55,9 +55,9 @@ setup(
     # Found, not listed: a hand-kept list once dropped integrations/sglang/families/
     # from every wheel (tests/test_packaging.py installs a built wheel and imports it all).
     packages=setuptools.find_packages(include=["eagle_capture", "eagle_capture.*"]),
-    # Data files inside packages (the probe's calibration prompts); MANIFEST.in puts
-    # the same files in the sdist.
-    package_data={"": ["*.jsonl"]},
+    # Data files inside packages (the probe's calibration prompts, the doctor's engine
+    # facts); MANIFEST.in puts the same files in the sdist.
+    package_data={"": ["*.jsonl"], "eagle_capture.layer_ids": ["data/*.json"]},
     # SGLang's plugin system (0.5.13+) finds the fused capture here in every
     # scheduler process; EAGLE_CAPTURE=1 turns it on (eagle_capture/integrations/sglang/plugin.py).
     entry_points={"sglang.srt.plugins": ["eagle_capture = eagle_capture.integrations.sglang.plugin:register"],

@@ -123,7 +123,7 @@ def test_use_aux_hidden_state_false(tmp_path, capsys):
     assert "vLLM feeds the draft the target's last hidden state" in out
     assert "layers_to_capture = [] -> OK" in out and "fix for this line" not in out
     # No ids and no trainer known (the ids would not be read): still OK, not UNVERIFIED.
-    path.write_text(json.dumps({"architectures": ["SomeEagle3Draft"],
+    path.write_text(json.dumps({"architectures": ["SomeDraftModel"],
                                 "eagle_config": {"use_aux_hidden_state": False}}))
     code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
                            "--target-architecture", "DeepseekV3ForCausalLM")
@@ -164,8 +164,9 @@ def test_sglangs_registry_per_line(tmp_path, capsys):
     path.write_text(json.dumps({"architectures": ["Eagle3DeepseekV2ForCausalLM"],
                                 "num_hidden_layers": 1, "eagle_config": {
                                     "eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}))
+    # (DeepSeek-V3's class captures on every line; Kimi-K2.5's from 0.5.13, below)
     argv = ["--draft-config", path, "--num-layers", 61, "--target-architecture",
-            "KimiK25ForConditionalGeneration", "--engine", "sglang", "--id-convention", "output"]
+            "DeepseekV3ForCausalLM", "--engine", "sglang", "--id-convention", "output"]
     code, out, _ = _doctor(capsys, *argv)
     assert code == 1 and "summary: SGLang: PROBLEM (exit 1)" in out
     assert "0.5.12 (read from 0.5.9): layers_to_capture = [] -> CANNOT LOAD" in out
@@ -175,13 +176,82 @@ def test_sglangs_registry_per_line(tmp_path, capsys):
     assert code == 0 and "CANNOT LOAD" not in out
 
 
+def test_a_target_class_that_cannot_capture_on_a_line(tmp_path, capsys):
+    """SGLang 0.5.9's KimiK25ForConditionalGeneration has no set_eagle3_layers_to_capture
+    (models/kimi_k25.py; the model runner calls it when EAGLE-3 is on): that line cannot
+    serve any EAGLE-3 draft for Kimi-K2.5, whatever the ids or the draft's class. Both
+    causes are said, the target's first; the remedy names where it can."""
+    path = tmp_path / "kimi.json"
+    path.write_text(json.dumps({"architectures": ["Eagle3DeepseekV2ForCausalLM"],
+                                "num_hidden_layers": 1, "eagle_config": {
+                                    "eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}))
+    argv = ["--draft-config", path, "--num-layers", 61, "--target-architecture",
+            "KimiK25ForConditionalGeneration", "--engine", "sglang", "--id-convention", "output"]
+    code, out, _ = _doctor(capsys, *argv)
+    assert code == 1 and "summary: SGLang: PROBLEM (exit 1)" in out
+    assert "0.5.12 (read from 0.5.9): layers_to_capture = [] -> CANNOT CAPTURE" in out
+    assert "SGLang 0.5.9: the target's class kimi_k25.KimiK25ForConditionalGeneration has no " \
+           "set_eagle3_layers_to_capture" in out
+    assert "registered from 0.5.13 on (not in 0.5.9)" in out      # the draft's, after
+    assert "it can on SGLang 0.5.13 - 0.5.23; vLLM 0.32.0, 0.33.0, 0.34.0" in out
+    assert out.count("-> OK") == 2
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.12", explain=False)
+    assert code == 1 and "summary: SGLang: CANNOT CAPTURE (exit 1)" in out
+    assert "verdict (SGLang): CANNOT CAPTURE" in out and "-> it can on SGLang 0.5.13" in out
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.13")
+    assert code == 0 and "CANNOT" not in out
+    # --write-config: no ids fix it, said in one line
+    code, _, err = _doctor(capsys, *argv, "--sglang-version", "0.5.9", "--write-config",
+                           tmp_path / "x.json")
+    assert code == 2 and "no id list fixes this draft" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_vllm_target_class_without_supports_eagle3(tmp_path, capsys):
+    """vLLM 0.32 / 0.33's BailingMoeV2ForCausalLM (Ling-flash-2.0, models/bailing_moe.py) is
+    not SupportsEagle3: the server raises at start-up; SGLang's class captures."""
+    path = os.path.join(PUBLISHED, "specforge_ling_flash_2_0.config.json")
+    argv = ["--num-layers", 32, "--target-architecture", "BailingMoeV2ForCausalLM"]
+    code, out, _ = _doctor(capsys, "--draft-config", path, *argv, explain=False)
+    assert code == 1 and "summary: SGLang: OK; vLLM: CANNOT CAPTURE (exit 1)" in out
+    assert "CANNOT CAPTURE (bailing_moe.BailingMoeV2ForCausalLM is not SupportsEagle3) -> it " \
+           "can on SGLang 0.5.9 - 0.5.23" in out
+    code, out, _ = _doctor(capsys, "--draft-config", path, *argv, "--engine", "vllm", "--json")
+    line = json.loads(out)["engines"]["vllm"]["readings"][0]["lines"][0]
+    assert line["status"] == "CANNOT CAPTURE"
+    assert "Model does not support EAGLE3 interface" in line["detail"][0]
+    # A draft that takes no aux states never asks the target to capture.
+    config = json.load(open(path))
+    config["eagle_config"] = {"use_aux_hidden_state": False}
+    (tmp_path / "noaux.json").write_text(json.dumps(config))
+    code, out, _ = _doctor(capsys, "--draft-config", tmp_path / "noaux.json", *argv,
+                           "--engine", "vllm")
+    assert code == 0 and "CANNOT" not in out
+
+
+def test_a_delegating_class_gets_the_rule_it_delegates_to(tmp_path, capsys):
+    """SGLang 0.5.23's Llama4ForConditionalGeneration (models/mllama4.py) hands the ids to
+    a Llama4ForCausalLM, which inherits LlamaForCausalLM's +1: its rule, not ASSUMED."""
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {
+        "eagle_aux_hidden_state_layer_ids": [1, 23, 44]}}))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 48,
+                           "--target-architecture", "Llama4ForConditionalGeneration",
+                           "--engine", "sglang", "--sglang-version", "0.5.23",
+                           "--id-convention", "output")
+    assert code == 0 and "summary: SGLang: OK (exit 0)" in out and "ASSUME" not in out
+    assert "models/llama.py LlamaForCausalLM.set_eagle3_layers_to_capture (via " \
+           "Llama4ForCausalLM)" in out
+    assert "layers_to_capture = [2, 24, 45] -> OK" in out
+
+
 # Item 6 ------------------------------------------------------------------------------------
 
 def test_unverified_is_not_do_not_serve(tmp_path, capsys):
     """An unrecognised draft with no ids: UNVERIFIED, pointing at the probe; 'do not
     serve' is kept for PROBLEM."""
     path = tmp_path / "mystery.json"
-    path.write_text(json.dumps({"architectures": ["SomeEagle3Draft"], "num_hidden_layers": 1}))
+    path.write_text(json.dumps({"architectures": ["SomeDraftModel"], "num_hidden_layers": 1}))
     code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
                            "--target-architecture", "DeepseekV3ForCausalLM")
     assert code == 1 and "summary: SGLang: UNVERIFIED; vLLM: UNVERIFIED (exit 1)" in out
@@ -198,7 +268,7 @@ def test_a_deployment_problem_under_a_no_id_draft_is_a_problem(tmp_path, capsys)
     the captured layers: PROBLEM, 'do not serve', whatever the draft was trained on;
     --accept-defaults does not make it OK."""
     path = tmp_path / "mystery.json"
-    path.write_text(json.dumps({"architectures": ["SomeEagle3Draft"], "num_hidden_layers": 1}))
+    path.write_text(json.dumps({"architectures": ["SomeDraftModel"], "num_hidden_layers": 1}))
     base = ["--draft-config", path, "--num-layers", 61, "--target-architecture",
             "DeepseekV3ForCausalLM", "--engine", "sglang"]
     for deploy in (["--tp", 8, "--dp-attention", "--moe-a2a", "deepep", "--sglang-version",
@@ -316,7 +386,9 @@ def test_an_edited_record_is_refused(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, message", [
     ([], "--write-config needs one engine"),
-    (["--engine", "sglang"], "the sglang lines need different ids"),
+    # (DeepSeek-V3: Kimi-K2.5's class cannot capture on 0.5.9, no ids fix that)
+    (["--engine", "sglang", "--target-architecture", "DeepseekV3ForCausalLM"],
+     "the sglang lines need different ids"),
     (["--engine", "sglang", "--sglang-version", "0.5.23", "--id-convention", "auto"],
      "the verdict is AMBIGUOUS"),
 ])
@@ -418,7 +490,8 @@ def test_torchspec_export_is_credited_to_torchspec(tmp_path, capsys):
     path = tmp_path / "exported.json"
     path.write_text(json.dumps(config))
     code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
-                           "--target-architecture", "KimiK25ForConditionalGeneration")
+                           "--target-architecture", "KimiK25ForConditionalGeneration",
+                           "--sglang-version", "0.5.23")
     assert code == 0 and "trainer: TorchSpec (recognised from _torchspec_version)" in out
     assert "TorchSpec's get_default_eagle3_aux_layer_ids takes the outputs of layers " \
            "[1, 29, 57]" in out
@@ -473,3 +546,45 @@ def test_a_deployment_that_runs_eagle_capture(capsys):
     code, out, _ = _doctor(capsys, *base, "--sglang-version", "0.5.9", "--eagle-capture",
                            explain=False)
     assert code == 1 and "the target class cannot capture on this line" in out
+
+
+def test_a_draft_class_no_engine_registers_cannot_load(tmp_path, capsys):
+    """An EAGLE-3 draft architecture that no release read of either engine registers
+    (the engine facts: SGLang's EntryClass, vLLM's registry) is not passed as loadable."""
+    path = tmp_path / "draft.json"
+    path.write_text(json.dumps({"architectures": ["Eagle3Qwen3MoeForCausalLM"], "eagle_config": {
+        "eagle_aux_hidden_state_layer_ids": [1, 23, 44]}}))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 48,
+                           "--target-architecture", "Qwen3MoeForCausalLM")
+    assert code == 1 and "summary: SGLang: CANNOT LOAD; vLLM: CANNOT LOAD (exit 1)" in out
+    assert "no SGLang model class is registered as Eagle3Qwen3MoeForCausalLM" in out
+    assert "no vLLM EAGLE-3 model is registered as Eagle3Qwen3MoeForCausalLM" in out
+    # (three SGLang lines; vLLM's two runners, which read these nested ids differently)
+    assert out.count("No release read of either engine registers it") == 5
+    # A registered one, on both engines:
+    path.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {
+        "eagle_aux_hidden_state_layer_ids": [1, 23, 44]}}))
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 48,
+                           "--target-architecture", "Qwen3MoeForCausalLM")
+    assert "CANNOT LOAD" not in out
+
+
+def test_a_class_some_releases_of_a_line_lack(tmp_path, capsys):
+    """SGLang registers Qwen3_5ForCausalLM from 0.5.18 (models/qwen3_5_text.py), with a
+    set_eagle3_layers_to_capture from 0.5.22: earlier lines serve it, if at all, through
+    the Transformers fallback (no method): CANNOT CAPTURE; the 0.5.18 - 0.5.23 line is a
+    PROBLEM on its first two releases; --sglang-version picks the release."""
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {
+        "eagle_aux_hidden_state_layer_ids": [1, 23, 44]}}))
+    argv = ["--draft-config", path, "--num-layers", 48, "--target-architecture",
+            "Qwen3_5ForCausalLM", "--engine", "sglang", "--id-convention", "output"]
+    code, out, _ = _doctor(capsys, *argv, explain=False)
+    assert code == 1 and out.count("CANNOT CAPTURE (Qwen3_5ForCausalLM is registered from "
+                                   "0.5.18 on) -> it can on SGLang 0.5.22, 0.5.23") == 2
+    assert "captures [2, 24, 45]: PROBLEM (qwen3_5_text.Qwen3_5ForCausalLM has no " \
+           "set_eagle3_layers_to_capture on 0.5.18, 0.5.20; 0.5.22, 0.5.23 capture)" in out
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.20", explain=False)
+    assert code == 1 and "summary: SGLang: CANNOT CAPTURE (exit 1)" in out
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.22")
+    assert code == 0 and "layers_to_capture = [2, 24, 45] -> OK" in out

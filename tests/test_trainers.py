@@ -187,12 +187,12 @@ def test_safeailab_and_unrecognised_configs(tmp_path, capsys):
     assert code == 0, out
     assert "SafeAILab EAGLE" in out and "hard-coded" in out
     unknown = tmp_path / "unknown.json"
-    unknown.write_text(json.dumps({"architectures": ["SomeEagle3Draft"],
+    unknown.write_text(json.dumps({"architectures": ["SomeDraftModel"],
                                    "eagle_config": {"eagle_aux_hidden_state_layer_ids":
                                                     [2, 16, 29], "extra": 1}}))
     p = recognise(read_draft_ids(unknown), 32, "LlamaForCausalLM")
     assert p.trainer == "" and p.ambiguous
-    unknown.write_text(json.dumps({"architectures": ["SomeEagle3Draft"],
+    unknown.write_text(json.dumps({"architectures": ["SomeDraftModel"],
                                    "eagle_config": {"eagle_aux_hidden_state_layer_ids":
                                                     [1, 15, 28], "extra": 1}}))
     code, out, _ = _doctor(capsys, "--draft-config", unknown, "--num-layers", 32,

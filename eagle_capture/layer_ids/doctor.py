@@ -27,7 +27,10 @@ fix is printed outside the reading it belongs to, and the exit status is 1 until
 ``--id-convention output|input`` decides.
 
 The first line is one verdict per engine (:attr:`Diagnosis.verdict_class`): OK,
-PROBLEM, CANNOT LOAD (no class for the draft's format in that engine), AMBIGUOUS
+PROBLEM, CANNOT CAPTURE (the target's class cannot feed an EAGLE-3 draft on
+those lines, whatever the ids: the engine facts generated from the wheels,
+:mod:`.engine_facts`), CANNOT LOAD (no class for the draft's format in that
+engine), AMBIGUOUS
 (right under one reading of the ids, wrong under another), UNVERIFIED (no ids and
 no trainer default known) or ASSUMED (right under a rule that was not read).
 vLLM's V1 runner, when its default V2 reads other ids, is shown and decides only
@@ -54,14 +57,14 @@ from typing import Optional, Sequence
 
 from eagle_capture.layer_ids import deployment
 from eagle_capture.layer_ids.deployment import WIDTH, wrap as _wrap
-from eagle_capture.layer_ids.lines import (DRAFT_ARCHITECTURES, SGLANG_DRAFT_CLASSES, SGLANG_LINES, VLLM_DRAFT_CLASSES,
-                                           VLLM_LINE, CapturePlanError, DraftIds, IDS_KEY, check_id_range,
+from eagle_capture.layer_ids.lines import (SGLANG_LINES, VLLM_LINE, CapturePlanError, DraftIds,
+                                           IDS_KEY, check_id_range, draft_architectures,
                                            SGLangLine, VLLMLine, assumed_note,
                                            default_capture_layers, line_of, parse_version,
                                            read_draft_ids, read_target, specforge_default_ids,
                                            vllm_lines)
-from eagle_capture.layer_ids.rules import (SGLANG_MODEL_RULES, SHIFT_ALWAYS, ModelRule,
-                                           sglang_model_rule)
+from eagle_capture.layer_ids import engine_facts
+from eagle_capture.layer_ids.rules import SHIFT_ALWAYS, ModelRule, model_rule_of
 from eagle_capture.layer_ids.startup import slot_order_problem
 from eagle_capture.layer_ids.trainers import (CONVENTIONS, RECORD_KEY, RECORD_LAYERS, Provenance,
                                               Reading, recognise)
@@ -116,8 +119,9 @@ class LineVerdict:
     fix: Optional[str] = None
     ids: Optional[list[int]] = None      # the ids this line reads
     fix_ids: Optional[list[int]] = None  # the ids the fix writes
-    status: str = ""                     # set when not decided by the slots (CANNOT LOAD...)
+    status: str = ""                     # not decided by the slots (CANNOT LOAD, CANNOT CAPTURE)
     decides: bool = True                 # False: a non-default runner, shown only
+    brief: str = ""                      # the cause in a few words, for the short answer
 
 
 _FROM_TRAINED = object()
@@ -225,10 +229,12 @@ class Diagnosis:
 
     @property
     def verdict_class(self) -> str:
-        """One word per engine: OK, PROBLEM, CANNOT LOAD, AMBIGUOUS, UNVERIFIED or
-        ASSUMED (exit 0 only for OK)."""
+        """One word per engine: OK, PROBLEM, CANNOT CAPTURE, CANNOT LOAD, AMBIGUOUS,
+        UNVERIFIED or ASSUMED (exit 0 only for OK)."""
         decisive = [v for _, vs in (self.by_reading or [(None, self.verdicts)]) for v in vs
                     if v.decides]
+        if decisive and all(v.status == "CANNOT CAPTURE" for v in decisive):
+            return "CANNOT CAPTURE"  # the target's class, on every line (some only: PROBLEM)
         if decisive and all(v.status == "CANNOT LOAD" for v in decisive):
             return "CANNOT LOAD"    # (on some lines only: a PROBLEM there, below)
         if self.ok:
@@ -280,14 +286,15 @@ class Diagnosis:
         for i, v in enumerate(readings[0][1]):
             title = v.line.title if v.line.engine == "vLLM" else v.line.name
             answers = [self._brief_answer(vs[i]) for _, vs in readings]
-            if len(readings) > 1:
+            if len(readings) > 1 and len(set(answers)) > 1:
                 answer = "; ".join(f"if {_short_label(r)}: {a}"
                                    for (r, _), a in zip(readings, answers))
             else:
                 answer = answers[0]
             shown = "" if v.decides else " (shown; decides with --vllm-runner v1)"
-            out.append(_wrap(f"{title}{shown}: captures {v.capture_layers}: {answer}",
-                             "  ", "    "))
+            captures = ("" if v.status in ("CANNOT CAPTURE", "CANNOT LOAD")
+                        else f" captures {v.capture_layers}:")
+            out.append(_wrap(f"{title}{shown}:{captures} {answer}", "  ", "    "))
         if self.deployment_brief:
             out += self.deployment_brief
         out.append(_wrap(f"verdict ({self.engine_name}): " + self._verdict(), "", "  "))
@@ -298,6 +305,9 @@ class Diagnosis:
                               "UNVERIFIED" if self.unknown else "OK")
         if v.ok:
             return status
+        if v.brief:
+            remedy = f" -> {v.fix}" if v.status == "CANNOT CAPTURE" else ""
+            return f"{status} ({v.brief}){remedy}"
         problems = [t for t in v.lines if not t.endswith((": matches", "(no ids)"))]
         why = problems[0] if problems else ""
         if any("MISMATCH" in t for t in problems):
@@ -337,12 +347,17 @@ class Diagnosis:
                              "for a server run with it: --vllm-runner v1)", indent + "    ",
                              indent + "      "))
         out += [_wrap(text, indent + "    ", indent + "      ") for text in v.lines]
-        if not v.ok and v.fix:
+        if not v.ok and v.fix and v.status != "CANNOT CAPTURE":   # (its text says where)
             out.append(_wrap(f"fix for this line: {v.fix}", indent + "    ", indent + "      "))
         return out
 
     def _verdict(self) -> str:
         kind = self.verdict_class
+        if kind == "CANNOT CAPTURE":
+            remedy = next(v.fix for _, vs in self.by_reading for v in vs
+                          if v.status == "CANNOT CAPTURE")
+            return (f"CANNOT CAPTURE: {self.engine_name}'s class for this target cannot feed an "
+                    f"EAGLE-3 draft on the lines shown, whatever the ids; {remedy}")
         if kind == "CANNOT LOAD":
             return f"CANNOT LOAD: {self.engine_name} cannot load this draft format (above)"
         if kind == "AMBIGUOUS":
@@ -506,9 +521,17 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
         by_reading = [(reading, [
             LineVerdict(v.line, [], False, [text], status="CANNOT LOAD") if text else v
             for v, text in zip(vs, cannot_on)]) for reading, vs in by_reading]
+    # The target's class itself cannot capture (no draft, no ids change that); a draft
+    # that takes no aux states never asks it to.
+    capture_on = [None if no_aux else target_cannot_capture(engine, line, architecture,
+                                                            sglang_version)
+                  for line in lines]
+    if any(capture_on):
+        by_reading = [(reading, [_cannot_capture(v, c) for v, c in zip(vs, capture_on)])
+                      for reading, vs in by_reading]
     for _, vs in by_reading:
         for v in vs:
-            if config_problems:
+            if config_problems and v.status != "CANNOT CAPTURE":
                 v.ok = False
                 v.lines[:0] = config_problems
             # vLLM's V1 runner when V2 (its default) is also shown: reported, not decisive
@@ -536,39 +559,63 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
                      deployment_brief=deploy_brief)
 
 
+def _cannot_capture(v: LineVerdict, cannot: Optional["CannotCapture"]) -> LineVerdict:
+    """``v`` for a target class that cannot capture on (part of) its line."""
+    if cannot is None:
+        return v
+    if cannot.whole:   # the draft's own CANNOT LOAD, if any, is said after
+        return LineVerdict(v.line, [], False, [cannot.text] + (v.lines if v.status else []),
+                           fix=cannot.remedy, status="CANNOT CAPTURE", brief=cannot.short)
+    return replace(v, ok=False, lines=[cannot.text] + v.lines, brief=cannot.short)
+
+
 def cannot_load(engine: str, draft: Optional[DraftIds], line=None) -> Optional[str]:
     """Why ``engine`` (its release ``line``, where the registry changed) cannot load
-    the draft (its class is not registered there), or None."""
+    the draft (its class is not registered there: the engine facts), or None."""
     if draft is None or not draft.architecture:
         return None
     arch = draft.architecture
-    # Only formats known to be EAGLE-3 drafts are judged (an unknown name may be a
-    # format newer than the registries read).
-    since = SGLANG_DRAFT_CLASSES.get(arch)
-    if engine == "sglang" and arch in DRAFT_ARCHITECTURES and (
-            since is None or (line is not None and line.last < since[0])):
+    # Judged: the EAGLE-3 draft formats some release read registers, and EAGLE-3 names
+    # that no release of either engine registers at all. (Other names are not judged:
+    # SGLang rewrites some draft architectures before it looks them up.)
+    unknown = "eagle3" in arch.lower() and not engine_facts.registered_anywhere(arch)
+    if not (arch in draft_architectures() or unknown):
+        return None
+    nowhere = (" No release read of either engine registers it (SGLang 0.5.9 - 0.5.23, "
+               "vLLM 0.32 - 0.34): check the config's architectures" if unknown else "")
+    if engine == "sglang":
+        releases = (_sglang_releases(line, None) if line is not None
+                    else engine_facts.releases("sglang"))
+        if any(engine_facts.registers_draft("sglang", r, arch) for r in releases):
+            return None
+        since = engine_facts.draft_class("sglang", arch)
         if since is not None:
             return (f"SGLang cannot load this draft format on this line: {arch} "
-                    f"({since[1]}) is registered from {'.'.join(map(str, since[0]))} on (not "
-                    f"in {line.read_versions[0]}). Serve it with a later SGLang, or with vLLM")
+                    f"(models/{since[1].split('.')[0]}.py) is registered from {since[0]} on "
+                    f"(not in {releases[0]}). Serve it with a later SGLang, or with vLLM")
+        newest = engine_facts.releases("sglang")[-1]
         speculators = arch == "Eagle3Speculator" or "speculators_config" in draft.raw
         return (f"SGLang cannot load this draft format: no SGLang model class is registered as "
-                f"{arch} (its EAGLE-3 drafts: {', '.join(SGLANG_DRAFT_CLASSES)}; read in SGLang "
-                f"0.5.9 - 0.5.23)" + (
+                f"{arch} (its EAGLE-3 drafts: "
+                f"{', '.join(engine_facts.load()['sglang'][newest]['eagle3_drafts'])}; read in "
+                f"SGLang 0.5.9 - {newest})" + (
                     ", and nothing in SGLang reads speculators' speculators_config. Serve it with "
                     "vLLM, which loads speculators' format, or convert it back to "
                     "LlamaForCausalLMEagle3 with the ids in eagle_config"
-                    if speculators else
+                    if speculators else "." + nowhere + "." if unknown else
                     ". Serve it with vLLM, which registers it, or export the draft as "
                     "LlamaForCausalLMEagle3 (its trainer's SGLang export)"))
     # vLLM names an EAGLE-3 draft's class "Eagle3" + its architecture unless the name
     # already starts or ends with Eagle3 (transformers_utils/configs/eagle.py).
     loaded = arch if arch.startswith("Eagle3") or arch.endswith("Eagle3") else f"Eagle3{arch}"
-    if engine == "vllm" and arch in DRAFT_ARCHITECTURES and loaded not in VLLM_DRAFT_CLASSES \
-            and "speculators_config" not in draft.raw:
+    releases = _vllm_releases(line if line is not None else VLLM_LINE)
+    if engine == "vllm" and "speculators_config" not in draft.raw and not any(
+            engine_facts.registers_draft("vllm", r, loaded) for r in releases):
         return (f"vLLM cannot load this draft format: no vLLM EAGLE-3 model is registered as "
-                f"{arch} (model_executor/models/registry.py, read in 0.32.0). Serve it with SGLang"
-                f" if it registers it, or convert it to a vLLM format (speculators' converter)")
+                f"{loaded} (model_executor/models/registry.py, read in {', '.join(releases)})."
+                + (nowhere + "." if unknown else
+                   " Serve it with SGLang if it registers it, or convert it to a vLLM format "
+                   "(speculators' converter)"))
     return None
 
 
@@ -587,26 +634,38 @@ def _nested_fix(lines, provenance: Provenance, num_layers: int, allow_embedding:
 
 
 def model_lines(lines: list, architecture: str, sglang_version: Optional[str]):
-    """Each SGLang line with the target model's own id rule, and the notes that
-    say which rule applies (or that the model was not read and what is assumed)."""
+    """Each SGLang line with the target model's own id rule (from the engine facts
+    generated from the wheels), and the notes that say which rule applies (or why
+    none is known and what is assumed). A line whose class cannot capture at all is
+    returned as is: :func:`target_cannot_capture` says so."""
     if not architecture:
         return lines, ["the target's architecture is not given: DeepseekV2's id rule is "
                        "assumed (other models have their own; pass --target-config or "
                        "--target-architecture)"]
     out, notes, said = [], [], set()
     for line in lines:
-        version = (parse_version(sglang_version) if sglang_version
-                   else parse_version(line.read_versions[-1]))
-        rule = sglang_model_rule(version, architecture)
+        facts = [(r, engine_facts.target("sglang", r, architecture))
+                 for r in _sglang_releases(line, sglang_version)]
+        capturing = [(r, f) for r, f in facts if f and f["capture"]]
+        if facts and all(_cannot_here("sglang", architecture, f) for _, f in facts):
+            out.append(line)
+            continue
+        others = [(r, f) for r, f in facts if not _cannot_here("sglang", architecture, f)]
+        release, fact = (capturing or others or [(line.read_versions[-1], None)])[-1]
+        rule = model_rule_of(architecture, fact, release)
         if rule is None:
-            read = sorted({a for rows in SGLANG_MODEL_RULES.values() for a in rows})
-            rule = ModelRule(architecture, SHIFT_ALWAYS, "not read (assumed)",
-                             line.read_versions[-1])
-            text = (f"SGLang {line.name}: the model class for {architecture} was not read; "
-                    f"the doctor ASSUMES it adds 1 to every id (the rule of most models). "
-                    f"Check its set_eagle3_layers_to_capture (models read: {len(read)} "
-                    f"architectures, e.g. LlamaForCausalLM, Qwen3MoeForCausalLM, "
-                    f"GptOssForCausalLM)")
+            rule = ModelRule(architecture, SHIFT_ALWAYS, "not read (assumed)", release)
+            read = ", ".join(r for r, _ in facts) or release
+            if fact is None:
+                why = (f"no model class is registered as {architecture} in SGLang {read} "
+                       f"(check the config's architecture name)")
+            elif fact["capture"] is None:
+                why = f"its class's capture could not be read from the code ({fact['why']})"
+            else:
+                why = (f"its set_eagle3_layers_to_capture ({fact['owner']}) follows none of the "
+                       f"known rules ({fact['why']})")
+            text = (f"SGLang {line.name}: {why}; the doctor ASSUMES it adds 1 to every id "
+                    f"(the rule of most models). Check its set_eagle3_layers_to_capture")
         else:
             text = f"SGLang {line.name}'s rule for {rule.describe()}"
         if text not in said:
@@ -614,6 +673,108 @@ def model_lines(lines: list, architecture: str, sglang_version: Optional[str]):
             notes.append(text)
         out.append(line.for_model(rule))
     return out, notes
+
+
+def _sglang_releases(line, sglang_version: Optional[str]) -> list[str]:
+    """The SGLang releases read that ``line`` (or ``sglang_version``) stands for."""
+    if sglang_version:
+        release = engine_facts.read_release("sglang", parse_version(sglang_version))
+        return [release] if release else []
+    return [r for r in engine_facts.releases("sglang") if line.covers(parse_version(r))]
+
+
+def _vllm_releases(line) -> list[str]:
+    return [v.split()[0] for v in line.read_versions]
+
+
+def _lines_that_capture(architecture: str) -> str:
+    """Where a target class can feed an EAGLE-3 draft, among the releases read."""
+    where = engine_facts.capturing_releases(architecture)
+    parts, run = [], []      # run: consecutive lines that capture on every release read
+
+    def close():
+        if run:
+            parts.append(f"SGLang {run[0].name.split(' - ')[0]} - {run[-1].name.split(' - ')[-1]}")
+            run.clear()
+    for line in SGLANG_LINES:
+        covered = [r for r in engine_facts.releases("sglang") if line.covers(parse_version(r))]
+        can = [r for r in covered if r in where["sglang"]]
+        if can and can == covered:
+            run.append(line)
+            continue
+        close()
+        if can:
+            parts.append(f"SGLang {', '.join(can)}")
+    close()
+    if where["vllm"]:
+        parts.append("vLLM " + ", ".join(where["vllm"]))
+    if not parts:
+        return ("no SGLang or vLLM release read can (SGLang 0.5.9 - 0.5.23, vLLM 0.32 - 0.34): "
+                "serve it without EAGLE-3, or with a draft for another target")
+    return "it can on " + "; ".join(parts) + " (of the releases read)"
+
+
+def target_cannot_capture(engine: str, line, architecture: str,
+                          sglang_version: Optional[str] = None) -> Optional["CannotCapture"]:
+    """Why the target's class cannot feed an EAGLE-3 draft on ``line`` (from the
+    engine facts), and whether that holds for the whole line (False: only some of
+    its releases read); None when it can, or when that is not known."""
+    if not architecture:
+        return None
+    releases = (_vllm_releases(line) if engine == "vllm"
+                else _sglang_releases(line, sglang_version))
+    facts = {r: engine_facts.target(engine, r, architecture) for r in releases}
+    cannot = [r for r, f in facts.items() if _cannot_here(engine, architecture, f)]
+    if not cannot:
+        return None
+    fact = facts[cannot[-1]]
+    where = f"{line.engine} {', '.join(cannot)}"
+    if fact is None:
+        first = next(r for r in engine_facts.releases("sglang")
+                     if engine_facts.target("sglang", r, architecture))
+        short = f"{architecture} is registered from {first} on"
+        why = (f"{where}: no model class is registered as {architecture} ({short}), so SGLang "
+               f"serves it, if at all, through its Transformers fallback "
+               f"(TransformersForCausalLM), which has no set_eagle3_layers_to_capture")
+    elif engine == "vllm":
+        short = f"{fact['class']} is not SupportsEagle3"
+        why = (f"{where}: the target's class {short}, so the server refuses EAGLE-3 at "
+               f"start-up (\"Model does not support EAGLE3 interface\")")
+    elif fact.get("why"):
+        short = f"{fact['class']}: {fact['why'].split(':')[0]}"
+        why = f"{where}: the target's class {fact['class']} {fact['why']}"
+    else:
+        short = f"{fact['class']} has no set_eagle3_layers_to_capture"
+        why = (f"{where}: the target's class {short} (nor its bases), so the model runner's "
+               f"call fails at start-up (AttributeError)")
+    whole = len(cannot) == len(releases)
+    if not whole:
+        can = [r for r in releases if r not in cannot and (facts[r] or {}).get("capture")]
+        why += (f"; {', '.join(can)} capture" if can else "")
+        short += f" on {', '.join(cannot)}" + (f"; {', '.join(can)} capture" if can else "")
+    remedy = _lines_that_capture(architecture)
+    return CannotCapture(f"{why}. It cannot feed an EAGLE-3 draft there, whatever the ids; "
+                         f"{remedy}", whole, short, remedy)
+
+
+def _cannot_here(engine: str, architecture: str, fact: Optional[dict]) -> bool:
+    """Whether a release whose fact for ``architecture`` is ``fact`` cannot capture for it:
+    its class cannot; or (SGLang) it registers no class for a name that other releases
+    do register -- its Transformers fallback has no set_eagle3_layers_to_capture. (A name
+    no release registers may be a typo: ASSUMED, said in a note.)"""
+    if fact is not None:
+        return fact["capture"] is False
+    return engine == "sglang" and any(engine_facts.target("sglang", r, architecture)
+                                      for r in engine_facts.releases("sglang"))
+
+
+@dataclass(frozen=True)
+class CannotCapture:
+    """A target class that cannot feed an EAGLE-3 draft on a line (or part of it)."""
+    text: str
+    whole: bool      # every release of the line read (False: some only)
+    short: str       # the cause in a few words
+    remedy: str      # where it can
 
 
 def _vllm_notes(draft: Optional[DraftIds], ids, provenance: Provenance) -> list[str]:

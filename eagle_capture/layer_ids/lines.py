@@ -27,20 +27,15 @@ TARGET_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                         "KimiK25ForConditionalGeneration")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
-# The EAGLE-3 draft classes each engine registers, by the name a config's
-# ``architectures`` gives (SGLang: the ``EntryClass`` of ``models/*eagle*.py``, read
-# in 0.5.9, 0.5.13, 0.5.18, 0.5.20 and 0.5.23, with the first wheel read that has
-# it; vLLM: ``model_executor/models/registry.py``, read in 0.32.0, which also loads
-# speculators' format by translating its ``speculators_config``).
-SGLANG_DRAFT_CLASSES = {"LlamaForCausalLMEagle3": ((0, 5, 9), "models/llama_eagle3.py"),
-                        "Eagle3DeepseekV2ForCausalLM": ((0, 5, 13), "models/kimi_k25_eagle3.py")}
-VLLM_DRAFT_CLASSES = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3",
-                      "Eagle3MiniMaxM2ForCausalLM", "Eagle3Qwen2_5vlForCausalLM",
-                      "Eagle3Qwen3vlForCausalLM", "Eagle3Qwen3ForCausalLM",
-                      "Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM",
-                      "PEagleDraftModel", "PeagleLlamaForCausalLM", "PeagleQwen3ForCausalLM")
-DRAFT_ARCHITECTURES = frozenset(SGLANG_DRAFT_CLASSES) | frozenset(VLLM_DRAFT_CLASSES) | {
-    "Eagle3Speculator"}
+
+def draft_architectures() -> frozenset:
+    """The EAGLE-3 draft classes the engines register, by the name a config's
+    ``architectures`` gives (the engine facts generated from the wheels:
+    :mod:`eagle_capture.layer_ids.engine_facts`), and speculators' format, which vLLM
+    loads by translating its ``speculators_config``."""
+    from eagle_capture.layer_ids import engine_facts
+
+    return engine_facts.eagle3_drafts() | {"Eagle3Speculator"}
 
 
 class CapturePlanError(ValueError):
@@ -352,7 +347,7 @@ def read_draft_ids(config: Union[dict, str, os.PathLike]) -> DraftIds:
 def looks_like_draft(config: dict) -> bool:
     """An EAGLE-3 draft's config by its own keys (for a config passed in the
     wrong place)."""
-    return (_architecture(config) in DRAFT_ARCHITECTURES or config.get("num_hidden_layers") == 1
+    return (_architecture(config) in draft_architectures() or config.get("num_hidden_layers") == 1
             or any(k in config for k in ("eagle_config", IDS_KEY, "speculators_config",
                                          "target_layer_ids", "dflash_config",
                                          "dspark_target_layer_ids", "num_target_layers")))

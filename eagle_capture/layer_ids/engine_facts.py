@@ -1,0 +1,213 @@
+"""The engines' EAGLE-3 facts per release, generated from their own code.
+
+``data/engine_facts.json`` holds, for each SGLang and vLLM wheel read
+(:mod:`.engine_read`, the source read without importing it):
+
+* ``targets``: every architecture the release registers -> whether its class can
+  feed an EAGLE-3 draft (``capture``: true, false, or null where the code cannot
+  be read mechanically, with ``why``), the class whose code decides it
+  (``owner``), for SGLang the id rule its ``set_eagle3_layers_to_capture``
+  applies (a :data:`~eagle_capture.layer_ids.rules.RULE_WORDS` key) and the
+  delegation it goes through (``via``);
+* ``eagle3_drafts``: the EAGLE-3 draft architectures it registers -> their class
+  (vLLM also lists ``speculative``: every architecture of its speculative-decoding
+  table).
+
+Regenerate after a new engine release (and review the diff)::
+
+    python -m eagle_capture.layer_ids.engine_facts --wheel-dir DIR [--check]
+
+``DIR`` holds the wheels (``pip download --no-deps sglang==V vllm==V -d DIR``);
+``--check`` compares with the committed file instead of writing it (exit 1 on
+drift). The tests run the same comparison.
+"""
+
+import argparse
+import functools
+import glob
+import json
+import os
+import sys
+from typing import Optional
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "engine_facts.json")
+
+# The releases read: the wheels the doctor's lines rest on.
+SGLANG_RELEASES = ("0.5.9", "0.5.13", "0.5.18", "0.5.20", "0.5.22", "0.5.23")
+VLLM_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
+
+
+def _key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("."))
+
+
+@functools.lru_cache(maxsize=None)
+def load(path: str = DATA) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def releases(engine: str) -> list[str]:
+    return sorted(load()[engine], key=_key)
+
+
+def read_release(engine: str, version: tuple[int, ...]) -> Optional[str]:
+    """The newest release read that is not newer than ``version``."""
+    read = [v for v in releases(engine) if _key(v) <= tuple(version)]
+    return read[-1] if read else None
+
+
+def target(engine: str, release: str, architecture: str) -> Optional[dict]:
+    """The fact for ``architecture`` in ``release`` (a version read), None: not
+    registered there."""
+    return load()[engine][release]["targets"].get(architecture)
+
+
+def registers_draft(engine: str, release: str, architecture: str) -> bool:
+    return architecture in load()[engine][release]["eagle3_drafts"]
+
+
+def draft_class(engine: str, architecture: str) -> Optional[tuple[str, str]]:
+    """(the first release read that registers ``architecture`` as an EAGLE-3 draft,
+    its class), or None."""
+    for release in releases(engine):
+        cls = load()[engine][release]["eagle3_drafts"].get(architecture)
+        if cls:
+            return release, cls
+    return None
+
+
+def registered_anywhere(architecture: str) -> bool:
+    """Whether any release read of either engine registers ``architecture`` at all
+    (a target, an EAGLE-3 draft, vLLM's other speculative models)."""
+    return any(architecture in r["targets"] or architecture in r["eagle3_drafts"]
+               or architecture in r.get("speculative", ())
+               for engine in ("sglang", "vllm") for r in load()[engine].values())
+
+
+def eagle3_drafts() -> frozenset:
+    """Every EAGLE-3 draft architecture any release read registers."""
+    return frozenset(a for engine in ("sglang", "vllm") for r in load()[engine].values()
+                     for a in r["eagle3_drafts"])
+
+
+def capturing_releases(architecture: str) -> dict[str, list[str]]:
+    """Per engine, the releases read whose class for ``architecture`` can capture."""
+    return {engine: [v for v in releases(engine)
+                     if (target(engine, v, architecture) or {}).get("capture")]
+            for engine in ("sglang", "vllm")}
+
+
+# ----------------------------------------------------------------------------
+# Generating
+# ----------------------------------------------------------------------------
+
+def find_wheels(wheel_dir: str) -> dict[str, dict[str, str]]:
+    """{"sglang": {version: wheel}, "vllm": {...}} for the releases read."""
+    found: dict[str, dict[str, str]] = {"sglang": {}, "vllm": {}}
+    for engine, wanted in (("sglang", SGLANG_RELEASES), ("vllm", VLLM_RELEASES)):
+        for version in wanted:
+            hits = sorted(glob.glob(os.path.join(wheel_dir, f"{engine}-{version}-*.whl")))
+            if hits:
+                found[engine][version] = hits[0]
+    return found
+
+
+def generate(wheels: dict[str, dict[str, str]]) -> dict:
+    from eagle_capture.layer_ids.engine_read import read_sglang, read_vllm
+
+    out: dict = {"sglang": {}, "vllm": {}}
+    for version, wheel in sorted(wheels["sglang"].items(), key=lambda kv: _key(kv[0])):
+        out["sglang"][version] = read_sglang(wheel)
+    for version, wheel in sorted(wheels["vllm"].items(), key=lambda kv: _key(kv[0])):
+        out["vllm"][version] = read_vllm(wheel)
+    return out
+
+
+def dumps(facts: dict) -> str:
+    """JSON with one architecture per line (a new release reads as a short diff)."""
+    lines = ["{"]
+    engines = list(facts.items())
+    for ei, (engine, per) in enumerate(engines):
+        lines.append(f"  {json.dumps(engine)}: {{")
+        items = list(per.items())
+        for ri, (version, rel) in enumerate(items):
+            lines.append(f"    {json.dumps(version)}: {{")
+            lines.append(f"      \"wheel\": {json.dumps(rel['wheel'])},")
+            lines.append(f"      \"registered\": {rel['registered']},")
+            lines.append(f"      \"eagle3_drafts\": {json.dumps(rel['eagle3_drafts'])},")
+            if "speculative" in rel:
+                lines.append(f"      \"speculative\": {json.dumps(rel['speculative'])},")
+            lines.append("      \"targets\": {")
+            targets = list(rel["targets"].items())
+            for ti, (arch, fact) in enumerate(targets):
+                comma = "," if ti < len(targets) - 1 else ""
+                lines.append(f"        {json.dumps(arch)}: {json.dumps(fact)}{comma}")
+            lines.append("      }")
+            lines.append("    }" + ("," if ri < len(items) - 1 else ""))
+        lines.append("  }" + ("," if ei < len(engines) - 1 else ""))
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def drift(generated: dict, committed: dict) -> list[str]:
+    """What differs, one line per architecture (empty: none)."""
+    out = []
+    for engine in ("sglang", "vllm"):
+        for version in sorted(set(generated.get(engine, {})) | set(committed.get(engine, {})),
+                              key=_key):
+            g, c = generated.get(engine, {}).get(version), committed.get(engine, {}).get(version)
+            if g is None or c is None:
+                missing = "not generated" if g is None else "not committed"
+                out.append(f"{engine} {version}: {missing}")
+                continue
+            if g["eagle3_drafts"] != c["eagle3_drafts"] or g.get("speculative") != \
+                    c.get("speculative"):
+                out.append(f"{engine} {version} eagle3_drafts: {c['eagle3_drafts']} -> "
+                           f"{g['eagle3_drafts']}")
+            for arch in sorted(set(g["targets"]) | set(c["targets"])):
+                if g["targets"].get(arch) != c["targets"].get(arch):
+                    out.append(f"{engine} {version} {arch}: {c['targets'].get(arch)} -> "
+                               f"{g['targets'].get(arch)}")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_capture.layer_ids.engine_facts",
+        description="Read the SGLang and vLLM wheels' model code and write (or check) the "
+                    "doctor's engine facts.")
+    p.add_argument("--wheel-dir", required=True,
+                   help="a folder holding the wheels: sglang-{%s}, vllm-{%s}" % (
+                       ",".join(SGLANG_RELEASES), ",".join(VLLM_RELEASES)))
+    p.add_argument("--check", action="store_true",
+                   help="compare with the committed data instead of writing it (exit 1 on drift)")
+    p.add_argument("--out", default=DATA, help="where to write (default: the package's data)")
+    args = p.parse_args(argv)
+    if not os.path.isdir(args.wheel_dir):
+        print(f"error: --wheel-dir {args.wheel_dir} is not a folder", file=sys.stderr)
+        return 2
+    wheels = find_wheels(args.wheel_dir)
+    missing = [f"{e}=={v}" for e, want in (("sglang", SGLANG_RELEASES), ("vllm", VLLM_RELEASES))
+               for v in want if v not in wheels[e]]
+    if missing:
+        print(f"error: {args.wheel_dir} lacks the wheels of {', '.join(missing)} (pip download "
+              f"--no-deps {' '.join(missing)} -d {args.wheel_dir})", file=sys.stderr)
+        return 2
+    facts = generate(wheels)
+    if args.check:
+        with open(args.out, encoding="utf-8") as f:
+            diff = drift(facts, json.load(f))
+        for line in diff:
+            print(line)
+        print(f"{len(diff)} difference(s) from {args.out}" if diff else
+              f"{args.out} matches the wheels")
+        return 1 if diff else 0
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(dumps(facts))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,600 @@
+"""Read SGLang's and vLLM's model code from their wheels, as source: nothing is
+imported, so every release reads the same on any machine (no GPU, no engine
+installed). What is read:
+
+* the registry: SGLang registers each ``EntryClass`` of a top-level
+  ``sglang/srt/models/*.py`` by the class's ``__name__``; vLLM maps an
+  architecture to ``(module, class)`` in ``model_executor/models/registry.py``'s
+  tables;
+* each class's bases, resolved through the files' imports (the method
+  resolution order of the engine's classes, across files);
+* SGLang: ``set_eagle3_layers_to_capture`` -- found on the class through its
+  MRO, then *run* (only that function's body, compiled from the source) on a
+  recording shell for a few probe id lists: what it assigns to a
+  ``layers_to_capture``, and where it hands the ids on (``self.language_model``
+  / ``self.model``: that attribute's class, from the ``__init__`` that builds
+  it, and its own method, run the same way);
+* vLLM: ``SupportsEagle3`` among the class's ancestors (the server refuses an
+  EAGLE-3 draft at start-up otherwise: "Model does not support EAGLE3
+  interface").
+"""
+
+import ast
+import builtins
+import zipfile
+from dataclasses import dataclass, field
+from typing import Optional
+
+METHOD = "set_eagle3_layers_to_capture"
+# Probe ids on a 40-layer shell: they tell every rule in rules.RULE_WORDS apart
+# (None: the defaults; ids[0] == 1 or not; the largest == num_layers or not).
+PROBE_LAYERS = 40
+PROBES = (None, [1, 19, 36], [2, 19, 36], [3, 20, 40], [0, 5, 9])
+
+
+class Unresolved(Exception):
+    """The source names something this reader cannot follow (a class built at
+    run time, a name from outside the engine)."""
+
+
+# ----------------------------------------------------------------------------
+# Modules, classes and imports
+# ----------------------------------------------------------------------------
+
+@dataclass
+class Module:
+    name: str                       # dotted: sglang.srt.models.llama
+    path: str                       # in the wheel
+    tree: ast.Module
+    is_package: bool = False
+    classes: dict = field(default_factory=dict)    # name -> ast.ClassDef
+    imports: dict = field(default_factory=dict)    # local name -> (module, name or None)
+    aliases: dict = field(default_factory=dict)    # NAME = OtherName at module level
+
+
+@dataclass(frozen=True)
+class ClassRef:
+    module: str
+    name: str
+
+    def short(self, prefix: str) -> str:
+        """``llama.LlamaForCausalLM`` for a class of ``prefix`` (the models package)."""
+        mod = self.module[len(prefix) + 1:] if self.module.startswith(prefix + ".") else self.module
+        return f"{mod}.{self.name}"
+
+
+class Source:
+    """The Python files of one wheel under some packages, parsed on demand."""
+
+    def __init__(self, wheel: str, packages: tuple[str, ...]):
+        self.wheel = wheel
+        self._files: dict[str, str] = {}
+        with zipfile.ZipFile(wheel) as z:
+            for info in z.infolist():
+                name = info.filename
+                if name.endswith(".py") and name.startswith(packages):
+                    self._files[name] = z.read(info).decode("utf-8-sig", errors="replace")
+        self._modules: dict[str, Optional[Module]] = {}
+
+    def files(self) -> dict[str, str]:
+        return self._files
+
+    def module(self, name: str) -> Optional[Module]:
+        if name in self._modules:
+            return self._modules[name]
+        base = name.replace(".", "/")
+        mod = None
+        for path, package in ((base + ".py", False), (base + "/__init__.py", True)):
+            if path in self._files:
+                try:
+                    mod = self._parse(name, path, package)
+                except SyntaxError:      # the engine's import fails too: not registered
+                    mod = None
+                break
+        self._modules[name] = mod
+        return mod
+
+    def _parse(self, name: str, path: str, package: bool) -> Module:
+        tree = ast.parse(self._files[path])
+        mod = Module(name, path, tree, package)
+        pkg = name if package else name.rsplit(".", 1)[0]
+        for node in tree.body:
+            self._index(mod, node, pkg)
+        return mod
+
+    def _index(self, mod: Module, node: ast.stmt, pkg: str) -> None:
+        if isinstance(node, ast.ClassDef):
+            mod.classes[node.name] = node
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            for a in node.names:
+                mod.imports[a.asname or a.name] = (base, a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                mod.imports[a.asname or a.name.split(".")[0]] = (a.name, None)
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Name):
+            mod.aliases[node.targets[0].id] = node.value.id
+        elif isinstance(node, (ast.If, ast.Try)):
+            # Definitions under a guard (try: import X except ImportError): every branch.
+            for sub in ast.iter_child_nodes(node):
+                if isinstance(sub, ast.stmt):
+                    self._index(mod, sub, pkg)
+                elif isinstance(sub, ast.ExceptHandler):
+                    for s in sub.body:
+                        self._index(mod, s, pkg)
+
+    def resolve(self, module: str, name: str, depth: int = 0) -> Optional[ClassRef]:
+        """The class ``name`` means in ``module`` (following imports and aliases);
+        None: not a class defined in this wheel."""
+        mod = self.module(module)
+        if mod is None or depth > 20:
+            return None
+        if name in mod.classes:
+            return ClassRef(module, name)
+        if name in mod.aliases and mod.aliases[name] != name:
+            return self.resolve(module, mod.aliases[name], depth + 1)
+        if name in mod.imports:
+            src, orig = mod.imports[name]
+            if orig is None:
+                return None
+            found = self.resolve(src, orig, depth + 1)
+            if found is None and self.module(f"{src}.{orig}") is not None:
+                return None          # a submodule, not a class
+            return found
+        return None
+
+    def resolve_expr(self, module: str, expr: ast.expr) -> Optional[ClassRef]:
+        """The class an expression names: ``Name`` or ``module_alias.Name``."""
+        if isinstance(expr, ast.Name):
+            return self.resolve(module, expr.id)
+        if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name):
+            mod = self.module(module)
+            imported = mod.imports.get(expr.value.id) if mod else None
+            if imported is not None:
+                target = imported[0] if imported[1] is None else f"{imported[0]}.{imported[1]}"
+                return self.resolve(target, expr.attr)
+        return None
+
+    def classdef(self, ref: ClassRef) -> ast.ClassDef:
+        return self.module(ref.module).classes[ref.name]
+
+    def bases(self, ref: ClassRef) -> list:
+        """Each base: a ClassRef, or the base's source text when it is not a class of
+        this wheel (``nn.Module``)."""
+        out = []
+        for b in self.classdef(ref).bases:
+            if isinstance(b, ast.Name):
+                out.append(self.resolve(ref.module, b.id) or b.id)
+            elif isinstance(b, ast.Subscript) and isinstance(b.value, ast.Name):
+                out.append(self.resolve(ref.module, b.value.id) or ast.unparse(b))
+            else:
+                out.append(ast.unparse(b))
+        return out
+
+    def mro(self, ref: ClassRef) -> list:
+        """C3 linearisation over the wheel's classes (foreign bases kept as names)."""
+        return _c3(ref, self.bases, {})
+
+    def method(self, ref: ClassRef, name: str) -> Optional[tuple[ClassRef, ast.FunctionDef]]:
+        """(owner, def) of ``name`` found on ``ref`` through its MRO."""
+        for c in self.mro(ref):
+            if not isinstance(c, ClassRef):
+                continue
+            for node in self.classdef(c).body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                    return c, node
+        return None
+
+
+def _c3(ref, bases_of, memo):
+    if not isinstance(ref, ClassRef):
+        return [ref]
+    if ref in memo:
+        return memo[ref]
+    memo[ref] = [ref]      # a cycle (never in real code) ends here
+    bases = bases_of(ref)
+    seqs = [_c3(b, bases_of, memo) for b in bases] + [list(bases)]
+    out = [ref]
+    seqs = [list(s) for s in seqs if s]
+    while seqs:
+        for s in seqs:
+            head = s[0]
+            if not any(head in t[1:] for t in seqs):
+                break
+        else:   # inconsistent: fall back to depth-first order
+            rest = [x for s in seqs for x in s]
+            out += [x for i, x in enumerate(rest) if x not in rest[:i] and x not in out]
+            break
+        out.append(head)
+        seqs = [[x for x in s if x != head] for s in seqs]
+        seqs = [s for s in seqs if s]
+    memo[ref] = out
+    return out
+
+
+# ----------------------------------------------------------------------------
+# SGLang
+# ----------------------------------------------------------------------------
+
+SGLANG_MODELS = "sglang.srt.models"
+
+
+def sglang_registry(src: Source) -> dict[str, ClassRef]:
+    """Architecture -> class, as SGLang's ``import_model_classes`` builds it: each
+    top-level module of ``sglang.srt.models`` with an ``EntryClass``."""
+    out = {}
+    prefix = SGLANG_MODELS.replace(".", "/") + "/"
+    for path in sorted(src.files()):
+        rest = path[len(prefix):] if path.startswith(prefix) else None
+        if not rest or "/" in rest or rest == "__init__.py":
+            continue
+        name = f"{SGLANG_MODELS}.{rest[:-3]}"
+        mod = src.module(name)
+        if mod is None:
+            continue
+        for node in mod.tree.body:
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "EntryClass" for t in node.targets):
+                items = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) \
+                    else [node.value]
+                for item in items:
+                    if not isinstance(item, ast.Name):
+                        continue
+                    ref = src.resolve(name, item.id)
+                    if ref is not None:
+                        out[ref.name] = ref     # registered by __name__
+    return out
+
+
+class _Shell:
+    """A model object as the method sees it: attributes made on demand, the
+    layers_to_capture assignments recorded, the config a ``PROBE_LAYERS``-layer one."""
+
+    def __init__(self, run: "_Run", cls: Optional[ClassRef], path: str):
+        object.__setattr__(self, "_run", run)
+        object.__setattr__(self, "_cls", cls)
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_attrs", {})
+
+    def __getattr__(self, name):
+        attrs = object.__getattribute__(self, "_attrs")
+        if name in attrs:
+            return attrs[name]
+        run, path = self._run, f"{self._path}.{name}"
+        if name == "is_last_rank":
+            return True
+        if name == "num_hidden_layers":
+            return PROBE_LAYERS
+        if name == "layers":
+            value = _Layers(run, path)
+        elif name == METHOD:
+            return run.bound(self)
+        else:
+            value = _Shell(run, run.attribute_class(self, name), path)
+        attrs[name] = value
+        return value
+
+    def __setattr__(self, name, value):
+        self._attrs[name] = value
+        if name == "layers_to_capture":
+            self._run.captures.append((self._path, list(value)))
+
+    def __call__(self, *args, **kwargs):
+        return _Shell(self._run, None, f"{self._path}()")
+
+
+class _Run:
+    """One call of a class's method on a shell, following delegation."""
+
+    def __init__(self, src: Source, top: ClassRef):
+        self.src = src
+        self.captures: list = []
+        self.chain: list = []          # (owner ClassRef, whether it got the caller's ids)
+        self.top = top
+
+    def attribute_class(self, shell: _Shell, name: str) -> Optional[ClassRef]:
+        """The class ``self.<name>`` is built from in the MRO's ``__init__``s."""
+        cls = shell._cls
+        if cls is None:
+            return None
+        mro = [c for c in self.src.mro(cls) if isinstance(c, ClassRef)]
+        for c in mro:
+            init = next((n for n in self.src.classdef(c).body
+                         if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+            if init is None:
+                continue
+            for node in ast.walk(init):
+                if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+                    continue
+                if not any(isinstance(t, ast.Attribute) and t.attr == name
+                           and isinstance(t.value, ast.Name) and t.value.id == "self"
+                           for t in node.targets):
+                    continue
+                func = node.value.func
+                if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) \
+                        and func.value.id == "self":
+                    # self.body_cls(...): a class attribute, the most derived one
+                    return self._class_attribute(mro, func.attr)
+                if not isinstance(func, ast.Name):
+                    return None
+                params = [a.arg for a in init.args.args + init.args.kwonlyargs]
+                if func.id in params:
+                    # A class passed in: the default of the most derived __init__
+                    # that declares the parameter (subclasses pass their own).
+                    return self._param_default(mro, func.id)
+                local = _local_import(init, func.id, c.module)
+                if local is not None:
+                    return self.src.resolve(*local)
+                return self.src.resolve(c.module, func.id)
+        return None
+
+    def _class_attribute(self, mro, name: str) -> Optional[ClassRef]:
+        for c in mro:
+            for node in self.src.classdef(c).body:
+                tgt = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                    else (node.target if isinstance(node, ast.AnnAssign) else None)
+                if isinstance(tgt, ast.Name) and tgt.id == name:
+                    return self.src.resolve_expr(c.module, node.value)
+        return None
+
+    def _param_default(self, mro, param: str) -> Optional[ClassRef]:
+        for c in mro:
+            init = next((n for n in self.src.classdef(c).body
+                         if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+            if init is None:
+                continue
+            args = init.args
+            pos = args.args[len(args.args) - len(args.defaults):]
+            pairs = list(zip(pos, args.defaults)) + [
+                (a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+            for a, default in pairs:
+                if a.arg == param and isinstance(default, ast.Name):
+                    return self.src.resolve(c.module, default.id)
+        return None
+
+    def bound(self, shell: _Shell):
+        def call(*args, **kwargs):
+            return self.call(shell, args, kwargs)
+        return call
+
+    def call(self, shell: _Shell, args, kwargs, top: bool = False):
+        cls = shell._cls
+        if cls is None:
+            raise Unresolved(f"{shell._path}: its class is built at run time")
+        found = self.src.method(cls, METHOD)
+        if found is None:
+            raise AttributeError(f"{cls.name} has no {METHOD}")
+        owner, fn = found
+        given = args[0] if args else next(iter(kwargs.values()), None)
+        self.chain.append((owner, cls, given))
+        return _execute(self, owner, fn, shell, args, kwargs)
+
+
+def _local_import(fn: ast.FunctionDef, name: str, module: str) -> Optional[tuple[str, str]]:
+    """(module, name) of an ``from X import name`` inside ``fn`` (absolute or relative)."""
+    for node in ast.walk(fn):
+        if isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                if (a.asname or a.name) == name:
+                    base = node.module or ""
+                    if node.level:
+                        parts = module.split(".")[:-node.level]
+                        base = ".".join(parts + ([node.module] if node.module else []))
+                    return base, a.name
+    return None
+
+
+class _Layers(list):
+    """A model's ``layers``: ``len`` is the probe's layer count, and an index past it
+    is still an object (the probes name the final boundary, past the last layer)."""
+
+    def __init__(self, run, path):
+        super().__init__(_Shell(run, None, f"{path}[{i}]") for i in range(PROBE_LAYERS))
+        self._extra = _Shell(run, None, f"{path}[n]")
+
+    def __getitem__(self, i):
+        return super().__getitem__(i) if isinstance(i, slice) or -len(self) <= i < len(self) \
+            else self._extra
+
+
+# What a set_eagle3_layers_to_capture body may call; anything else is not followed.
+_SAFE_BUILTINS = {n: getattr(builtins, n) for n in (
+    "len", "list", "max", "min", "range", "sorted", "tuple", "set", "setattr", "getattr",
+    "isinstance", "int", "enumerate", "any", "all", "zip", "print", "ValueError",
+    "AttributeError", "RuntimeError", "NotImplementedError", "AssertionError", "TypeError")}
+
+
+def _execute(run: _Run, owner: ClassRef, fn: ast.FunctionDef, shell: _Shell, args, kwargs):
+    """Run the method's body, compiled from its source (annotations and decorators
+    dropped: they are not executed for a call), on ``shell``."""
+    fn = ast.parse(ast.unparse(fn)).body[0]      # a fresh copy to strip
+    fn.decorator_list = []
+    fn.returns = None
+    for a in fn.args.args + fn.args.kwonlyargs + fn.args.posonlyargs:
+        a.annotation = None
+    code = compile(ast.Module([fn], []), f"<{owner.module}.{owner.name}>", "exec")
+
+    def hasattr_(obj, name):
+        if isinstance(obj, _Shell):
+            if name == METHOD:
+                if obj._cls is None:
+                    raise Unresolved(f"hasattr({obj._path}, {name!r}): its class is built at "
+                                     f"run time")
+                return run.src.method(obj._cls, METHOD) is not None
+            raise Unresolved(f"hasattr({obj._path}, {name!r})")
+        return hasattr(obj, name)
+
+    # The parallel-state helpers answer as the pipeline's last rank (where SGLang
+    # captures); any other global the body names is a NameError: not read.
+    parallel = lambda *a, **k: _Shell(run, None, "<parallel>")      # noqa: E731
+    shell_globals = {"__builtins__": dict(_SAFE_BUILTINS, hasattr=hasattr_),
+                     "get_pp_group": parallel, "get_parallel": parallel,
+                     "logger": _Shell(run, None, "<logger>")}
+    namespace: dict = {}
+    exec(code, shell_globals, namespace)      # noqa: S102 - one engine method, on a shell
+    return namespace[fn.name](shell, *args, **kwargs)
+
+
+@dataclass
+class SGLangFact:
+    architecture: str
+    cls: str                     # "llama.LlamaForCausalLM"
+    capture: Optional[bool]      # None: could not be read mechanically
+    owner: Optional[str] = None  # the class whose method computes the capture layers
+    rule: Optional[str] = None   # a rules.RULE_WORDS key; None: unclassified
+    via: list = field(default_factory=list)   # delegation, outermost first
+    why: str = ""
+
+    def as_dict(self) -> dict:
+        d = {"class": self.cls, "capture": self.capture}
+        for k in ("owner", "rule"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        if self.via:
+            d["via"] = self.via
+        if self.why:
+            d["why"] = self.why
+        return d
+
+
+def sglang_fact(src: Source, arch: str, ref: ClassRef) -> SGLangFact:
+    """Whether ``ref`` captures for an EAGLE-3 draft, and by which rule."""
+    from eagle_capture.layer_ids.rules import RULE_WORDS, apply_rule
+
+    short = ref.short(SGLANG_MODELS)
+    if src.method(ref, METHOD) is None:
+        # (no set_eagle3_layers_to_capture: the model runner's call raises AttributeError)
+        return SGLangFact(arch, short, False)
+    results, chains = {}, []
+    for ids in PROBES:
+        run = _Run(src, ref)
+        probe = None if ids is None else list(ids)
+        try:
+            run.call(_Shell(run, ref, "self"), (probe,), {})
+        except Unresolved as e:
+            return SGLangFact(arch, short, None, why=f"not read mechanically: {e}")
+        except AttributeError as e:
+            return SGLangFact(arch, short, False, why=f"delegates, and {e}: start-up fails")
+        except Exception as e:  # noqa: BLE001 - the shell could not run it: say what
+            return SGLangFact(arch, short, None, why=f"not read mechanically: "
+                                                     f"{type(e).__name__}: {e}")
+        results[str(ids)] = run.captures[-1][1] if run.captures else None
+        if probe is not None:
+            # The method that computes the layers: the last one handed the caller's ids.
+            chains.append([(o, c) for o, c, given in run.chain if given is probe])
+    if any(v is None for v in results.values()):
+        last = [c.short(SGLANG_MODELS) for _, c, _ in run.chain]
+        return SGLangFact(arch, short, False, via=last,
+                          why="the ids are handed to a model without the method "
+                              "(checked with hasattr): nothing is captured")
+    chain = chains[0]
+    owner = chain[-1][0].short(SGLANG_MODELS)
+    via = [c.short(SGLANG_MODELS) for _, c in chain] if len(chain) > 1 else []
+    rule = next((r for r in RULE_WORDS
+                 if all(results[str(ids)] == apply_rule(r, ids, PROBE_LAYERS) for ids in PROBES)),
+                None)
+    fact = SGLangFact(arch, short, True, owner, rule, via)
+    if rule is None:
+        fact.why = "unclassified: " + "; ".join(f"ids {k} -> {v}" for k, v in results.items())
+    return fact
+
+
+def is_sglang_eagle3_draft(ref: ClassRef) -> bool:
+    """SGLang's EAGLE-3 draft classes: the ``*eagle3`` model files' entries."""
+    return ref.module.rsplit(".", 1)[-1].endswith("eagle3") or "Eagle3" in ref.name
+
+
+def read_sglang(wheel: str) -> dict:
+    src = Source(wheel, ("sglang/srt/models/",))
+    registry = sglang_registry(src)
+    targets, drafts = {}, {}
+    for arch, ref in sorted(registry.items()):
+        if is_sglang_eagle3_draft(ref):
+            drafts[arch] = ref.short(SGLANG_MODELS)
+            continue
+        targets[arch] = sglang_fact(src, arch, ref).as_dict()
+    return {"wheel": wheel.rsplit("/", 1)[-1], "eagle3_drafts": drafts,
+            "registered": len(registry), "targets": targets}
+
+
+# ----------------------------------------------------------------------------
+# vLLM
+# ----------------------------------------------------------------------------
+
+VLLM_MODELS = "vllm.model_executor.models"
+# Not listed as targets: the Transformers backend's tables (one generic class each),
+# removed or out-of-tree names, and the union of the others.
+_VLLM_TABLES_SKIPPED = ("_TRANSFORMERS_SUPPORTED_MODELS", "_TRANSFORMERS_BACKEND_MODELS",
+                        "_PREVIOUSLY_SUPPORTED_MODELS", "_OOT_SUPPORTED_MODELS", "_VLLM_MODELS")
+
+
+def vllm_registry(src: Source) -> tuple[dict, dict]:
+    """(targets, speculative) architecture -> ClassRef-or-None from registry.py's
+    literal tables (``"Arch": ("module", "Class")``); modules without a dot are
+    under ``vllm.model_executor.models``."""
+    mod = src.module(f"{VLLM_MODELS}.registry")
+    targets, spec = {}, {}
+    for node in mod.tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else (
+            node.target if isinstance(node, ast.AnnAssign) else None)
+        if not (isinstance(target, ast.Name) and isinstance(node.value, ast.Dict)
+                and target.id.endswith("_MODELS")) or target.id in _VLLM_TABLES_SKIPPED:
+            continue
+        into = spec if target.id == "_SPECULATIVE_DECODING_MODELS" else targets
+        for k, v in zip(node.value.keys, node.value.values):
+            if not (isinstance(k, ast.Constant) and isinstance(v, ast.Tuple) and len(v.elts) >= 2
+                    and all(isinstance(e, ast.Constant) for e in v.elts[:2])):
+                continue
+            module, cls = v.elts[0].value, v.elts[1].value
+            module = module if "." in module else f"{VLLM_MODELS}.{module}"
+            into[k.value] = src.resolve(module, cls) or (module, cls)
+    return targets, spec
+
+
+def vllm_fact(src: Source, ref) -> dict:
+    if not isinstance(ref, ClassRef):
+        return {"class": f"{ref[0]}.{ref[1]}", "capture": None,
+                "why": "not read mechanically: the class is not defined in that module's source"}
+    short = ref.short(VLLM_MODELS)
+    mro = src.mro(ref)
+    flag = None
+    for c in mro:
+        if not isinstance(c, ClassRef):
+            continue
+        for node in src.classdef(c).body:
+            tgt = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                else (node.target if isinstance(node, ast.AnnAssign) else None)
+            if isinstance(tgt, ast.Name) and tgt.id == "supports_eagle3" \
+                    and isinstance(node.value, ast.Constant):
+                flag = (c, bool(node.value.value))
+                break
+        if flag:
+            break
+    owner = next((c for c in mro if isinstance(c, ClassRef) and c.name == "SupportsEagle3"
+                  and c.module.endswith("interfaces")), None)
+    if flag is not None and flag[0] != owner:
+        capture, by = flag[1], flag[0]
+    else:
+        capture, by = owner is not None, None
+    out = {"class": short, "capture": capture}
+    if capture:
+        # The class that brings SupportsEagle3 in: the first in the MRO listing it as a base.
+        holder = by or next(c for c in mro if isinstance(c, ClassRef) and owner in src.bases(c))
+        out["owner"] = holder.short(VLLM_MODELS)
+    # (else not SupportsEagle3: the server raises "Model does not support EAGLE3 interface")
+    return out
+
+
+def read_vllm(wheel: str) -> dict:
+    src = Source(wheel, ("vllm/model_executor/models/", "vllm/models/"))
+    targets, spec = vllm_registry(src)
+    drafts = {a: ref.short(VLLM_MODELS) for a, ref in sorted(spec.items())
+              if isinstance(ref, ClassRef) and ref.name.startswith("Eagle3")}
+    return {"wheel": wheel.rsplit("/", 1)[-1], "eagle3_drafts": drafts,
+            "registered": len(targets) + len(spec), "speculative": sorted(spec),
+            "targets": {a: vllm_fact(src, ref) for a, ref in sorted(targets.items())}}

@@ -1,0 +1,166 @@
+"""The doctor's engine facts (eagle_capture/layer_ids/data/engine_facts.json): rebuilt
+from the real SGLang and vLLM wheels and compared with the committed file; checked
+against the per-model rule table that CI runs on each wheel's own classes
+(layer_ids/rules.py, scenario model_id_rules); and the facts the doctor's verdicts
+rest on, as read."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle_capture.layer_ids import engine_facts
+from eagle_capture.layer_ids.rules import SGLANG_MODEL_RULES, WRAPPERS
+
+ROOT = Path(__file__).resolve().parents[1]
+# Wheels are cached here (or where EAGLE_CAPTURE_ENGINE_WHEELS points) and fetched
+# with pip when missing: vLLM's are ~300 MB each.
+WHEELS = Path(os.environ.get("EAGLE_CAPTURE_ENGINE_WHEELS", ROOT / ".cache" / "engine_wheels"))
+
+
+def _fetch_wheels() -> dict:
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    found = engine_facts.find_wheels(str(WHEELS))
+    for engine, wanted in (("sglang", engine_facts.SGLANG_RELEASES),
+                           ("vllm", engine_facts.VLLM_RELEASES)):
+        for version in wanted:
+            if version in found[engine]:
+                continue
+            try:
+                got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
+                                      f"{engine}=={version}", "-d", str(WHEELS)],
+                                     capture_output=True, text=True, timeout=900)
+            except subprocess.TimeoutExpired:
+                pytest.skip(f"fetching {engine}=={version} took over 15 minutes")
+            if got.returncode != 0:
+                pytest.skip(f"cannot fetch the {engine}=={version} wheel to read "
+                            f"({got.stderr.strip().splitlines()[-1:] or 'pip failed'})")
+    return engine_facts.find_wheels(str(WHEELS))
+
+
+@pytest.fixture(scope="module")
+def generated():
+    return engine_facts.generate(_fetch_wheels())
+
+
+def test_the_committed_facts_are_what_the_wheels_say(generated):
+    """The CI's drift check: regenerate from the wheels; any difference fails (adding an
+    engine release is running the generator and reviewing this diff)."""
+    diff = engine_facts.drift(generated, engine_facts.load())
+    assert not diff, ("eagle_capture/layer_ids/data/engine_facts.json differs from the wheels "
+                      "(python -m eagle_capture.layer_ids.engine_facts --wheel-dir DIR):\n"
+                      + "\n".join(diff[:40]))
+    # The file is written as the generator writes it (a regenerated file is a clean diff).
+    assert engine_facts.dumps(generated) == Path(engine_facts.DATA).read_text()
+
+
+def test_the_generator_checks_and_refuses_in_one_line(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "eagle_capture.layer_ids.engine_facts",
+                          "--wheel-dir", str(tmp_path / "nowhere")],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "not a folder" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "eagle_capture.layer_ids.engine_facts",
+                          "--wheel-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1
+    assert "sglang==0.5.9" in run.stderr and "vllm==0.34.0" in run.stderr
+
+
+def test_drift_names_each_changed_architecture():
+    committed = engine_facts.load()
+    changed = json.loads(json.dumps(committed))
+    changed["vllm"]["0.32.0"]["targets"]["BailingMoeV2ForCausalLM"]["capture"] = True
+    del changed["sglang"]["0.5.23"]["targets"]["LlamaForCausalLM"]
+    diff = engine_facts.drift(changed, committed)
+    assert len(diff) == 2
+    assert any(d.startswith("vllm 0.32.0 BailingMoeV2ForCausalLM") for d in diff)
+    assert any(d.startswith("sglang 0.5.23 LlamaForCausalLM") for d in diff)
+
+
+# ----------------------------------------------------------------------------
+# The committed data against the rule table run in CI on each wheel's classes
+# ----------------------------------------------------------------------------
+
+def test_every_release_read_is_in_the_data():
+    assert engine_facts.releases("sglang") == list(engine_facts.SGLANG_RELEASES)
+    assert engine_facts.releases("vllm") == list(engine_facts.VLLM_RELEASES)
+
+
+@pytest.mark.parametrize("version", sorted(SGLANG_MODEL_RULES))
+def test_the_data_agrees_with_the_rule_table_run_on_each_wheel(version):
+    for arch, (rule, owner) in SGLANG_MODEL_RULES[version].items():
+        fact = engine_facts.target("sglang", version, arch)
+        assert fact is not None, f"{arch} is not registered in SGLang {version}'s data"
+        assert (fact["capture"], fact.get("rule"), fact.get("owner")) == (True, rule, owner), \
+            f"SGLang {version} {arch}: data {fact}, rule table {(rule, owner)}"
+
+
+@pytest.mark.parametrize("version", sorted(SGLANG_MODEL_RULES))
+def test_a_wrapper_has_the_rule_of_the_class_it_forwards_to(version):
+    for wrapper, inner in WRAPPERS.items():
+        fact = engine_facts.target("sglang", version, wrapper)
+        if version == "0.5.9":
+            # Kimi-K2.5's wrapper has no set_eagle3_layers_to_capture before 0.5.13
+            # (models/kimi_k25.py): the forwarding starts there.
+            assert fact["capture"] is False
+            continue
+        want = engine_facts.target("sglang", version, inner)
+        assert (fact["rule"], fact["owner"]) == (want["rule"], want["owner"])
+        assert fact["via"][-1].endswith("." + inner)
+
+
+# ----------------------------------------------------------------------------
+# The facts the doctor's verdicts rest on, as read
+# ----------------------------------------------------------------------------
+
+def test_vllm_without_supports_eagle3_cannot_capture():
+    """Ling-flash-2.0's target: vLLM's BailingMoeV2ForCausalLM subclasses
+    BailingMoeForCausalLM(nn.Module, SupportsPP, SupportsLoRA) in every release read."""
+    for version in engine_facts.VLLM_RELEASES:
+        fact = engine_facts.target("vllm", version, "BailingMoeV2ForCausalLM")
+        assert fact == {"class": "bailing_moe.BailingMoeV2ForCausalLM", "capture": False}
+    assert engine_facts.target("vllm", "0.32.0", "LlamaForCausalLM") == {
+        "class": "llama.LlamaForCausalLM", "capture": True, "owner": "llama.LlamaForCausalLM"}
+    # Inherited: DeepseekV3 is a DeepseekV2ForCausalLM subclass.
+    assert engine_facts.target("vllm", "0.33.0", "DeepseekV3ForCausalLM")["owner"] == \
+        "deepseek_v2.DeepseekV2ForCausalLM"
+
+
+def test_sglang_delegation_to_an_inner_language_model_is_followed():
+    """Llama 4's multimodal class hands the ids to a Llama4ForCausalLM, which inherits
+    LlamaForCausalLM's method (+1): models/mllama4.py, models/llama4.py."""
+    fact = engine_facts.target("sglang", "0.5.23", "Llama4ForConditionalGeneration")
+    assert fact == {"class": "mllama4.Llama4ForConditionalGeneration", "capture": True,
+                    "owner": "llama.LlamaForCausalLM", "rule": "+1",
+                    "via": ["mllama4.Llama4ForConditionalGeneration", "llama4.Llama4ForCausalLM"]}
+    # A class handed in through __init__'s parameter (Qwen3.5's VL wrapper: its text
+    # model's method stores the layers it is given; the wrapper adds 1).
+    fact = engine_facts.target("sglang", "0.5.23", "Qwen3_5ForConditionalGeneration")
+    assert (fact["rule"], fact["owner"]) == ("+1", "qwen3_vl.Qwen3VLForConditionalGeneration")
+
+
+def test_sglang_classes_without_the_method_cannot_capture():
+    assert engine_facts.target("sglang", "0.5.23", "MixtralForCausalLM") == {
+        "class": "mixtral.MixtralForCausalLM", "capture": False}
+    assert engine_facts.target("sglang", "0.5.9", "KimiK25ForConditionalGeneration")[
+        "capture"] is False
+
+
+def test_code_that_cannot_be_read_mechanically_says_why():
+    fact = engine_facts.target("sglang", "0.5.23", "MindSporeForCausalLM")
+    assert fact["capture"] is None and "built at run time" in fact["why"]
+
+
+def test_draft_registries():
+    assert engine_facts.registers_draft("sglang", "0.5.9", "LlamaForCausalLMEagle3")
+    assert not engine_facts.registers_draft("sglang", "0.5.9", "Eagle3DeepseekV2ForCausalLM")
+    assert engine_facts.registers_draft("sglang", "0.5.13", "Eagle3DeepseekV2ForCausalLM")
+    assert engine_facts.registers_draft("vllm", "0.32.0", "PEagleDraftModel")
+    assert not engine_facts.registers_draft("vllm", "0.34.0", "PEagleDraftModel")
+    assert "Eagle3Qwen3ForCausalLM" in engine_facts.eagle3_drafts()
+    assert engine_facts.draft_class("sglang", "Eagle3DeepseekV2ForCausalLM") == (
+        "0.5.13", "kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM")
+    assert engine_facts.registered_anywhere("DeepSeekMTPModel")      # vLLM, speculative
+    assert not engine_facts.registered_anywhere("SomeEagle3Draft")

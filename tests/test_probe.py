@@ -69,7 +69,7 @@ def test_specforge_draft_confirmed_and_vllm_told_where_to_read():
             MIN_CONVENTION_MARGIN, report.format()
     engines = "\n".join(report.engines)
     assert "SGLang 0.5.23 captures [2, 4, 6]: OK" in engines
-    assert "vLLM 0.32 - 0.33, model runner V2 (vLLM's default) captures [2, 4, 5]: PROBLEM -- " \
+    assert "vLLM 0.32 - 0.34, model runner V2 (vLLM's default) captures [2, 4, 5]: PROBLEM -- " \
            "write the top-level eagle_aux_hidden_state_layer_ids = [2, 4, 6]" in engines
     assert "V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) captures [1, 3, 5]: PROBLEM" in engines
     assert not report.ok        # vLLM would feed it the wrong layers
@@ -87,7 +87,7 @@ def test_speculators_draft_confirmed_in_the_input_convention():
         assert _agreement(report, [1, 3, 6]) - _agreement(report, wrong) >= \
             MIN_CONVENTION_MARGIN, report.format()
     engines = "\n".join(report.engines)
-    assert "vLLM 0.32 - 0.33, model runners V1 and V2 captures [1, 3, 6]: OK" in engines
+    assert "vLLM 0.32 - 0.34, model runners V1 and V2 captures [1, 3, 6]: OK" in engines
     sglang = next(e for e in report.engines if e.startswith("SGLang"))
     assert sglang.startswith("SGLang 0.5.23: CANNOT LOAD -- SGLang cannot load this draft "
                              "format"), sglang

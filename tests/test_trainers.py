@@ -217,7 +217,7 @@ def test_one_run_answers_for_both_engines(tmp_path, capsys):
     assert "verdict (SGLang): every line shown feeds the draft what it was trained on" in out
     assert "(not vLLM's default runner: shown, and decides the verdict only for a server run " \
            "with it: --vllm-runner v1)" in out
-    assert "model runner V2 (vLLM's default) (read from 0.32.0 (run), 0.33.0): " \
+    assert "model runner V2 (vLLM's default) (read from 0.32.0 (run), 0.33.0, 0.34.0): " \
            "aux_hidden_state_layers = [2, 40, 77] -> OK" in out
     assert "aux_hidden_state_layers = [1, 39, 76] -> PROBLEM" in out
     assert "default GPU runner reads no other key) = [2, 40, 77]" in out

@@ -308,7 +308,7 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
 
 
 def assess_vllm(deploy: Deployment, capture: list[int], num_layers: int) -> Report:
-    """vLLM's DeepseekV2 loop (0.32 - 0.33) under the deployment, for vLLM's own
+    """vLLM's DeepseekV2 loop (0.32 - 0.34) under the deployment, for vLLM's own
     capture and the plugin."""
     from eagle_capture.layer_ids.lines import VLLM_LINE
 

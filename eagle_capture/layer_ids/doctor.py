@@ -339,7 +339,8 @@ class Diagnosis:
                                "UNVERIFIED (the draft's layers are unknown)" if self.unknown
                                else "OK"))
         title = v.line.title if v.line.engine == "vLLM" else v.line.name
-        out = [f"{indent}{v.line.engine} {title} (read from {', '.join(v.line.read_versions)}):"]
+        out = [_wrap(f"{v.line.engine} {title} (read from {', '.join(v.line.read_versions)}):",
+                     indent, indent + "  ")]
         name = "aux_hidden_state_layers" if v.line.engine == "vLLM" else "layers_to_capture"
         out.append(f"{indent}  {name} = {v.capture_layers} -> {status}")
         if not v.decides:
@@ -374,8 +375,9 @@ class Diagnosis:
                 if self.unknown and self.accepted else
                 "every line shown feeds the draft what it was trained on")
         if any(not v.ok and not v.decides for _, vs in self.by_reading for v in vs):
-            said = ("vLLM's default runner (V2) feeds the draft what it was trained on; its V1 "
-                    "runner would not (above): pass --vllm-runner v1 if you serve with it")
+            said = ("vLLM's default runner (V2) feeds the draft what it was trained on; the V1 "
+                    "runner of 0.32 - 0.33 would not (above): pass --vllm-runner v1 if you serve "
+                    "with it")
         if kind == "ASSUMED":
             return (f"ASSUMED: {said}, under the assumption in the notes (a rule not read for "
                     f"this target or release); exit 1 until --target-config or "
@@ -788,10 +790,10 @@ def _vllm_notes(draft: Optional[DraftIds], ids, provenance: Provenance) -> list[
     if draft is not None and draft.target_layer_ids and not draft.top_level:
         notes.append("vLLM's V1 runner reads no target_layer_ids: it captures its defaults")
     elif len(vllm_lines(draft)) > 1:
-        notes.append("vLLM's model runner V2 (its default wherever Triton runs) never reads "
-                     "eagle_config.eagle_aux_hidden_state_layer_ids: this draft gets vLLM's "
-                     "defaults there and its ids only under the V1 runner. Write the ids at "
-                     "the config's top level")
+        notes.append("vLLM's model runner V2 (its default wherever Triton runs, and the only "
+                     "runner of 0.34) never reads eagle_config.eagle_aux_hidden_state_layer_ids: "
+                     "this draft gets vLLM's defaults there and its ids only under the V1 "
+                     "runner of 0.32 - 0.33. Write the ids at the config's top level")
     if ids is not None and not provenance.ambiguous \
             and provenance.readings[0].convention == "output":
         notes.append(
@@ -847,8 +849,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-embedding", action="store_true",
                    help="the draft really was trained on the embedding output (id -1)")
     p.add_argument("--vllm-runner", choices=("v1", "v2"),
-                   help="the vLLM model runner you serve with (default: V2, vLLM's own default; "
-                        "the V1 runner's answer is then shown without deciding the verdict)")
+                   help="the vLLM model runner you serve with (default: V2, vLLM's own default "
+                        "and 0.34's only one; the V1 runner of 0.32 - 0.33 is then shown "
+                        "without deciding the verdict)")
     p.add_argument("--explain", action="store_true",
                    help="the reasoning behind each answer: the id rule read per line, every "
                         "slot, the deployment's rows and what each rests on (default: the "

@@ -122,7 +122,7 @@ SGLANG_LINES = (
 @dataclass(frozen=True)
 class VLLMLine:
     """vLLM's capture (``DeepseekV2Model.forward`` and the other EAGLE-3 models,
-    vllm 0.32 - 0.33; docs/engine_facts.md sections 6, 7): id k is the input of
+    vllm 0.32 - 0.34; docs/engine_facts.md sections 6, 7, 13): id k is the input of
     layer k, as given -- no shift -- and id num_layers the last layer's output
     before the final norm; no ids: ``(2, n // 2, n - 3)``. A duplicate or a layer
     no loop step takes is captured once / never and the draft's fc (sized by the
@@ -136,9 +136,12 @@ class VLLMLine:
     keys, then ``eagle_config.layer_ids`` -- never
     ``eagle_config.eagle_aux_hidden_state_layer_ids``; the V1 runner
     (``GPUModelRunner._get_eagle3_aux_layers_from_config``,
-    ``VLLM_USE_V2_MODEL_RUNNER=0``) reads the top-level key, then eagle_config's."""
-    name: str = "0.32 - 0.33"
-    read_versions: tuple[str, ...] = ("0.32.0 (run)", "0.33.0")
+    ``VLLM_USE_V2_MODEL_RUNNER=0``) reads the top-level key, then eagle_config's.
+    vLLM 0.34 removed the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0`` stops the start):
+    its V2 runner reads and captures as 0.32's, so the V2 line covers 0.32 - 0.34
+    and the V1 line 0.32 - 0.33 only."""
+    name: str = "0.32 - 0.34"
+    read_versions: tuple[str, ...] = ("0.32.0 (run)", "0.33.0", "0.34.0")
     runner: str = "V1 and V2"            # "V2", "V1" or both (when they read the same ids)
     layer0: str = "crash"
     missing_capture: str = "error"
@@ -180,7 +183,7 @@ class VLLMLine:
 
 VLLM_LINE = VLLMLine()
 VLLM_V2 = VLLMLine(runner="V2")
-VLLM_V1 = VLLMLine(runner="V1")
+VLLM_V1 = VLLMLine(name="0.32 - 0.33", read_versions=("0.32.0 (run)", "0.33.0"), runner="V1")
 
 
 def vllm_lines(draft: Optional["DraftIds"]) -> list[VLLMLine]:

@@ -618,6 +618,10 @@ MUTANTS = [
     ("probe: a prompt file with NUL bytes read as text", "eagle_capture/probe/probe.py",
      'if text is None or "\\0" in text:', "if text is None:",
      ["tests/test_probe.py::test_bad_input_is_refused_before_anything_loads"]),
+    ("probe: a target class that cannot capture given ids anyway", "eagle_capture/probe/probe.py",
+     "        if stuck is not None and stuck.whole:",
+     "        if False:",
+     ["tests/test_probe.py::test_a_target_class_that_cannot_capture_is_named_not_given_ids"]),
 
     ("norm launch back to 8 warps at BLOCK_H 4096", "eagle_capture/kernels/add_rmsnorm_capture.py",
      "elif block_h >= 8192 or (block_h == 4096 and not allreduce):",

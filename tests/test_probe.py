@@ -767,3 +767,37 @@ def test_sglang_line_without_the_drafts_class_cannot_load_it():
     assert "write eagle_config" not in "\n".join(report.engines)
     report, sglang = judged("0.5.13")
     assert sglang == "SGLang 0.5.13 captures [2, 30, 58]: OK", report.engines
+
+
+def test_a_target_class_that_cannot_capture_is_named_not_given_ids():
+    """Where the target's class cannot feed an EAGLE-3 draft at all (the engine facts read
+    in the wheels), the probe says CANNOT CAPTURE for that engine and offers no ids: Kimi-K2.5
+    on SGLang 0.5.9 (no set_eagle3_layers_to_capture there), Ling-flash-2.0's
+    BailingMoeV2ForCausalLM on vLLM (not SupportsEagle3 in 0.32 - 0.34)."""
+    from eagle_capture.probe.probe import ProbeReport, judge
+
+    published = Path(__file__).parent / "data" / "published_configs"
+
+    def judged(config, arch, layers, version):
+        ids = read_draft_ids(published / config)
+        prov = recognise(ids, layers, arch, "output")
+        cands, _ = candidates(ids, prov, layers, 3, arch, version)
+        for c in cands:
+            c.tokens, c.hits = 4000, 2000 if c.config_reading else 1500
+        report = ProbeReport(layers, cands, prov, 0.0)
+        judge(report, ids, arch, 0.03, version)
+        return report
+
+    report = judged("specforge_kimi_k25.config.json", "KimiK25ForConditionalGeneration", 61,
+                    "0.5.9")
+    sglang = next(e for e in report.engines if e.startswith("SGLang"))
+    assert sglang.startswith("SGLang 0.5.9: CANNOT CAPTURE -- ") and not report.ok, sglang
+    assert "set_eagle3_layers_to_capture" in sglang and "write eagle_config" not in sglang
+    report = judged("specforge_kimi_k25.config.json", "KimiK25ForConditionalGeneration", 61,
+                    "0.5.23")
+    assert not any("CANNOT CAPTURE" in e for e in report.engines), report.engines
+    report = judged("specforge_ling_flash_2_0.config.json", "BailingMoeV2ForCausalLM", 32,
+                    "0.5.23")
+    vllm = [e for e in report.engines if e.startswith("vLLM")]
+    assert vllm and all(": CANNOT CAPTURE -- " in e and "SupportsEagle3" in e for e in vllm), vllm
+    assert not report.ok

@@ -53,8 +53,9 @@ from typing import Optional, Sequence
 import torch
 
 from eagle_capture.layer_ids.deployment import wrap
-from eagle_capture.layer_ids.doctor import cannot_load, fix_ids, model_lines
-from eagle_capture.layer_ids.lines import (SGLANG_LINES, CapturePlanError, DraftIds,
+from eagle_capture.layer_ids.doctor import (cannot_load, fix_ids, model_lines,
+                                            target_cannot_capture)
+from eagle_capture.layer_ids.lines import (SGLANG_LINES, VLLM_LINE, CapturePlanError, DraftIds,
                                            default_capture_layers, line_of, load_config,
                                            read_draft_ids, read_target, vllm_lines)
 from eagle_capture.layer_ids.startup import slot_order_problem
@@ -354,6 +355,14 @@ def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: f
             # No class for the format: no ids help there (the doctor's words).
             report.ok = False
             report.engines.append(f"{label}: CANNOT LOAD -- {cannot}")
+            continue
+        # The target's class cannot capture there at all (the doctor's engine facts).
+        stuck = target_cannot_capture("sglang" if sglang else "vllm",
+                                      line if sglang else VLLM_LINE, architecture,
+                                      sglang_version if sglang else None)
+        if stuck is not None and stuck.whole:
+            report.ok = False
+            report.engines.append(f"{label}: CANNOT CAPTURE -- {stuck.text}")
             continue
         head = (f"{label} captures {sorted(layers)} in ascending order: PROBLEM -- no ids "
                 f"feed slots in the config's order; with the draft's fc reordered (above), "

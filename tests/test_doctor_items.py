@@ -545,7 +545,7 @@ def test_a_deployment_that_runs_eagle_capture(capsys):
     assert "OK with EAGLE_CAPTURE=1 (SGLang's own capture alone: per-rank partial sums" in out
     code, out, _ = _doctor(capsys, *base, "--sglang-version", "0.5.9", "--eagle-capture",
                            explain=False)
-    assert code == 1 and "the target class cannot capture on this line" in out
+    assert code == 1 and "CANNOT CAPTURE" in out and "has no set_eagle3_layers_to_capture" in out
 
 
 def test_a_draft_class_no_engine_registers_cannot_load(tmp_path, capsys):

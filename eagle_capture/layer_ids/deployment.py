@@ -194,11 +194,6 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
         rows = lr.rows
         old = line.first < (0, 5, 13)            # 0.5.9 - 0.5.12
         loop_capture = line.first < (0, 5, 18)   # hidden_states + residual in the model loop
-        if deploy.architecture == "KimiK25ForConditionalGeneration" and old:
-            rows.append(Row(SGLANG, "PROBLEM", "KimiK25ForConditionalGeneration has no "
-                            "set_eagle3_layers_to_capture on this line: EAGLE-3 fails at start-up",
-                            "read: models/kimi_k25.py",
-                            "the target class cannot capture on this line (start-up fails)"))
         # Tensor parallelism and the fused all-reduce.
         if deploy.tp > 1 and not deploy.dp_attention:   # (DP attention: its own rows below)
             fused, why = deploy.fusion_on(line)

@@ -545,11 +545,17 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     deploy_brief: list[str] = []
     deploy_ok = True
     if deploy is not None:
-        captures = [v.capture_layers for v in verdicts]
+        # A line where the target's class cannot capture at all has no deployment to assess
+        # (its CANNOT CAPTURE above says so).
+        live = [(line, v.capture_layers) for line, v in zip(lines, verdicts)
+                if v.status != "CANNOT CAPTURE"]
         if engine == "vllm":
-            report = deployment.assess_vllm(deploy, captures[0], num_layers)
+            report = deployment.assess_vllm(deploy, live[0][1] if live else [], num_layers)
+            if not live:
+                report.lines.clear()
         else:
-            report = deployment.assess(deploy, lines, captures, num_layers, trained)
+            report = deployment.assess(deploy, [line for line, _ in live],
+                                       [c for _, c in live], num_layers, trained)
         deploy_lines = report.format(WIDTH)
         deploy_brief = report.brief()
         deploy_ok = report.ok

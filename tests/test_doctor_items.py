@@ -588,3 +588,19 @@ def test_a_class_some_releases_of_a_line_lack(tmp_path, capsys):
     assert code == 1 and "summary: SGLang: CANNOT CAPTURE (exit 1)" in out
     code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.22")
     assert code == 0 and "layers_to_capture = [2, 24, 45] -> OK" in out
+
+
+def test_a_loop_that_captures_the_final_boundary(tmp_path, capsys):
+    """SpecForge ids ending at the last layer's output (output convention: [1, 12, 25] of
+    26 layers -> capture layers [2, 13, 26]). Gemma 3's SGLang loop captures after its last
+    layer (the engine facts): OK; Llama's does not: the capture of layer 26 never happens
+    and SGLang's first forward fails."""
+    path = _specforge(tmp_path, [1, 12, 25])
+    base = ["--draft-config", path, "--num-layers", 26, "--engine", "sglang",
+            "--sglang-version", "0.5.23", "--id-convention", "output"]
+    code, out, _ = _doctor(capsys, *base, "--target-architecture", "Gemma3ForCausalLM",
+                           explain=False)
+    assert code == 0 and "captures [2, 13, 26]: OK" in out, out
+    code, out, _ = _doctor(capsys, *base, "--target-architecture", "LlamaForCausalLM",
+                           explain=False)
+    assert code == 1 and "captures [2, 13, 26]: PROBLEM (FAILS at the first forward" in out, out

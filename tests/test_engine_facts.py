@@ -164,3 +164,28 @@ def test_draft_registries():
         "0.5.13", "kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM")
     assert engine_facts.registered_anywhere("DeepSeekMTPModel")      # vLLM, speculative
     assert not engine_facts.registered_anywhere("SomeEagle3Draft")
+
+
+def test_the_final_boundary_is_read_from_each_loop():
+    """Loops that capture after their last layer (capture layer num_layers): Gemma 3 / 4
+    from 0.5.13 (``if num_layers in self.layers_to_capture``), GPT-OSS from 0.5.18 (0.5.18 -
+    0.5.20: each layer's output, ``i + 1 in ...``; 0.5.22+: ``self.end_layer in ...``);
+    Llama's and DeepseekV2's loops capture only before a layer."""
+    from eagle_capture.layer_ids.engine_read import FINAL_BOUNDARY
+
+    def boundary(version, arch):
+        return bool(engine_facts.target("sglang", version, arch).get("final_boundary"))
+
+    assert boundary("0.5.13", "Gemma3ForCausalLM") and boundary("0.5.23", "Gemma4ForCausalLM")
+    assert boundary("0.5.23", "Gemma3ForConditionalGeneration")   # delegated to Gemma3's loop
+    assert not boundary("0.5.13", "GptOssForCausalLM")
+    assert boundary("0.5.18", "GptOssForCausalLM") and boundary("0.5.23", "GptOssForCausalLM")
+    for arch in ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM"):
+        assert not any(boundary(v, arch) for v in engine_facts.SGLANG_RELEASES), arch
+    for text, captured in [("if self.end_layer in self.layers_to_capture:", True),
+                           ("if num_layers in self.layers_to_capture:", True),
+                           ("if i + 1 in self.layers_to_capture:", True),
+                           ("and self.end_layer - 1 in self.layers_to_capture", False),
+                           ("if i in self.layers_to_capture", False),
+                           ("x.num_layers in self.layers_to_capture", False)]:
+        assert bool(FINAL_BOUNDARY.search(text)) is captured, text

@@ -20,6 +20,7 @@ installed). What is read:
 """
 
 import ast
+import re
 import builtins
 import zipfile
 from dataclasses import dataclass, field
@@ -449,6 +450,9 @@ class SGLangFact:
     rule: Optional[str] = None   # a rules.RULE_WORDS key; None: unclassified
     via: list = field(default_factory=list)   # delegation, outermost first
     why: str = ""
+    # The owner's model loop also captures after its last layer (capture layer
+    # num_layers, the final norm's input): see FINAL_BOUNDARY.
+    final_boundary: bool = False
 
     def as_dict(self) -> dict:
         d = {"class": self.cls, "capture": self.capture}
@@ -457,9 +461,33 @@ class SGLangFact:
                 d[k] = getattr(self, k)
         if self.via:
             d["via"] = self.via
+        if self.final_boundary:
+            d["final_boundary"] = True
         if self.why:
             d["why"] = self.why
         return d
+
+
+# A model loop that captures after its last layer tests the layer count itself against
+# the capture set (gemma3_causal.py: ``if num_layers in self.layers_to_capture``; 0.5.22+
+# gpt_oss.py: ``if self.end_layer in self.layers_to_capture``), or captures each layer's
+# output (0.5.18 - 0.5.20 gpt_oss.py: ``if i + 1 in self.layers_to_capture`` after layer i,
+# the last one's included); every other capture tests the loop index ``i`` before the
+# layer. ``self.end_layer - 1 in ...`` (the last layer's input) does not match.
+FINAL_BOUNDARY = re.compile(
+    r"(?<![\w.])(?:num_layers|self\.end_layer|len\(self\.layers\)|"
+    r"self\.config\.num_hidden_layers|\w+\s*\+\s*1)\s+in\s+self\.layers_to_capture\b")
+
+
+def captures_final_boundary(src: Source, classes) -> bool:
+    """Whether the model loop behind ``classes`` (the registered class, the classes it
+    delegates to and the method's owner: the loop lives in one of their modules)
+    captures at the final boundary."""
+    for ref in classes:
+        mod = src.module(ref.module)
+        if mod is not None and FINAL_BOUNDARY.search(src.files()[mod.path]):
+            return True
+    return False
 
 
 def sglang_fact(src: Source, arch: str, ref: ClassRef) -> SGLangFact:
@@ -498,7 +526,9 @@ def sglang_fact(src: Source, arch: str, ref: ClassRef) -> SGLangFact:
     rule = next((r for r in RULE_WORDS
                  if all(results[str(ids)] == apply_rule(r, ids, PROBE_LAYERS) for ids in PROBES)),
                 None)
-    fact = SGLangFact(arch, short, True, owner, rule, via)
+    fact = SGLangFact(arch, short, True, owner, rule, via,
+                      final_boundary=captures_final_boundary(
+                          src, [ref] + [c for _, c in chain] + [chain[-1][0]]))
     if rule is None:
         fact.why = "unclassified: " + "; ".join(f"ids {k} -> {v}" for k, v in results.items())
     return fact

@@ -64,11 +64,12 @@ class ModelRule:
     rule: str
     source: str            # "models/<file>.py <Class>.set_eagle3_layers_to_capture"
     read_version: str      # the wheel it was read from and run against
+    boundary: bool = False  # its loop captures after the last layer (the engine facts)
 
     @property
     def final_boundary(self) -> bool:
         """Whether capture layer num_layers (the last layer's output) is captured."""
-        return self.rule == KEEP_FINAL_BOUNDARY
+        return self.rule == KEEP_FINAL_BOUNDARY or self.boundary
 
     @property
     def deepseek_loop(self) -> bool:
@@ -265,7 +266,8 @@ def model_rule_of(architecture: str, fact: Optional[dict], release: str) -> Opti
     inner = fact.get("via", [])[1:]
     via = f" (via {', '.join(v.rsplit('.', 1)[1] for v in inner)})" if inner else ""
     return ModelRule(architecture, fact["rule"],
-                     f"models/{file}.py {cls}.set_eagle3_layers_to_capture{via}", release)
+                     f"models/{file}.py {cls}.set_eagle3_layers_to_capture{via}", release,
+                     bool(fact.get("final_boundary")))
 
 
 def sglang_model_rule(version: tuple[int, ...], architecture: str) -> Optional[ModelRule]:

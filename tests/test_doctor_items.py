@@ -156,14 +156,21 @@ def test_a_format_sglang_cannot_load(capsys):
     assert code == 0
 
 
-def test_sglangs_registry_per_line(tmp_path, capsys):
-    """SGLang's Kimi-K2.5 EAGLE-3 class (Eagle3DeepseekV2ForCausalLM, Model Optimizer's and
-    TorchSpec's Kimi format) is in the 0.5.13 wheel and later, not in 0.5.9: that line
-    cannot load the draft, the later ones judge its ids."""
+def _kimi_mla_draft(tmp_path):
+    """A draft config in Kimi-K2.5's EAGLE-3 format (Eagle3DeepseekV2ForCausalLM, Model
+    Optimizer's and TorchSpec's), SpecForge's default ids for 61 layers."""
     path = tmp_path / "kimi.json"
     path.write_text(json.dumps({"architectures": ["Eagle3DeepseekV2ForCausalLM"],
                                 "num_hidden_layers": 1, "eagle_config": {
                                     "eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}))
+    return path
+
+
+def test_sglangs_registry_per_line(tmp_path, capsys):
+    """SGLang's Kimi-K2.5 EAGLE-3 class (Eagle3DeepseekV2ForCausalLM, Model Optimizer's and
+    TorchSpec's Kimi format) is in the 0.5.13 wheel and later, not in 0.5.9: that line
+    cannot load the draft, the later ones judge its ids."""
+    path = _kimi_mla_draft(tmp_path)
     # (DeepSeek-V3's class captures on every line; Kimi-K2.5's from 0.5.13, below)
     argv = ["--draft-config", path, "--num-layers", 61, "--target-architecture",
             "DeepseekV3ForCausalLM", "--engine", "sglang", "--id-convention", "output"]
@@ -181,10 +188,7 @@ def test_a_target_class_that_cannot_capture_on_a_line(tmp_path, capsys):
     (models/kimi_k25.py; the model runner calls it when EAGLE-3 is on): that line cannot
     serve any EAGLE-3 draft for Kimi-K2.5, whatever the ids or the draft's class. Both
     causes are said, the target's first; the remedy names where it can."""
-    path = tmp_path / "kimi.json"
-    path.write_text(json.dumps({"architectures": ["Eagle3DeepseekV2ForCausalLM"],
-                                "num_hidden_layers": 1, "eagle_config": {
-                                    "eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}))
+    path = _kimi_mla_draft(tmp_path)
     argv = ["--draft-config", path, "--num-layers", 61, "--target-architecture",
             "KimiK25ForConditionalGeneration", "--engine", "sglang", "--id-convention", "output"]
     code, out, _ = _doctor(capsys, *argv)

@@ -191,7 +191,11 @@ main() {
         local ver site
         ver=$(cat .vllm_engine/VERSION 2>/dev/null || echo 0.32.0)
         site=/tmp/vllm_site; [[ $ver == 0.32.0 ]] || site=/tmp/vllm_site-$ver
-        if bash scripts/gpu_vllm_engine.sh --vllm "$ver" > "$OUT/vllm_install.log" 2>&1; then
+        # (REQUIRE_INSTALLED: a bundle with parts still to come fails, not "call again")
+        if REQUIRE_INSTALLED=1 bash scripts/gpu_vllm_engine.sh --vllm "$ver" \
+                > "$OUT/vllm_install.log" 2>&1; then
+            # (nvidia-cutlass-dsl's packages folder: its .pth file does not run from PYTHONPATH)
+            [[ -d $site/nvidia_cutlass_dsl/dsl_packages ]] && site="$site:$site/nvidia_cutlass_dsl/dsl_packages"
             export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" VLLM_USE_FLASHINFER_SAMPLER=0
             say "vLLM $ver's CUDA build installed from the carried bundle: the vLLM-engine GPU tests run"
         else

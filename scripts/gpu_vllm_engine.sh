@@ -6,8 +6,9 @@
 # vLLM 0.34 has the V2 model runner only: accept runs V2, speed refuses (vllm_engine.py).
 # Installs once per machine and version (/tmp/vllm_site, /tmp/vllm_site-VERSION for another
 # version than 0.32.0), each part when it is
-# there: a bundle over one call's carry limit (0.34.0's) travels in two calls to the same
-# warm machine, [".vllm_engine"] with no step, then [".whl"] with the steps.
+# there: a bundle over one call's carry limit (0.34.0's) travels in calls to the same
+# warm machine, [".vllm_engine"] with no step, then [".whl", ".vllm_cutlass_0"], then
+# [".vllm_cutlass_1"] with the steps (0.34.0's nvidia-cutlass-dsl libraries in two halves).
 # Runs benchmarks/vllm_engine.py; results and log lines land in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,12 +35,31 @@ if [ ! -f "$SITE/.whl_ok" ] && ls .whl/*.whl >/dev/null 2>&1; then
         --target "$SITE" .whl/*.whl || { echo "gpu_vllm_engine: wheels did not install"; exit 2; }
     touch "$SITE/.whl_ok"
 fi
+# 0.34.0's cutlass halves: each copied aside when it arrives (a later call's carry may
+# not hold it), unpacked when both are there.
+NEEDS_CUTLASS=0; [ "$VER" = 0.34.0 ] && NEEDS_CUTLASS=1
+if [ $NEEDS_CUTLASS = 1 ] && [ ! -f "$SITE/.cutlass_ok" ]; then
+    for i in 0 1; do
+        [ -f ".vllm_cutlass_$i/part$i" ] && cp ".vllm_cutlass_$i/part$i" "$SITE/.cutlass_part$i"
+    done
+    if [ -f "$SITE/.cutlass_part0" ] && [ -f "$SITE/.cutlass_part1" ]; then
+        cat "$SITE/.cutlass_part0" "$SITE/.cutlass_part1" | tar -xJf - -C "$SITE" \
+            || { echo "gpu_vllm_engine: the cutlass libraries did not unpack"; exit 2; }
+        rm -f "$SITE"/.cutlass_part? && touch "$SITE/.cutlass_ok"
+    fi
+fi
 missing=""
 [ -f "$SITE/.engine_ok" ] || missing="$missing .vllm_engine"
 [ -f "$SITE/.whl_ok" ] || missing="$missing .whl"
+if [ $NEEDS_CUTLASS = 1 ] && [ ! -f "$SITE/.cutlass_ok" ]; then
+    [ -f "$SITE/.cutlass_part0" ] || missing="$missing .vllm_cutlass_0"
+    [ -f "$SITE/.cutlass_part1" ] || missing="$missing .vllm_cutlass_1"
+fi
 if [ -n "$missing" ]; then
     echo "gpu_vllm_engine: vLLM $VER not installed yet on this machine: carry$missing"
-    [ $# = 0 ] && exit 0 || exit 2
+    # With no step (a call that only carries a part) that is expected, unless the
+    # caller needs vLLM now (REQUIRE_INSTALLED=1: scripts/gpu_session.sh).
+    [ $# = 0 ] && [ -z "${REQUIRE_INSTALLED:-}" ] && exit 0 || exit 2
 fi
 if [ ! -f "$SITE/.ok" ]; then
     # The plugin's entry point (vllm.general_plugins) comes from the package's metadata.
@@ -49,7 +69,10 @@ if [ ! -f "$SITE/.ok" ]; then
 fi
 echo "gpu_vllm_engine: vLLM $VER installed in $SITE"
 # vLLM's FlashInfer sampler is not carried (the torch sampler serves greedy decoding).
-export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+# nvidia-cutlass-dsl puts its packages on the path by a .pth file, which a PYTHONPATH
+# folder does not run: its folder is named here.
+CUTLASS_PATH=""; [ -d "$SITE/nvidia_cutlass_dsl/dsl_packages" ] && CUTLASS_PATH=":$SITE/nvidia_cutlass_dsl/dsl_packages"
+export PYTHONPATH="$SITE$CUTLASS_PATH:$PWD" PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 rc=0
 for step in "$@"; do
     # ACCEPT_ARGS / SPEED_ARGS: more options of that step (benchmarks/vllm_engine.py STEP --help)

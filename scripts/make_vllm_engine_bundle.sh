@@ -28,9 +28,12 @@
 #   .vllm_engine/vllm_rest.tar.xz  vLLM's Python tree, FA3 and the small extensions
 #   .vllm_engine/VERSION           the vLLM version (scripts/gpu_vllm_engine.sh checks it)
 #   .whl/                          pydantic, msgspec, pyzmq, openai, xgrammar, ... (--no-deps)
+#   .vllm_cutlass_0/, .vllm_cutlass_1/   (0.34.0) nvidia-cutlass-dsl's cu13 libraries, an
+#                                  xz tar in two halves: a third and a fourth call's carry
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VERSION=${1:-0.32.0}
+CUTLASS_LIBS=""
 say() { echo "make_vllm_engine_bundle: $*" >&2; }
 # Per version: what else is dropped, and vLLM's own pins (its METADATA) of the wheels below.
 case "$VLLM_VERSION" in
@@ -38,16 +41,21 @@ case "$VLLM_VERSION" in
             PINS="xgrammar==0.2.8 apache-tvm-ffi llguidance compressed-tensors==0.17.0" ;;
     # (0.34.0 also pins llguidance >=1.7,<1.8, not offered for cp312 manylinux_2_28: the
     # index's newest, as for 0.32.0; only structured outputs use it, not these runs.)
+    # 0.34.0 requires nvidia-cutlass-dsl[cu13] 4.8.0: vLLM's kernel warm-up imports its
+    # CuTe-DSL kernels (MiniMax-M3's) on every CUDA start, whatever the model. Its cu13
+    # library wheel (92 MB) is repacked as xz (66 MB) and split over two carry folders.
     0.34.0) EXTRA_DROP="vllm/third_party/tml_fa4 vllm/_flashmla_C.abi3.so vllm/_flashmla_extension_C.abi3.so"
-            PINS="xgrammar==0.2.8 apache-tvm-ffi==0.1.11 llguidance compressed-tensors==0.17.0" ;;
+            PINS="xgrammar==0.2.8 apache-tvm-ffi==0.1.11 llguidance compressed-tensors==0.17.0
+                  quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.0 nvidia-cutlass-dsl-libs-base==4.8.0"
+            CUTLASS_LIBS="nvidia-cutlass-dsl-libs-cu13==4.8.0" ;;
     *) echo "make_vllm_engine_bundle: vLLM $VLLM_VERSION is not prepared here (0.32.0, 0.34.0)" >&2
        exit 2 ;;
 esac
 WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT
-for d in .vllm_engine .whl; do   # ignored (the device tool carries ignored folders only)
+for d in .vllm_engine .whl .vllm_cutlass_0 .vllm_cutlass_1; do   # ignored (the device tool carries ignored folders only)
     git check-ignore -q "$d/" || echo "/$d/" >> "$(git rev-parse --git-path info/exclude)"
 done
-rm -rf .vllm_engine .whl && mkdir -p .vllm_engine .whl
+rm -rf .vllm_engine .whl .vllm_cutlass_0 .vllm_cutlass_1 && mkdir -p .vllm_engine .whl
 say "downloading vllm==$VLLM_VERSION (CUDA wheel, 230 - 320 MiB)"
 # VLLM_WHEEL_DIR=/dir: a wheel already downloaded there is used.
 FIND_LINKS=(); if [ -n "${VLLM_WHEEL_DIR:-}" ]; then FIND_LINKS=(--find-links "$VLLM_WHEEL_DIR"); fi
@@ -77,5 +85,16 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     pydantic pydantic_core annotated_types typing_inspection msgspec pyzmq fastapi starlette \
     openai distro jiter sniffio cbor2 pybase64 partial_json_parser cachetools \
     $PINS openai-harmony loguru httpx2 httpcore2 truststore opentelemetry-api >&2
-du -sh .vllm_engine/* .whl >&2
-du -cb .vllm_engine/* .whl/* | tail -1 | awk '{printf "make_vllm_engine_bundle: %.1f MiB to carry\n", $1/2^20}' >&2
+if [ -n "$CUTLASS_LIBS" ]; then
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 -d "$WORK/cutlass" "$CUTLASS_LIBS" >&2
+    mkdir -p "$WORK/cutlass/tree" .vllm_cutlass_0 .vllm_cutlass_1
+    python3 -m zipfile -e "$WORK"/cutlass/*.whl "$WORK/cutlass/tree"
+    # Unpacked into the site folder as pip would (the wheel's files and its dist-info).
+    tar -C "$WORK/cutlass/tree" -cf - . | xz -T0 -6 > "$WORK/cutlass/libs.tar.xz"
+    half=$(( ($(stat -c %s "$WORK/cutlass/libs.tar.xz") + 1) / 2 ))
+    split -b "$half" -d -a 1 "$WORK/cutlass/libs.tar.xz" "$WORK/cutlass/part"
+    mv "$WORK/cutlass/part0" .vllm_cutlass_0/ && mv "$WORK/cutlass/part1" .vllm_cutlass_1/
+fi
+du -sh .vllm_engine/* .whl .vllm_cutlass_* 2>/dev/null >&2
+du -cb .vllm_engine/* .whl/* .vllm_cutlass_*/* 2>/dev/null | tail -1 | awk '{printf "make_vllm_engine_bundle: %.1f MiB to carry\n", $1/2^20}' >&2

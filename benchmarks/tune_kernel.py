@@ -171,7 +171,10 @@ def flashinfer_sweep(hidden_size: int) -> list:
             Variant("l r.ef aux.cs", "l", pdl=True, knobs=(ref, cs)),
             Variant("l late", "l", pdl=True, knobs=(("PDL_TRIGGER_LATE", True),)),
             Variant("l w/2", "l", num_warps=max(1, warps // 2), pdl=True),
-            Variant("l w*2", "l", num_warps=min(32, warps * 2), pdl=True)]
+            Variant("l w*2", "l", num_warps=min(32, warps * 2), pdl=True),
+            # The peer once more, last: its ratio to the first is the run's noise floor
+            # (clock and thermal drift across the cell's variants included).
+            Variant("k again", PEER)]
 
 
 SWEEPS = {"launch": (launch_sweep, 1), "variants": (variants_sweep, SLOTS),  # launches per step

@@ -1,14 +1,22 @@
-"""eagle-capture: fused EAGLE-3 aux-hidden-state capture for LLM serving.
+"""eagle-capture: the capture side of EAGLE-3 speculative decoding.
 
-The core -- the ops (:mod:`eagle_capture.ops`, over the Triton kernels in
-``kernels/``) and the aux buffer -- is what every other part builds on:
+An EAGLE-3 draft reads the target's hidden states at three layers, concatenated
+``[T, 3*H]``. eagle-capture writes each captured state straight into its slot of one
+preallocated buffer, inside the add + RMSNorm (and, under tensor parallelism, the
+all-reduce) the layer already runs, and checks that the draft gets the layers it was
+trained on.
 
+* the ops (:mod:`eagle_capture.ops`, over the Triton kernels in ``kernels/``) and the
+  aux buffer (:mod:`eagle_capture.buffer`): what every other part builds on;
 * ``parallel/``: tensor-parallel capture and the all-reduce fused with it;
-* ``integrations/sglang/``: the drop-in for SGLang's model loops (one adapter per
-  family), its plugin; ``integrations/vllm/``: vLLM's DeepseekV2 classes, its plugin;
-* ``layer_ids/``: which layers a draft gets, per SGLang release (the doctor);
-* ``testing/``: references, the reference loop, benchmark timers -- never
-  imported by the product.
+* ``integrations/sglang/``, ``integrations/vllm/``: the plugins that switch the capture
+  on inside SGLang's and vLLM's model code (``EAGLE_CAPTURE=1``), with start-up checks;
+* ``layer_ids/``: which layers a draft gets on each engine release, read from the
+  engines' code (``eagle-capture doctor``);
+* ``probe/``: which layers a draft was trained on, measured (``eagle-capture probe``);
+* ``cli.py``: the ``eagle-capture`` command line;
+* ``testing/``: references, the reference loop, benchmark timers -- never imported by
+  the product.
 
 The ops and the buffer load on first use (``eagle_capture.add_capture``, ``import
 eagle_capture.ops``), which is when the ``torch.ops.eagle_capture`` ops are registered:

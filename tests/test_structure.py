@@ -61,3 +61,20 @@ def test_one_name_per_thing():
     with pytest.raises(AttributeError, match="no attribute 'add_rmsnorm_reference'"):
         eagle_capture.add_rmsnorm_reference  # noqa: B018 - the access itself must raise
 
+
+def test_one_ruff_version_everywhere():
+    """The lint CI runs (.ci/run, with the ruff scripts/setup_env.sh installs), the
+    pre-commit hook and the lint extra pin one ruff: two versions would disagree
+    about the same tree."""
+    import re
+    root = Path(__file__).resolve().parents[1]
+    pins = {
+        "scripts/setup_env.sh": re.findall(r"^RUFF_VERSION=(\S+)$",
+                                           (root / "scripts" / "setup_env.sh").read_text(), re.M),
+        ".pre-commit-config.yaml": re.findall(
+            r"ruff-pre-commit\n\s+rev: v(\S+)", (root / ".pre-commit-config.yaml").read_text()),
+        "setup.py": re.findall(r'"ruff==([^"]+)"', (root / "setup.py").read_text()),
+    }
+    assert all(len(found) == 1 for found in pins.values()), pins
+    assert len({found[0] for found in pins.values()}) == 1, pins
+    assert "ruff check ." in (root / ".ci" / "run").read_text()

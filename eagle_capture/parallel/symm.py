@@ -229,7 +229,8 @@ class SymmAllReduceCapture:
                 f"arrived, or programs that could not all be resident). The results of that "
                 f"call are garbage and this SymmAllReduceCapture can no longer be used")
 
-    def _validate(self, partial, residual, weight, eps, aux, slot, out, norm_fp32_sum=False) -> None:
+    def _validate(self, partial, residual, weight, eps, aux, slot, out,
+                  norm_fp32_sum=False) -> None:
         if not isinstance(partial, torch.Tensor) or partial.dim() != 2 or \
                 partial.shape[1] != self.hidden_size or partial.dtype != self.dtype or \
                 partial.device != self.device or partial.stride(1) != 1:
@@ -265,7 +266,7 @@ class SymmAllReduceCapture:
         check_no_internal_overlap("hidden_states", out)
         check_no_internal_overlap("residual", residual)
         check_aliasing(out, residual, aux, slot, weight=weight, residual_mutated=True,
-                               hidden_mutated=True)
+                       hidden_mutated=True)
         # Into partial's own rows is fine: each row is pushed by the program that
         # later overwrites it.
         if out is not partial and overlaps_other_elements(out, partial):
@@ -295,7 +296,7 @@ class SymmAllReduceCapture:
         out = partial if out is None else out
         if torch.is_grad_enabled():   # every call: requires_grad is not in the memo key
             check_no_autograd("SymmAllReduceCapture.reduce_add_rmsnorm",
-                                      (partial, residual, weight, out, aux))
+                              (partial, residual, weight, out, aux))
         if torch.compiler.is_compiling():
             self._validate(partial, residual, weight, eps, aux, slot, out)
             if partial.shape[0] == 0:

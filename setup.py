@@ -67,7 +67,10 @@ setup(
                   "console_scripts": ["eagle-capture = eagle_capture.cli:console_main"]},
     install_requires=["torch>=2.6", "triton>=3.2"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "numpy", "transformers>=4.57"],
+        "test": ["pytest>=8", "hypothesis>=6", "numpy", "transformers>=4.57",
+                 "tomli>=1.1; python_version < '3.11'"],
+        # the lint of .ci/run and .pre-commit-config.yaml (pyproject.toml [tool.ruff])
+        "lint": ["ruff==0.17.6"],
         # eagle-capture probe runs the target as a Hugging Face model
         "probe": ["transformers>=4.57", "safetensors", "tqdm>=4.60"],
         "bench": ["nvidia-ml-py>=12", "matplotlib>=3.7", "tqdm>=4.60", "numpy"],

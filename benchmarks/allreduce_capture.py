@@ -35,8 +35,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from eagle_capture.parallel import symm
 import eagle_capture as ec
+from eagle_capture.parallel import symm
 from eagle_capture.testing.bench import host_us_per_call, time_graph_replay
 
 PATHS = ("one_kernel", "one_kernel_wd", "one_kernel_tk", "nccl_fused", "symm1_fused",

@@ -72,16 +72,30 @@ from typing import Callable
 import torch
 
 import eagle_capture as ec
-from eagle_capture.testing.reference import add_rmsnorm_reference
-from eagle_capture.testing.bench import (add_graph_timing_arguments, graph_steps, host_us_per_call,
-                                 measure_copy_graph, measure_copy_roofline, measure_write_floor,
-                                 rotation_sets, time_events, time_graph_replay)
 from eagle_capture.ops import pdl_enabled
+from eagle_capture.testing.bench import (
+    add_graph_timing_arguments,
+    graph_steps,
+    host_us_per_call,
+    measure_copy_graph,
+    measure_copy_roofline,
+    measure_write_floor,
+    rotation_sets,
+    time_events,
+    time_graph_replay,
+)
+from eagle_capture.testing.reference import add_rmsnorm_reference
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the report, beside this file
 import capture_report as report  # noqa: E402
-from capture_report import (CPU_WARNING, FLASHINFER_MISSING, GPU_ONLY_PATHS,  # noqa: E402
-                            LIGER_MISSING, PATHS, legend_lines)
+from capture_report import (  # noqa: E402
+    CPU_WARNING,
+    FLASHINFER_MISSING,
+    GPU_ONLY_PATHS,
+    LIGER_MISSING,
+    PATHS,
+    legend_lines,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_TOKENS = [2**i for i in range(15)]  # 1 .. 16384
@@ -329,11 +343,12 @@ def eager_plan(h: torch.Tensor, r: torch.Tensor, aux: torch.Tensor):
     """(the call's five tensors, the Plan the eager path makes for
     ``ec.add_capture(h, r, aux, 0)``): its grid, arguments and PDL setting.
     CPU tensors get the kernel's plan under Triton's interpreter."""
-    from eagle_capture import ops
+    import eagle_capture as ec
+    from eagle_capture.ops import table
     from eagle_capture.testing.kernel import kernel_on_cpu
     tensors = (h, r, None, aux, None)
     with kernel_on_cpu() if h.device.type == "cpu" else contextlib.nullcontext():
-        return tensors, ops._plan(ops._ADD_CAPTURE, tensors, 0.0, 0, False)
+        return tensors, table._plan(ec.add_capture.capture_op, tensors, 0.0, 0, False)
 
 
 def launch_layers(h: torch.Tensor, r: torch.Tensor, aux: torch.Tensor) -> tuple:

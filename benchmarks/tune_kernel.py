@@ -62,9 +62,18 @@ from typing import Optional
 import torch
 import triton
 
-from eagle_capture.testing.bench import (add_graph_timing_arguments, measure_copy_roofline,
-                                 rotation_sets, time_graph_replay)
-from eagle_capture.kernels import HAS_PDL, add_rmsnorm_capture_kernel, kernel_arguments, launch_config
+from eagle_capture.kernels import (
+    HAS_PDL,
+    add_rmsnorm_capture_kernel,
+    kernel_arguments,
+    launch_config,
+)
+from eagle_capture.testing.bench import (
+    add_graph_timing_arguments,
+    measure_copy_roofline,
+    rotation_sets,
+    time_graph_replay,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_TOKENS = [1, 8, 16, 64, 256, 1024, 4096, 16384]

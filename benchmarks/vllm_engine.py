@@ -36,11 +36,11 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
-import re
 import time
 from pathlib import Path
 

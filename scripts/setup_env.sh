@@ -103,13 +103,15 @@ if ! $PY -c "import torch, triton" >/dev/null 2>&1; then
 fi
 
 # Extras: install only what is missing (pytest, pytest-xdist, hypothesis, numpy, transformers
-# for tests;
+# for tests, tomli before Python 3.11 for the mutation check's data;
 # nvidia-ml-py, matplotlib, tqdm for the benchmark).
 missing=$($PY - <<'PYEOF'
-import importlib.util
+import importlib.util, sys
 need = {"pytest": "pytest", "xdist": "pytest-xdist", "hypothesis": "hypothesis", "numpy": "numpy",
         "transformers": "transformers",
         "pynvml": "nvidia-ml-py", "matplotlib": "matplotlib", "tqdm": "tqdm"}
+if sys.version_info < (3, 11):
+    need["tomli"] = "tomli"
 print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
 PYEOF
 )
@@ -117,6 +119,20 @@ if [ -n "$missing" ]; then
     say "installing test/bench extras: $missing ..."
     $PY -m pip install -q $missing >&2
     INSTALLED="${INSTALLED:+$INSTALLED, }the test/bench extras"
+fi
+
+# The lint (ruff, the first step of .ci/run), pinned: one version lints every checkout
+# alike. The tests do not need it, so a machine without a package index (the GPU
+# machine) goes on without it, saying so.
+RUFF_VERSION=0.17.6
+if [ "$($PY -m ruff --version 2>/dev/null || true)" != "ruff $RUFF_VERSION" ]; then
+    say "installing ruff $RUFF_VERSION (the lint) ..."
+    # --retries 0: offline, fail at once rather than retry on every test run.
+    if $PY -m pip install -q --retries 0 --timeout 15 "ruff==$RUFF_VERSION" >&2; then
+        INSTALLED="${INSTALLED:+$INSTALLED, }ruff"
+    else
+        say "could not install ruff $RUFF_VERSION: the tests run without it; the lint (.ci/run) needs it"
+    fi
 fi
 
 # The package itself, editable, without touching dependencies or the network.

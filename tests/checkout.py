@@ -33,7 +33,7 @@ def _requirement_names(dist) -> list[str]:
     for req in dist.requires or []:
         if "extra ==" in req:
             continue
-        names.append(re.split(r"[ ;<>=!~\[(]", req, 1)[0])
+        names.append(re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0])
     return names
 
 

@@ -156,12 +156,6 @@ def pytest_sessionstart(session):
     session.config._record_started = time.time()
 
 
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "engines: runs the real SGLang / vLLM code in child processes (needs PyPI "
-                   "for the overlays; -m 'not engines' is the developer's fast tier)")
-
-
 def pytest_collection_modifyitems(config, items):
     """Engine tests are marked ``engines`` and go last: their runs start in the
     background when the session starts, while the other tests run."""

@@ -211,6 +211,7 @@ def test_spans_meet_against_every_pair():
     """The eager paths' per-call pre-check (addresses only) agrees with a brute
     pairwise test on random layouts of 2-8 ranges, empty ones included."""
     import random
+
     from eagle_capture.ops import spans_meet
     rng = random.Random(0)
     for _ in range(3000):

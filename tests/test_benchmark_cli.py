@@ -368,7 +368,7 @@ def test_gpu_sweep_plan_with_fake_timers(monkeypatch):
         set_bytes = 3 * row["T"] * 3 * 64 * elem + 3 * 64 * elem
         assert row["input_sets"] * set_bytes >= 4 * l2 or row["input_sets"] == cl.MAX_SETS
         assert row["input_l2_multiple"] >= 4
-        for p, d in row["paths"].items():
+        for d in row["paths"].values():
             assert d["steps_per_graph"] >= max(8, d["input_sets"]) and d["input_sets"] == \
                 row["input_sets"]
             copy = d["copy"]

@@ -13,11 +13,20 @@ in the interpreter and are compared against torch directly.
 import pytest
 import torch
 
-from conftest import (HAS_CUDA, INTERPRETED, INTERPRETER_NORM_TOLERANCES, NORM_TOLERANCES,
-                      DTYPES, assert_bitwise_equal, assert_untouched, make_rows, poisoned_aux,
-                      truncate_to_bf16)
-from eagle_capture.testing.reference import add_rmsnorm_reference
+from conftest import (
+    DTYPES,
+    HAS_CUDA,
+    INTERPRETED,
+    INTERPRETER_NORM_TOLERANCES,
+    NORM_TOLERANCES,
+    assert_bitwise_equal,
+    assert_untouched,
+    make_rows,
+    poisoned_aux,
+    truncate_to_bf16,
+)
 from eagle_capture.testing.kernel import launch_kernel
+from eagle_capture.testing.reference import add_rmsnorm_reference
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 if not HAS_CUDA and not INTERPRETED:

@@ -1,4 +1,4 @@
-"""The eager fast path's launch decisions (``ops.FastLaunch``), with a stand-in
+"""The eager fast path's launch decisions (``launcher.FastLaunch``), with a stand-in
 for the Triton kernel (runs anywhere): which launches of a plan may reuse the
 compiled kernel and which must go through Triton's own entry point. The real
 launches are covered on the GPU by
@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 
-from eagle_capture import ops
+from eagle_capture.ops import launcher as ops
 
 
 class FakeCompiled:
@@ -42,7 +42,7 @@ def fake(monkeypatch):
     if not ops.DIRECT_LAUNCH:
         pytest.skip("this Triton has no direct-launch support; every launch is Triton's own")
     jit = FakeJit()
-    fast = ops.FastLaunch(kernel)
+    fast = ops.FastLaunch(kernel, direct_launch=True)   # whatever the environment says
     fast.kernel = jit
     plan = fast.plan((2, 1), {"n": 7}, {"a_ptr": 0, "b_ptr": 1}, num_warps=4, device_index=0,
                      use_pdl=False, extents=(0, 0))
@@ -220,3 +220,26 @@ def test_installed_tritons_cuda_launcher_is_judged_by_its_call_signature(raw_rel
     direct = ops.direct_launch_of(_compiled_with(run))
     assert (direct.launch == run.launch) is raw
     assert (direct.launch == run) is not raw
+
+
+def test_the_switch_back_to_tritons_own_launch(fake, monkeypatch):
+    """EAGLE_CAPTURE_DIRECT_LAUNCH=0: every launch through Triton's entry point,
+    the compiled kernel never kept."""
+    jit, _, _ = fake
+    monkeypatch.setenv("EAGLE_CAPTURE_DIRECT_LAUNCH", "0")
+    fast = ops.FastLaunch(kernel)
+    fast.kernel = jit
+    plan = fast.plan((2, 1), {"n": 7}, {"a_ptr": 0, "b_ptr": 1}, 4, 0, False, (0, 0))
+    for _ in range(3):
+        fast.launch(plan, (A, B), (16, 32))
+    assert [kind for kind, *_ in jit.log] == ["triton"] * 3 and plan.direct is None
+    monkeypatch.setenv("EAGLE_CAPTURE_DIRECT_LAUNCH", "1")
+    assert ops.FastLaunch(kernel).direct_launch
+    assert not ops.FastLaunch(kernel, direct_launch=False).direct_launch
+
+
+def test_a_zero_size_grid_launches_nothing(fake):
+    jit, fast, _ = fake
+    plan = fast.plan((0, 1), {"n": 7}, {"a_ptr": 0, "b_ptr": 1}, 4, 0, False, (0, 0))
+    fast.launch(plan, (A, B), (16, 32))
+    assert jit.log == []

@@ -30,12 +30,22 @@ import pytest
 import torch
 
 import eagle_capture as ec
-from eagle_capture.testing.reference import add_rmsnorm_reference, sglang_eager_capture
-from conftest import (DTYPES, HAS_CUDA, INTERPRETED, INTERPRETER_NORM_TOLERANCES,
-                      NORM_TOLERANCES, assert_bitwise_equal, assert_untouched, make_rows,
-                      poisoned_aux, truncate_to_bf16)
+from conftest import (
+    DTYPES,
+    HAS_CUDA,
+    INTERPRETED,
+    INTERPRETER_NORM_TOLERANCES,
+    NORM_TOLERANCES,
+    assert_bitwise_equal,
+    assert_untouched,
+    make_rows,
+    poisoned_aux,
+    truncate_to_bf16,
+)
 from eagle_capture import ops
+from eagle_capture.ops import table
 from eagle_capture.testing.kernel import kernel_on_cpu
+from eagle_capture.testing.reference import add_rmsnorm_reference, sglang_eager_capture
 
 DEVICES = ["cpu"] + (["cpu-kernel"] if INTERPRETED else []) + (["cuda"] if HAS_CUDA else [])
 TOKENS = [0, 1, 3, 257]
@@ -267,11 +277,11 @@ def test_eager_memo_tells_norm_fp32_sum_apart(device, op):
     outputs = {}
     with _mode(device):   # one block: kernel_on_cpu() empties the memo when it ends
         for first, second in ((False, True), (True, False)):
-            ops._KERNEL.plans.clear()
+            table.LAUNCHER.forget()
             alone = run(second)                 # its own plan, on an empty memo
-            ops._KERNEL.plans.clear()
+            table.LAUNCHER.forget()
             run(first)                          # the other flag's plan memoised
-            assert ops._KERNEL.plans, "no plan memoised: the test would prove nothing"
+            assert table.LAUNCHER.plans, "no plan memoised: the test would prove nothing"
             after = run(second)                 # the same signature but the flag
             assert_bitwise_equal(after[0], alone[0])
             assert_bitwise_equal(after[1], alone[1])
@@ -296,7 +306,7 @@ def test_kernel_on_cpu_runs_the_kernel_then_the_torch_path_again(call):
     assert_bitwise_equal(aux[:, 1], rounded)
     with kernel_on_cpu(), kernel_on_cpu():  # nests
         pass
-    assert "cpu" not in ops.KERNEL_DEVICE_TYPES
+    assert "cpu" not in table.LAUNCHER.kernel_devices
 
 
 def _sglang_layer_inputs(num_layers, num_tokens, hidden_size, dtype, device):
@@ -517,6 +527,7 @@ def test_the_eager_template_binds_each_pointer_as_the_kernels_arguments_do(name,
     and kernel_arguments (the launch by name) bind every pointer to the same
     tensor, absent roles included; every parameter is bound once."""
     import inspect
+
     from eagle_capture.kernels import add_rmsnorm_capture_kernel
     names = tuple(inspect.signature(add_rmsnorm_capture_kernel.fn).parameters)
     h, r, w, ro = torch.randn(2, 8), torch.randn(2, 8), torch.ones(8), torch.randn(2, 8)
@@ -526,32 +537,33 @@ def test_the_eager_template_binds_each_pointer_as_the_kernels_arguments_do(name,
                aux if name != "add_rmsnorm_out" and absent != "aux" else None,
                ro if name == "add_rmsnorm_out" else None]
     in_place = name == "add_rmsnorm_capture"
-    grid, values, _ = ops._kernel_arguments(tensors, in_place, 1e-6, 1, False, False)
+    grid, values, _ = table._kernel_arguments(tensors, in_place, 1e-6, 1, False, False)
     assert set(values) == set(names)
-    sources = ops._pointer_sources(tensors, residual_in_place=in_place)
+    sources = table._pointer_sources(tensors, residual_in_place=in_place)
     assert {p: values[p] for p in sources} == {p: tensors[i] for p, i in sources.items()}
-    head, tail = ops._KERNEL.signature.template(sources, {k: v for k, v in values.items()
+    head, tail = table.LAUNCHER.signature.template(sources, {k: v for k, v in values.items()
                                                          if k not in sources})
-    assert (*head(tensors), *tail) == ops._KERNEL.signature.bind(values)
+    assert (*head(tensors), *tail) == table.LAUNCHER.signature.bind(values)
 
 
 def test_kernel_arguments_are_bound_by_the_kernels_parameter_names():
     import inspect
+
     from eagle_capture.kernels import add_rmsnorm_capture_kernel
     names = tuple(inspect.signature(add_rmsnorm_capture_kernel.fn).parameters)
     h, r, w = torch.randn(2, 8), torch.randn(2, 8), torch.ones(8)
     aux = torch.zeros(3, 2, 8)
-    grid, values, _ = ops._kernel_arguments((h, r, w, aux, None), True, 1e-6, 1, False, False)
+    grid, values, _ = table._kernel_arguments((h, r, w, aux, None), True, 1e-6, 1, False, False)
     assert values["aux_ptr"] is aux and values["residual_out_ptr"] is r
     assert values["normed_out_ptr"] is h and values["weight_ptr"] is w
     assert values["aux_slot_offset"] == 8 and grid == (2, 1)
     # A parameter with a default may be left out; an unknown or missing one is refused.
     values.pop("NORM_FP32_SUM")
-    assert ops._KERNEL.signature.bind(values)[names.index("NORM_FP32_SUM")] is False
+    assert table.LAUNCHER.signature.bind(values)[names.index("NORM_FP32_SUM")] is False
     with pytest.raises(TypeError, match=r"unknown \['bias_ptr'\]"):
-        ops._KERNEL.signature.bind(dict(values, bias_ptr=h))
+        table.LAUNCHER.signature.bind(dict(values, bias_ptr=h))
     with pytest.raises(TypeError, match=r"missing \['eps'\]"):
-        ops._KERNEL.signature.bind({k: v for k, v in values.items() if k != "eps"})
+        table.LAUNCHER.signature.bind({k: v for k, v in values.items() if k != "eps"})
 
 
 def test_pointer_template_needs_the_pointers_to_lead():

@@ -8,13 +8,12 @@ attention, yarn rope, MoE after the first dense layer); no downloads.
 
 import pytest
 import torch
+import transformers  # noqa: E402  (a test dependency: scripts/setup_env.sh installs it)
 
 from conftest import HAS_CUDA, assert_bitwise_equal
 from eagle_capture.layer_ids.plan import CapturePlanError, build_plan, specforge_default_ids
 from eagle_capture.testing.models import tiny_deepseek_v3_config
 from eagle_capture.testing.reference_loop import SGLangDeepseekLoop, hf_training_capture
-
-import transformers  # noqa: E402  (a test dependency: scripts/setup_env.sh installs it)
 
 
 def tiny_deepseek(num_layers: int, dtype=torch.float32, device="cpu", seed=0):

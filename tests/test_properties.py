@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import eagle_capture as ec
-from eagle_capture.testing.reference import add_rmsnorm_reference
 from conftest import HAS_CUDA, NORM_TOLERANCES, assert_bitwise_equal, assert_untouched
+from eagle_capture.testing.reference import add_rmsnorm_reference
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -7,10 +7,15 @@ import pytest
 import torch
 
 import eagle_capture as ec
-from eagle_capture.testing.reference import add_rmsnorm_reference
-from conftest import (HAS_CUDA, INTERPRETED, assert_bitwise_equal, assert_untouched,
-                      requires_cuda, truncate_to_bf16)
+from conftest import (
+    HAS_CUDA,
+    INTERPRETED,
+    assert_bitwise_equal,
+    requires_cuda,
+    truncate_to_bf16,
+)
 from eagle_capture.testing.kernel import launch_kernel
+from eagle_capture.testing.reference import add_rmsnorm_reference
 
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
@@ -99,7 +104,7 @@ def test_buffer_past_2_31_elements():
 def test_one_buffer_shared_by_graphs_of_several_batch_sizes():
     """SGLang's graph runner captures one graph per batch size over one shared aux
     buffer; replaying any of them, after new inputs are copied in, equals eager."""
-    H, K, device, dtype = 7168, 3, "cuda", torch.bfloat16
+    H, device, dtype = 7168, "cuda", torch.bfloat16
     sizes = [1, 8, 33, 160]
     buf = ec.AuxCaptureBuffer(max(sizes), H, [2, 30, 58], dtype=dtype, device=device)
     w = torch.ones(H, device=device, dtype=dtype)

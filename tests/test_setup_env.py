@@ -25,7 +25,7 @@ def _run(cwd_root: Path, env=None, timeout=900):
 def test_set_up_environment_prints_one_line_and_nothing_else():
     # After scripts/test.sh everything is in place and the script is silent; run
     # directly, a first call may install what is missing, and a second must not.
-    for attempt in range(2):
+    for _ in range(2):
         result = _run(ROOT)
         assert result.returncode == 0, result.stderr
         assert result.stdout.count("\n") == 1 and result.stdout.endswith("\n"), result.stdout
@@ -60,6 +60,11 @@ if args[:3] == ["-m", "pip", "install"]:
     print("PIP " + " ".join(args[3:]), file=sys.stderr)
     if "-e" in args:
         open(mark("package"), "w").write(os.path.realpath("eagle_capture/__init__.py"))
+    elif any(a.startswith("ruff==") for a in args):
+        if os.path.exists(os.path.join(state, "offline")):
+            print("ERROR: No matching distribution found for ruff==0.17.6", file=sys.stderr)
+            sys.exit(1)
+        open(mark("ruff"), "w").close()
     elif any(a.startswith("torch==") for a in args):
         index = args[args.index("--extra-index-url") + 1] if "--extra-index-url" in args else None
         if index != os.environ["EAGLE_CAPTURE_TORCH_CPU_INDEX"] or not os.path.exists(
@@ -70,6 +75,8 @@ if args[:3] == ["-m", "pip", "install"]:
     sys.exit(0)
 if args == ["-"]:                                   # which test/bench extras are missing
     sys.exit(print(""))
+if args == ["-m", "ruff", "--version"]:             # the lint's version, once installed
+    sys.exit(print("ruff 0.17.6") if os.path.exists(mark("ruff")) else 1)
 if args[:1] == ["-c"] and "eagle_capture" in args[1]:   # is the package installed here
     sys.exit(print(open(mark("package")).read()) if os.path.exists(mark("package")) else 1)
 if args[:1] == ["-c"] and "sysconfig" in args[1]:
@@ -96,7 +103,8 @@ def cpu_index(tmp_path):
     server.shutdown()
 
 
-def _plain_box(tmp_path, cpu_index, cpu_index_has_torch=True, virtual_env=None):
+def _plain_box(tmp_path, cpu_index, cpu_index_has_torch=True, virtual_env=None,
+               offline_ruff=False):
     """A checkout holding the script, a PATH whose python3 is the stand-in, a CPU index."""
     checkout = tmp_path / "checkout"
     (checkout / "scripts").mkdir(parents=True)
@@ -110,6 +118,8 @@ def _plain_box(tmp_path, cpu_index, cpu_index_has_torch=True, virtual_env=None):
     (bin_dir / "python3").chmod(0o755)
     if cpu_index_has_torch:
         (state / "cpu-index-has-torch").touch()
+    if offline_ruff:
+        (state / "offline").touch()
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PIP_") and k not in ("VIRTUAL_ENV", "EAGLE_CAPTURE_TORCH")}
     env.update(PATH=f"{bin_dir}:/usr/bin:/bin", STUB_STATE=str(state),
@@ -186,3 +196,15 @@ def test_real_pip_without_the_cpu_wheel_falls_back_then_fails_with_a_hint(tmp_pa
     assert "torch==2.13.0+cpu is not on the configured package index" in result.stderr
     assert "size not known" in result.stderr
     assert "EAGLE_CAPTURE_TORCH=torch==2.13.0" in result.stderr
+
+
+def test_the_lint_is_installed_pinned_and_its_absence_stops_nothing(tmp_path, cpu_index):
+    """ruff (the first step of .ci/run) is installed at its pinned version; where it
+    cannot be (the GPU machine has no package index) the set-up goes on, saying so."""
+    _, result, pip_log = _plain_box(tmp_path / "online", cpu_index)
+    assert result.returncode == 0, result.stderr
+    assert any(line.endswith("ruff==0.17.6") for line in pip_log), pip_log
+    _, result, pip_log = _plain_box(tmp_path / "offline", cpu_index, offline_ruff=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ".venv/bin/python\n"
+    assert "could not install ruff 0.17.6: the tests run without it" in result.stderr

@@ -83,22 +83,29 @@ def test_path_table(tmp_path):
     assert default_one_shot_max_tokens(16) == default_one_shot_max_tokens(8)
 
 
-def test_eager_range_scan():
+def test_eager_range_scan(monkeypatch):
     """Runs anywhere: the per-call overlap scan of the eager memo (addresses
-    change between calls with one signature), without symmetric memory."""
-    from eagle_capture.parallel.symm import SymmAllReduceCapture
-    ar = object.__new__(SymmAllReduceCapture)
+    change between calls with one signature), without symmetric memory: the
+    plan's byte ranges are the five tensors' (out's none when it is partial)
+    and this rank's symmetric buffer."""
+    ar, _ = _cpu_stand_in(monkeypatch)
     ar._buffer_addr, ar._buffer_bytes = 1 << 20, 4096
-    ext = (256, 256, 64, 256, 768)      # partial, residual, weight, out, aux
-    apart = [0, 1024, 2048, 4096, 8192]
-    assert not ar._ranges_meet(apart, ext, out_is_partial=False)
-    assert not ar._ranges_meet([0, 1024, 2048, 0, 8192], ext, out_is_partial=True)
-    assert ar._ranges_meet([0, 1024, 2048, 0, 8192], ext, out_is_partial=False)
-    assert ar._ranges_meet([0, 1024, 2048, 4096, 4096 + 100], ext, out_is_partial=False)
-    assert ar._ranges_meet([0, 1024, 2048, (1 << 20) + 4000, 8192], ext, out_is_partial=False)
-    assert ar._ranges_meet([(1 << 20) - 255, 1024, 2048, 4096, 8192], ext, out_is_partial=True)
-    assert not ar._ranges_meet([(1 << 20) - 256, 1024, 2048, 4096, 8192], ext, True)
-    assert not ar._ranges_meet([0, 1024, 2048, 4096, 0], ext[:4] + (0,), False)  # no aux
+    H, dt = ar.hidden_size, torch.bfloat16
+    p, r, out = (torch.zeros(2, H, dtype=dt) for _ in range(3))     # 256 bytes each
+    w, aux = torch.ones(H, dtype=dt), torch.zeros(3, 2, H, dtype=dt)  # 128, 768 bytes
+    plan = ar._eager_plan(p, r, w, 1e-6, aux, 0, out, False)
+    into_partial = ar._eager_plan(p, r, w, 1e-6, aux, 0, p, False)
+    assert plan.extents == (256, 256, 128, 256, 768, 4096)
+    apart = [0, 1024, 2048, 4096, 8192]      # partial, residual, weight, out, aux
+    assert not plan.meets(apart)
+    assert not into_partial.meets([0, 1024, 2048, 0, 8192])
+    assert plan.meets([0, 1024, 2048, 0, 8192])
+    assert plan.meets([0, 1024, 2048, 4096, 4096 + 100])
+    assert plan.meets([0, 1024, 2048, (1 << 20) + 4000, 8192])
+    assert into_partial.meets([(1 << 20) - 255, 1024, 2048, 4096, 8192])
+    assert not into_partial.meets([(1 << 20) - 256, 1024, 2048, 4096, 8192])
+    no_aux = ar._eager_plan(p, r, w, 1e-6, None, 0, out, False)
+    assert not no_aux.meets([0, 1024, 2048, 4096, 0])
 
 
 class _RecordingKernel:
@@ -125,8 +132,9 @@ class _RecordingKernel:
 def _fast_path_stand_in(ar, symm):
     from eagle_capture import ops
     kernel = _RecordingKernel()
-    ar._fast = ops.FastLaunch(symm.lamport_allreduce_add_rmsnorm_capture_kernel)
-    ar._fast.kernel = kernel
+    ar._launcher = ops.FastLaunch(symm.lamport_allreduce_add_rmsnorm_capture_kernel,
+                                  direct_launch=True)   # whatever the environment says
+    ar._launcher.kernel = kernel
     return kernel.calls
 
 
@@ -218,7 +226,7 @@ def test_grad_requiring_tensors_are_refused_on_a_memo_hit_too(monkeypatch):
     H, dt = ar.hidden_size, torch.bfloat16
     w = torch.ones(H, dtype=dt)
     ar.reduce_add_rmsnorm(torch.randn(2, H).to(dt), torch.randn(2, H).to(dt), w, 1e-6)
-    assert len(launches) == 1 and len(ar._fast.plans) == 1
+    assert len(launches) == 1 and len(ar._launcher.plans) == 1
     with pytest.raises(RuntimeError, match="requires grad while grad mode is on"):
         ar.reduce_add_rmsnorm(torch.randn(2, H).to(dt), torch.randn(2, H).to(dt),
                               w.clone().requires_grad_(), 1e-6)

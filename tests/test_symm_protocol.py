@@ -27,7 +27,6 @@ spawned process imports this module -- and through conftest the package, whose
 import* -- before the rank function runs; each rank checks that every Triton
 function it reaches is interpreted."""
 
-import os
 import traceback
 
 import pytest
@@ -55,7 +54,7 @@ def _check_interpreted(module) -> None:
     imported ones too) must be interpreted: one compiled for the GPU raises
     "Cannot call @triton.jit'd outside of the scope of a kernel" when the
     interpreted kernel calls it."""
-    from triton.runtime.jit import JITFunction   # the compiled kind (InterpretedFunction is not one)
+    from triton.runtime.jit import JITFunction  # the compiled kind (InterpretedFunction is not one)
     compiled = [name for name, value in vars(module).items() if isinstance(value, JITFunction)]
     if compiled:
         raise RuntimeError(f"compiled, not interpreted, in this rank: {compiled} (was the "

@@ -6,9 +6,16 @@ import pytest
 import torch
 
 import eagle_capture as ec
+from conftest import (
+    HAS_CUDA,
+    NORM_TOLERANCES,
+    assert_bitwise_equal,
+    assert_untouched,
+    make_rows,
+    poisoned_aux,
+    requires_cuda,
+)
 from eagle_capture.testing.reference import add_rmsnorm_reference
-from conftest import (HAS_CUDA, NORM_TOLERANCES, assert_bitwise_equal, assert_untouched,
-                      make_rows, poisoned_aux, requires_cuda)
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 EPS = 1e-6
@@ -173,7 +180,7 @@ def test_eager_direct_launch_on_repeated_calls():
     (integer addresses, Triton's C launcher); alignment changes between calls of
     one signature fall back to Triton's entry. Every call, new values each time,
     is exact."""
-    from eagle_capture import ops
+    from eagle_capture.ops import table
     dtype, device, num_tokens, hidden_size = torch.bfloat16, "cuda", 37, 4096
     n = num_tokens * hidden_size
     base_h = torch.empty(n + 16, device=device, dtype=dtype)
@@ -195,8 +202,10 @@ def test_eager_direct_launch_on_repeated_calls():
         ec.add_rmsnorm_out(hh, r, w, EPS, out)
         assert_bitwise_equal(out, h + r)
         torch.testing.assert_close(hh.double(), normed_ref, **NORM_TOLERANCES[dtype])
-    if ops.DIRECT_LAUNCH:
-        assert any(plan.direct is not None for plan in ops._KERNEL.plans.values())
+    if table.LAUNCHER.direct_launch:   # EAGLE_CAPTURE_DIRECT_LAUNCH=0: Triton's entry only
+        assert any(plan.direct is not None for plan in table.LAUNCHER.plans.values())
+    else:
+        assert all(plan.direct is None for plan in table.LAUNCHER.plans.values())
 
 
 @requires_cuda

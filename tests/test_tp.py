@@ -54,8 +54,8 @@ def _message(exc_type, fn, what: str) -> str:
 
 def _scenarios(rank, world, device):
     from eagle_capture import AuxCaptureBuffer
-    from eagle_capture.testing.reference_loop import SGLangDeepseekLoop
     from eagle_capture.parallel.tp import CaptureConsistencyError, check_capture_consistency
+    from eagle_capture.testing.reference_loop import SGLangDeepseekLoop
     from test_oracle import input_ids, tiny_deepseek
 
     hidden_size, num_tokens, layers = 64, 9, [2, 4, 6]
@@ -111,7 +111,9 @@ def _scenarios(rank, world, device):
         h_full = torch.randn(tokens, hidden_size, generator=g)
         r_full = torch.randn(tokens, hidden_size, generator=g)
         w = 1 + 0.1 * torch.randn(hidden_size, generator=g)
-        pad = lambda t: torch.cat([t, t.new_zeros(rows * attn_world - tokens, hidden_size)])
+        def pad(t, tokens=tokens):
+            return torch.cat([t, t.new_zeros(rows * attn_world - tokens, hidden_size)])
+
         h_local = pad(h_full)[attn_rank * rows:(attn_rank + 1) * rows].clone()
         r_local = pad(r_full)[attn_rank * rows:(attn_rank + 1) * rows].clone()
         scattered = AuxCaptureBuffer(10, hidden_size, [3], dtype=torch.float32)

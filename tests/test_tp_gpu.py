@@ -19,9 +19,13 @@ WORLD = 2
 
 def _scenarios(rank, world, device):
     from eagle_capture import AuxCaptureBuffer
-    from eagle_capture.testing.reference_loop import SGLangDeepseekLoop
     from eagle_capture.parallel.symm import PathTable, SymmAllReduceCapture
-    from eagle_capture.parallel.tp import CaptureConsistencyError, TPCapture, check_capture_consistency
+    from eagle_capture.parallel.tp import (
+        CaptureConsistencyError,
+        TPCapture,
+        check_capture_consistency,
+    )
+    from eagle_capture.testing.reference_loop import SGLangDeepseekLoop
     from test_oracle import input_ids, tiny_deepseek
     from test_tp import CapturesBeforeReducing, _partial_split
 

@@ -6,6 +6,11 @@ folder: a top-level ``kernels`` in a checkout hides Hugging Face's ``kernels``
 package (docs/layout.md).
 """
 
-from .add_rmsnorm_capture import HAS_PDL, add_rmsnorm_capture_kernel, kernel_arguments, launch_config
+from .add_rmsnorm_capture import (
+    HAS_PDL,
+    add_rmsnorm_capture_kernel,
+    kernel_arguments,
+    launch_config,
+)
 
 __all__ = ["HAS_PDL", "add_rmsnorm_capture_kernel", "kernel_arguments", "launch_config"]

@@ -22,8 +22,8 @@ measurements behind it).
 Under ``torch.compile`` the one-shot path is the custom op
 ``torch.ops.eagle_capture.allreduce_add_rmsnorm_capture`` (fake implementation,
 no graph break); eagerly the method launches the kernel through the eager fast
-path of the single-GPU ops (:class:`eagle_capture.ops.FastLaunch`). Both are CUDA-graph capturable: the
-kernel's epoch lives in device memory.
+path of the single-GPU ops (:class:`eagle_capture.ops.launcher.FastLaunch`). Both are
+CUDA-graph capturable: the kernel's epoch lives in device memory.
 
 NVLink multicast stays off: on the shared hosts it can take GPUs out of
 service. Constructing a :class:`SymmAllReduceCapture` sets
@@ -37,6 +37,7 @@ them in the launcher's environment too, or call
 :func:`ensure_multicast_disabled` before ``init_process_group``.
 """
 
+import functools
 import itertools
 import os
 import weakref
@@ -45,13 +46,36 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from eagle_capture import ops
-# The path table lives in its own module; re-exported here, where callers look.
-from eagle_capture.parallel.paths import (DEFAULT_ONE_SHOT_MAX_TOKENS, PATHS, TABLE_ENV, TABLE_FORMAT,  # noqa: F401
-                              PathTable, default_one_shot_max_tokens)
 from eagle_capture.kernels.add_rmsnorm_capture import MAX_HIDDEN_SIZE, launch_config
 from eagle_capture.kernels.allreduce_add_rmsnorm_capture import (
-    NUM_BUFFERS, STATE_INTS, lamport_allreduce_add_rmsnorm_capture_kernel)
+    NUM_BUFFERS,
+    STATE_INTS,
+    lamport_allreduce_add_rmsnorm_capture_kernel,
+)
+from eagle_capture.ops import add_rmsnorm_capture
+from eagle_capture.ops.checks import (
+    SUPPORTED_DTYPES,
+    byte_extent,
+    check_add_inputs,
+    check_aliasing,
+    check_aux,
+    check_no_autograd,
+    check_no_internal_overlap,
+    check_norm_inputs,
+    overlaps_other_elements,
+    ranges_overlap,
+)
+from eagle_capture.ops.launcher import FastLaunch, Plan, addresses
+
+# The path table lives in its own module; re-exported here, where callers look.
+from eagle_capture.parallel.paths import (  # noqa: F401
+    DEFAULT_ONE_SHOT_MAX_TOKENS,
+    PATHS,
+    TABLE_ENV,
+    TABLE_FORMAT,
+    PathTable,
+    default_one_shot_max_tokens,
+)
 
 _MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
                   "NVSHMEM_DISABLE_NVLS": "1"}
@@ -117,7 +141,7 @@ class SymmAllReduceCapture:
         if max_tokens < 1 or not 1 <= hidden_size <= MAX_HIDDEN_SIZE:
             raise ValueError(f"eagle_capture: max_tokens must be >= 1 and hidden_size in "
                              f"[1, {MAX_HIDDEN_SIZE}], got {max_tokens}, {hidden_size}")
-        if dtype not in ops.SUPPORTED_DTYPES:
+        if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"eagle_capture: dtype must be bfloat16, float16 or float32, "
                              f"got {dtype}")
         if watchdog_s is not None and not watchdog_s > 0:
@@ -166,7 +190,7 @@ class SymmAllReduceCapture:
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
         # The eager fast path (the single-GPU ops' own): validated call signatures.
-        self._fast = ops.FastLaunch(lamport_allreduce_add_rmsnorm_capture_kernel)
+        self._launcher = FastLaunch(lamport_allreduce_add_rmsnorm_capture_kernel)
         self._buffer_addr = self.buffer.data_ptr()
         self._buffer_bytes = self.buffer.numel() * self.buffer.element_size()
         self.name = f"symm{next(_NAMES)}"
@@ -190,8 +214,8 @@ class SymmAllReduceCapture:
 
     def overlaps_buffer(self, t: torch.Tensor) -> bool:
         """Whether ``t`` shares bytes with this rank's symmetric buffer (which the
-        peers write during a one-shot call): :func:`eagle_capture.ops.ranges_overlap`."""
-        return ops.ranges_overlap(t, self.buffer)
+        peers write during a one-shot call): :func:`eagle_capture.ops.checks.ranges_overlap`."""
+        return ranges_overlap(t, self.buffer)
 
     def watchdog_tripped(self) -> bool:
         """Whether a poll gave up waiting (host read of pinned memory, no sync)."""
@@ -205,7 +229,8 @@ class SymmAllReduceCapture:
                 f"arrived, or programs that could not all be resident). The results of that "
                 f"call are garbage and this SymmAllReduceCapture can no longer be used")
 
-    def _validate(self, partial, residual, weight, eps, aux, slot, out) -> None:
+    def _validate(self, partial, residual, weight, eps, aux, slot, out,
+                  norm_fp32_sum=False) -> None:
         if not isinstance(partial, torch.Tensor) or partial.dim() != 2 or \
                 partial.shape[1] != self.hidden_size or partial.dtype != self.dtype or \
                 partial.device != self.device or partial.stride(1) != 1:
@@ -227,10 +252,10 @@ class SymmAllReduceCapture:
                              f"{tuple(partial.shape)}, got {tuple(out.shape)}")
         # The same contract as the single-GPU add_rmsnorm_capture, with `out` as the
         # normed output (named hidden_states in the messages, as there).
-        ops.check_add_inputs(out, residual)
-        ops.check_norm_inputs(out, weight, eps)
+        check_add_inputs(out, residual)
+        check_norm_inputs(out, weight, eps)
         if aux is not None:
-            ops.check_aux(aux, slot, out.shape[0], out.shape[1], out.dtype, out.device)
+            check_aux(aux, slot, out.shape[0], out.shape[1], out.dtype, out.device)
         if torch.compiler.is_compiling():
             return  # address checks need real tensors; eager calls made them
         for name, t in (("partial", partial), ("out", out), ("residual", residual),
@@ -238,17 +263,17 @@ class SymmAllReduceCapture:
             if t is not None and self.overlaps_buffer(t):
                 raise ValueError(f"eagle_capture: {name} must not lie in the symmetric buffer "
                                  f"(peers write into it during a one-shot call)")
-        ops.check_no_internal_overlap("hidden_states", out)
-        ops.check_no_internal_overlap("residual", residual)
-        ops.check_aliasing(out, residual, aux, slot, weight=weight, residual_mutated=True,
-                               hidden_mutated=True)
+        check_no_internal_overlap("hidden_states", out)
+        check_no_internal_overlap("residual", residual)
+        check_aliasing(out, residual, aux, slot, weight=weight, residual_mutated=True,
+                       hidden_mutated=True)
         # Into partial's own rows is fine: each row is pushed by the program that
         # later overwrites it.
-        if out is not partial and ops.overlaps_other_elements(out, partial):
+        if out is not partial and overlaps_other_elements(out, partial):
             raise ValueError("eagle_capture: out must be partial itself (or a view of the "
                              "same rows) or not overlap it")
-        if ops.ranges_overlap(partial, residual) or (
-                aux is not None and ops.ranges_overlap(partial, aux)):
+        if ranges_overlap(partial, residual) or (
+                aux is not None and ranges_overlap(partial, aux)):
             raise ValueError("eagle_capture: partial must not overlap residual or aux "
                              "(both are written while peers' rows are still arriving)")
 
@@ -270,8 +295,8 @@ class SymmAllReduceCapture:
             self._check_watchdog()
         out = partial if out is None else out
         if torch.is_grad_enabled():   # every call: requires_grad is not in the memo key
-            ops.check_no_autograd("SymmAllReduceCapture.reduce_add_rmsnorm",
-                                      (partial, residual, weight, out, aux))
+            check_no_autograd("SymmAllReduceCapture.reduce_add_rmsnorm",
+                              (partial, residual, weight, out, aux))
         if torch.compiler.is_compiling():
             self._validate(partial, residual, weight, eps, aux, slot, out)
             if partial.shape[0] == 0:
@@ -286,25 +311,17 @@ class SymmAllReduceCapture:
                 self.state, self.name, norm_fp32_sum)
             return out
         key = self._signature(partial, residual, weight, eps, aux, slot, out, norm_fp32_sum)
-        plan = self._fast.plans.get(key) if key is not None else None
-        ptrs = [partial.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                aux.data_ptr() if aux is not None else 0]
-        if plan is None:
-            self._validate(partial, residual, weight, eps, aux, slot, out)
-            plan = self._fast.remember(key, self._plan(partial, residual, weight, eps, aux, slot,
-                                                       out, self.state, norm_fp32_sum))
-            plan.checked = ptrs
-        elif ptrs != plan.checked:
-            if self._ranges_meet(ptrs, plan.extents, out is partial):
-                # An overlap among the arguments or with the symmetric buffer gets the
-                # full check, which raises or allows it (a residual from another slot).
-                self._validate(partial, residual, weight, eps, aux, slot, out)
-            plan.checked = ptrs
+        tensors = (partial, residual, weight, out, aux)
+        # An overlap among the arguments or with the symmetric buffer gets the full
+        # check, which raises or allows it (a residual from another slot).
+        plan, ptrs = self._launcher.eager_plan(
+            key, tensors, (partial, residual, weight, eps, aux, slot, out, norm_fp32_sum),
+            self._validate, self._validate, self._eager_plan)
         if partial.shape[0] == 0:
             return out
         if plan.extra == "nccl":
             return self._nccl_path(partial, residual, weight, eps, aux, slot, out, norm_fp32_sum)
-        self._fast.launch(plan, (partial, residual, weight, out, aux), ptrs)
+        self._launcher.launch(plan, tensors, ptrs)
         return out
 
     def _signature(self, partial, residual, weight, eps, aux, slot, out, norm_fp32_sum):
@@ -321,13 +338,6 @@ class SymmAllReduceCapture:
         except AttributeError:  # a non-tensor argument: the full check names it
             return None
 
-    def _ranges_meet(self, ptrs, extents, out_is_partial: bool) -> bool:
-        """Whether two argument byte ranges intersect (out == partial excepted),
-        or one meets this rank's symmetric buffer."""
-        if out_is_partial:
-            extents = extents[:3] + (0,) + extents[4:]
-        return ops.spans_meet((*ptrs, self._buffer_addr), (*extents, self._buffer_bytes))
-
     def _nccl_path(self, partial, residual, weight, eps, aux, slot, out, norm_fp32_sum):
         # Reduce into `out` (partial itself by default); the collective needs a
         # dense tensor.
@@ -338,14 +348,16 @@ class SymmAllReduceCapture:
         dist.all_reduce(reduced, group=self.group)
         if reduced is not out:
             out.copy_(reduced)
-        ops.add_rmsnorm_capture(out, residual, weight, eps, aux, slot, norm_fp32_sum)
+        add_rmsnorm_capture(out, residual, weight, eps, aux, slot, norm_fp32_sum)
         return out
 
     def _plan(self, partial, residual, weight, eps, aux, slot, out, state, norm_fp32_sum,
-              debug_spin: int = 0, debug_rank: int = -1) -> ops.Plan:
+              debug_spin: int = 0, debug_rank: int = -1) -> Plan:
         """The launch of a call signature (``extra``: its path). The call's five
         tensors (partial, residual, weight, out, aux) lead the kernel's
-        arguments; the symmetric-buffer table and the state are this object's."""
+        arguments; the symmetric-buffer table and the state are this object's.
+        Its byte ranges: the five tensors' (out's none when it is partial: the
+        key tells) and this rank's symmetric buffer, which the peers write."""
         num_tokens = partial.shape[0]
         values = dict(
             ptr_table=self._ptr_table, state_ptr=state,
@@ -362,10 +374,16 @@ class SymmAllReduceCapture:
             ROWS_BY_TICKET=self.rows_by_ticket, DEBUG_REVERSE_DISPATCH=False)
         sources = dict(partial_ptr=0, residual_ptr=1, weight_ptr=2, normed_out_ptr=3,
                        residual_out_ptr=1, aux_ptr=4 if aux is not None else 1)
-        extents = tuple(ops.byte_extent(t) for t in (partial, residual, weight, out, aux))
-        return self._fast.plan((min(num_tokens, self.max_programs), 1), values, sources,
-                               self._num_warps, self.device.index, False, extents,
-                               extra=self.path_for(num_tokens))
+        extents = tuple(byte_extent(t) for t in
+                        (partial, residual, weight, None if out is partial else out, aux))
+        return self._launcher.plan((min(num_tokens, self.max_programs), 1), values, sources,
+                                   self._num_warps, self.device.index, False, extents,
+                                   extra=self.path_for(num_tokens),
+                                   fixed=((self._buffer_addr, self._buffer_bytes),))
+
+    def _eager_plan(self, partial, residual, weight, eps, aux, slot, out, norm_fp32_sum) -> Plan:
+        return self._plan(partial, residual, weight, eps, aux, slot, out, self.state,
+                          norm_fp32_sum)
 
     def _launch_one_shot(self, partial, residual, weight, eps, aux, slot, out, state,
                          norm_fp32_sum, **debug) -> None:
@@ -373,12 +391,11 @@ class SymmAllReduceCapture:
         pass ``debug_spin`` / ``debug_rank``), memoised as the eager calls are."""
         key = None if debug else ("op", state.data_ptr(), self._signature(
             partial, residual, weight, eps, aux, slot, out, norm_fp32_sum))
-        plan = self._fast.plans.get(key) if key is not None else None
-        if plan is None:
-            plan = self._fast.remember(key, self._plan(partial, residual, weight, eps, aux, slot,
-                                                       out, state, norm_fp32_sum, **debug))
+        plan = self._launcher.memoised(
+            key, (partial, residual, weight, eps, aux, slot, out, state, norm_fp32_sum),
+            functools.partial(self._plan, **debug) if debug else self._plan)
         tensors = (partial, residual, weight, out, aux)
-        self._fast.launch(plan, tensors, [t.data_ptr() if t is not None else 0 for t in tensors])
+        self._launcher.launch(plan, tensors, addresses(tensors))
 
 
 @torch.library.custom_op("eagle_capture::allreduce_add_rmsnorm_capture",

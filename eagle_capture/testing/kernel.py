@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from eagle_capture import ops
 from eagle_capture.kernels import add_rmsnorm_capture_kernel, kernel_arguments
+from eagle_capture.ops import table
 
 
 def launch_kernel(hidden_states: torch.Tensor, residual: Optional[torch.Tensor], *,
@@ -51,14 +51,15 @@ def kernel_on_cpu():
     if not kernel_interpreted():
         raise RuntimeError("eagle_capture.testing.kernel.kernel_on_cpu() needs Triton's "
                            "interpreter: set TRITON_INTERPRET=1 before eagle_capture is imported")
-    if "cpu" in ops.KERNEL_DEVICE_TYPES:  # nested
+    launcher = table.LAUNCHER
+    if "cpu" in launcher.kernel_devices:  # nested
         yield
         return
     # Plans made for CPU tensors outside the block run the torch implementation.
-    ops._KERNEL.plans.clear()
-    ops.KERNEL_DEVICE_TYPES.add("cpu")
+    launcher.forget()
+    devices, launcher.kernel_devices = launcher.kernel_devices, launcher.kernel_devices | {"cpu"}
     try:
         yield
     finally:
-        ops.KERNEL_DEVICE_TYPES.discard("cpu")
-        ops._KERNEL.plans.clear()
+        launcher.kernel_devices = devices
+        launcher.forget()

@@ -279,7 +279,7 @@ def tp2_setup():
     layers = lm.model.layers
     out["reduces_itself"] = {"attn": [layer.self_attn.reduces for layer in layers],
                              "mlp": [layer.mlp.reduces for layer in layers]}
-    attn, mlp = layers[1].self_attn, layers[1].mlp
+    attn = layers[1].self_attn
     assert attn.cols == (32 * rank, 32 * rank + 32)
     assert attn.proj.weight.shape == (HIDDEN, HIDDEN // 2)
     # The shards differ across ranks (each rank contracts other columns).

@@ -192,13 +192,12 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
 
     problems = []
     if family is not None:
-        end = getattr(causal_lm.model, "end_layer", num_layers)
         try:
             dropin.check_capture_layers(
-                layers, getattr(causal_lm.model, "start_layer", 0), end,
-                allow_embedding=capture_only,
-                final_boundary=family.captures_final_boundary(dropin.sglang_version())
-                and end == len(causal_lm.model.layers))
+                layers, getattr(causal_lm.model, "start_layer", 0),
+                getattr(causal_lm.model, "end_layer", num_layers), allow_embedding=capture_only,
+                final_boundary=family.captures_final_boundary(dropin.sglang_version()),
+                num_layers=len(causal_lm.model.layers))
         except dropin.WrongCaptureLayers as e:
             if capture_only:   # nothing to protect: SGLang's own capture answers for it
                 logger.warning("eagle_capture: not installed (capture-only mode, no draft), "

@@ -20,9 +20,10 @@ import importlib
 import os
 
 from eagle_capture.integrations import settings
+from eagle_capture.layer_ids.validate import check_capture_layers, layer_list
 from eagle_capture.integrations.vllm.plugin import CHECKED_ARCHITECTURES, log as _log, vllm_module
 
-__all__ = ["check_draft_ids", "vllm_class", "WrongCaptureLayers"]
+__all__ = ["check_draft_ids", "check_layer_ids", "vllm_class", "WrongCaptureLayers"]
 
 
 class WrongCaptureLayers(ValueError):
@@ -55,11 +56,7 @@ def check_draft_ids(model, layers, vllm_config=None, env=os.environ) -> None:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
         else model.config
     num_layers = int(config.num_hidden_layers)
-    try:
-        ids = [int(i) for i in layers]
-    except (TypeError, ValueError):
-        raise WrongCaptureLayers(f"eagle_capture: the aux layer ids must be integers, got "
-                                 f"{layers!r}") from None
+    ids = layer_list(layers, error=WrongCaptureLayers)
     # The served architecture (the registry's key), not the class (ours may wrap it).
     archs = getattr(getattr(getattr(vllm_config, "model_config", None), "hf_config", None),
                     "architectures", None) or [type(model).__name__]
@@ -83,6 +80,19 @@ def check_draft_ids(model, layers, vllm_config=None, env=os.environ) -> None:
         _log().info("eagle_capture: layer ids: %s", verdict.text)
     else:
         _log().warning("eagle_capture: layer ids %s: %s", verdict.status.upper(), verdict.text)
+
+
+def check_layer_ids(layers, num_layers: int, start_layer: int, end_layer: int,
+                    embedding_id: bool = False) -> list[int]:
+    """The sorted captured layers for vLLM's ids (id k = the input of layer k,
+    ``num_layers`` the last layer's output) on the last pipeline stage, which runs
+    layers ``[start_layer, end_layer)``, or :class:`WrongCaptureLayers` (the shared
+    validation, :func:`eagle_capture.layer_ids.validate.check_capture_layers`).
+    ``embedding_id``: the family's loop captures id 0 as the embedding output (else
+    it fails there)."""
+    return check_capture_layers(layers, num_layers=num_layers, final_boundary=True,
+                                embedding=embedding_id, stage=(start_layer, end_layer),
+                                error=WrongCaptureLayers)
 
 
 class _IdCheck:

@@ -63,7 +63,7 @@ from eagle_capture import ops
 from eagle_capture.buffer import AuxCaptureBuffer
 from eagle_capture.integrations import settings
 from eagle_capture.integrations.vllm.checked import (WrongCaptureLayers, check_draft_ids,
-                                                     vllm_class)
+                                                     check_layer_ids, vllm_class)
 from eagle_capture.integrations.vllm.families import (CARRIED, STAGE_RELATIVE, Family,
                                                       family_of_arch)
 from eagle_capture.integrations.vllm.plugin import log as _log
@@ -378,48 +378,6 @@ def _end_verify(causal_lm, state: CaptureState, num_tokens: int) -> None:
 
 
 # ------------------------------------------------------------------- install
-
-def check_layer_ids(layers, num_layers: int, start_layer: int, end_layer: int,
-                    embedding_id: bool = False) -> list[int]:
-    """The sorted captured layers for vLLM's ids, or WrongCaptureLayers saying
-    what vLLM's own capture would do with them. ``embedding_id``: the family's
-    loop captures id 0 as the embedding output (else it fails there)."""
-    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-        raise WrongCaptureLayers(f"eagle_capture: the aux layer ids must be a sequence of "
-                                 f"integers, got {layers!r}")
-    ids = list(layers)
-    if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise WrongCaptureLayers(f"eagle_capture: the aux layer ids must be a non-empty "
-                                 f"sequence of integers, got {layers!r}")
-    duplicates = sorted({i for i in ids if ids.count(i) > 1})
-    if duplicates:
-        raise WrongCaptureLayers(
-            f"eagle_capture: aux layer ids {ids} name layer(s) {duplicates} twice: vLLM's loop "
-            f"captures each layer once and hands the draft {len(set(ids))} of {len(ids)} "
-            f"hidden states, so its fc gets the wrong width")
-    if 0 in ids and not embedding_id:
-        raise WrongCaptureLayers(
-            f"eagle_capture: aux layer id 0 in {ids} is the embedding (the input of layer 0): "
-            f"vLLM's loop computes hidden_states + residual there with residual None and the "
-            f"first forward fails (TypeError); no EAGLE-3 draft is trained on it")
-    lowest = 0 if embedding_id else 1
-    invalid = [i for i in ids if not lowest <= i <= num_layers]
-    if invalid:
-        raise WrongCaptureLayers(
-            f"eagle_capture: aux layer id(s) {invalid} of {ids} are outside "
-            f"{lowest}..{num_layers} (vLLM: id k = the input of layer k, {num_layers} = the "
-            f"last layer's output): "
-            f"vLLM never captures them and the draft gets fewer hidden states than it expects")
-    elsewhere = [i for i in ids if not start_layer <= i <= end_layer]
-    if elsewhere:
-        raise WrongCaptureLayers(
-            f"eagle_capture: aux layer id(s) {elsewhere} of {ids} are in another pipeline "
-            f"stage (this last stage runs layers {start_layer}..{end_layer - 1}): vLLM "
-            f"drops the hidden states an earlier stage captures, so the draft would get "
-            f"{len(ids) - len(elsewhere)} of {len(ids)}. Choose ids in "
-            f"{start_layer}..{end_layer}, or serve without pipeline parallelism")
-    return sorted(ids)
-
 
 def _draft_hf_config(vllm_config):
     """The EAGLE-3 draft's config as vLLM parsed it, or None (no draft here)."""

@@ -10,8 +10,9 @@ its trainer's convention). A problem stops the server with the ids to write
 The plugin registers them under vLLM's own architecture names (``"module:name"``,
 so this module is imported only where such a model is built); the class for an
 architecture is made on first use from the entry in vLLM's own registry table.
-vLLM's DeepseekV2 / V3 get the same check inside the fused capture
-(:mod:`eagle_capture.integrations.vllm.model`).
+vLLM's DeepseekV2 / V3 and the other fused families get the same check inside the
+fused capture's install (:mod:`eagle_capture.integrations.vllm.install`), with
+:func:`check_layer_ids` before it: the shared validation of capture layers.
 """
 
 from __future__ import annotations
@@ -20,14 +21,11 @@ import importlib
 import os
 
 from eagle_capture.integrations import settings
-from eagle_capture.layer_ids.validate import check_capture_layers, layer_list
+from eagle_capture.integrations.core.errors import PluginError, WrongCaptureLayers
 from eagle_capture.integrations.vllm.plugin import CHECKED_ARCHITECTURES, log as _log, vllm_module
+from eagle_capture.layer_ids.validate import check_capture_layers, layer_list
 
 __all__ = ["check_draft_ids", "check_layer_ids", "vllm_class", "WrongCaptureLayers"]
-
-
-class WrongCaptureLayers(ValueError):
-    """Layer ids that would hand the draft other layers than it was trained on."""
 
 
 def _draft_config(vllm_config):
@@ -66,7 +64,7 @@ def check_draft_ids(model, layers, vllm_config=None, env=os.environ) -> None:
             lambda expected: f"eagle_aux_hidden_state_layer_ids = {expected} at the config's "
                              f"top level", env)
     except ValueError as e:
-        raise settings.PluginError(f"eagle_capture: {e}") from None
+        raise PluginError(f"eagle_capture: {e}") from None
     if verdict.status == "problem":
         text = (f"eagle_capture refuses to start this server: the draft would not receive what "
                 f"it was trained on (vLLM's own capture, with or without the plugin): "

@@ -14,6 +14,7 @@ from typing import Iterable, Optional
 import torch
 
 from eagle_capture import ops
+from eagle_capture.layer_ids.validate import check_capture_layers
 
 
 class AuxCaptureBuffer:
@@ -26,22 +27,12 @@ class AuxCaptureBuffer:
     def __init__(self, max_tokens: int, hidden_size: int, layer_ids: Iterable[int], *,
                  dtype: torch.dtype = torch.bfloat16,
                  device: Optional[torch.device | str] = None) -> None:
-        ids = list(layer_ids)
-        if len(ids) == 0:
-            raise ValueError("eagle_capture: layer_ids must name at least one layer to capture")
-        if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-            raise TypeError(f"eagle_capture: layer_ids must be ints, got {ids!r}")
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"eagle_capture: layer_ids {ids} contain duplicates")
-        if any(i < 0 for i in ids):
-            raise ValueError(f"eagle_capture: layer_ids {ids} contain a negative id; a capture "
-                             f"is taken at the start of a decoder layer (id >= 0). The "
-                             f"embedding output is the input to layer 0; use 0 if the draft "
-                             f"was really trained on it")
+        # The one validation every caller shares (eagle_capture.layer_ids.validate).
+        ids = check_capture_layers(layer_ids)
         if max_tokens <= 0 or hidden_size <= 0:
             raise ValueError(f"eagle_capture: max_tokens ({max_tokens}) and hidden_size "
                              f"({hidden_size}) must be positive")
-        self.layer_ids: tuple[int, ...] = tuple(sorted(ids))
+        self.layer_ids: tuple[int, ...] = tuple(ids)
         self._slot_of = {layer: slot for slot, layer in enumerate(self.layer_ids)}
         self.max_tokens = int(max_tokens)
         self.hidden_size = int(hidden_size)

@@ -400,7 +400,8 @@ def test_buffer_result_is_a_view_in_ascending_layer_order(device):
 
 
 @pytest.mark.parametrize("ids, match", [
-    ([], "at least one"), ([2, 2], "duplicates"), ([-1, 2, 30], "negative"),
+    ([], "non-empty"), ([2, 2], "more than once"), ([-1, 2, 30], "negative index"),
+    ([2, True], "sequence of integers"),
 ])
 def test_buffer_rejects_bad_layer_ids(ids, match):
     with pytest.raises(ValueError, match=match):

@@ -24,7 +24,8 @@ from checkout import ROOT, build_dists, fresh_checkout, seed_venv
 
 # Modules that import a serving engine at their top: checked only where the engine imports
 # (the fresh venv has torch and Triton, no engine); the real-engine tests import them.
-ENGINE_MODULES = {"eagle_capture.integrations.vllm.model": "vllm"}
+ENGINE_MODULES = {f"eagle_capture.integrations.vllm.{name}": "vllm"
+                  for name in ("install", "model", "norms")}
 # Run, not imported: importing a package's __main__ runs its command line.
 NOT_IMPORTED = {"eagle_capture.__main__"}
 

@@ -34,7 +34,7 @@ def test_right_wrong_ambiguous_unknown():
     # Wrong under both readings: a problem.
     assert startup.check("vLLM", [5, 10, 15], 40, MODELOPT).status == "problem"
     assert startup.check("vLLM", [2, 20, 37], 40, None).status == "unknown"
-    assert "twice" in startup.check("vLLM", [2, 2, 37], 40, SPECULATORS).text
+    assert "more than once" in startup.check("vLLM", [2, 2, 37], 40, SPECULATORS).text
     embedding = startup.check("SGLang", [0, 20, 37], 40, SPECFORGE)
     assert embedding.status == "problem" and "embedding" in embedding.text
     # SpecForge with no ids trains on its default, the engines' default layers (item 1):

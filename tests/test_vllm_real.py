@@ -350,12 +350,13 @@ def test_bf16_capture_exact_norm_within_one_rounding(engine_jobs, version):
 @pytest.mark.parametrize("version", VERSIONS)
 def test_refusals_and_what_stays_vllms_own(engine_jobs, version):
     r = _result(_line_results(engine_jobs, "vllm scenarios", version), "refusals")
-    assert "twice" in r["duplicate"] and "hands the draft 2 of 3" in r["duplicate"]
-    assert "embedding" in r["embedding"] and "TypeError" in r["embedding"]
-    assert "outside 1..8" in r["past_end"] and "outside 1..8" in r["negative"]
+    # The shared validation's messages (eagle_capture.layer_ids.validate).
+    assert "more than once" in r["duplicate"] and "get 2 of the 3" in r["duplicate"]
+    assert "embedding output" in r["embedding"] and "[0, 4, 5]" in r["embedding"]
+    assert "outside 0..8" in r["past_end"] and "negative index" in r["negative"]
     assert "sequence of integers" in r["not_ints"] and "sequence of integers" in r["empty"]
     assert "sequence of integers" in r["string"]
-    assert "another pipeline stage" in r["other_stage"] and "4..8" in r["other_stage"]
+    assert "another pipeline stage" in r["other_stage"] and "runs layers 4..7" in r["other_stage"]
     assert r["own_stage"] == [4, 6, 8]
     assert "layer: rows; None = not captured" in r["incomplete"] and "{4: None}" in r["incomplete"]
     assert r["reinstalled"]

@@ -1,9 +1,9 @@
-"""The environment switches every engine plugin reads, and the self-check's
-tolerance: one spelling for SGLang's and vLLM's plugins."""
+"""The environment switches every engine plugin reads: one spelling for SGLang's
+and vLLM's plugins (the rest they share is :mod:`eagle_capture.integrations.core`)."""
 
 import os
 
-import torch
+from eagle_capture.integrations.core.errors import PluginError
 
 SWITCH = "EAGLE_CAPTURE"                    # 1: the fused capture on; unset / 0: off
 ON_PROBLEM = "EAGLE_CAPTURE_ON_PROBLEM"     # refuse (default) | install
@@ -14,16 +14,8 @@ MAX_TOKENS = "EAGLE_CAPTURE_MAX_TOKENS"     # override the derived buffer rows
 # op, per T); unset / 0: SGLang's fusion and a capture copy.
 FUSED_ALLREDUCE = "EAGLE_CAPTURE_FUSED_ALLREDUCE"
 
-# Normed-output tolerance of the live self-check, per dtype: the residual (the
-# capture) must be bit-exact; the normed output may differ from the engine's own
-# norm kernel by rsqrt / reduction-order rounding (FlashInfer vs ours: 1 ulp on
-# ~6e-6 of the elements at T = 4096, H200; vLLM's native norm rounds x * rstd to
-# bf16 before the weight multiply, ours rounds once), so allow a few ulps.
-VERIFY_NORM_RTOL = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9, torch.float32: 2.0 ** -20}
-
-
-class PluginError(RuntimeError):
-    """The plugin cannot hook this engine, or one of its settings is malformed."""
+__all__ = ["FUSED_ALLREDUCE", "MAX_TOKENS", "ON_PROBLEM", "PluginError", "SWITCH", "VERIFY",
+           "fused_allreduce", "on_problem", "switch_on", "verify_forwards"]
 
 
 def _on_off(env, name: str) -> bool:

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 from eagle_capture.layer_ids.lines import CapturePlanError, load_config, read_draft_ids
 from eagle_capture.layer_ids.trainers import CONVENTIONS, recognise
+from eagle_capture.layer_ids.validate import CaptureLayerError, check_capture_layers
 
 ID_CONVENTION = "EAGLE_CAPTURE_ID_CONVENTION"   # auto (default) | output | input
 
@@ -84,17 +85,10 @@ def check(engine: str, captured: Sequence[int], num_layers: int,
     input of layer c) on a target of ``num_layers`` layers; is that what the draft
     (``draft_config``, the exported ``config.json``) was trained on? ``fix(expected)``
     says which ids to write for ``expected`` capture layers on this engine."""
-    captured = tuple(sorted(captured))
-    twice = sorted({c for c in captured if captured.count(c) > 1})
-    if twice:
-        return StartupCheck("problem", f"{engine} is set to capture layer(s) {twice} twice "
-                                       f"({list(captured)}): the draft gets fewer distinct "
-                                       f"hidden states than its fc expects")
-    if 0 in captured:
-        return StartupCheck("problem", f"{engine} is set to capture layer 0, the embedding "
-                                       f"output ({list(captured)}): no trainer's EAGLE-3 draft "
-                                       f"is trained on it (an id of -1 in the output "
-                                       f"convention?), and several models' loops fail there")
+    try:   # the shared validation: a layer twice, a negative one, the embedding output
+        captured = tuple(check_capture_layers(captured, embedding=False))
+    except CaptureLayerError as e:
+        return StartupCheck("problem", str(e).replace("eagle_capture: ", "", 1))
     if draft_config is None:
         return StartupCheck("unknown", f"{engine} captures layers {list(captured)}; the draft's "
                                        f"config.json is not visible here: not checked against "

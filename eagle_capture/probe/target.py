@@ -15,6 +15,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from eagle_capture.layer_ids.validate import check_capture_layers
+
 __all__ = ["decoder_layers", "target_states"]
 
 
@@ -42,10 +44,8 @@ def target_states(model: nn.Module, layers: nn.ModuleList, input_ids: torch.Tens
                   keep: Iterable[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Run ``model`` on ``input_ids`` [B, T]: the states at capture layers ``keep``
     ({c: [B, T, H]}) and the greedy next token after each position [B, T]."""
-    keep = sorted(set(keep))
     n = len(layers)
-    if any(not 0 <= c <= n for c in keep):
-        raise ValueError(f"capture layers must be in [0, {n}], got {keep}")
+    keep = check_capture_layers(sorted(set(keep)), num_layers=n)
     states: dict[int, torch.Tensor] = {}
     hooks = []
 

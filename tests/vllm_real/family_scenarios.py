@@ -109,7 +109,7 @@ def tp2(family: str, work: str) -> dict:
 def pipeline(work: str) -> dict:
     """Two pipeline stages (vLLM's group stood in: this CPU run has one process):
     what each family's rule does on each stage."""
-    from eagle_capture.integrations.vllm import model as plugin_model
+    from eagle_capture.integrations.vllm import install as vllm_install, model as plugin_model
 
     class Stage:
         world_size = 2
@@ -118,19 +118,19 @@ def pipeline(work: str) -> dict:
             self.is_last_rank, self.is_first_rank = last, not last
 
     out = {}
-    real = plugin_model.get_pp_group
+    real = vllm_install.get_pp_group
     for family in ("llama", "qwen3_moe", "minimax_m2"):
         ref, ours = fm.load_pair(family, _folder(work, family))
         model = ours[0]
         for last in (False, True):
-            plugin_model.get_pp_group = lambda last=last: Stage(last)
+            vllm_install.get_pp_group = lambda last=last: Stage(last)
             try:
                 model.set_aux_hidden_state_layers((2, 4, 5))
                 status = "fused" if model._eagle_capture is not None else "vllm's own"
             except plugin_model.WrongCaptureLayers as e:
                 status = f"refused: {e}"
             finally:
-                plugin_model.get_pp_group = real
+                vllm_install.get_pp_group = real
             out[f"{family} {'last' if last else 'first'} stage"] = status
     return out
 
@@ -239,7 +239,7 @@ def _counting_pass(dtype):
 def _compiled_tp2_llama(work, keep, counter=None):
     """vLLM's own Llama (keep None) or the plugin's with keeps_allreduce_fusion
     answering ``keep``, compiled at TP 2, ids (2, 4, 8): (model, its config)."""
-    from eagle_capture.integrations.vllm import model as plugin_model
+    from eagle_capture.integrations.vllm import install as vllm_install
     from eagle_capture.integrations.vllm.checked import vllm_class
 
     vc = fm.engine_config(_folder(work, "llama"), tp=2, compiled=True)
@@ -248,12 +248,12 @@ def _compiled_tp2_llama(work, keep, counter=None):
     model = h.load(vc, vllm_class("LlamaForCausalLM") if keep is None else None)
     fm.fill(model)
     fm.stand_in(model, "llama")
-    real = plugin_model.keeps_allreduce_fusion
-    plugin_model.keeps_allreduce_fusion = lambda config, compiled: keep
+    real = vllm_install.keeps_allreduce_fusion
+    vllm_install.keeps_allreduce_fusion = lambda config, compiled: keep
     try:
         model.set_aux_hidden_state_layers((2, 4, 8))
     finally:
-        plugin_model.keeps_allreduce_fusion = real
+        vllm_install.keeps_allreduce_fusion = real
     return model, vc
 
 
@@ -304,16 +304,16 @@ def allreduce_fusion(work: str, rank: int) -> dict:
         group.use_custom_op_call = custom_op_call
         functorch_config.check_custom_op_aliasing = aliasing_check
     # When the plugin picks that placement: vLLM's pass_config flag, compiled, TP > 1.
-    from eagle_capture.integrations.vllm import model as plugin_model
+    from eagle_capture.integrations.vllm import install as vllm_install
 
     def config(flag):
         return types.SimpleNamespace(compilation_config=types.SimpleNamespace(
             pass_config=types.SimpleNamespace(fuse_allreduce_rms=flag)))
 
-    out["decision"] = {"flag_compiled": plugin_model.keeps_allreduce_fusion(config(True), True),
-                       "flag_eager": plugin_model.keeps_allreduce_fusion(config(True), False),
-                       "no_flag": plugin_model.keeps_allreduce_fusion(config(False), True),
-                       "flag_unset": plugin_model.keeps_allreduce_fusion(config(None), True)}
+    out["decision"] = {"flag_compiled": vllm_install.keeps_allreduce_fusion(config(True), True),
+                       "flag_eager": vllm_install.keeps_allreduce_fusion(config(True), False),
+                       "no_flag": vllm_install.keeps_allreduce_fusion(config(False), True),
+                       "flag_unset": vllm_install.keeps_allreduce_fusion(config(None), True)}
     # The placement's numbers, on vLLM's CPU all-reduce.
     (ref, ref_vc), (ours, vc) = (_compiled_tp2_llama(work, None),
                                  _compiled_tp2_llama(work, True))

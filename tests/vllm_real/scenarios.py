@@ -209,7 +209,7 @@ def same_as_vllm_bf16():
 def refusals():
     """What vLLM's own capture would get wrong stops the install (the server
     would not start); what the fused capture does not handle leaves vLLM's own."""
-    from eagle_capture.integrations.vllm import model as plugin_model
+    from eagle_capture.integrations.vllm import checked, model as plugin_model
 
     ref, ours = _pair()
     model = ours[0]
@@ -224,11 +224,11 @@ def refusals():
             out[name] = str(e)
     # Another pipeline stage's layers (this last stage runs 4..7).
     try:
-        plugin_model.check_layer_ids([2, 5, 8], 8, 4, 8)
+        checked.check_layer_ids([2, 5, 8], 8, 4, 8)
         out["other_stage"] = "accepted"
     except plugin_model.WrongCaptureLayers as e:
         out["other_stage"] = str(e)
-    out["own_stage"] = plugin_model.check_layer_ids([8, 4, 6], 8, 4, 8)
+    out["own_stage"] = checked.check_layer_ids([8, 4, 6], 8, 4, 8)
 
     # A captured layer's norm replaced after the install: the next eager forward says so.
     model.set_aux_hidden_state_layers((2, 4, 5))
@@ -293,7 +293,7 @@ def refusals():
 def self_check():
     """EAGLE_CAPTURE_VERIFY=N: the first N eager forwards compare with vLLM's own
     add and norm; a wrong capture switches the model back to vLLM's own."""
-    from eagle_capture.integrations.vllm import model as plugin_model
+    from eagle_capture import ops
 
     os.environ["EAGLE_CAPTURE_VERIFY"] = "2"
     try:
@@ -306,7 +306,6 @@ def self_check():
         ok_lines = [line for line in LOG.lines[start:] if "self-check" in line]
 
         ours[0].set_aux_hidden_state_layers((2, 4, 8))   # a fresh install, checks again
-        ops = plugin_model.ops
         real = {name: getattr(ops, name) for name in ("add_rmsnorm_capture",
                                                       "add_rmsnorm_into_slot")}
 
@@ -353,7 +352,7 @@ def overflow():
         out = {"rows": state.buffer.max_tokens, "overflow_forwards": state.overflow_forwards,
                "equal": all(torch.equal(a, b) for a, b in zip(r[1] + r2[1], o[1] + o2[1])),
                "back_in_buffer": all(h.in_buffer(b, state.buffer) for b in o2[1])}
-        from eagle_capture.integrations.vllm.model import buffer_rows
+        from eagle_capture.integrations.vllm.sizing import buffer_rows
         try:
             buffer_rows(ours[1], compiled=True)
             out["compiled"] = "accepted"
@@ -669,19 +668,19 @@ def norm_provider():
     implementation (what its IR dispatch picks on CPU) normalises the fp32 sum; its
     ``vllm_c`` CUDA kernel (stood in here: the provider reported as vllm_c) the
     rounded one."""
-    from eagle_capture.integrations.vllm import model as plugin_model
+    from eagle_capture.integrations.vllm import install as vllm_install
 
     _, ours = _pair()
     model = ours[0]
     model.set_aux_hidden_state_layers((2, 4, 5))
     native = (model._eagle_capture.provider, model._eagle_capture.norm_fp32_sum)
-    real = plugin_model.fused_add_rms_norm_provider
-    plugin_model.fused_add_rms_norm_provider = lambda like: "vllm_c"
+    real = vllm_install.fused_add_rms_norm_provider
+    vllm_install.fused_add_rms_norm_provider = lambda like: "vllm_c"
     try:
         model.set_aux_hidden_state_layers((2, 4, 5))
         kernel = (model._eagle_capture.provider, model._eagle_capture.norm_fp32_sum)
     finally:
-        plugin_model.fused_add_rms_norm_provider = real
+        vllm_install.fused_add_rms_norm_provider = real
     return {"native": list(native), "vllm_c": list(kernel)}
 
 

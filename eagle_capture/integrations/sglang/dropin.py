@@ -53,6 +53,7 @@ from eagle_capture.integrations.sglang.server_modes import (UnsupportedServer,
                                                             rows_may_scatter, scattered_captures)
 from eagle_capture.integrations.sglang.families import family_of
 from eagle_capture.integrations.sglang.state import CaptureState, WrongCaptureLayers, logger
+from eagle_capture.layer_ids import validate
 from eagle_capture.layer_ids.lines import parse_version
 
 __all__ = ["CaptureState", "UnsupportedServer", "WrongCaptureLayers", "install_eagle3_capture",
@@ -125,11 +126,10 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
     logits = getattr(causal_lm, "logits_processor", None)
     if not isinstance(logits, torch.nn.Module):
         raise TypeError("eagle_capture: the model has no logits_processor module")
-    end = getattr(model, "end_layer", len(model.layers))
-    final_boundary = (family.captures_final_boundary(sglang_version())
-                      and end == len(model.layers))
-    check_capture_layers(sglang_layers, getattr(model, "start_layer", 0), end, allow_embedding,
-                          final_boundary=final_boundary)
+    check_capture_layers(sglang_layers, getattr(model, "start_layer", 0),
+                         getattr(model, "end_layer", len(model.layers)), allow_embedding,
+                         final_boundary=family.captures_final_boundary(sglang_version()),
+                         num_layers=len(model.layers))
     layer_ids = sorted(sglang_layers)
     refuse_unsupported_modes()
     family.refuse(causal_lm, layer_ids)
@@ -215,34 +215,16 @@ def reapply_after_reconfigure(model: torch.nn.Module) -> bool:
 
 
 def check_capture_layers(layers: list[int], start: int, end: int,
-                          allow_embedding: bool, *, final_boundary: bool = False) -> None:
+                          allow_embedding: bool, *, final_boundary: bool = False,
+                          num_layers: Optional[int] = None) -> None:
     """Refuse layers_to_capture that would not give the draft K distinct, existing
-    layers of this stage (``final_boundary``: ``end``, the final norm's input, is
-    one too: the family's loop captures it on this line and this is the last stage)."""
-    duplicates = sorted({i for i in layers if layers.count(i) > 1})
-    if duplicates:
-        raise WrongCaptureLayers(
-            f"eagle_capture: layers_to_capture {layers} names layer(s) {duplicates} more than "
-            f"once (draft ids with a repeated id): the draft expects {len(layers)} distinct "
-            f"captures ([T, {len(layers)}*H]); SGLang's own path fails there too (0.5.18+: "
-            f"'captured {len(set(layers))} of {len(layers)}'). Fix the draft's "
-            f"eagle_aux_hidden_state_layer_ids")
-    if min(layers) < 0:
-        raise WrongCaptureLayers(
-            f"eagle_capture: layers_to_capture holds {min(layers)}: no layer has that index, so "
-            f"SGLang never captures it (0.5.13 drops it silently, later lines raise). It comes "
-            f"from a draft id of -1 (the embedding output) that this SGLang line does not shift; "
-            f"no SpecForge draft is trained on it: fix the draft's "
-            f"eagle_aux_hidden_state_layer_ids")
-    outside = [i for i in sorted(layers) if not start <= i < end
-               and not (final_boundary and i == end)]
-    if outside:
-        raise WrongCaptureLayers(
-            f"eagle_capture: layers {outside} are captured but this rank runs layers "
-            f"[{start}, {end}); they would be missing from the draft input")
-    if 0 in layers and not allow_embedding:
-        raise WrongCaptureLayers(
-            "eagle_capture: layer 0 is captured: its input is the embedding output, which no "
-            "SpecForge draft is trained on (a draft id of -1, or 0 in the input convention). "
-            "Fix the draft's eagle_aux_hidden_state_layer_ids, or pass allow_embedding=True if "
-            "the draft really was trained on it")
+    layers of this stage (the shared validation,
+    :func:`eagle_capture.layer_ids.validate.check_capture_layers`): this rank runs
+    layers ``[start, end)`` of ``num_layers``; ``final_boundary``: the family's loop
+    captures ``num_layers`` (the final norm's input) on this line. Without
+    ``num_layers``, ``end`` is taken as the layer count where ``final_boundary``."""
+    if num_layers is None and final_boundary:
+        num_layers = end
+    validate.check_capture_layers(layers, num_layers=num_layers, final_boundary=final_boundary,
+                                  embedding=allow_embedding, stage=(start, end),
+                                  error=WrongCaptureLayers)

@@ -69,6 +69,7 @@ from eagle_capture.integrations.settings import (MAX_TOKENS, ON_PROBLEM, SWITCH,
                                                PluginError)
 from eagle_capture.integrations.settings import switch_on as _switch_on
 from eagle_capture.integrations.settings import fused_allreduce, on_problem, verify_forwards
+from eagle_capture.integrations.core.log import rank_or_unknown
 
 logger = logging.getLogger("eagle_capture")
 
@@ -192,13 +193,12 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
 
     problems = []
     if family is not None:
-        end = getattr(causal_lm.model, "end_layer", num_layers)
         try:
             dropin.check_capture_layers(
-                layers, getattr(causal_lm.model, "start_layer", 0), end,
-                allow_embedding=capture_only,
-                final_boundary=family.captures_final_boundary(dropin.sglang_version())
-                and end == len(causal_lm.model.layers))
+                layers, getattr(causal_lm.model, "start_layer", 0),
+                getattr(causal_lm.model, "end_layer", num_layers), allow_embedding=capture_only,
+                final_boundary=family.captures_final_boundary(dropin.sglang_version()),
+                num_layers=len(causal_lm.model.layers))
         except dropin.WrongCaptureLayers as e:
             if capture_only:   # nothing to protect: SGLang's own capture answers for it
                 logger.warning("eagle_capture: not installed (capture-only mode, no draft), "
@@ -416,7 +416,7 @@ def _setup_verify(state, env) -> None:
     n = verify_forwards(env)
     if not n:
         return
-    state.verify_left = state.verify_total = n
+    state.start_verify(n)
     state.verify_group = _tp_group(state.buffer.aux)
     state.verify_rows_group = _attn_tp_group(state.buffer.aux)
 
@@ -448,11 +448,10 @@ def _process_group(getter: str, like):
 
 
 def _tp_rank() -> Any:
-    try:
+    def rank():
         from sglang.srt.distributed import get_tp_group
         return get_tp_group().rank_in_group
-    except Exception:  # noqa: BLE001
-        return "?"
+    return rank_or_unknown(rank)
 
 
 def _sglang_version() -> str:

@@ -10,17 +10,14 @@ from typing import Optional
 
 import torch
 
+from eagle_capture.integrations.core.errors import UnsupportedServer
+
 __all__ = ["allreduce_fusion_max_tokens", "attention_tp_gather", "attention_tp_size",
            "aux_capture_only", "capture_only_of_args", "capturing_cuda_graph",
            "dp_attention_enabled", "ffn_on_rank_rows", "flashinfer_allreduce_unavailable",
            "in_compiled_region", "refuse_unsupported_modes", "return_hidden_states_mode",
            "return_mode_of_args", "rows_may_scatter", "runtime_modes", "scattered_captures",
            "server_args", "UnsupportedServer"]
-
-
-class UnsupportedServer(ValueError):
-    """A server mode the fused capture does not handle (SGLang's own capture
-    stays right there): the plugin logs it and leaves SGLang alone."""
 
 
 def flashinfer_allreduce_unavailable() -> Optional[bool]:

@@ -1,33 +1,24 @@
-"""The capture state one model's capturing norms and logits processor share: the
-buffer, the captured layers, the completeness check of every eager forward, the
-overflow buffer and the live self-check (``EAGLE_CAPTURE_VERIFY``). Family-neutral:
-nothing here knows which SGLang model it serves."""
+"""The capture state one model's capturing norms and logits processor share (the
+shared core's, :mod:`eagle_capture.integrations.core.state`, with what SGLang's
+loops need): the buffer, the captured layers, the completeness check of every eager
+forward, the overflow buffer and the live self-check (``EAGLE_CAPTURE_VERIFY``).
+Family-neutral: nothing here knows which SGLang model it serves."""
 
-import logging
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from eagle_capture.buffer import AuxCaptureBuffer
-from eagle_capture.integrations.settings import VERIFY_NORM_RTOL
+from eagle_capture.integrations.core import log as core_log, state as core
+from eagle_capture.integrations.core.errors import WrongCaptureLayers
+from eagle_capture.integrations.core.selfcheck import beyond_rounding, norm_rtol
+from eagle_capture.integrations.core.state import SlotResidual
 from eagle_capture.integrations.sglang.server_modes import capturing_cuda_graph, in_compiled_region
 
 __all__ = ["CaptureState", "SlotResidual", "WrongCaptureLayers", "logger"]
 
 
-class SlotResidual(NamedTuple):
-    """A captured layer's residual left in its aux slot by the input norm (path f)."""
-    layer_id: int
-    view: torch.Tensor    # aux[:T, slot]: the residual the layer's stages see
-    spare: torch.Tensor   # the input norm's incoming residual, dead: the post norm's output
-
-
-class WrongCaptureLayers(ValueError):
-    """Layer ids that SGLang's own capture would get wrong too (the draft would
-    not receive what it was trained on): the plugin refuses to start."""
-
-
-class CaptureState:
+class CaptureState(core.CaptureState):
     """What the capturing norms and logits processor of one model share: the
     buffer, the captured layers, the rows each layer stored in the current
     eager forward (for the completeness check), and the live self-check."""
@@ -35,30 +26,21 @@ class CaptureState:
     def __init__(self, buffer: AuxCaptureBuffer, layer_ids: list[int], surface: str,
                  packed_tensor: bool, *, sglang_layers: list[int],
                  causal_lm: Optional[torch.nn.Module] = None, family=None) -> None:
-        self.buffer = buffer
+        super().__init__(buffer)
         self.layer_ids = layer_ids
         self.surface = surface
         self.packed_tensor = packed_tensor   # hand the LogitsProcessor a tensor (>= 0.5.18)
         self.sglang_layers = list(sglang_layers)  # SGLang's layers_to_capture, to switch back
         self._causal_lm = causal_lm
         self.family = family      # its adapter switches SGLang's own capture back on
-        self.stored_rows: dict[int, int] = {}
-        self.fused_calls = 0      # captures done by our fused kernel (tests count these)
         self.fallback_calls = 0   # SGLang's own norm path + a slot store
         # A forward with more tokens than the buffer has rows (eager only): a buffer
         # for that forward alone, as SGLang's own capture allocates one per forward.
         self.overflow: Optional[AuxCaptureBuffer] = None
-        self.overflow_forwards = 0
         self.graph_captured = False   # a CUDA graph was captured with our capture in it
-        # Live self-check (EAGLE_CAPTURE_VERIFY=N): compare with SGLang's own norm.
-        self.verify_left = 0
-        self.verify_total = 0
+        # The live self-check across ranks (the counters are the core's).
         self.verify_group = None      # TP process group: every rank takes one decision
         self.verify_rows_group = None  # ranks holding the same rows (attention TP): compared
-        self.verify_mismatches: list[str] = []
-        self.verify_norm_dev = 0.0
-        self.verified_forwards = 0
-        self.disabled = False         # switched back to SGLang's own capture
         self.copy_out = False         # hand the LogitsProcessor a copy (return_hidden_states)
         self.in_allreduce_fusion = None   # layer inside forward_with_allreduce_fusion (eager)
         self.stored_in_fusion = False     # ... whose fallback already stored the capture
@@ -78,7 +60,6 @@ class CaptureState:
         self.residual_in_slot_enabled = False
         self.residual_in_slot_above = 0
         self.residual_in_slot: Optional[SlotResidual] = None
-        self.slot_residual_calls = 0      # input norms that left the residual in the slot
         # Captured layers whose input rows are token-scattered over the attention-TP
         # group (its slice on each rank): captured gathered.
         self.scattered_layers: frozenset = frozenset()
@@ -93,11 +74,8 @@ class CaptureState:
                 f"eagle_capture: a CUDA graph of {num_tokens} tokens is being captured but the "
                 f"aux buffer has {self.buffer.max_tokens} rows: size it for the largest graph "
                 f"(the plugin does, from the server's arguments)")
-        if self.overflow is None or self.overflow.max_tokens != num_tokens:
-            self.overflow = AuxCaptureBuffer(num_tokens, self.buffer.hidden_size, self.layer_ids,
-                                             dtype=self.buffer.aux.dtype,
-                                             device=self.buffer.aux.device)
-            self.overflow_forwards += 1
+        self.overflow, new = self.buffer_of(num_tokens, self.overflow)
+        if new:
             if self.overflow_forwards in (1, 10, 100) or self.overflow_forwards % 1000 == 0:
                 logger().warning(
                     "eagle_capture: a forward of %d tokens exceeds the aux buffer's %d rows: its "
@@ -130,8 +108,9 @@ class CaptureState:
             return  # SGLang skips the norms of an empty (idle) batch: nothing to store
         if not stored and capturing_cuda_graph(self.buffer.aux):
             return
-        missing = [i for i in self.layer_ids if i not in stored]
-        wrong = {i: n for i, n in stored.items() if n != num_tokens}
+        incomplete = self.incomplete(stored, num_tokens)
+        missing = [i for i, n in incomplete.items() if n is None]
+        wrong = {i: n for i, n in incomplete.items() if n is not None}
         if missing or wrong:
             problems = []
             if missing:
@@ -185,7 +164,7 @@ class CaptureState:
             worst, beyond = _deviation(normed, ref_normed)
             self.verify_norm_dev = max(self.verify_norm_dev, worst)
             if beyond:
-                rtol = VERIFY_NORM_RTOL.get(normed.dtype, 2.0 ** -6)
+                rtol = norm_rtol(normed.dtype)
                 problems.append(f"normed output differs from SGLang's norm by up to "
                                 f"{worst:.3g} (tolerance {rtol:.3g} relative)")
         if not problems:
@@ -202,11 +181,9 @@ class CaptureState:
         def log(text: str, error: bool) -> None:
             (logger().error if error else logger().info)(text)
 
-        self.verify_left -= 1
-        self.verified_forwards += 1
+        mismatches = self.take_verified_forward()
         step = f"{self.verified_forwards}/{self.verify_total}"
         tp_note = "1 rank"
-        mismatches, self.verify_mismatches = self.verify_mismatches, []
         peer_mismatch = False
         if self.verify_group is not None:
             from eagle_capture.parallel.tp import CaptureConsistencyError, check_capture_consistency
@@ -261,8 +238,7 @@ class CaptureState:
 
     def disable(self, reason: str) -> None:
         """Switch back to SGLang's own capture for every later forward."""
-        self.disabled = True
-        self.verify_left = 0
+        self.switch_back()
         lm = self._causal_lm
         if lm is not None:
             self.family.engine_capture_on(lm, self.sglang_layers)
@@ -276,11 +252,9 @@ class CaptureState:
 
 def _deviation(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
     """The largest deviation of ``got`` from ``ref``, and whether some element is
-    further than the self-check's rounding tolerance (relative, per dtype)."""
-    dev = (got.float() - ref.float()).abs()
-    rtol = VERIFY_NORM_RTOL.get(got.dtype, 2.0 ** -6)
-    return dev.max().item(), (dev - rtol * ref.float().abs()).max().item() > rtol
+    further than the self-check's rounding tolerance (the core's rule)."""
+    return (got.float() - ref.float()).abs().max().item(), beyond_rounding(got, ref)
 
 
 def logger():
-    return logging.getLogger("eagle_capture")
+    return core_log.logger(core_log.SGLANG_LOGGER)

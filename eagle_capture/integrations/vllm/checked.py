@@ -10,8 +10,9 @@ its trainer's convention). A problem stops the server with the ids to write
 The plugin registers them under vLLM's own architecture names (``"module:name"``,
 so this module is imported only where such a model is built); the class for an
 architecture is made on first use from the entry in vLLM's own registry table.
-vLLM's DeepseekV2 / V3 get the same check inside the fused capture
-(:mod:`eagle_capture.integrations.vllm.model`).
+vLLM's DeepseekV2 / V3 and the other fused families get the same check inside the
+fused capture's install (:mod:`eagle_capture.integrations.vllm.install`), with
+:func:`check_layer_ids` before it: the shared validation of capture layers.
 """
 
 from __future__ import annotations
@@ -20,13 +21,11 @@ import importlib
 import os
 
 from eagle_capture.integrations import settings
+from eagle_capture.integrations.core.errors import PluginError, WrongCaptureLayers
 from eagle_capture.integrations.vllm.plugin import CHECKED_ARCHITECTURES, log as _log, vllm_module
+from eagle_capture.layer_ids.validate import check_capture_layers, layer_list
 
-__all__ = ["check_draft_ids", "vllm_class", "WrongCaptureLayers"]
-
-
-class WrongCaptureLayers(ValueError):
-    """Layer ids that would hand the draft other layers than it was trained on."""
+__all__ = ["check_draft_ids", "check_layer_ids", "vllm_class", "WrongCaptureLayers"]
 
 
 def _draft_config(vllm_config):
@@ -55,11 +54,7 @@ def check_draft_ids(model, layers, vllm_config=None, env=os.environ) -> None:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
         else model.config
     num_layers = int(config.num_hidden_layers)
-    try:
-        ids = [int(i) for i in layers]
-    except (TypeError, ValueError):
-        raise WrongCaptureLayers(f"eagle_capture: the aux layer ids must be integers, got "
-                                 f"{layers!r}") from None
+    ids = layer_list(layers, error=WrongCaptureLayers)
     # The served architecture (the registry's key), not the class (ours may wrap it).
     archs = getattr(getattr(getattr(vllm_config, "model_config", None), "hf_config", None),
                     "architectures", None) or [type(model).__name__]
@@ -69,7 +64,7 @@ def check_draft_ids(model, layers, vllm_config=None, env=os.environ) -> None:
             lambda expected: f"eagle_aux_hidden_state_layer_ids = {expected} at the config's "
                              f"top level", env)
     except ValueError as e:
-        raise settings.PluginError(f"eagle_capture: {e}") from None
+        raise PluginError(f"eagle_capture: {e}") from None
     if verdict.status == "problem":
         text = (f"eagle_capture refuses to start this server: the draft would not receive what "
                 f"it was trained on (vLLM's own capture, with or without the plugin): "
@@ -83,6 +78,19 @@ def check_draft_ids(model, layers, vllm_config=None, env=os.environ) -> None:
         _log().info("eagle_capture: layer ids: %s", verdict.text)
     else:
         _log().warning("eagle_capture: layer ids %s: %s", verdict.status.upper(), verdict.text)
+
+
+def check_layer_ids(layers, num_layers: int, start_layer: int, end_layer: int,
+                    embedding_id: bool = False) -> list[int]:
+    """The sorted captured layers for vLLM's ids (id k = the input of layer k,
+    ``num_layers`` the last layer's output) on the last pipeline stage, which runs
+    layers ``[start_layer, end_layer)``, or :class:`WrongCaptureLayers` (the shared
+    validation, :func:`eagle_capture.layer_ids.validate.check_capture_layers`).
+    ``embedding_id``: the family's loop captures id 0 as the embedding output (else
+    it fails there)."""
+    return check_capture_layers(layers, num_layers=num_layers, final_boundary=True,
+                                embedding=embedding_id, stage=(start_layer, end_layer),
+                                error=WrongCaptureLayers)
 
 
 class _IdCheck:

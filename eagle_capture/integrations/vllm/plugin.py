@@ -41,19 +41,15 @@ from __future__ import annotations
 
 import logging
 
-from eagle_capture.integrations.settings import SWITCH, PluginError, switch_on
+from eagle_capture.integrations.core.errors import PluginError
+from eagle_capture.integrations.core.log import VLLM_LOGGER, logger
+from eagle_capture.integrations.settings import SWITCH, switch_on
 from eagle_capture.integrations.vllm.families import FAMILIES
-
-# Under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL (a logger outside
-# "vllm" prints nothing below WARNING in vLLM's processes). Taken per call: vLLM's
-# logging set-up (dictConfig) disables loggers that existed before it ran.
-LOGGER = "vllm.eagle_capture"
 
 
 def log() -> logging.Logger:
-    log = logging.getLogger(LOGGER)
-    log.disabled = False
-    return log
+    """The plugin's logger, under vLLM's (:mod:`eagle_capture.integrations.core.log`)."""
+    return logger(VLLM_LOGGER)
 
 MODEL_MODULE = "eagle_capture.integrations.vllm.model"
 # vLLM architecture -> the capturing class in MODEL_MODULE (same weights): DeepseekV2's two

@@ -11,7 +11,8 @@ import torch
 
 from eagle_capture.buffer import AuxCaptureBuffer
 from eagle_capture.integrations import settings
-from eagle_capture.integrations.core import errors, selfcheck, state as core
+from eagle_capture.integrations.core import errors, selfcheck
+from eagle_capture.integrations.core import state as core
 from eagle_capture.integrations.sglang import dropin, server_modes
 from eagle_capture.integrations.sglang import state as sglang_state
 from eagle_capture.integrations.vllm import checked

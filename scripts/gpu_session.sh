@@ -6,7 +6,7 @@
 #   bash scripts/gpu_session.sh --check-skips LOG [GPUS]
 #
 # Steps (each runs even when one before it failed; the exit status is non-zero
-# when any failed, and the last lines name them):
+# when any failed, and the last lines name them; STEPS="tests bench" runs those only):
 #   vllm   when scripts/make_vllm_engine_bundle.sh's folders are carried (.vllm_engine,
 #          .whl), vLLM's CUDA build is installed (scripts/gpu_vllm_engine.sh) and put on
 #          the tests' path, so that the vLLM-engine GPU tests run; without them
@@ -207,13 +207,16 @@ main() {
         say "NOT RUN: the vLLM-engine GPU tests (carry .vllm_engine and .whl from" \
             "scripts/make_vllm_engine_bundle.sh to run them)"
     fi
-    tests_step || failed+=(tests)
-    bench_step "$@" || failed+=(bench)
-    host_step || failed+=(host)
+    # STEPS: the steps to run (default all three; e.g. STEPS=tests after a change the
+    # benchmark's numbers cannot see, to fit a short device budget).
+    local steps=" ${STEPS:-tests bench host} "
+    [[ $steps == *" tests "* ]] && { tests_step || failed+=(tests); }
+    [[ $steps == *" bench "* ]] && { bench_step "$@" || failed+=(bench); }
+    [[ $steps == *" host "* ]] && { host_step || failed+=(host); }
 
-    cat "$OUT/smi.txt" "$OUT/bench.log"
-    sed '/^cProfile/q' "$OUT/host.log"  # the host table, not the profile
-    tail -n 3 "$OUT/bench.err"
+    cat "$OUT/smi.txt" "$OUT/bench.log" 2>/dev/null
+    [[ -f $OUT/host.log ]] && sed '/^cProfile/q' "$OUT/host.log"  # the host table, not the profile
+    [[ -f $OUT/bench.err ]] && tail -n 3 "$OUT/bench.err"
     if (( ${#failed[@]} )); then
         say "FAILED: ${failed[*]} (logs in $OUT)"
         exit 1

@@ -20,7 +20,15 @@
 # EAGLE_CAPTURE_TORCH_CPU_INDEX names another such index (a mirror).
 # EAGLE_CAPTURE_TORCH overrides the requirement (e.g. EAGLE_CAPTURE_TORCH=torch==2.13.0
 # to accept PyPI's build). On other platforms PyPI's torch 2.13.0 is taken.
+# --lint: also the lint (ruff, pinned), which .ci/run runs first; the tests do not
+# need it, so without --lint nothing is fetched for it (the GPU machine has no index).
 set -euo pipefail
+LINT=0
+case "${1:-}" in
+    --lint) LINT=1 ;;
+    "") ;;
+    *) echo "usage: bash scripts/setup_env.sh [--lint]" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 
 say() { echo "setup_env: $*" >&2; }
@@ -122,17 +130,15 @@ if [ -n "$missing" ]; then
 fi
 
 # The lint (ruff, the first step of .ci/run), pinned: one version lints every checkout
-# alike. The tests do not need it, so a machine without a package index (the GPU
-# machine) goes on without it, saying so.
+# alike. Asked for (--lint), it must install: the lint cannot run without it.
 RUFF_VERSION=0.17.6
-if [ "$($PY -m ruff --version 2>/dev/null || true)" != "ruff $RUFF_VERSION" ]; then
+if [ $LINT = 1 ] && [ "$($PY -m ruff --version 2>/dev/null || true)" != "ruff $RUFF_VERSION" ]; then
     say "installing ruff $RUFF_VERSION (the lint) ..."
-    # --retries 0: offline, fail at once rather than retry on every test run.
-    if $PY -m pip install -q --retries 0 --timeout 15 "ruff==$RUFF_VERSION" >&2; then
-        INSTALLED="${INSTALLED:+$INSTALLED, }ruff"
-    else
-        say "could not install ruff $RUFF_VERSION: the tests run without it; the lint (.ci/run) needs it"
+    if ! $PY -m pip install -q --retries 0 --timeout 15 "ruff==$RUFF_VERSION" >&2; then
+        say "could not install ruff $RUFF_VERSION, which the lint needs (pip's message above)"
+        exit 1
     fi
+    INSTALLED="${INSTALLED:+$INSTALLED, }ruff"
 fi
 
 # The package itself, editable, without touching dependencies or the network.

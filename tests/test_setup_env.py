@@ -104,7 +104,7 @@ def cpu_index(tmp_path):
 
 
 def _plain_box(tmp_path, cpu_index, cpu_index_has_torch=True, virtual_env=None,
-               offline_ruff=False):
+               offline_ruff=False, args=()):
     """A checkout holding the script, a PATH whose python3 is the stand-in, a CPU index."""
     checkout = tmp_path / "checkout"
     (checkout / "scripts").mkdir(parents=True)
@@ -128,7 +128,7 @@ def _plain_box(tmp_path, cpu_index, cpu_index_has_torch=True, virtual_env=None,
     if virtual_env:
         subprocess.run([bin_dir / "python3", "-m", "venv", virtual_env], env=env, check=True)
         env["VIRTUAL_ENV"] = str(virtual_env)
-    result = subprocess.run(["bash", str(checkout / "scripts" / "setup_env.sh")], cwd="/",
+    result = subprocess.run(["bash", str(checkout / "scripts" / "setup_env.sh"), *args], cwd="/",
                             capture_output=True, text=True, timeout=120, env=env)
     pip_log = (state / "pip.log").read_text().splitlines() if (state / "pip.log").exists() else []
     return checkout, result, pip_log
@@ -198,13 +198,18 @@ def test_real_pip_without_the_cpu_wheel_falls_back_then_fails_with_a_hint(tmp_pa
     assert "EAGLE_CAPTURE_TORCH=torch==2.13.0" in result.stderr
 
 
-def test_the_lint_is_installed_pinned_and_its_absence_stops_nothing(tmp_path, cpu_index):
-    """ruff (the first step of .ci/run) is installed at its pinned version; where it
-    cannot be (the GPU machine has no package index) the set-up goes on, saying so."""
-    _, result, pip_log = _plain_box(tmp_path / "online", cpu_index)
+def test_the_lint_is_installed_pinned_only_when_asked(tmp_path, cpu_index):
+    """ruff (the first step of .ci/run) is installed at its pinned version with --lint,
+    and a --lint that cannot install it fails; without --lint nothing is fetched for it
+    (the GPU machine has no package index, and the tests do not need it)."""
+    _, result, pip_log = _plain_box(tmp_path / "plain", cpu_index)
+    assert result.returncode == 0, result.stderr
+    assert not any("ruff" in line for line in pip_log), pip_log
+    assert "ruff" not in result.stderr
+    _, result, pip_log = _plain_box(tmp_path / "online", cpu_index, args=["--lint"])
     assert result.returncode == 0, result.stderr
     assert any(line.endswith("ruff==0.17.6") for line in pip_log), pip_log
-    _, result, pip_log = _plain_box(tmp_path / "offline", cpu_index, offline_ruff=True)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == ".venv/bin/python\n"
-    assert "could not install ruff 0.17.6: the tests run without it" in result.stderr
+    _, result, pip_log = _plain_box(tmp_path / "offline", cpu_index, offline_ruff=True,
+                                    args=["--lint"])
+    assert result.returncode == 1
+    assert "could not install ruff 0.17.6, which the lint needs" in result.stderr

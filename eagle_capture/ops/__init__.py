@@ -22,6 +22,8 @@ Triton kernel, shared with the all-reduce object) and
 :mod:`~eagle_capture.ops.table` (the four ops, each declared once).
 """
 
+import torch  # noqa: F401 -- before the kernels' triton: without torch, torch is what is missing
+
 from eagle_capture.kernels import HAS_PDL
 from eagle_capture.ops.checks import (
                                       SUPPORTED_DTYPES,

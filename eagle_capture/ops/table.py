@@ -211,6 +211,18 @@ def _with_signature(fn, signature: inspect.Signature, name: str):
     return fn
 
 
+def _schema_signature(signature: inspect.Signature, mutates_args: tuple) -> inspect.Signature:
+    """The op's schema: the public signature without defaults up to the last mutated
+    argument. torch 2.11's dispatcher drops trailing arguments equal to their default
+    before its in-place bookkeeping, which then indexes a mutated one that is gone
+    (IndexError); torch 2.13 keeps them, so only a torch-2.11 machine shows it."""
+    params = list(signature.parameters.values())
+    last = max(i for i, p in enumerate(params) if p.name in mutates_args)
+    return signature.replace(parameters=[
+        p.replace(default=inspect.Parameter.empty) if i <= last else p
+        for i, p in enumerate(params)])
+
+
 def capture_op(*, mutates_args: tuple, norm: bool, residual_in_place: bool = False,
                aux_required: bool = False, residual_out_required: bool = False,
                cpu_op: bool = False):
@@ -224,18 +236,19 @@ def capture_op(*, mutates_args: tuple, norm: bool, residual_in_place: bool = Fal
         op = CaptureOp(name, norm=norm, residual_in_place=residual_in_place,
                        aux_required=aux_required, residual_out_required=residual_out_required)
         signature = inspect.signature(describe).replace(return_annotation=None)
+        schema = _schema_signature(signature, mutates_args)
 
         def registered(*args, **kwargs):
             _registered(op, args, kwargs, *describe(*args, **kwargs))
 
-        triton_op(f"eagle_capture::{name}", _with_signature(registered, signature, name),
+        triton_op(f"eagle_capture::{name}", _with_signature(registered, schema, name),
                   mutates_args=mutates_args)
         if cpu_op:
             def on_cpu(*args, **kwargs):
                 _torch_impl(op, *describe(*args, **kwargs))
 
             op.cpu = torch.library.custom_op(
-                f"eagle_capture::_{name}_cpu", _with_signature(on_cpu, signature, name),
+                f"eagle_capture::_{name}_cpu", _with_signature(on_cpu, schema, name),
                 mutates_args=mutates_args, device_types="cpu")
             op.cpu.register_fake(lambda *args, **kwargs: None)
         compiled = getattr(torch.ops.eagle_capture, name)
@@ -243,7 +256,9 @@ def capture_op(*, mutates_args: tuple, norm: bool, residual_in_place: bool = Fal
         @functools.wraps(describe)
         def public(*args, **kwargs) -> None:
             if torch.compiler.is_compiling():
-                compiled(*args, **kwargs)
+                call = signature.bind(*args, **kwargs)
+                call.apply_defaults()   # the schema has no defaults up to its last mutated one
+                compiled(*call.args)
             else:
                 _eager(op, *describe(*args, **kwargs))
 

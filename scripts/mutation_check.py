@@ -692,6 +692,36 @@ MUTANTS = [
      '    unknown = "eagle3" in arch.lower() and not engine_facts.registered_anywhere(arch)',
      '    unknown = False',
      ["tests/test_doctor_items.py::test_a_draft_class_no_engine_registers_cannot_load"]),
+    # MLA drafts (eagle_capture/probe/mla_draft.py): the step against a double-precision
+    # loop; the engines' readings.
+    ("MLA step: rope in neox halves, not DeepSeek's interleaved pairs",
+     "eagle_capture/probe/mla_draft.py",
+     "        q_pe = _apply_rope(q_pe, cos, sin, self.reading.neox)",
+     "        q_pe = _apply_rope(q_pe, cos, sin, True)",
+     ["tests/test_mla_draft.py::test_mla_step_matches_a_hand_written_reference"]),
+    ("MLA step: no YaRN mscale on the softmax scale", "eagle_capture/probe/mla_draft.py",
+     "                    scale = base_scale * all_dim * all_dim",
+     "                    scale = base_scale",
+     ["tests/test_mla_draft.py::test_mla_step_matches_a_hand_written_reference"]),
+    ("MLA step: the residual is the normed fc output", "eagle_capture/probe/mla_draft.py",
+     "            if self.reading.norm_before_residual:",
+     "            if True:",
+     ["tests/test_mla_draft.py::test_mla_step_matches_a_hand_written_reference"]),
+    ("MLA step: YaRN ramp not clamped", "eagle_capture/probe/mla_draft.py",
+     "    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float, device=device) - low)\n"
+     "                       / (high - low), 0, 1)",
+     "    ramp = ((torch.arange(dim // 2, dtype=torch.float, device=device) - low)\n"
+     "            / (high - low))",
+     ["tests/test_mla_draft.py::test_mla_step_matches_a_hand_written_reference"]),
+    ("MLA readings: SGLang takes vLLM's norm_before_residual", "eagle_capture/probe/mla_draft.py",
+     '                "SGLang", False, bool(config.get("fc_norm") or config.get("use_aux_norm")),',
+     '                "SGLang", bool(config.get("norm_before_residual", False)),\n'
+     '                bool(config.get("fc_norm") or config.get("use_aux_norm")),',
+     ["tests/test_mla_draft.py::test_engine_readings_where_the_engines_differ"]),
+    ("probe: unknown draft classes pass the early check", "eagle_capture/probe/draft.py",
+     "    if arch and arch not in LLAMA_DRAFTS + MLA_DRAFTS:",
+     "    if False:",
+     ["tests/test_mla_draft.py::test_unknown_draft_class_refused_before_anything_loads"]),
 ]
 
 

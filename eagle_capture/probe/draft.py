@@ -24,6 +24,10 @@ Formats read (weights by name, after dropping a leading ``model.``):
 * speculators ``Eagle3Speculator``: ``layers.0.*``; the layer's sizes in
   ``transformer_layer_config``; ``norm_before_residual``, ``norm_before_fc``,
   ``fc_norm`` flags.
+
+Drafts whose layer has DeepSeek MLA attention (``Eagle3DeepseekV2ForCausalLM``) load through
+the same function into :mod:`eagle_capture.probe.mla_draft`; any other class is refused
+(:func:`check_draft_class`) before a weight is read.
 """
 
 from __future__ import annotations

@@ -74,17 +74,8 @@ class _CausalLatentAttention(torch.nn.Module):
         return o.transpose(0, 1).reshape(t, -1)
 
 
-def _force_setattr(obj, name, value) -> None:
-    try:
-        setattr(obj, name, value)
-    except (AttributeError, TypeError):     # 0.5.18+: a read-only msgspec Struct
-        import msgspec
-        msgspec.structs.force_setattr(obj, name, value)
-
-
 def _sglang_draft(folder: Path):
-    from sglang.srt.models import kimi_k25_eagle3
-    from sglang.srt.server_args import get_global_server_args
+    from sglang.srt.models import deepseek_v2, kimi_k25_eagle3
     from transformers import AutoConfig
 
     # SGLang's config registry: model_type kimi_k2 -> its DeepseekV3Config alias.
@@ -93,19 +84,17 @@ def _sglang_draft(folder: Path):
     except ImportError:
         from sglang.srt.utils import hf_transformers_utils  # noqa: F401
     config = AutoConfig.from_pretrained(str(folder))
-    # With server device "cpu" SGLang builds DeepSeek YaRN rope only (get_rope_cpu asserts
-    # a scaling); a GPU host builds the others with get_rope, whose classes run their
-    # native torch path on CPU tensors: built as on a GPU host where the CPU path cannot.
-    args = get_global_server_args()
+    # On a CPU server SGLang builds DeepSeek YaRN rope only (get_rope_cpu asserts a
+    # scaling); a GPU host builds the others with get_rope, whose classes run their native
+    # torch path on CPU tensors: built as on a GPU host where the CPU path cannot.
     params = getattr(config, "rope_parameters", None) or {}
-    gpu_path = params.get("rope_type", "default") == "default"     # SGLang's own test
-    if gpu_path:
-        _force_setattr(args, "device", "cuda")
+    real = deepseek_v2.get_rope_wrapper
+    if params.get("rope_type", "default") == "default":     # SGLang's own test
+        deepseek_v2.get_rope_wrapper = lambda *a, **k: real(*a, **{**k, "device": "cuda"})
     try:
         model = kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM(config).float().eval()
     finally:
-        if gpu_path:
-            _force_setattr(args, "device", "cpu")
+        deepseek_v2.get_rope_wrapper = real
     from eagle_capture.probe.draft import read_weights
     model.load_weights(read_weights(folder).items())
     attn = model.model.midlayer.self_attn
@@ -116,12 +105,28 @@ def _sglang_draft(folder: Path):
 def _batch(aux: torch.Tensor):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    # An EAGLE-3 draft's first forward after the target's prefill: DRAFT_EXTEND.
+    # An EAGLE-3 draft's first forward after the target's prefill: DRAFT_EXTEND (0.5.23 has
+    # only the spec-v2 worker's DRAFT_EXTEND_V2).
+    mode = getattr(ForwardMode, "DRAFT_EXTEND", None) or ForwardMode.DRAFT_EXTEND_V2
     return types.SimpleNamespace(
-        forward_mode=ForwardMode.DRAFT_EXTEND, spec_info=types.SimpleNamespace(hidden_states=aux),
+        forward_mode=mode, spec_info=types.SimpleNamespace(hidden_states=aux),
         mm_input_embeds=None, contains_mm_inputs=lambda: False, extend_prefix_lens_cpu=[0],
         seq_lens_cpu=torch.tensor([aux.shape[0]]), attn_cp_metadata=None,
         dsa_cp_metadata=None, out_cache_loc=None, batch_size=1)
+
+
+def _forward_context():
+    """0.5.23 reads the attention backend's name from the forward context the model runner
+    sets: a backend naming none (the server args' default decides, as for a runner that
+    stamps none). Its kernel is stood in anyway (attn_mqa)."""
+    import contextlib
+
+    from sglang.srt.model_executor import forward_context as fc
+    if not hasattr(fc, "forward_context"):
+        return contextlib.nullcontext()
+    backend = types.SimpleNamespace(prefill_attention_backend_str=None,
+                                    decode_attention_backend_str=None)
+    return fc.forward_context(fc.ForwardContext(attn_backend=backend))
 
 
 def compare(folder: Path, start: int = 0, t: int = 23, seed: int = 0) -> dict:
@@ -136,7 +141,7 @@ def compare(folder: Path, start: int = 0, t: int = 23, seed: int = 0) -> dict:
     aux = torch.randn(t, ours.spec.num_aux * h, generator=g) * 2
     embeds = torch.randn(t, h, generator=g) * 0.05
     positions = torch.arange(start, start + t)
-    with torch.no_grad():
+    with torch.no_grad(), _forward_context():
         hidden, _ = model.model(torch.zeros(t, dtype=torch.long), positions, _batch(aux),
                                 input_embeds=embeds)
         theirs = hidden @ model.lm_head.weight.T
@@ -150,8 +155,7 @@ def compare(folder: Path, start: int = 0, t: int = 23, seed: int = 0) -> dict:
     assert diff <= RTOL * scale, f"logits differ by {diff} (largest {scale})"
     assert torch.equal(tokens_theirs, tokens_mine), (tokens_theirs, tokens_mine)
     return {"max_abs_diff": diff, "largest": scale, "tokens": t,
-            "softmax_scale": [attn.scaling, ours.reading.softmax_scale],
-            "method": str(attn.current_attention_backend)}
+            "softmax_scale": [attn.scaling, ours.reading.softmax_scale]}
 
 
 def _variant(work: Path, name: str, edit) -> Path:

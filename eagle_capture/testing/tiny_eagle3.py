@@ -12,15 +12,19 @@ states at its capture layers at t and the token at t + 1, and learns the target'
 greedy token at t + 1 (cross-entropy on the draft vocabulary). Weights are kept
 in bfloat16 (rounded before the data is made, so the fp32 load is exact).
 
-Two drafts, one per convention, on different layers so that neither reading can
-pass for the other:
+Three drafts, on different layers so that no convention's reading can pass for
+another's:
 
 * ``draft_specforge``: SpecForge's export (``LlamaForCausalLMEagle3``,
   ``midlayer.*``, ``eagle_config`` ids [1, 3, 5] in the output convention):
   trained on capture layers [2, 4, 6];
 * ``draft_speculators``: speculators' export (``Eagle3Speculator``, ``layers.0.*``,
   top-level ids [1, 3, 6] in the input convention): trained on capture layers
-  [1, 3, 6].
+  [1, 3, 6];
+* ``draft_torchspec_mla``: TorchSpec's Kimi-K2.5 MLA export (``Eagle3DeepseekV2ForCausalLM``,
+  ``layers.0.*``, ``eagle_config`` ids [2, 4, 6] in the output convention): one layer with
+  DeepSeek MLA attention (q_lora 32, kv_lora 256, YaRN factor 64 as published), trained on
+  capture layers [3, 5, 7], its step computed as SGLang computes it.
 
 The configs follow the files each trainer's own exporter wrote
 (``tests/data/trainer_configs``), resized. Deterministic for a given torch build

@@ -100,6 +100,17 @@ def test_committed_mla_draft_is_what_the_builder_writes():
     assert draft.spec.num_aux == 3 and draft.spec.draft_vocab_size == 256
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mla_draft_on_cuda_in_bf16():
+    """The documented use on a GPU: the target and the MLA draft in bf16 (the default
+    there). The verdict stands; agreement moves by rounding only."""
+    fp32 = _probe(MLA)
+    report = _probe(MLA, device="cuda", dtype="bf16")
+    assert report.verdict.startswith("CONFIRMED: the draft was trained on capture layers "
+                                     "[3, 5, 7]"), report.format()
+    assert abs(_agreement(report, [3, 5, 7]) - _agreement(fp32, [3, 5, 7])) < 0.02
+
+
 # ---------------------------------------------------------------- the step
 
 def _reference_logits(draft, aux, emb, pos):

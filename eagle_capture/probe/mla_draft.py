@@ -162,34 +162,29 @@ def engine_readings(config: dict) -> dict[str, MlaReading]:
     return out
 
 
-def _rope_tables(reading: MlaReading, dim: int, positions: torch.Tensor):
-    """cos, sin [..., dim / 2] at ``positions``, in fp32 as both engines build their
-    cache (arange(0, dim, 2) / dim exponents, YaRN's ramp between the correction dims)."""
-    rope = reading.rope
+def _rope_tables(reading: MlaReading, theta: float, dim: int, positions: torch.Tensor):
+    """cos, sin [..., dim / 2] at ``positions``, in fp32 as both engines build their cache:
+    ``theta ** (arange(0, dim, 2) / dim)``; with DeepSeek's YaRN the interpolated and
+    extrapolated frequencies mixed by a linear ramp between the correction dims, and cos /
+    sin times the magnitude ``mscale``."""
     device = positions.device
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim)
+    rope = reading.rope
     if rope is None:
-        raise AssertionError("plain rope goes through _plain_tables")
-    pos_freqs = rope["theta"] ** (torch.arange(0, dim, 2, dtype=torch.float, device=device)
-                                  / dim)
+        freqs = positions.to(torch.float32).unsqueeze(-1) * (1.0 / pos_freqs)
+        return freqs.cos(), freqs.sin()
     extrapolation = 1.0 / pos_freqs
     interpolation = 1.0 / (rope["factor"] * pos_freqs)
-    low, high = _correction_range(rope["beta_fast"], rope["beta_slow"], dim, rope["theta"],
+    low, high = _correction_range(rope["beta_fast"], rope["beta_slow"], dim, theta,
                                   rope["original"])
     if low == high:
-        high += 0.001
+        high += 0.001       # the engines' guard against a zero-width ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float, device=device) - low)
                        / (high - low), 0, 1)
     mask = (1 - ramp) * rope["extrapolation"]
     inv_freq = interpolation * (1 - mask) + extrapolation * mask
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     return freqs.cos() * reading.rope_mscale, freqs.sin() * reading.rope_mscale
-
-
-def _plain_tables(theta: float, dim: int, positions: torch.Tensor):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float,
-                                             device=positions.device) / dim))
-    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
-    return freqs.cos(), freqs.sin()
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool):
@@ -258,10 +253,7 @@ class _MlaLayer(nn.Module):
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, self.heads,
                                                                self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], -1)
-        if self.reading.rope is None:
-            cos, sin = _plain_tables(self.theta, self.rope_dim, positions)
-        else:
-            cos, sin = _rope_tables(self.reading, self.rope_dim, positions)
+        cos, sin = _rope_tables(self.reading, self.theta, self.rope_dim, positions)
         q_pe = _apply_rope(q_pe, cos, sin, self.reading.neox)
         k_pe = _apply_rope(k_pe.unsqueeze(2), cos, sin, self.reading.neox)
         q = torch.cat([q_nope, q_pe], -1).transpose(1, 2)

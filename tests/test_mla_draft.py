@@ -117,7 +117,6 @@ def _reference_logits(draft, aux, emb, pos):
     """An independent loop in double precision: MLA with every head's keys and values
     multiplied out, DeepSeek YaRN and interleaved rope written out, one query at a time."""
     spec, r = draft.spec, draft.reading
-    L = draft.layers[0]
     c = spec.layer_config
     H, nope, rd, vd = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], \
         c["v_head_dim"]

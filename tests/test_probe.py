@@ -278,11 +278,18 @@ def test_draft_loading_refuses_what_it_cannot_run(tmp_path):
     save_draft(_random_draft(), good, tiny_eagle3.specforge_config([1, 3, 5]))
     with pytest.raises(DraftError, match="no config.json"):
         load_draft(tmp_path / "nowhere")
+    other = tmp_path / "other"
+    shutil.copytree(good, other)
+    (other / "config.json").write_text(json.dumps({"architectures": ["Eagle3Qwen3ForCausalLM"],
+                                                   "model_type": "qwen3"}))
+    with pytest.raises(DraftError, match="draft class Eagle3Qwen3ForCausalLM is not one the "
+                                         "probe runs"):
+        load_draft(other)
+    # An MLA config over a Llama layer's weights: the MLA weights are named missing.
     mla = tmp_path / "mla"
     shutil.copytree(good, mla)
-    (mla / "config.json").write_text(json.dumps({"architectures": ["Eagle3DeepseekV2ForCausalLM"],
-                                                 "model_type": "kimi_k2"}))
-    with pytest.raises(DraftError, match="MLA attention layer"):
+    (mla / "config.json").write_text(json.dumps(tiny_eagle3.torchspec_mla_config([1, 3, 5])))
+    with pytest.raises(DraftError, match=r"missing weights \['layers.0.kv_a_layernorm.weight'"):
         load_draft(mla)
     from safetensors.torch import load_file, save_file
     weights = load_file(str(good / "model.safetensors"))
@@ -374,8 +381,7 @@ def test_test_data_is_what_the_builder_makes():
     manifest = json.loads((DATA / "MANIFEST.json").read_text())
     for folder, fmt, ids, capture in tiny_eagle3.DRAFTS:
         config = json.loads((DATA / folder / "config.json").read_text())
-        want = (tiny_eagle3.specforge_config(ids) if fmt == "SpecForge"
-                else tiny_eagle3.speculators_config(ids))
+        want = tiny_eagle3.config_for(fmt, ids)
         assert config == json.loads(json.dumps(want))
         assert manifest["drafts"][folder]["trained_on_capture_layers"] == capture
     target = json.loads((TARGET / "config.json").read_text())
@@ -739,9 +745,9 @@ def test_sglang_line_without_the_drafts_class_cannot_load_it():
     """SGLang registers its Kimi-K2.5 EAGLE-3 class (Eagle3DeepseekV2ForCausalLM, the
     format of TorchSpec's Kimi-K2.5 export) from 0.5.13 on: a draft in that format judged
     for SGLang 0.5.9 gets CANNOT LOAD on that line -- no ids offered for a server that
-    cannot load it -- and from 0.5.13 its capture is judged. (The probe's own run refuses
-    this MLA draft by name before measuring; the verdict is judged from a measured table
-    here, the config's reading ahead.)"""
+    cannot load it -- and from 0.5.13 its capture is judged. (The verdict is judged from a
+    measured table here, the config's reading ahead; tests/test_mla_draft.py measures a
+    trained MLA draft.)"""
     from eagle_capture.probe.probe import ProbeReport, judge
 
     config = Path(__file__).parent / "data" / "trainer_configs" / "torchspec" / \

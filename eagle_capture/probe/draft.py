@@ -24,6 +24,10 @@ Formats read (weights by name, after dropping a leading ``model.``):
 * speculators ``Eagle3Speculator``: ``layers.0.*``; the layer's sizes in
   ``transformer_layer_config``; ``norm_before_residual``, ``norm_before_fc``,
   ``fc_norm`` flags.
+
+Drafts whose layer has DeepSeek MLA attention (``Eagle3DeepseekV2ForCausalLM``) load through
+the same function into :mod:`eagle_capture.probe.mla_draft`; any other class is refused
+(:func:`check_draft_class`) before a weight is read.
 """
 
 from __future__ import annotations
@@ -38,16 +42,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DraftError", "DraftSpec", "Eagle3Draft", "load_draft", "read_weights",
-           "state_dict_for_format"]
+__all__ = ["DraftError", "DraftSpec", "Eagle3Draft", "check_draft_class", "load_draft",
+           "read_weights", "state_dict_for_format"]
 
 
 class DraftError(ValueError):
     """A draft folder the probe cannot read: the message names what is wrong."""
 
 
-# Draft classes whose layer is not a Llama layer (SGLang's kimi_k25_eagle3.py: MLA).
-MLA_DRAFTS = ("Eagle3DeepseekV2ForCausalLM",)
+# The draft classes the probe runs: a Llama layer (SGLang's LlamaForCausalLMEagle3, vLLM's
+# Eagle3LlamaForCausalLM under both names, speculators' Eagle3Speculator), or an MLA layer
+# (SGLang's and vLLM's Eagle3DeepseekV2ForCausalLM: probe/mla_draft.py).
+LLAMA_DRAFTS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
+MLA_DRAFTS = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "transformer_layer_config")
 
 
@@ -288,11 +295,26 @@ def state_dict_for_format(weights: dict[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
+def check_draft_class(config: dict, where="the draft") -> str:
+    """The draft's class (``architectures[0]``; "" when the config names none: a Llama
+    layer, as the engines' EAGLE-3 loaders take it), refused unless the probe runs it."""
+    archs = config.get("architectures") if isinstance(config, dict) else None
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+    if arch and arch not in LLAMA_DRAFTS + MLA_DRAFTS:
+        raise DraftError(f"{where}: draft class {arch} is not one the probe runs (it runs "
+                         f"{', '.join(LLAMA_DRAFTS)}: a Llama layer; "
+                         f"{', '.join(MLA_DRAFTS)}: an MLA layer)")
+    return arch
+
+
 def load_draft(folder, device="cpu", dtype=torch.float32, target_vocab: Optional[int] = None,
-               target_hidden: Optional[int] = None) -> Eagle3Draft:
-    """The draft in ``folder`` (config.json + weights), in ``dtype`` on ``device``.
-    Every weight the step needs must be there and every weight there must be known:
-    a name left over or missing is an error that names it."""
+               target_hidden: Optional[int] = None, engine: str = "transformers"):
+    """The draft in ``folder`` (config.json + weights), in ``dtype`` on ``device``: an
+    :class:`Eagle3Draft`, or for an MLA draft an
+    :class:`~eagle_capture.probe.mla_draft.Eagle3MlaDraft` computed as the engine of the
+    probe's mode ``engine`` computes it. Every weight the step needs must be there and
+    every weight there must be known: a name left over or missing is an error that
+    names it. An unknown draft class is refused before any weight is read."""
     folder = Path(folder)
     try:
         config = json.loads((folder / "config.json").read_text())
@@ -300,11 +322,7 @@ def load_draft(folder, device="cpu", dtype=torch.float32, target_vocab: Optional
         raise DraftError(f"{folder}: no config.json (pass the draft's model folder)") from None
     except json.JSONDecodeError as exc:
         raise DraftError(f"{folder / 'config.json'}: not JSON ({exc})") from None
-    arch = (config.get("architectures") or [""])[0]
-    if arch in MLA_DRAFTS:
-        raise DraftError(f"{folder}: {arch} drafts have a DeepSeek MLA attention layer (SGLang's "
-                         f"Kimi-K2.x EAGLE-3 drafts); the probe runs Llama-layer EAGLE-3 drafts "
-                         f"only")
+    arch = check_draft_class(config, str(folder))
     weights = read_weights(folder)
     fmt = _format_of(config, weights)
     state = state_dict_for_format(weights)
@@ -323,7 +341,11 @@ def load_draft(folder, device="cpu", dtype=torch.float32, target_vocab: Optional
     spec = DraftSpec(**{**spec.__dict__, "num_aux": fc.shape[1] // th,
                         "target_hidden_size": th,
                         "vocab_size": target_vocab or spec.vocab_size})
-    draft = Eagle3Draft(spec)
+    if arch in MLA_DRAFTS:
+        from eagle_capture.probe.mla_draft import mla_draft
+        draft = mla_draft(config, spec, engine)
+    else:
+        draft = Eagle3Draft(spec)
     embed = state.pop("embed_tokens.weight", None)
     if embed is not None:
         draft.embed_tokens = nn.Embedding(*embed.shape)

@@ -60,7 +60,7 @@ from eagle_capture.layer_ids.lines import (SGLANG_LINES, VLLM_LINE, CapturePlanE
                                            read_draft_ids, read_target, vllm_lines)
 from eagle_capture.layer_ids.startup import slot_order_problem
 from eagle_capture.layer_ids.trainers import CONVENTIONS, Provenance, recognise
-from eagle_capture.probe.draft import DraftError, load_draft
+from eagle_capture.probe.draft import DraftError, check_draft_class, load_draft
 from eagle_capture.probe.engine import FIXED_ARGS, EngineError, check_vllm
 
 __all__ = ["Candidate", "ProbeError", "ProbeReport", "candidates", "main", "run_probe"]
@@ -620,7 +620,9 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
         tmodel = read_target(target_dir / "config.json")
         ids = read_draft_ids(draft_dir / "config.json")
         text_config = _text_config(target_dir)
-    except CapturePlanError as exc:
+        check_draft_class(load_config(draft_dir / "config.json", "draft config")[0],
+                          f"--draft {draft_dir}")
+    except (CapturePlanError, DraftError) as exc:
         raise ProbeError(str(exc)) from None
     n, arch = tmodel.num_layers, tmodel.architecture
     # All the input is checked before anything is loaded or run: a bad option or prompt
@@ -663,11 +665,12 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
     # default, bf16 on a GPU, fp32 on the CPU.
     torch_dtype = DTYPES.get(dtype) or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     try:
-        dmodel = load_draft(draft_dir, "cpu", torch_dtype, target_hidden=tmodel.hidden_size)
+        dmodel = load_draft(draft_dir, "cpu", torch_dtype, target_hidden=tmodel.hidden_size,
+                            engine=engine)
     except DraftError as exc:
         raise ProbeError(str(exc)) from None
     cands, notes = candidates(ids, provenance, n, dmodel.spec.num_aux, arch, sglang_version)
-    notes = rule_notes + notes
+    notes = rule_notes + getattr(dmodel, "notes", []) + notes
     if not cands:
         raise ProbeError(f"no reading of the draft's ids gives {dmodel.spec.num_aux} capture "
                          f"layers in [0, {n}]: " + "; ".join(notes))

@@ -12,15 +12,19 @@ states at its capture layers at t and the token at t + 1, and learns the target'
 greedy token at t + 1 (cross-entropy on the draft vocabulary). Weights are kept
 in bfloat16 (rounded before the data is made, so the fp32 load is exact).
 
-Two drafts, one per convention, on different layers so that neither reading can
-pass for the other:
+Three drafts, on different layers so that no convention's reading can pass for
+another's:
 
 * ``draft_specforge``: SpecForge's export (``LlamaForCausalLMEagle3``,
   ``midlayer.*``, ``eagle_config`` ids [1, 3, 5] in the output convention):
   trained on capture layers [2, 4, 6];
 * ``draft_speculators``: speculators' export (``Eagle3Speculator``, ``layers.0.*``,
   top-level ids [1, 3, 6] in the input convention): trained on capture layers
-  [1, 3, 6].
+  [1, 3, 6];
+* ``draft_torchspec_mla``: TorchSpec's Kimi-K2.5 MLA export (``Eagle3DeepseekV2ForCausalLM``,
+  ``layers.0.*``, ``eagle_config`` ids [2, 4, 6] in the output convention): one layer with
+  DeepSeek MLA attention (q_lora 32, kv_lora 256, YaRN factor 64 as published), trained on
+  capture layers [3, 5, 7], its step computed as SGLang computes it.
 
 The configs follow the files each trainer's own exporter wrote
 (``tests/data/trainer_configs``), resized. Deterministic for a given torch build
@@ -64,11 +68,31 @@ DRAFT_LAYER = {
     "tie_word_embeddings": False, "use_cache": True, "vocab_size": VOCAB,
 }
 
+# TorchSpec's Kimi-K2.5 MLA draft template (configs/draft_models/kimi_k25_eagle3_mla.json,
+# kept verbatim in tests/data/published_configs) resized: MLA with q_lora / kv_lora ranks and
+# its YaRN rope scaling as published. kv_lora_rank + qk_rope_head_dim = 320: a latent head
+# size vLLM's CPU MLA attention takes (320, 512 or 576), so vLLM can serve this draft on CPU.
+MLA_DRAFT_LAYER = {
+    "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2",
+    "hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 256,
+    "qk_nope_head_dim": 32, "qk_rope_head_dim": 64, "v_head_dim": 32, "hidden_act": "silu",
+    "rms_norm_eps": 1e-05, "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB,
+    "torch_dtype": "bfloat16", "rope_theta": 50000.0,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+}
+
 # (folder, trainer format, ids as the trainer writes them, capture layers trained on)
 DRAFTS = (
     ("draft_specforge", "SpecForge", [1, 3, 5], [2, 4, 6]),
     ("draft_speculators", "speculators", [1, 3, 6], [1, 3, 6]),
+    ("draft_torchspec_mla", "TorchSpec MLA", [2, 4, 6], [3, 5, 7]),
 )
+# Weight groups of a draft layer as the trainers name them (self_attn.*, mlp.*).
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_a_layernorm", "q_b_proj",
+              "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")
 
 
 def save_draft(draft, folder, config: dict, fmt: str = "SpecForge") -> None:
@@ -85,8 +109,7 @@ def save_draft(draft, folder, config: dict, fmt: str = "SpecForge") -> None:
         if name.startswith("layers."):
             i, rest = name.split(".", 2)[1:]
             group = ("mlp." if rest.split(".")[0] in ("gate_proj", "up_proj", "down_proj")
-                     else "self_attn." if rest.split(".")[0] in ("q_proj", "k_proj", "v_proj",
-                                                                 "o_proj") else "")
+                     else "self_attn." if rest.split(".")[0] in _ATTENTION else "")
             prefix = "midlayer." if fmt == "SpecForge" and i == "0" else f"layers.{i}."
             name = prefix + group + rest
         state[name] = tensor.detach().contiguous()
@@ -121,6 +144,34 @@ def speculators_config(ids) -> dict:
                              "name_or_path": "tiny_eagle3/target"}},
             "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
             "target_hidden_size": None, "transformer_layer_config": dict(DRAFT_LAYER)}
+
+
+def torchspec_mla_config(ids) -> dict:
+    """TorchSpec's MLA template resized (MLA_DRAFT_LAYER) with its eagle_config: ids in the
+    output convention, as TorchSpec's native export writes them."""
+    return {**MLA_DRAFT_LAYER, "eagle_config": {
+        "eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True,
+        "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True,
+        "use_mtp_layernorm": False}, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+def config_for(fmt: str, ids) -> dict:
+    """The config a draft of trainer format ``fmt`` (DRAFTS) is saved with."""
+    return {"SpecForge": specforge_config, "speculators": speculators_config,
+            "TorchSpec MLA": torchspec_mla_config}[fmt](ids)
+
+
+def new_draft(config: dict, fmt: str):
+    """An untrained draft for ``config``: the probe's own step module (its Llama layer,
+    or its MLA layer for Eagle3DeepseekV2ForCausalLM, read as the probe reads it with
+    its target in transformers)."""
+    from eagle_capture.probe.draft import MLA_DRAFTS, DraftSpec, Eagle3Draft
+
+    spec = DraftSpec.from_config(config, "speculators" if fmt == "speculators" else fmt)
+    if config["architectures"][0] in MLA_DRAFTS:
+        from eagle_capture.probe.mla_draft import mla_draft
+        return mla_draft(config, spec)
+    return Eagle3Draft(spec)
 
 
 def _bf16_round(module: torch.nn.Module) -> None:
@@ -177,11 +228,8 @@ def draft_vocabulary(greedy: torch.Tensor) -> torch.Tensor:
 
 def train_draft(config: dict, fmt: str, capture: list[int], states, greedy, seq, embed,
                 steps: int = 1200, batch: int = 64, log=print):
-    from eagle_capture.probe.draft import DraftSpec, Eagle3Draft
-
-    spec = DraftSpec.from_config(config, fmt)
     torch.manual_seed(DRAFT_SEED)
-    draft = Eagle3Draft(spec)
+    draft = new_draft(config, fmt)
     draft.d2t.copy_(draft_vocabulary(greedy))
     t2d = torch.full((VOCAB,), -1, dtype=torch.long)
     t2d[draft.to_target(torch.arange(DRAFT_VOCAB))] = torch.arange(DRAFT_VOCAB)
@@ -235,7 +283,7 @@ def build(out: Path, train_sequences: int = 3072, eval_sequences: int = 64, step
                 "drafts": {}}
     embed = target.get_input_embeddings()
     for folder, fmt, ids, capture in DRAFTS:
-        config = specforge_config(ids) if fmt == "SpecForge" else speculators_config(ids)
+        config = config_for(fmt, ids)
         draft = train_draft(config, fmt, capture, states, greedy, seq, embed, steps, log=log)
         save_draft(draft, out / folder, config, fmt)
         manifest["drafts"][folder] = {"format": fmt, "ids_written": ids,

@@ -46,15 +46,16 @@ class PartialSums(ProbeCapture):
 
 
 def cases(work: Path) -> dict:
-    """Case name -> draft folder: the two trained drafts, and SpecForge's draft with its
-    ids copied verbatim into a speculators config (a config that lies: MISMATCH)."""
+    """Case name -> draft folder: the three trained drafts (the MLA one: TorchSpec's
+    Kimi-K2.5 MLA layout), and SpecForge's draft with its ids copied verbatim into a
+    speculators config (a config that lies: MISMATCH)."""
     from eagle_capture.testing import tiny_eagle3
 
     lying = work / "draft_converted"
     shutil.copytree(DATA / "draft_specforge", lying, dirs_exist_ok=True)
     (lying / "config.json").write_text(json.dumps(tiny_eagle3.speculators_config([1, 3, 5])))
     return {"specforge": DATA / "draft_specforge", "speculators": DATA / "draft_speculators",
-            "converted": lying}
+            "converted": lying, "mla": DATA / "draft_torchspec_mla"}
 
 
 def prompts(work: Path, tp: int) -> Path:
@@ -111,7 +112,7 @@ def main():
                         max_tokens=64, engine_args={"worker_extension_cls": EXTENSION}
                         if args.tp > 1 else None)
     out["ranks"] = target.ranks
-    names = ["specforge", "speculators", "converted"] if args.tp == 1 else ["specforge"]
+    names = ["specforge", "speculators", "converted", "mla"] if args.tp == 1 else ["specforge"]
     calibration = str(prompts(work, args.tp))
     for name, draft in cases(work).items():
         if name not in names:

@@ -692,6 +692,21 @@ MUTANTS = [
      '    unknown = "eagle3" in arch.lower() and not engine_facts.registered_anywhere(arch)',
      '    unknown = False',
      ["tests/test_doctor_items.py::test_a_draft_class_no_engine_registers_cannot_load"]),
+    ("doctor: the capture-only mode reads the draft config's ids",
+     "eagle_capture/layer_ids/doctor.py",
+     'args.return_aux_ids if capture == "return-aux" else draft.read_by_target,',
+     'draft.read_by_target,',
+     ["tests/test_doctor_items.py::test_sglang_capture_only_mode"]),
+    ("doctor: the capture-only mode's start-up refusals not said",
+     "eagle_capture/layer_ids/capture_only.py",
+     '    if len(set(ids)) != len(ids):\n        return f"{IDS_FLAG} must not repeat',
+     '    if False:\n        return f"{IDS_FLAG} must not repeat',
+     ["tests/test_doctor_items.py::test_sglang_capture_only_mode"]),
+    ("doctor: eagle-capture's rows do not say how it is switched on",
+     "eagle_capture/layer_ids/deployment.py",
+     '    return ours_words(line) if subject in (DROPIN, VLLM_PLUGIN) else subject',
+     '    return subject',
+     ["tests/test_doctor_items.py::test_a_deployment_that_runs_eagle_capture"]),
 ]
 
 

@@ -706,3 +706,35 @@ def test_a_loop_that_captures_the_final_boundary(tmp_path, capsys):
     code, out, _ = _doctor(capsys, *base, "--target-architecture", "LlamaForCausalLM",
                            explain=False)
     assert code == 1 and "captures [2, 13, 26]: PROBLEM (FAILS at the first forward" in out, out
+
+
+def test_a_line_measured_to_capture_another_tensor(tmp_path, capsys, monkeypatch):
+    """Right ids, wrong tensor: a line whose capture was measured (its model code on CPU
+    against transformers' hidden_states, data/capture_tensors.json) to hold another tensor
+    than the residual stream is a PROBLEM that names the tensor and says no id fixes it;
+    --write-config refuses. Every line measured so far captures the residual stream."""
+    from eagle_capture.layer_ids import tensors
+
+    path = _specforge(tmp_path, [1, 23, 44])
+    argv = ["--draft-config", path, "--num-layers", 48, "--target-architecture",
+            "LlamaForCausalLM", "--engine", "sglang", "--id-convention", "output"]
+    measured = tensors.load()
+    assert measured["sglang"]["0.5.23"]["LlamaForCausalLM"] == tensors.RESIDUAL
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.23", explain=False)
+    assert code == 0 and "WRONG TENSOR" not in out, out
+    wrong = json.loads(json.dumps(measured))
+    wrong["sglang"]["0.5.23"]["LlamaForCausalLM"] = "normed input"
+    monkeypatch.setattr(tensors, "load", lambda path=tensors.DATA: wrong)
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.23", explain=False)
+    assert code == 1 and "captures [2, 24, 45]: PROBLEM (captures the normed input, not the " \
+                         "residual stream; no id fixes it: serve with SGLang 0.5.9, 0.5.13, " \
+                         "0.5.18, 0.5.20, 0.5.22 (measured" in out, out
+    assert "write [" not in out
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.23")
+    assert "WRONG TENSOR: SGLang 0.5.23: the normed input" in out, out
+    # Without --sglang-version only the line holding 0.5.23 says it.
+    code, out, _ = _doctor(capsys, *argv, explain=False)
+    assert code == 1 and out.count("captures the normed input") == 1, out
+    code, _, err = _doctor(capsys, *argv, "--sglang-version", "0.5.23", "--write-config",
+                           tmp_path / "x.json")
+    assert code == 2 and "the problem above is not in the ids" in err, err

@@ -55,7 +55,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from eagle_capture.layer_ids import capture_only, deployment
+from eagle_capture.layer_ids import capture_only, deployment, tensors
 from eagle_capture.layer_ids.deployment import WIDTH, wrap as _wrap
 from eagle_capture.layer_ids.lines import (SGLANG_LINES, VLLM_LINE, CapturePlanError, DraftIds,
                                            IDS_KEY, check_id_range, draft_architectures,
@@ -568,6 +568,18 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     if any(capture_on):
         by_reading = [(reading, [_cannot_capture(v, c) for v, c in zip(vs, capture_on)])
                       for reading, vs in by_reading]
+    # A line measured to capture another tensor than the residual stream: no id fixes it.
+    if architecture and not no_aux:
+        for line in lines:
+            text = wrong_tensor(engine, line, architecture, sglang_version)
+            if text is None:
+                continue
+            for _, vs in by_reading:
+                for v in vs:
+                    if v.line is line and v.status != "CANNOT CAPTURE":
+                        v.ok, v.fix, v.fix_ids = False, text[1], None
+                        v.lines.insert(0, text[0])
+                        v.brief = text[2]
     for _, vs in by_reading:
         for v in vs:
             if config_problems and v.status != "CANNOT CAPTURE":
@@ -604,6 +616,30 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
                      provenance=provenance, by_reading=by_reading, assumed=assumed,
                      accepted=accept_defaults, deployment_ok=deploy_ok,
                      deployment_brief=deploy_brief, capture=capture)
+
+
+def wrong_tensor(engine: str, line, architecture: str,
+                 sglang_version: Optional[str] = None) -> Optional[tuple[str, str, str]]:
+    """(the problem, the remedy, a few words) when ``line``'s capture for ``architecture``
+    was measured to hold another tensor than the residual stream (:mod:`.tensors`)."""
+    releases = (_vllm_releases(line) if engine == "vllm"
+                else _sglang_releases(line, sglang_version))
+    bad = tensors.wrong(engine, releases, architecture)
+    if not bad:
+        return None
+    name = "vLLM" if engine == "vllm" else "SGLang"
+    held = "; ".join(f"{name} {r}: the {t}" for r, t in bad)
+    right = [r for r in tensors.right_releases(engine, architecture)]
+    remedy = ("no id fixes it: serve with " + (f"{name} {', '.join(right)} (measured to capture "
+                                                f"the residual stream)" if right else
+                                                "another engine line")
+              + ", or with eagle-capture's capture (EAGLE_CAPTURE=1), which stores the residual "
+                "stream itself")
+    text = (f"WRONG TENSOR: {held} -- what this line's capture holds for {architecture}, "
+            f"measured against transformers' hidden_states for the same weights; the draft "
+            f"was trained on the residual stream entering each layer. The ids are not the "
+            f"problem: {remedy}")
+    return text, remedy, f"captures the {bad[0][1]}, not the residual stream; {remedy}"
 
 
 def _capture_only_verdict(v: LineVerdict, ids, num_layers: int, deploy) -> None:

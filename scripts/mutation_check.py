@@ -707,6 +707,11 @@ MUTANTS = [
      '    return ours_words(line) if subject in (DROPIN, VLLM_PLUGIN) else subject',
      '    return subject',
      ["tests/test_doctor_items.py::test_a_deployment_that_runs_eagle_capture"]),
+    ("doctor: a line measured to capture another tensor passes",
+     "eagle_capture/layer_ids/tensors.py",
+     "        if tensor is not None and tensor != RESIDUAL:",
+     "        if False:",
+     ["tests/test_doctor_items.py::test_a_line_measured_to_capture_another_tensor"]),
 ]
 
 

@@ -738,3 +738,10 @@ def test_a_line_measured_to_capture_another_tensor(tmp_path, capsys, monkeypatch
     code, _, err = _doctor(capsys, *argv, "--sglang-version", "0.5.23", "--write-config",
                            tmp_path / "x.json")
     assert code == 2 and "the problem above is not in the ids" in err, err
+    # vLLM's lines the same way (its measured releases: 0.32.0, 0.34.0).
+    assert measured["vllm"]["0.34.0"]["LlamaForCausalLM"] == tensors.RESIDUAL
+    wrong["vllm"]["0.34.0"]["LlamaForCausalLM"] = "pre-residual output"
+    code, out, _ = _doctor(capsys, *argv[:-4], "--engine", "vllm", "--id-convention", "input",
+                           explain=False)
+    assert code == 1 and "captures the pre-residual output, not the residual stream; no id " \
+                         "fixes it: serve with vLLM 0.32.0" in out, out

@@ -712,6 +712,12 @@ MUTANTS = [
      "        if tensor is not None and tensor != RESIDUAL:",
      "        if False:",
      ["tests/test_doctor_items.py::test_a_line_measured_to_capture_another_tensor"]),
+    ("engine facts: the capture-only mode read on every release",
+     "eagle_capture/layer_ids/engine_facts.py",
+     '    return [v for v in releases("sglang") if load()["sglang"][v].get("capture_only")]',
+     '    return releases("sglang")',
+     ["tests/test_engine_facts.py::test_the_capture_only_mode_as_read",
+      "tests/test_doctor_items.py::test_capture_refusals"]),
 ]
 
 

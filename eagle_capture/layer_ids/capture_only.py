@@ -26,23 +26,35 @@ No draft config is read: the draft's own ids never reach SGLang in this mode.
 
 from typing import Optional, Sequence
 
+from eagle_capture.layer_ids import engine_facts
 from eagle_capture.layer_ids.lines import (NEWEST_READ, CapturePlanError, SGLangLine,
                                            parse_version)
 
-FIRST = (0, 5, 23)
 FLAG = "--enable-return-aux-hidden-states"
 IDS_FLAG = "--return-aux-hidden-state-layer-ids"
-# The 0.5.18+ loops (the packer; layer 0 the embedding), only from 0.5.23.
-LINE = SGLangLine(f"0.5.23 capture-only ({FLAG})", ("0.5.23",), FIRST, NEWEST_READ,
-                  shift_always=False, layer0="embedding", missing_capture="error")
+
+
+def line() -> SGLangLine:
+    """The releases read that have the mode (the engine facts' ``capture_only``, read in
+    each wheel's server arguments), as a line: the 0.5.18+ loops (the packer; layer 0 the
+    embedding)."""
+    have = engine_facts.capture_only_releases()
+    if not have:
+        raise CapturePlanError(f"no SGLang release read has {FLAG}")
+    first = parse_version(have[0])
+    return SGLangLine(f"{have[0]}{'+' if len(have) == 1 else ' - ' + have[-1]} capture-only "
+                      f"({FLAG})", tuple(have), first, NEWEST_READ, shift_always=False,
+                      layer0="embedding", missing_capture="error")
 
 
 def line_for(sglang_version: Optional[str]) -> SGLangLine:
     """The capture-only line, refused for a release without the mode."""
-    if sglang_version and parse_version(sglang_version) < FIRST:
+    mode = line()
+    if sglang_version and parse_version(sglang_version) < mode.first:
         raise CapturePlanError(f"SGLang {sglang_version} has no {FLAG} (the capture-only mode "
-                               f"came in 0.5.23): --capture return-aux needs 0.5.23 or later")
-    return LINE
+                               f"came in {mode.read_versions[0]}): --capture return-aux needs "
+                               f"{mode.read_versions[0]} or later")
+    return mode
 
 
 def refusal(ids: Optional[Sequence[int]], num_layers: int, pp: int = 1) -> Optional[str]:

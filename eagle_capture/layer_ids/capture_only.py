@@ -42,8 +42,8 @@ def line() -> SGLangLine:
     if not have:
         raise CapturePlanError(f"no SGLang release read has {FLAG}")
     first = parse_version(have[0])
-    return SGLangLine(f"{have[0]}{'+' if len(have) == 1 else ' - ' + have[-1]} capture-only "
-                      f"({FLAG})", tuple(have), first, NEWEST_READ, shift_always=False,
+    return SGLangLine(f"{have[0]}{'+' if len(have) == 1 else ' - ' + have[-1]} capture-only",
+                      tuple(have), first, NEWEST_READ, shift_always=False,
                       layer0="embedding", missing_capture="error")
 
 

@@ -502,8 +502,9 @@ def from_arguments(args: argparse.Namespace, architecture: str = "") -> Optional
     given = [args.tp, args.allreduce_fusion, args.gpu, args.pp, args.cuda_graph, args.dp,
              args.moe_a2a, args.moe_dense_tp_size]
     capture = CAPTURES[args.capture or "engine"][0]
+    # (the capture-only mode alone is no deployment: its line says what it captures)
     if all(v is None for v in given) and not args.dp_attention and not args.torch_compile \
-            and capture == "engine":
+            and capture != "eagle-capture":
         return None
     from eagle_capture.layer_ids.lines import CapturePlanError
     for name in ("tp", "pp", "dp"):

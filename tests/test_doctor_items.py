@@ -4,6 +4,7 @@ without aux states, formats an engine cannot load, verdict words and exit status
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -535,21 +536,118 @@ def test_a_deployment_that_runs_eagle_capture(capsys):
     """The seed's deployment: Kimi-K2.5 at TP 8 on SGLang 0.5.13 - 0.5.17 with the FlashInfer
     all-reduce fusion on (auto on Hopper), the right ids. SGLang's own capture holds per-rank
     partial sums there: PROBLEM, exit 1 -- unless the server runs eagle-capture's capture
-    (--eagle-capture: EAGLE_CAPTURE=1), which captures the reduced value: OK, exit 0. A problem
+    (--capture eagle-capture, or its alias --eagle-capture), which captures the reduced value:
+    OK, exit 0. Every line naming eagle-capture's capture says how it is switched on. A problem
     eagle-capture's capture shares (Kimi-K2.5 cannot capture on 0.5.9 at all) stays one."""
     base = ["--draft-config", os.path.join(PUBLISHED, "specforge_kimi_k25.config.json"),
             "--num-layers", 61, "--target-architecture", "KimiK25ForConditionalGeneration",
             "--id-convention", "input", "--engine", "sglang", "--tp", 8]
     code, out, _ = _doctor(capsys, *base, "--sglang-version", "0.5.13", explain=False)
     assert code == 1 and "PROBLEM: per-rank partial sums under the all-reduce fusion" in out
-    assert "or EAGLE_CAPTURE=1" in out
-    code, out, _ = _doctor(capsys, *base, "--sglang-version", "0.5.13", "--eagle-capture",
-                           explain=False)
-    assert code == 0 and "summary: SGLang: OK (exit 0)" in out, out
-    assert "OK with EAGLE_CAPTURE=1 (SGLang's own capture alone: per-rank partial sums" in out
+    assert "or eagle-capture's capture (EAGLE_CAPTURE=1)" in out
+    for how in (["--capture", "eagle-capture"], ["--eagle-capture"]):
+        code, out, _ = _doctor(capsys, *base, "--sglang-version", "0.5.13", *how, explain=False)
+        flat = " ".join(out.split())
+        assert code == 0 and "summary: SGLang: OK (exit 0)" in out, out
+        assert "OK with eagle-capture's capture (switched on by EAGLE_CAPTURE=1 in the " \
+               "server's environment, the package installed) (SGLang's own capture alone: " \
+               "per-rank partial sums" in flat, out
+        assert "with eagle-capture's capture switched on (EAGLE_CAPTURE=1 in the server's " \
+               "environment)" in flat, out
+        for explain in (False, True):
+            code, out, _ = _doctor(capsys, *base, "--sglang-version", "0.5.13", *how,
+                                   explain=explain)
+            named = re.findall(r"eagle-capture's (?:capture|vLLM plugin)(.{0,40})", out)
+            assert named and all(re.match(r" \(switched on by EAGLE_CAPTURE=1|: EAGLE_CAPTURE=1|"
+                                          r" \(EAGLE_CAPTURE=1| switched on \(EAGLE_CAPTURE=1",
+                                          after) for after in named), named
+            assert "drop-in" not in out
     code, out, _ = _doctor(capsys, *base, "--sglang-version", "0.5.9", "--eagle-capture",
                            explain=False)
     assert code == 1 and "CANNOT CAPTURE" in out and "has no set_eagle3_layers_to_capture" in out
+    # 0.5.9 - 0.5.12 have no plugin system: the words say the manual install there.
+    code, out, _ = _doctor(capsys, *base[:-2], "--sglang-version", "0.5.9", "--target-architecture",
+                           "DeepseekV3ForCausalLM", "--tp", 8, "--capture", "eagle-capture")
+    assert "calling eagle_capture's install_eagle3_capture in your launcher" in \
+        " ".join(out.split()), out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--capture", "vllm", "--engine", "sglang"], "--capture vllm is vllm's capture"),
+    (["--capture", "return-aux", "--engine", "vllm"], "--capture return-aux is sglang's"),
+    (["--capture", "nonsense"], "expected engine, sglang, vllm, eagle-capture or return-aux"),
+    (["--capture", "sglang", "--eagle-capture"], "not allowed with argument"),
+    (["--return-aux-hidden-state-layer-ids", "1", "2"], "pass --capture return-aux with it"),
+    (["--capture", "return-aux", "--sglang-version", "0.5.22"], "SGLang 0.5.22 has no "
+                                                                  "--enable-return-aux"),
+])
+def test_capture_refusals(capsys, argv, message):
+    try:
+        code, out, err = _doctor(capsys, "--draft-config",
+                                 os.path.join(PUBLISHED, "specforge_kimi_k25.config.json"),
+                                 "--num-layers", 61, *argv)
+    except SystemExit as e:     # argparse's own refusal: usage and one error line
+        code, err = e.code, capsys.readouterr().err
+    assert code == 2 and message.lower() in err.lower(), err
+    assert "Traceback" not in err
+
+
+def test_sglang_capture_only_mode(tmp_path, capsys):
+    """SGLang 0.5.23's --enable-return-aux-hidden-states (--capture return-aux): no draft is
+    loaded; the ids of --return-aux-hidden-state-layer-ids go through the target class's own
+    set_eagle3_layers_to_capture (absent: its defaults), judged against the layers the draft
+    config says it was trained on; SGLang's start-up refusals said as such; the fix is the
+    command-line ids, never a config to write."""
+    kimi = os.path.join(PUBLISHED, "specforge_kimi_k25.config.json")  # trained on [3, 31, 59]
+    base = ["--draft-config", kimi, "--num-layers", 61, "--id-convention", "output",
+            "--capture", "return-aux"]
+    deepseek = base + ["--target-architecture", "KimiK25ForConditionalGeneration"]
+    # DeepseekV2's rule (0.5.23: +1 only when ids[0] == 1): 3 31 59 captures [3, 31, 59].
+    code, out, _ = _doctor(capsys, *deepseek, "--return-aux-hidden-state-layer-ids", 3, 31, 59,
+                           explain=False)
+    assert code == 0 and "summary: SGLang: OK (exit 0)" in out, out
+    assert "captures [3, 31, 59]: OK" in out and "vLLM" not in out
+    assert "reads --return-aux-hidden-state-layer-ids from its command line: [3, 31, 59], " \
+           "never the draft config" in " ".join(out.split())
+    # The draft's own ids [2, 30, 58] passed as is: one layer early; the fix is the flag.
+    code, out, _ = _doctor(capsys, *deepseek, "--return-aux-hidden-state-layer-ids", 2, 30, 58,
+                           explain=False)
+    assert code == 1 and "captures [2, 30, 58]: PROBLEM -> --return-aux-hidden-state-layer-ids " \
+                         "3 31 59" in " ".join(out.split()), out
+    # Absent: the model's defaults [2, 30, 58].
+    code, out, _ = _doctor(capsys, *deepseek, explain=False)
+    assert code == 1 and "absent (the model's defaults)" in out and "captures [2, 30, 58]" in out
+    # Llama's rule (+1 to every id): 2 30 58 captures [3, 31, 59].
+    llama = base + ["--target-architecture", "LlamaForCausalLM"]
+    code, out, _ = _doctor(capsys, *llama, "--return-aux-hidden-state-layer-ids", 2, 30, 58,
+                           explain=False)
+    assert code == 0 and "captures [3, 31, 59]: OK" in out, out
+    # SGLang's refusals: repeat, negative, >= the layer count, PP > 1.
+    for ids, said in (([2, 2, 58], "must not repeat a layer, got [2, 2, 58]"),
+                      ([-1, 30, 58], "must be non-negative"),
+                      ([2, 30, 61], "[61] out of range for a target with 61 layers")):
+        code, out, _ = _doctor(capsys, *llama, "--return-aux-hidden-state-layer-ids", *ids,
+                               explain=False)
+        flat = " ".join(out.split())
+        assert code == 1 and f"PROBLEM (SGLang refuses to start: " \
+                             f"--return-aux-hidden-state-layer-ids {said}" in flat, out
+        assert "-> --return-aux-hidden-state-layer-ids 2 30 58" in flat, out
+    code, out, _ = _doctor(capsys, *llama, "--return-aux-hidden-state-layer-ids", 2, 30, 58,
+                           "--pp", 2, explain=False)
+    assert code == 1 and "only supports pp_size == 1" in out, out
+    # A target class without the method cannot capture in this mode either.
+    code, out, _ = _doctor(capsys, *base, "--target-architecture", "BaichuanForCausalLM",
+                           explain=False)
+    assert code == 1 and "summary: SGLang: CANNOT CAPTURE (exit 1)" in out, out
+    # No config to write: the ids are SGLang's command line.
+    code, _, err = _doctor(capsys, *llama, "--write-config", tmp_path / "x.json")
+    assert code == 2 and "reads its ids from SGLang's command line" in err
+    # --json says how the server captures.
+    code, out, _ = _doctor(capsys, *llama, "--return-aux-hidden-state-layer-ids", 2, 30, 58,
+                           "--json")
+    answer = json.loads(out)
+    assert answer["capture"] == "return-aux" and list(answer["engines"]) == ["sglang"]
+    assert answer["engines"]["sglang"]["readings"][0]["lines"][0]["capture_layers"] == [3, 31, 59]
 
 
 def test_a_draft_class_no_engine_registers_cannot_load(tmp_path, capsys):
@@ -608,3 +706,42 @@ def test_a_loop_that_captures_the_final_boundary(tmp_path, capsys):
     code, out, _ = _doctor(capsys, *base, "--target-architecture", "LlamaForCausalLM",
                            explain=False)
     assert code == 1 and "captures [2, 13, 26]: PROBLEM (FAILS at the first forward" in out, out
+
+
+def test_a_line_measured_to_capture_another_tensor(tmp_path, capsys, monkeypatch):
+    """Right ids, wrong tensor: a line whose capture was measured (its model code on CPU
+    against transformers' hidden_states, data/capture_tensors.json) to hold another tensor
+    than the residual stream is a PROBLEM that names the tensor and says no id fixes it;
+    --write-config refuses. Every line measured so far captures the residual stream."""
+    from eagle_capture.layer_ids import tensors
+
+    path = _specforge(tmp_path, [1, 23, 44])
+    argv = ["--draft-config", path, "--num-layers", 48, "--target-architecture",
+            "LlamaForCausalLM", "--engine", "sglang", "--id-convention", "output"]
+    measured = tensors.load()
+    assert measured["sglang"]["0.5.23"]["LlamaForCausalLM"] == tensors.RESIDUAL
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.23", explain=False)
+    assert code == 0 and "WRONG TENSOR" not in out, out
+    wrong = json.loads(json.dumps(measured))
+    wrong["sglang"]["0.5.23"]["LlamaForCausalLM"] = "normed input"
+    monkeypatch.setattr(tensors, "load", lambda path=tensors.DATA: wrong)
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.23", explain=False)
+    assert code == 1 and "captures [2, 24, 45]: PROBLEM (captures the normed input, not the " \
+                         "residual stream; no id fixes it: serve with SGLang 0.5.9, 0.5.13, " \
+                         "0.5.18, 0.5.20, 0.5.22 (measured" in out, out
+    assert "write [" not in out
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.23")
+    assert "WRONG TENSOR: SGLang 0.5.23: the normed input" in out, out
+    # Without --sglang-version only the line holding 0.5.23 says it.
+    code, out, _ = _doctor(capsys, *argv, explain=False)
+    assert code == 1 and out.count("captures the normed input") == 1, out
+    code, _, err = _doctor(capsys, *argv, "--sglang-version", "0.5.23", "--write-config",
+                           tmp_path / "x.json")
+    assert code == 2 and "the problem above is not in the ids" in err, err
+    # vLLM's lines the same way (its measured releases: 0.32.0, 0.34.0).
+    assert measured["vllm"]["0.34.0"]["LlamaForCausalLM"] == tensors.RESIDUAL
+    wrong["vllm"]["0.34.0"]["LlamaForCausalLM"] = "pre-residual output"
+    code, out, _ = _doctor(capsys, *argv[:-4], "--engine", "vllm", "--id-convention", "input",
+                           explain=False)
+    assert code == 1 and "captures the pre-residual output, not the residual stream; no id " \
+                         "fixes it: serve with vLLM 0.32.0" in out, out

@@ -193,3 +193,17 @@ def test_the_final_boundary_is_read_from_each_loop():
                            ("if i in self.layers_to_capture", False),
                            ("x.num_layers in self.layers_to_capture", False)]:
         assert bool(FINAL_BOUNDARY.search(text)) is captured, text
+
+
+def test_the_capture_only_mode_as_read():
+    """SGLang's --enable-return-aux-hidden-states (a server-argument field, read in each
+    wheel): 0.5.23 only among the releases read; the doctor's capture-only line is built
+    from it (older versions refused)."""
+    from eagle_capture.layer_ids import capture_only
+    from eagle_capture.layer_ids.lines import CapturePlanError
+
+    assert engine_facts.capture_only_releases() == ["0.5.23"]
+    assert capture_only.line_for(None).first == (0, 5, 23)
+    assert capture_only.line_for("0.5.24").read_versions == ("0.5.23",)
+    with pytest.raises(CapturePlanError, match="came in 0.5.23"):
+        capture_only.line_for("0.5.22")

@@ -1,6 +1,8 @@
 """The doctor on real published EAGLE-3 draft configs (tests/data/published_configs:
 each file verbatim from its trainer's repository, with a sidecar naming the source
-commit and the ground truth read in the trainer's and engines' code). Verdict per
+commit and the ground truth read in the trainer's and engines' code; one or more per cause:
+a target class that cannot capture on a line, a draft class no engine registers, the final
+boundary, a class that delegates its capture, Kimi MLA drafts). Verdict per
 engine, exit status and fix must be right on every one, and the plugins' start-up
 check (eagle_capture.layer_ids.startup) must give the same answer as the doctor."""
 
@@ -34,7 +36,7 @@ def _json(capsys, path, case, *extra):
 
 
 def test_every_config_has_its_sidecar():
-    assert len(NAMES) >= 10
+    assert len(NAMES) >= 18
     for name in NAMES:
         _, case = _case(name)
         assert case["source"]["repo"] and len(case["source"]["commit"]) == 40, name

@@ -131,6 +131,33 @@ def test_family_capture_compiled(version, scenario, engine_jobs):
     test_sglang_real(version, f"family_{scenario}", engine_jobs)
 
 
+# Which tensor SGLang's own capture holds, against transformers' hidden_states for the same
+# weights (tests/sglang_real/hf_tensor.py), per family and line.
+HF_TENSOR_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "glm4_moe",
+                      "deepseek_v2", "deepseek_v3", "kimi_k25")
+
+
+@pytest.mark.parametrize("family", HF_TENSOR_FAMILIES)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_capture_holds_the_residual_stream(version, family, engine_jobs):
+    """SGLang's capture of each family on each line holds transformers' hidden_states[k]
+    (the residual stream the draft was trained on), not the normed input nor the
+    pre-residual output; the doctor's data (layer_ids/data/capture_tensors.json) records
+    exactly what was measured."""
+    from eagle_capture.layer_ids import engine_facts, tensors
+
+    results = engine_jobs.result(f"sglang {version} scenarios")
+    result = results.get(f"family_hf_tensor_{family}")
+    assert result is not None and result["ok"], result
+    arch = result["architecture"]
+    if result["tensor"] is None:      # no method on this line: the engine facts say so
+        assert engine_facts.target("sglang", version, arch)["capture"] is False
+        assert tensors.measured("sglang", version, arch) is None
+        return
+    assert result["tensor"] == tensors.RESIDUAL, result
+    assert tensors.measured("sglang", version, arch) == result["tensor"]
+
+
 def test_gpu_scenarios_dry_run(engine_jobs):
     """The H200 script's scenarios (tests/sglang_real/gpu_scenarios.py, run on the GPU by
     scripts/gpu_sglang_real.sh) kept runnable: the same checks on CPU at H = 64 through

@@ -34,6 +34,7 @@ import forkserver
 from engine_env import BASE_ENV, vllm_needs, vllm_overlay, vllm_server
 from engine_jobs import Job, once
 from tests.vllm_real.family_scenarios import COMPILED, EAGER, IDS, TP2
+from tests.vllm_real.hf_tensor import FAMILIES as HF_TENSOR_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -240,6 +241,7 @@ RUN_OF = {"test_tensor_parallel_2_on_gloo": "vllm tp2",
           "test_family_capture_bit_exact_with_vllm": "vllm families",
           "test_family_compiled_as_the_op": "vllm families",
           "test_family_pipeline_rules": "vllm families",
+          "test_capture_holds_the_residual_stream": "vllm families",
           "test_vllm_engine_with_eagle3_draft": "vllm engine",
           "test_plugin_off_and_filtered": "vllm plugin off",
           "test_acceptance_in_vllms_engine": ("vllm engine", "vllm acceptance off"),
@@ -480,6 +482,20 @@ def _family_case_ok(case, ids):
 
 def _family_result(engine_jobs, version: str, name: str):
     return _result(_line_results(engine_jobs, "vllm families", version), name)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("family", HF_TENSOR_FAMILIES)
+def test_capture_holds_the_residual_stream(engine_jobs, family, version):
+    """vLLM's own capture of each family on each line holds transformers'
+    hidden_states[k] (the residual stream the draft was trained on), not the normed
+    input nor the pre-residual output (tests/vllm_real/hf_tensor.py); the doctor's data
+    (layer_ids/data/capture_tensors.json) records exactly what was measured."""
+    from eagle_capture.layer_ids import tensors
+
+    r = _family_result(engine_jobs, version, f"family_hf_tensor_{family}")
+    assert r["tensor"] == tensors.RESIDUAL, r
+    assert tensors.measured("vllm", version, r["architecture"]) == r["tensor"]
 
 
 @pytest.mark.parametrize("version", VERSIONS)

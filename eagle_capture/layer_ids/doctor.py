@@ -18,7 +18,12 @@ captured, each slot in both conventions, what the draft expects there, a
 verdict, and for a PROBLEM the ids that fix it there; then what the deployment
 (``--tp``, ``--allreduce-fusion``, ``--dp-attention``, ``--pp``, ``--cuda-graph``,
 ``--torch-compile``) does to the captured rows, each verdict naming the code it
-rests on and the test that runs that wheel.
+rests on and the test that runs that wheel. ``--capture`` says how the server
+captures: the engine's own capture (default), eagle-capture's (``EAGLE_CAPTURE=1``:
+the engine-capture problems it does not have decide nothing), or SGLang 0.5.23's
+capture-only mode (:mod:`.capture_only`: the ids of its command line, judged against
+the layers the draft config was trained on). A line measured to capture another
+tensor than the residual stream (:mod:`.tensors`) is a PROBLEM no id fixes.
 
 Where the trainer's markers cannot decide how the ids were meant (Model
 Optimizer's two dumps, TorchSpec's ``--vllm`` conversion, an unrecognised config
@@ -55,7 +60,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from eagle_capture.layer_ids import deployment
+from eagle_capture.layer_ids import capture_only, deployment, tensors
 from eagle_capture.layer_ids.deployment import WIDTH, wrap as _wrap
 from eagle_capture.layer_ids.lines import (SGLANG_LINES, VLLM_LINE, CapturePlanError, DraftIds,
                                            IDS_KEY, check_id_range, draft_architectures,
@@ -219,6 +224,7 @@ class Diagnosis:
     accepted: bool = False            # --accept-defaults
     deployment_ok: bool = True        # no PROBLEM row in the deployment's report
     deployment_brief: list = field(default_factory=list)  # its PROBLEM rows, one line each
+    capture: str = "engine"           # how the server captures (deployment.CAPTURES)
 
     @property
     def unknown(self) -> bool:
@@ -306,7 +312,8 @@ class Diagnosis:
         if v.ok:
             return status
         if v.brief:
-            remedy = f" -> {v.fix}" if v.status == "CANNOT CAPTURE" else ""
+            remedy = f" -> {v.fix}" if v.status == "CANNOT CAPTURE" or (
+                self.capture == "return-aux" and v.fix_ids) else ""
             return f"{status} ({v.brief}){remedy}"
         problems = [t for t in v.lines if not t.endswith((": matches", "(no ids)"))]
         why = problems[0] if problems else ""
@@ -314,11 +321,17 @@ class Diagnosis:
             why = ""                       # wrong slots: the ids to write say it all
         elif len(why) > 90:
             why = why[:why.find(":", 20) if ":" in why[20:] else 90].rstrip(" ,;")
-        fix = f" -> write {v.fix_ids}" if v.fix_ids else ""
+        fix = "" if not v.fix_ids else (f" -> {v.fix}" if self.capture == "return-aux"
+                                         else f" -> write {v.fix_ids}")
         return f"{status}{f' ({why})' if why else ''}{fix}"
 
     def _reads(self) -> str:
         target = f"target: {self.num_layers} layers"
+        if self.capture == "return-aux":
+            given = "absent (the model's defaults)" if self.ids is None else str(self.ids)
+            return (f"SGLang's capture-only mode ({capture_only.FLAG}) reads "
+                    f"{capture_only.IDS_FLAG} from its command line: {given}, never the draft "
+                    f"config; {target}")
         if self.engine == "vllm":
             lines = self.verdicts
             if len(lines) == 1:
@@ -374,6 +387,14 @@ class Diagnosis:
         said = ("accepted (--accept-defaults): the draft is taken to be trained on these"
                 if self.unknown and self.accepted else
                 "every line shown feeds the draft what it was trained on")
+        if self.capture == "eagle-capture":
+            manual = any(v.line.engine == "SGLang" and v.line.first < (0, 5, 13)
+                         for v in self.verdicts)
+            said += (" with eagle-capture's capture switched on (EAGLE_CAPTURE=1 in the "
+                     "server's environment" + ("; SGLang 0.5.9 - 0.5.12: install_eagle3_capture "
+                                               "called in your launcher)" if manual else ")"))
+        elif self.capture == "return-aux":
+            said += f" in SGLang's capture-only mode ({capture_only.FLAG})"
         if any(not v.ok and not v.decides for _, vs in self.by_reading for v in vs):
             said = ("vLLM's default runner (V2) feeds the draft what it was trained on; the V1 "
                     "runner of 0.32 - 0.33 would not (above): pass --vllm-runner v1 if you serve "
@@ -401,7 +422,7 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
              deploy: Optional["deployment.Deployment"] = None, engine: str = "sglang",
              convention: str = "output", architecture: str = "",
              provenance: Optional[Provenance] = None,
-             vllm_runner: Optional[str] = None) -> Diagnosis:
+             vllm_runner: Optional[str] = None, capture: str = "engine") -> Diagnosis:
     """Diagnose a draft against every SGLang line (or only the one
     ``sglang_version`` belongs to), or ``engine="vllm"``: vLLM's runners.
     ``ids``: what the engine reads (None: absent); ``draft`` (from
@@ -411,7 +432,9 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     layer X, SpecForge's; "input": id X = the input of layer X; "auto": from the
     trainer's markers, :mod:`eagle_capture.layer_ids.trainers`); ``provenance``
     overrides the reading; ``architecture``: the target's (its model class's own
-    id rule, :mod:`eagle_capture.layer_ids.rules`; empty: DeepseekV2's, said)."""
+    id rule, :mod:`eagle_capture.layer_ids.rules`; empty: DeepseekV2's, said);
+    ``capture``: "return-aux" for SGLang's capture-only mode (:mod:`.capture_only`),
+    ``ids`` then its command line's ids, the draft's layers still its config's."""
     if engine not in ("sglang", "vllm"):
         raise CapturePlanError(f"engine must be sglang or vllm, got {engine!r}")
     if convention not in CONVENTIONS:
@@ -431,13 +454,20 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
         if vllm_runner:   # the runner the user serves with: only that one
             lines = [line for line in lines if line.runner in (vllm_runner.upper(), "V1 and V2")]
     else:
-        lines = [line_of(sglang_version)] if sglang_version else list(SGLANG_LINES)
+        if capture == "return-aux":
+            lines = [capture_only.line_for(sglang_version)]
+        else:
+            lines = [line_of(sglang_version)] if sglang_version else list(SGLANG_LINES)
         lines, model_notes = model_lines(lines, architecture, sglang_version)
         notes += model_notes
         assumed = not architecture or any("ASSUMES" in n for n in model_notes)
     if engine == "sglang" and sglang_version and assumed_note(sglang_version):
         notes.append(assumed_note(sglang_version))
         assumed = True
+    aux_only = capture == "return-aux"
+    if aux_only and engine != "sglang":
+        raise CapturePlanError(f"--capture return-aux is SGLang's capture-only mode "
+                               f"({capture_only.FLAG}, 0.5.23 on): vLLM has none")
     line_ids = [(line.read_ids(draft) if engine == "vllm" and draft is not None else ids)
                 for line in lines]
     if provenance is None:
@@ -459,10 +489,16 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     if unsorted:
         config_problems.append(unsorted)
     # Per line (SGLang's registry grew); every line: no id notes either.
-    cannot_on = [cannot_load(engine, draft, line) for line in lines]
+    # (the capture-only mode loads no draft)
+    cannot_on = [None if aux_only else cannot_load(engine, draft, line) for line in lines]
     cannot = cannot_on[0] if all(cannot_on) else None
     if cannot:
         pass    # no note on ids for a file this engine cannot load
+    elif aux_only:
+        notes.append(f"SGLang's capture-only mode loads no draft and reads no draft config: it "
+                     f"hands {capture_only.IDS_FLAG} (absent: None, the model's defaults) to the "
+                     f"target's set_eagle3_layers_to_capture, the rule a draft's ids get; the "
+                     f"draft config says only which layers the draft was trained on")
     elif engine == "vllm":
         notes += _vllm_notes(draft, ids, provenance)
     elif draft is not None and draft.nested is None and draft.top_level is not None:
@@ -476,17 +512,23 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     elif draft is not None and draft.top_level is not None and draft.top_level != draft.nested:
         notes.append(f"{draft.source} also names ids {draft.top_level} at its top level: the "
                      f"target reads only eagle_config's {draft.nested}; remove the other")
-    no_aux = draft is not None and not draft.use_aux   # the ids are then never read
+    # (the ids are then never read; the capture-only mode reads no draft config)
+    no_aux = draft is not None and not draft.use_aux and not aux_only
     unknown = all(r.expected is None for r in provenance.readings)
     if unknown and all(i is None for i in line_ids) and not (no_aux or cannot):
         defaults = default_capture_layers(num_layers)
         notes.append(
+            f"neither {capture_only.IDS_FLAG} nor the draft config names ids: "
+            if aux_only else
             f"the draft config names no eagle_aux_hidden_state_layer_ids: "
             f"{lines[0].engine} captures its "
             f"defaults {defaults} (outputs of layers {[i - 1 for i in defaults]}, SpecForge's "
             f"default too). A draft trained on other layers then fails silently (field report, "
-            f"vLLM issue 50170: acceptance 1.2% instead of 58.9%). Write the ids the draft was "
-            f"trained on into its config" + ("" if accept_defaults else
+            f"vLLM issue 50170: acceptance 1.2% instead of 58.9%). "
+            + (f"Pass {capture_only.IDS_FLAG} for the layers the draft was trained on, and write "
+               f"them into its config" if aux_only else
+               "Write the ids the draft was trained on into its config")
+            + ("" if accept_defaults else
                                              ", or pass --accept-defaults if they are these"))
         ok = accept_defaults
     elif trained is not None and any(i < 0 for i in trained) and any(
@@ -531,6 +573,18 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     if any(capture_on):
         by_reading = [(reading, [_cannot_capture(v, c) for v, c in zip(vs, capture_on)])
                       for reading, vs in by_reading]
+    # A line measured to capture another tensor than the residual stream: no id fixes it.
+    if architecture and not no_aux:
+        for line in lines:
+            text = wrong_tensor(engine, line, architecture, sglang_version)
+            if text is None:
+                continue
+            for _, vs in by_reading:
+                for v in vs:
+                    if v.line is line and v.status != "CANNOT CAPTURE":
+                        v.ok, v.fix, v.fix_ids = False, text[1], None
+                        v.lines.insert(0, text[0])
+                        v.brief = text[2]
     for _, vs in by_reading:
         for v in vs:
             if config_problems and v.status != "CANNOT CAPTURE":
@@ -539,6 +593,8 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
             # vLLM's V1 runner when V2 (its default) is also shown: reported, not decisive
             v.decides = not (engine == "vllm" and not vllm_runner and len(lines) > 1
                              and v.line.runner == "V1")
+            if aux_only and v.status != "CANNOT CAPTURE":
+                _capture_only_verdict(v, ids, num_layers, deploy)
     verdicts = by_reading[0][1]
     ok = ok and all(v.ok for _, vs in by_reading for v in vs if v.decides)
     deploy_lines: list[str] = []
@@ -564,7 +620,48 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
                      engine=engine, convention=provenance.readings[0].convention,
                      provenance=provenance, by_reading=by_reading, assumed=assumed,
                      accepted=accept_defaults, deployment_ok=deploy_ok,
-                     deployment_brief=deploy_brief)
+                     deployment_brief=deploy_brief, capture=capture)
+
+
+def wrong_tensor(engine: str, line, architecture: str,
+                 sglang_version: Optional[str] = None) -> Optional[tuple[str, str, str]]:
+    """(the problem, the remedy, a few words) when ``line``'s capture for ``architecture``
+    was measured to hold another tensor than the residual stream (:mod:`.tensors`)."""
+    releases = (_vllm_releases(line) if engine == "vllm"
+                else _sglang_releases(line, sglang_version))
+    bad = tensors.wrong(engine, releases, architecture)
+    if not bad:
+        return None
+    name = "vLLM" if engine == "vllm" else "SGLang"
+    held = "; ".join(f"{name} {r}: the {t}" for r, t in bad)
+    right = [r for r in tensors.right_releases(engine, architecture)]
+    remedy = ("no id fixes it: serve with " + (f"{name} {', '.join(right)} (measured to capture "
+                                                f"the residual stream)" if right else
+                                                "another engine line")
+              + ", or with eagle-capture's capture (EAGLE_CAPTURE=1), which stores the residual "
+                "stream itself")
+    text = (f"WRONG TENSOR: {held} -- what this line's capture holds for {architecture}, "
+            f"measured against transformers' hidden_states for the same weights; the draft "
+            f"was trained on the residual stream entering each layer. The ids are not the "
+            f"problem: {remedy}")
+    return text, remedy, f"captures the {bad[0][1]}, not the residual stream; {remedy}"
+
+
+def _capture_only_verdict(v: LineVerdict, ids, num_layers: int, deploy) -> None:
+    """``v`` for SGLang's capture-only mode: its start-up refusals, and the fix as the
+    command-line ids it accepts."""
+    if v.fix_ids is not None and not capture_only.usable(v.fix_ids, num_layers):
+        v.fix_ids = None
+    if v.fix_ids is not None:
+        v.fix = capture_only.flag(v.fix_ids)
+    elif v.fix is not None:
+        v.fix = "no ids make this mode capture those layers"
+    refused = capture_only.refusal(ids, num_layers, deploy.pp if deploy is not None else 1)
+    if refused:
+        v.ok = False
+        v.lines = [f"SGLang refuses to start: \"{refused}\" (arg_groups/validation_hook.py, "
+                   f"spec_aux_hidden_state.py)"]
+        v.brief = f"SGLang refuses to start: {refused}"
 
 
 def _cannot_capture(v: LineVerdict, cannot: Optional["CannotCapture"]) -> LineVerdict:
@@ -841,9 +938,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target's architecture (e.g. LlamaForCausalLM), when it is given "
                         "by --num-layers: its model's own id rule applies (default: from "
                         "--target-config; none: DeepseekV2's, said in a note)")
-    p.add_argument("--engine", type=_engines, default=("sglang", "vllm"),
+    p.add_argument("--engine", type=_engines, default=None,
                    help="the serving engines to answer for: sglang, vllm or sglang,vllm "
-                        "(default: both)")
+                        "(default: both, or the one --capture names)")
     p.add_argument("--id-convention", choices=CONVENTIONS, default="auto",
                    help="how the draft's ids name layers: auto (from the trainer's markers in "
                         "the config; default), output (id X = the output of layer X, as "
@@ -890,7 +987,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise CapturePlanError(f"--target-architecture {args.target_architecture} "
                                        f"contradicts the target config's {architecture}")
             architecture = args.target_architecture
-        engines = args.engine
+        capture, named = deployment.CAPTURES[args.capture or "engine"]
+        engines = args.engine or ((named,) if named else ("sglang", "vllm"))
+        if named and engines != (named,):
+            raise CapturePlanError(f"--capture {args.capture} is {named}'s capture: it does not "
+                                   f"apply to --engine {','.join(engines)}")
+        if args.return_aux_ids is not None and capture != "return-aux":
+            raise CapturePlanError("--return-aux-hidden-state-layer-ids is the capture-only "
+                                   "mode's: pass --capture return-aux with it")
+        if capture == "return-aux" and args.write_config:
+            raise CapturePlanError(f"--write-config: the capture-only mode reads its ids from "
+                                   f"SGLang's command line ({capture_only.IDS_FLAG}), not the "
+                                   f"draft config: pass the ids the answer names there")
         if args.sglang_version and "sglang" not in engines:
             raise CapturePlanError("--sglang-version does not apply to --engine vllm")
         if args.vllm_runner and "vllm" not in engines:
@@ -901,14 +1009,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_id_range(draft, num_layers)
         provenance = recognise(draft, num_layers, architecture, args.id_convention)
         diagnoses = [
-            diagnose(VLLMLine().read_ids(draft) if engine == "vllm" else draft.read_by_target,
+            diagnose(VLLMLine().read_ids(draft) if engine == "vllm" else
+                     args.return_aux_ids if capture == "return-aux" else draft.read_by_target,
                      num_layers, sglang_version=args.sglang_version,
                      accept_defaults=args.accept_defaults,
                      allow_embedding=args.allow_embedding, draft=draft,
                      deploy=deployment.from_arguments(args, architecture),
                      engine=engine, convention=args.id_convention,
                      architecture=architecture, provenance=provenance,
-                     vllm_runner=args.vllm_runner if engine == "vllm" else None)
+                     vllm_runner=args.vllm_runner if engine == "vllm" else None,
+                     capture=capture)
             for engine in engines]
         code = 0 if all(d.exit_ok for d in diagnoses) else 1
         written = write_config(draft, diagnoses[0], args.write_config) \
@@ -1019,6 +1129,7 @@ def as_json(draft: DraftIds, provenance: Provenance, diagnoses: list, code: int,
 
     return {
         "exit": code, "draft": draft.source,
+        "capture": diagnoses[0].capture if diagnoses else "engine",
         "trainer": provenance.trainer or None, "ids": provenance.ids,
         "readings": [{"label": r.label, "why": r.why,
                       "trained_capture_layers": None if r.expected is None else list(r.expected)}

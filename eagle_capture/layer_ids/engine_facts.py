@@ -11,7 +11,9 @@
   delegation it goes through (``via``);
 * ``eagle3_drafts``: the EAGLE-3 draft architectures it registers -> their class
   (vLLM also lists ``speculative``: every architecture of its speculative-decoding
-  table).
+  table);
+* SGLang's ``capture_only``: whether the release has the capture-only mode
+  (``--enable-return-aux-hidden-states``, a server-argument field).
 
 Regenerate after a new engine release (and review the diff)::
 
@@ -91,6 +93,12 @@ def eagle3_drafts() -> frozenset:
                      for a in r["eagle3_drafts"])
 
 
+def capture_only_releases() -> list[str]:
+    """The SGLang releases read that have the capture-only mode
+    (``--enable-return-aux-hidden-states``)."""
+    return [v for v in releases("sglang") if load()["sglang"][v].get("capture_only")]
+
+
 def capturing_releases(architecture: str) -> dict[str, list[str]]:
     """Per engine, the releases read whose class for ``architecture`` can capture."""
     return {engine: [v for v in releases(engine)
@@ -138,6 +146,8 @@ def dumps(facts: dict) -> str:
             lines.append(f"      \"eagle3_drafts\": {json.dumps(rel['eagle3_drafts'])},")
             if "speculative" in rel:
                 lines.append(f"      \"speculative\": {json.dumps(rel['speculative'])},")
+            if "capture_only" in rel:
+                lines.append(f"      \"capture_only\": {json.dumps(rel['capture_only'])},")
             lines.append("      \"targets\": {")
             targets = list(rel["targets"].items())
             for ti, (arch, fact) in enumerate(targets):
@@ -161,6 +171,9 @@ def drift(generated: dict, committed: dict) -> list[str]:
                 missing = "not generated" if g is None else "not committed"
                 out.append(f"{engine} {version}: {missing}")
                 continue
+            if g.get("capture_only") != c.get("capture_only"):
+                out.append(f"{engine} {version} capture_only: {c.get('capture_only')} -> "
+                           f"{g.get('capture_only')}")
             if g["eagle3_drafts"] != c["eagle3_drafts"] or g.get("speculative") != \
                     c.get("speculative"):
                 out.append(f"{engine} {version} eagle3_drafts: {c['eagle3_drafts']} -> "

@@ -539,6 +539,24 @@ def is_sglang_eagle3_draft(ref: ClassRef) -> bool:
     return ref.module.rsplit(".", 1)[-1].endswith("eagle3") or "Eagle3" in ref.name
 
 
+# SGLang's capture-only mode: a server-argument field (0.5.23: arg_groups/fields/exec_.py
+# ``enable_return_aux_hidden_states: A[bool, ...] = False``; earlier lines' server_args.py
+# dataclass would declare it the same way).
+CAPTURE_ONLY_FIELD = re.compile(r"^\s+enable_return_aux_hidden_states\s*:", re.M)
+
+
+def sglang_capture_only(wheel: str) -> bool:
+    """Whether the release has the capture-only mode (--enable-return-aux-hidden-states)."""
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if name.endswith(".py") and (name.startswith("sglang/srt/arg_groups/")
+                                         or name == "sglang/srt/server_args.py"):
+                text = z.read(name).decode("utf-8", errors="replace")
+                if CAPTURE_ONLY_FIELD.search(text):
+                    return True
+    return False
+
+
 def read_sglang(wheel: str) -> dict:
     src = Source(wheel, ("sglang/srt/models/",))
     registry = sglang_registry(src)
@@ -549,7 +567,8 @@ def read_sglang(wheel: str) -> dict:
             continue
         targets[arch] = sglang_fact(src, arch, ref).as_dict()
     return {"wheel": wheel.rsplit("/", 1)[-1], "eagle3_drafts": drafts,
-            "registered": len(registry), "targets": targets}
+            "registered": len(registry), "capture_only": sglang_capture_only(wheel),
+            "targets": targets}
 
 
 # ----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import traceback
 
 import torch
 
-from tests.sglang_real import family_models, harness
+from tests.sglang_real import family_models, harness, hf_tensor
 from tests.sglang_real.scenarios import _run, compiled_same_as_sglang
 
 NUM_LAYERS = 7
@@ -197,6 +197,11 @@ for _family in FAMILIES:
     SCENARIOS[f"{_family}_bf16_f"] = lambda f=_family: same_as_sglang(f, "bfloat16", "f")
     if _family in COMPILED:
         SCENARIOS[f"{_family}_compiled"] = lambda f=_family: compiled(f)
+
+
+# Which tensor SGLang's capture holds, against transformers' hidden_states (hf_tensor.py).
+for _family in hf_tensor.FAMILIES:
+    SCENARIOS[f"hf_tensor_{_family}"] = lambda f=_family: hf_tensor.scenario(f)
 
 
 def main() -> None:

@@ -26,8 +26,9 @@ TP2 = ("llama", "qwen3_moe")
 
 def scenario_names() -> list[str]:
     """scenarios.py's names of these (the tp2 ones run under --rank)."""
+    from tests.vllm_real import hf_tensor
     return ([f"family_{f}" for f in EAGER] + [f"family_compiled_{f}" for f in COMPILED]
-            + ["family_pipeline"])
+            + ["family_pipeline"] + [f"family_hf_tensor_{f}" for f in hf_tensor.FAMILIES])
 
 
 def _folder(work: str, family: str, dtype: str = "float32") -> str:

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import vllm  # noqa: E402,F401 - its logging set-up first (it disables earlier loggers)
 
 from tests.vllm_real import family_scenarios as fs  # noqa: E402
+from tests.vllm_real import hf_tensor  # noqa: E402
 from tests.vllm_real import harness as h  # noqa: E402
 
 WORK = tempfile.mkdtemp(prefix="vllm_real_")
@@ -739,6 +740,8 @@ FAMILY_SCENARIOS = {
     **{f"family_{f}": _family(fs.eager, f, WORK, LOG.lines) for f in fs.EAGER},
     **{f"family_compiled_{f}": _family(fs.compiled, f, WORK) for f in fs.COMPILED},
     "family_pipeline": _family(fs.pipeline, WORK),
+    # Which tensor vLLM's own capture holds, against transformers (hf_tensor.py).
+    **{f"family_hf_tensor_{f}": _family(hf_tensor.scenario, f, WORK) for f in hf_tensor.FAMILIES},
 }
 assert list(FAMILY_SCENARIOS) == fs.scenario_names()
 SCENARIOS.update(FAMILY_SCENARIOS)

@@ -229,8 +229,8 @@ def _merge(records: list[dict]) -> dict:
 
 def collect(directory: str, tp: int, tokens: Sequence[int], hidden_size: int,
             consumed: dict, timeout: float = RECORD_WAIT_S):
-    """The ranks' captures of the prompt ``tokens``, checked: (rank 0's answer, the
-    largest relative difference between ranks). Raises :class:`EngineError` for a
+    """The ranks' captures of the prompt ``tokens``, checked: (every rank's answer, rank
+    0's first, the largest relative difference between ranks). Raises :class:`EngineError` for a
     capture the probe does not score (missing rows, a shard, partial sums)."""
     answers = read_answers(directory, tp, tokens, consumed, timeout)
     for a in answers:
@@ -244,7 +244,7 @@ def collect(directory: str, tp: int, tokens: Sequence[int], hidden_size: int,
                 f"stream there) never ran -- a norm called through a fused path, not as a "
                 f"module; the probe does not score it")
     worst = check_ranks(answers, hidden_size, n)
-    return answers[0], worst
+    return answers, worst
 
 
 def _side_channel() -> str:
@@ -255,14 +255,15 @@ def _side_channel() -> str:
 class SglangTarget:
     """The target in SGLang's engine: :meth:`run` gives, for one prompt, the states at
     the capture layers ``keep`` ({c: [1, T, H]}), the greedy next token at each
-    position [1, T] and the tokens' embeddings [1, T, H] (rank 0's)."""
+    position [1, T] and the tokens' embeddings [1, T, H] (rank 0's). ``extra_hooks``:
+    more ``forward_hooks`` specs, registered after the probe's."""
 
     engine_name = "sglang"
 
     def __init__(self, folder: Path, num_layers: int, hidden_size: int,
                  keep: Sequence[int], tp: int = 1, dtype: str = "auto",
                  max_tokens: int = 512, engine_args: Optional[dict] = None,
-                 version: Optional[str] = None) -> None:
+                 version: Optional[str] = None, extra_hooks: Sequence[dict] = ()) -> None:
         from eagle_capture.integrations.sglang.probe_hooks import specs
 
         self.num_layers, self.hidden_size = num_layers, hidden_size
@@ -274,7 +275,8 @@ class SglangTarget:
         self._consumed: dict = {}
         self.engine = None
         kwargs = engine_kwargs(self.version, folder, tp, dtype, max_tokens,
-                               specs(self.dir, self.keep, num_layers), engine_args)
+                               specs(self.dir, self.keep, num_layers) + list(extra_hooks),
+                               engine_args)
         try:
             import sglang
             self.engine = sglang.Engine(**kwargs)
@@ -317,7 +319,9 @@ class SglangTarget:
                                    sampling_params={"max_new_tokens": 1, "temperature": 0.0},
                                    return_logprob=True, logprob_start_len=0,
                                    top_logprobs_num=1)
-        first, worst = collect(self.dir, self.tp, tokens, self.hidden_size, self._consumed)
+        self.answers, worst = collect(self.dir, self.tp, tokens, self.hidden_size,
+                                      self._consumed)
+        first = self.answers[0]
         self.worst_rank_difference = max(self.worst_rank_difference, worst)
         meta = out["meta_info"]
         top = meta.get("input_top_logprobs") or []

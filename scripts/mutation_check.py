@@ -692,6 +692,24 @@ MUTANTS = [
      '    unknown = "eagle3" in arch.lower() and not engine_facts.registered_anywhere(arch)',
      '    unknown = False',
      ["tests/test_doctor_items.py::test_a_draft_class_no_engine_registers_cannot_load"]),
+    # probe --engine sglang: the server arguments per line, the line rule, the engine answered
+    # for, where the hook reads the stream.
+    ("sglang probe leaves the fusion switch alone from 0.5.13", "eagle_capture/probe/sglang_engine.py",
+     '    if v >= (0, 5, 13):\n        kwargs["enforce_disable_flashinfer_allreduce_fusion"]',
+     '    if v >= (0, 5, 99):\n        kwargs["enforce_disable_flashinfer_allreduce_fusion"]',
+     ["tests/test_probe_sglang_inputs.py::test_server_arguments_per_line"]),
+    ("sglang probe drives 0.5.9 for DeepSeek at TP > 1", "eagle_capture/probe/sglang_engine.py",
+     "if _parse(version) < (0, 5, 13) and tp > 1 and architecture in FUSION_ARCHS_0_5_9",
+     "if _parse(version) < (0, 5, 9) and tp > 1 and architecture in FUSION_ARCHS_0_5_9",
+     ["tests/test_probe_sglang_inputs.py::test_0_5_9_cannot_turn_the_fusion_off_for_deepseek_at_"
+      "tp_above_1"]),
+    ("an engine mode reports every engine's lines", "eagle_capture/probe/probe.py",
+     'if ("sglang" if sglang else "vllm") not in engines:', "if False:",
+     ["tests/test_probe_sglang_inputs.py::test_the_engine_named_is_the_engine_answered_for"]),
+    ("sglang probe's hook reads the normed output, not the stream",
+     "eagle_capture/integrations/sglang/probe_hooks.py",
+     "            state = output[1]", "            state = output[0]",
+     ["tests/test_probe_sglang.py::test_capture_equals_sglangs_own_tp1"]),
 ]
 
 

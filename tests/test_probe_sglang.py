@@ -193,9 +193,10 @@ def test_command_line_in_sglangs_engine(engine_jobs, tmp_path):
 
 def test_capture_equals_sglangs_own_tp1(engine_jobs):
     """TP 1: the probe's state at capture layers 1 - 7 is SGLang's own EAGLE-3 capture of
-    the same forward, bit for bit (5 prompts)."""
+    the same forward, bit for bit (at least 5 prompts)."""
     own = _result(engine_jobs, "sglang probe 0.5.23 tp1")["own"]
-    assert own == {"forwards_compared": 5, "layers": [1, 2, 3, 4, 5, 6, 7], "ranks": [0]}
+    assert own["forwards_compared"] >= 5, own
+    assert own["layers"] == [1, 2, 3, 4, 5, 6, 7] and own["ranks"] == [0]
 
 
 def test_capture_equals_sglangs_own_tp2(engine_jobs):
@@ -204,8 +205,9 @@ def test_capture_equals_sglangs_own_tp2(engine_jobs):
     data = _result(engine_jobs, "sglang probe 0.5.20 tp2")
     assert data["version"] == "0.5.20"
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
-    assert data["own"] == {"forwards_compared": 5, "layers": [1, 2, 3, 4, 5, 6, 7],
-                           "ranks": [0, 1]}
+    own = data["own"]
+    assert own["forwards_compared"] >= 5, own
+    assert own["layers"] == [1, 2, 3, 4, 5, 6, 7] and own["ranks"] == [0, 1]
 
 
 def test_tensor_parallel_2_captures_full_reduced_states(engine_jobs, tmp_path):

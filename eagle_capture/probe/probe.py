@@ -828,6 +828,10 @@ def _engine_notes(target, measured: dict) -> list[str]:
              f"captured states are {measured['hidden_size']} wide (the full hidden size) and "
              f"equal to rank 0's (largest relative difference "
              f"{target.worst_rank_difference:.2g}) over {target.prompts} prompts"]
+    if getattr(target, "other_forwards", 0):
+        measured["other_forwards"] = target.other_forwards
+        notes.append(f"{words} ran {target.other_forwards} forwards besides the prompts' (its "
+                     f"own warm-up): not scored")
     if target.engine_disagreements:
         notes.append(f"{words}'s own sampled token differs from the probe's greedy token at the "
                      f"last position in {target.engine_disagreements} of {target.prompts} "

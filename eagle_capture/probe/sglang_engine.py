@@ -170,15 +170,20 @@ def stated_settings(version: str) -> str:
 
 def read_answers(directory: str, tp: int, tokens: Sequence[int], consumed: dict,
                  timeout: float = RECORD_WAIT_S) -> list[dict]:
-    """Every rank's records since the last call, up to the forward of ``tokens`` (waits
-    for it), merged per rank: {rank, rows, width, digest, states and embeds from rank 0,
-    errors}. ``consumed``: rank -> the last sequence number read (updated); the files
-    read are deleted."""
+    """Every rank's records of the forward of ``tokens`` since the last call (waits for
+    it), merged per rank: {rank, rows, width, digest, states and embeds from rank 0,
+    errors, others}. A record of other input ids is a forward SGLang ran besides the
+    prompt (its start-up warm-up: 0.5.20 runs one of one token at TP 2 after the hooks are
+    registered): skipped, counted in ``others``. The first forward of the prompt's ids is
+    its answer (one request at a time, no chunked prefill, no radix cache: one forward per
+    prompt); a layer whose hook ran more or less than once in it shows in its rows.
+    ``consumed``: rank -> the last sequence number read (updated); the files read are
+    deleted."""
     want = torch.as_tensor(list(tokens), dtype=torch.int64)
     deadline = time.monotonic() + timeout
     answers = []
     for rank in range(tp):
-        records, done = [], False
+        records, others, done = [], 0, False
         while not done:
             paths = sorted(glob.glob(os.path.join(directory, f"{rank}.*.pt")))
             for path in paths:
@@ -188,20 +193,24 @@ def read_answers(directory: str, tp: int, tokens: Sequence[int], consumed: dict,
                 rec = torch.load(path, weights_only=False)
                 os.unlink(path)
                 consumed[rank] = seq
-                records.append(rec)
                 ids = rec.get("input_ids")
-                if ids is not None and ids.shape == want.shape and torch.equal(ids, want):
-                    done = True
-                    break
+                if ids is None or ids.shape != want.shape or not torch.equal(ids, want):
+                    others += 1
+                    continue
+                records.append(rec)
+                # One forward per prompt (no chunked prefill): the answer is complete;
+                # a second forward of the same ids is read with the next prompt's.
+                done = True
+                break
             if not done:
                 if time.monotonic() > deadline:
                     raise EngineError(
                         f"SGLang's rank {rank} wrote no capture of the prompt's forward in "
-                        f"{timeout:.0f} s ({len(records)} other forwards seen): the hooks on "
+                        f"{timeout:.0f} s ({others} other forwards seen): the hooks on "
                         f"the embedding and the final norm did not run (a model whose text "
                         f"layers are not under 'model.', or a path that does not call them)")
                 time.sleep(0.01)
-        answers.append(_merge(records))
+        answers.append(dict(_merge(records), others=others))
     return answers
 
 
@@ -308,6 +317,7 @@ class SglangTarget:
         self.worst_rank_difference = 0.0
         self.engine_disagreements = 0
         self.prompts = 0
+        self.other_forwards = 0
 
     @property
     def device(self) -> str:
@@ -322,6 +332,7 @@ class SglangTarget:
         self.answers, worst = collect(self.dir, self.tp, tokens, self.hidden_size,
                                       self._consumed)
         first = self.answers[0]
+        self.other_forwards += first["others"]
         self.worst_rank_difference = max(self.worst_rank_difference, worst)
         meta = out["meta_info"]
         top = meta.get("input_top_logprobs") or []

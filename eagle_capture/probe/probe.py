@@ -830,8 +830,8 @@ def _engine_notes(target, measured: dict) -> list[str]:
              f"{target.worst_rank_difference:.2g}) over {target.prompts} prompts"]
     if getattr(target, "other_forwards", 0):
         measured["other_forwards"] = target.other_forwards
-        notes.append(f"{words} ran {target.other_forwards} forwards besides the prompts' (its "
-                     f"own warm-up): not scored")
+        notes.append(f"{words} ran {target.other_forwards} forwards of other tokens than the "
+                     f"prompts' (of its own, one token each on the lines seen): not scored")
     if target.engine_disagreements:
         notes.append(f"{words}'s own sampled token differs from the probe's greedy token at the "
                      f"last position in {target.engine_disagreements} of {target.prompts} "

@@ -172,9 +172,9 @@ def read_answers(directory: str, tp: int, tokens: Sequence[int], consumed: dict,
                  timeout: float = RECORD_WAIT_S) -> list[dict]:
     """Every rank's records of the forward of ``tokens`` since the last call (waits for
     it), merged per rank: {rank, rows, width, digest, states and embeds from rank 0,
-    errors, others}. A record of other input ids is a forward SGLang ran besides the
-    prompt (its start-up warm-up: 0.5.20 runs one of one token at TP 2 after the hooks are
-    registered): skipped, counted in ``others``. The first forward of the prompt's ids is
+    errors, others}. A record of other input ids is a forward SGLang ran of its own
+    (0.5.9 - 0.5.20: a one-token forward before the first prompt and one after each
+    prompt; 0.5.23: none): skipped, counted in ``others``. The first forward of the prompt's ids is
     its answer (one request at a time, no chunked prefill, no radix cache: one forward per
     prompt); a layer whose hook ran more or less than once in it shows in its rows.
     ``consumed``: rank -> the last sequence number read (updated); the files read are

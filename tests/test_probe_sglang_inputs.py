@@ -165,13 +165,13 @@ def test_a_draft_the_probe_cannot_read_is_refused_before_sglang_starts(tmp_path,
 def test_server_arguments_per_line():
     """What the probe asks of each line (read from each wheel's server arguments): the
     fusion forced off where the switch exists (0.5.13+), piecewise CUDA graphs off by their
-    own switch in 0.5.13 - 0.5.18 (disable_cuda_graph covers them from 0.5.20, off by
-    default in 0.5.9), CUDA graphs, radix cache, chunked prefill off, one replica and stage."""
+    own switch in 0.5.13 (disable_cuda_graph covers them from 0.5.18, off by default in
+    0.5.9), CUDA graphs, radix cache, chunked prefill off, one replica and stage."""
     common = dict(disable_cuda_graph=True, enable_torch_compile=False,
                   disable_radix_cache=True, chunked_prefill_size=-1, dp_size=1, pp_size=1,
                   enable_dp_attention=False, max_running_requests=1,
                   skip_tokenizer_init=True, enable_flashinfer_allreduce_fusion=False)
-    for version in ("0.5.9", "0.5.13", "0.5.20", "0.5.23"):
+    for version in ("0.5.9", "0.5.13", "0.5.18", "0.5.20", "0.5.23"):
         kw = engine_kwargs(version, TARGET, 8, "auto", 512, ["spec"])
         for key, value in common.items():
             assert kw[key] == value, (version, key)

@@ -152,8 +152,10 @@ def engine_kwargs(version: str, folder: Path, tp: int, dtype: str, max_tokens: i
                   enable_flashinfer_allreduce_fusion=False, log_level="warning")
     if v >= (0, 5, 13):
         kwargs["enforce_disable_flashinfer_allreduce_fusion"] = True
-    if (0, 5, 13) <= v < (0, 5, 20):
-        kwargs["disable_piecewise_cuda_graph"] = True   # 0.5.20+: disable_cuda_graph covers it
+    if (0, 5, 13) <= v < (0, 5, 18):
+        # 0.5.18+ fold piecewise graphs into cuda_graph_config, which disable_cuda_graph
+        # turns off for both phases (server_args.py 0.5.18, arg_groups/cuda_graph_hook.py).
+        kwargs["disable_piecewise_cuda_graph"] = True
     elif v < (0, 5, 13):
         kwargs["enable_piecewise_cuda_graph"] = False
     kwargs.update(engine_args or {})
@@ -288,6 +290,13 @@ class SglangTarget:
                                engine_args)
         try:
             import sglang
+            from sglang.srt.server_args import ServerArgs
+
+            # The piecewise switch's name per line (0.5.14 - 0.5.17 not read): an argument
+            # this SGLang does not have is left out (disable_cuda_graph covers it there).
+            for key in ("disable_piecewise_cuda_graph", "enable_piecewise_cuda_graph"):
+                if key in kwargs and not hasattr(ServerArgs, key):
+                    del kwargs[key]
             self.engine = sglang.Engine(**kwargs)
         except Exception as exc:  # noqa: BLE001 - SGLang's start-up errors are all kinds
             self.close()

@@ -20,8 +20,7 @@ pytest.importorskip("transformers")
 
 from eagle_capture.probe import probe as probe_mod  # noqa: E402
 from eagle_capture.probe.probe import main  # noqa: E402
-from eagle_capture.probe.sglang_engine import (engine_kwargs, fixed_arg,  # noqa: E402
-                                               line_problem)
+from eagle_capture.probe.sglang_engine import engine_kwargs, fixed_arg, line_problem  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "tiny_eagle3"
 TARGET = DATA / "target"

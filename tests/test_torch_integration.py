@@ -86,6 +86,26 @@ def test_compile_fullgraph_matches_eager(device, dynamic):
             assert rel < 2**-7, f"compiled path differs from eager: rel err {rel:.2e}"
 
 
+def _keyword_calls(hidden, residual, weight, aux):
+    """The public ops as engines call them: keywords, defaults left out (aux, slot,
+    norm_fp32_sum), which the compiled path must fill in without a graph break."""
+    ec.add_rmsnorm_capture(hidden, residual, weight, EPS, aux=aux, slot=1)
+    ec.add_rmsnorm_capture(hidden, residual, weight, eps=EPS)
+    ec.add_rmsnorm_into_slot(hidden, residual, weight, EPS, aux, slot=2, norm_fp32_sum=True)
+    ec.add_capture(hidden, residual=None, aux=aux, slot=0)
+    return hidden, residual, aux
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_keyword_calls_match_eager(device):
+    torch._dynamo.reset()
+    h, r, w, aux = _norm_args(device, torch.float32, strided=False)
+    eager = _keyword_calls(*[t.clone() for t in (h, r, w, aux)])
+    compiled = torch.compile(_keyword_calls, fullgraph=True)(*[t.clone() for t in (h, r, w, aux)])
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_graph_replay_with_new_inputs(dtype):

@@ -237,6 +237,9 @@ def capture_op(*, mutates_args: tuple, norm: bool, residual_in_place: bool = Fal
                        aux_required=aux_required, residual_out_required=residual_out_required)
         signature = inspect.signature(describe).replace(return_annotation=None)
         schema = _schema_signature(signature, mutates_args)
+        names = tuple(signature.parameters)
+        defaults = {n: p.default for n, p in signature.parameters.items()
+                    if p.default is not inspect.Parameter.empty}
 
         def registered(*args, **kwargs):
             _registered(op, args, kwargs, *describe(*args, **kwargs))
@@ -256,9 +259,10 @@ def capture_op(*, mutates_args: tuple, norm: bool, residual_in_place: bool = Fal
         @functools.wraps(describe)
         def public(*args, **kwargs) -> None:
             if torch.compiler.is_compiling():
-                call = signature.bind(*args, **kwargs)
-                call.apply_defaults()   # the schema has no defaults up to its last mutated one
-                compiled(*call.args)
+                # Every argument given, as the schema has no defaults up to its last mutated
+                # one; plain tuples and dicts (inspect's binding breaks dynamo's graph).
+                compiled(*args, *(kwargs[n] if n in kwargs else defaults[n]
+                                  for n in names[len(args):]))
             else:
                 _eager(op, *describe(*args, **kwargs))
 

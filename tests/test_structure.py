@@ -78,3 +78,45 @@ def test_one_ruff_version_everywhere():
     assert all(len(found) == 1 for found in pins.values()), pins
     assert len({found[0] for found in pins.values()}) == 1, pins
     assert "ruff check ." in (root / ".ci" / "run").read_text()
+
+
+def _imported_modules(source: str, package: str) -> set:
+    """Every module ``source`` (a module of ``package``) imports, relative imports
+    resolved; ``from P import N`` counts as both P and P.N, since N may be a module."""
+    import ast
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_probe_and_the_plugins_import_the_doctors_library_not_its_command_line():
+    """The probe and the plugins use the doctor's library (layer_ids/diagnosis.py);
+    its command line (layer_ids/doctor.py: argument parsing, printing) is the
+    doctor's alone, so that changing what the doctor prints touches nothing they run."""
+    root = Path(__file__).resolve().parents[1]
+    cli = "eagle_capture.layer_ids.doctor"
+    offenders = []
+    for folder in ("probe", "integrations"):
+        for path in sorted((root / "eagle_capture" / folder).rglob("*.py")):
+            source = path.read_text()
+            package = ".".join(path.relative_to(root).parts[:-1])
+            modules = _imported_modules(source, package)
+            # (the text check: importlib.import_module("...doctor") names it in a string)
+            if any(m == cli or m.startswith(cli + ".") for m in modules) or cli in source:
+                offenders.append(str(path.relative_to(root)))
+    assert offenders == []
+    # The check sees each way of writing the import.
+    for line in ("from eagle_capture.layer_ids.doctor import fix_ids",
+                 "from eagle_capture.layer_ids import doctor",
+                 "from ..layer_ids import doctor", "from ..layer_ids.doctor import main",
+                 "import eagle_capture.layer_ids.doctor"):
+        assert cli in _imported_modules(line, "eagle_capture.probe"), line

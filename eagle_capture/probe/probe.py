@@ -56,8 +56,8 @@ from typing import Optional, Sequence
 import torch
 
 from eagle_capture.layer_ids.deployment import wrap
-from eagle_capture.layer_ids.doctor import (cannot_load, fix_ids, model_lines,
-                                            target_cannot_capture)
+from eagle_capture.layer_ids.diagnosis import (cannot_load, fix_ids, model_lines,
+                                               target_cannot_capture)
 from eagle_capture.layer_ids.lines import (SGLANG_LINES, VLLM_LINE, CapturePlanError, DraftIds,
                                            default_capture_layers, line_of, load_config,
                                            read_draft_ids, read_target, vllm_lines)

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from eagle_capture.layer_ids import diagnosis, doctor, plan
+from eagle_capture.cli import doctor
+from eagle_capture.layer_ids import diagnosis, plan
 from eagle_capture.layer_ids.deployment import WIDTH
 from eagle_capture.layer_ids.plan import CapturePlanError, build_plan, plan_from_draft_config
 from eagle_capture.layer_ids.lines import (SGLANG_LINES, SGLangLine, line_of, read_draft_ids,

@@ -100,23 +100,30 @@ def _imported_modules(source: str, package: str) -> set:
 
 def test_the_probe_and_the_plugins_import_the_doctors_library_not_its_command_line():
     """The probe and the plugins use the doctor's library (layer_ids/diagnosis.py);
-    its command line (layer_ids/doctor.py: argument parsing, printing) is the
-    doctor's alone, so that changing what the doctor prints touches nothing they run."""
+    the command lines (eagle_capture/cli/: argument parsing, printing; and
+    ``python -m eagle_capture.layer_ids.doctor``) are the commands' alone, so that
+    changing what a command prints touches nothing they run."""
+    import re
     root = Path(__file__).resolve().parents[1]
-    cli = "eagle_capture.layer_ids.doctor"
+    command_lines = ("eagle_capture.layer_ids.doctor", "eagle_capture.cli")
+
+    def a_command_line(modules):
+        return [m for m in modules for cli in command_lines if m == cli or m.startswith(cli + ".")]
+
     offenders = []
     for folder in ("probe", "integrations"):
         for path in sorted((root / "eagle_capture" / folder).rglob("*.py")):
             source = path.read_text()
             package = ".".join(path.relative_to(root).parts[:-1])
-            modules = _imported_modules(source, package)
-            # (the text check: importlib.import_module("...doctor") names it in a string)
-            if any(m == cli or m.startswith(cli + ".") for m in modules) or cli in source:
+            # (the text check: importlib.import_module("...") names a module in a string)
+            if a_command_line(_imported_modules(source, package)) \
+                    or re.search(r"[\"']eagle_capture\.(cli|layer_ids\.doctor)\b", source):
                 offenders.append(str(path.relative_to(root)))
     assert offenders == []
     # The check sees each way of writing the import.
     for line in ("from eagle_capture.layer_ids.doctor import fix_ids",
                  "from eagle_capture.layer_ids import doctor",
                  "from ..layer_ids import doctor", "from ..layer_ids.doctor import main",
-                 "import eagle_capture.layer_ids.doctor"):
-        assert cli in _imported_modules(line, "eagle_capture.probe"), line
+                 "import eagle_capture.layer_ids.doctor", "from eagle_capture.cli import doctor",
+                 "from ..cli.probe import main", "import eagle_capture.cli"):
+        assert a_command_line(_imported_modules(line, "eagle_capture.probe")), line

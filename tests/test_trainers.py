@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from eagle_capture.layer_ids import doctor
+from eagle_capture.cli import doctor
 from eagle_capture.layer_ids.deployment import WIDTH
 from eagle_capture.layer_ids.lines import read_draft_ids
 from eagle_capture.layer_ids.trainers import recognise

@@ -63,7 +63,7 @@ setup(
     entry_points={"sglang.srt.plugins": ["eagle_capture = eagle_capture.integrations.sglang.plugin:register"],
                   # vLLM's load_general_plugins() runs it in every process (eagle_capture/integrations/vllm/plugin.py)
                   "vllm.general_plugins": ["eagle_capture = eagle_capture.integrations.vllm.plugin:register"],
-                  # eagle-capture doctor | probe ... (eagle_capture/cli.py)
+                  # eagle-capture doctor | probe ... (eagle_capture/cli/__init__.py)
                   "console_scripts": ["eagle-capture = eagle_capture.cli:console_main"]},
     install_requires=["torch>=2.6", "triton>=3.2"],
     extras_require={

@@ -60,7 +60,7 @@ def test_a_command_missing_its_dependency_says_so_in_one_line(capsys, monkeypatc
     real = cli.importlib.import_module
 
     def without_torch(name, *args):
-        if name == "eagle_capture.probe.probe":
+        if name == "eagle_capture.cli.probe":
             raise ModuleNotFoundError("No module named 'torch'", name="torch")
         return real(name, *args)
 

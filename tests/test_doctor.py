@@ -9,9 +9,12 @@ import sys
 
 import pytest
 
-from eagle_capture.layer_ids import doctor, plan
+from eagle_capture.cli import doctor
+from eagle_capture.layer_ids import diagnosis, plan
+from eagle_capture.layer_ids.deployment import WIDTH
 from eagle_capture.layer_ids.plan import CapturePlanError, build_plan, plan_from_draft_config
-from eagle_capture.layer_ids.lines import SGLANG_LINES, line_of, read_draft_ids, read_target
+from eagle_capture.layer_ids.lines import (SGLANG_LINES, SGLangLine, line_of, read_draft_ids,
+                                           read_target)
 
 KIMI_TARGET = {"architectures": ["KimiK25ForConditionalGeneration"], "hidden_size": 7168,
                "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}}
@@ -49,7 +52,7 @@ def _doctor(capsys, *argv, defaults=True, architecture=True):
     argv += [] if "--json" in argv else ["--explain"]   # the reasoning these cases check
     code = doctor.main(argv)
     out = capsys.readouterr()
-    assert all(len(line) <= doctor.WIDTH for line in out.out.splitlines()
+    assert all(len(line) <= WIDTH for line in out.out.splitlines()
                if not line.startswith(("draft:", "target:")))   # (tmp paths are long)
     return code, " ".join(out.out.split()), out.err
 
@@ -106,14 +109,14 @@ def test_the_fix_differs_per_line(tmp_path, capsys):
     assert code == 1 and "layers_to_capture = [3, 31, 59] -> OK" in out
     assert out.count("= [3, 31, 59]") == 2 + 1   # two fixes and the OK line
     for line in SGLANG_LINES:
-        ids = doctor.fix_ids(line, [3, 31, 59], 61)
+        ids = diagnosis.fix_ids(line, [3, 31, 59], 61)
         assert sorted(line.capture_layers(ids, 61)) == [3, 31, 59], (line.name, ids)
     # No ids can give 0.5.13+ layer 1 with the +1 (ids[0] == 1 shifts everything):
     # listed in another order they can.
-    ids = doctor.fix_ids(SGLANG_LINES[1], [1, 30, 58], 61)
+    ids = diagnosis.fix_ids(SGLANG_LINES[1], [1, 30, 58], 61)
     assert ids is not None and ids[0] != 1 and sorted(SGLANG_LINES[1].capture_layers(ids, 61)) \
         == [1, 30, 58]
-    assert doctor.fix_ids(SGLANG_LINES[0], [0, 30, 58], 61, allow_embedding=True) is None
+    assert diagnosis.fix_ids(SGLANG_LINES[0], [0, 30, 58], 61, allow_embedding=True) is None
 
 
 def test_the_plus_one_reads_the_first_listed_id_not_the_smallest(tmp_path, capsys):
@@ -322,12 +325,12 @@ def test_dp_size_must_divide_tp(tmp_path, capsys):
 def test_embedding_capture_needs_the_escape_hatch(tmp_path, capsys):
     """A draft id of -1 asks for the embedding output: 0.5.9 crashes on it
     regardless; a line that captures it is flagged unless allow_embedding."""
-    verdict = doctor.diagnose_line(SGLANG_LINES[0], [-1, 29, 57], 61, allow_embedding=True)
+    verdict = diagnosis.diagnose_line(SGLANG_LINES[0], [-1, 29, 57], 61, allow_embedding=True)
     assert not verdict.ok and "TypeError" in verdict.lines[0]
-    line = doctor.SGLangLine("test", ("x",), (0, 0, 0), (9, 9, 9), shift_always=True,
+    line = SGLangLine("test", ("x",), (0, 0, 0), (9, 9, 9), shift_always=True,
                              layer0="embedding", missing_capture="error")
-    assert not doctor.diagnose_line(line, [-1, 29, 57], 61).ok
-    assert doctor.diagnose_line(line, [-1, 29, 57], 61, allow_embedding=True).ok
+    assert not diagnosis.diagnose_line(line, [-1, 29, 57], 61).ok
+    assert diagnosis.diagnose_line(line, [-1, 29, 57], 61, allow_embedding=True).ok
 
 
 def test_plan_from_a_path_or_folder(tmp_path):
@@ -477,9 +480,9 @@ def test_vllm_deployment_rows(tmp_path, capsys):
 
 def test_vllm_engine_rejects_unknown_values():
     with pytest.raises(CapturePlanError, match="engine must be sglang or vllm"):
-        doctor.diagnose([2, 30, 58], 61, engine="trtllm")
+        diagnosis.diagnose([2, 30, 58], 61, engine="trtllm")
     with pytest.raises(CapturePlanError, match="convention must be output or input"):
-        doctor.diagnose([2, 30, 58], 61, engine="vllm", convention="middle")
+        diagnosis.diagnose([2, 30, 58], 61, engine="vllm", convention="middle")
 
 
 def test_llama_target_uses_llamas_own_rule(tmp_path, capsys):

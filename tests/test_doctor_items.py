@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
+from eagle_capture.cli import doctor
 from eagle_capture.integrations.sglang import plugin
-from eagle_capture.layer_ids import doctor, startup
+from eagle_capture.layer_ids import startup
 
 HERE = os.path.dirname(__file__)
 PUBLISHED = os.path.join(HERE, "data", "published_configs")

@@ -267,7 +267,7 @@ def test_unknown_draft_class_refused_before_anything_loads(tmp_path, capsys, mon
     """A draft class the probe does not run (here vLLM's Qwen3 EAGLE-3 class, whose layer
     has q/k norms, and a DSpark draft): one line naming the classes it runs, exit 2, before
     the draft's weights, the target or an engine is loaded."""
-    from eagle_capture.probe.probe import main
+    from eagle_capture.cli.probe import main
 
     def loaded(*args, **kwargs):
         raise AssertionError("loaded before the draft class was checked")

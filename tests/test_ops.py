@@ -418,11 +418,11 @@ def test_import_does_not_initialise_cuda():
             "def refuse(*a, **k): raise AssertionError('eagle_capture initialised CUDA at import')\n"
             "torch.cuda._lazy_init = refuse\n"
             "import eagle_capture, eagle_capture.parallel.symm, eagle_capture.parallel.tp, eagle_capture.integrations.sglang.dropin\n"
-            "import eagle_capture.layer_ids.doctor, eagle_capture.layer_ids.plan, eagle_capture.testing.bench\n"
+            "import eagle_capture.cli.doctor, eagle_capture.layer_ids.diagnosis, eagle_capture.layer_ids.plan, eagle_capture.testing.bench\n"
             "assert not torch.cuda.is_initialized(), 'import initialised CUDA'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
     # The guard itself works: a CUDA query at import time would have raised.
-    bad = code.replace("import eagle_capture.layer_ids.doctor", "torch.cuda.current_device()\nimport eagle_capture.layer_ids.doctor")
+    bad = code.replace("import eagle_capture.cli.doctor", "torch.cuda.current_device()\nimport eagle_capture.cli.doctor")
     result = subprocess.run([sys.executable, "-c", bad], capture_output=True, text=True)
     assert "eagle_capture initialised CUDA at import" in result.stderr
 

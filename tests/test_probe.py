@@ -23,7 +23,8 @@ from eagle_capture.layer_ids.lines import read_draft_ids
 from eagle_capture.layer_ids.trainers import recognise
 from eagle_capture.probe import probe as probe_mod
 from eagle_capture.probe.draft import DraftError, DraftSpec, Eagle3Draft, load_draft, read_weights
-from eagle_capture.probe.probe import candidates, run_probe
+from eagle_capture.probe.probe import run_probe
+from eagle_capture.probe.readings import candidates
 from eagle_capture.testing import tiny_eagle3
 from eagle_capture.testing.tiny_eagle3 import save_draft
 
@@ -176,7 +177,7 @@ def test_engine_lines_follow_the_sglang_version_and_the_model_rule():
     """What SGLang captures depends on the line and the target's own rule: DeepseekV3
     with input-convention ids [2, 30, 58] (61 layers) is taken as is from 0.5.13 and
     shifted by 0.5.9; a Llama target shifts on every line."""
-    from eagle_capture.probe.probe import _engine_captures
+    from eagle_capture.probe.readings import _engine_captures
     ids = read_draft_ids({"architectures": ["LlamaForCausalLMEagle3"],
                           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}})
     for version, arch, want in (("0.5.23", "DeepseekV3ForCausalLM", [2, 30, 58]),
@@ -313,7 +314,7 @@ def test_draft_loading_refuses_what_it_cannot_run(tmp_path):
 # ---------------------------------------------------------------- the command line
 
 def test_cli_exit_codes_and_bad_input(tmp_path, capsys, monkeypatch):
-    from eagle_capture.probe.probe import main
+    from eagle_capture.cli.probe import main
 
     base = ["--target", str(TARGET), "--prompts", str(PROMPTS), "--device", "cpu"]
     record = tmp_path / "probe.json"
@@ -526,7 +527,7 @@ def test_bad_engine_input_is_one_line_exit_2(capsys):
     """What a user can type wrong about the engine mode: exit 2, one line, no traceback."""
     import importlib.util
 
-    from eagle_capture.probe.probe import main
+    from eagle_capture.cli.probe import main
 
     base = ["--target", str(TARGET), "--draft", str(DATA / "draft_specforge"), "--prompts",
             str(PROMPTS)]
@@ -556,7 +557,7 @@ def test_bad_input_is_refused_before_anything_loads(tmp_path, capsys, monkeypatc
     ids outside the target's vocabulary, a binary --prompts file, a --json path that
     cannot be written (found before the run, not after it), a --tp that vLLM cannot split
     the target by (2 attention heads over 3 or 4 ranks)."""
-    from eagle_capture.probe.probe import main
+    from eagle_capture.cli.probe import main
 
     def loaded(*args, **kwargs):
         raise AssertionError("loaded before the input was checked")
@@ -705,7 +706,7 @@ def test_mismatch_exits_1_even_where_the_engines_capture_the_measured_layers():
     """The config's reading (its ids in the input convention, as --id-convention says)
     is [1, 3, 5]; the draft measures [2, 4, 6], which SGLang (Llama's +1 rule) and vLLM
     (the top-level key) both capture: still a MISMATCH of the config, exit 1."""
-    from eagle_capture.probe.probe import ProbeReport, judge
+    from eagle_capture.probe.verdict import ProbeReport, judge
 
     config = tiny_eagle3.specforge_config([1, 3, 5])
     config["eagle_aux_hidden_state_layer_ids"] = [2, 4, 6]
@@ -735,7 +736,7 @@ def test_readings_at_the_final_boundary_are_measured(tmp_path):
 
 
 def _exit_code(draft, *extra) -> int:
-    from eagle_capture.probe.probe import main
+    from eagle_capture.cli.probe import main
 
     return main(["--target", str(TARGET), "--draft", str(draft), "--prompts", str(PROMPTS),
                  "--device", "cpu", *extra])
@@ -748,7 +749,7 @@ def test_sglang_line_without_the_drafts_class_cannot_load_it():
     cannot load it -- and from 0.5.13 its capture is judged. (The verdict is judged from a
     measured table here, the config's reading ahead; tests/test_mla_draft.py measures a
     trained MLA draft.)"""
-    from eagle_capture.probe.probe import ProbeReport, judge
+    from eagle_capture.probe.verdict import ProbeReport, judge
 
     config = Path(__file__).parent / "data" / "trainer_configs" / "torchspec" / \
         "convert_to_hf_kimi_k25_native_sglang.config.json"
@@ -780,7 +781,7 @@ def test_a_target_class_that_cannot_capture_is_named_not_given_ids():
     in the wheels), the probe says CANNOT CAPTURE for that engine and offers no ids: Kimi-K2.5
     on SGLang 0.5.9 (no set_eagle3_layers_to_capture there), Ling-flash-2.0's
     BailingMoeV2ForCausalLM on vLLM (not SupportsEagle3 in 0.32 - 0.34)."""
-    from eagle_capture.probe.probe import ProbeReport, judge
+    from eagle_capture.probe.verdict import ProbeReport, judge
 
     published = Path(__file__).parent / "data" / "published_configs"
 

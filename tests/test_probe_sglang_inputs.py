@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from eagle_capture.cli.probe import main  # noqa: E402
 from eagle_capture.probe import probe as probe_mod  # noqa: E402
-from eagle_capture.probe.probe import main  # noqa: E402
 from eagle_capture.probe.sglang_engine import engine_kwargs, fixed_arg, line_problem  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "tiny_eagle3"
@@ -192,7 +192,8 @@ def test_the_engine_named_is_the_engine_answered_for():
     measured CONFIRMED -- SGLang captures them (OK), vLLM does not (PROBLEM)."""
     from eagle_capture.layer_ids.lines import read_draft_ids, read_target
     from eagle_capture.layer_ids.trainers import recognise
-    from eagle_capture.probe.probe import Candidate, ProbeReport, judge
+    from eagle_capture.probe.readings import Candidate
+    from eagle_capture.probe.verdict import ProbeReport, judge
 
     ids = read_draft_ids(DATA / "draft_specforge" / "config.json")
     tmodel = read_target(TARGET / "config.json")

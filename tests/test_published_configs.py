@@ -11,7 +11,8 @@ import os
 
 import pytest
 
-from eagle_capture.layer_ids import doctor, startup
+from eagle_capture.cli import doctor
+from eagle_capture.layer_ids import startup
 from eagle_capture.layer_ids.lines import SGLANG_LINES, VLLM_V2, read_draft_ids
 from eagle_capture.layer_ids.rules import sglang_model_rule
 from eagle_capture.layer_ids.trainers import recognise

@@ -78,3 +78,52 @@ def test_one_ruff_version_everywhere():
     assert all(len(found) == 1 for found in pins.values()), pins
     assert len({found[0] for found in pins.values()}) == 1, pins
     assert "ruff check ." in (root / ".ci" / "run").read_text()
+
+
+def _imported_modules(source: str, package: str) -> set:
+    """Every module ``source`` (a module of ``package``) imports, relative imports
+    resolved; ``from P import N`` counts as both P and P.N, since N may be a module."""
+    import ast
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_probe_and_the_plugins_import_the_doctors_library_not_its_command_line():
+    """The probe and the plugins use the doctor's library (layer_ids/diagnosis.py);
+    the command lines (eagle_capture/cli/: argument parsing, printing; and
+    ``python -m eagle_capture.layer_ids.doctor``) are the commands' alone, so that
+    changing what a command prints touches nothing they run."""
+    import re
+    root = Path(__file__).resolve().parents[1]
+    command_lines = ("eagle_capture.layer_ids.doctor", "eagle_capture.cli")
+
+    def a_command_line(modules):
+        return [m for m in modules for cli in command_lines if m == cli or m.startswith(cli + ".")]
+
+    offenders = []
+    for folder in ("probe", "integrations"):
+        for path in sorted((root / "eagle_capture" / folder).rglob("*.py")):
+            source = path.read_text()
+            package = ".".join(path.relative_to(root).parts[:-1])
+            # (the text check: importlib.import_module("...") names a module in a string)
+            if a_command_line(_imported_modules(source, package)) \
+                    or re.search(r"[\"']eagle_capture\.(cli|layer_ids\.doctor)\b", source):
+                offenders.append(str(path.relative_to(root)))
+    assert offenders == []
+    # The check sees each way of writing the import.
+    for line in ("from eagle_capture.layer_ids.doctor import fix_ids",
+                 "from eagle_capture.layer_ids import doctor",
+                 "from ..layer_ids import doctor", "from ..layer_ids.doctor import main",
+                 "import eagle_capture.layer_ids.doctor", "from eagle_capture.cli import doctor",
+                 "from ..cli.probe import main", "import eagle_capture.cli"):
+        assert a_command_line(_imported_modules(line, "eagle_capture.probe")), line

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from eagle_capture.layer_ids import doctor
+from eagle_capture.cli import doctor
+from eagle_capture.layer_ids.deployment import WIDTH
 from eagle_capture.layer_ids.lines import read_draft_ids
 from eagle_capture.layer_ids.trainers import recognise
 
@@ -23,7 +24,7 @@ def _doctor(capsys, *argv):
     argv = [str(a) for a in argv]
     code = doctor.main(argv + ([] if "--json" in argv else ["--explain"]))
     out = capsys.readouterr()
-    assert all(len(line) <= doctor.WIDTH for line in out.out.splitlines()
+    assert all(len(line) <= WIDTH for line in out.out.splitlines()
                if not line.startswith(("draft:", "target:")) and DATA not in line)
     return code, " ".join(out.out.split()), out.err
 

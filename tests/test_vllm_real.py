@@ -642,9 +642,9 @@ def test_acceptance_in_vllms_engine(engine_jobs, tmp_path):
     * the probe's first step, replayed on the tokens vLLM generated, predicts vLLM's
       accepted count (its step against vLLM's Eagle3LlamaForCausalLM, real attention).
     """
-    from eagle_capture.layer_ids.doctor import main as doctor
+    from eagle_capture.cli.doctor import main as doctor
     from eagle_capture.probe.draft import load_draft
-    from eagle_capture.probe.probe import first_step_agreement
+    from eagle_capture.probe.readings import first_step_agreement
     from eagle_capture.probe.target import decoder_layers
     from tests.vllm_real.acceptance import MAX_TOKENS, PROMPT_LEN
 

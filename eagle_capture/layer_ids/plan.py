@@ -212,7 +212,7 @@ def plan_from_draft_config(config: Union[dict, str, os.PathLike], num_layers: in
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m eagle_capture.layer_ids.plan`` is the doctor now (one CLI, one verdict)."""
     import sys
-    from eagle_capture.layer_ids import doctor
+    from eagle_capture.cli import doctor
     print("eagle_capture.layer_ids.plan: the capture plan is part of the doctor's output now; running "
           "`eagle-capture doctor`", file=sys.stderr)
     return doctor.main(argv)

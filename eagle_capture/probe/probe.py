@@ -27,6 +27,10 @@ the draft's ids:
   listed, as SpecForge's Hugging Face target does; the engines concatenate in
   layer order). A draft trained so is told how to reorder its ``fc`` columns.
 
+This module checks the input and runs the target and the draft (:func:`run_probe`);
+the readings and their scoring are :mod:`.readings`, the verdict :mod:`.verdict`, the
+command line :mod:`eagle_capture.cli.probe`.
+
 Agreement = the share of positions t where the draft, given the target's states
 at t and the token at t + 1, proposes the token the target itself predicts at
 t + 1 (greedy): the first draft token's acceptance under greedy decoding.
@@ -42,34 +46,26 @@ tokenizer for text prompts, a target that does not fit the device; prompt files,
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from eagle_capture.layer_ids.deployment import wrap
-from eagle_capture.layer_ids.doctor import (cannot_load, fix_ids, model_lines,
-                                            target_cannot_capture)
-from eagle_capture.layer_ids.lines import (SGLANG_LINES, VLLM_LINE, CapturePlanError, DraftIds,
-                                           default_capture_layers, line_of, load_config,
-                                           read_draft_ids, read_target, vllm_lines)
-from eagle_capture.layer_ids.startup import slot_order_problem
-from eagle_capture.layer_ids.trainers import CONVENTIONS, Provenance, recognise
+from eagle_capture.layer_ids.lines import CapturePlanError, load_config, read_draft_ids, read_target
+from eagle_capture.layer_ids.trainers import recognise
 from eagle_capture.probe.draft import DraftError, check_draft_class, load_draft
-from eagle_capture.probe.engine import FIXED_ARGS, EngineError, check_vllm
+from eagle_capture.probe.engine import EngineError, check_vllm
+from eagle_capture.probe.readings import SGLANG_DEFAULT, _sglang_line, candidates, score_readings
+from eagle_capture.probe.verdict import ProbeReport, judge
 
-__all__ = ["Candidate", "ProbeError", "ProbeReport", "candidates", "main", "run_probe"]
+__all__ = ["ProbeError", "run_probe"]
 
-# The SGLang version whose capture the engine lines show (--sglang-version): the newest read.
-SGLANG_DEFAULT = SGLANG_LINES[-1].read_versions[-1]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Where the target runs: Hugging Face transformers on one device, or an engine (whose
 # lines alone the report then answers for).
@@ -79,315 +75,6 @@ ENGINE_WORDS = {"vllm": "vLLM", "sglang": "SGLang"}
 
 class ProbeError(ValueError):
     """Input the probe cannot use: the message says what and why."""
-
-
-@dataclass
-class Candidate:
-    """One reading of the draft's ids: the capture layers it feeds the draft."""
-    layers: tuple[int, ...]          # capture layers (c = the input of layer c) in the order
-    #                                  the draft's fc takes them: ascending (the engines'
-    #                                  order) but for a reading in the config's slot order
-    labels: list[str]
-    config_reading: bool = False     # one of the config's own readings
-    hits: int = 0
-    tokens: int = 0
-
-    @property
-    def config_order(self) -> bool:
-        """Slots in the config's order, not ascending: no engine feeds that."""
-        return list(self.layers) != sorted(self.layers)
-
-    @property
-    def agreement(self) -> float:
-        return self.hits / self.tokens if self.tokens else 0.0
-
-    def describe(self, num_layers: int) -> str:
-        def one(c):
-            return "embedding" if c == 0 else (f"out {c - 1}" if c < num_layers
-                                               else f"out {c - 1} (final)")
-        return f"{list(self.layers)} = {', '.join(one(c) for c in self.layers)}"
-
-
-def _sglang_line(architecture: str, sglang_version: str):
-    """SGLang's line for ``sglang_version`` with the target's own id rule (the
-    doctor's: an architecture not read is ASSUMED to add 1, said in the notes)."""
-    lines, notes = model_lines([line_of(sglang_version)], architecture, sglang_version)
-    return lines[0], notes
-
-
-def _engine_captures(draft: DraftIds, num_layers: int, architecture: str, sglang_version: str):
-    """(short label, full label, capture layers) for what each engine captures for
-    this config."""
-    line, _ = _sglang_line(architecture, sglang_version)
-    out = [(f"SGLang {sglang_version}", f"SGLang {sglang_version}",
-            line.capture_layers(draft.read_by_target, num_layers))]
-    for v in vllm_lines(draft):
-        short = {"V2": "vLLM V2", "V1": "vLLM V1"}.get(v.runner, "vLLM")
-        out.append((short, f"vLLM {v.title}", v.capture_layers(v.read_ids(draft), num_layers)))
-    return out
-
-
-def candidates(draft: DraftIds, provenance: Provenance, num_layers: int, num_aux: int,
-               architecture: str = "", sglang_version: str = SGLANG_DEFAULT
-               ) -> tuple[list[Candidate], list[str]]:
-    """Every reading worth measuring (deduplicated by layers, labels merged), and
-    notes on readings left out (outside [0, num_layers], a layer twice, or not
-    ``num_aux`` layers: the draft's fc takes exactly that many). Readings are in
-    ascending order, as the engines feed them, except the config-order ones."""
-    found: dict[tuple, Candidate] = {}
-    notes: list[str] = []
-
-    def add(layers, label, config_reading=False, ordered=False):
-        if layers is None:
-            return
-        layers = tuple(layers) if ordered else tuple(sorted(layers))
-        if len(layers) != num_aux or len(set(layers)) != len(layers) \
-                or not all(0 <= c <= num_layers for c in layers):
-            notes.append(f"{label}: {list(layers)} left out (the draft takes {num_aux} distinct "
-                         f"capture layers in [0, {num_layers}])")
-            return
-        cand = found.setdefault(layers, Candidate(layers, []))
-        if label not in cand.labels:
-            cand.labels.append(label)
-        cand.config_reading |= config_reading
-
-    readings = [r for r in provenance.readings if r.expected is not None]
-    ids = provenance.ids
-    for r in readings:
-        add(r.expected, f"config: {r.label.split(' (')[0]}", config_reading=True)
-        in_order = config_order(ids, r.expected)
-        if in_order is not None:
-            add(in_order, f"config: {r.label.split(' (')[0]}, slots in the config's order",
-                config_reading=True, ordered=True)
-    defaults = default_capture_layers(num_layers)
-    if not readings:
-        # No ids: the config's reading is what the engines feed it, their default.
-        add(defaults, "config: no ids, the engines' default", config_reading=True)
-    if ids is not None:
-        add([i + 1 for i in ids], "ids read as outputs")
-        add(list(ids), "ids read as inputs")
-        add([i - 1 for i in ids], "ids read as inputs, all one lower")
-        add([i + 2 for i in ids], "ids read as outputs, all one higher")
-    for label, _, layers in _engine_captures(draft, num_layers, architecture, sglang_version):
-        add(layers, label + " captures")
-    add(defaults, "the engines' default")
-    base = sorted(readings[0].expected) if readings else defaults
-    for k in range(len(base)):
-        for d in (-1, 1):
-            moved = list(base)
-            moved[k] += d
-            add(moved, f"config, layer {base[k]} -> {base[k] + d}")
-    return list(found.values()), notes
-
-
-def config_order(ids, expected) -> Optional[tuple[int, ...]]:
-    """The capture layers ``expected`` (ascending) in the order the config lists ``ids``,
-    when that order is not ascending (None otherwise). Every reading moves all ids by
-    one constant, so the k-th smallest id names the k-th capture layer."""
-    if not ids or expected is None or list(ids) == sorted(ids) \
-            or len(set(ids)) != len(ids) or len(ids) != len(expected):
-        return None
-    rank = {i: k for k, i in enumerate(sorted(ids))}
-    return tuple(expected[rank[i]] for i in ids)
-
-
-@dataclass
-class ProbeReport:
-    num_layers: int
-    candidates: list[Candidate]
-    provenance: Provenance
-    threshold: float
-    verdict: str = ""
-    fixes: list[str] = field(default_factory=list)
-    engines: list[str] = field(default_factory=list)
-    ok: bool = False
-    notes: list[str] = field(default_factory=list)
-    measured: dict = field(default_factory=dict)   # where and how the target ran
-
-    def to_json(self) -> dict:
-        """The report as data: what a script checks (``--json``)."""
-        return {"verdict": self.verdict.split(":")[0], "verdict_text": self.verdict,
-                "ok": self.ok, "threshold": self.threshold, "num_layers": self.num_layers,
-                "trainer": self.provenance.trainer, "ids": self.provenance.ids,
-                "readings": [{"capture_layers": list(c.layers), "agreement": c.agreement,
-                              "hits": c.hits, "tokens": c.tokens, "labels": c.labels,
-                              "config_reading": c.config_reading} for c in self.ranked],
-                "engines": self.engines, "fixes": self.fixes, "notes": self.notes,
-                "measured": self.measured}
-
-    @property
-    def ranked(self) -> list[Candidate]:
-        return sorted(self.candidates, key=lambda c: (-c.agreement, c.layers))
-
-    def format(self) -> str:
-        n = self.num_layers
-        rows = [("", "capture layers (c = input of layer c)", "agree", "tokens", "reading")]
-        for i, c in enumerate(self.ranked):
-            mark = "*" if c.config_reading else " "
-            rows.append((f"{i + 1}{mark}", c.describe(n), f"{100 * c.agreement:5.1f}%",
-                         str(c.tokens), "; ".join(c.labels)))
-        w = [max(len(r[j]) for r in rows) for j in range(4)]
-        lines = ["  ".join(r[j].ljust(w[j]) for j in range(4)) + "  " + r[4] for r in rows]
-        lines.append("(* the config's own reading; out X = the output of layer X; agree = the "
-                     "draft's first token is the target's greedy next token)")
-        lines.append("")
-        lines += [wrap(self.verdict, "", "  ")]
-        lines += [wrap(f, "  ", "    ") for f in self.fixes]
-        lines += [wrap(e, "  ", "    ") for e in self.engines]
-        lines += [wrap("note: " + t, "", "  ") for t in self.notes]
-        return "\n".join(lines)
-
-
-def _threshold(a: Candidate, b: Candidate, min_margin: float) -> float:
-    """The margin that separates two agreements: ``min_margin``, or three standard
-    errors of the difference when that is larger (few tokens)."""
-    n = max(1, min(a.tokens, b.tokens))
-    se = math.sqrt((a.agreement * (1 - a.agreement) + b.agreement * (1 - b.agreement)) / n)
-    return max(min_margin, 3 * se)
-
-
-def _fc_reorder(trained: list[int], spec, ids) -> str:
-    """How to make a draft trained with its slots in ``trained`` order (capture layers,
-    not ascending) take the engines' ascending feed: its fc is linear in the
-    concatenated states, so permuting fc's input column blocks is exact; then the
-    config's ``ids`` are written sorted."""
-    ascending = sorted(trained)
-    perm = [trained.index(c) for c in ascending]
-    k = len(trained)
-    width = f" of {spec.target_hidden_size} columns" if spec is not None else ""
-    extra = ""
-    if spec is not None and spec.norm_before_fc:
-        extra += (f"; permute the {k} blocks of the weight of the norm before fc the same way "
-                  f"(its RMS over the whole concatenation does not depend on the order)")
-    if spec is not None and spec.fc_norm:
-        extra += f"; reorder its {k} per-state fc norms the same way"
-    return (f"fix the draft, not the ids: reorder the input columns of its fc.weight in {k} "
-            f"blocks{width}, one per target state, so that the new blocks are the old blocks "
-            f"{perm} in that order (new block j = old block {perm}[j]){extra}. fc is linear "
-            f"in the concatenated states and nothing else in the draft sees them, so the "
-            f"draft then computes from the engines' ascending feed {ascending} exactly what "
-            f"it was trained to" + (f"; then write the ids sorted, {sorted(ids)}" if ids else "")
-            + ". Or retrain the draft on the engines' order")
-
-
-def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: float,
-          sglang_version: str = "", draft_spec=None,
-          engines: Sequence[str] = ("sglang", "vllm")) -> None:
-    """The verdict, the ids to write and each engine's line, from the measured table.
-    The config's reading stands unless another reading beats it by more than the
-    noise (:func:`_threshold`); two config readings (ambiguous ids, or unsorted ids
-    in ascending and in the config's slot order) must be told apart by that margin
-    too. ``draft_spec`` (the draft's :class:`~eagle_capture.probe.draft.DraftSpec`)
-    names the weights to reorder for a draft trained in the config's slot order;
-    ``engines``: the engines whose lines are reported and decide ``ok``."""
-    ranked = report.ranked
-    best = ranked[0]
-    n = report.num_layers
-    config = [c for c in ranked if c.config_reading]
-    top = config[0]
-    need = _threshold(best, top, min_margin)
-    report.threshold = need
-
-    def pct(c):
-        return f"{100 * c.agreement:.1f}%"
-
-    want: Optional[list[int]] = None
-    if best is not top and best.agreement - top.agreement >= need:
-        want = list(best.layers)
-        report.verdict = (
-            f"MISMATCH: capture layers {want} agree {pct(best)}, "
-            f"{100 * (best.agreement - top.agreement):.1f} points more than the config's "
-            f"reading {list(top.layers)} ({pct(top)}; {100 * need:.1f} needed): the draft was "
-            f"trained on {want}")
-    elif len(config) > 1 and top.agreement - config[1].agreement < _threshold(
-            top, config[1], min_margin):
-        report.verdict = (
-            f"INCONCLUSIVE: the config's readings {list(top.layers)} ({pct(top)}) and "
-            f"{list(config[1].layers)} ({pct(config[1])}) are within "
-            f"{100 * _threshold(top, config[1], min_margin):.1f} points over {top.tokens} "
-            f"tokens: more calibration text (--prompts, --max-tokens) narrows it; a draft "
-            f"that agrees little everywhere may not belong to this target")
-    else:
-        want = list(top.layers)
-        which = "; ".join(lb for lb in top.labels if lb.startswith("config"))
-        runner = next((c for c in ranked if c is not top), None)
-        report.verdict = f"CONFIRMED: the draft was trained on capture layers {want}, the " \
-                         f"config's reading ({which}): {pct(top)} agreement"
-        if runner is not None:
-            gap = top.agreement - runner.agreement
-            report.verdict += (
-                f", {100 * gap:.1f} points over the next reading {list(runner.layers)}"
-                if gap >= 0 else
-                f"; {list(runner.layers)} agrees {pct(runner)}, within the "
-                f"{100 * need:.1f} points that noise allows")
-        if report.provenance.ambiguous:
-            conv = "output" if "output" in which else "input"
-            report.fixes.append(
-                f"the config's ids are ambiguous; this draft's are in the {conv} convention: "
-                f"pass --id-convention {conv} to the doctor, EAGLE_CAPTURE_ID_CONVENTION={conv} "
-                f"to the plugins")
-    if want is None:
-        report.ok = False
-        return
-    report.ok = want == list(top.layers)
-    ids = report.provenance.ids
-    in_order = want != sorted(want)
-    if in_order:
-        # Trained with the slots in the config's order: what no engine feeds.
-        report.ok = False
-        won = next(c for c in ranked if list(c.layers) == want)
-        asc = next((c for c in ranked if list(c.layers) == sorted(want)), None)
-        report.verdict = (
-            f"MISMATCH: the draft was trained with its slots in the config's order, capture "
-            f"layers {want} in that order ({pct(won)}"
-            + (f"; ascending, {sorted(want)}, {pct(asc)}" if asc is not None else "")
-            + f"): no engine can feed it so. SGLang and vLLM capture in ascending layer order "
-              f"whatever the order of the ids, so no id list fixes it on either engine")
-        report.fixes.append(_fc_reorder(want, draft_spec, ids))
-        want = sorted(want)
-    elif ids and slot_order_problem(ids) and want == list(top.layers):
-        ordered = next((c for c in ranked if c.config_order), None)
-        report.fixes.append(
-            slot_order_problem(ids) + ". Measured: this draft takes its slots in ascending "
-            f"order, as the engines feed them ({pct(top)}"
-            + (f"; in the config's order {pct(ordered)}" if ordered is not None else "")
-            + f"): write the ids sorted, {sorted(ids)}")
-    sglang_version = sglang_version or SGLANG_DEFAULT
-    line, _ = _sglang_line(architecture, sglang_version)
-    sglang_ids = fix_ids(line, want, n, allow_embedding=0 in want)
-    for _, label, layers in _engine_captures(draft, n, architecture, sglang_version):
-        sglang = label.startswith("SGLang")
-        if ("sglang" if sglang else "vllm") not in engines:
-            continue
-        cannot = cannot_load("sglang" if sglang else "vllm", draft, line if sglang else None)
-        if cannot:
-            # No class for the format: no ids help there (the doctor's words).
-            report.ok = False
-            report.engines.append(f"{label}: CANNOT LOAD -- {cannot}")
-            continue
-        # The target's class cannot capture there at all (the doctor's engine facts).
-        stuck = target_cannot_capture("sglang" if sglang else "vllm",
-                                      line if sglang else VLLM_LINE, architecture,
-                                      sglang_version if sglang else None)
-        if stuck is not None and stuck.whole:
-            report.ok = False
-            report.engines.append(f"{label}: CANNOT CAPTURE -- {stuck.text}")
-            continue
-        head = (f"{label} captures {sorted(layers)} in ascending order: PROBLEM -- no ids "
-                f"feed slots in the config's order; with the draft's fc reordered (above), "
-                if in_order else f"{label} captures {sorted(layers)}: ")
-        if sorted(layers) == want:
-            report.engines.append(head + ("it captures the right layers" if in_order
-                                          else "OK"))
-            continue
-        report.ok = False
-        if not sglang:
-            fix = f"write the top-level eagle_aux_hidden_state_layer_ids = {want}"
-        elif sglang_ids is None:
-            fix = f"no ids make this line capture {want}"
-        else:
-            fix = f"write eagle_config.eagle_aux_hidden_state_layer_ids = {sglang_ids}"
-        report.engines.append(head + (fix if in_order else f"PROBLEM -- {fix}"))
 
 
 def _weights_bytes(folder: Path, dtype: torch.dtype) -> int:
@@ -854,38 +541,6 @@ def _checkpoint_itemsize(folder: Path) -> int:
     return 4 if "32" in name else 2
 
 
-@torch.no_grad()
-def score_readings(draft, states: dict, greedy: torch.Tensor, embeds: torch.Tensor,
-                   readings: Sequence[tuple[int, ...]]) -> dict:
-    """For each reading (capture layers), whether the draft's first step at each
-    position t (the target's states at t, the token at t + 1) proposes the target's
-    greedy token at t + 1: {layers: bool [T - 1]}, from the target's ``states``
-    ({c: [1, T, H]}), its ``greedy`` next tokens [1, T] and the draft's ``embeds``
-    [1, T, H] of the prompt's tokens."""
-    greedy = greedy[0]
-    dtype = next(draft.parameters()).dtype
-    embeds = embeds[:, 1:].to(dtype)
-    positions = torch.arange(greedy.shape[0] - 1, device=greedy.device).unsqueeze(0)
-    out = {}
-    for r in readings:
-        aux = torch.cat([states[c][:, :-1] for c in r], dim=-1).to(dtype)
-        proposed = draft.to_target(draft(aux, embeds, positions)[0].argmax(-1))
-        out[tuple(r)] = proposed == greedy[1:]
-    return out
-
-
-@torch.no_grad()
-def first_step_agreement(model, layers, draft, embed, tokens: torch.Tensor,
-                         readings: Sequence[tuple[int, ...]]) -> dict:
-    """:func:`score_readings` for a transformers ``model`` (its decoder ``layers``) on
-    ``tokens`` [1, T], the draft's embeddings from ``embed``."""
-    from eagle_capture.probe.target import target_states
-
-    keep = sorted({c for r in readings for c in r})
-    states, greedy = target_states(model, layers, tokens, keep)
-    return score_readings(draft, states, greedy, embed(tokens), readings)
-
-
 class _NoBar:
     n = 0
 
@@ -904,107 +559,3 @@ def _progress(total: int, on: bool):
     except ImportError:
         return _NoBar()
     return tqdm(total=total, desc="probe: prompts", file=sys.stderr, leave=False)
-
-
-class _Parser(argparse.ArgumentParser):
-    """Bad options: one line on stderr and exit 2 (not the usage block)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
-
-
-def _engine_arg(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` for vLLM's ``LLM(...)`` or SGLang's ``Engine(...)``: the value as JSON
-    when it parses, else text."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. "
-                                         f"gpu_memory_utilization=0.85)")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="eagle-capture probe",
-        description="Measure which target layers an EAGLE-3 draft was trained on: its first "
-                    "step's agreement with the target for every reading of its ids.")
-    p.add_argument("--target", required=True, help="the target model's folder (HF format)")
-    p.add_argument("--draft", required=True, help="the EAGLE-3 draft's folder")
-    p.add_argument("--prompts", help="calibration prompts: .jsonl of {\"text\"} or "
-                                     "{\"token_ids\"}, or a text file (one prompt per "
-                                     "paragraph); default: the package's own")
-    p.add_argument("--engine", choices=ENGINES, default="transformers",
-                   help="where the target runs: transformers on one device (default), or "
-                        "vLLM's or SGLang's engine as it serves the target (--tp, its dtype, "
-                        "quantisation); an engine's run answers for that engine's lines")
-    p.add_argument("--tp", type=int, default=1,
-                   help="--engine vllm|sglang: the tensor-parallel size the target is served "
-                        "with")
-    p.add_argument("--engine-arg", action="append", type=_engine_arg, default=[],
-                   metavar="KEY=VALUE",
-                   help="--engine vllm|sglang: another argument of vLLM's LLM(...) or "
-                        "SGLang's Engine(...) (repeatable; e.g. quantization=fp8, "
-                        "trust_remote_code=true)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where the target (transformers) and the draft run: cpu, cuda, cuda:N")
-    p.add_argument("--dtype", choices=sorted(DTYPES) + ["auto"], default=None,
-                   help="default: with --engine vllm|sglang auto (the checkpoint's, as the "
-                        "engine serves it); else bf16 on cuda, fp32 on cpu")
-    p.add_argument("--max-tokens", type=int, default=512, help="tokens per prompt (default 512)")
-    p.add_argument("--id-convention", choices=CONVENTIONS, default="auto",
-                   help="how the config's ids are read (default: from the trainer's markers)")
-    p.add_argument("--sglang-version", default=None,
-                   help=f"the SGLang version whose capture is shown (default {SGLANG_DEFAULT}; "
-                        f"with --engine sglang the installed one)")
-    p.add_argument("--json", metavar="FILE",
-                   help="also write the table, the verdict and each engine's line here")
-    p.add_argument("--min-margin", type=float, default=0.03,
-                   help="the agreement margin (fraction) that decides (default 0.03)")
-    return p
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    bad = ("--max-tokens must be >= 3" if args.max_tokens < 3 else
-           "--min-margin must be in [0, 1)" if not 0 <= args.min_margin < 1 else
-           "--tp and --engine-arg need --engine vllm or sglang"
-           if args.engine not in ENGINE_WORDS and (args.tp != 1 or args.engine_arg) else "")
-    if args.engine == "sglang":
-        from eagle_capture.probe.sglang_engine import fixed_arg
-        fixed = [f"{key} ({fixed_arg(key)})" for key in dict(args.engine_arg) if fixed_arg(key)]
-    else:
-        fixed = [f"{key} ({why})" for key, why in FIXED_ARGS.items()
-                 if key in dict(args.engine_arg)]
-    if fixed and not bad:
-        bad = f"--engine-arg {', '.join(fixed)}: set by the probe"
-    if bad:
-        print(f"error: {bad}", file=sys.stderr)
-        return 2
-    unwritable = json_problem(args.json) if args.json else None
-    if unwritable:
-        print(f"error: --json {args.json}: {unwritable}", file=sys.stderr)
-        return 2
-    dtype = args.dtype or ("auto" if args.engine in ENGINE_WORDS else
-                           "bf16" if args.device.startswith("cuda") else "fp32")
-    try:
-        report = run_probe(args.target, args.draft, args.prompts, args.device, dtype,
-                           args.max_tokens, args.id_convention, args.min_margin,
-                           log=lambda s: print(s, file=sys.stderr),
-                           sglang_version=args.sglang_version, engine=args.engine, tp=args.tp,
-                           engine_args=dict(args.engine_arg))
-    except ProbeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(wrap(report.provenance.describe(), "", "  "))
-    print()
-    print(report.format())
-    if args.json:
-        try:
-            Path(args.json).write_text(json.dumps(report.to_json(), indent=1) + "\n")
-        except OSError as exc:
-            print(f"error: --json {args.json}: {exc.strerror}", file=sys.stderr)
-            return 2
-    return 0 if report.ok else 1

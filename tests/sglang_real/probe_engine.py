@@ -105,7 +105,7 @@ def command_line(work: Path, tp: int, extra=()) -> dict:
     import contextlib
     import io
 
-    from eagle_capture.probe.probe import main as probe
+    from eagle_capture.cli.probe import main as probe
 
     record = work / "cli.json"
     stdout, stderr = io.StringIO(), io.StringIO()

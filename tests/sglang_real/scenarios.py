@@ -460,10 +460,10 @@ def compiled_same_as_sglang(ref, ours, what: str) -> dict:
 
 
 def layer_id_rules():
-    """The doctor's per-line rules (eagle_capture.layer_ids.doctor.SGLANG_LINES) against this
+    """The doctor's per-line rules (eagle_capture.layer_ids.lines.SGLANG_LINES) against this
     wheel's own code: the layers_to_capture that set_eagle3_layers_to_capture sets
     for several draft ids, and what SGLang's own first forward then does."""
-    from eagle_capture.layer_ids.doctor import line_of
+    from eagle_capture.layer_ids.lines import line_of
 
     line = line_of(harness.sglang_version())
     assert harness.sglang_version() in line.read_versions
@@ -626,7 +626,7 @@ def draft_config_reading():
 
     from transformers import PretrainedConfig
 
-    from eagle_capture.layer_ids.doctor import line_of
+    from eagle_capture.layer_ids.lines import line_of
 
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     try:
@@ -735,7 +735,7 @@ def graph_order():
     import importlib.util
 
     from eagle_capture.layer_ids.deployment import graphs_captured_before_ids
-    from eagle_capture.layer_ids.doctor import line_of
+    from eagle_capture.layer_ids.lines import line_of
 
     def functions(module: str, cls: str) -> dict:
         """{method name: [(line, name of each call in it), ...]} of a class, from

@@ -418,7 +418,7 @@ def tp2_fusion():
     so a captured layer after a deferring one holds per-rank partial sums; from
     0.5.18 the capture reads the reduced residual. The drop-in captures the
     fused norm's reduced residual_out on every line. Both must hold here."""
-    from eagle_capture.layer_ids.doctor import line_of
+    from eagle_capture.layer_ids.lines import line_of
 
     ref_tp1 = _wait_for_tp1()
     line = line_of(harness.sglang_version())

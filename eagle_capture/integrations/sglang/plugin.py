@@ -317,7 +317,7 @@ def id_problems(layers, num_layers: int, draft_config: Optional[dict], draft_ids
     A problem is returned; an ambiguous or unknown answer is logged as a warning,
     a table that predicted other layers than SGLang set as one too."""
     from eagle_capture.layer_ids import startup
-    from eagle_capture.layer_ids.doctor import fix_ids
+    from eagle_capture.layer_ids.diagnosis import fix_ids
     from eagle_capture.layer_ids.lines import IDS_KEY, CapturePlanError, line_of, parse_version
     from eagle_capture.layer_ids.rules import sglang_model_rule
 

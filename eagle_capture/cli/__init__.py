@@ -1,9 +1,11 @@
 """``eagle-capture`` (or ``python -m eagle_capture``): the command line.
 
     eagle-capture doctor ...   what each engine will capture for a draft, read from the
-                               configs (eagle_capture/layer_ids/doctor.py)
+                               configs (eagle_capture/cli/doctor.py; its library:
+                               eagle_capture/layer_ids/diagnosis.py)
     eagle-capture probe ...    which layers the draft was trained on, measured by running
-                               the target and the draft (eagle_capture/probe/probe.py)
+                               the target and the draft (eagle_capture/cli/probe.py;
+                               the measurement: eagle_capture/probe/)
 
 Each command parses its own arguments; this module only dispatches, so that it imports
 nothing heavy: ``--help``, ``--version`` and the doctor need neither torch nor Triton.
@@ -17,11 +19,11 @@ from eagle_capture import __version__
 
 # name -> (module whose main(argv) runs it, what it does: the top-level help's line)
 COMMANDS = {
-    "doctor": ("eagle_capture.layer_ids.doctor",
+    "doctor": ("eagle_capture.cli.doctor",
                "what each SGLang release and vLLM runner will capture for a draft's layer ids "
                "and what the draft expects, read from the draft's and the target's configs "
                "(exit 0: as trained; 1: not, or unknown)"),
-    "probe": ("eagle_capture.probe.probe",
+    "probe": ("eagle_capture.cli.probe",
               "which layers a draft was trained on, measured by running the target and the "
               "draft on calibration text: in transformers (needs torch and transformers), or "
               "in vLLM's engine at the tensor-parallel size you serve with (--engine vllm)"),

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 import eagle_capture as ec
 from eagle_capture.parallel import symm
+from eagle_capture.parallel.paths import measured_table, write_table
 from eagle_capture.testing.bench import host_us_per_call, time_graph_replay
 
 PATHS = ("one_kernel", "one_kernel_wd", "one_kernel_tk", "nccl_fused", "symm1_fused",
@@ -64,17 +65,11 @@ def fastest_ranges(rows, paths):
 
 
 def path_table(rows, world, hidden_size, dtype_name, device_name):
-    """The measured choice between our two paths per T (what the entry point runs)."""
-    entries = []
-    for r in rows:
-        one, nccl = r.get("one_kernel"), r.get("nccl_fused")
-        if one is None and nccl is None:
-            continue
-        best = "one_shot" if nccl is None or (one is not None and one <= nccl) else "nccl"
-        entries.append([r["T"], best])
-    return {"format": symm.TABLE_FORMAT, "hidden_size": hidden_size, "dtype": dtype_name,
-            "device": device_name, "date": time.strftime("%Y-%m-%d", time.gmtime()),
-            "paths": {str(world): entries}}
+    """The measured choice between our two paths per T (what the entry point runs),
+    built by the package (eagle_capture.parallel.paths), which also reads it."""
+    return measured_table(
+        world, [(r["T"], r.get("one_kernel"), r.get("nccl_fused")) for r in rows],
+        hidden_size, dtype_name, device_name)
 
 
 def main() -> int:
@@ -187,9 +182,8 @@ def main() -> int:
                            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                            "command": " ".join(sys.argv)}, f, indent=1)
         if args.write_table:
-            table = path_table(rows, world, H, "bfloat16", torch.cuda.get_device_name())
-            with open(args.write_table, "w") as f:
-                json.dump(table, f, indent=1)
+            write_table(path_table(rows, world, H, "bfloat16",
+                                   torch.cuda.get_device_name()), args.write_table)
             print(f"path table written to {args.write_table}")
     dist.barrier()
     dist.destroy_process_group()

@@ -4,7 +4,7 @@
 and how it was loaded)``. In order:
 
 1. ``from flashinfer.norm import fused_add_rmsnorm``: an installed flashinfer-python.
-2. Else FlashInfer's norm from a bundle made by ``scripts/make_gpu_bundle.sh``
+2. Else FlashInfer's norm from a bundle made by ``tools/gpu/make_gpu_bundle.sh``
    (``FLASHINFER_ONLY=1`` makes just this part; default folder ``.gpu_bundle`` at
    the repository root, or ``$EAGLE_CAPTURE_FLASHINFER_BUNDLE``): the trimmed
    flashinfer-python tree (every .py file, the norm module's CUDA sources and the
@@ -12,7 +12,7 @@ and how it was loaded)``. In order:
    ``$EAGLE_CAPTURE_FLASHINFER_SITE`` (default ``/tmp/ec_flashinfer``) and imported
    from there. The norm module itself is FlashInfer's own JIT build of those
    sources on this machine (nvcc + ninja; CUDA_HOME, cuBLAS headers and the
-   libcuda link found as scripts/gpu_sglang_real.sh finds them); where that
+   libcuda link found as tools/gpu/gpu_sglang_real.sh finds them); where that
    fails on an sm_90 GPU, the bundle's prebuilt sm_90a build of the same sources,
    installed as FlashInfer's AOT module.
 
@@ -60,7 +60,7 @@ def bundle_parts(bundle: Path) -> Optional[dict]:
 
 def _cuda_env(arch: str) -> list:
     """Set what FlashInfer's JIT build of its CUDA norm module needs (as
-    scripts/gpu_sglang_real.sh does); returns notes for the report line."""
+    tools/gpu/gpu_sglang_real.sh does); returns notes for the report line."""
     notes = []
     os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")   # the CUDA norm, not CuTe-DSL
     os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
@@ -163,7 +163,7 @@ def load() -> tuple:
     parts = bundle_parts(bundle)
     if parts is None:
         return None, (f"flashinfer's norm does not import ({why}) and {bundle} holds no "
-                      f"flashinfer-*-norm.tar.xz (FLASHINFER_ONLY=1 bash scripts/make_gpu_bundle.sh)")
+                      f"flashinfer-*-norm.tar.xz (FLASHINFER_ONLY=1 bash tools/gpu/make_gpu_bundle.sh)")
     import torch
     try:
         major, minor = torch.cuda.get_device_capability()

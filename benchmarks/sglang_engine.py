@@ -1,7 +1,7 @@
 """SGLang's real serving engine with EAGLE-3, the eagle-capture plugin off and on.
 
 Run on a GPU machine with SGLang 0.5.13 and sglang-kernel 0.4.3 importable
-(scripts/gpu_sglang_engine.sh sets that up on the H200). Every engine is SGLang's own
+(tools/gpu/gpu_sglang_engine.sh sets that up on the H200). Every engine is SGLang's own
 offline ``sglang.Engine(...)`` with ``speculative_algorithm="EAGLE3"``; the plugin is
 switched per process (``EAGLE_CAPTURE``; SGLang's ``load_plugins()`` runs it in the
 scheduler process the engine spawns), so each configuration runs in a child process of
@@ -22,7 +22,7 @@ second generate, how often the plugin's Triton kernel ran inside the engine (0 w
 
 Attention runs on SGLang's Triton backend and sampling on its PyTorch sampler: SGLang's
 default on Hopper, FlashAttention 3 from sglang-kernel, is a 1 GiB library the GPU bundle
-does not carry (scripts/make_sglang_engine_bundle.sh). The norms, rope and activation
+does not carry (tools/gpu/make_sglang_engine_bundle.sh). The norms, rope and activation
 are SGLang's own CUDA kernels (sglang-kernel and its nvcc-compiled jit_kernel).
 """
 

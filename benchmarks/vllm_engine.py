@@ -1,6 +1,6 @@
 """vLLM's real serving engine with EAGLE-3, the eagle-capture plugin off and on.
 
-Run on a GPU machine with vLLM's CUDA build importable (scripts/gpu_vllm_engine.sh sets
+Run on a GPU machine with vLLM's CUDA build importable (tools/gpu/gpu_vllm_engine.sh sets
 that up on the H200). Every engine is vLLM's own ``LLM(...)`` with
 ``speculative_config={"method": "eagle3", ...}``; the plugin is switched per process
 (``EAGLE_CAPTURE``), so each configuration runs in a child process of its own and this

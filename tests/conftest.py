@@ -144,7 +144,7 @@ def run_ranks(scenarios, world: int, store_dir, timeout_s: float, what: str,
 
 # ----------------------------------------------------------------------------
 # --record JSON: per-file outcome counts of this run, the record the README's
-# reliability table cites (scripts/test_record.py renders docs/test_runs.md).
+# reliability table cites (tools/test_record.py renders docs/test_runs.md).
 # ----------------------------------------------------------------------------
 
 def pytest_addoption(parser):

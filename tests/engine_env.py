@@ -1,5 +1,5 @@
 """What every engine test process needs, built once per session (tests/engine_jobs.py's
-``once``): the overlays (scripts/sglang_real_env.sh, scripts/vllm_real_env.sh; cached
+``once``): the overlays (tools/sglang_real_env.sh, tools/vllm_real_env.sh; cached
 under .cache across sessions), the environment the engine processes run with, and one
 fork server per SGLang line (tests/forkserver.py) that has imported SGLang's model code.
 """
@@ -46,11 +46,11 @@ def _overlay(script: str, version: str) -> str:
 def sglang_needs(version: str) -> tuple:
     """A job's ``needs`` (tests/engine_jobs.py) for SGLang ``version``: its overlay."""
     return ((f"overlay sglang {version}",
-             lambda: _overlay("scripts/sglang_real_env.sh", version)),)
+             lambda: _overlay("tools/sglang_real_env.sh", version)),)
 
 
 def vllm_needs(version: str) -> tuple:
-    return ((f"overlay vllm {version}", lambda: _overlay("scripts/vllm_real_env.sh", version)),)
+    return ((f"overlay vllm {version}", lambda: _overlay("tools/vllm_real_env.sh", version)),)
 
 
 def sglang_env(version: str) -> dict:
@@ -58,7 +58,7 @@ def sglang_env(version: str) -> dict:
     first on the path, the ops' torch path for CPU tensors, bytecode cached under
     .cache/pycache (the overlay is installed without it)."""
     env = dict(BASE_ENV, PY=sys.executable)
-    env["PYTHONPATH"] = os.pathsep.join([_overlay("scripts/sglang_real_env.sh", version),
+    env["PYTHONPATH"] = os.pathsep.join([_overlay("tools/sglang_real_env.sh", version),
                                          str(ROOT)])
     env.pop("TRITON_INTERPRET", None)        # CPU tensors take the ops' torch path
     env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -67,7 +67,7 @@ def sglang_env(version: str) -> dict:
 
 
 def vllm_overlay(version: str) -> str:
-    return _overlay("scripts/vllm_real_env.sh", version)
+    return _overlay("tools/vllm_real_env.sh", version)
 
 
 def sglang_server(version: str, deepep: bool = False):

@@ -11,7 +11,7 @@ moves a run not yet started to the front. A run is a blocking function in a thre
 asks for its result. Deselected tests start nothing.
 
 Shared set-ups go through :func:`once` (each key built by one thread, the others wait).
-The overlays of scripts/sglang_real_env.sh and vllm_real_env.sh (pip: one at a time) are a
+The overlays of tools/sglang_real_env.sh and vllm_real_env.sh (pip: one at a time) are a
 job's ``needs``: a set-up thread builds them, in the order of the jobs that need them,
 outside the CPU budget, and a job starts only when its needs are built (a job waiting for
 pip would hold slots others could use). The fork servers (tests/forkserver.py, one per

@@ -1,5 +1,5 @@
 """The tuning script (benchmarks/tune_kernel.py), the host-time breakdown of
-benchmarks/capture_latency.py and the skip check of scripts/gpu_session.sh,
+benchmarks/capture_latency.py and the skip check of tools/gpu/gpu_session.sh,
 without a GPU: command lines, the kernel launches of every tuning variant
 under Triton's interpreter, the sweep's bookkeeping with a stand-in timer, and
 the skip check on canned pytest logs."""
@@ -19,7 +19,7 @@ from conftest import INTERPRETED
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 BENCH = os.path.join(ROOT, "benchmarks")
-SESSION = os.path.join(ROOT, "scripts", "gpu_session.sh")
+SESSION = os.path.join(ROOT, "tools", "gpu", "gpu_session.sh")
 MAX_COLUMNS = 100
 
 
@@ -444,7 +444,7 @@ def session(tmp_path):
     pytest log, bench.sh records its arguments, setup_env.sh names a stand-in
     python that reports FAKE_GPUS GPUs, and nvidia-smi is on PATH."""
     repo = tmp_path / "repo"
-    _write(repo / "scripts" / "gpu_session.sh", open(SESSION).read())
+    _write(repo / "tools" / "gpu" / "gpu_session.sh", open(SESSION).read())
     _write(repo / "scripts" / "test.sh",
            'echo "test.sh $*" > "$OUT/test_args"; cat "$FAKE_TEST_LOG"; exit "$FAKE_TEST_RC"\n')
     _write(repo / "scripts" / "bench.sh",
@@ -467,7 +467,7 @@ def session(tmp_path):
         env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", OUT=str(out),
                    FAKE_TEST_LOG=str(log), FAKE_TEST_RC=str(test_rc), FAKE_GPUS=str(gpus),
                    FAKE_BENCH_RC=str(bench_rc), FAKE_HOST_RC=str(host_rc))
-        result = subprocess.run(["bash", str(repo / "scripts" / "gpu_session.sh"), *args],
+        result = subprocess.run(["bash", str(repo / "tools" / "gpu" / "gpu_session.sh"), *args],
                                 env=env, capture_output=True, text=True, timeout=60)
         return result, out
 
@@ -510,7 +510,7 @@ def test_session_names_the_failed_step(session, kw, failed):
 
 VLLM_SKIP_LOG = EXPECTED_LOG.replace("63 skipped", "65 skipped").replace(
     "2504 passed", "SKIPPED [2] tests/test_probe_engine_gpu.py:81: vLLM's CUDA build is not "
-    "installed (the GPU machine: carry scripts/make_vllm_engine_bundle.sh's .vllm_engine and .whl)"
+    "installed (the GPU machine: carry tools/gpu/make_vllm_engine_bundle.sh's .vllm_engine and .whl)"
     "\n2504 passed")
 
 
@@ -528,7 +528,7 @@ def test_session_with_the_vllm_bundle_installs_it_and_refuses_the_skip(session, 
     repo = tmp_path / "repo"
     for folder in (".vllm_engine", ".whl"):
         (repo / folder).mkdir()
-    _write(repo / "scripts" / "gpu_vllm_engine.sh", f'echo installed; exit {install_rc}\n')
+    _write(repo / "tools" / "gpu" / "gpu_vllm_engine.sh", f'echo installed; exit {install_rc}\n')
     result, out = session(log_text=VLLM_SKIP_LOG)
     assert result.returncode == 1
     assert "NOT RUN" not in result.stdout
@@ -545,7 +545,7 @@ fi = _load("flashinfer_norm")
 
 
 def _fake_bundle(root, version="9.9.9", wheel=True):
-    """A bundle as scripts/make_gpu_bundle.sh lays it out: the trimmed tree (here a
+    """A bundle as tools/gpu/make_gpu_bundle.sh lays it out: the trimmed tree (here a
     two-file stand-in) and the tvm-ffi wheel (a zip of site-packages files)."""
     import tarfile
     import zipfile
@@ -587,7 +587,7 @@ def test_flashinfer_load_says_why_not(tmp_path, monkeypatch):
     monkeypatch.setattr(fi, "_installed", lambda: (None, "ModuleNotFoundError: flashinfer"))
     monkeypatch.setenv(fi.BUNDLE_ENV, str(tmp_path / "none"))
     fn, line = fi.load()
-    assert fn is None and "FLASHINFER_ONLY=1 bash scripts/make_gpu_bundle.sh" in line
+    assert fn is None and "FLASHINFER_ONLY=1 bash tools/gpu/make_gpu_bundle.sh" in line
     assert "ModuleNotFoundError" in line
     monkeypatch.setenv(fi.BUNDLE_ENV, str(_fake_bundle(tmp_path)))
     monkeypatch.setattr(torch.cuda, "get_device_capability",

@@ -515,7 +515,7 @@ def test_a_reader_that_stops_early_gets_no_traceback():
 
 def test_every_doctor_transcript_in_the_docs_is_current(capsys):
     """Each `$ eagle-capture doctor ...` block of docs/doctor.md is what the doctor prints
-    now, with the exit status its verdict line says (scripts/update_readme_examples.py
+    now, with the exit status its verdict line says (tools/update_readme_examples.py
     rewrites them)."""
     import re
     text = open(os.path.join(HERE, "..", "docs", "doctor.md")).read()

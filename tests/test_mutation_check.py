@@ -1,4 +1,4 @@
-"""The mutation runner's data (scripts/mutants.toml) and its anchors: a mutant is
+"""The mutation runner's data (tools/mutants.toml) and its anchors: a mutant is
 found by the def / class / module-level name it lies in and its text, so code
 that moves keeps its mutants, and one whose anchor no longer matches is an
 error of the run, found here without running it."""
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _runner():
     spec = importlib.util.spec_from_file_location("mutation_check",
-                                                  ROOT / "scripts" / "mutation_check.py")
+                                                  ROOT / "tools" / "mutation_check.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -101,7 +101,7 @@ def test_the_runner_reports_stale_mutants_and_runs_nothing(tmp_path):
         mutated = 'y'
         tests = ['tests/test_launcher.py']
         '''))
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "mutation_check.py"),
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "mutation_check.py"),
                              "--mutants", str(data)], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr

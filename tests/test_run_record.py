@@ -1,4 +1,4 @@
-"""pytest --record and scripts/test_record.py: the run record the README's
+"""pytest --record and tools/test_record.py: the run record the README's
 reliability table cites counts each test once, by file and outcome."""
 
 import json
@@ -32,7 +32,7 @@ def test_record_counts_each_outcome_per_file(tmp_path):
                                    "xfailed": 1},
                      "test_b.py": {"passed": 2}}
     assert data["exit_status"] == 1 and data["torch"] and data["device"]
-    table = subprocess.run([sys.executable, str(ROOT / "scripts" / "test_record.py"),
+    table = subprocess.run([sys.executable, str(ROOT / "tools" / "test_record.py"),
                             str(record)], capture_output=True, text=True, check=True).stdout
     assert "1 passed, 1 failed, 1 error, 1 skipped, 1 xfailed" in table
     assert "3 passed, 1 failed, 1 error, 1 skipped, 1 xfailed in" in table

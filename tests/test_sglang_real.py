@@ -1,6 +1,6 @@
 """The SGLang drop-in against the real SGLang code, one process per SGLang line.
 
-For each version, ``scripts/sglang_real_env.sh`` prepares (once, cached under
+For each version, ``tools/sglang_real_env.sh`` prepares (once, cached under
 ``.cache/sglang``) an overlay with that SGLang wheel and the transformers it
 pins; ``tests/sglang_real/scenarios.py`` then runs in a child process with the
 overlay first on the path (two SGLang versions cannot share one process), forked
@@ -160,6 +160,6 @@ def test_capture_holds_the_residual_stream(version, family, engine_jobs):
 
 def test_gpu_scenarios_dry_run(engine_jobs):
     """The H200 script's scenarios (tests/sglang_real/gpu_scenarios.py, run on the GPU by
-    scripts/gpu_sglang_real.sh) kept runnable: the same checks on CPU at H = 64 through
+    tools/gpu/gpu_sglang_real.sh) kept runnable: the same checks on CPU at H = 64 through
     SGLang 0.5.23's CPU paths (no FlashInfer, no CUDA graphs)."""
     assert engine_jobs.result("sglang 0.5.23 gpu scenarios dry run")["n_failed"] == 0

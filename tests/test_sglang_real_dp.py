@@ -6,7 +6,7 @@ backend (DeepEP); and plain TP 2 where the rows are token-scattered over the
 attention-TP group (DeepEP after sparse layers, moe_dense_tp_size 1 after dense
 ones). Every scenario must be ok on EVERY rank.
 
-The set-up needs PyPI (the overlays of ``scripts/sglang_real_env.sh``); on a
+The set-up needs PyPI (the overlays of ``tools/sglang_real_env.sh``); on a
 machine without it set ``EAGLE_CAPTURE_SKIP_SGLANG_REAL=1``.
 """
 

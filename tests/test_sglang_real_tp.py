@@ -1,7 +1,7 @@
 """The capture at TENSOR PARALLEL 2 inside the real SGLang code, on CPU: per
 SGLang version, two TP rank processes on gloo plus the TP 1 run they compare with.
 
-For each version, ``scripts/sglang_real_env.sh`` prepares (cached) the overlay
+For each version, ``tools/sglang_real_env.sh`` prepares (cached) the overlay
 with that SGLang wheel, as for ``tests/test_sglang_real.py``; then two child
 processes run ``tests/sglang_real/tp_scenarios.py`` with the overlay first on
 the path: ranks 0 and 1 of a world of 2 (SGLang's own distributed init on

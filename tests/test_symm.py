@@ -83,6 +83,40 @@ def test_path_table(tmp_path):
     assert default_one_shot_max_tokens(16) == default_one_shot_max_tokens(8)
 
 
+def test_measured_table_round_trip(tmp_path):
+    """Runs anywhere: the table the package builds from timings and writes is the one
+    it reads, in the documented format; the faster path per T, one_shot on a tie."""
+    from eagle_capture.parallel.paths import TABLE_FORMAT, measured_table, write_table
+    timings = [(1, 5.0, 9.0), (2, 7.0, 7.0), (64, 12.0, 10.0), (128, None, 20.0),
+               (256, 30.0, None), (512, None, None)]
+    table = measured_table(2, timings, 7168, "bfloat16", "H200", date="2026-12-06")
+    assert table == {"format": TABLE_FORMAT, "hidden_size": 7168, "dtype": "bfloat16",
+                     "device": "H200", "date": "2026-12-06",
+                     "paths": {"2": [[1, "one_shot"], [2, "one_shot"], [64, "nccl"],
+                                     [128, "nccl"], [256, "one_shot"]]}}
+    path = tmp_path / "t.json"
+    written = write_table(table, path)
+    assert json.loads(path.read_text()) == table
+    loaded = PathTable.load(str(path))
+    assert loaded.paths == written.paths == {2: [(1, "one_shot"), (2, "one_shot"), (64, "nccl"),
+                                                 (128, "nccl"), (256, "one_shot")]}
+    assert [loaded.path(2, n) for n in (1, 3, 64, 100, 200, 4096)] == \
+        ["one_shot", "nccl", "nccl", "nccl", "one_shot", "one_shot"]
+    assert len(measured_table(4, timings, 7168, "bfloat16", "H200")["date"]) == 10
+
+
+def test_write_table_refuses_what_the_reader_refuses(tmp_path):
+    """Runs anywhere: nothing measured (every row None) is an error, not an empty file."""
+    from eagle_capture.parallel.paths import measured_table, write_table
+    path = tmp_path / "t.json"
+    with pytest.raises(ValueError, match="world size 2 needs"):
+        write_table(measured_table(2, [(1, None, None)], 64, "bfloat16", "cpu"), path)
+    assert not path.exists()
+    with pytest.raises(ValueError, match="not a path table"):
+        write_table({"paths": {"2": [[1, "nccl"]]}}, path)
+    assert not path.exists()
+
+
 def test_eager_range_scan(monkeypatch):
     """Runs anywhere: the per-call overlap scan of the eager memo (addresses
     change between calls with one signature), without symmetric memory: the

@@ -19,7 +19,7 @@ clear), so a fast peer's next push lands while it is still reading: with one
 or two buffers instead of three that overwrites rows not yet read (a wrong
 sum) or rows cleared after the push (a lost row: the poll waits forever). The
 watchdog bounds every poll, so a protocol that loses a row fails in seconds
-with the flag set instead of hanging. scripts/mutation_check.py checks that
+with the flag set instead of hanging. tools/mutation_check.py checks that
 each of these mutants fails here. Runs anywhere, the GPU machine too: the
 ranks are spawned with ``TRITON_INTERPRET=1`` in their environment, because a
 spawned process imports this module -- and through conftest the package, whose
@@ -99,7 +99,7 @@ def test_one_shot_protocol_across_processes(world, by_ticket, reverse_dispatch, 
     rows by program id would then wait on a peer program that runs only after
     the waiting one (the watchdog fires). With tickets the program id is not
     used, so the shipped code runs this case as "2-by-ticket": it is the case
-    that fails when rows follow the program id (scripts/mutation_check.py)."""
+    that fails when rows follow the program id (tools/mutation_check.py)."""
     from eagle_capture.kernels.allreduce_add_rmsnorm_capture import NUM_BUFFERS, STATE_INTS
     g = torch.Generator().manual_seed(world)
     calls = len(CALL_TOKENS)

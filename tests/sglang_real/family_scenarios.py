@@ -7,7 +7,7 @@ stood in) twice from one seed: one runs SGLang's own EAGLE-3 capture, the other
 gets ``install_eagle3_capture``. What the draft receives (the LogitsProcessor's
 output) must be bit-identical in fp32.
 
-    PYTHONPATH=$(scripts/sglang_real_env.sh 0.5.23):. .venv/bin/python \\
+    PYTHONPATH=$(tools/sglang_real_env.sh 0.5.23):. .venv/bin/python \\
         -m tests.sglang_real.family_scenarios --json out.json [--only NAME ...]
 """
 

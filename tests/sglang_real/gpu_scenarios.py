@@ -4,7 +4,7 @@ capture installed by the plugin. ``--family llama | qwen3_moe | ...`` builds tha
 family's own SGLang class instead (``family_models.py``: the same stand-ins, the
 same scenarios).
 
-Run on the GPU machine through ``scripts/gpu_sglang_real.sh`` (which unpacks
+Run on the GPU machine through ``tools/gpu/gpu_sglang_real.sh`` (which unpacks
 ``.gpu_bundle/`` and sets the path), or by hand::
 
     PYTHONPATH=<sglang tree>:<site>:. python3 -m tests.sglang_real.gpu_scenarios --out r.json

@@ -23,7 +23,7 @@ output), ``draft_input(call)`` (what the EAGLE-3 draft receives),
 
 Set-up (outside this file)::
 
-    OVERLAY=$(scripts/sglang_real_env.sh 0.5.13)       # cached, idempotent
+    OVERLAY=$(tools/sglang_real_env.sh 0.5.13)       # cached, idempotent
     PYTHONPATH=$OVERLAY .venv/bin/python -m tests.sglang_real.harness --version 0.5.13
     .venv/bin/python tests/sglang_real/smoke.py 0.5.13   # does both itself
 
@@ -260,7 +260,7 @@ def _ensure_stubs():
 
 
 def use_overlay(version_dir: str) -> None:
-    """Put an overlay made by scripts/sglang_real_env.sh first on sys.path.
+    """Put an overlay made by tools/sglang_real_env.sh first on sys.path.
     Must run before anything imports sglang or transformers."""
     version_dir = os.path.abspath(version_dir)
     for mod in ("sglang", "transformers"):

@@ -2,7 +2,7 @@
 ``Eagle3DeepseekV2ForCausalLM`` (``sglang.srt.models.kimi_k25_eagle3``, 0.5.13+), on CPU,
 in one SGLang line per process (tests/test_mla_draft.py):
 
-    PYTHONPATH=$(scripts/sglang_real_env.sh 0.5.13):. python -m tests.sglang_real.mla_draft \\
+    PYTHONPATH=$(tools/sglang_real_env.sh 0.5.13):. python -m tests.sglang_real.mla_draft \\
         --json OUT --work DIR
 
 Real: the process set-up of tests/sglang_real/harness.py; the draft config read by

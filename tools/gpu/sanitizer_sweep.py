@@ -1,6 +1,6 @@
 """Every kernel flavour over a sweep of shapes, for compute-sanitizer.
 
-Run under each tool by scripts/sanitize.sh. Cases: T = 0, 1, 7, 257 (and a
+Run under each tool by tools/gpu/sanitize.sh. Cases: T = 0, 1, 7, 257 (and a
 2048-row case), H = 1, 7, 7168, contiguous and strided rows, bf16/fp16/fp32,
 every slot, aux present or not, each op. Every result is also checked against
 the reference, so a run that finishes with 0 sanitizer errors and "all N

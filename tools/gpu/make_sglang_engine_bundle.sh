@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, on a machine with a package index, what the H200 (no network; image torch
 # 2.11.0+cu130, Triton 3.6, nvcc 13, Python 3.12) needs to run SGLang's REAL engine for
-# scripts/gpu_sglang_engine.sh: SGLang 0.5.13 with its own kernel package sglang-kernel
+# tools/gpu/gpu_sglang_engine.sh: SGLang 0.5.13 with its own kernel package sglang-kernel
 # 0.4.3, trimmed to what an offline sglang.Engine(...) on one Hopper GPU uses with
 # SGLang's Triton attention backend, and the light pure-Python dependencies the image lacks.
 #
@@ -18,7 +18,7 @@
 #     stay: sgl_kernel 0.4.3's rmsnorm JIT-compiles FlashInfer's norm.cu on first use);
 #   sglang/multimodal_gen (diffusion serving), sglang/srt/grpc/_core (the gRPC server),
 #     jit_kernel/tests and jit_kernel/benchmark, __pycache__, the RECORDs.
-# sm90/common_ops keeps only its sm_90 kernels (scripts/fatbin_sm90.py: sm_80/89/100/103/120
+# sm90/common_ops keeps only its sm_90 kernels (tools/gpu/fatbin_sm90.py: sm_80/89/100/103/120
 # copies dropped; the ELF layout is unchanged). SGLang's jit_kernel (norm, rope, activation)
 # compiles with nvcc through apache-tvm-ffi on first use: its sources stay.
 # libnuma.so.1 (sgl_kernel's common_ops needs it) travels for an image that lacks it.
@@ -29,7 +29,7 @@
 #   .sglang_engine/libnuma.so.1
 #   .whl_sglang/                   transformers 5.8.1, tvm-ffi, pydantic, pyzmq, ... (--no-deps)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 SGLANG_VERSION=0.5.13 KERNEL_VERSION=0.4.3 FLASHINFER_VERSION=0.6.12
 say() { echo "make_sglang_engine_bundle: $*" >&2; }
 WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT
@@ -67,7 +67,7 @@ rm -rf flashinfer/data/cutlass flashinfer/data/cccl sglang/multimodal_gen sglang
        flashinfer_python-*.dist-info/RECORD sglang_kernel-*.dist-info/RECORD
 find . -name __pycache__ -prune -exec rm -rf {} +
 EXT=sgl_kernel/sm90/common_ops.abi3.so
-python3 "$OLDPWD/scripts/fatbin_sm90.py" "$EXT" "$EXT.sm90" && mv "$EXT.sm90" "$EXT"
+python3 "$OLDPWD/tools/gpu/fatbin_sm90.py" "$EXT" "$EXT.sm90" && mv "$EXT.sm90" "$EXT"
 tar -cf - sglang sgl_kernel flashinfer sglang-*.dist-info sglang_kernel-*.dist-info \
     flashinfer_python-*.dist-info | xz -T0 -9e > "$OLDPWD/.sglang_engine/sglang.tar.xz"
 cd "$OLDPWD"

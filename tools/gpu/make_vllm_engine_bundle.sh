@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Build, on a machine with a package index, what the H200 (no network; image torch
 # 2.11.0+cu130, Triton 3.6, Python 3.12) needs to run vLLM's REAL CUDA engine for
-# scripts/gpu_vllm_engine.sh: vLLM's own CUDA wheel, trimmed to what an offline
+# tools/gpu/gpu_vllm_engine.sh: vLLM's own CUDA wheel, trimmed to what an offline
 # LLM(...) on one Hopper GPU uses, and the light pure-Python dependencies the image lacks.
 #
-#   bash scripts/make_vllm_engine_bundle.sh [VERSION]     # 0.32.0 (default) or 0.34.0
+#   bash tools/gpu/make_vllm_engine_bundle.sh [VERSION]     # 0.32.0 (default) or 0.34.0
 #
 # Why this vLLM runs on that torch: from 0.29 every vLLM extension is built on LibTorch's
 # stable C ABI with TORCH_TARGET_VERSION 2.11 (no mangled c10/at symbols), so the kernels
 # load under the image's torch 2.11 although the metadata pins torch 2.13 (0.32.0) or 2.14
-# (0.34.0). Checked here on the kept extensions (scripts/torch_abi_check.py: no LibTorch C++
+# (0.34.0). Checked here on the kept extensions (tools/gpu/torch_abi_check.py: no LibTorch C++
 # symbol; with TORCH_ABI_WHEEL=/path/torch-2.11.0-...whl also every stable C ABI symbol
 # defined by that torch).
 #
@@ -17,7 +17,7 @@
 #   vllm-rs (the Rust HTTP frontend), fmha_sm100 / deep_gemm (Blackwell, FP8 GEMM),
 #   _vllm_fa2_C (FlashAttention 2: FA3 serves Hopper), _qutlass_C, _flashkda_C,
 #   _deepselect_C, _moe_C (MoE kernels: the engine runs here are dense), the RECORD.
-# _C_stable_libtorch keeps only its sm_90 kernels (scripts/fatbin_sm90.py: 51.9 MiB of
+# _C_stable_libtorch keeps only its sm_90 kernels (tools/gpu/fatbin_sm90.py: 51.9 MiB of
 # mostly other architectures; the ELF layout is unchanged).
 #
 # 0.34.0 also drops vllm/third_party/tml_fa4 (FlashAttention 4, Blackwell) and
@@ -26,12 +26,12 @@
 # Output (ignored folders; carry both, ~55 MiB with the repository, under a call's 64 MiB):
 #   .vllm_engine/vllm_C.tar.xz     _C_stable_libtorch, sm_90 only
 #   .vllm_engine/vllm_rest.tar.xz  vLLM's Python tree, FA3 and the small extensions
-#   .vllm_engine/VERSION           the vLLM version (scripts/gpu_vllm_engine.sh checks it)
+#   .vllm_engine/VERSION           the vLLM version (tools/gpu/gpu_vllm_engine.sh checks it)
 #   .whl/                          pydantic, msgspec, pyzmq, openai, xgrammar, ... (--no-deps)
 #   .vllm_cutlass_0/, .vllm_cutlass_1/   (0.34.0) nvidia-cutlass-dsl's cu13 libraries, an
 #                                  xz tar in two halves: a third and a fourth call's carry
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VLLM_VERSION=${1:-0.32.0}
 CUTLASS_LIBS=""
 say() { echo "make_vllm_engine_bundle: $*" >&2; }
@@ -70,9 +70,9 @@ rm -rf vllm/vllm-rs vllm/third_party/fmha_sm100 vllm/third_party/deep_gemm \
 find . -name __pycache__ -prune -exec rm -rf {} +
 EXT=vllm/_C_stable_libtorch.abi3.so
 # Every kept extension must load under the image's torch 2.11 (see above).
-python3 "$OLDPWD/scripts/torch_abi_check.py" $(find vllm -name '*.so') \
+python3 "$OLDPWD/tools/gpu/torch_abi_check.py" $(find vllm -name '*.so') \
     ${TORCH_ABI_WHEEL:+--torch-wheel "$TORCH_ABI_WHEEL"} >&2
-python3 "$OLDPWD/scripts/fatbin_sm90.py" "$EXT" "$EXT.sm90" && mv "$EXT.sm90" "$EXT"
+python3 "$OLDPWD/tools/gpu/fatbin_sm90.py" "$EXT" "$EXT.sm90" && mv "$EXT.sm90" "$EXT"
 tar -cf - "$EXT" | xz -T0 -9e > "$OLDPWD/.vllm_engine/vllm_C.tar.xz"
 tar -cf - --exclude="$EXT" vllm "vllm-$VLLM_VERSION.dist-info" | xz -T0 -9e > "$OLDPWD/.vllm_engine/vllm_rest.tar.xz"
 cd "$OLDPWD"

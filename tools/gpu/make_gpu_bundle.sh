@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Build .gpu_bundle/: what scripts/gpu_sglang_real.sh needs on a GPU machine with
+# Build .gpu_bundle/: what tools/gpu/gpu_sglang_real.sh needs on a GPU machine with
 # no network (python3 3.12, torch 2.11 + Triton 3.6, nvcc 13, ninja) to run
 # SGLang 0.5.23's REAL DeepseekV2 model code with FlashInfer's real norm kernels.
 #
-#   bash scripts/make_gpu_bundle.sh          # idempotent; prints the bundle's size
+#   bash tools/gpu/make_gpu_bundle.sh          # idempotent; prints the bundle's size
 #
 # Contents (about 35 MiB; every archive is xz-compressed):
 #   sglang-0.5.23.tar.xz        SGLang 0.5.23's Python tree, copied from the CPU
-#                               overlay .cache/sglang/0.5.23 (scripts/sglang_real_env.sh;
+#                               overlay .cache/sglang/0.5.23 (tools/sglang_real_env.sh;
 #                               pip offers 0.5.23 only as a cp311 wheel): without
 #                               sglang/multimodal_gen, sglang/test and the cp311 Rust
 #                               extensions (*.so), which the model code does not import
@@ -39,7 +39,7 @@
 # Downloads are cached under .cache/gpu_bundle_dl/ (git-ignored). The bundle folder
 # is git-ignored through .git/info/exclude (this script adds the line).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 
 BUNDLE=.gpu_bundle
@@ -74,7 +74,7 @@ grep -qxF '/.gpu_bundle/' "$EXCLUDE" 2>/dev/null || echo '/.gpu_bundle/' >> "$EX
 
 if [ "$FLASHINFER_ONLY" != 1 ] && [ ! -f "$OVERLAY/.ok" ]; then
     say "building the CPU overlay $OVERLAY first"
-    bash scripts/sglang_real_env.sh "$SGLANG_VER" >/dev/null
+    bash tools/sglang_real_env.sh "$SGLANG_VER" >/dev/null
 fi
 for d in sglang "sglang-$SGLANG_VER.dist-info" transformers "transformers-$TF_VER.dist-info"; do
     [ "$FLASHINFER_ONLY" = 1 ] || [ -e "$OVERLAY/$d" ] || { say "missing $OVERLAY/$d"; exit 1; }
@@ -296,7 +296,7 @@ fi
 # --------------------------------------------------------------- manifest
 {
     echo "# .gpu_bundle for $([ "$FLASHINFER_ONLY" = 1 ] && echo "benchmarks/flashinfer_norm.py" \
-        || echo "scripts/gpu_sglang_real.sh") (built $(date -u +%Y-%m-%dT%H:%MZ))"
+        || echo "tools/gpu/gpu_sglang_real.sh") (built $(date -u +%Y-%m-%dT%H:%MZ))"
     if [ "$FLASHINFER_ONLY" = 1 ]; then
         echo "flashinfer-python $FI_VER (norm only) and apache-tvm-ffi: FLASHINFER_ONLY=1, no SGLang"
     else

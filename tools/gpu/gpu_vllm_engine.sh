@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200 (no network): vLLM's real CUDA engine with the eagle-capture plugin, from
-# scripts/make_vllm_engine_bundle.sh's folders (carry [".vllm_engine", ".whl"]).
-#   bash scripts/gpu_vllm_engine.sh [--vllm VERSION] smoke accept speed   # steps, in order
+# tools/gpu/make_vllm_engine_bundle.sh's folders (carry [".vllm_engine", ".whl"]).
+#   bash tools/gpu/gpu_vllm_engine.sh [--vllm VERSION] smoke accept speed   # steps, in order
 # VERSION (default 0.32.0) must be the bundle's (.vllm_engine/VERSION; 0.32.0 if absent).
 # vLLM 0.34 has the V2 model runner only: accept runs V2, speed refuses (vllm_engine.py).
 # Installs once per machine and version (/tmp/vllm_site, /tmp/vllm_site-VERSION for another
@@ -11,7 +11,7 @@
 # [".vllm_cutlass_1"] with the steps (0.34.0's nvidia-cutlass-dsl libraries in two halves).
 # Runs benchmarks/vllm_engine.py; results and log lines land in $OUT.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VER=0.32.0
 if [ "${1:-}" = "--vllm" ]; then VER=${2:?--vllm needs a version}; shift 2; fi
 # 0.32.0 keeps its site folder of before (commands name PYTHONPATH=/tmp/vllm_site).
@@ -21,7 +21,7 @@ if ls .vllm_engine/*.tar.xz >/dev/null 2>&1; then
     BUNDLE=$(cat .vllm_engine/VERSION 2>/dev/null || echo 0.32.0)
     if [ "$BUNDLE" != "$VER" ]; then
         echo "gpu_vllm_engine: the bundle in .vllm_engine is vLLM $BUNDLE, not $VER" \
-             "(bash scripts/make_vllm_engine_bundle.sh $VER)"; exit 2
+             "(bash tools/gpu/make_vllm_engine_bundle.sh $VER)"; exit 2
     fi
     if [ ! -f "$SITE/.engine_ok" ]; then
         for t in .vllm_engine/*.tar.xz; do
@@ -58,7 +58,7 @@ fi
 if [ -n "$missing" ]; then
     echo "gpu_vllm_engine: vLLM $VER not installed yet on this machine: carry$missing"
     # With no step (a call that only carries a part) that is expected, unless the
-    # caller needs vLLM now (REQUIRE_INSTALLED=1: scripts/gpu_session.sh).
+    # caller needs vLLM now (REQUIRE_INSTALLED=1: tools/gpu/gpu_session.sh).
     [ $# = 0 ] && [ -z "${REQUIRE_INSTALLED:-}" ] && exit 0 || exit 2
 fi
 if [ ! -f "$SITE/.ok" ]; then

@@ -3,9 +3,9 @@
 # default; --family llama | qwen3_moe | ... another family's, gpu_scenarios.py)
 # with the fused EAGLE-3 capture, FlashInfer's real fused_add_rmsnorm as SGLang's
 # own norm kernel (tests/sglang_real/gpu_scenarios.py). Needs .gpu_bundle/ (built
-# here by scripts/make_gpu_bundle.sh, carried to the GPU machine).
+# here by tools/gpu/make_gpu_bundle.sh, carried to the GPU machine).
 #
-#   bash scripts/gpu_sglang_real.sh [gpu_scenarios.py arguments]
+#   bash tools/gpu/gpu_sglang_real.sh [gpu_scenarios.py arguments]
 #
 # Writes $OUT/gpu_sglang_real.json and $OUT/gpu_sglang_real.log (OUT defaults to
 # benchmarks/out). Exit status: 0 every check passed; 1 a check failed; 2 the
@@ -23,7 +23,7 @@
 # SGLang tree), RUN_TIMEOUT_S (default 330, per python run),
 # JIT_TIMEOUT_S (default 200), NORM_IMPL (flashinfer, or torch to skip FlashInfer).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 PY=${PY:-python3}
 SITE=${SITE:-/tmp/site}
@@ -33,7 +33,7 @@ B=.gpu_bundle
 T0=$SECONDS
 say() { echo "gpu_sglang_real: [$((SECONDS - T0)) s] $*"; }
 
-[ -d "$B/wheels" ] || { say "no $B/wheels: run scripts/make_gpu_bundle.sh and carry $B"; exit 2; }
+[ -d "$B/wheels" ] || { say "no $B/wheels: run tools/gpu/make_gpu_bundle.sh and carry $B"; exit 2; }
 mkdir -p "$OUT" "$SITE" "$SGL"
 
 say "installing $(ls "$B"/wheels/*.whl | wc -l) wheels into $SITE"

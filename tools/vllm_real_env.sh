@@ -2,7 +2,7 @@
 # Prepare everything needed to import and run the REAL vLLM with the test venv's
 # python on a CPU-only machine, for tests/vllm_real/.
 #
-#   scripts/vllm_real_env.sh [VERSION]     # default 0.32.0; prints the overlay dir
+#   tools/vllm_real_env.sh [VERSION]     # default 0.32.0; prints the overlay dir
 #
 # One overlay dir .cache/vllm/VERSION gets vLLM VERSION, the transformers it pins and
 # the light dependencies vLLM's import graph, its engine and its EAGLE-3 path need
@@ -47,7 +47,7 @@ esac
 # none depends on torch).
 DEPS="apache-tvm-ffi cachetools cbor2 cloudpickle llguidance openai-harmony prometheus-client
       py-cpuinfo uvloop loguru"
-# Already in the test venv (scripts/sglang_real_env.sh's shared deps): numpy,
+# Already in the test venv (tools/sglang_real_env.sh's shared deps): numpy,
 # packaging, regex, psutil, pyzmq, urllib3, aiohttp, requests, openai, pillow,
 # pybase64, msgspec, fastapi, partial_json_parser, einops, pydantic.
 NEED_VENV="numpy packaging regex psutil zmq urllib3 aiohttp requests openai PIL pybase64 msgspec
@@ -66,9 +66,9 @@ print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))
 PY
 )
     if [ -n "$missing" ]; then
-        # scripts/sglang_real_env.sh installs these; run it once for any version.
+        # tools/sglang_real_env.sh installs these; run it once for any version.
         echo "vllm_real_env: the test python lacks: $missing (installing SGLang's shared deps)" >&2
-        bash scripts/sglang_real_env.sh 0.5.23 >/dev/null
+        bash tools/sglang_real_env.sh 0.5.23 >/dev/null
     fi
     echo "vllm_real_env: building overlay $OVERLAY ($KEY)" >&2
     rm -rf "$OVERLAY"

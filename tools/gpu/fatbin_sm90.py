@@ -1,6 +1,6 @@
 """Cut a CUDA extension's fatbins down to what one GPU architecture loads.
 
-    python3 scripts/fatbin_sm90.py IN.so OUT.so [--arch 90]
+    python3 tools/gpu/fatbin_sm90.py IN.so OUT.so [--arch 90]
 
 vLLM's CUDA wheel carries every kernel for sm_80 ... sm_120 in each fatbin container
 of the ``.nv_fatbin`` section; an H200 loads only the sm_90 ELF images (or PTX where a
@@ -9,7 +9,7 @@ container, shrinks the container's size field and zero-fills the rest: container
 start addresses (what ``.nvFatBinSegment`` points at) and the ELF layout are
 unchanged, so the loader and the driver see a valid file, and the zeros compress to
 nothing (vLLM's ``_C_stable_libtorch``: 51.9 MiB -> 15.9 MiB compressed). Used by
-scripts/make_vllm_engine_bundle.sh only; the bundle never enters the repository.
+tools/gpu/make_vllm_engine_bundle.sh only; the bundle never enters the repository.
 """
 
 import argparse

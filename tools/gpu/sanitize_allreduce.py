@@ -2,7 +2,7 @@
 checked against a float reference: the workload for compute-sanitizer.
 
     compute-sanitizer --tool memcheck --target-processes all \
-        torchrun --nproc-per-node 2 scripts/sanitize_allreduce.py
+        torchrun --nproc-per-node 2 tools/gpu/sanitize_allreduce.py
 
 Prints "rank R: all N calls ok" per rank; exits 1 on a mismatch."""
 

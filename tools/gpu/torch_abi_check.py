@@ -1,7 +1,7 @@
 """Will these CUDA extensions load under another torch? Their LibTorch needs, read
 from the ELF files with binutils' ``nm``:
 
-    python3 scripts/torch_abi_check.py EXT.so ... [--torch-wheel torch-2.11.0-...whl]
+    python3 tools/gpu/torch_abi_check.py EXT.so ... [--torch-wheel torch-2.11.0-...whl]
 
 * C++ symbols of c10 / at / torch / caffe2 (mangled ``_ZN3c10``, ``_ZN2at``, ...) tie an
   extension to the torch it was built with: any such undefined symbol fails the check.
@@ -10,7 +10,7 @@ from the ELF files with binutils' ``nm``:
   wheel's ``libtorch*.so`` / ``libc10*.so``.
 
 One line per extension; exit 0 when every one passes, 1 when one fails, 2 on bad input.
-Used by scripts/make_vllm_engine_bundle.sh (the GPU image runs torch 2.11).
+Used by tools/gpu/make_vllm_engine_bundle.sh (the GPU image runs torch 2.11).
 """
 
 import argparse

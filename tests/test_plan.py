@@ -10,8 +10,13 @@ import torch
 import torch.distributed as dist
 
 from eagle_capture import AuxCaptureBuffer
-from eagle_capture.layer_ids.plan import (CapturePlanError, build_plan, ids_from_draft_config, main,
-                                plan_from_draft_config)
+from eagle_capture.layer_ids.plan import (
+    CapturePlanError,
+    build_plan,
+    ids_from_draft_config,
+    main,
+    plan_from_draft_config,
+)
 
 KIMI_IDS = [1, 29, 57]          # SpecForge's ids for a 61-layer target: outputs of these layers
 

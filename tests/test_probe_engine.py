@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 import forkserver
+from eagle_capture.probe.probe import run_probe
 from engine_env import BASE_ENV, vllm_needs, vllm_overlay
 from engine_jobs import Job
 from tests.vllm_real.harness import link_modelinfos
-from eagle_capture.probe.probe import run_probe
 
 pytest.importorskip("transformers")
 

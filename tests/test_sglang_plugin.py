@@ -9,9 +9,13 @@ import logging
 import pytest
 
 from eagle_capture.integrations.sglang import plugin
-from eagle_capture.integrations.sglang.sizing import (DEFAULT_MAX_TOKENS, MAX_TOKENS_ENV, ServingLimits,
-                                         read_limits, size_buffer_for)
-
+from eagle_capture.integrations.sglang.sizing import (
+    DEFAULT_MAX_TOKENS,
+    MAX_TOKENS_ENV,
+    ServingLimits,
+    read_limits,
+    size_buffer_for,
+)
 
 # ------------------------------------------------------------------- sizing
 

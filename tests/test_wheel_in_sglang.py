@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from checkout import ROOT, build_dists, fresh_checkout
+from checkout import build_dists, fresh_checkout
 from engine_env import sglang_env, sglang_needs
 from engine_jobs import Job
 

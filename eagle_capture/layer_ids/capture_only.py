@@ -27,8 +27,7 @@ No draft config is read: the draft's own ids never reach SGLang in this mode.
 from typing import Optional, Sequence
 
 from eagle_capture.layer_ids import engine_facts
-from eagle_capture.layer_ids.lines import (NEWEST_READ, CapturePlanError, SGLangLine,
-                                           parse_version)
+from eagle_capture.layer_ids.lines import NEWEST_READ, CapturePlanError, SGLangLine, parse_version
 
 FLAG = "--enable-return-aux-hidden-states"
 IDS_FLAG = "--return-aux-hidden-state-layer-ids"

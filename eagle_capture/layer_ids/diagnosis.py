@@ -15,11 +15,22 @@ from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from eagle_capture.layer_ids import capture_only, deployment, engine_facts, tensors
-from eagle_capture.layer_ids.deployment import WIDTH, wrap as _wrap
-from eagle_capture.layer_ids.lines import (SGLANG_LINES, VLLM_LINE, CapturePlanError, DraftIds,
-                                           SGLangLine, assumed_note, default_capture_layers,
-                                           draft_architectures, line_of, parse_version,
-                                           specforge_default_ids, vllm_lines)
+from eagle_capture.layer_ids.deployment import WIDTH
+from eagle_capture.layer_ids.deployment import wrap as _wrap
+from eagle_capture.layer_ids.lines import (
+    SGLANG_LINES,
+    VLLM_LINE,
+    CapturePlanError,
+    DraftIds,
+    SGLangLine,
+    assumed_note,
+    default_capture_layers,
+    draft_architectures,
+    line_of,
+    parse_version,
+    specforge_default_ids,
+    vllm_lines,
+)
 from eagle_capture.layer_ids.rules import SHIFT_ALWAYS, ModelRule, model_rule_of
 from eagle_capture.layer_ids.startup import slot_order_problem
 from eagle_capture.layer_ids.trainers import CONVENTIONS, Provenance, Reading, recognise
@@ -851,11 +862,11 @@ def _vllm_notes(draft: Optional[DraftIds], ids, provenance: Provenance) -> list[
     if ids is not None and not provenance.ambiguous \
             and provenance.readings[0].convention == "output":
         notes.append(
-            f"vLLM captures id k as the input of layer k (the output of layer k - 1), without "
-            f"SGLang's +1: a draft trained by SpecForge (id X = the output of layer X) gets "
-            f"every capture one layer early (a field report of the same off-by-one on another "
-            f"model: acceptance ~45% -> ~10%). If the ids were written for vLLM's rule (the "
-            f"draft trained on vLLM's own captures), pass --id-convention input")
+            "vLLM captures id k as the input of layer k (the output of layer k - 1), without "
+            "SGLang's +1: a draft trained by SpecForge (id X = the output of layer X) gets "
+            "every capture one layer early (a field report of the same off-by-one on another "
+            "model: acceptance ~45% -> ~10%). If the ids were written for vLLM's rule (the "
+            "draft trained on vLLM's own captures), pass --id-convention input")
     return notes
 
 

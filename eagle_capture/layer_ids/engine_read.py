@@ -20,8 +20,8 @@ installed). What is read:
 """
 
 import ast
-import re
 import builtins
+import re
 import zipfile
 from dataclasses import dataclass, field
 from typing import Optional

@@ -29,8 +29,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Union
 
-from eagle_capture.layer_ids.lines import (CapturePlanError, default_capture_layers, line_of, read_draft_ids,
-                           specforge_default_ids)
+from eagle_capture.layer_ids.lines import (
+    CapturePlanError,
+    default_capture_layers,
+    line_of,
+    read_draft_ids,
+    specforge_default_ids,
+)
 
 __all__ = ["CONVENTIONS", "CapturePlan", "CapturePlanError", "SlotInfo", "build_plan",
            "default_capture_layers", "ids_from_draft_config", "plan_from_draft_config",
@@ -212,6 +217,7 @@ def plan_from_draft_config(config: Union[dict, str, os.PathLike], num_layers: in
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m eagle_capture.layer_ids.plan`` is the doctor now (one CLI, one verdict)."""
     import sys
+
     from eagle_capture.cli import doctor
     print("eagle_capture.layer_ids.plan: the capture plan is part of the doctor's output now; running "
           "`eagle-capture doctor`", file=sys.stderr)

@@ -45,7 +45,7 @@ ids equal to the input-convention default then are ambiguous.
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 from eagle_capture.layer_ids.lines import CapturePlanError
 from eagle_capture.layer_ids.rules import SHIFT_ALWAYS, apply_rule, sglang_model_rule

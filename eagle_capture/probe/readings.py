@@ -12,8 +12,13 @@ from typing import Optional, Sequence
 import torch
 
 from eagle_capture.layer_ids.diagnosis import model_lines
-from eagle_capture.layer_ids.lines import (SGLANG_LINES, DraftIds, default_capture_layers,
-                                           line_of, vllm_lines)
+from eagle_capture.layer_ids.lines import (
+    SGLANG_LINES,
+    DraftIds,
+    default_capture_layers,
+    line_of,
+    vllm_lines,
+)
 from eagle_capture.layer_ids.trainers import Provenance
 
 __all__ = ["SGLANG_DEFAULT", "Candidate", "candidates", "config_order", "first_step_agreement",

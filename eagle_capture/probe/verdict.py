@@ -169,8 +169,8 @@ def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: f
             f"MISMATCH: the draft was trained with its slots in the config's order, capture "
             f"layers {want} in that order ({pct(won)}"
             + (f"; ascending, {sorted(want)}, {pct(asc)}" if asc is not None else "")
-            + f"): no engine can feed it so. SGLang and vLLM capture in ascending layer order "
-              f"whatever the order of the ids, so no id list fixes it on either engine")
+            + "): no engine can feed it so. SGLang and vLLM capture in ascending layer order "
+              "whatever the order of the ids, so no id list fixes it on either engine")
         report.fixes.append(_fc_reorder(want, draft_spec, ids))
         want = sorted(want)
     elif ids and slot_order_problem(ids) and want == list(top.layers):

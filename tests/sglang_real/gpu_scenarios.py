@@ -583,9 +583,9 @@ def make_models(ctx, res: Results):
 def scenario_flashinfer(ctx, res: Results):
     """FlashInfer's routed kernel vs a fp32 torch reference, and our fused op vs
     FlashInfer, on random [T, H] inputs."""
+    import sgl_kernel
     import torch
 
-    import sgl_kernel
     from eagle_capture import ops
 
     out = {"route": ROUTED_TO["impl"]}

@@ -332,7 +332,10 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
     if syncs:   # the forwards sync their DP / MoE rows
         try:   # 0.5.20+: model_path "dummy" skips the resolution that fills it in
             from sglang.srt.model_executor.cuda_graph_config import (
-                Backend, CudaGraphConfig, PhaseConfig)
+                Backend,
+                CudaGraphConfig,
+                PhaseConfig,
+            )
             args["cuda_graph_config"] = CudaGraphConfig(
                 decode=PhaseConfig(backend=Backend.DISABLED),
                 prefill=PhaseConfig(backend=Backend.DISABLED))
@@ -374,9 +377,9 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
         publish_call = "set_global_server_args_for_scheduler"
     _STATE["server_args"] = server_args
 
-    from sglang.srt.distributed import parallel_state as ps
-
     import inspect
+
+    from sglang.srt.distributed import parallel_state as ps
 
     extra = {}
     if tp_size > 1:   # what the model runner calls before init_distributed_environment

@@ -510,8 +510,9 @@ def _capture_only_ids(args, num_layers: int):
     SGLang's own ``resolve_spec_aux_hidden_state_config`` (no draft, the published
     ``--return-aux-hidden-state-layer-ids``), as ``ModelRunner.init_spec_aux_hidden_state``
     calls it."""
-    from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import \
-        resolve_spec_aux_hidden_state_config
+    from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
+        resolve_spec_aux_hidden_state_config,
+    )
     from sglang.srt.runtime_context import get_spec
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     model_config = types.SimpleNamespace(

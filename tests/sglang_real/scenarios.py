@@ -370,10 +370,12 @@ def _piecewise_context():
         return compile_module.set_compiled(True)
     try:                                                 # 0.5.18 and later
         from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph import (
-            enable_tc_piecewise_cuda_graph as enable)
+            enable_tc_piecewise_cuda_graph as enable,
+        )
     except ImportError:                                  # 0.5.13
         from sglang.srt.compilation.piecewise_context_manager import (
-            enable_piecewise_cuda_graph as enable)
+            enable_piecewise_cuda_graph as enable,
+        )
     return enable()
 
 
@@ -384,7 +386,8 @@ def _fused_ops_compile_mode(*models):
     each op's lazy forward method while still eager); earlier lines have none."""
     try:
         from sglang.srt.model_executor.runner_backend.tc_piecewise_cuda_graph_backend import (
-            _toggle_fused_ops as toggle)
+            _toggle_fused_ops as toggle,
+        )
     except ImportError:
         yield
         return
@@ -550,11 +553,15 @@ def model_id_rules():
     import importlib
     import pathlib
 
-    from sglang.srt import models as models_pkg   # a namespace package: no __file__
+    from sglang.srt import models as models_pkg  # a namespace package: no __file__
 
     from eagle_capture.layer_ids.lines import parse_version
-    from eagle_capture.layer_ids.rules import (SGLANG_MODEL_RULES, WRAPPERS, _read_version,
-                                               apply_rule)
+    from eagle_capture.layer_ids.rules import (
+        SGLANG_MODEL_RULES,
+        WRAPPERS,
+        _read_version,
+        apply_rule,
+    )
 
     version = harness.sglang_version()
     read = _read_version(parse_version(version))
@@ -624,11 +631,10 @@ def draft_config_reading():
     import importlib
     import types
 
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from transformers import PretrainedConfig
 
     from eagle_capture.layer_ids.lines import line_of
-
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     try:
         spec_aux = importlib.import_module(
             "sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state")
@@ -1064,7 +1070,7 @@ def main() -> None:
     args = parser.parse_args()
     harness.setup()
     results = {"version": harness.sglang_version()}
-    from tests.sglang_real import family_scenarios   # the other families, same process
+    from tests.sglang_real import family_scenarios  # the other families, same process
     every = {**SCENARIOS, **{f"family_{k}": v for k, v in family_scenarios.SCENARIOS.items()}}
     for name, fn in every.items():
         if (args.only and name not in args.only) or name in args.skip:

@@ -642,7 +642,6 @@ def verify_fused_allreduce_tp2():
 
 
 def _plugin_equals_sglang(arch: str):
-    from tests.sglang_real import plugin_scenarios as ps
 
     if arch == "KimiK25ForConditionalGeneration":
         import importlib.util

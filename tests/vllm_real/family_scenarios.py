@@ -110,7 +110,8 @@ def tp2(family: str, work: str) -> dict:
 def pipeline(work: str) -> dict:
     """Two pipeline stages (vLLM's group stood in: this CPU run has one process):
     what each family's rule does on each stage."""
-    from eagle_capture.integrations.vllm import install as vllm_install, model as plugin_model
+    from eagle_capture.integrations.vllm import install as vllm_install
+    from eagle_capture.integrations.vllm import model as plugin_model
 
     class Stage:
         world_size = 2

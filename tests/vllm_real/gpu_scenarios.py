@@ -27,7 +27,6 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 
 import torch  # noqa: E402
 
-
 from tests.vllm_real import gpu_stubs  # noqa: E402,F401 - (also sitecustomize there)
 
 WORK = tempfile.mkdtemp(prefix="vllm_gpu_")
@@ -230,9 +229,9 @@ def _family_stand_ins() -> None:
 
 
 def _family_pair(family, dtype="float32", compiled=False):
-    from eagle_capture.integrations.vllm.checked import vllm_class
     from vllm.plugins import load_general_plugins
 
+    from eagle_capture.integrations.vllm.checked import vllm_class
     from tests.vllm_real import family_models as fm
     from tests.vllm_real import harness as h
 

@@ -151,8 +151,10 @@ def init_distributed(vllm_config, world_size: int = 1, rank: int = 0,
     """vLLM's world and model-parallel groups (once per process): gloo on CPU,
     NCCL on a GPU."""
     from vllm.config import set_current_vllm_config
-    from vllm.distributed.parallel_state import (init_distributed_environment,
-                                                 initialize_model_parallel)
+    from vllm.distributed.parallel_state import (
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
 
     if _DIST:
         return
@@ -188,8 +190,10 @@ def load(vllm_config, model_class=None):
     reference, vLLM's own class given by name."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model, get_model_loader
-    from vllm.model_executor.model_loader.utils import (initialize_model,
-                                                        process_weights_after_loading)
+    from vllm.model_executor.model_loader.utils import (
+        initialize_model,
+        process_weights_after_loading,
+    )
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     with set_current_vllm_config(vllm_config):
@@ -212,8 +216,10 @@ class StandInAttention(torch.nn.Module):
 
     def __init__(self, hidden: int, seed: int, prefix: str, dtype: torch.dtype) -> None:
         super().__init__()
-        from vllm.distributed import (get_tensor_model_parallel_rank,
-                                      get_tensor_model_parallel_world_size)
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
         from vllm.model_executor.layers.linear import RowParallelLinear
 
         self.tp = get_tensor_model_parallel_world_size()

@@ -55,6 +55,7 @@ class _FFN(torch.nn.Module):
 
 def measure(family: str, work: str) -> dict:
     import transformers
+
     from eagle_capture.integrations.vllm.checked import vllm_class
 
     if family == "deepseek_v3":

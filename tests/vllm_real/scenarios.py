@@ -27,8 +27,8 @@ import torch  # noqa: E402
 import vllm  # noqa: E402,F401 - its logging set-up first (it disables earlier loggers)
 
 from tests.vllm_real import family_scenarios as fs  # noqa: E402
-from tests.vllm_real import hf_tensor  # noqa: E402
 from tests.vllm_real import harness as h  # noqa: E402
+from tests.vllm_real import hf_tensor  # noqa: E402
 
 WORK = tempfile.mkdtemp(prefix="vllm_real_")
 IDS = [(2, 4, 5), (1, 4, 8), (5, 1, 3), (3,), (1, 2, 3, 4, 5, 6, 7, 8)]
@@ -105,10 +105,9 @@ def plugin_registry():
     language model Kimi-K2.5 / Kimi-VL build through it); names, state_dict keys
     and loaded weights are vLLM's."""
     from vllm import ModelRegistry
-    from vllm.model_executor.models.deepseek_v2 import (DeepseekV2ForCausalLM,
-                                                        DeepseekV3ForCausalLM)
-    from vllm.model_executor.models.utils import init_vllm_registered_model
     from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+    from vllm.model_executor.models.utils import init_vllm_registered_model
 
     (ref, _), (ours, vc) = _pair()
     resolved = {arch: ModelRegistry._try_load_model_cls(arch).__name__
@@ -210,7 +209,8 @@ def same_as_vllm_bf16():
 def refusals():
     """What vLLM's own capture would get wrong stops the install (the server
     would not start); what the fused capture does not handle leaves vLLM's own."""
-    from eagle_capture.integrations.vllm import checked, model as plugin_model
+    from eagle_capture.integrations.vllm import checked
+    from eagle_capture.integrations.vllm import model as plugin_model
 
     ref, ours = _pair()
     model = ours[0]
@@ -436,12 +436,16 @@ def doctor_rules():
     input), including unsorted ids."""
     from types import SimpleNamespace
 
-    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import \
-        get_eagle3_aux_layers_from_config
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from eagle_capture.layer_ids.lines import (VLLM_LINE, VLLM_V1, VLLM_V2,
-                                               default_capture_layers, read_draft_ids)
+    from eagle_capture.layer_ids.lines import (
+        VLLM_LINE,
+        VLLM_V1,
+        VLLM_V2,
+        default_capture_layers,
+        read_draft_ids,
+    )
 
     def listed(ids):
         return None if ids is None else list(ids)
@@ -694,8 +698,7 @@ def runner_install():
     import inspect
 
     from vllm.config import set_current_vllm_config
-    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
-        set_eagle3_aux_hidden_state_layers)
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import set_eagle3_aux_hidden_state_layers
 
     folder = h.write_draft_config(os.path.join(WORK, "draft_runner"), num_aux=3)
     path = os.path.join(folder, "config.json")

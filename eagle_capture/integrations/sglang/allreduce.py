@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from eagle_capture.parallel.paths import PathTable, TABLE_ENV, default_one_shot_max_tokens
+from eagle_capture.parallel.paths import TABLE_ENV, PathTable, default_one_shot_max_tokens
 
 ONE_SHOT, NCCL, ENGINE_FUSION = "one_shot", "nccl", "engine_fusion"
 

@@ -44,14 +44,21 @@ import torch
 
 from eagle_capture.buffer import AuxCaptureBuffer
 from eagle_capture.integrations.sglang import allreduce
-from eagle_capture.integrations.sglang.norms import (CapturingLogitsMixin, CapturingNormMixin,
-                                                     SlotResidualPostNormMixin, with_mixin)
-from eagle_capture.integrations.sglang.server_modes import (UnsupportedServer,
-                                                            allreduce_fusion_max_tokens,
-                                                            dp_attention_enabled,
-                                                            refuse_unsupported_modes,
-                                                            rows_may_scatter, scattered_captures)
 from eagle_capture.integrations.sglang.families import family_of
+from eagle_capture.integrations.sglang.norms import (
+    CapturingLogitsMixin,
+    CapturingNormMixin,
+    SlotResidualPostNormMixin,
+    with_mixin,
+)
+from eagle_capture.integrations.sglang.server_modes import (
+    UnsupportedServer,
+    allreduce_fusion_max_tokens,
+    dp_attention_enabled,
+    refuse_unsupported_modes,
+    rows_may_scatter,
+    scattered_captures,
+)
 from eagle_capture.integrations.sglang.state import CaptureState, WrongCaptureLayers, logger
 from eagle_capture.layer_ids import validate
 from eagle_capture.layer_ids.lines import parse_version

@@ -15,9 +15,11 @@ import torch
 
 from eagle_capture import ops
 from eagle_capture.integrations.sglang import allreduce
-from eagle_capture.integrations.sglang.server_modes import (attention_tp_gather,
-                                                            capturing_cuda_graph,
-                                                            flashinfer_allreduce_unavailable)
+from eagle_capture.integrations.sglang.server_modes import (
+    attention_tp_gather,
+    capturing_cuda_graph,
+    flashinfer_allreduce_unavailable,
+)
 from eagle_capture.integrations.sglang.state import SlotResidual, logger
 
 __all__ = ["CapturingLogitsMixin", "CapturingNormMixin", "SlotResidualPostNormMixin",

@@ -59,17 +59,22 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import logging
 import os
 import sys
 from typing import Any, Optional
 
-from eagle_capture.integrations.settings import (MAX_TOKENS, ON_PROBLEM, SWITCH, VERIFY,
-                                               PluginError)
-from eagle_capture.integrations.settings import switch_on as _switch_on
-from eagle_capture.integrations.settings import fused_allreduce, on_problem, verify_forwards
 from eagle_capture.integrations.core.log import rank_or_unknown
+from eagle_capture.integrations.settings import (
+    MAX_TOKENS,
+    ON_PROBLEM,
+    SWITCH,
+    PluginError,
+    fused_allreduce,
+    on_problem,
+    verify_forwards,
+)
+from eagle_capture.integrations.settings import switch_on as _switch_on
 
 logger = logging.getLogger("eagle_capture")
 
@@ -151,6 +156,7 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     layer ids would feed the draft wrongly and ``EAGLE_CAPTURE_ON_PROBLEM`` is
     ``refuse``."""
     from eagle_capture.integrations.sglang import dropin, server_modes
+
     # The targets the fused capture installs on: one family adapter each (families/).
     # Every other EAGLE-3 target gets the start-up id check and keeps SGLang's own capture.
     from eagle_capture.integrations.sglang.families import FUSED_ARCHITECTURES, family_of
@@ -388,7 +394,10 @@ def _deployment(args, sizing) -> str:
         comm = getattr(rc.get_exec(), "comm", None) if rc is not None else None
     except Exception:  # noqa: BLE001
         comm = None
-    from eagle_capture.integrations.sglang.server_modes import attention_tp_size, dp_attention_enabled
+    from eagle_capture.integrations.sglang.server_modes import (
+        attention_tp_size,
+        dp_attention_enabled,
+    )
     dp_attention = dp_attention_enabled()
     backend = getattr(comm, "flashinfer_allreduce_fusion_backend", None)
     fusion = (backend if backend is not None else

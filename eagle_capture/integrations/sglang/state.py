@@ -9,7 +9,8 @@ from typing import Optional
 import torch
 
 from eagle_capture.buffer import AuxCaptureBuffer
-from eagle_capture.integrations.core import log as core_log, state as core
+from eagle_capture.integrations.core import log as core_log
+from eagle_capture.integrations.core import state as core
 from eagle_capture.integrations.core.errors import WrongCaptureLayers
 from eagle_capture.integrations.core.selfcheck import beyond_rounding, norm_rtol
 from eagle_capture.integrations.core.state import SlotResidual
@@ -186,8 +187,9 @@ class CaptureState(core.CaptureState):
         tp_note = "1 rank"
         peer_mismatch = False
         if self.verify_group is not None:
-            from eagle_capture.parallel.tp import CaptureConsistencyError, check_capture_consistency
             import torch.distributed as dist
+
+            from eagle_capture.parallel.tp import CaptureConsistencyError, check_capture_consistency
             world = dist.get_world_size(self.verify_group)
             # Every rank takes the same decision (a rank switching back alone would
             # leave its peers in the next forward's collectives by themselves).
@@ -219,7 +221,7 @@ class CaptureState(core.CaptureState):
         if mismatches:
             log(f"eagle_capture verify {step}: T={num_tokens}: MISMATCH with SGLang's own "
                 f"capture: " + " | ".join(mismatches) + ". This forward was served SGLang's "
-                f"values; switching this server back to SGLang's own capture (every TP rank)",
+                "values; switching this server back to SGLang's own capture (every TP rank)",
                 True)
             self.disable("self-check mismatch")
             return

@@ -22,7 +22,8 @@ import os
 
 from eagle_capture.integrations import settings
 from eagle_capture.integrations.core.errors import PluginError, WrongCaptureLayers
-from eagle_capture.integrations.vllm.plugin import CHECKED_ARCHITECTURES, log as _log, vllm_module
+from eagle_capture.integrations.vllm.plugin import CHECKED_ARCHITECTURES, vllm_module
+from eagle_capture.integrations.vllm.plugin import log as _log
 from eagle_capture.layer_ids.validate import check_capture_layers, layer_list
 
 __all__ = ["check_draft_ids", "check_layer_ids", "vllm_class", "WrongCaptureLayers"]

@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
 from vllm.distributed import get_pp_group
 
 from eagle_capture import ops
@@ -37,8 +36,13 @@ from eagle_capture.integrations.core.errors import UnsupportedServer, WrongCaptu
 from eagle_capture.integrations.core.log import rank_or_unknown
 from eagle_capture.integrations.vllm.checked import check_draft_ids, check_layer_ids
 from eagle_capture.integrations.vllm.families import CARRIED, STAGE_RELATIVE, Family
-from eagle_capture.integrations.vllm.norms import (NOBODY, POST_NORM, capturing_class,
-                                                   plain_rmsnorm, slot_taking_norm)
+from eagle_capture.integrations.vllm.norms import (
+    NOBODY,
+    POST_NORM,
+    capturing_class,
+    plain_rmsnorm,
+    slot_taking_norm,
+)
 from eagle_capture.integrations.vllm.sizing import buffer_rows
 from eagle_capture.integrations.vllm.state import CaptureState, log
 

@@ -35,9 +35,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
-from vllm.model_executor.models.deepseek_v2 import (DeepseekV2ForCausalLM,
-                                                    DeepseekV3ForCausalLM)
+from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from vllm.sequence import IntermediateTensors
 
 from eagle_capture.integrations import settings

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
 from vllm.model_executor.layers.layernorm import RMSNorm
 
 from eagle_capture import ops

@@ -129,8 +129,10 @@ class ProbeCapture:
         hooks.append(norm.register_forward_hook(final, with_kwargs=True))
         self._eagle_probe = (store, hooks)
         self._eagle_probe_hidden = norm.weight.shape[-1] if hasattr(norm, "weight") else 0
-        from vllm.distributed import (get_tensor_model_parallel_rank,
-                                      get_tensor_model_parallel_world_size)
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
         return {"rank": get_tensor_model_parallel_rank(),
                 "tp": get_tensor_model_parallel_world_size(),
                 "device": str(next(model.parameters()).device)}

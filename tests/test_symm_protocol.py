@@ -62,6 +62,9 @@ def _check_interpreted(module) -> None:
 
 
 def _rank(rank, world, by_ticket, reverse_dispatch, shared):
+    # One thread: the interpreter's tensors are tiny, and a rank spinning on its polls with
+    # every core's threads starves the peer it waits for (the pytest workers share the CPUs).
+    torch.set_num_threads(1)
     try:
         import eagle_capture.kernels.allreduce_add_rmsnorm_capture as module
         _check_interpreted(module)
@@ -120,6 +123,7 @@ def test_one_shot_protocol_across_processes(world, by_ticket, reverse_dispatch, 
     shared = (bufs, states, flags, partials, residuals, outs, auxes, weight)
     # Inherited by the spawned ranks before they import anything (see the module docstring).
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     run_spawned(_rank, (world, by_ticket, reverse_dispatch, shared), world, TIMEOUT_S, "the ranks (lost row? hang?)")
     for call, tokens in enumerate(CALL_TOKENS):
         expected = _expected(partials[call], residual_in[call])

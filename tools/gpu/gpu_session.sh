@@ -132,14 +132,23 @@ tests_step() {
     if (( n > 1 )); then
         if "$PY" -c "import xdist" 2> /dev/null; then
             workers=(-n "$n" --dist loadfile)
+            # Each worker's torch and OpenMP threads: the CPUs shared out (torch's default
+            # gives every worker every core: 8 x 16 threads on 16 cores, where a run of
+            # 2026-12-06 did not finish in 390 s and spawned test ranks got 40% of a core).
+            export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / n > 0 ? $(nproc) / n : 1 ))}
             say "tests on $n pytest-xdist workers"
         else
             say "pytest-xdist is not installed: the tests run in one process"
         fi
     fi
-    bash scripts/test.sh -rsE -p no:cacheprovider --record "$OUT/test_record.json" "${workers[@]}" \
-        > "$OUT/tests.log" 2>&1
+    # A test running past faulthandler_timeout dumps its stack into the log; at
+    # TESTS_TIMEOUT_S pytest is interrupted (SIGINT: it still prints its summary and writes
+    # the record), so that a slow test cannot eat the call and leave nothing behind.
+    timeout -s INT -k 30 "${TESTS_TIMEOUT_S:-480}" \
+        bash scripts/test.sh -rsE -p no:cacheprovider -o faulthandler_timeout=180 \
+        --record "$OUT/test_record.json" "${workers[@]}" > "$OUT/tests.log" 2>&1
     rc=$?
+    (( rc == 124 )) && say "tests INTERRUPTED after ${TESTS_TIMEOUT_S:-480} s (the log's last lines: what ran)"
     echo "tests rc=$rc" >> "$OUT/tests.log"
     tail -n 5 "$OUT/tests.log"
     (( rc == 0 )) || say "tests FAILED: pytest exit status $rc"

@@ -44,9 +44,12 @@ case "$VLLM_VERSION" in
     # 0.34.0 requires nvidia-cutlass-dsl[cu13] 4.8.0: vLLM's kernel warm-up imports its
     # CuTe-DSL kernels (MiniMax-M3's) on every CUDA start, whatever the model. Its cu13
     # library wheel (92 MB) is repacked as xz (66 MB) and split over two carry folders.
+    # The `cutlass` package's Python files come from libs-core (libs-base's requirement):
+    # without it `cutlass` is an empty namespace and the warm-up's import fails.
     0.34.0) EXTRA_DROP="vllm/third_party/tml_fa4 vllm/_flashmla_C.abi3.so vllm/_flashmla_extension_C.abi3.so"
             PINS="xgrammar==0.2.8 apache-tvm-ffi==0.1.11 llguidance compressed-tensors==0.17.0
-                  quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.0 nvidia-cutlass-dsl-libs-base==4.8.0"
+                  quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.0 nvidia-cutlass-dsl-libs-base==4.8.0
+                  nvidia-cutlass-dsl-libs-core==4.8.0"
             CUTLASS_LIBS="nvidia-cutlass-dsl-libs-cu13==4.8.0" ;;
     *) echo "make_vllm_engine_bundle: vLLM $VLLM_VERSION is not prepared here (0.32.0, 0.34.0)" >&2
        exit 2 ;;

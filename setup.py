@@ -8,8 +8,11 @@ HERE = Path(__file__).resolve().parent
 URL = "https://github.com/eagle-capture/eagle-capture"
 # One version, eagle_capture.__version__ (what `eagle-capture --version` prints), read as
 # text: importing the package here would need it importable before it is installed.
-VERSION = re.search(r'^__version__ = "([^"]+)"$', (HERE / "eagle_capture" / "__init__.py")
-                    .read_text(encoding="utf-8"), re.M).group(1)
+VERSION = re.search(
+    r'^__version__ = "([^"]+)"$',
+    (HERE / "eagle_capture" / "__init__.py").read_text(encoding="utf-8"),
+    re.M,
+).group(1)
 
 # License-Expression (PEP 639) from setuptools 77 on; older setuptools (an
 # offline --no-build-isolation install uses whatever is there) has only the
@@ -60,15 +63,22 @@ setup(
     package_data={"": ["*.jsonl"], "eagle_capture.layer_ids": ["data/*.json"]},
     # SGLang's plugin system (0.5.13+) finds the fused capture here in every
     # scheduler process; EAGLE_CAPTURE=1 turns it on (eagle_capture/integrations/sglang/plugin.py).
-    entry_points={"sglang.srt.plugins": ["eagle_capture = eagle_capture.integrations.sglang.plugin:register"],
-                  # vLLM's load_general_plugins() runs it in every process (eagle_capture/integrations/vllm/plugin.py)
-                  "vllm.general_plugins": ["eagle_capture = eagle_capture.integrations.vllm.plugin:register"],
-                  # eagle-capture doctor | probe ... (eagle_capture/cli/__init__.py)
-                  "console_scripts": ["eagle-capture = eagle_capture.cli:console_main"]},
+    entry_points={
+        "sglang.srt.plugins": ["eagle_capture = eagle_capture.integrations.sglang.plugin:register"],
+        # vLLM's load_general_plugins() runs it in every process (eagle_capture/integrations/vllm/plugin.py)
+        "vllm.general_plugins": ["eagle_capture = eagle_capture.integrations.vllm.plugin:register"],
+        # eagle-capture doctor | probe ... (eagle_capture/cli/__init__.py)
+        "console_scripts": ["eagle-capture = eagle_capture.cli:console_main"],
+    },
     install_requires=["torch>=2.6", "triton>=3.2"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "numpy", "transformers>=4.57",
-                 "tomli>=1.1; python_version < '3.11'"],
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6",
+            "numpy",
+            "transformers>=4.57",
+            "tomli>=1.1; python_version < '3.11'",
+        ],
         # the lint of .ci/run and .pre-commit-config.yaml (pyproject.toml [tool.ruff])
         "lint": ["ruff==0.17.6"],
         # eagle-capture probe runs the target as a Hugging Face model

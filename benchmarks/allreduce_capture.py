@@ -40,10 +40,15 @@ from eagle_capture.parallel import symm
 from eagle_capture.parallel.paths import measured_table, write_table
 from eagle_capture.testing.bench import host_us_per_call, time_graph_replay
 
-PATHS = ("one_kernel", "one_kernel_wd", "one_kernel_tk", "nccl_fused", "symm1_fused",
-         "symm2_fused")
-LABELS = {"one_kernel": "one-kernel", "one_kernel_wd": "+watchdog", "one_kernel_tk": "+ticket",
-          "nccl_fused": "nccl+fused", "symm1_fused": "symm1+fused", "symm2_fused": "symm2+fused"}
+PATHS = ("one_kernel", "one_kernel_wd", "one_kernel_tk", "nccl_fused", "symm1_fused", "symm2_fused")
+LABELS = {
+    "one_kernel": "one-kernel",
+    "one_kernel_wd": "+watchdog",
+    "one_kernel_tk": "+ticket",
+    "nccl_fused": "nccl+fused",
+    "symm1_fused": "symm1+fused",
+    "symm2_fused": "symm2+fused",
+}
 # The one-kernel's opt-in variants: measured at --watchdog-tokens only, never "fastest".
 VARIANTS = ("one_kernel_wd", "one_kernel_tk")
 
@@ -51,7 +56,7 @@ VARIANTS = ("one_kernel_wd", "one_kernel_tk")
 def fastest_ranges(rows, paths):
     """{path: [(T_first, T_last), ...]}: runs of consecutive measured T where the
     path is the fastest of ``paths``."""
-    runs = {p: [] for p in paths}           # [first T, last T, index of the last row]
+    runs = {p: [] for p in paths}  # [first T, last T, index of the last row]
     for i, r in enumerate(rows):
         timed = {p: r[p] for p in paths if r.get(p) is not None}
         if not timed:
@@ -68,8 +73,12 @@ def path_table(rows, world, hidden_size, dtype_name, device_name):
     """The measured choice between our two paths per T (what the entry point runs),
     built by the package (eagle_capture.parallel.paths), which also reads it."""
     return measured_table(
-        world, [(r["T"], r.get("one_kernel"), r.get("nccl_fused")) for r in rows],
-        hidden_size, dtype_name, device_name)
+        world,
+        [(r["T"], r.get("one_kernel"), r.get("nccl_fused")) for r in rows],
+        hidden_size,
+        dtype_name,
+        device_name,
+    )
 
 
 def main() -> int:
@@ -78,8 +87,13 @@ def main() -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[2**i for i in range(12)])
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--steps-per-graph", type=int, default=16)
-    p.add_argument("--watchdog-tokens", type=int, nargs="*", default=[1, 8, 64],
-                   help="T values at which the opt-in variants (+watchdog, +ticket) run")
+    p.add_argument(
+        "--watchdog-tokens",
+        type=int,
+        nargs="*",
+        default=[1, 8, 64],
+        help="T values at which the opt-in variants (+watchdog, +ticket) run",
+    )
     p.add_argument("--out", default=None, help="folder for allreduce_capture_w{W}.json")
     p.add_argument("--write-table", default=None, help="write the measured path table here")
     args = p.parse_args()
@@ -99,14 +113,28 @@ def main() -> int:
     import torch.distributed._symmetric_memory as symm_mem
 
     H, dtype, eps, T_max = args.hidden_size, torch.bfloat16, 1e-6, max(args.tokens)
-    no_table = symm.PathTable({})   # ignore $EAGLE_CAPTURE_ALLREDUCE_TABLE: one-shot at every T
-    ar = symm.SymmAllReduceCapture(T_max, H, dtype, device=device, one_shot_max_tokens=T_max,
-                                   table=no_table)
-    ar_wd = symm.SymmAllReduceCapture(max(args.watchdog_tokens + [1]), H, dtype, device=device,
-                                      one_shot_max_tokens=T_max, table=no_table, watchdog_s=10)
-    ar_tk = symm.SymmAllReduceCapture(max(args.watchdog_tokens + [1]), H, dtype, device=device,
-                                      one_shot_max_tokens=T_max, table=no_table,
-                                      rows_by_ticket=True)
+    no_table = symm.PathTable({})  # ignore $EAGLE_CAPTURE_ALLREDUCE_TABLE: one-shot at every T
+    ar = symm.SymmAllReduceCapture(
+        T_max, H, dtype, device=device, one_shot_max_tokens=T_max, table=no_table
+    )
+    ar_wd = symm.SymmAllReduceCapture(
+        max(args.watchdog_tokens + [1]),
+        H,
+        dtype,
+        device=device,
+        one_shot_max_tokens=T_max,
+        table=no_table,
+        watchdog_s=10,
+    )
+    ar_tk = symm.SymmAllReduceCapture(
+        max(args.watchdog_tokens + [1]),
+        H,
+        dtype,
+        device=device,
+        one_shot_max_tokens=T_max,
+        table=no_table,
+        rows_by_ticket=True,
+    )
     torch_buf = symm_mem.empty(T_max, H, dtype=dtype, device=device)
     symm_mem.rendezvous(torch_buf, dist.group.WORLD)
     group_name = dist.group.WORLD.group_name
@@ -139,12 +167,16 @@ def main() -> int:
         def symm2_fused():
             torch_buf[:T].copy_(partial)
             torch.ops.symm_mem.two_shot_all_reduce_(torch_buf[:T], "sum", group_name)
-            ec.add_rmsnorm_capture(torch_buf[:T], residual, weight, eps, aux, 1,
-                                   norm_fp32_sum=True)
+            ec.add_rmsnorm_capture(torch_buf[:T], residual, weight, eps, aux, 1, norm_fp32_sum=True)
 
-        fns = {"one_kernel": one_kernel, "one_kernel_wd": one_kernel_wd,
-               "one_kernel_tk": one_kernel_tk,
-               "nccl_fused": nccl_fused, "symm1_fused": symm1_fused, "symm2_fused": symm2_fused}
+        fns = {
+            "one_kernel": one_kernel,
+            "one_kernel_wd": one_kernel_wd,
+            "one_kernel_tk": one_kernel_tk,
+            "nccl_fused": nccl_fused,
+            "symm1_fused": symm1_fused,
+            "symm2_fused": symm2_fused,
+        }
         row = {"T": T}
         for name, fn in fns.items():
             if name in VARIANTS and (T not in args.watchdog_tokens or T > ar_wd.max_tokens):
@@ -163,27 +195,48 @@ def main() -> int:
     residual1 = torch.randn(1, H, device=device, dtype=dtype)
     dist.barrier()
     host = {
-        "one_kernel": host_us_per_call(lambda: ar.reduce_add_rmsnorm(
-            partial1, residual1, weight, eps, aux, 1, norm_fp32_sum=True), 2000, warmup=200),
-        "add_rmsnorm_capture (1 GPU)": host_us_per_call(lambda: ec.add_rmsnorm_capture(
-            partial1, residual1, weight, eps, aux, 1, norm_fp32_sum=True), 2000, warmup=200),
+        "one_kernel": host_us_per_call(
+            lambda: ar.reduce_add_rmsnorm(
+                partial1, residual1, weight, eps, aux, 1, norm_fp32_sum=True
+            ),
+            2000,
+            warmup=200,
+        ),
+        "add_rmsnorm_capture (1 GPU)": host_us_per_call(
+            lambda: ec.add_rmsnorm_capture(
+                partial1, residual1, weight, eps, aux, 1, norm_fp32_sum=True
+            ),
+            2000,
+            warmup=200,
+        ),
     }
     if rank == 0:
         report(rows, world, H, host)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, f"allreduce_capture_w{world}.json"), "w") as f:
-                json.dump({"world_size": world, "hidden_size": H, "rows": rows,
-                           "fastest": fastest_ranges(rows, [q for q in PATHS
-                                                            if q not in VARIANTS]),
-                           "host_us": host, "device": torch.cuda.get_device_name(),
-                           "torch": torch.__version__,
-                           "steps_per_graph": args.steps_per_graph, "replays": args.replays,
-                           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                           "command": " ".join(sys.argv)}, f, indent=1)
+                json.dump(
+                    {
+                        "world_size": world,
+                        "hidden_size": H,
+                        "rows": rows,
+                        "fastest": fastest_ranges(rows, [q for q in PATHS if q not in VARIANTS]),
+                        "host_us": host,
+                        "device": torch.cuda.get_device_name(),
+                        "torch": torch.__version__,
+                        "steps_per_graph": args.steps_per_graph,
+                        "replays": args.replays,
+                        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                        "command": " ".join(sys.argv),
+                    },
+                    f,
+                    indent=1,
+                )
         if args.write_table:
-            write_table(path_table(rows, world, H, "bfloat16",
-                                   torch.cuda.get_device_name()), args.write_table)
+            write_table(
+                path_table(rows, world, H, "bfloat16", torch.cuda.get_device_name()),
+                args.write_table,
+            )
             print(f"path table written to {args.write_table}")
     dist.barrier()
     dist.destroy_process_group()
@@ -191,8 +244,10 @@ def main() -> int:
 
 
 def report(rows, world, H, host) -> None:
-    print(f"world size {world}, H = {H}, bf16; us per layer boundary "
-          f"(graph replay median); the fastest of each row is marked *")
+    print(
+        f"world size {world}, H = {H}, bf16; us per layer boundary "
+        f"(graph replay median); the fastest of each row is marked *"
+    )
     print(f"{'T':>6} " + " ".join(f"{LABELS[k]:>12}" for k in PATHS) + f" {'nccl/one':>9}")
     compared = [k for k in PATHS if k not in VARIANTS]
     for r in rows:
@@ -202,9 +257,14 @@ def report(rows, world, H, host) -> None:
         for k in PATHS:
             v = r.get(k)
             cells.append(f"{'-' if v is None else f'{v:.1f}' + ('*' if k == best else ' '):>12}")
-        ratio = (r["nccl_fused"] / r["one_kernel"]
-                 if r.get("nccl_fused") and r.get("one_kernel") else None)
-        print(f"{r['T']:>6} " + " ".join(cells) + f" {'-' if ratio is None else f'{ratio:.2f}x':>9}")
+        ratio = (
+            r["nccl_fused"] / r["one_kernel"]
+            if r.get("nccl_fused") and r.get("one_kernel")
+            else None
+        )
+        print(
+            f"{r['T']:>6} " + " ".join(cells) + f" {'-' if ratio is None else f'{ratio:.2f}x':>9}"
+        )
     for r in rows:
         for k in PATHS:
             if r.get(k + "_error"):

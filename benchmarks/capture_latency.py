@@ -120,7 +120,7 @@ def liger_fused_add_rmsnorm():
     return LigerFusedAddRMSNormFunction
 
 
-_FLASHINFER = {}   # flashinfer_norm.load()'s answer, once per process
+_FLASHINFER = {}  # flashinfer_norm.load()'s answer, once per process
 
 
 def flashinfer_fused_add_rmsnorm():
@@ -134,34 +134,33 @@ def flashinfer_load() -> tuple:
     """(fused_add_rmsnorm or None, which FlashInfer and how it was loaded, or why not)."""
     if not _FLASHINFER:
         import flashinfer_norm
+
         _FLASHINFER["fn"], _FLASHINFER["line"] = flashinfer_norm.load()
     return _FLASHINFER["fn"], _FLASHINFER["line"]
 
 
-def bytes_moved(path: str, num_tokens: int, hidden_size: int, num_captures: int,
-                elem: int) -> int:
+def bytes_moved(path: str, num_tokens: int, hidden_size: int, num_captures: int, elem: int) -> int:
     """Fewest bytes each path must move for all K layers (reads + writes)."""
-    row = num_tokens * hidden_size * elem          # one [T, H] tensor
+    row = num_tokens * hidden_size * elem  # one [T, H] tensor
     weight = hidden_size * elem
     per_layer = {
-        "a": 3 * row + 2 * row,                    # add: r h, r r, w s;  cat: r s, w out
-        "b": 4 * row + weight + 2 * row,           # norm (r h, r r, w h, w r) + copy (r, w)
-        "c": 3 * row,                              # r h, r r, w slot
-        "d": 4 * row + weight,                     # r h, r r, w h, w r
-        "e": 5 * row + weight,                     # d + w slot
-        "i": 5 * row + weight,                     # e, FlashInfer's norm input
-        "f": 4 * row + weight,                     # r h, r r, w h, w slot
-        "l": 4 * row + weight,                     # as f
+        "a": 3 * row + 2 * row,  # add: r h, r r, w s;  cat: r s, w out
+        "b": 4 * row + weight + 2 * row,  # norm (r h, r r, w h, w r) + copy (r, w)
+        "c": 3 * row,  # r h, r r, w slot
+        "d": 4 * row + weight,  # r h, r r, w h, w r
+        "e": 5 * row + weight,  # d + w slot
+        "i": 5 * row + weight,  # e, FlashInfer's norm input
+        "f": 4 * row + weight,  # r h, r r, w h, w slot
+        "l": 4 * row + weight,  # as f
         "g": 4 * row + weight,
-        "h": 4 * row + weight + num_tokens * 4,   # + its fp32 rstd per row
-        "j": 4 * row + weight + 2 * row,           # as b
-        "k": 4 * row + weight,                     # as d
+        "h": 4 * row + weight + num_tokens * 4,  # + its fp32 rstd per row
+        "j": 4 * row + weight + 2 * row,  # as b
+        "k": 4 * row + weight,  # as d
     }[path]
     return num_captures * per_layer
 
 
-def kept_bytes(path: str, num_tokens: int, hidden_size: int, num_captures: int,
-               elem: int) -> int:
+def kept_bytes(path: str, num_tokens: int, hidden_size: int, num_captures: int, elem: int) -> int:
     """Bytes of the outputs one step of an out-of-place path returns, which the
     graph keeps alive for its whole length (bench.time_graph_replay); 0 for the
     in-place paths."""
@@ -173,12 +172,13 @@ def kept_bytes(path: str, num_tokens: int, hidden_size: int, num_captures: int,
 # The paths, as closures over per-layer inputs
 # ----------------------------------------------------------------------------
 
+
 @dataclass
 class Inputs:
-    hidden: list          # K x [T, H]
-    residual: list        # K x [T, H]
-    weight: list          # K x [H]
-    aux: torch.Tensor     # [max_tokens, K, H]
+    hidden: list  # K x [T, H]
+    residual: list  # K x [T, H]
+    weight: list  # K x [H]
+    aux: torch.Tensor  # [max_tokens, K, H]
     num_tokens: int
     extra: dict = field(default_factory=dict)
 
@@ -192,8 +192,10 @@ def make_inputs(num_tokens: int, hidden_size: int, num_captures: int, dtype, dev
     return Inputs(
         hidden=[rows() for _ in range(num_captures)],
         residual=[rows() for _ in range(num_captures)],
-        weight=[(1 + 0.1 * torch.randn(hidden_size, generator=g)).to(dtype=dtype, device=device)
-                for _ in range(num_captures)],
+        weight=[
+            (1 + 0.1 * torch.randn(hidden_size, generator=g)).to(dtype=dtype, device=device)
+            for _ in range(num_captures)
+        ],
         aux=torch.empty(num_tokens, num_captures, hidden_size, dtype=dtype, device=device),
         num_tokens=num_tokens,
     )
@@ -227,6 +229,7 @@ def build_step(path: str, x: Inputs) -> Callable[[], object]:
     k_range = range(len(x.hidden))
     h, r, w, aux, t = x.hidden, x.residual, x.weight, x.aux, x.num_tokens
     if path == "a":
+
         def step():
             captured = [h[k] + r[k] for k in k_range]
             return torch.cat(captured, dim=-1)
@@ -237,20 +240,24 @@ def build_step(path: str, x: Inputs) -> Callable[[], object]:
         def step():
             for k in k_range:
                 ec.add_rmsnorm_capture(h[k], r[k], w[k], EPS)
-                flat[:t, k * hidden_size:(k + 1) * hidden_size].copy_(r[k])
+                flat[:t, k * hidden_size : (k + 1) * hidden_size].copy_(r[k])
     elif path == "c":
+
         def step():
             for k in k_range:
                 ec.add_capture(h[k], r[k], aux, k)
     elif path == "d":
+
         def step():
             for k in k_range:
                 ec.add_rmsnorm_capture(h[k], r[k], w[k], EPS)
     elif path == "e":
+
         def step():
             for k in k_range:
                 ec.add_rmsnorm_capture(h[k], r[k], w[k], EPS, aux, k)
     elif path == "i":
+
         def step():
             for k in k_range:
                 ec.add_rmsnorm_capture(h[k], r[k], w[k], EPS, aux, k, norm_fp32_sum=True)
@@ -275,7 +282,7 @@ def build_step(path: str, x: Inputs) -> Callable[[], object]:
             for k in k_range:
                 fused_add_rmsnorm(h[k], r[k], w[k], EPS)
                 if copy:
-                    flat[:t, k * hidden_size:(k + 1) * hidden_size].copy_(r[k])
+                    flat[:t, k * hidden_size : (k + 1) * hidden_size].copy_(r[k])
     elif path == "h":
         liger = liger_fused_add_rmsnorm()
 
@@ -290,8 +297,13 @@ def build_step(path: str, x: Inputs) -> Callable[[], object]:
 def check_path(path: str, x: Inputs) -> None:
     """Run one step on fresh copies and compare with the eager reference: the
     captured values bit-exact, normed outputs to bf16 rounding."""
-    y = Inputs([t.clone() for t in x.hidden], [t.clone() for t in x.residual], x.weight,
-               torch.full_like(x.aux, float("nan")), x.num_tokens)
+    y = Inputs(
+        [t.clone() for t in x.hidden],
+        [t.clone() for t in x.residual],
+        x.weight,
+        torch.full_like(x.aux, float("nan")),
+        x.num_tokens,
+    )
     out = build_step(path, y)()
     expected = [h + r for h, r in zip(x.hidden, x.residual)]
     if path in ("g", "h"):  # out of place: (normed, residual) per layer
@@ -302,7 +314,7 @@ def check_path(path: str, x: Inputs) -> None:
     elif path in ("d", "k"):
         got = torch.cat(y.residual, -1)
     else:
-        got = y.aux[:x.num_tokens].flatten(1)
+        got = y.aux[: x.num_tokens].flatten(1)
     if not torch.equal(got, torch.cat(expected, -1)):
         raise AssertionError(f"path {path}: captured values differ from eager h + r")
     if path in ("b", "d", "e", "f", "g", "h", "i", "j", "k", "l"):
@@ -316,6 +328,7 @@ def check_path(path: str, x: Inputs) -> None:
 # ----------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------
+
 
 def host_calls(hidden_size: int, dtype, device, breakdown: bool = False) -> tuple:
     """({name: zero-argument call}, {fact: value}) for the host-time table, T = 1
@@ -346,6 +359,7 @@ def eager_plan(h: torch.Tensor, r: torch.Tensor, aux: torch.Tensor):
     import eagle_capture as ec
     from eagle_capture.ops import table
     from eagle_capture.testing.kernel import kernel_on_cpu
+
     tensors = (h, r, None, aux, None)
     with kernel_on_cpu() if h.device.type == "cpu" else contextlib.nullcontext():
         return tensors, table._plan(ec.add_capture.capture_op, tensors, 0.0, 0, False)
@@ -360,6 +374,7 @@ def launch_layers(h: torch.Tensor, r: torch.Tensor, aux: torch.Tensor) -> tuple:
     launch path. ({name: call}, {fact: value})"""
     from eagle_capture import ops
     from eagle_capture.kernels import add_rmsnorm_capture_kernel as kernel
+
     tensors, plan = eager_plan(h, r, aux)
     args = (*plan.head(tensors), *plan.tail_entry)
     int_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
@@ -374,45 +389,62 @@ def launch_layers(h: torch.Tensor, r: torch.Tensor, aux: torch.Tensor) -> tuple:
     def fast_launch():
         fast.launch(plan, tensors, ptrs)
 
-    facts = {"PDL": plan.use_pdl, "direct launch supported": ops.DIRECT_LAUNCH,
-             "launch hooks active (a profiler)": ops.hooks_active()}
+    facts = {
+        "PDL": plan.use_pdl,
+        "direct launch supported": ops.DIRECT_LAUNCH,
+        "launch hooks active (a profiler)": ops.hooks_active(),
+    }
     # Top down: Triton's entry, our fast-path launch, the launcher objects below them.
-    calls = {"kernel[grid](...) (Triton's entry)": lambda: kernel[grid](*args, **options),
-             "FastLaunch.launch": fast_launch}
+    calls = {
+        "kernel[grid](...) (Triton's entry)": lambda: kernel[grid](*args, **options),
+        "FastLaunch.launch": fast_launch,
+    }
     fast_launch()  # compiles and keeps the DirectLaunch (on a GPU)
     direct = plan.direct
     if direct is not None:
-        facts["DirectLaunch calls the C launch (not compiled.run)"] = \
-            direct.launch is not getattr(direct.compiled, "run", None)
+        facts["DirectLaunch calls the C launch (not compiled.run)"] = direct.launch is not getattr(
+            direct.compiled, "run", None
+        )
         calls["DirectLaunch, int pointers (the eager path's launch)"] = lambda: direct.launch(
-            gx, gy, 1, stream, *direct.mid, *int_args)
+            gx, gy, 1, stream, *direct.mid, *int_args
+        )
     compiled = kernel[grid](*args, **options)
     if getattr(compiled, "run", None) is not None:  # a CompiledKernel, not a compile future
         # CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata,
         # launch_metadata, enter_hook, exit_hook, *args): JITFunction.run's own call.
         head = (compiled.function, compiled.packed_metadata, None, None, None)
         calls["compiled.run(...) (raw launcher)"] = lambda: compiled.run(
-            gx, gy, 1, stream, *head, *args)
+            gx, gy, 1, stream, *head, *args
+        )
         calls["compiled.run(...) int pointers"] = lambda: compiled.run(
-            gx, gy, 1, stream, *head, *int_args)
-    calls.update({
-        "6x tensor.data_ptr()": lambda: [a.data_ptr() for a in args[:6]],
-        "key of 3 tensors (shape, stride, dtype, device)": lambda: tuple(
-            (t.shape, t.stride(), t.dtype, t.device) for t in (h, r, aux)),
-        "key of 3 tensors (shape, stride, dtype, get_device)": lambda: tuple(
-            (t.shape, t.stride(), t.dtype, t.get_device()) for t in (h, r, aux)),
-        "torch.cuda.current_device()": torch.cuda.current_device,
-    })
+            gx, gy, 1, stream, *head, *int_args
+        )
+    calls.update(
+        {
+            "6x tensor.data_ptr()": lambda: [a.data_ptr() for a in args[:6]],
+            "key of 3 tensors (shape, stride, dtype, device)": lambda: tuple(
+                (t.shape, t.stride(), t.dtype, t.device) for t in (h, r, aux)
+            ),
+            "key of 3 tensors (shape, stride, dtype, get_device)": lambda: tuple(
+                (t.shape, t.stride(), t.dtype, t.get_device()) for t in (h, r, aux)
+            ),
+            "torch.cuda.current_device()": torch.cuda.current_device,
+        }
+    )
     return calls, facts
 
 
-def time_host_calls(calls: dict, device, num_calls: int = 2000,
-                    summary: Callable = statistics.median) -> dict:
+def time_host_calls(
+    calls: dict, device, num_calls: int = 2000, summary: Callable = statistics.median
+) -> dict:
     """{name: host us per call}: ``summary`` of 5 chunks of ``num_calls // 5``
     calls each (``summary=list`` keeps the chunks)."""
-    return {name: host_us_per_call(fn, num_calls, warmup=50, summary=summary,
-                                   sync=device.type == "cuda")
-            for name, fn in calls.items()}
+    return {
+        name: host_us_per_call(
+            fn, num_calls, warmup=50, summary=summary, sync=device.type == "cuda"
+        )
+        for name, fn in calls.items()
+    }
 
 
 def measure_host_overhead(hidden_size: int, dtype, device, calls: int = 2000) -> dict:
@@ -428,6 +460,7 @@ def run_host_breakdown(args, num_calls: int = 2000) -> dict:
     import cProfile
     import io
     import pstats
+
     device = torch.device("cuda")
     calls, facts = host_calls(args.hidden_size, DTYPES[args.dtype], device, breakdown=True)
     chunks = time_host_calls(calls, device, num_calls, summary=list)
@@ -440,27 +473,39 @@ def run_host_breakdown(args, num_calls: int = 2000) -> dict:
     torch.cuda.synchronize()
     profile = io.StringIO()
     pstats.Stats(prof, stream=profile).sort_stats("tottime").print_stats(14)
-    return {"host_us_per_call": {name: {"median_us": statistics.median(us), "best_us": min(us),
-                                        "chunks_us": us} for name, us in chunks.items()},
-            "facts": facts, "calls": num_calls, "profile": profile.getvalue()}
+    return {
+        "host_us_per_call": {
+            name: {"median_us": statistics.median(us), "best_us": min(us), "chunks_us": us}
+            for name, us in chunks.items()
+        },
+        "facts": facts,
+        "calls": num_calls,
+        "profile": profile.getvalue(),
+    }
 
 
 def device_identity() -> dict:
     info = {"torch": torch.__version__, "python": platform.python_version()}
     try:
         import triton
+
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
     if not torch.cuda.is_available():
-        info["device"] = f"CPU ({platform.processor() or platform.machine()}, "\
-                         f"{os.cpu_count()} cores)"
+        info["device"] = (
+            f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+        )
         return info
     props = torch.cuda.get_device_properties(0)
-    info.update(device=props.name, sm_count=props.multi_processor_count,
-                memory_gib=round(props.total_memory / 2**30, 1))
+    info.update(
+        device=props.name,
+        sm_count=props.multi_processor_count,
+        memory_gib=round(props.total_memory / 2**30, 1),
+    )
     try:
         import pynvml as nvml
+
         nvml.nvmlInit()
         handle = nvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
         info.update(
@@ -482,9 +527,11 @@ def device_identity() -> dict:
 # Sweep, report
 # ----------------------------------------------------------------------------
 
+
 def progress(iterable, total, desc):
     try:
         from tqdm import tqdm
+
         return tqdm(iterable, total=total, desc=desc, file=sys.stderr, leave=False)
     except ImportError:
         return iterable
@@ -504,10 +551,16 @@ def pdl_report(has_gpu: bool) -> dict:
     if not has_gpu:
         return {"state": "n/a", "env": env, "why": "the CPU path launches no GPU kernel"}
     if pdl_enabled(torch.cuda.current_device()):
-        return {"state": "on", "env": env,
-                "why": f"{PDL_ENV} {'unset' if env is None else '= ' + env}"}
-    return {"state": "off", "env": env,
-            "why": f"{PDL_ENV} = 0" if env == "0" else "needs sm_90+ and Triton's PDL"}
+        return {
+            "state": "on",
+            "env": env,
+            "why": f"{PDL_ENV} {'unset' if env is None else '= ' + env}",
+        }
+    return {
+        "state": "off",
+        "env": env,
+        "why": f"{PDL_ENV} = 0" if env == "0" else "needs sm_90+ and Triton's PDL",
+    }
 
 
 def run_gpu(args) -> dict:
@@ -526,18 +579,25 @@ def run_gpu(args) -> dict:
         # rest is for kept outputs and the copy roofline's buffers.
         aux_bytes = num_tokens * captures * hidden * elem
         set_bytes = 3 * aux_bytes + captures * hidden * elem  # h, r, aux; weights
-        num_sets = rotation_sets(set_bytes, l2_bytes, args.rotate_l2, max_sets=MAX_SETS,
-                                 budget_bytes=free_bytes(device) // 2)
-        sets = [make_inputs(num_tokens, hidden, captures, dtype, device)
-                for _ in range(num_sets)]
-        row = {"T": num_tokens, "input_sets": num_sets,
-               "input_l2_multiple": num_sets * set_bytes / l2_bytes, "paths": {}}
+        num_sets = rotation_sets(
+            set_bytes,
+            l2_bytes,
+            args.rotate_l2,
+            max_sets=MAX_SETS,
+            budget_bytes=free_bytes(device) // 2,
+        )
+        sets = [make_inputs(num_tokens, hidden, captures, dtype, device) for _ in range(num_sets)]
+        row = {
+            "T": num_tokens,
+            "input_sets": num_sets,
+            "input_l2_multiple": num_sets * set_bytes / l2_bytes,
+            "paths": {},
+        }
         copies, steps = {}, []
         for path in args.paths:
             check_path(path, sets[0])
             kept = kept_bytes(path, num_tokens, hidden, captures, elem)
-            steps_per_graph = graph_steps(num_sets, args.steps_per_graph, kept,
-                                          free_bytes(device))
+            steps_per_graph = graph_steps(num_sets, args.steps_per_graph, kept, free_bytes(device))
             # Fewer steps than sets only where kept outputs would not fit.
             steps = [build_step(path, s) for s in sets[:steps_per_graph]]
             graph_us = time_graph_replay(steps, steps_per_graph, args.replays)
@@ -545,49 +605,84 @@ def run_gpu(args) -> dict:
             nbytes = bytes_moved(path, num_tokens, hidden, captures, elem)
             key = (nbytes, steps_per_graph)
             if key not in copies:
-                pairs = rotation_sets(nbytes, l2_bytes, args.rotate_l2, max_sets=MAX_SETS,
-                                      budget_bytes=free_bytes(device))
-                copies[key] = measure_copy_graph(nbytes, dtype, device, num_pairs=pairs,
-                                                 steps_per_graph=steps_per_graph,
-                                                 replays=args.replays)
+                pairs = rotation_sets(
+                    nbytes,
+                    l2_bytes,
+                    args.rotate_l2,
+                    max_sets=MAX_SETS,
+                    budget_bytes=free_bytes(device),
+                )
+                copies[key] = measure_copy_graph(
+                    nbytes,
+                    dtype,
+                    device,
+                    num_pairs=pairs,
+                    steps_per_graph=steps_per_graph,
+                    replays=args.replays,
+                )
                 torch.cuda.empty_cache()
             copy, gbps = copies[key], nbytes / graph_us / 1e3
             row["paths"][path] = {
-                "graph_us": graph_us, "event_us": event_us, "bytes": nbytes,
-                "steps_per_graph": steps_per_graph, "input_sets": len(steps),
-                "graph_gbps": gbps, "copy": copy,
+                "graph_us": graph_us,
+                "event_us": event_us,
+                "bytes": nbytes,
+                "steps_per_graph": steps_per_graph,
+                "input_sets": len(steps),
+                "graph_gbps": gbps,
+                "copy": copy,
                 # bandwidths, not times: the copy rounds to whole elements
                 "graph_pct_roofline": 100 * gbps / copy["gbps"],
                 "graph_pct_copy_2gib": 100 * gbps / copy_2gib["gbps"],
             }
         # One extra write of the K slots: measured, and (as before) at the
         # 2 GiB copy's read + write rate.
-        buffers = [torch.empty(num_tokens, captures, hidden, dtype=dtype, device=device)
-                   for _ in range(rotation_sets(aux_bytes, l2_bytes, args.rotate_l2,
-                                                max_sets=MAX_SETS,
-                                                budget_bytes=free_bytes(device)))]
+        buffers = [
+            torch.empty(num_tokens, captures, hidden, dtype=dtype, device=device)
+            for _ in range(
+                rotation_sets(
+                    aux_bytes,
+                    l2_bytes,
+                    args.rotate_l2,
+                    max_sets=MAX_SETS,
+                    budget_bytes=free_bytes(device),
+                )
+            )
+        ]
         row["write_floor"] = measure_write_floor(buffers, args.steps_per_graph, args.replays)
         row["extra_write_floor_us"] = aux_bytes / copy_2gib["gbps"] / 1e3
         paths = row["paths"]
         if "d" in paths:
-            row["capture_cost_us"] = {p: paths[p]["graph_us"] - paths["d"]["graph_us"]
-                                      for p in ("b", "e", "f") if p in paths}
+            row["capture_cost_us"] = {
+                p: paths[p]["graph_us"] - paths["d"]["graph_us"]
+                for p in ("b", "e", "f")
+                if p in paths
+            }
             floor = row["write_floor"]["net_us"]
-            row["capture_cost_x_floor"] = {p: cost / floor if floor > 0 else None
-                                           for p, cost in row["capture_cost_us"].items()}
-        if "k" in paths:   # against SGLang's own norm kernel on CUDA (FlashInfer)
+            row["capture_cost_x_floor"] = {
+                p: cost / floor if floor > 0 else None for p, cost in row["capture_cost_us"].items()
+            }
+        if "k" in paths:  # against SGLang's own norm kernel on CUDA (FlashInfer)
             row.setdefault("capture_cost_us", {}).update(
-                {key: paths[p]["graph_us"] - paths["k"]["graph_us"]
-                 for key, p in (("j", "j"), ("f_k", "f"), ("l_k", "l")) if p in paths})
+                {
+                    key: paths[p]["graph_us"] - paths["k"]["graph_us"]
+                    for key, p in (("j", "j"), ("f_k", "f"), ("l_k", "l"))
+                    if p in paths
+                }
+            )
             # each path's GPU time as a multiple of FlashInfer's norm alone
-            row["x_k"] = {p: paths[p]["graph_us"] / paths["k"]["graph_us"]
-                          for p in paths if p != "k"}
+            row["x_k"] = {
+                p: paths[p]["graph_us"] / paths["k"]["graph_us"] for p in paths if p != "k"
+            }
         rows.append(row)
         del sets, steps, buffers, copies
         torch.cuda.empty_cache()
     host = measure_host_overhead(hidden, dtype, device)
-    return {"copy_2gib_eager": copy_2gib, "l2_bytes": l2_bytes, "rows": rows,
-            "host_us_per_call": host}
+    return {
+        "copy_2gib_eager": copy_2gib,
+        "l2_bytes": l2_bytes,
+        "rows": rows,
+        "host_us_per_call": host,
+    }
 
 
 def run_cpu(args) -> dict:
@@ -609,15 +704,19 @@ def run_cpu(args) -> dict:
                 t0 = time.perf_counter()
                 step()
                 samples.append((time.perf_counter() - t0) * 1e6)
-            row["paths"][path] = {"wall_us": statistics.median(samples),
-                                  "min_us": min(samples), "max_us": max(samples),
-                                  "reps": len(samples)}
+            row["paths"][path] = {
+                "wall_us": statistics.median(samples),
+                "min_us": min(samples),
+                "max_us": max(samples),
+                "reps": len(samples),
+            }
         rows.append(row)
     return {"rows": rows}
 
 
-def select_paths(requested: list, has_gpu: bool, has_liger: bool,
-                 has_flashinfer: bool = False) -> tuple:
+def select_paths(
+    requested: list, has_gpu: bool, has_liger: bool, has_flashinfer: bool = False
+) -> tuple:
     """(paths to run, {path: one-line reason} for every requested path not run)."""
     skipped = {}
     for p in requested:
@@ -631,36 +730,63 @@ def select_paths(requested: list, has_gpu: bool, has_liger: bool,
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(legend_lines(list(PATHS), {})))
-    p.add_argument("--hidden-size", type=int, default=7168,
-                   help="H: 7168 DeepSeek-V3/Kimi-K2 (default), 4096 / 5120 Llama-class")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(legend_lines(list(PATHS), {})),
+    )
+    p.add_argument(
+        "--hidden-size",
+        type=int,
+        default=7168,
+        help="H: 7168 DeepSeek-V3/Kimi-K2 (default), 4096 / 5120 Llama-class",
+    )
     p.add_argument("--num-captures", type=int, default=3, help="K captured layers (default 3)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--tokens", type=int, nargs="+", default=None,
-                   help="T values (default 1 2 4 .. 16384 on a GPU, 1 .. 256 on CPU)")
-    p.add_argument("--paths", default="abcdefghijkl",
-                   help="which paths to run, as letters (default abcdefghijkl; g, h, j, k on a "
-                        "GPU only, h only where liger-kernel is installed, j and k where "
-                        "FlashInfer's norm loads: installed, or built from the kernel source "
-                        "in .gpu_bundle, see benchmarks/flashinfer_norm.py)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="T values (default 1 2 4 .. 16384 on a GPU, 1 .. 256 on CPU)",
+    )
+    p.add_argument(
+        "--paths",
+        default="abcdefghijkl",
+        help="which paths to run, as letters (default abcdefghijkl; g, h, j, k on a "
+        "GPU only, h only where liger-kernel is installed, j and k where "
+        "FlashInfer's norm loads: installed, or built from the kernel source "
+        "in .gpu_bundle, see benchmarks/flashinfer_norm.py)",
+    )
     p.add_argument("--reps", type=int, default=100, help="eager repetitions per point")
     add_graph_timing_arguments(
-        p, replays=30, one_set_note="one set",
+        p,
+        replays=30,
+        one_set_note="one set",
         steps_note="more where more buffer sets rotate, fewer only where kept outputs would "
-                   "not fit")
-    p.add_argument("--pdl", choices=["env", "on", "off", "both"], default="env",
-                   help=f"PDL for our kernel's launches: as {PDL_ENV} says (default: on "
-                        "unless it is 0), on, off, or both in turn and compared; on / off / "
-                        "both rerun the script in child processes where the setting differs "
-                        "from this process's")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"),
-                   help="folder for the JSON and PNG (default benchmarks/out)")
+        "not fit",
+    )
+    p.add_argument(
+        "--pdl",
+        choices=["env", "on", "off", "both"],
+        default="env",
+        help=f"PDL for our kernel's launches: as {PDL_ENV} says (default: on "
+        "unless it is 0), on, off, or both in turn and compared; on / off / "
+        "both rerun the script in child processes where the setting differs "
+        "from this process's",
+    )
+    p.add_argument(
+        "--out",
+        default=os.path.join(os.path.dirname(__file__), "out"),
+        help="folder for the JSON and PNG (default benchmarks/out)",
+    )
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--host-breakdown", action="store_true",
-                   help="only the host time of an eager call, T = 1, layer by layer down the "
-                        "call stack, and a cProfile of it (GPU only; no sweep)")
+    p.add_argument(
+        "--host-breakdown",
+        action="store_true",
+        help="only the host time of an eager call, T = 1, layer by layer down the "
+        "call stack, and a cProfile of it (GPU only; no sweep)",
+    )
     args = p.parse_args(argv)
     if args.host_breakdown and args.pdl == "both":
         p.error("--host-breakdown measures one PDL setting: --pdl env, on or off")
@@ -669,8 +795,10 @@ def parse_args(argv=None):
     letters = [c for c in args.paths if c not in ", "]  # "a,b,c" and "a b c" work too
     bad = sorted(set(letters) - set(PATHS))
     if bad:
-        p.error(f"--paths {args.paths!r}: unknown path letter(s) {', '.join(bad)}; "
-                f"valid letters: {''.join(PATHS)}")
+        p.error(
+            f"--paths {args.paths!r}: unknown path letter(s) {', '.join(bad)}; "
+            f"valid letters: {''.join(PATHS)}"
+        )
     if not letters:
         p.error(f"--paths: no path letter given; valid letters: {''.join(PATHS)}")
     # What the user asked for, in their order, once each; main() narrows
@@ -683,12 +811,19 @@ def parse_args(argv=None):
 def host_breakdown_main(args, argv: list, info: dict) -> int:
     """``--host-breakdown``: the report, and its JSON next to the sweep's."""
     if not torch.cuda.is_available():
-        print("No GPU: --host-breakdown times eager CUDA launches (Triton's launcher layers); "
-              "nothing measured.")
+        print(
+            "No GPU: --host-breakdown times eager CUDA launches (Triton's launcher layers); "
+            "nothing measured."
+        )
         return 0
     result = run_host_breakdown(args)
-    result.update(pdl=pdl_report(True), config=vars(args), device=info,
-                  date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command=" ".join([__file__] + argv))
+    result.update(
+        pdl=pdl_report(True),
+        config=vars(args),
+        device=info,
+        date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        command=" ".join([__file__] + argv),
+    )
     print()
     print("\n".join(report.report_lines(result)))
     stem = output_stem(args, True, args.pdl) + "_host"
@@ -706,8 +841,9 @@ def pdl_from_env(environ=os.environ) -> str:
 
 def output_stem(args, has_gpu: bool, pdl: str) -> str:
     suffix = "" if pdl == "env" else f"_pdl-{pdl}"
-    return os.path.join(args.out, f"capture_latency_{'gpu' if has_gpu else 'cpu'}"
-                                  f"_H{args.hidden_size}{suffix}")
+    return os.path.join(
+        args.out, f"capture_latency_{'gpu' if has_gpu else 'cpu'}_H{args.hidden_size}{suffix}"
+    )
 
 
 def rerun_with_pdl(argv: list, mode: str) -> int:
@@ -735,8 +871,12 @@ def run_pdl_both(args, argv: list) -> int:
     for mode in ("on", "off"):
         with open(output_stem(args, has_gpu, mode) + ".json") as f:
             results[mode] = json.load(f)
-    both = {"pdl_on": results["on"], "pdl_off": results["off"],
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join([__file__] + argv)}
+    both = {
+        "pdl_on": results["on"],
+        "pdl_off": results["off"],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join([__file__] + argv),
+    }
     print()
     print("\n".join(report.report_lines(both)))
     stem = output_stem(args, has_gpu, "both")
@@ -764,9 +904,11 @@ def main(argv=None) -> int:
     info = device_identity()
     if flashinfer_line is not None:
         info["flashinfer"] = flashinfer_line
-    print(f"device: {info['device']}  torch {info['torch']}  triton {info['triton']}"
-          + (f"  driver {info.get('driver')}" if has_gpu else ""))
-    if flashinfer_line is not None:   # which FlashInfer, or why none (a long line)
+    print(
+        f"device: {info['device']}  torch {info['torch']}  triton {info['triton']}"
+        + (f"  driver {info.get('driver')}" if has_gpu else "")
+    )
+    if flashinfer_line is not None:  # which FlashInfer, or why none (a long line)
         print(f"FlashInfer (paths j, k): {flashinfer_line}")
     if args.host_breakdown:
         return host_breakdown_main(args, argv, info)
@@ -775,16 +917,21 @@ def main(argv=None) -> int:
         result = run_gpu(args)
         result.update(skipped=skipped, pdl=pdl_report(has_gpu))
     else:
-        print("No GPU: running the CPU path (torch implementation) on small sizes. "
-              "GPU figures need a GPU.")
+        print(
+            "No GPU: running the CPU path (torch implementation) on small sizes. "
+            "GPU figures need a GPU."
+        )
         args.tokens = args.tokens or [1, 4, 16, 64, 256]
         args.reps = min(args.reps, 20)
         result = run_cpu(args)
         result.update(skipped=skipped, pdl=pdl_report(has_gpu), warning=CPU_WARNING)
-    result.update(config={k: v for k, v in vars(args).items()}, device=info,
-                  date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                  command=" ".join([__file__] + argv))
-    print()   # the report is made from the result alone (capture_report.py)
+    result.update(
+        config={k: v for k, v in vars(args).items()},
+        device=info,
+        date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        command=" ".join([__file__] + argv),
+    )
+    print()  # the report is made from the result alone (capture_report.py)
     print("\n".join(report.report_lines(result)))
     stem = output_stem(args, has_gpu, args.pdl)
     with open(stem + ".json", "w") as f:

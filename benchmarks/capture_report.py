@@ -62,8 +62,10 @@ GPU_ONLY_PATHS = {
     "k": "GPU only (FlashInfer's norm is a CUDA kernel)",
 }
 LIGER_MISSING = "liger-kernel is not installed (pip install liger-kernel)"
-FLASHINFER_MISSING = ("FlashInfer's norm does not load here (not installed, no bundle to "
-                      "build it from, or its build failed)")
+FLASHINFER_MISSING = (
+    "FlashInfer's norm does not load here (not installed, no bundle to "
+    "build it from, or its build failed)"
+)
 
 
 def legend_lines(paths: list, skipped: dict) -> list:
@@ -87,8 +89,9 @@ def align_parts(parts: list) -> list:
     return [[x.rjust(w) for x, w in zip(row, widths)] for row in parts]
 
 
-def pack_columns(key_header: str, keys: list, columns: list, width: int = WIDTH,
-                 sep: str = " | ") -> list:
+def pack_columns(
+    key_header: str, keys: list, columns: list, width: int = WIDTH, sep: str = " | "
+) -> list:
     """A table of right-aligned columns, ``columns`` = [(header, [cell per key])],
     laid out in blocks of at most ``width`` characters: the key column (T) starts
     every block and the columns that do not fit go on to the next block."""
@@ -109,8 +112,10 @@ def pack_columns(key_header: str, keys: list, columns: list, width: int = WIDTH,
             lines.append("")
         head = key_header.rjust(key_w) + "".join(sep + h.rjust(w) for h, _, w in block)
         lines += [head, "-" * len(head)]
-        lines += [key.rjust(key_w) + "".join(sep + cells[r].rjust(w) for _, cells, w in block)
-                  for r, key in enumerate(keys)]
+        lines += [
+            key.rjust(key_w) + "".join(sep + cells[r].rjust(w) for _, cells, w in block)
+            for r, key in enumerate(keys)
+        ]
     return lines
 
 
@@ -120,8 +125,11 @@ def pdl_line(pdl: dict, paths: list) -> str:
         return f"PDL: n/a ({pdl['why']})."
     ours = " ".join(p for p in paths if p in PDL_PATHS) or "no path here"
     never = " ".join(p for p in paths if p not in PDL_PATHS)
-    return (f"PDL: {pdl['state']} ({pdl['why']}) for {ours}"
-            + (f"; {never} cannot use it" if never else "") + ".")
+    return (
+        f"PDL: {pdl['state']} ({pdl['why']}) for {ours}"
+        + (f"; {never} cannot use it" if never else "")
+        + "."
+    )
 
 
 def format_ratio(x) -> str:
@@ -132,61 +140,107 @@ def format_gpu_table(result: dict, args) -> list:
     """The GPU report as lines of at most WIDTH characters (pure: no GPU needed)."""
     roof, rows, paths = result["copy_2gib_eager"], result["rows"], list(args.paths)
     l2_multiple = min((row["input_l2_multiple"] for row in rows), default=0.0)
-    lines = ["Roofline ([%] cells): one copy kernel (src + 0) moving the path's bytes at that T, "
-             "timed as",
-             "the paths are (graph replay, same steps per graph, rotated buffers).",
-             f"2 GiB eager copy (secondary): {roof['gbps']:.0f} GB/s read + written.",
-             f"H = {args.hidden_size}, K = {args.num_captures} captured layers, {args.dtype}; "
-             f">= {args.steps_per_graph} steps per CUDA graph, each step on the next",
-             f"of N buffer sets (h, r, w, aux) that total >= {l2_multiple:.1f} x L2 "
-             f"({result['l2_bytes'] / 2**20:.0f} MiB) at every T.",
-             pdl_line(result["pdl"], paths),
-             ""]
+    lines = [
+        "Roofline ([%] cells): one copy kernel (src + 0) moving the path's bytes at that T, "
+        "timed as",
+        "the paths are (graph replay, same steps per graph, rotated buffers).",
+        f"2 GiB eager copy (secondary): {roof['gbps']:.0f} GB/s read + written.",
+        f"H = {args.hidden_size}, K = {args.num_captures} captured layers, {args.dtype}; "
+        f">= {args.steps_per_graph} steps per CUDA graph, each step on the next",
+        f"of N buffer sets (h, r, w, aux) that total >= {l2_multiple:.1f} x L2 "
+        f"({result['l2_bytes'] / 2**20:.0f} MiB) at every T.",
+        pdl_line(result["pdl"], paths),
+        "",
+    ]
     lines += legend_lines(paths, result.get("skipped", {}))
-    lines += ["",
-              "Cells: GPU us per forward step (all K layers), CUDA-graph replay, median "
-              "[% of same-size copy].",
-              "cost b / e / f: us over path d (the capture's own cost). floor: one write of "
-              "the K slots'",
-              "bytes, measured: fill_ of a rotated [T, K, H] buffer in graph replay less a "
-              "one-row fill_",
-              f"(the launch's fixed cost). x floor: cost / floor, where the floor >= "
-              f"{FLOOR_MIN_US:g} us.",
-              "j-k: SGLang's capture over its own FlashInfer norm; f-k: the drop-in's norm -> "
-              "slot over it.",
-              ""]
+    lines += [
+        "",
+        "Cells: GPU us per forward step (all K layers), CUDA-graph replay, median "
+        "[% of same-size copy].",
+        "cost b / e / f: us over path d (the capture's own cost). floor: one write of the K slots'",
+        "bytes, measured: fill_ of a rotated [T, K, H] buffer in graph replay less a one-row fill_",
+        f"(the launch's fixed cost). x floor: cost / floor, where the floor >= "
+        f"{FLOOR_MIN_US:g} us.",
+        "j-k: SGLang's capture over its own FlashInfer norm; f-k: the drop-in's norm -> "
+        "slot over it.",
+        "",
+    ]
     keys = [str(row["T"]) for row in rows]
-    columns = [(p, [f"{row['paths'][p]['graph_us']:.1f} "
-                    f"[{row['paths'][p]['graph_pct_roofline']:3.0f}%]" for row in rows])
-               for p in paths]
-    costs = align_parts([[f"{row['capture_cost_us'][p]:+.1f}"
-                          if p in row.get("capture_cost_us", {}) else "-" for p in "bef"]
-                         for row in rows])
+    columns = [
+        (
+            p,
+            [
+                f"{row['paths'][p]['graph_us']:.1f} [{row['paths'][p]['graph_pct_roofline']:3.0f}%]"
+                for row in rows
+            ],
+        )
+        for p in paths
+    ]
+    costs = align_parts(
+        [
+            [
+                f"{row['capture_cost_us'][p]:+.1f}" if p in row.get("capture_cost_us", {}) else "-"
+                for p in "bef"
+            ]
+            for row in rows
+        ]
+    )
     columns.append(("cost b / e / f us", [" / ".join(c) for c in costs]))
     columns.append(("floor us", [f"{row['write_floor']['net_us']:.1f}" for row in rows]))
-    ratios = align_parts([[format_ratio(row.get("capture_cost_x_floor", {}).get(p))
-                           if row["write_floor"]["net_us"] >= FLOOR_MIN_US else "-"
-                           for p in "bef"] for row in rows])
+    ratios = align_parts(
+        [
+            [
+                format_ratio(row.get("capture_cost_x_floor", {}).get(p))
+                if row["write_floor"]["net_us"] >= FLOOR_MIN_US
+                else "-"
+                for p in "bef"
+            ]
+            for row in rows
+        ]
+    )
     columns.append(("x floor b / e / f", [" / ".join(r) for r in ratios]))
     if any("j" in row.get("capture_cost_us", {}) for row in rows):
         # Against what SGLang runs on CUDA: its capture's cost over its own norm (j - k),
         # and ours in place of both (f - k: the drop-in's norm and capture vs SGLang's norm).
-        vs = align_parts([[f"{row['capture_cost_us'][p]:+.1f}"
-                           if p in row.get("capture_cost_us", {}) else "-" for p in ("j", "f_k")]
-                          for row in rows])
+        vs = align_parts(
+            [
+                [
+                    f"{row['capture_cost_us'][p]:+.1f}"
+                    if p in row.get("capture_cost_us", {})
+                    else "-"
+                    for p in ("j", "f_k")
+                ]
+                for row in rows
+            ]
+        )
         columns.append(("j-k / f-k us", [" / ".join(c) for c in vs]))
     lines += pack_columns("T", keys, columns)
     ours = [p for p in paths if p in "dfil" and any(p in row.get("x_k", {}) for row in rows)]
     if ours:
-        lines += ["", "Against FlashInfer's norm alone (k): GPU time / k's, graph replay "
-                      "(<= 1.000: at or below it)."]
-        lines += pack_columns("T", keys, [(f"{p} / k", [
-            "-" if row.get("x_k", {}).get(p) is None else f"{row['x_k'][p]:.3f}"
-            for row in rows]) for p in ours])
+        lines += [
+            "",
+            "Against FlashInfer's norm alone (k): GPU time / k's, graph replay "
+            "(<= 1.000: at or below it).",
+        ]
+        lines += pack_columns(
+            "T",
+            keys,
+            [
+                (
+                    f"{p} / k",
+                    [
+                        "-" if row.get("x_k", {}).get(p) is None else f"{row['x_k'][p]:.3f}"
+                        for row in rows
+                    ],
+                )
+                for p in ours
+            ],
+        )
     if paths:
         lines += ["", "Eager (CUDA events, launch overhead included), us per step:"]
-        lines += pack_columns("T", keys, [(p, [f"{row['paths'][p]['event_us']:.1f}"
-                                               for row in rows]) for p in paths])
+        lines += pack_columns(
+            "T", keys, [(p, [f"{row['paths'][p]['event_us']:.1f}" for row in rows]) for p in paths]
+        )
     lines += ["", "Host time per op call, eager, T = 1 (us):"]
     lines += [f"  {name:<42} {us:6.1f}" for name, us in result["host_us_per_call"].items()]
     return lines
@@ -198,10 +252,12 @@ def format_pdl_comparison(on: dict, off: dict) -> list:
     gpu = "copy_2gib_eager" in on
     figure = "graph_us" if gpu else "wall_us"
     paths = [p for p in on["config"]["paths"] if p in off["config"]["paths"]]
-    lines = [f"PDL on vs off: two runs of this script, us per step "
-             f"({'CUDA-graph replay' if gpu else 'CPU wall clock'}, median), on / off.",
-             f"on run: {pdl_line(on['pdl'], paths)}",
-             f"off run: {pdl_line(off['pdl'], paths)}"]
+    lines = [
+        f"PDL on vs off: two runs of this script, us per step "
+        f"({'CUDA-graph replay' if gpu else 'CPU wall clock'}, median), on / off.",
+        f"on run: {pdl_line(on['pdl'], paths)}",
+        f"off run: {pdl_line(off['pdl'], paths)}",
+    ]
     if any(p not in PDL_PATHS for p in paths):
         lines.append("Paths that never use PDL: their on / off difference is run-to-run noise.")
     lines.append("")
@@ -209,24 +265,34 @@ def format_pdl_comparison(on: dict, off: dict) -> list:
     rows = [row for row in on["rows"] if row["T"] in off_rows]
     columns = []
     for p in paths:
-        cells = align_parts([[f"{row['paths'][p][figure]:.1f}",
-                              f"{off_rows[row['T']]['paths'][p][figure]:.1f}"] for row in rows])
+        cells = align_parts(
+            [
+                [f"{row['paths'][p][figure]:.1f}", f"{off_rows[row['T']]['paths'][p][figure]:.1f}"]
+                for row in rows
+            ]
+        )
         columns.append((p, [" / ".join(c) for c in cells]))
     return lines + pack_columns("T", [str(row["T"]) for row in rows], columns)
 
 
 def cpu_spread(result: dict) -> float:
     """The largest max/min ratio over all points of a CPU run (1.0 if none)."""
-    ratios = [d["max_us"] / d["min_us"] for row in result["rows"]
-              for d in row["paths"].values() if d.get("min_us", 0) > 0]
+    ratios = [
+        d["max_us"] / d["min_us"]
+        for row in result["rows"]
+        for d in row["paths"].values()
+        if d.get("min_us", 0) > 0
+    ]
     return max(ratios, default=1.0)
 
 
 def format_cpu_table(result: dict, args) -> list:
     """The CPU report as lines of at most WIDTH characters."""
     rows, paths = result["rows"], [p for p in args.paths if p not in GPU_ONLY_PATHS]
-    lines = [f"CPU path (the ops' torch implementation), H = {args.hidden_size}, "
-             f"K = {args.num_captures} captured layers, {args.dtype}."]
+    lines = [
+        f"CPU path (the ops' torch implementation), H = {args.hidden_size}, "
+        f"K = {args.num_captures} captured layers, {args.dtype}."
+    ]
     if "pdl" in result:
         lines.append(pdl_line(result["pdl"], paths))
     lines.append("")
@@ -234,32 +300,52 @@ def format_cpu_table(result: dict, args) -> list:
     if not paths:
         return lines + ["", "No path to run."]
     spread = cpu_spread(result)
-    lines += ["",
-              f"Cells: wall-clock us per step (all K layers): min / median / max "
-              f"over {args.reps} reps.",
-              f"{CPU_WARNING} (max/min {spread:.{1 if spread < 10 else 0}f}x here).",
-              ""]
+    lines += [
+        "",
+        f"Cells: wall-clock us per step (all K layers): min / median / max over {args.reps} reps.",
+        f"{CPU_WARNING} (max/min {spread:.{1 if spread < 10 else 0}f}x here).",
+        "",
+    ]
     columns = []
     for p in paths:
-        parts = align_parts([[f"{row['paths'][p]['min_us']:.1f}",
-                              f"{row['paths'][p]['wall_us']:.1f}",
-                              f"{row['paths'][p]['max_us']:.1f}"] for row in rows])
+        parts = align_parts(
+            [
+                [
+                    f"{row['paths'][p]['min_us']:.1f}",
+                    f"{row['paths'][p]['wall_us']:.1f}",
+                    f"{row['paths'][p]['max_us']:.1f}",
+                ]
+                for row in rows
+            ]
+        )
         columns.append((p, [" / ".join(c) for c in parts]))
     return lines + pack_columns("T", [str(row["T"]) for row in rows], columns)
 
 
 def plot(result: dict, args, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     rows = result["rows"]
     tokens = [r["T"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     for p in args.paths:
-        ax1.plot(tokens, [r["paths"][p]["graph_us"] for r in rows], marker="o", ms=3,
-                 label=f"{p}: {PATHS[p]}")
-    ax1.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="GPU us per step (graph replay)",
-            title=f"Capture of K={args.num_captures} layers, H={args.hidden_size}, {args.dtype}")
+        ax1.plot(
+            tokens,
+            [r["paths"][p]["graph_us"] for r in rows],
+            marker="o",
+            ms=3,
+            label=f"{p}: {PATHS[p]}",
+        )
+    ax1.set(
+        xscale="log",
+        yscale="log",
+        xlabel="tokens T",
+        ylabel="GPU us per step (graph replay)",
+        title=f"Capture of K={args.num_captures} layers, H={args.hidden_size}, {args.dtype}",
+    )
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(fontsize=8)
     # A capture cost can be zero or negative (f often ties d, within noise). A
@@ -274,16 +360,29 @@ def plot(result: dict, args, path: str) -> None:
             ax2.plot(tokens, costs, marker="o", ms=3, label=f"{p}: {PATHS[p]}")
             low = [(t, c) for t, c in zip(tokens, costs) if c <= 0]
             if low:
-                ax2.scatter(*zip(*low), s=60, facecolors="none", edgecolors="red", zorder=3,
-                            label=None if nonpositive else "cost <= 0 (no slower than d)")
+                ax2.scatter(
+                    *zip(*low),
+                    s=60,
+                    facecolors="none",
+                    edgecolors="red",
+                    zorder=3,
+                    label=None if nonpositive else "cost <= 0 (no slower than d)",
+                )
                 nonpositive = True
-    ax2.plot(tokens, [r["write_floor"]["net_us"] for r in rows], "k--",
-             label="one extra write, measured (fill_, launch cost removed)")
+    ax2.plot(
+        tokens,
+        [r["write_floor"]["net_us"] for r in rows],
+        "k--",
+        label="one extra write, measured (fill_, launch cost removed)",
+    )
     ax2.axhline(0, color="grey", lw=0.8)
     ax2.set_xscale("log")
     ax2.set_yscale("symlog", linthresh=1.0)
-    ax2.set(xlabel="tokens T", ylabel="capture cost over d (us; symlog, linear within +-1)",
-            title="Capture overhead vs the layer's add+RMSNorm")
+    ax2.set(
+        xlabel="tokens T",
+        ylabel="capture cost over d (us; symlog, linear within +-1)",
+        title="Capture overhead vs the layer's add+RMSNorm",
+    )
     ax2.grid(True, which="both", alpha=0.3)
     ax2.legend(fontsize=8)
     fig.tight_layout()
@@ -295,14 +394,20 @@ def format_host_breakdown(result: dict, args) -> list:
     """The ``--host-breakdown`` report as lines (the cProfile's own lines last)."""
     rows = result["host_us_per_call"]
     w = max(len(name) for name in rows)
-    lines = [f"Host time per eager call, T = 1, H = {args.hidden_size}, {args.dtype}; "
-             f"{result['calls']} calls in 5 chunks:"]
+    lines = [
+        f"Host time per eager call, T = 1, H = {args.hidden_size}, {args.dtype}; "
+        f"{result['calls']} calls in 5 chunks:"
+    ]
     lines += [f"  {fact}: {value}" for fact, value in result["facts"].items()]
     lines += ["", f"  {'us per call':<{w}}  {'median':>7}  {'best':>7}"]
-    lines += [f"  {name:<{w}}  {d['median_us']:7.2f}  {d['best_us']:7.2f}"
-              for name, d in rows.items()]
-    return lines + ["", f"cProfile of {result['calls']} public add_capture calls:",
-                    result["profile"].strip("\n")]
+    lines += [
+        f"  {name:<{w}}  {d['median_us']:7.2f}  {d['best_us']:7.2f}" for name, d in rows.items()
+    ]
+    return lines + [
+        "",
+        f"cProfile of {result['calls']} public add_capture calls:",
+        result["profile"].strip("\n"),
+    ]
 
 
 def report_lines(result: dict) -> list:

@@ -24,10 +24,20 @@ CASES = [
     ("eagle-capture --help", ["-m", "eagle_capture", "--help"], 0, b"usage"),
     ("eagle-capture doctor --help", ["-m", "eagle_capture", "doctor", "--help"], 0, b"usage"),
     # 1: the example's draft is fed wrongly on vLLM (the README's excerpt)
-    ("eagle-capture doctor (Llama example)",
-     ["-m", "eagle_capture", "doctor",
-      "--draft-config", str(EXAMPLES / "llama3_70b_specforge_draft_config.json"),
-      "--target-config", str(EXAMPLES / "llama3_70b_target_config.json")], 1, b"verdict"),
+    (
+        "eagle-capture doctor (Llama example)",
+        [
+            "-m",
+            "eagle_capture",
+            "doctor",
+            "--draft-config",
+            str(EXAMPLES / "llama3_70b_specforge_draft_config.json"),
+            "--target-config",
+            str(EXAMPLES / "llama3_70b_target_config.json"),
+        ],
+        1,
+        b"verdict",
+    ),
     ("import torch, triton (for scale)", ["-c", "import torch, triton"], 0, b""),
 ]
 
@@ -48,8 +58,9 @@ def time_runs(argv: list[str], runs: int, expected: tuple[int, bytes]) -> list[f
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="runs per command (default 5)")
-    parser.add_argument("--python", default=sys.executable,
-                        help="the interpreter to time (default: this one)")
+    parser.add_argument(
+        "--python", default=sys.executable, help="the interpreter to time (default: this one)"
+    )
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")

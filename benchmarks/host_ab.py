@@ -57,8 +57,12 @@ print(json.dumps(result))
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tree", action="append", required=True,
-                   help="a checkout (its eagle_capture package is imported); repeat")
+    p.add_argument(
+        "--tree",
+        action="append",
+        required=True,
+        help="a checkout (its eagle_capture package is imported); repeat",
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--hidden-size", type=int, default=7168)
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run)")
@@ -66,11 +70,20 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rounds = {tree: [] for tree in args.tree}
     for i in range(args.rounds):
-        for tree in (args.tree if i % 2 == 0 else args.tree[::-1]):
-            env = dict(os.environ, PYTHONPATH=os.path.abspath(tree),
-                       AB_HIDDEN=str(args.hidden_size), AB_DEVICE=args.device)
-            run = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
-                                 text=True, cwd=os.path.abspath(tree))
+        for tree in args.tree if i % 2 == 0 else args.tree[::-1]:
+            env = dict(
+                os.environ,
+                PYTHONPATH=os.path.abspath(tree),
+                AB_HIDDEN=str(args.hidden_size),
+                AB_DEVICE=args.device,
+            )
+            run = subprocess.run(
+                [sys.executable, "-c", CHILD],
+                env=env,
+                capture_output=True,
+                text=True,
+                cwd=os.path.abspath(tree),
+            )
             if run.returncode != 0:
                 sys.stderr.write(run.stderr)
                 return 1
@@ -78,14 +91,20 @@ def main(argv=None) -> int:
     names = [n for n in rounds[args.tree[0]][0] if n != "package"]
     for tree in args.tree:
         print(f"{tree}: {rounds[tree][0]['package']}")
-    print(f"host us per eager call, T = 1, H = {args.hidden_size} bf16: median over "
-          f"{args.rounds} rounds (each the median of 5 chunks of 2000 calls)")
+    print(
+        f"host us per eager call, T = 1, H = {args.hidden_size} bf16: median over "
+        f"{args.rounds} rounds (each the median of 5 chunks of 2000 calls)"
+    )
     print(f"{'call':24s}" + "".join(f"{t[-19:]:>20s}{'x add':>8s}" for t in args.tree))
     for name in names:
-        print(f"{name:24s}" + "".join(
-            f"{statistics.median(r[name] for r in rounds[t]):20.2f}"
-            f"{statistics.median(r[name] / r['torch.add(out=)'] for r in rounds[t]):8.2f}"
-            for t in args.tree))
+        print(
+            f"{name:24s}"
+            + "".join(
+                f"{statistics.median(r[name] for r in rounds[t]):20.2f}"
+                f"{statistics.median(r[name] / r['torch.add(out=)'] for r in rounds[t]):8.2f}"
+                for t in args.tree
+            )
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hidden_size": args.hidden_size, "rounds": rounds}, f, indent=1)

@@ -78,13 +78,14 @@ from eagle_capture.testing.bench import (
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_TOKENS = [1, 8, 16, 64, 256, 1024, 4096, 16384]
 EPS = 1e-6
-SLOTS = 3          # K: slots of every aux buffer; a variants step launches once per slot
-MAX_SETS = 4096    # rotated buffer sets at the most (each is one graph step)
+SLOTS = 3  # K: slots of every aux buffer; a variants step launches once per slot
+MAX_SETS = 4096  # rotated buffer sets at the most (each is one graph step)
 
 
 @dataclass(frozen=True)
 class Kind:
     """The kernel's output flags for one op (HAS_RESIDUAL is always set)."""
+
     what: str
     apply_norm: bool
     store_residual: bool
@@ -109,7 +110,7 @@ KINDS = {
 # h = norm(residual) * w, of the fp32 sum), launched by the flashinfer sweep alone.
 PEER = "k"
 PEER_KIND = Kind("FlashInfer's fused_add_rmsnorm (peer)", True, True, False, True)
-_flashinfer = {}   # "fn", "line": flashinfer_norm.load()'s answer, once per process
+_flashinfer = {}  # "fn", "line": flashinfer_norm.load()'s answer, once per process
 
 
 def kind_of(v: "Variant") -> Kind:
@@ -121,6 +122,7 @@ def flashinfer_peer() -> tuple:
     if not _flashinfer:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import flashinfer_norm
+
         _flashinfer["fn"], _flashinfer["line"] = flashinfer_norm.load()
     return _flashinfer["fn"], _flashinfer["line"]
 
@@ -128,12 +130,12 @@ def flashinfer_peer() -> tuple:
 @dataclass(frozen=True)
 class Variant:
     name: str
-    kind: str                         # a key of KINDS
-    block_h: Optional[int] = None     # None: launch_config's
-    num_warps: Optional[int] = None   # None: launch_config's
-    pdl: bool = False                 # USE_PDL, launched with launch_pdl=True
-    out_of_place: bool = False        # normed and residual outputs to other tensors
-    knobs: tuple = ()                 # (constexpr, value) pairs: the kernel's cache hints
+    kind: str  # a key of KINDS
+    block_h: Optional[int] = None  # None: launch_config's
+    num_warps: Optional[int] = None  # None: launch_config's
+    pdl: bool = False  # USE_PDL, launched with launch_pdl=True
+    out_of_place: bool = False  # normed and residual outputs to other tensors
+    knobs: tuple = ()  # (constexpr, value) pairs: the kernel's cache hints
 
     def launch_shape(self, hidden_size: int) -> tuple:
         """(BLOCK_H, num_warps, column blocks) at this hidden size."""
@@ -141,8 +143,10 @@ class Variant:
         block_h, num_warps, _ = launch_config(hidden_size, norm)
         block_h, num_warps = self.block_h or block_h, self.num_warps or num_warps
         if norm and block_h < hidden_size:
-            raise ValueError(f"{self.name}: the norm needs the whole row in one program "
-                             f"(BLOCK_H {block_h} < H = {hidden_size})")
+            raise ValueError(
+                f"{self.name}: the norm needs the whole row in one program "
+                f"(BLOCK_H {block_h} < H = {hidden_size})"
+            )
         return block_h, num_warps, triton.cdiv(hidden_size, block_h)
 
 
@@ -151,53 +155,69 @@ def launch_sweep(hidden_size: int) -> list:
     row = triton.next_power_of_2(hidden_size)
     variants = [Variant(f"{k} w{nw}", k, row, nw) for k in "de" for nw in (4, 8, 16, 32)]
     # Column blocks: at least 8 elements per thread, except the largest block.
-    variants += [Variant(f"c b{blk} w{nw}", "c", blk, nw)
-                 for blk in (1024, 2048, 4096, 8192) for nw in (2, 4, 8, 16)
-                 if blk // (nw * 32) >= 8 or blk >= 8192]
+    variants += [
+        Variant(f"c b{blk} w{nw}", "c", blk, nw)
+        for blk in (1024, 2048, 4096, 8192)
+        for nw in (2, 4, 8, 16)
+        if blk // (nw * 32) >= 8 or blk >= 8192
+    ]
     return variants
 
 
 def variants_sweep(hidden_size: int) -> list:
     """Named variants: the shipped configuration of each kind, PDL off and on,
     then other launch shapes and out-of-place outputs."""
-    variants = [Variant(f"{k}{' pdl' if pdl else ''}", k, pdl=pdl)
-                for k in KINDS for pdl in (False, True)]
-    return variants + [Variant("c b4096 w8", "c", 4096, 8), Variant("d w8", "d", num_warps=8),
-                       Variant("d oop", "d", out_of_place=True),
-                       Variant("e oop", "e", out_of_place=True)]
+    variants = [
+        Variant(f"{k}{' pdl' if pdl else ''}", k, pdl=pdl) for k in KINDS for pdl in (False, True)
+    ]
+    return variants + [
+        Variant("c b4096 w8", "c", 4096, 8),
+        Variant("d w8", "d", num_warps=8),
+        Variant("d oop", "d", out_of_place=True),
+        Variant("e oop", "e", out_of_place=True),
+    ]
 
 
 def flashinfer_sweep(hidden_size: int) -> list:
     """The drop-in's in-slot call (l) as shipped and varied, against FlashInfer's norm."""
-    warps = launch_config(hidden_size, True)[1]   # names alike at every H: w/2 = half of it
+    warps = launch_config(hidden_size, True)[1]  # names alike at every H: w/2 = half of it
     cs, ef = ("AUX_CACHE", ".cs"), ("AUX_EVICT", "evict_first")
     ref = ("RESIDUAL_EVICT", "evict_first")
-    return [Variant("k flashinfer", PEER), Variant("d pdl", "d", pdl=True),
-            Variant("l pdl", "l", pdl=True), Variant("l", "l"),
-            Variant("l aux.cs", "l", pdl=True, knobs=(cs,)),
-            Variant("l aux.ef", "l", pdl=True, knobs=(ef,)),
-            Variant("l r.ef", "l", pdl=True, knobs=(ref,)),
-            Variant("l r.ef aux.cs", "l", pdl=True, knobs=(ref, cs)),
-            Variant("l late", "l", pdl=True, knobs=(("PDL_TRIGGER_LATE", True),)),
-            Variant("l w/2", "l", num_warps=max(1, warps // 2), pdl=True),
-            Variant("l w*2", "l", num_warps=min(32, warps * 2), pdl=True),
-            # The peer once more, last: its ratio to the first is the run's noise floor
-            # (clock and thermal drift across the cell's variants included).
-            Variant("k again", PEER)]
+    return [
+        Variant("k flashinfer", PEER),
+        Variant("d pdl", "d", pdl=True),
+        Variant("l pdl", "l", pdl=True),
+        Variant("l", "l"),
+        Variant("l aux.cs", "l", pdl=True, knobs=(cs,)),
+        Variant("l aux.ef", "l", pdl=True, knobs=(ef,)),
+        Variant("l r.ef", "l", pdl=True, knobs=(ref,)),
+        Variant("l r.ef aux.cs", "l", pdl=True, knobs=(ref, cs)),
+        Variant("l late", "l", pdl=True, knobs=(("PDL_TRIGGER_LATE", True),)),
+        Variant("l w/2", "l", num_warps=max(1, warps // 2), pdl=True),
+        Variant("l w*2", "l", num_warps=min(32, warps * 2), pdl=True),
+        # The peer once more, last: its ratio to the first is the run's noise floor
+        # (clock and thermal drift across the cell's variants included).
+        Variant("k again", PEER),
+    ]
 
 
-SWEEPS = {"launch": (launch_sweep, 1), "variants": (variants_sweep, SLOTS),  # launches per step
-          "flashinfer": (flashinfer_sweep, SLOTS)}
+SWEEPS = {
+    "launch": (launch_sweep, 1),
+    "variants": (variants_sweep, SLOTS),  # launches per step
+    "flashinfer": (flashinfer_sweep, SLOTS),
+}
 
 
 # ----------------------------------------------------------------------------
 # Buffers, launch, check
 # ----------------------------------------------------------------------------
 
+
 @dataclass
 class BufferSet:
     """One step's inputs and outputs: h, r [T, H], w [H], aux [T, SLOTS, H];
     ``normed`` and ``res_out`` [T, H] for out-of-place variants (else None)."""
+
     h: torch.Tensor
     r: torch.Tensor
     w: torch.Tensor
@@ -206,16 +226,26 @@ class BufferSet:
     res_out: Optional[torch.Tensor] = None
 
     def clone(self) -> "BufferSet":
-        return BufferSet(*(t.clone() if t is not None else None for t in
-                           (self.h, self.r, self.w, self.aux, self.normed, self.res_out)))
+        return BufferSet(
+            *(
+                t.clone() if t is not None else None
+                for t in (self.h, self.r, self.w, self.aux, self.normed, self.res_out)
+            )
+        )
 
 
 def make_set(num_tokens: int, hidden_size: int, dtype, device, out_of_place: bool) -> BufferSet:
     def rows():
         return torch.randn(num_tokens, hidden_size, device=device).to(dtype)
-    return BufferSet(rows(), rows(), (1 + 0.1 * torch.randn(hidden_size, device=device)).to(dtype),
-                     torch.empty(num_tokens, SLOTS, hidden_size, device=device, dtype=dtype),
-                     rows() if out_of_place else None, rows() if out_of_place else None)
+
+    return BufferSet(
+        rows(),
+        rows(),
+        (1 + 0.1 * torch.randn(hidden_size, device=device)).to(dtype),
+        torch.empty(num_tokens, SLOTS, hidden_size, device=device, dtype=dtype),
+        rows() if out_of_place else None,
+        rows() if out_of_place else None,
+    )
 
 
 def set_bytes(num_tokens: int, hidden_size: int, elem: int, out_of_place: bool) -> int:
@@ -234,13 +264,23 @@ def launch(v: Variant, shape: tuple, inputs: BufferSet, aux: torch.Tensor, slot:
     normed = inputs.normed if v.out_of_place else h
     res_out = inputs.res_out if v.out_of_place else r
     _, values, num_warps = kernel_arguments(
-        h, r, inputs.w if kind.apply_norm else None, normed if kind.apply_norm else None,
-        res_out if kind.store_residual else None, aux if kind.capture else None, eps=EPS,
-        slot=slot, norm_fp32_sum=kind.norm_fp32_sum, use_pdl=v.pdl, block_h=block_h,
-        num_warps=num_warps)
+        h,
+        r,
+        inputs.w if kind.apply_norm else None,
+        normed if kind.apply_norm else None,
+        res_out if kind.store_residual else None,
+        aux if kind.capture else None,
+        eps=EPS,
+        slot=slot,
+        norm_fp32_sum=kind.norm_fp32_sum,
+        use_pdl=v.pdl,
+        block_h=block_h,
+        num_warps=num_warps,
+    )
     values.update(v.knobs)
     add_rmsnorm_capture_kernel[(h.shape[0], col_blocks)](
-        **values, num_warps=num_warps, **({"launch_pdl": True} if v.pdl else {}))
+        **values, num_warps=num_warps, **({"launch_pdl": True} if v.pdl else {})
+    )
 
 
 def check_variant(v: Variant, shape: tuple, inputs: BufferSet) -> None:
@@ -284,12 +324,14 @@ def graph_steps_of(v: Variant, shape: tuple, sets: list, launches: int) -> list:
     def step(i):
         for k in range(launches):
             launch(v, shape, sets[(i * launches + k) % n], sets[i].aux, k % SLOTS)
+
     return [lambda i=i: step(i) for i in range(n)]
 
 
 # ----------------------------------------------------------------------------
 # Sweep, report
 # ----------------------------------------------------------------------------
+
 
 def pdl_unavailable() -> Optional[str]:
     """Why this machine cannot launch with PDL, or None."""
@@ -302,8 +344,9 @@ def pdl_unavailable() -> Optional[str]:
 
 def measure_cell(v: Variant, shape: tuple, sets: list, launches: int, args) -> float:
     check_variant(v, shape, sets[0])
-    return time_graph_replay(graph_steps_of(v, shape, sets, launches), args.steps_per_graph,
-                             args.replays)
+    return time_graph_replay(
+        graph_steps_of(v, shape, sets, launches), args.steps_per_graph, args.replays
+    )
 
 
 def run(args, variants: list, launches: int) -> dict:
@@ -317,19 +360,27 @@ def run(args, variants: list, launches: int) -> dict:
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
     out_of_place = any(v.out_of_place for v in variants)
     shapes = {v.name: v.launch_shape(H) for v in variants}
-    print(f"{len(variants)} variants, {per_step(launches)}, H = {H}, {args.dtype}; "
-          f">= {args.steps_per_graph} steps per CUDA graph, {args.replays} replays, buffer sets "
-          f"rotated past {args.rotate_l2:g} x L2 ({l2_bytes / 2**20:.0f} MiB)")
-    print(f"copy roofline {roof:.0f} GB/s (2 GiB eager copy, read + written); cells: median us "
-          f"per step (% of roofline)")
+    print(
+        f"{len(variants)} variants, {per_step(launches)}, H = {H}, {args.dtype}; "
+        f">= {args.steps_per_graph} steps per CUDA graph, {args.replays} replays, buffer sets "
+        f"rotated past {args.rotate_l2:g} x L2 ({l2_bytes / 2**20:.0f} MiB)"
+    )
+    print(
+        f"copy roofline {roof:.0f} GB/s (2 GiB eager copy, read + written); cells: median us "
+        f"per step (% of roofline)"
+    )
     width = max(16, max(len(v.name) for v in variants) + 1)
     print(f"{'T':>6} {'sets':>5} " + " ".join(v.name.rjust(width) for v in variants), flush=True)
     table = {}
     for T in args.tokens:
         one_set = set_bytes(T, H, elem, out_of_place)
         free, _ = torch.cuda.mem_get_info(device)
-        num_sets = max(2 * launches, rotation_sets(one_set, l2_bytes, args.rotate_l2,
-                                               max_sets=MAX_SETS, budget_bytes=free // 2))
+        num_sets = max(
+            2 * launches,
+            rotation_sets(
+                one_set, l2_bytes, args.rotate_l2, max_sets=MAX_SETS, budget_bytes=free // 2
+            ),
+        )
         sets = [make_set(T, H, dtype, device, out_of_place) for _ in range(num_sets)]
         cells, table[T] = [], {}
         for v in variants:
@@ -340,7 +391,7 @@ def run(args, variants: list, launches: int) -> dict:
                 reason = (str(exc).strip().splitlines() or [""])[0][:200]
                 print(f"T = {T}, {v.name}: {type(exc).__name__}: {reason}", file=sys.stderr)
                 wrong = isinstance(exc, AssertionError)  # check_variant: wrong outputs
-                cells.append("WRONG" if wrong else f"err {type(exc).__name__}"[:width - 1])
+                cells.append("WRONG" if wrong else f"err {type(exc).__name__}"[: width - 1])
                 continue
             table[T][v.name] = us
             kind = kind_of(v)
@@ -355,9 +406,14 @@ def run(args, variants: list, launches: int) -> dict:
         print(f"{'T':>6} " + " ".join(v.name.rjust(width) for v in variants))
         for T, cells in table.items():
             base = cells[peer]
-            print(f"{T:>6} " + " ".join(
-                (f"{cells[v.name] / base:.3f}" if base and cells[v.name] else "-").rjust(width)
-                for v in variants), flush=True)
+            print(
+                f"{T:>6} "
+                + " ".join(
+                    (f"{cells[v.name] / base:.3f}" if base and cells[v.name] else "-").rjust(width)
+                    for v in variants
+                ),
+                flush=True,
+            )
     return table
 
 
@@ -366,36 +422,69 @@ def per_step(launches: int) -> str:
 
 
 def list_lines(variants: list, hidden_size: int, launches: int) -> list:
-    lines = [f"{len(variants)} variants at H = {hidden_size}, {per_step(launches)}:",
-             f"  {'name':<14} {'kind':<4} {'BLOCK_H':>7} {'warps':>5} {'col blocks':>10} "
-             f"{'PDL':>3} {'out of place':>12}"]
+    lines = [
+        f"{len(variants)} variants at H = {hidden_size}, {per_step(launches)}:",
+        f"  {'name':<14} {'kind':<4} {'BLOCK_H':>7} {'warps':>5} {'col blocks':>10} "
+        f"{'PDL':>3} {'out of place':>12}",
+    ]
     for v in variants:
         block_h, num_warps, col_blocks = v.launch_shape(hidden_size)
-        lines.append(f"  {v.name:<14} {v.kind:<4} {block_h:>7} {num_warps:>5} {col_blocks:>10} "
-                     f"{'yes' if v.pdl else 'no':>3} {'yes' if v.out_of_place else 'no':>12}")
+        lines.append(
+            f"  {v.name:<14} {v.kind:<4} {block_h:>7} {num_warps:>5} {col_blocks:>10} "
+            f"{'yes' if v.pdl else 'no':>3} {'yes' if v.out_of_place else 'no':>12}"
+        )
     lines += ["Kinds:"] + [f"  {k}  {kind.what}" for k, kind in KINDS.items()]
     return lines
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sweep", choices=sorted(SWEEPS), default="launch",
-                   help="launch: launch parameters (default); variants: named variants")
-    p.add_argument("--hidden-size", type=int, nargs="+", default=[7168],
-                   help="H, one or more (default 7168): one table per H")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--sweep",
+        choices=sorted(SWEEPS),
+        default="launch",
+        help="launch: launch parameters (default); variants: named variants",
+    )
+    p.add_argument(
+        "--hidden-size",
+        type=int,
+        nargs="+",
+        default=[7168],
+        help="H, one or more (default 7168): one table per H",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--tokens", type=int, nargs="+", default=DEFAULT_TOKENS,
-                   help=f"T values (default {' '.join(map(str, DEFAULT_TOKENS))})")
-    p.add_argument("--only", nargs="+", metavar="NAME",
-                   help="run only these variants of the sweep (names as --list prints them)")
-    add_graph_timing_arguments(p, replays=30, one_set_note="one set per launch of a step",
-                               steps_note="every buffer set once where there are more")
-    p.add_argument("--json", metavar="PATH",
-                   help="also write the cells (us per step per H, T and variant), the device "
-                        "and, in the flashinfer sweep, which FlashInfer ran, to PATH")
-    p.add_argument("--list", action="store_true",
-                   help="print the sweep's variants and launch settings and exit (no GPU needed)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=DEFAULT_TOKENS,
+        help=f"T values (default {' '.join(map(str, DEFAULT_TOKENS))})",
+    )
+    p.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        help="run only these variants of the sweep (names as --list prints them)",
+    )
+    add_graph_timing_arguments(
+        p,
+        replays=30,
+        one_set_note="one set per launch of a step",
+        steps_note="every buffer set once where there are more",
+    )
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the cells (us per step per H, T and variant), the device "
+        "and, in the flashinfer sweep, which FlashInfer ran, to PATH",
+    )
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="print the sweep's variants and launch settings and exit (no GPU needed)",
+    )
     args = p.parse_args(argv)
     if min(args.hidden_size) < 1 or args.replays < 1 or args.steps_per_graph < 1:
         p.error("--hidden-size, --replays and --steps-per-graph must be at least 1")
@@ -406,8 +495,10 @@ def parse_args(argv=None):
         names = [v.name for v in args.variants]
         unknown = [n for n in args.only if n not in names]
         if unknown:
-            p.error(f"--only: no variant {', '.join(map(repr, unknown))} in the {args.sweep} "
-                    f"sweep; its variants: {', '.join(names)}")
+            p.error(
+                f"--only: no variant {', '.join(map(repr, unknown))} in the {args.sweep} "
+                f"sweep; its variants: {', '.join(names)}"
+            )
         args.variants = [v for v in args.variants if v.name in args.only]
     try:
         for v in args.variants:
@@ -427,8 +518,10 @@ def main(argv=None) -> int:
             print("\n".join(list_lines(variants, hidden_size, args.launches)))
         return 0
     if not torch.cuda.is_available():
-        print("tune_kernel: no CUDA GPU here, nothing measured: the sweeps time compiled kernels "
-              "under CUDA-graph replay. --list shows what a sweep runs.")
+        print(
+            "tune_kernel: no CUDA GPU here, nothing measured: the sweeps time compiled kernels "
+            "under CUDA-graph replay. --list shows what a sweep runs."
+        )
         return 0
     variants = args.variants
     no_pdl = pdl_unavailable()
@@ -455,14 +548,29 @@ def main(argv=None) -> int:
         # the sweep's variants at this H, as selected (the same names at every H)
         chosen = [v for v in SWEEPS[args.sweep][0](hidden_size) if v.name in names]
         tables[hidden_size] = run(args, chosen, args.launches)
-        if args.json:   # after every H: a run cut short keeps what it measured
+        if args.json:  # after every H: a run cut short keeps what it measured
             with open(args.json, "w") as f:
-                json.dump({"device": device, "sweep": args.sweep, "flashinfer": peer_line,
-                           "config": {k: v for k, v in vars(args).items() if k != "variants"},
-                           "variants": {v.name: {"kind": v.kind, "num_warps": v.num_warps,
-                                                 "pdl": v.pdl, "knobs": dict(v.knobs)}
-                                        for v in chosen},
-                           "us_per_step": tables}, f, indent=1, default=str)
+                json.dump(
+                    {
+                        "device": device,
+                        "sweep": args.sweep,
+                        "flashinfer": peer_line,
+                        "config": {k: v for k, v in vars(args).items() if k != "variants"},
+                        "variants": {
+                            v.name: {
+                                "kind": v.kind,
+                                "num_warps": v.num_warps,
+                                "pdl": v.pdl,
+                                "knobs": dict(v.knobs),
+                            }
+                            for v in chosen
+                        },
+                        "us_per_step": tables,
+                    },
+                    f,
+                    indent=1,
+                    default=str,
+                )
     if args.json:
         print(f"wrote {args.json}")
     return 0

@@ -44,7 +44,7 @@ __all__ = sorted(_LAZY)
 def __getattr__(name: str):
     if name in _LAZY:
         value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value   # later lookups skip this function
+        globals()[name] = value  # later lookups skip this function
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -2,5 +2,5 @@
 
 from eagle_capture.cli import console_main
 
-if __name__ == "__main__":   # not again in a process spawned from this one (vLLM's, the probe's)
+if __name__ == "__main__":  # not again in a process spawned from this one (vLLM's, the probe's)
     console_main()

@@ -24,20 +24,29 @@ class AuxCaptureBuffer:
     ``layers_to_capture``: the input to layer i = the output of layer i - 1).
     """
 
-    def __init__(self, max_tokens: int, hidden_size: int, layer_ids: Iterable[int], *,
-                 dtype: torch.dtype = torch.bfloat16,
-                 device: Optional[torch.device | str] = None) -> None:
+    def __init__(
+        self,
+        max_tokens: int,
+        hidden_size: int,
+        layer_ids: Iterable[int],
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: Optional[torch.device | str] = None,
+    ) -> None:
         # The one validation every caller shares (eagle_capture.layer_ids.validate).
         ids = check_capture_layers(layer_ids)
         if max_tokens <= 0 or hidden_size <= 0:
-            raise ValueError(f"eagle_capture: max_tokens ({max_tokens}) and hidden_size "
-                             f"({hidden_size}) must be positive")
+            raise ValueError(
+                f"eagle_capture: max_tokens ({max_tokens}) and hidden_size "
+                f"({hidden_size}) must be positive"
+            )
         self.layer_ids: tuple[int, ...] = tuple(ids)
         self._slot_of = {layer: slot for slot, layer in enumerate(self.layer_ids)}
         self.max_tokens = int(max_tokens)
         self.hidden_size = int(hidden_size)
-        self.aux = torch.empty(self.max_tokens, len(self.layer_ids), self.hidden_size,
-                               dtype=dtype, device=device)
+        self.aux = torch.empty(
+            self.max_tokens, len(self.layer_ids), self.hidden_size, dtype=dtype, device=device
+        )
 
     @property
     def num_captures(self) -> int:
@@ -50,13 +59,17 @@ class AuxCaptureBuffer:
         try:
             return self._slot_of[layer_id]
         except KeyError:
-            raise KeyError(f"eagle_capture: layer {layer_id} is not captured; captured layers "
-                           f"are {list(self.layer_ids)}") from None
+            raise KeyError(
+                f"eagle_capture: layer {layer_id} is not captured; captured layers "
+                f"are {list(self.layer_ids)}"
+            ) from None
 
     def _check_tokens(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self.max_tokens:
-            raise ValueError(f"eagle_capture: {num_tokens} tokens do not fit the aux buffer of "
-                             f"{self.max_tokens} rows")
+            raise ValueError(
+                f"eagle_capture: {num_tokens} tokens do not fit the aux buffer of "
+                f"{self.max_tokens} rows"
+            )
 
     def slot_view(self, layer_id: int, num_tokens: int) -> torch.Tensor:
         """``aux[:T, slot]``: the ``[T, H]`` capture of one layer (row stride K*H)."""
@@ -65,16 +78,24 @@ class AuxCaptureBuffer:
 
     # Captures -----------------------------------------------------------------
 
-    def capture(self, layer_id: int, hidden_states: torch.Tensor,
-                residual: Optional[torch.Tensor]) -> None:
+    def capture(
+        self, layer_id: int, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]
+    ) -> None:
         """Store ``hidden_states + residual`` (SGLang's capture at the start of layer_id)."""
         ops.add_capture(hidden_states, residual, self.aux, self.slot_of(layer_id))
 
-    def add_rmsnorm_capture(self, layer_id: int, hidden_states: torch.Tensor,
-                            residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    def add_rmsnorm_capture(
+        self,
+        layer_id: int,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> None:
         """Layer ``layer_id``'s in-place input add+RMSNorm, also storing its residual."""
-        ops.add_rmsnorm_capture(hidden_states, residual, weight, eps, self.aux,
-                                self.slot_of(layer_id))
+        ops.add_rmsnorm_capture(
+            hidden_states, residual, weight, eps, self.aux, self.slot_of(layer_id)
+        )
 
     # Result -------------------------------------------------------------------
 
@@ -84,6 +105,8 @@ class AuxCaptureBuffer:
         return self.aux[:num_tokens].view(num_tokens, self.num_captures * self.hidden_size)
 
     def __repr__(self) -> str:
-        return (f"AuxCaptureBuffer(max_tokens={self.max_tokens}, hidden_size={self.hidden_size}, "
-                f"layer_ids={list(self.layer_ids)}, dtype={self.aux.dtype}, "
-                f"device={self.aux.device})")
+        return (
+            f"AuxCaptureBuffer(max_tokens={self.max_tokens}, hidden_size={self.hidden_size}, "
+            f"layer_ids={list(self.layer_ids)}, dtype={self.aux.dtype}, "
+            f"device={self.aux.device})"
+        )

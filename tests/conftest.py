@@ -46,17 +46,24 @@ INTERPRETER_NORM_TOLERANCES = dict(NORM_TOLERANCES)
 INTERPRETER_NORM_TOLERANCES[torch.bfloat16] = dict(rtol=2**-6, atol=1e-5)
 
 
-def make_rows(num_tokens: int, hidden_size: int, dtype, device, *, strided: bool = False,
-              generator=None, pad: int = 3) -> torch.Tensor:
+def make_rows(
+    num_tokens: int,
+    hidden_size: int,
+    dtype,
+    device,
+    *,
+    strided: bool = False,
+    generator=None,
+    pad: int = 3,
+) -> torch.Tensor:
     """Random ``[T, H]`` rows; ``strided`` gives a row stride of ``2H + pad`` (a view of
     a wider tensor, as a column slice of a fused projection would be). Two inputs
     with different ``pad`` have different strides, so a kernel reading one through
     the other's pointer or stride goes wrong."""
     if strided:
         base = torch.randn(num_tokens, 2 * hidden_size + pad, generator=generator)
-        return base.to(dtype=dtype, device=device)[:, 1:hidden_size + 1]
-    return torch.randn(num_tokens, hidden_size, generator=generator).to(dtype=dtype,
-                                                                        device=device)
+        return base.to(dtype=dtype, device=device)[:, 1 : hidden_size + 1]
+    return torch.randn(num_tokens, hidden_size, generator=generator).to(dtype=dtype, device=device)
 
 
 def poisoned_aux(rows: int, slots: int, hidden_size: int, dtype, device) -> torch.Tensor:
@@ -93,6 +100,7 @@ def run_spawned(fn, args, nprocs: int, timeout_s: float, what: str) -> None:
     import time
 
     import torch.multiprocessing as mp
+
     ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=2):
@@ -110,19 +118,27 @@ def _rank(rank, world, store_dir, scenarios, timeout_s, backend):
     from datetime import timedelta
 
     import torch.distributed as dist
+
     sys.path.insert(0, os.path.dirname(__file__))
     if backend == "nccl":
         from eagle_capture.parallel.symm import ensure_multicast_disabled
-        ensure_multicast_disabled()                  # before NCCL starts
+
+        ensure_multicast_disabled()  # before NCCL starts
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         device_id = {"device_id": device}
-    else:                                            # gloo: CPU ranks sharing the cores
+    else:  # gloo: CPU ranks sharing the cores
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(1)
         device, device_id = torch.device("cpu"), {}
-    dist.init_process_group(backend, init_method=f"file://{store_dir}/store", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_s), **device_id)
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{store_dir}/store",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+        **device_id,
+    )
     try:
         scenarios(rank, world, device)
         dist.barrier()
@@ -133,13 +149,15 @@ def _rank(rank, world, store_dir, scenarios, timeout_s, backend):
         dist.destroy_process_group()
 
 
-def run_ranks(scenarios, world: int, store_dir, timeout_s: float, what: str,
-              backend: str = "nccl") -> None:
+def run_ranks(
+    scenarios, world: int, store_dir, timeout_s: float, what: str, backend: str = "nccl"
+) -> None:
     """``scenarios(rank, world, device)`` (a module-level function) in ``world``
     spawned processes: NCCL with one GPU per rank and multicast off, or gloo on
     CPU; bounded by ``timeout_s`` (:func:`run_spawned`)."""
-    run_spawned(_rank, (world, str(store_dir), scenarios, timeout_s, backend), world,
-                timeout_s, what)
+    run_spawned(
+        _rank, (world, str(store_dir), scenarios, timeout_s, backend), world, timeout_s, what
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -147,9 +165,14 @@ def run_ranks(scenarios, world: int, store_dir, timeout_s: float, what: str,
 # reliability table cites (tools/test_record.py renders docs/test_runs.md).
 # ----------------------------------------------------------------------------
 
+
 def pytest_addoption(parser):
-    parser.addoption("--record", metavar="JSON", default=None,
-                     help="write this run's outcome counts per test file, and the machine, here")
+    parser.addoption(
+        "--record",
+        metavar="JSON",
+        default=None,
+        help="write this run's outcome counts per test file, and the machine, here",
+    )
 
 
 def pytest_sessionstart(session):
@@ -164,7 +187,7 @@ def pytest_collection_modifyitems(config, items):
         if hasattr(getattr(item, "module", None), "engine_jobs"):
             item.add_marker(pytest.mark.engines)
             engines.add(item)
-    items.sort(key=lambda item: item in engines)   # stable: the order within each part stays
+    items.sort(key=lambda item: item in engines)  # stable: the order within each part stays
 
 
 # ----------------------------------------------------------------------------
@@ -172,11 +195,15 @@ def pytest_collection_modifyitems(config, items):
 # session starts, run in the background while the other tests run.
 # ----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="session", autouse=True)
 def engine_jobs(request, tmp_path_factory):
-    plans = [(item, plan) for item in request.session.items
-             if (plan := getattr(getattr(item, "module", None), "engine_jobs", None))]
-    if not plans:   # nothing selected runs in the background
+    plans = [
+        (item, plan)
+        for item in request.session.items
+        if (plan := getattr(getattr(item, "module", None), "engine_jobs", None))
+    ]
+    if not plans:  # nothing selected runs in the background
         yield None
         return
     from engine_env import close_servers
@@ -219,12 +246,15 @@ def pytest_sessionfinish(session, exitstatus):
             counts = files.setdefault(report.nodeid.split("::")[0], {})
             counts[outcome] = counts.get(outcome, 0) + 1
     import triton
+
     record = {
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name(0) if HAS_CUDA else "CPU (kernels interpreted)",
         "gpus": torch.cuda.device_count() if HAS_CUDA else 0,
-        "cpus": os.cpu_count(), "python": platform.python_version(),
-        "torch": torch.__version__, "triton": triton.__version__,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
         "exit_status": int(exitstatus),
         "seconds": round(time.time() - getattr(session.config, "_record_started", time.time())),
         "files": dict(sorted(files.items())),

@@ -32,9 +32,9 @@ from typing import Any, Callable
 SLOTS_ENV = "EAGLE_CAPTURE_ENGINE_SLOTS"
 
 
-@dataclass(eq=False)   # identity: two runs of the same priority are different runs
+@dataclass(eq=False)  # identity: two runs of the same priority are different runs
 class Job:
-    priority: float                     # lower runs first (e.g. minus the expected seconds)
+    priority: float  # lower runs first (e.g. minus the expected seconds)
     key: str
     run: Callable[[], Any]
     weight: int = 1
@@ -89,10 +89,13 @@ class EngineJobs:
             self._lock.notify_all()
 
     def start(self) -> None:
-        threads = [threading.Thread(target=self._worker, name=f"engine-jobs-{i}", daemon=True)
-                   for i in range(self.slots)]
-        threads.append(threading.Thread(target=self._build_needs, name="engine-jobs-setup",
-                                        daemon=True))
+        threads = [
+            threading.Thread(target=self._worker, name=f"engine-jobs-{i}", daemon=True)
+            for i in range(self.slots)
+        ]
+        threads.append(
+            threading.Thread(target=self._build_needs, name="engine-jobs-setup", daemon=True)
+        )
         for t in threads:
             t.start()
         self._threads += threads
@@ -122,9 +125,12 @@ class EngineJobs:
         re-raises the failure in its tests."""
         while True:
             with self._lock:
-                todo = [(key, build) for job in sorted(self._queue, key=_by_priority)
-                        for key, build in job.needs
-                        if key not in self._built]
+                todo = [
+                    (key, build)
+                    for job in sorted(self._queue, key=_by_priority)
+                    for key, build in job.needs
+                    if key not in self._built
+                ]
                 if self._stopping or not todo:
                     if self._stopping or all(o.done.is_set() for o in self._outcomes.values()):
                         return
@@ -178,14 +184,17 @@ class EngineJobs:
 
     def report(self, top: int = 12) -> list[str]:
         """Lines for the terminal summary: when the runs ran, the longest of them."""
-        ran = [(o.seconds, o.started, k) for k, o in self._outcomes.items()
-               if o.seconds is not None]
+        ran = [
+            (o.seconds, o.started, k) for k, o in self._outcomes.items() if o.seconds is not None
+        ]
         if not ran:
             return []
         end = max(s + b for s, b, _ in ran)
-        lines = [f"{len(ran)} background engine runs ({self.slots} slots) from "
-                 f"{min(b for _, b, _ in ran):.0f} s to {end:.0f} s of the session; "
-                 f"the longest (seconds, started at):"]
+        lines = [
+            f"{len(ran)} background engine runs ({self.slots} slots) from "
+            f"{min(b for _, b, _ in ran):.0f} s to {end:.0f} s of the session; "
+            f"the longest (seconds, started at):"
+        ]
         for seconds, started, key in sorted(ran, reverse=True)[:top]:
             failed = " FAILED" if self._outcomes[key].error is not None else ""
             lines.append(f"  {seconds:6.1f}  @{started:5.0f}  {key}{failed}")
@@ -233,4 +242,4 @@ def once(key: str, build: Callable[[], Any]):
     return value
 
 
-PIP_LOCK = threading.Lock()   # one pip at a time in the test venv
+PIP_LOCK = threading.Lock()  # one pip at a time in the test venv

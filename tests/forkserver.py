@@ -44,6 +44,7 @@ ENABLED_ENV = "EAGLE_CAPTURE_TEST_FORKSERVER"
 
 # ------------------------------------------------------------------ the server
 
+
 def _child(request: dict) -> None:
     """In the forked child: become ``python -m module args`` with ``env``; never returns."""
     code = 1
@@ -57,6 +58,7 @@ def _child(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         import runpy
+
         sys.argv = [request["module"], *request["args"]]
         try:
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
@@ -126,7 +128,7 @@ def serve(path: str, preload: list[str]) -> None:
                 except OSError:
                     pass
                 conn.close()
-    for pid in children:   # the tests' process has gone: nobody waits for these
+    for pid in children:  # the tests' process has gone: nobody waits for these
         _kill_group(pid)
 
 
@@ -142,23 +144,32 @@ def _kill_group(pid: int) -> None:
 
 # ------------------------------------------------------------- the tests' side
 
+
 class Forked:
     """A process forked by a :class:`ForkServer`: ``pid``, ``returncode``, ``poll``,
     ``wait(timeout)``, ``kill`` as ``subprocess.Popen`` has them."""
 
-    def __init__(self, server: "ForkServer", module: str, args: list[str], env: dict,
-                 cwd: str, log: str) -> None:
+    def __init__(
+        self, server: "ForkServer", module: str, args: list[str], env: dict, cwd: str, log: str
+    ) -> None:
         self.args = [module, *args]
         self.returncode = None
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._conn.connect(server.path)
-        self._conn.sendall((json.dumps({"module": module, "args": list(args), "env": env,
-                                        "cwd": cwd, "log": log}) + "\n").encode())
+        self._conn.sendall(
+            (
+                json.dumps(
+                    {"module": module, "args": list(args), "env": env, "cwd": cwd, "log": log}
+                )
+                + "\n"
+            ).encode()
+        )
         self._buffer = b""
         line = self._line(timeout=60)
         if line is None:
-            raise RuntimeError(f"the fork server ({server.what}) did not answer: "
-                               f"{server.log_tail()}")
+            raise RuntimeError(
+                f"the fork server ({server.what}) did not answer: {server.log_tail()}"
+            )
         self.pid = int(line)
 
     def _line(self, timeout):
@@ -169,7 +180,7 @@ class Forked:
             if not ready:
                 return None
             chunk = self._conn.recv(4096)
-            if not chunk:   # the server went away: the child is gone with it or orphaned
+            if not chunk:  # the server went away: the child is gone with it or orphaned
                 return "exit -9"
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
@@ -199,17 +210,29 @@ class ForkServer:
     """``python -m tests.forkserver`` started with ``env`` (the engine's overlay on its
     PYTHONPATH) and ``preload``; :meth:`start` forks runs from it."""
 
-    def __init__(self, what: str, env: dict, cwd: str, preload: list[str],
-                 timeout_s: float = 600) -> None:
+    def __init__(
+        self, what: str, env: dict, cwd: str, preload: list[str], timeout_s: float = 600
+    ) -> None:
         self.what = what
         self._dir = tempfile.mkdtemp(prefix="eagle_forkserver_")
         self.path = os.path.join(self._dir, "socket")
         self._log = os.path.join(self._dir, "server.log")
         with open(self._log, "w") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.forkserver", "--socket", self.path,
-                 *[a for spec in preload for a in ("--preload", spec)]],
-                cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.forkserver",
+                    "--socket",
+                    self.path,
+                    *[a for spec in preload for a in ("--preload", spec)],
+                ],
+                cwd=cwd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
         line = self._proc.stdout.readline() if ready else ""
         if line.strip() != "READY":
@@ -225,8 +248,10 @@ class ForkServer:
 
     def start(self, module: str, args: list[str], env: dict, cwd: str, log: str) -> Forked:
         if self._proc.poll() is not None:
-            raise RuntimeError(f"the fork server for {self.what} has exited "
-                               f"({self._proc.returncode}):\n{self.log_tail()}")
+            raise RuntimeError(
+                f"the fork server for {self.what} has exited "
+                f"({self._proc.returncode}):\n{self.log_tail()}"
+            )
         return Forked(self, module, args, env, cwd, log)
 
     def close(self) -> None:
@@ -246,15 +271,24 @@ def start_process(server, module: str, args: list[str], env: dict, cwd: str, log
     if server is not None:
         return server.start(module, args, env, cwd, log)
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--socket", required=True)
-    parser.add_argument("--preload", action="append", default=[],
-                        help="MODULE or MODULE:FUNCTION (an import-only pre-loader)")
+    parser.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        help="MODULE or MODULE:FUNCTION (an import-only pre-loader)",
+    )
     args = parser.parse_args(argv)
     serve(args.socket, args.preload)
 

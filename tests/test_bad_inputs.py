@@ -27,6 +27,7 @@ def _with(**changes):
         for key, value in changes.items():
             args[key] = value(args) if callable(value) else value
         return args
+
     return make
 
 
@@ -35,38 +36,100 @@ CAPTURE_CASES = [
     ("slot-too-large", _with(slot=K), ValueError, "slot 3 is out of range"),
     ("slot-negative", _with(slot=-1), ValueError, "slot -1 is out of range"),
     ("slot-not-int", _with(slot=1.0), TypeError, "slot must be an int"),
-    ("tp-shard-width", _with(hidden_states=lambda a: torch.randn(T, H // 8, dtype=BF16, device=DEVICE),
-                             residual=lambda a: torch.randn(T, H // 8, dtype=BF16, device=DEVICE)),
-     ValueError, "tensor-parallel shard"),
-    ("residual-dtype", _with(residual=lambda a: a["residual"].half()), ValueError,
-     "residual dtype torch.float16 does not match"),
-    ("aux-dtype", _with(aux=lambda a: a["aux"].float()), ValueError,
-     "aux dtype torch.float32 does not match"),
-    ("residual-shape", _with(residual=lambda a: torch.randn(T + 1, H, dtype=BF16, device=DEVICE)),
-     ValueError, "residual shape"),
-    ("too-many-tokens", _with(hidden_states=lambda a: torch.randn(ROWS + 1, H, dtype=BF16, device=DEVICE),
-                              residual=lambda a: torch.randn(ROWS + 1, H, dtype=BF16, device=DEVICE)),
-     ValueError, "only 8 rows"),
-    ("hidden-last-dim-strided", _with(hidden_states=lambda a: torch.randn(T, 2 * H, dtype=BF16, device=DEVICE)[:, ::2]),
-     ValueError, "hidden_states must have a contiguous last dimension"),
-    ("residual-last-dim-strided", _with(residual=lambda a: torch.randn(H, T, dtype=BF16, device=DEVICE).t()),
-     ValueError, "residual must have a contiguous last dimension"),
-    ("hidden-3d", _with(hidden_states=lambda a: a["hidden_states"].view(2, 2, H)), ValueError,
-     "hidden_states must be 2-D"),
-    ("aux-2d", _with(aux=lambda a: a["aux"].view(ROWS, K * H)), ValueError, "aux must be the 3-D buffer"),
-    ("hidden-int", _with(hidden_states=lambda a: torch.ones(T, H, dtype=torch.int32, device=DEVICE)),
-     ValueError, "hidden_states dtype must be one of"),
-    ("hidden-not-tensor", _with(hidden_states=[[0.0] * H] * T), TypeError,
-     "hidden_states must be a torch.Tensor"),
+    (
+        "tp-shard-width",
+        _with(
+            hidden_states=lambda a: torch.randn(T, H // 8, dtype=BF16, device=DEVICE),
+            residual=lambda a: torch.randn(T, H // 8, dtype=BF16, device=DEVICE),
+        ),
+        ValueError,
+        "tensor-parallel shard",
+    ),
+    (
+        "residual-dtype",
+        _with(residual=lambda a: a["residual"].half()),
+        ValueError,
+        "residual dtype torch.float16 does not match",
+    ),
+    (
+        "aux-dtype",
+        _with(aux=lambda a: a["aux"].float()),
+        ValueError,
+        "aux dtype torch.float32 does not match",
+    ),
+    (
+        "residual-shape",
+        _with(residual=lambda a: torch.randn(T + 1, H, dtype=BF16, device=DEVICE)),
+        ValueError,
+        "residual shape",
+    ),
+    (
+        "too-many-tokens",
+        _with(
+            hidden_states=lambda a: torch.randn(ROWS + 1, H, dtype=BF16, device=DEVICE),
+            residual=lambda a: torch.randn(ROWS + 1, H, dtype=BF16, device=DEVICE),
+        ),
+        ValueError,
+        "only 8 rows",
+    ),
+    (
+        "hidden-last-dim-strided",
+        _with(hidden_states=lambda a: torch.randn(T, 2 * H, dtype=BF16, device=DEVICE)[:, ::2]),
+        ValueError,
+        "hidden_states must have a contiguous last dimension",
+    ),
+    (
+        "residual-last-dim-strided",
+        _with(residual=lambda a: torch.randn(H, T, dtype=BF16, device=DEVICE).t()),
+        ValueError,
+        "residual must have a contiguous last dimension",
+    ),
+    (
+        "hidden-3d",
+        _with(hidden_states=lambda a: a["hidden_states"].view(2, 2, H)),
+        ValueError,
+        "hidden_states must be 2-D",
+    ),
+    (
+        "aux-2d",
+        _with(aux=lambda a: a["aux"].view(ROWS, K * H)),
+        ValueError,
+        "aux must be the 3-D buffer",
+    ),
+    (
+        "hidden-int",
+        _with(hidden_states=lambda a: torch.ones(T, H, dtype=torch.int32, device=DEVICE)),
+        ValueError,
+        "hidden_states dtype must be one of",
+    ),
+    (
+        "hidden-not-tensor",
+        _with(hidden_states=[[0.0] * H] * T),
+        TypeError,
+        "hidden_states must be a torch.Tensor",
+    ),
 ]
 if HAS_CUDA:
-    CAPTURE_CASES.append(("residual-on-cpu", _with(residual=lambda a: a["residual"].cpu()),
-                          ValueError, "residual is on cpu"))
-    CAPTURE_CASES.append(("aux-on-cpu", _with(aux=lambda a: a["aux"].cpu()),
-                          ValueError, "aux is on cpu"))
+    CAPTURE_CASES.append(
+        (
+            "residual-on-cpu",
+            _with(residual=lambda a: a["residual"].cpu()),
+            ValueError,
+            "residual is on cpu",
+        )
+    )
+    CAPTURE_CASES.append(
+        ("aux-on-cpu", _with(aux=lambda a: a["aux"].cpu()), ValueError, "aux is on cpu")
+    )
 else:
-    CAPTURE_CASES.append(("residual-on-meta", _with(residual=lambda a: a["residual"].to("meta")),
-                          ValueError, "residual is on meta"))
+    CAPTURE_CASES.append(
+        (
+            "residual-on-meta",
+            _with(residual=lambda a: a["residual"].to("meta")),
+            ValueError,
+            "residual is on meta",
+        )
+    )
 
 
 def _capture(call, args):
@@ -128,10 +191,18 @@ def test_buffer_views_at_max_tokens(num_tokens):
 
 
 NORM_CASES = [
-    ("weight-wrong-length", dict(weight=lambda: torch.ones(H + 1, dtype=BF16, device=DEVICE)),
-     ValueError, r"weight must have shape \[16\]"),
-    ("weight-2d", dict(weight=lambda: torch.ones(1, H, dtype=BF16, device=DEVICE)), ValueError,
-     r"weight must have shape \[16\]"),
+    (
+        "weight-wrong-length",
+        dict(weight=lambda: torch.ones(H + 1, dtype=BF16, device=DEVICE)),
+        ValueError,
+        r"weight must have shape \[16\]",
+    ),
+    (
+        "weight-2d",
+        dict(weight=lambda: torch.ones(1, H, dtype=BF16, device=DEVICE)),
+        ValueError,
+        r"weight must have shape \[16\]",
+    ),
     ("eps-negative", dict(eps=-1.0), ValueError, "eps must be a non-negative float"),
     ("residual-none", dict(residual=None), TypeError, "residual must be a tensor"),
     ("slot-out-of-range", dict(slot=7), ValueError, "slot 7 is out of range"),
@@ -165,11 +236,21 @@ def test_add_rmsnorm_out_rejects_mismatched_residual_out(call):
     fn = ec.add_rmsnorm_out if call == "public" else torch.ops.eagle_capture.add_rmsnorm_out
     w = torch.ones(H, dtype=BF16, device=DEVICE)
     with pytest.raises(ValueError, match="residual_out shape"):
-        fn(args["hidden_states"], args["residual"], w, 1e-6,
-           torch.empty(T, H + 1, dtype=BF16, device=DEVICE))
+        fn(
+            args["hidden_states"],
+            args["residual"],
+            w,
+            1e-6,
+            torch.empty(T, H + 1, dtype=BF16, device=DEVICE),
+        )
     with pytest.raises(ValueError, match="residual_out dtype"):
-        fn(args["hidden_states"], args["residual"], w, 1e-6,
-           torch.empty(T, H, dtype=torch.float32, device=DEVICE))
+        fn(
+            args["hidden_states"],
+            args["residual"],
+            w,
+            1e-6,
+            torch.empty(T, H, dtype=torch.float32, device=DEVICE),
+        )
 
 
 def test_add_rmsnorm_into_slot_needs_an_aux_buffer():
@@ -184,8 +265,9 @@ def test_add_rmsnorm_into_slot_needs_an_aux_buffer():
         ec.add_rmsnorm_into_slot(args["hidden_states"], args["residual"], w, 1e-6, None, 1)
     assert_bitwise_equal(args["hidden_states"], before)
     with pytest.raises(TypeError, match="aux must be a tensor for add_rmsnorm_into_slot"):
-        torch.ops.eagle_capture.add_rmsnorm_into_slot(args["hidden_states"], args["residual"], w,
-                                                      1e-6, None, 1)
+        torch.ops.eagle_capture.add_rmsnorm_into_slot(
+            args["hidden_states"], args["residual"], w, 1e-6, None, 1
+        )
     assert_bitwise_equal(args["hidden_states"], before)
 
 
@@ -193,14 +275,16 @@ def test_add_rmsnorm_into_slot_needs_an_aux_buffer():
 # Memory shared between arguments, and outputs that overlap themselves
 # ----------------------------------------------------------------------------
 
+
 def test_ranges_overlap():
     """The byte-range test behind the aliasing checks and SymmAllReduceCapture."""
     from eagle_capture.ops import ranges_overlap
+
     buf = torch.zeros(ROWS, K, H, dtype=BF16, device=DEVICE)
     rows = buf.view(ROWS, K * H)
     assert ranges_overlap(buf, buf[2:3, 1])
-    assert ranges_overlap(buf[:, 0], buf[:, 2])          # interleaved slots share a range
-    assert not ranges_overlap(rows[:2], rows[2:])        # adjacent, not overlapping
+    assert ranges_overlap(buf[:, 0], buf[:, 2])  # interleaved slots share a range
+    assert not ranges_overlap(rows[:2], rows[2:])  # adjacent, not overlapping
     assert ranges_overlap(rows[:3], rows[2:])
     assert not ranges_overlap(buf, buf[:0]) and not ranges_overlap(buf[:0], buf)
     assert not ranges_overlap(buf, None) and not ranges_overlap(None, None)
@@ -213,28 +297,38 @@ def test_spans_meet_against_every_pair():
     import random
 
     from eagle_capture.ops import spans_meet
+
     rng = random.Random(0)
     for _ in range(3000):
         n = rng.randint(2, 8)
         starts = [rng.randrange(0, 200) for _ in range(n)]
         extents = [rng.choice((0, rng.randrange(1, 40))) for _ in range(n)]
-        brute = any(extents[i] and extents[j] and starts[i] < starts[j] + extents[j]
-                    and starts[j] < starts[i] + extents[i]
-                    for i in range(n) for j in range(i + 1, n))
+        brute = any(
+            extents[i]
+            and extents[j]
+            and starts[i] < starts[j] + extents[j]
+            and starts[j] < starts[i] + extents[i]
+            for i in range(n)
+            for j in range(i + 1, n)
+        )
         assert spans_meet(starts, extents) == brute, (starts, extents)
-    assert not spans_meet((0, 16), (16, 16))        # adjacent
+    assert not spans_meet((0, 16), (16, 16))  # adjacent
     assert spans_meet((0, 15), (16, 16))
-    assert not spans_meet((4, 0), (0, 16))          # an empty range inside another
+    assert not spans_meet((4, 0), (0, 16))  # an empty range inside another
 
 
 def _aliasing_cases():
     """(id, factory -> (guarded tensor, op, args), message). Cross-tensor cases are
     also run after a valid call of the same signature (memoised validation), with
     every tensor argument replaced by an unaliased copy of identical strides."""
+
     def base():
-        return (torch.randn(T, H, dtype=BF16, device=DEVICE), torch.randn(T, H, dtype=BF16, device=DEVICE),
-                torch.ones(H, dtype=BF16, device=DEVICE),
-                torch.full((ROWS, K, H), float("nan"), dtype=BF16, device=DEVICE))
+        return (
+            torch.randn(T, H, dtype=BF16, device=DEVICE),
+            torch.randn(T, H, dtype=BF16, device=DEVICE),
+            torch.ones(H, dtype=BF16, device=DEVICE),
+            torch.full((ROWS, K, H), float("nan"), dtype=BF16, device=DEVICE),
+        )
 
     def into_slot_reads_its_own_slot():
         h, r, w, aux = base()
@@ -274,7 +368,12 @@ def _aliasing_cases():
         ("hidden-is-residual", hidden_is_residual, "share memory", True),
         ("weight-inside-hidden", weight_inside_hidden, "weight shares memory", True),
         ("expanded-aux-slots", expanded_aux_slots, "aux has overlapping rows or slots", False),
-        ("expanded-hidden-rows", expanded_hidden_rows_normed, "hidden_states has overlapping", False),
+        (
+            "expanded-hidden-rows",
+            expanded_hidden_rows_normed,
+            "hidden_states has overlapping",
+            False,
+        ),
     ]
 
 
@@ -318,15 +417,15 @@ def test_residual_touching_aux_by_one_element_is_refused():
     byte extent's bound): refused before anything is written (issue 21)."""
     T, H, K = 4, 64, 3
     flat = torch.zeros(T * H + 8 * K * H, dtype=torch.bfloat16)
-    residual = flat[:T * H].view(T, H)
-    aux = flat[T * H - 1:T * H - 1 + 8 * K * H].view(8, K, H)
+    residual = flat[: T * H].view(T, H)
+    aux = flat[T * H - 1 : T * H - 1 + 8 * K * H].view(8, K, H)
     h, w = torch.randn(T, H, dtype=torch.bfloat16), torch.ones(H, dtype=torch.bfloat16)
     before = flat.clone()
     with pytest.raises(ValueError, match="residual overlaps aux slot"):
         ec.add_rmsnorm_into_slot(h, residual, w, 1e-6, aux, 1)
     assert torch.equal(flat, before)
     # One element further, they do not touch: accepted.
-    aux_apart = flat[T * H:T * H + 7 * K * H].view(7, K, H)
+    aux_apart = flat[T * H : T * H + 7 * K * H].view(7, K, H)
     ec.add_rmsnorm_into_slot(h.clone(), residual, w, 1e-6, aux_apart, 1)
 
 
@@ -337,7 +436,7 @@ def test_residual_straddling_two_slots_is_refused(written_slot):
     in it (issue 21). A residual that is exactly another slot is accepted."""
     T, H, K = 4, 64, 3
     aux = torch.zeros(8, K, H, dtype=torch.bfloat16)
-    straddling = aux.view(8, K * H)[:T, H // 2:H // 2 + H]
+    straddling = aux.view(8, K * H)[:T, H // 2 : H // 2 + H]
     h, w = torch.randn(T, H, dtype=torch.bfloat16), torch.ones(H, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="residual overlaps aux slot"):
         ec.add_rmsnorm_into_slot(h, straddling, w, 1e-6, aux, written_slot)

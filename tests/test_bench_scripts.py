@@ -38,11 +38,13 @@ cl = _load("capture_latency")
 
 
 def run_script(*args, env=None):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 # ---------------------------------------------------------------- tune_kernel: command line
+
 
 def test_tune_kernel_help():
     result = run_script("benchmarks/tune_kernel.py", "--help")
@@ -74,8 +76,12 @@ def test_launch_sweep_keeps_the_old_grid():
     assert {("d", 8192, nw) for nw in (4, 8, 16, 32)} <= shapes
     assert {("e", 8192, nw) for nw in (4, 8, 16, 32)} <= shapes
     capture = {(b, nw) for k, b, nw in shapes if k == "c"}
-    assert capture == {(b, nw) for b in (1024, 2048, 4096, 8192) for nw in (2, 4, 8, 16)
-                       if b // (nw * 32) >= 8 or b >= 8192}
+    assert capture == {
+        (b, nw)
+        for b in (1024, 2048, 4096, 8192)
+        for nw in (2, 4, 8, 16)
+        if b // (nw * 32) >= 8 or b >= 8192
+    }
     assert len(variants) == len(shapes) == 21
     assert not any(v.pdl or v.out_of_place for v in variants)
 
@@ -86,9 +92,11 @@ def test_variants_sweep_covers_what_the_kernel_can_vary():
     assert len(set(names)) == len(names)
     for kind in tk.KINDS:  # every kind at the shipped configuration, PDL off and on
         assert kind in names and f"{kind} pdl" in names
-    shipped = {v.name: v.launch_shape(7168) for v in variants if v.block_h is None
-               and v.num_warps is None}
+    shipped = {
+        v.name: v.launch_shape(7168) for v in variants if v.block_h is None and v.num_warps is None
+    }
     from eagle_capture.kernels import launch_config
+
     for name, shape in shipped.items():
         assert shape == launch_config(7168, tk.KINDS[name[0]].apply_norm)
     assert any(v.out_of_place for v in variants)
@@ -110,10 +118,18 @@ def test_norm_variant_needs_the_whole_row():
 
 
 def test_kinds_match_the_ops_bytes():
-    assert {k: kind.rows_moved for k, kind in tk.KINDS.items()} == \
-        {"c": 3, "d": 4, "e": 5, "f": 4, "i": 5, "l": 4}
-    assert tk.PEER_KIND.rows_moved == 4 and cl.bytes_moved("k", 4, 7168, 1, 2) == \
-        4 * 4 * 7168 * 2 + 7168 * 2
+    assert {k: kind.rows_moved for k, kind in tk.KINDS.items()} == {
+        "c": 3,
+        "d": 4,
+        "e": 5,
+        "f": 4,
+        "i": 5,
+        "l": 4,
+    }
+    assert (
+        tk.PEER_KIND.rows_moved == 4
+        and cl.bytes_moved("k", 4, 7168, 1, 2) == 4 * 4 * 7168 * 2 + 7168 * 2
+    )
     for k, kind in tk.KINDS.items():  # capture_latency.bytes_moved, weight included
         weight = 7168 * 2 * kind.apply_norm
         assert cl.bytes_moved(k, 4, 7168, 1, 2) == kind.rows_moved * 4 * 7168 * 2 + weight
@@ -132,6 +148,7 @@ def test_every_variant_launches_the_production_kernel_correctly(sweep):
     kernel it launches is the one the package ships, so a tuned launch shape
     applies to the ops as they are."""
     from eagle_capture import kernels
+
     assert tk.add_rmsnorm_capture_kernel is kernels.add_rmsnorm_capture_kernel
     torch.manual_seed(0)
     for v in tk.SWEEPS[sweep][0](7168):
@@ -149,16 +166,18 @@ def test_check_catches_a_wrong_launch(monkeypatch):
     monkeypatch.setattr(tk, "launch", lambda v, shape, i, aux, slot: real(v, shape, i, aux, 1))
     with pytest.raises(AssertionError, match="capture differs"):
         tk.check_variant(v, v.launch_shape(256), inputs)
-    monkeypatch.setattr(tk, "launch", lambda v, shape, i, aux, slot: real(
-        tk.Variant("f", "f"), shape, i, aux, slot))
+    monkeypatch.setattr(
+        tk, "launch", lambda v, shape, i, aux, slot: real(tk.Variant("f", "f"), shape, i, aux, slot)
+    )
     with pytest.raises(AssertionError, match="residual differs"):
         tk.check_variant(v, v.launch_shape(256), inputs)
 
 
 def test_steps_rotate_inputs_and_slots(monkeypatch):
     calls = []
-    monkeypatch.setattr(tk, "launch", lambda v, shape, inputs, aux, slot: calls.append(
-        (inputs, aux, slot)))
+    monkeypatch.setattr(
+        tk, "launch", lambda v, shape, inputs, aux, slot: calls.append((inputs, aux, slot))
+    )
     sets = [SimpleNamespace(aux=f"aux{i}") for i in range(5)]
     steps = tk.graph_steps_of(tk.Variant("c", "c"), None, sets, 3)
     assert len(steps) == 5
@@ -179,7 +198,9 @@ class _CudaOnCpu:
     def __init__(self, l2_bytes):
         self.cuda = SimpleNamespace(
             get_device_properties=lambda device: SimpleNamespace(L2_cache_size=l2_bytes),
-            mem_get_info=lambda device: (1 << 30, 1 << 31), empty_cache=lambda: None)
+            mem_get_info=lambda device: (1 << 30, 1 << 31),
+            empty_cache=lambda: None,
+        )
 
     def device(self, *args):
         return torch.device("cpu")
@@ -209,8 +230,23 @@ def test_sweep_with_a_stand_in_timer(monkeypatch, capsys):
     monkeypatch.setattr(tk, "torch", _CudaOnCpu(64 << 10))
     monkeypatch.setattr(tk, "time_graph_replay", fake_timer)
     monkeypatch.setattr(tk, "measure_copy_roofline", lambda device: {"gbps": 1000.0})
-    args = tk.parse_args(["--sweep", "variants", "--dtype", "fp16", "--hidden-size", "256",
-                          "--tokens", "1", "4", "--only", "c", "d oop", "f"])
+    args = tk.parse_args(
+        [
+            "--sweep",
+            "variants",
+            "--dtype",
+            "fp16",
+            "--hidden-size",
+            "256",
+            "--tokens",
+            "1",
+            "4",
+            "--only",
+            "c",
+            "d oop",
+            "f",
+        ]
+    )
     tk.run(args, args.variants + [_SplitNorm("broken", "d")], args.launches)
     out, err = capsys.readouterr()
     header = next(line for line in out.splitlines() if line.split()[:2] == ["T", "sets"])
@@ -230,11 +266,11 @@ def test_sweep_with_a_stand_in_timer(monkeypatch, capsys):
 
 # ---------------------------------------------------------------- capture_latency --host-breakdown
 
+
 def test_host_breakdown_flag(tmp_path):
     """Without a GPU it says so and writes nothing; on a GPU it prints the table
     and writes its JSON (the GPU run of the suite checks the second branch)."""
-    result = run_script("benchmarks/capture_latency.py", "--host-breakdown", "--out",
-                        str(tmp_path))
+    result = run_script("benchmarks/capture_latency.py", "--host-breakdown", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     if not torch.cuda.is_available():
         assert "No GPU: --host-breakdown" in result.stdout and "nothing measured" in result.stdout
@@ -255,13 +291,19 @@ def test_host_breakdown_refuses_pdl_both(capsys):
 def test_host_table_and_breakdown_share_one_timer(monkeypatch):
     """The report's table and --host-breakdown time the same calls the same way."""
     seen = []
-    monkeypatch.setattr(cl, "host_us_per_call", lambda fn, n, **kw: seen.append(
-        (n, kw["warmup"], kw["summary"])) or kw["summary"]([1.0, 2.0, 3.0]))
+    monkeypatch.setattr(
+        cl,
+        "host_us_per_call",
+        lambda fn, n, **kw: (
+            seen.append((n, kw["warmup"], kw["summary"])) or kw["summary"]([1.0, 2.0, 3.0])
+        ),
+    )
     table = cl.measure_host_overhead(64, torch.float32, torch.device("cpu"), 10)
     assert list(table) == list(cl.host_calls(64, torch.float32, torch.device("cpu"))[0])
     assert set(table.values()) == {2.0}
-    assert cl.time_host_calls({"x": lambda: None}, torch.device("cpu"), 10,
-                              summary=list) == {"x": [1.0, 2.0, 3.0]}
+    assert cl.time_host_calls({"x": lambda: None}, torch.device("cpu"), 10, summary=list) == {
+        "x": [1.0, 2.0, 3.0]
+    }
     assert {(n, warmup) for n, warmup, _ in seen} == {(10, 50)}
 
 
@@ -279,6 +321,7 @@ def test_launch_layers_wiring_under_the_interpreter(monkeypatch):
     interpreter. The compiled-launcher and DirectLaunch rows need a GPU (the
     interpreter compiles nothing) and are absent here."""
     from eagle_capture.kernels import add_rmsnorm_capture_kernel as kernel
+
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     x = cl.make_inputs(3, 64, 2, torch.float32, torch.device("cpu"))
     h, r, aux = x.hidden[0], x.residual[0], x.aux
@@ -288,8 +331,12 @@ def test_launch_layers_wiring_under_the_interpreter(monkeypatch):
     assert bound["CAPTURE"] and not bound["APPLY_NORM"] and bound["USE_PDL"] is False
     assert bound["aux_ptr"] is aux and bound["hidden_ptr"] is h
     calls, facts = cl.launch_layers(h, r, aux)
-    assert {"kernel[grid](...) (Triton's entry)", "FastLaunch.launch",
-            "6x tensor.data_ptr()", "torch.cuda.current_device()"} <= set(calls)
+    assert {
+        "kernel[grid](...) (Triton's entry)",
+        "FastLaunch.launch",
+        "6x tensor.data_ptr()",
+        "torch.cuda.current_device()",
+    } <= set(calls)
     assert {"direct launch supported", "launch hooks active (a profiler)", "PDL"} <= set(facts)
     for name, fn in calls.items():
         if name == "torch.cuda.current_device()":
@@ -304,14 +351,17 @@ def test_launch_layers_wiring_under_the_interpreter(monkeypatch):
 def test_host_breakdown_report_and_json(monkeypatch, capsys, tmp_path):
     """--host-breakdown's flow with stand-ins for the GPU: the table (median and
     best chunk per call), the facts, the profile, and the JSON."""
-    calls = {"torch.add(out=)": lambda: None,
-             "add_capture (public, eager fast path)": lambda: None,
-             "key of 3 tensors (shape, stride, dtype, get_device)": lambda: None}
+    calls = {
+        "torch.add(out=)": lambda: None,
+        "add_capture (public, eager fast path)": lambda: None,
+        "key of 3 tensors (shape, stride, dtype, get_device)": lambda: None,
+    }
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(cl, "host_calls", lambda *a, **k: (calls, {"PDL": True}))
-    monkeypatch.setattr(cl, "device_identity", lambda: {"device": "GPU", "torch": "t",
-                                                        "triton": "3"})
+    monkeypatch.setattr(
+        cl, "device_identity", lambda: {"device": "GPU", "torch": "t", "triton": "3"}
+    )
     monkeypatch.setattr(cl, "pdl_report", lambda has_gpu: {"state": "on"})
     monkeypatch.setattr(cl, "liger_fused_add_rmsnorm", lambda: None)
     assert cl.main(["--host-breakdown", "--out", str(tmp_path)]) == 0
@@ -328,6 +378,7 @@ def test_host_breakdown_report_and_json(monkeypatch, capsys, tmp_path):
 
 # ---------------------------------------------------------------- gpu_session.sh
 
+
 def test_gpu_session_syntax():
     assert subprocess.run(["bash", "-n", SESSION]).returncode == 0
 
@@ -335,8 +386,12 @@ def test_gpu_session_syntax():
 def check_skips(tmp_path, log_text, gpus):
     log = tmp_path / "tests.log"
     log.write_text(log_text)
-    return subprocess.run(["bash", SESSION, "--check-skips", str(log), str(gpus)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", SESSION, "--check-skips", str(log), str(gpus)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 EXPECTED_LOG = """\
@@ -369,15 +424,21 @@ def test_skip_check_counts_gpus(tmp_path):
     assert check_skips(tmp_path, EXPECTED_LOG, 8).returncode == 1
 
 
-@pytest.mark.parametrize("reason", ["needs a CUDA GPU", "needs a GPU",
-                                    "this Triton has no direct-launch support; every launch is "
-                                    "Triton's own",
-                                    "no GPU and TRITON_INTERPRET is not set",
-                                    "the +cpu pin applies to Linux x86_64",
-                                    "needs 1 GPUs"])
+@pytest.mark.parametrize(
+    "reason",
+    [
+        "needs a CUDA GPU",
+        "needs a GPU",
+        "this Triton has no direct-launch support; every launch is Triton's own",
+        "no GPU and TRITON_INTERPRET is not set",
+        "the +cpu pin applies to Linux x86_64",
+        "needs 1 GPUs",
+    ],
+)
 def test_skip_check_fails_and_names_an_unexpected_reason(tmp_path, reason):
     log = EXPECTED_LOG.replace("63 skipped", "65 skipped").replace(
-        "2504 passed", f"SKIPPED [2] tests/test_x.py:7: {reason}\n2504 passed")
+        "2504 passed", f"SKIPPED [2] tests/test_x.py:7: {reason}\n2504 passed"
+    )
     result = check_skips(tmp_path, log, 1)
     assert result.returncode == 1
     assert "tests FAILED: skipped for a reason not expected" in result.stdout
@@ -391,46 +452,60 @@ def test_skip_check_without_reasons_fails(tmp_path):
     assert result.returncode == 1 and "run pytest with -rs" in result.stdout
 
 
-@pytest.mark.parametrize("log", ["", "...\n3 passed in 0.50s\ntests rc=0\n",
-                                 "=== 3 passed, 1 deselected in 0.50s ===\n"])
+@pytest.mark.parametrize(
+    "log", ["", "...\n3 passed in 0.50s\ntests rc=0\n", "=== 3 passed, 1 deselected in 0.50s ===\n"]
+)
 def test_skip_check_with_no_skips_passes(tmp_path, log):
     assert check_skips(tmp_path, log, 1).returncode == 0
 
 
 def test_skip_check_reads_colour_and_unfolded_lines(tmp_path):
-    log = ("\x1b[33mSKIPPED\x1b[0m [1] tests/test_a.py:3: needs a CUDA GPU\n"
-           "SKIPPED tests/test_b.py::test_x[bf16] - needs Triton's interpreter\n"
-           "SKIPPED tests/test_b.py::test_y - needs a GPU\r\n"
-           "\x1b[32m5 passed\x1b[0m, \x1b[33m3 skipped\x1b[0m in 1.00s\n")
+    log = (
+        "\x1b[33mSKIPPED\x1b[0m [1] tests/test_a.py:3: needs a CUDA GPU\n"
+        "SKIPPED tests/test_b.py::test_x[bf16] - needs Triton's interpreter\n"
+        "SKIPPED tests/test_b.py::test_y - needs a GPU\r\n"
+        "\x1b[32m5 passed\x1b[0m, \x1b[33m3 skipped\x1b[0m in 1.00s\n"
+    )
     result = check_skips(tmp_path, log, 1)
     assert result.returncode == 1
     named = [line.strip() for line in result.stdout.splitlines() if line.startswith("  SKIPPED")]
-    assert named == ["SKIPPED [1] tests/test_a.py:3: needs a CUDA GPU",
-                     "SKIPPED tests/test_b.py::test_y - needs a GPU"]
+    assert named == [
+        "SKIPPED [1] tests/test_a.py:3: needs a CUDA GPU",
+        "SKIPPED tests/test_b.py::test_y - needs a GPU",
+    ]
 
 
 def test_skip_check_on_the_recorded_gpu_logs(tmp_path):
-    for name, gpus_ok, gpus_bad in [("gpu_tests_2026-11-30.txt", 1, 2),
-                                    ("symm_gpu_tests.txt", 1, 2)]:
+    for name, gpus_ok, gpus_bad in [
+        ("gpu_tests_2026-11-30.txt", 1, 2),
+        ("symm_gpu_tests.txt", 1, 2),
+    ]:
         path = os.path.join(BENCH, "results", name)
-        ok = subprocess.run(["bash", SESSION, "--check-skips", path, str(gpus_ok)],
-                            capture_output=True, text=True)
-        bad = subprocess.run(["bash", SESSION, "--check-skips", path, str(gpus_bad)],
-                             capture_output=True, text=True)
+        ok = subprocess.run(
+            ["bash", SESSION, "--check-skips", path, str(gpus_ok)], capture_output=True, text=True
+        )
+        bad = subprocess.run(
+            ["bash", SESSION, "--check-skips", path, str(gpus_bad)], capture_output=True, text=True
+        )
         assert (ok.returncode, bad.returncode) == (0, 1), (name, ok.stdout, bad.stdout)
 
 
 def test_skip_check_usage_errors(tmp_path):
     for args in ([], ["log", "two"], ["a", "1", "x"]):
-        result = subprocess.run(["bash", SESSION, "--check-skips", *args], capture_output=True,
-                                text=True)
+        result = subprocess.run(
+            ["bash", SESSION, "--check-skips", *args], capture_output=True, text=True
+        )
         assert result.returncode == 2 and "usage" in result.stderr
-    missing = subprocess.run(["bash", SESSION, "--check-skips", str(tmp_path / "none"), "1"],
-                             capture_output=True, text=True)
+    missing = subprocess.run(
+        ["bash", SESSION, "--check-skips", str(tmp_path / "none"), "1"],
+        capture_output=True,
+        text=True,
+    )
     assert missing.returncode == 1 and "cannot read" in missing.stdout
 
 
 # ---------------------------------------------------------------- gpu_session.sh, whole session
+
 
 def _write(path, text, mode=0o755):
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -445,19 +520,25 @@ def session(tmp_path):
     python that reports FAKE_GPUS GPUs, and nvidia-smi is on PATH."""
     repo = tmp_path / "repo"
     _write(repo / "tools" / "gpu" / "gpu_session.sh", open(SESSION).read())
-    _write(repo / "scripts" / "test.sh",
-           'echo "test.sh $*" > "$OUT/test_args"; echo "$OMP_NUM_THREADS" > "$OUT/test_threads"\n'
-           '[ -n "${FAKE_TEST_SLEEP:-}" ] && exec sleep "$FAKE_TEST_SLEEP"\n'
-           'cat "$FAKE_TEST_LOG"; exit "$FAKE_TEST_RC"\n')
-    _write(repo / "scripts" / "bench.sh",
-           'echo "bench.sh $*"\n'
-           'case "$*" in *--host-breakdown*) printf "table\\ncProfile of\\nprofile line\\n"\n'
-           '                                 exit "$FAKE_HOST_RC" ;; esac\n'
-           'exit "$FAKE_BENCH_RC"\n')
-    _write(repo / "scripts" / "setup_env.sh", f'echo {tmp_path / "bin" / "python"}\n')
-    _write(tmp_path / "bin" / "python",
-           '#!/bin/sh\ncase "$*" in *device_count*) echo "$FAKE_GPUS" ;; *) echo "torch triton" ;;'
-           ' esac\n')
+    _write(
+        repo / "scripts" / "test.sh",
+        'echo "test.sh $*" > "$OUT/test_args"; echo "$OMP_NUM_THREADS" > "$OUT/test_threads"\n'
+        '[ -n "${FAKE_TEST_SLEEP:-}" ] && exec sleep "$FAKE_TEST_SLEEP"\n'
+        'cat "$FAKE_TEST_LOG"; exit "$FAKE_TEST_RC"\n',
+    )
+    _write(
+        repo / "scripts" / "bench.sh",
+        'echo "bench.sh $*"\n'
+        'case "$*" in *--host-breakdown*) printf "table\\ncProfile of\\nprofile line\\n"\n'
+        '                                 exit "$FAKE_HOST_RC" ;; esac\n'
+        'exit "$FAKE_BENCH_RC"\n',
+    )
+    _write(repo / "scripts" / "setup_env.sh", f"echo {tmp_path / 'bin' / 'python'}\n")
+    _write(
+        tmp_path / "bin" / "python",
+        '#!/bin/sh\ncase "$*" in *device_count*) echo "$FAKE_GPUS" ;; *) echo "torch triton" ;;'
+        " esac\n",
+    )
     _write(tmp_path / "bin" / "nvidia-smi", "#!/bin/sh\necho GPU 0: H200\n")
     log = tmp_path / "pytest.log"
     log.write_text(EXPECTED_LOG)
@@ -466,13 +547,25 @@ def session(tmp_path):
         if log_text is not None:
             log.write_text(log_text)
         out = tmp_path / "out"
-        env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", OUT=str(out),
-                   FAKE_TEST_LOG=str(log), FAKE_TEST_RC=str(test_rc), FAKE_GPUS=str(gpus),
-                   FAKE_BENCH_RC=str(bench_rc), FAKE_HOST_RC=str(host_rc))
+        env = dict(
+            os.environ,
+            PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+            OUT=str(out),
+            FAKE_TEST_LOG=str(log),
+            FAKE_TEST_RC=str(test_rc),
+            FAKE_GPUS=str(gpus),
+            FAKE_BENCH_RC=str(bench_rc),
+            FAKE_HOST_RC=str(host_rc),
+        )
         env.pop("OMP_NUM_THREADS", None)
         env.update(env_extra)
-        result = subprocess.run(["bash", str(repo / "tools" / "gpu" / "gpu_session.sh"), *args],
-                                env=env, capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            ["bash", str(repo / "tools" / "gpu" / "gpu_session.sh"), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return result, out
 
     return run
@@ -483,7 +576,7 @@ def test_session_passes(session):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all steps passed" in result.stdout
     args = (out / "test_args").read_text().split()
-    assert args[1:3] == ["-rsE", "-p"]             # skips and errors listed
+    assert args[1:3] == ["-rsE", "-p"]  # skips and errors listed
     assert args[args.index("--record") + 1] == str(out / "test_record.json")
     assert (out / "bench.log").read_text() == f"bench.sh --out {out} --tokens 1 4\n"
     assert "--host-breakdown" in (out / "host.log").read_text()
@@ -493,8 +586,9 @@ def test_session_passes(session):
 
 
 def test_session_fails_on_an_unexpected_skip_and_still_runs_the_rest(session):
-    log = EXPECTED_LOG.replace("2504 passed", "SKIPPED [4] tests/test_ops.py:9: needs a CUDA GPU\n"
-                               "2504 passed").replace("63 skipped", "67 skipped")
+    log = EXPECTED_LOG.replace(
+        "2504 passed", "SKIPPED [4] tests/test_ops.py:9: needs a CUDA GPU\n2504 passed"
+    ).replace("63 skipped", "67 skipped")
     result, out = session(log_text=log)
     assert result.returncode == 1
     assert "  SKIPPED [4] tests/test_ops.py:9: needs a CUDA GPU" in result.stdout
@@ -503,9 +597,16 @@ def test_session_fails_on_an_unexpected_skip_and_still_runs_the_rest(session):
     assert "needs a CUDA GPU" in (out / "tests.log").read_text().split("tests rc=")[-1]
 
 
-@pytest.mark.parametrize("kw, failed", [({"test_rc": 1}, "tests"), ({"gpus": 0}, "tests"),
-                                        ({"bench_rc": 3}, "bench"), ({"host_rc": 1}, "host"),
-                                        ({"gpus": 2}, "tests")])
+@pytest.mark.parametrize(
+    "kw, failed",
+    [
+        ({"test_rc": 1}, "tests"),
+        ({"gpus": 0}, "tests"),
+        ({"bench_rc": 3}, "bench"),
+        ({"host_rc": 1}, "host"),
+        ({"gpus": 2}, "tests"),
+    ],
+)
 def test_session_names_the_failed_step(session, kw, failed):
     result, _ = session(**kw)
     assert result.returncode == 1
@@ -519,7 +620,9 @@ def test_session_shares_the_cpus_among_the_test_workers(session):
     assert result.returncode == 0, result.stdout + result.stderr
     args = (out / "test_args").read_text().split()
     assert args[args.index("-n") + 1] == "2" and "faulthandler_timeout=180" in args
-    assert (out / "test_threads").read_text().strip() == str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert (out / "test_threads").read_text().strip() == str(
+        max(1, len(os.sched_getaffinity(0)) // 2)
+    )
 
 
 def test_session_interrupts_tests_that_run_too_long(session):
@@ -533,9 +636,11 @@ def test_session_interrupts_tests_that_run_too_long(session):
 
 
 VLLM_SKIP_LOG = EXPECTED_LOG.replace("63 skipped", "65 skipped").replace(
-    "2504 passed", "SKIPPED [2] tests/test_probe_engine_gpu.py:81: vLLM's CUDA build is not "
+    "2504 passed",
+    "SKIPPED [2] tests/test_probe_engine_gpu.py:81: vLLM's CUDA build is not "
     "installed (the GPU machine: carry tools/gpu/make_vllm_engine_bundle.sh's .vllm_engine and .whl)"
-    "\n2504 passed")
+    "\n2504 passed",
+)
 
 
 def test_session_without_the_vllm_bundle_says_what_did_not_run(session):
@@ -545,14 +650,15 @@ def test_session_without_the_vllm_bundle_says_what_did_not_run(session):
 
 
 @pytest.mark.parametrize("install_rc", [0, 1])
-def test_session_with_the_vllm_bundle_installs_it_and_refuses_the_skip(session, tmp_path,
-                                                                       install_rc):
+def test_session_with_the_vllm_bundle_installs_it_and_refuses_the_skip(
+    session, tmp_path, install_rc
+):
     """Carried, the bundle is installed and the vLLM-engine tests must run: their skip is
     then a failure; a bundle that does not install fails the session's vllm step."""
     repo = tmp_path / "repo"
     for folder in (".vllm_engine", ".whl"):
         (repo / folder).mkdir()
-    _write(repo / "tools" / "gpu" / "gpu_vllm_engine.sh", f'echo installed; exit {install_rc}\n')
+    _write(repo / "tools" / "gpu" / "gpu_vllm_engine.sh", f"echo installed; exit {install_rc}\n")
     result, out = session(log_text=VLLM_SKIP_LOG)
     assert result.returncode == 1
     assert "NOT RUN" not in result.stdout
@@ -562,6 +668,7 @@ def test_session_with_the_vllm_bundle_installs_it_and_refuses_the_skip(session, 
         assert "installed from the carried bundle" in result.stdout
         assert "FAILED: tests (logs in" in result.stdout
         assert "vLLM's CUDA build is not installed" in result.stdout
+
 
 # ---------------------------------------------------------------- FlashInfer's norm, the peer
 
@@ -573,6 +680,7 @@ def _fake_bundle(root, version="9.9.9", wheel=True):
     two-file stand-in) and the tvm-ffi wheel (a zip of site-packages files)."""
     import tarfile
     import zipfile
+
     src = root / "src"
     (src / "flashinfer").mkdir(parents=True)
     (src / "flashinfer" / "__init__.py").write_text(f"__version__ = {version!r}\n")
@@ -581,8 +689,9 @@ def _fake_bundle(root, version="9.9.9", wheel=True):
     with tarfile.open(bundle / f"flashinfer-{version}-norm.tar.xz", "w:xz") as tar:
         tar.add(src / "flashinfer", arcname="flashinfer")
     if wheel:
-        with zipfile.ZipFile(bundle / "wheels" / "apache_tvm_ffi-0.1.11-cp312-abi3-x.whl",
-                             "w") as z:
+        with zipfile.ZipFile(
+            bundle / "wheels" / "apache_tvm_ffi-0.1.11-cp312-abi3-x.whl", "w"
+        ) as z:
             info = zipfile.ZipInfo("tvm_ffi/lib/libtvm_ffi.so")
             info.external_attr = 0o755 << 16
             z.writestr(info, b"\x7fELF")
@@ -601,7 +710,7 @@ def test_flashinfer_bundle_parts_and_unpack(tmp_path):
     so = site / "tvm_ffi" / "lib" / "libtvm_ffi.so"
     assert so.read_bytes() == b"\x7fELF" and os.access(so, os.X_OK)  # the .so stays executable
     (site / "flashinfer" / "__init__.py").write_text("edited")
-    fi.unpack(parts, site)   # unpacked once per bundle: a second call keeps the files
+    fi.unpack(parts, site)  # unpacked once per bundle: a second call keeps the files
     assert (site / "flashinfer" / "__init__.py").read_text() == "edited"
 
 
@@ -614,7 +723,10 @@ def test_flashinfer_load_says_why_not(tmp_path, monkeypatch):
     assert fn is None and "FLASHINFER_ONLY=1 bash tools/gpu/make_gpu_bundle.sh" in line
     assert "ModuleNotFoundError" in line
     monkeypatch.setenv(fi.BUNDLE_ENV, str(_fake_bundle(tmp_path)))
-    monkeypatch.setattr(torch.cuda, "get_device_capability",
-                        lambda *a: (_ for _ in ()).throw(RuntimeError("no GPU")))
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_capability",
+        lambda *a: (_ for _ in ()).throw(RuntimeError("no GPU")),
+    )
     fn, line = fi.load()
     assert fn is None and line.startswith("no CUDA GPU")

@@ -33,12 +33,19 @@ def test_the_help_names_and_describes_every_command(capsys):
         assert " ".join(text.split()[:6]) in " ".join(out.split()), name
     assert "--version" in out and "'eagle-capture COMMAND --help'" in out
     # Nothing given: the same help, but exit 2 (a script that forgot its command fails).
-    assert _cli(capsys, ) == (2, out, "")
+    assert _cli(
+        capsys,
+    ) == (2, out, "")
 
 
-@pytest.mark.parametrize("argv, what", [(["plan"], "unknown command 'plan'"),
-                                        (["--draft-config", "x"], "unknown option '--draft-config'"),
-                                        (["Doctor"], "unknown command 'Doctor'")])
+@pytest.mark.parametrize(
+    "argv, what",
+    [
+        (["plan"], "unknown command 'plan'"),
+        (["--draft-config", "x"], "unknown option '--draft-config'"),
+        (["Doctor"], "unknown command 'Doctor'"),
+    ],
+)
 def test_a_bad_command_is_one_line_and_exit_2(capsys, argv, what):
     code, out, err = _cli(capsys, *argv)
     assert code == 2 and out == ""
@@ -46,11 +53,23 @@ def test_a_bad_command_is_one_line_and_exit_2(capsys, argv, what):
 
 
 def test_python_dash_m_is_the_console_script():
-    result = subprocess.run([sys.executable, "-m", "eagle_capture", "--version"], cwd="/",
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and result.stdout == f"eagle-capture {eagle_capture.__version__}\n"
-    result = subprocess.run([sys.executable, "-m", "eagle_capture", "nope"], cwd="/",
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "eagle_capture", "--version"],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        result.returncode == 0 and result.stdout == f"eagle-capture {eagle_capture.__version__}\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "eagle_capture", "nope"],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
 
 

@@ -65,15 +65,15 @@ def _into_slot_then_out(h, r, w, aux, out):
 
 
 # The issue's failing pattern: one op, then a use of the normed output.
-FUNCTIONS = [_capture, _capture_fp32_sum, _capture_no_aux, _into_slot, _out,
-             _into_slot_then_out]
+FUNCTIONS = [_capture, _capture_fp32_sum, _capture_no_aux, _into_slot, _out, _into_slot_then_out]
 
 
 def assert_within_one_ulp(actual, expected):
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     # ulp(x) <= eps * |x| for normal x; the floor covers values near zero.
-    tol = torch.finfo(expected.dtype).eps * expected.double().abs() \
-        + torch.finfo(expected.dtype).tiny
+    tol = (
+        torch.finfo(expected.dtype).eps * expected.double().abs() + torch.finfo(expected.dtype).tiny
+    )
     err = (actual.double() - expected.double()).abs()
     assert bool((err <= tol).all()), f"max error {err.max().item():.3e} exceeds one ulp"
 
@@ -82,9 +82,11 @@ def assert_within_one_ulp(actual, expected):
 CASES = [(fn, False) for fn in FUNCTIONS] + [(_capture, True), (_into_slot, True)]
 
 
-@pytest.mark.parametrize("fn,dynamic", CASES,
-                         ids=[f"{fn.__name__.strip('_')}-{'dynamic' if d else 'static'}"
-                              for fn, d in CASES])
+@pytest.mark.parametrize(
+    "fn,dynamic",
+    CASES,
+    ids=[f"{fn.__name__.strip('_')}-{'dynamic' if d else 'static'}" for fn, d in CASES],
+)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_compiled_cpu_matches_eager(dtype, fn, dynamic):
     torch._dynamo.reset()
@@ -95,10 +97,10 @@ def test_compiled_cpu_matches_eager(dtype, fn, dynamic):
     actual = torch.compile(fn, fullgraph=True, dynamic=dynamic)(*compiled_args)
     h_c, r_c, _, aux_c, out_c = compiled_args
     h_e, r_e, _, aux_e, out_e = eager_args
-    assert_bitwise_equal(r_c, r_e)          # the new residual (or untouched)
-    assert_bitwise_equal(aux_c, aux_e)      # the capture, and every other slot
-    assert_bitwise_equal(out_c, out_e)      # add_rmsnorm_out's residual_out
-    assert_within_one_ulp(h_c, h_e)         # the normed output
+    assert_bitwise_equal(r_c, r_e)  # the new residual (or untouched)
+    assert_bitwise_equal(aux_c, aux_e)  # the capture, and every other slot
+    assert_bitwise_equal(out_c, out_e)  # add_rmsnorm_out's residual_out
+    assert_within_one_ulp(h_c, h_e)  # the normed output
     assert_within_one_ulp(actual, expected)
 
 
@@ -113,18 +115,24 @@ def test_compiled_capture_is_h_plus_r(dtype):
     assert_bitwise_equal(r, s)
 
 
-@pytest.mark.parametrize("name", ["_add_rmsnorm_capture_cpu", "_add_rmsnorm_into_slot_cpu",
-                                  "_add_rmsnorm_out_cpu"])
+@pytest.mark.parametrize(
+    "name", ["_add_rmsnorm_capture_cpu", "_add_rmsnorm_into_slot_cpu", "_add_rmsnorm_out_cpu"]
+)
 def test_cpu_ops_opcheck(name):
     h, r, w, aux, out = _inputs(torch.bfloat16)
-    args = {"_add_rmsnorm_capture_cpu": (h, r, w, EPS, aux, SLOT, False),
-            "_add_rmsnorm_into_slot_cpu": (h, r, w, EPS, aux, SLOT, True),
-            "_add_rmsnorm_out_cpu": (h, r, w, EPS, out, True)}[name]
+    args = {
+        "_add_rmsnorm_capture_cpu": (h, r, w, EPS, aux, SLOT, False),
+        "_add_rmsnorm_into_slot_cpu": (h, r, w, EPS, aux, SLOT, True),
+        "_add_rmsnorm_out_cpu": (h, r, w, EPS, out, True),
+    }[name]
     torch.library.opcheck(getattr(torch.ops.eagle_capture, name).default, args)
 
 
-@pytest.mark.xfail(raises=Exception, strict=False,
-                   reason="pytorch/pytorch#196570: Inductor C++ outer-loop fusion, KeyError 'bufN'")
+@pytest.mark.xfail(
+    raises=Exception,
+    strict=False,
+    reason="pytorch/pytorch#196570: Inductor C++ outer-loop fusion, KeyError 'bufN'",
+)
 def test_upstream_repro_plain_torch():
     """The upstream bug without eagle_capture. When this passes (XPASS), a torch
     with the fix is installed and the CPU ops could be decomposed again."""
@@ -143,8 +151,10 @@ def test_upstream_repro_plain_torch():
 # ----------------------------------------------------------------------------
 
 FULL_H = 7168
-TP_HINT = (r"weight must have shape \[{w}\] \(hidden_size\), got \({full},\); "
-           r".*tensor-parallel shard")
+TP_HINT = (
+    r"weight must have shape \[{w}\] \(hidden_size\), got \({full},\); "
+    r".*tensor-parallel shard"
+)
 
 
 def _norm_call(op, call, h, r, w):

@@ -16,8 +16,13 @@ from eagle_capture.layer_ids import startup
 
 HERE = os.path.dirname(__file__)
 PUBLISHED = os.path.join(HERE, "data", "published_configs")
-SPECULATORS = os.path.join(HERE, "data", "trainer_configs", "speculators",
-                           "Eagle3SpeculatorConfig_61layer_ids_2_30_58.config.json")
+SPECULATORS = os.path.join(
+    HERE,
+    "data",
+    "trainer_configs",
+    "speculators",
+    "Eagle3SpeculatorConfig_61layer_ids_2_30_58.config.json",
+)
 
 
 def _doctor(capsys, *argv, explain=True):
@@ -31,13 +36,21 @@ def _doctor(capsys, *argv, explain=True):
 
 def _specforge(tmp_path, ids, name="draft.json", **eagle):
     path = tmp_path / name
-    path.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
-                                "eagle_config": dict({"eagle_aux_hidden_state_layer_ids": ids,
-                                                      "use_aux_hidden_state": True}, **eagle)}))
+    path.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "eagle_config": dict(
+                    {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}, **eagle
+                ),
+            }
+        )
+    )
     return path
 
 
 # Item 2 ------------------------------------------------------------------------------------
+
 
 def test_a_converted_specforge_draft_is_never_a_silent_ok(tmp_path, capsys):
     """speculators' converter copies a SpecForge draft's ids verbatim: [1, 29, 57] at the
@@ -48,28 +61,54 @@ def test_a_converted_specforge_draft_is_never_a_silent_ok(tmp_path, capsys):
     config["eagle_aux_hidden_state_layer_ids"] = [1, 29, 57]
     path = tmp_path / "converted.json"
     path.write_text(json.dumps(config))
-    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
-                           "--target-architecture", "DeepseekV3ForCausalLM", "--engine", "vllm")
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "DeepseekV3ForCausalLM",
+        "--engine",
+        "vllm",
+    )
     assert code == 1
     assert "summary: vLLM: AMBIGUOUS (exit 1)" in out
     assert "SpecForge's and TorchSpec's default list" in out and "eagle-capture probe" in out
     assert "trained on capture layers [2, 30, 58]" in out
     assert "trained on capture layers [1, 29, 57]" in out
     # Its own convention's ids (not a default list) keep one reading.
-    code, out, _ = _doctor(capsys, "--draft-config", SPECULATORS, "--num-layers", 61,
-                           "--target-architecture", "DeepseekV3ForCausalLM", "--engine", "vllm")
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        SPECULATORS,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "DeepseekV3ForCausalLM",
+        "--engine",
+        "vllm",
+    )
     assert code == 0 and "AMBIGUOUS" not in out
 
 
 # Item 4 ------------------------------------------------------------------------------------
+
 
 def test_unsorted_ids_swap_slots_in_the_doctor(tmp_path, capsys):
     """The engines capture in ascending order; SpecForge's HF target concatenates in the
     config's order. [57, 1, 29] on Llama (+1 to every id) used to be sorted and called a
     match."""
     path = _specforge(tmp_path, [57, 1, 29])
-    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
-                           "--target-architecture", "LlamaForCausalLM")
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "LlamaForCausalLM",
+    )
     assert code == 1
     assert "summary: SGLang: PROBLEM; vLLM: PROBLEM (exit 1)" in out
     assert "ids [57, 1, 29] are not in ascending order" in out and "slots [0, 1, 2]" in out
@@ -82,8 +121,9 @@ def test_unsorted_ids_are_refused_at_start_up_by_both_plugins(tmp_path):
     config = json.loads(_specforge(tmp_path, [57, 1, 29]).read_text())
     check = startup.check("vLLM", [2, 30, 58], 61, config, "LlamaForCausalLM")
     assert check.status == "problem" and "not in ascending order" in check.text
-    problems = plugin.id_problems([2, 30, 58], 61, config, [57, 1, 29], "LlamaForCausalLM",
-                                  "0.5.23")
+    problems = plugin.id_problems(
+        [2, 30, 58], 61, config, [57, 1, 29], "LlamaForCausalLM", "0.5.23"
+    )
     assert len(problems) == 1 and "not in ascending order" in problems[0]
     # Without the config in view, SGLang's own ids (in the config's order) say the same.
     assert plugin.id_problems([2, 30, 58], 61, None, [57, 1, 29], "LlamaForCausalLM", "0.5.23")
@@ -102,33 +142,53 @@ def test_vllms_plugin_refuses_unsorted_ids(tmp_path):
     _specforge(draft, [57, 1, 29], name="config.json")
     model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=61))
     vllm_config = SimpleNamespace(
-        speculative_config=SimpleNamespace(draft_model_config=SimpleNamespace(
-            model=str(draft), revision=None, hf_config=None)),
-        model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"])))
+        speculative_config=SimpleNamespace(
+            draft_model_config=SimpleNamespace(model=str(draft), revision=None, hf_config=None)
+        ),
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"])),
+    )
     with pytest.raises(checked.WrongCaptureLayers, match="not in ascending order"):
         checked.check_draft_ids(model, [2, 30, 58], vllm_config, env={})
     _specforge(draft, [1, 29, 57], name="config.json")
-    checked.check_draft_ids(model, [2, 30, 58], vllm_config, env={})     # sorted: starts
+    checked.check_draft_ids(model, [2, 30, 58], vllm_config, env={})  # sorted: starts
 
 
 # Item 5 ------------------------------------------------------------------------------------
+
 
 def test_use_aux_hidden_state_false(tmp_path, capsys):
     """Both engines then feed the draft the last hidden state and capture nothing
     (SGLang's spec_aux_hidden_state.py, vLLM's llm_base_proposer.py): the doctor says
     so instead of judging ids that are never used."""
     path = _specforge(tmp_path, [1, 29, 57], use_aux_hidden_state=False)
-    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
-                           "--target-architecture", "DeepseekV3ForCausalLM")
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "DeepseekV3ForCausalLM",
+    )
     assert code == 0, out
-    assert out.count("SGLang feeds the draft the target's last hidden state") == 3   # each line
+    assert out.count("SGLang feeds the draft the target's last hidden state") == 3  # each line
     assert "vLLM feeds the draft the target's last hidden state" in out
     assert "layers_to_capture = [] -> OK" in out and "fix for this line" not in out
     # No ids and no trainer known (the ids would not be read): still OK, not UNVERIFIED.
-    path.write_text(json.dumps({"architectures": ["SomeDraftModel"],
-                                "eagle_config": {"use_aux_hidden_state": False}}))
-    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
-                           "--target-architecture", "DeepseekV3ForCausalLM")
+    path.write_text(
+        json.dumps(
+            {"architectures": ["SomeDraftModel"], "eagle_config": {"use_aux_hidden_state": False}}
+        )
+    )
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "DeepseekV3ForCausalLM",
+    )
     assert code == 0 and "summary: SGLang: OK; vLLM: OK (exit 0)" in out, out
 
 
@@ -136,8 +196,15 @@ def test_an_empty_id_list(tmp_path, capsys):
     """[] used to be refused as bad input (exit 2); it is a config both engines read:
     SGLang captures nothing, vLLM its defaults."""
     path = _specforge(tmp_path, [])
-    code, out, err = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
-                             "--target-architecture", "DeepseekV3ForCausalLM")
+    code, out, err = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "DeepseekV3ForCausalLM",
+    )
     assert code == 1 and err == ""
     assert "summary: SGLang: PROBLEM; vLLM: PROBLEM (exit 1)" in out
     assert "the draft config's id list is empty" in out
@@ -145,16 +212,33 @@ def test_an_empty_id_list(tmp_path, capsys):
 
 # Item 3 ------------------------------------------------------------------------------------
 
+
 def test_a_format_sglang_cannot_load(capsys):
     """speculators' Eagle3Speculator: SGLang has no class for it. No eagle_config fix is
     offered for a file SGLang cannot load; vLLM loads it."""
-    code, out, _ = _doctor(capsys, "--draft-config", SPECULATORS, "--num-layers", 61,
-                           "--target-architecture", "DeepseekV3ForCausalLM")
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        SPECULATORS,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "DeepseekV3ForCausalLM",
+    )
     assert code == 1 and "summary: SGLang: CANNOT LOAD; vLLM: OK (exit 1)" in out
     assert "SGLang cannot load this draft format" in out and "Serve it with vLLM" in out
     assert "Write eagle_config" not in out and "fix for this line" not in out
-    code, out, _ = _doctor(capsys, "--draft-config", SPECULATORS, "--num-layers", 61,
-                           "--target-architecture", "DeepseekV3ForCausalLM", "--engine", "vllm")
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        SPECULATORS,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "DeepseekV3ForCausalLM",
+        "--engine",
+        "vllm",
+    )
     assert code == 0
 
 
@@ -162,9 +246,15 @@ def _kimi_mla_draft(tmp_path):
     """A draft config in Kimi-K2.5's EAGLE-3 format (Eagle3DeepseekV2ForCausalLM, Model
     Optimizer's and TorchSpec's), SpecForge's default ids for 61 layers."""
     path = tmp_path / "kimi.json"
-    path.write_text(json.dumps({"architectures": ["Eagle3DeepseekV2ForCausalLM"],
-                                "num_hidden_layers": 1, "eagle_config": {
-                                    "eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}))
+    path.write_text(
+        json.dumps(
+            {
+                "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+                "num_hidden_layers": 1,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]},
+            }
+        )
+    )
     return path
 
 
@@ -174,8 +264,18 @@ def test_sglangs_registry_per_line(tmp_path, capsys):
     cannot load the draft, the later ones judge its ids."""
     path = _kimi_mla_draft(tmp_path)
     # (DeepSeek-V3's class captures on every line; Kimi-K2.5's from 0.5.13, below)
-    argv = ["--draft-config", path, "--num-layers", 61, "--target-architecture",
-            "DeepseekV3ForCausalLM", "--engine", "sglang", "--id-convention", "output"]
+    argv = [
+        "--draft-config",
+        path,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "DeepseekV3ForCausalLM",
+        "--engine",
+        "sglang",
+        "--id-convention",
+        "output",
+    ]
     code, out, _ = _doctor(capsys, *argv)
     assert code == 1 and "summary: SGLang: PROBLEM (exit 1)" in out
     assert "0.5.12 (read from 0.5.9): layers_to_capture = [] -> CANNOT LOAD" in out
@@ -191,14 +291,26 @@ def test_a_target_class_that_cannot_capture_on_a_line(tmp_path, capsys):
     serve any EAGLE-3 draft for Kimi-K2.5, whatever the ids or the draft's class. Both
     causes are said, the target's first; the remedy names where it can."""
     path = _kimi_mla_draft(tmp_path)
-    argv = ["--draft-config", path, "--num-layers", 61, "--target-architecture",
-            "KimiK25ForConditionalGeneration", "--engine", "sglang", "--id-convention", "output"]
+    argv = [
+        "--draft-config",
+        path,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "KimiK25ForConditionalGeneration",
+        "--engine",
+        "sglang",
+        "--id-convention",
+        "output",
+    ]
     code, out, _ = _doctor(capsys, *argv)
     assert code == 1 and "summary: SGLang: PROBLEM (exit 1)" in out
     assert "0.5.12 (read from 0.5.9): layers_to_capture = [] -> CANNOT CAPTURE" in out
-    assert "SGLang 0.5.9: the target's class kimi_k25.KimiK25ForConditionalGeneration has no " \
-           "set_eagle3_layers_to_capture" in out
-    assert "registered from 0.5.13 on (not in 0.5.9)" in out      # the draft's, after
+    assert (
+        "SGLang 0.5.9: the target's class kimi_k25.KimiK25ForConditionalGeneration has no "
+        "set_eagle3_layers_to_capture" in out
+    )
+    assert "registered from 0.5.13 on (not in 0.5.9)" in out  # the draft's, after
     assert "it can on SGLang 0.5.13 - 0.5.23; vLLM 0.32.0, 0.33.0, 0.34.0" in out
     assert out.count("-> OK") == 2
     code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.12", explain=False)
@@ -207,8 +319,9 @@ def test_a_target_class_that_cannot_capture_on_a_line(tmp_path, capsys):
     code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.13")
     assert code == 0 and "CANNOT" not in out
     # --write-config: no ids fix it, said in one line
-    code, _, err = _doctor(capsys, *argv, "--sglang-version", "0.5.9", "--write-config",
-                           tmp_path / "x.json")
+    code, _, err = _doctor(
+        capsys, *argv, "--sglang-version", "0.5.9", "--write-config", tmp_path / "x.json"
+    )
     assert code == 2 and "no id list fixes this draft" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "x.json").exists()
 
@@ -220,8 +333,10 @@ def test_vllm_target_class_without_supports_eagle3(tmp_path, capsys):
     argv = ["--num-layers", 32, "--target-architecture", "BailingMoeV2ForCausalLM"]
     code, out, _ = _doctor(capsys, "--draft-config", path, *argv, explain=False)
     assert code == 1 and "summary: SGLang: OK; vLLM: CANNOT CAPTURE (exit 1)" in out
-    assert "CANNOT CAPTURE (bailing_moe.BailingMoeV2ForCausalLM is not SupportsEagle3) -> it " \
-           "can on SGLang 0.5.9 - 0.5.23" in out
+    assert (
+        "CANNOT CAPTURE (bailing_moe.BailingMoeV2ForCausalLM is not SupportsEagle3) -> it "
+        "can on SGLang 0.5.9 - 0.5.23" in out
+    )
     code, out, _ = _doctor(capsys, "--draft-config", path, *argv, "--engine", "vllm", "--json")
     line = json.loads(out)["engines"]["vllm"]["readings"][0]["lines"][0]
     assert line["status"] == "CANNOT CAPTURE"
@@ -230,8 +345,9 @@ def test_vllm_target_class_without_supports_eagle3(tmp_path, capsys):
     config = json.load(open(path))
     config["eagle_config"] = {"use_aux_hidden_state": False}
     (tmp_path / "noaux.json").write_text(json.dumps(config))
-    code, out, _ = _doctor(capsys, "--draft-config", tmp_path / "noaux.json", *argv,
-                           "--engine", "vllm")
+    code, out, _ = _doctor(
+        capsys, "--draft-config", tmp_path / "noaux.json", *argv, "--engine", "vllm"
+    )
     assert code == 0 and "CANNOT" not in out
 
 
@@ -239,31 +355,66 @@ def test_a_delegating_class_gets_the_rule_it_delegates_to(tmp_path, capsys):
     """SGLang 0.5.23's Llama4ForConditionalGeneration (models/mllama4.py) hands the ids to
     a Llama4ForCausalLM, which inherits LlamaForCausalLM's +1: its rule, not ASSUMED."""
     path = tmp_path / "d.json"
-    path.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {
-        "eagle_aux_hidden_state_layer_ids": [1, 23, 44]}}))
-    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 48,
-                           "--target-architecture", "Llama4ForConditionalGeneration",
-                           "--engine", "sglang", "--sglang-version", "0.5.23",
-                           "--id-convention", "output")
+    path.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 23, 44]},
+            }
+        )
+    )
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        48,
+        "--target-architecture",
+        "Llama4ForConditionalGeneration",
+        "--engine",
+        "sglang",
+        "--sglang-version",
+        "0.5.23",
+        "--id-convention",
+        "output",
+    )
     assert code == 0 and "summary: SGLang: OK (exit 0)" in out and "ASSUME" not in out
-    assert "models/llama.py LlamaForCausalLM.set_eagle3_layers_to_capture (via " \
-           "Llama4ForCausalLM)" in out
+    assert (
+        "models/llama.py LlamaForCausalLM.set_eagle3_layers_to_capture (via "
+        "Llama4ForCausalLM)" in out
+    )
     assert "layers_to_capture = [2, 24, 45] -> OK" in out
 
 
 # Item 6 ------------------------------------------------------------------------------------
+
 
 def test_unverified_is_not_do_not_serve(tmp_path, capsys):
     """An unrecognised draft with no ids: UNVERIFIED, pointing at the probe; 'do not
     serve' is kept for PROBLEM."""
     path = tmp_path / "mystery.json"
     path.write_text(json.dumps({"architectures": ["SomeDraftModel"], "num_hidden_layers": 1}))
-    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
-                           "--target-architecture", "DeepseekV3ForCausalLM")
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "DeepseekV3ForCausalLM",
+    )
     assert code == 1 and "summary: SGLang: UNVERIFIED; vLLM: UNVERIFIED (exit 1)" in out
     assert "eagle-capture probe" in out and "do not serve" not in out
-    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
-                           "--target-architecture", "DeepseekV3ForCausalLM", "--accept-defaults")
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "DeepseekV3ForCausalLM",
+        "--accept-defaults",
+    )
     assert code == 0 and "accepted (--accept-defaults)" in out
 
 
@@ -275,11 +426,30 @@ def test_a_deployment_problem_under_a_no_id_draft_is_a_problem(tmp_path, capsys)
     --accept-defaults does not make it OK."""
     path = tmp_path / "mystery.json"
     path.write_text(json.dumps({"architectures": ["SomeDraftModel"], "num_hidden_layers": 1}))
-    base = ["--draft-config", path, "--num-layers", 61, "--target-architecture",
-            "DeepseekV3ForCausalLM", "--engine", "sglang"]
-    for deploy in (["--tp", 8, "--dp-attention", "--moe-a2a", "deepep", "--sglang-version",
-                    "0.5.9", "--allreduce-fusion", "off"],
-                   ["--pp", 2, "--sglang-version", "0.5.23"]):
+    base = [
+        "--draft-config",
+        path,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "DeepseekV3ForCausalLM",
+        "--engine",
+        "sglang",
+    ]
+    for deploy in (
+        [
+            "--tp",
+            8,
+            "--dp-attention",
+            "--moe-a2a",
+            "deepep",
+            "--sglang-version",
+            "0.5.9",
+            "--allreduce-fusion",
+            "off",
+        ],
+        ["--pp", 2, "--sglang-version", "0.5.23"],
+    ):
         for accept in ([], ["--accept-defaults"]):
             code, out, _ = _doctor(capsys, *base, *deploy, *accept)
             assert code == 1 and "summary: SGLang: PROBLEM (exit 1)" in out, (deploy, out)
@@ -293,8 +463,18 @@ def test_release_boundaries_are_inclusive(tmp_path, capsys):
     """gpt_oss keeps ids whose max is num_layers from 0.5.18 (the wheel read at exactly
     that version); 0.5.17 still adds 1 and names a layer that does not exist."""
     path = _specforge(tmp_path, [1, 12, 24])
-    argv = ["--draft-config", path, "--num-layers", 24, "--target-architecture",
-            "GptOssForCausalLM", "--engine", "sglang", "--id-convention", "input"]
+    argv = [
+        "--draft-config",
+        path,
+        "--num-layers",
+        24,
+        "--target-architecture",
+        "GptOssForCausalLM",
+        "--engine",
+        "sglang",
+        "--id-convention",
+        "input",
+    ]
     code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.18")
     assert code == 0 and "layers_to_capture = [1, 12, 24] -> OK" in out
     code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.17")
@@ -303,10 +483,20 @@ def test_release_boundaries_are_inclusive(tmp_path, capsys):
 
 # Item 7 ------------------------------------------------------------------------------------
 
+
 def test_json(capsys):
     path = os.path.join(PUBLISHED, "specforge_gpt_oss_20b.config.json")
-    code = doctor.main(["--draft-config", path, "--num-layers", "24", "--target-architecture",
-                        "GptOssForCausalLM", "--json"])
+    code = doctor.main(
+        [
+            "--draft-config",
+            path,
+            "--num-layers",
+            "24",
+            "--target-architecture",
+            "GptOssForCausalLM",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert code == out["exit"] == 1
     assert out["trainer"] == "SpecForge" and out["ids"] == [1, 11, 21]
@@ -322,10 +512,14 @@ def test_write_config_applies_the_fix_where_the_engine_reads(tmp_path, capsys):
     path = os.path.join(PUBLISHED, "specforge_gpt_oss_20b.config.json")
     out_path = tmp_path / "fixed.json"
     base = ["--num-layers", "24", "--target-architecture", "GptOssForCausalLM"]
-    code, out, _ = _doctor(capsys, "--draft-config", path, *base, "--engine", "vllm",
-                           "--write-config", out_path)
-    assert code == 1 and f"wrote {out_path} for vLLM: top-level " \
-        "eagle_aux_hidden_state_layer_ids = [2, 12, 22]" in out
+    code, out, _ = _doctor(
+        capsys, "--draft-config", path, *base, "--engine", "vllm", "--write-config", out_path
+    )
+    assert (
+        code == 1
+        and f"wrote {out_path} for vLLM: top-level eagle_aux_hidden_state_layer_ids = [2, 12, 22]"
+        in out
+    )
     original, written = json.load(open(path)), json.load(open(out_path))
     assert written.pop("eagle_aux_hidden_state_layer_ids") == [2, 12, 22]
     record = written.pop("eagle_capture")
@@ -341,14 +535,32 @@ def test_write_config_for_sglang(tmp_path, capsys):
     from its 0.5.6 days, served by SGLang 0.5.23: [3, 31, 59])."""
     path = os.path.join(PUBLISHED, "specforge_kimi_k25.config.json")
     out_path = tmp_path / "fixed.json"
-    base = ["--num-layers", "61", "--target-architecture", "KimiK25ForConditionalGeneration",
-            "--id-convention", "output", "--engine", "sglang"]
-    code, out, _ = _doctor(capsys, "--draft-config", path, *base, "--sglang-version", "0.5.23",
-                           "--write-config", out_path)
+    base = [
+        "--num-layers",
+        "61",
+        "--target-architecture",
+        "KimiK25ForConditionalGeneration",
+        "--id-convention",
+        "output",
+        "--engine",
+        "sglang",
+    ]
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        *base,
+        "--sglang-version",
+        "0.5.23",
+        "--write-config",
+        out_path,
+    )
     assert code == 1 and "eagle_config.eagle_aux_hidden_state_layer_ids = [3, 31, 59]" in out
     written = json.load(open(out_path))
-    assert written["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [3, 31, 59],
-                                       "use_aux_hidden_state": True}
+    assert written["eagle_config"] == {
+        "eagle_aux_hidden_state_layer_ids": [3, 31, 59],
+        "use_aux_hidden_state": True,
+    }
     assert written["eagle_capture"]["trained_capture_layers"] == [3, 31, 59]
     # The file now holds SGLang's ids for those layers, not SpecForge's, while SpecForge's
     # markers stay: checked again as a user would (no --id-convention), the recorded layers
@@ -358,8 +570,16 @@ def test_write_config_for_sglang(tmp_path, capsys):
     assert code == 0 and "summary: SGLang: OK (exit 0)" in out, out
     assert "trained on capture layers [3, 31, 59]" in out and "AMBIGUOUS" not in out
     # --write-config again on the fixed file: nothing to fix, nothing shifted twice.
-    code, out, _ = _doctor(capsys, "--draft-config", out_path, *again, "--sglang-version", "0.5.23",
-                           "--write-config", tmp_path / "again.json")
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        out_path,
+        *again,
+        "--sglang-version",
+        "0.5.23",
+        "--write-config",
+        tmp_path / "again.json",
+    )
     assert code == 0 and "nothing to fix" in out
     assert json.load(open(tmp_path / "again.json")) == written
 
@@ -371,38 +591,78 @@ def test_write_config_never_writes_duplicate_ids(tmp_path, capsys, ids, conventi
     list feeds it; the doctor refuses to write one (it once wrote [1, 1, 29] and
     [29, 1, 1], right after saying duplicates starve a slot)."""
     out_path = tmp_path / "fixed.json"
-    code, out, err = _doctor(capsys, "--draft-config", _specforge(tmp_path, ids), "--num-layers",
-                             61, "--target-architecture", "DeepseekV3ForCausalLM", "--engine",
-                             "sglang", "--sglang-version", "0.5.23", "--id-convention",
-                             convention, "--write-config", out_path)
+    code, out, err = _doctor(
+        capsys,
+        "--draft-config",
+        _specforge(tmp_path, ids),
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "DeepseekV3ForCausalLM",
+        "--engine",
+        "sglang",
+        "--sglang-version",
+        "0.5.23",
+        "--id-convention",
+        convention,
+        "--write-config",
+        out_path,
+    )
     assert code == 2 and "twice" in err and len(err.splitlines()) == 1, err
     assert not out_path.exists()
 
 
 def test_an_edited_record_is_refused(tmp_path, capsys):
     path = tmp_path / "draft.json"
-    for record in ({"trained_capture_layers": [3, 3, 59]}, {"trained_capture_layers": "3"},
-                   {"trained_capture_layers": [-1, 3, 59]}, [3, 31, 59]):
-        path.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
-                                    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 31, 59]},
-                                    "eagle_capture": record}))
+    for record in (
+        {"trained_capture_layers": [3, 3, 59]},
+        {"trained_capture_layers": "3"},
+        {"trained_capture_layers": [-1, 3, 59]},
+        [3, 31, 59],
+    ):
+        path.write_text(
+            json.dumps(
+                {
+                    "architectures": ["LlamaForCausalLMEagle3"],
+                    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 31, 59]},
+                    "eagle_capture": record,
+                }
+            )
+        )
         code, _, err = _doctor(capsys, "--draft-config", path, "--num-layers", 61)
         assert code == 2 and "eagle_capture.trained_capture_layers must be" in err, err
 
 
-@pytest.mark.parametrize("extra, message", [
-    ([], "--write-config needs one engine"),
-    # (DeepSeek-V3: Kimi-K2.5's class cannot capture on 0.5.9, no ids fix that)
-    (["--engine", "sglang", "--target-architecture", "DeepseekV3ForCausalLM"],
-     "the sglang lines need different ids"),
-    (["--engine", "sglang", "--sglang-version", "0.5.23", "--id-convention", "auto"],
-     "the verdict is AMBIGUOUS"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "--write-config needs one engine"),
+        # (DeepSeek-V3: Kimi-K2.5's class cannot capture on 0.5.9, no ids fix that)
+        (
+            ["--engine", "sglang", "--target-architecture", "DeepseekV3ForCausalLM"],
+            "the sglang lines need different ids",
+        ),
+        (
+            ["--engine", "sglang", "--sglang-version", "0.5.23", "--id-convention", "auto"],
+            "the verdict is AMBIGUOUS",
+        ),
+    ],
+)
 def test_write_config_refuses_what_it_cannot_decide(tmp_path, capsys, extra, message):
     path = os.path.join(PUBLISHED, "specforge_kimi_k25.config.json")
-    argv = ["--draft-config", path, "--num-layers", 61, "--target-architecture",
-            "KimiK25ForConditionalGeneration", "--write-config", tmp_path / "x.json",
-            "--id-convention", "output", *extra]
+    argv = [
+        "--draft-config",
+        path,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "KimiK25ForConditionalGeneration",
+        "--write-config",
+        tmp_path / "x.json",
+        "--id-convention",
+        "output",
+        *extra,
+    ]
     code, out, err = _doctor(capsys, *argv)
     assert code == 2 and message.lower() in err.lower() and len(err.splitlines()) == 1
     assert not (tmp_path / "x.json").exists()
@@ -410,10 +670,14 @@ def test_write_config_refuses_what_it_cannot_decide(tmp_path, capsys, extra, mes
 
 # Bad input (issue 47 item 5) -----------------------------------------------------------------
 
+
 def _cli(*argv):
     """The doctor as a user runs it: a separate process (a traceback would show)."""
-    return subprocess.run([sys.executable, "-m", "eagle_capture.layer_ids.doctor",
-                           *map(str, argv)], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "eagle_capture.layer_ids.doctor", *map(str, argv)],
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_bad_inputs_are_one_line_exit_2(tmp_path):
@@ -422,28 +686,48 @@ def test_bad_inputs_are_one_line_exit_2(tmp_path):
     latin = tmp_path / "latin1.json"
     latin.write_bytes('{"name": "caf\xe9"}'.encode("latin-1"))
     target = tmp_path / "target.json"
-    target.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32,
-                                  "hidden_size": 4096}))
+    target.write_text(
+        json.dumps(
+            {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32, "hidden_size": 4096}
+        )
+    )
     draft = os.path.join(PUBLISHED, "specforge_llama3_70b.config.json")
     cases = [
         (["--draft-config", binary, "--num-layers", 32], "is not a text file (not UTF-8)"),
         (["--draft-config", latin, "--num-layers", 32], "is not a text file (not UTF-8)"),
-        (["--draft-config", "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B", "--num-layers", 32],
-         "huggingface-cli download lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B config.json"),
+        (
+            ["--draft-config", "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B", "--num-layers", 32],
+            "huggingface-cli download lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B config.json",
+        ),
         (["--draft-config", target, "--num-layers", 32], "is a target model's config"),
         (["--draft-config", draft, "--target-config", draft], "pass it as --draft-config"),
-        (["--draft-config", draft, "--target-config", "meta-llama/Llama-3.3-70B-Instruct"],
-         "huggingface-cli download meta-llama/Llama-3.3-70B-Instruct config.json"),
+        (
+            ["--draft-config", draft, "--target-config", "meta-llama/Llama-3.3-70B-Instruct"],
+            "huggingface-cli download meta-llama/Llama-3.3-70B-Instruct config.json",
+        ),
     ]
     # Ids that name no layer of the target (a typo, not a deployment): one line, not a
     # 110-line analysis that calls -2 the embedding output.
-    for ids, shown in [([-2, 30, 58], "names -2,"), ([2, 30, 99], "names 99,"),
-                       ([2, 30, 10**30], "names 100000...(31 digits),")]:
+    for ids, shown in [
+        ([-2, 30, 58], "names -2,"),
+        ([2, 30, 99], "names 99,"),
+        ([2, 30, 10**30], "names 100000...(31 digits),"),
+    ]:
         bad = tmp_path / f"bad{ids[-1] % 97}{ids[0]}.json"
-        bad.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
-                                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}))
-        cases.append((["--draft-config", bad, "--num-layers", 61],
-                      f"{shown} not a layer of a 61-layer target"))
+        bad.write_text(
+            json.dumps(
+                {
+                    "architectures": ["LlamaForCausalLMEagle3"],
+                    "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
+                }
+            )
+        )
+        cases.append(
+            (
+                ["--draft-config", bad, "--num-layers", 61],
+                f"{shown} not a layer of a 61-layer target",
+            )
+        )
     for argv, message in cases:
         run = _cli(*argv)
         assert run.returncode == 2, (argv, run.stdout, run.stderr)
@@ -455,11 +739,15 @@ def test_a_file_or_its_folder_either_way(tmp_path):
     folder = tmp_path / "draft"
     folder.mkdir()
     (folder / "config.json").write_text(
-        open(os.path.join(PUBLISHED, "specforge_llama3_70b.config.json")).read())
+        open(os.path.join(PUBLISHED, "specforge_llama3_70b.config.json")).read()
+    )
     target = tmp_path / "target"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
-                                                    "num_hidden_layers": 80, "hidden_size": 8192}))
+    (target / "config.json").write_text(
+        json.dumps(
+            {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 80, "hidden_size": 8192}
+        )
+    )
     for d in (folder, folder / "config.json"):
         for t in (target, target / "config.json"):
             run = _cli("--draft-config", d, "--target-config", t)
@@ -468,24 +756,45 @@ def test_a_file_or_its_folder_either_way(tmp_path):
 
 # Item 8 ------------------------------------------------------------------------------------
 
+
 def test_deepspec_top_level_target_layer_ids(tmp_path, capsys):
     """DeepSpec writes its ids as a top-level target_layer_ids (its build_draft_config)
     and trains on each named layer's output (run_target_forward_with_hooks). vLLM's V2
     runner reads them + 1 (right); SGLang's EAGLE-3 target and vLLM's V1 runner read
     none (their 3 defaults for a 5-layer draft)."""
     path = tmp_path / "deepspec.json"
-    path.write_text(json.dumps({"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3",
-                                "num_hidden_layers": 5, "num_target_layers": 36,
-                                "hidden_size": 4096, "target_layer_ids": [1, 9, 17, 25, 33]}))
-    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 36,
-                           "--target-architecture", "Qwen3ForCausalLM", "--sglang-version", "0.5.23")
+    path.write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3DSparkModel"],
+                "model_type": "qwen3",
+                "num_hidden_layers": 5,
+                "num_target_layers": 36,
+                "hidden_size": 4096,
+                "target_layer_ids": [1, 9, 17, 25, 33],
+            }
+        )
+    )
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        36,
+        "--target-architecture",
+        "Qwen3ForCausalLM",
+        "--sglang-version",
+        "0.5.23",
+    )
     assert code == 1 and "summary: SGLang: PROBLEM; vLLM: OK (exit 1)" in out
     assert "trainer: DeepSpec (recognised from top-level target_layer_ids" in out
     assert "trained on capture layers [2, 10, 18, 26, 34]" in out
     assert "aux_hidden_state_layers = [2, 10, 18, 26, 34] -> OK" in out
     assert "vLLM's V1 runner reads no target_layer_ids" in out
-    assert "fix for this line: eagle_config.eagle_aux_hidden_state_layer_ids = [1, 9, 17, 25, 33]" \
+    assert (
+        "fix for this line: eagle_config.eagle_aux_hidden_state_layer_ids = [1, 9, 17, 25, 33]"
         in out
+    )
 
 
 def test_torchspec_export_is_credited_to_torchspec(tmp_path, capsys):
@@ -495,19 +804,39 @@ def test_torchspec_export_is_credited_to_torchspec(tmp_path, capsys):
     config["_torchspec_version"] = "0.1.0"
     path = tmp_path / "exported.json"
     path.write_text(json.dumps(config))
-    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
-                           "--target-architecture", "KimiK25ForConditionalGeneration",
-                           "--sglang-version", "0.5.23")
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "KimiK25ForConditionalGeneration",
+        "--sglang-version",
+        "0.5.23",
+    )
     assert code == 0 and "trainer: TorchSpec (recognised from _torchspec_version)" in out
-    assert "TorchSpec's get_default_eagle3_aux_layer_ids takes the outputs of layers " \
-           "[1, 29, 57]" in out
+    assert (
+        "TorchSpec's get_default_eagle3_aux_layer_ids takes the outputs of layers "
+        "[1, 29, 57]" in out
+    )
 
 
 def test_a_reader_that_stops_early_gets_no_traceback():
     """`eagle-capture doctor ... | head -1`: the pipe closes under the doctor."""
-    run = subprocess.Popen([sys.executable, "-m", "eagle_capture.layer_ids.doctor",
-                            "--draft-config", os.path.join(PUBLISHED, "specforge_kimi_k25.config.json"),
-                            "--num-layers", "61"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "eagle_capture.layer_ids.doctor",
+            "--draft-config",
+            os.path.join(PUBLISHED, "specforge_kimi_k25.config.json"),
+            "--num-layers",
+            "61",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert run.stdout.readline().startswith(b"summary: ")
     run.stdout.close()
     assert run.wait(timeout=120) == 1 and b"Traceback" not in run.stderr.read()
@@ -518,6 +847,7 @@ def test_every_doctor_transcript_in_the_docs_is_current(capsys):
     now, with the exit status its verdict line says (tools/update_readme_examples.py
     rewrites them)."""
     import re
+
     text = open(os.path.join(HERE, "..", "docs", "doctor.md")).read()
     blocks = re.findall(r"```\n\$ eagle-capture doctor ([^\n]*)\n(.*?)```", text, re.S)
     assert len(blocks) >= 12
@@ -540,9 +870,20 @@ def test_a_deployment_that_runs_eagle_capture(capsys):
     (--capture eagle-capture, or its alias --eagle-capture), which captures the reduced value:
     OK, exit 0. Every line naming eagle-capture's capture says how it is switched on. A problem
     eagle-capture's capture shares (Kimi-K2.5 cannot capture on 0.5.9 at all) stays one."""
-    base = ["--draft-config", os.path.join(PUBLISHED, "specforge_kimi_k25.config.json"),
-            "--num-layers", 61, "--target-architecture", "KimiK25ForConditionalGeneration",
-            "--id-convention", "input", "--engine", "sglang", "--tp", 8]
+    base = [
+        "--draft-config",
+        os.path.join(PUBLISHED, "specforge_kimi_k25.config.json"),
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "KimiK25ForConditionalGeneration",
+        "--id-convention",
+        "input",
+        "--engine",
+        "sglang",
+        "--tp",
+        8,
+    ]
     code, out, _ = _doctor(capsys, *base, "--sglang-version", "0.5.13", explain=False)
     assert code == 1 and "PROBLEM: per-rank partial sums under the all-reduce fusion" in out
     assert "or eagle-capture's capture (EAGLE_CAPTURE=1)" in out
@@ -550,44 +891,76 @@ def test_a_deployment_that_runs_eagle_capture(capsys):
         code, out, _ = _doctor(capsys, *base, "--sglang-version", "0.5.13", *how, explain=False)
         flat = " ".join(out.split())
         assert code == 0 and "summary: SGLang: OK (exit 0)" in out, out
-        assert "OK with eagle-capture's capture (switched on by EAGLE_CAPTURE=1 in the " \
-               "server's environment, the package installed) (SGLang's own capture alone: " \
-               "per-rank partial sums" in flat, out
-        assert "with eagle-capture's capture switched on (EAGLE_CAPTURE=1 in the server's " \
-               "environment)" in flat, out
+        assert (
+            "OK with eagle-capture's capture (switched on by EAGLE_CAPTURE=1 in the "
+            "server's environment, the package installed) (SGLang's own capture alone: "
+            "per-rank partial sums" in flat
+        ), out
+        assert (
+            "with eagle-capture's capture switched on (EAGLE_CAPTURE=1 in the server's "
+            "environment)" in flat
+        ), out
         for explain in (False, True):
-            code, out, _ = _doctor(capsys, *base, "--sglang-version", "0.5.13", *how,
-                                   explain=explain)
+            code, out, _ = _doctor(
+                capsys, *base, "--sglang-version", "0.5.13", *how, explain=explain
+            )
             named = re.findall(r"eagle-capture's (?:capture|vLLM plugin)(.{0,40})", out)
-            assert named and all(re.match(r" \(switched on by EAGLE_CAPTURE=1|: EAGLE_CAPTURE=1|"
-                                          r" \(EAGLE_CAPTURE=1| switched on \(EAGLE_CAPTURE=1",
-                                          after) for after in named), named
+            assert named and all(
+                re.match(
+                    r" \(switched on by EAGLE_CAPTURE=1|: EAGLE_CAPTURE=1|"
+                    r" \(EAGLE_CAPTURE=1| switched on \(EAGLE_CAPTURE=1",
+                    after,
+                )
+                for after in named
+            ), named
             assert "drop-in" not in out
-    code, out, _ = _doctor(capsys, *base, "--sglang-version", "0.5.9", "--eagle-capture",
-                           explain=False)
+    code, out, _ = _doctor(
+        capsys, *base, "--sglang-version", "0.5.9", "--eagle-capture", explain=False
+    )
     assert code == 1 and "CANNOT CAPTURE" in out and "has no set_eagle3_layers_to_capture" in out
     # 0.5.9 - 0.5.12 have no plugin system: the words say the manual install there.
-    code, out, _ = _doctor(capsys, *base[:-2], "--sglang-version", "0.5.9", "--target-architecture",
-                           "DeepseekV3ForCausalLM", "--tp", 8, "--capture", "eagle-capture")
-    assert "calling eagle_capture's install_eagle3_capture in your launcher" in \
-        " ".join(out.split()), out
+    code, out, _ = _doctor(
+        capsys,
+        *base[:-2],
+        "--sglang-version",
+        "0.5.9",
+        "--target-architecture",
+        "DeepseekV3ForCausalLM",
+        "--tp",
+        8,
+        "--capture",
+        "eagle-capture",
+    )
+    assert "calling eagle_capture's install_eagle3_capture in your launcher" in " ".join(
+        out.split()
+    ), out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--capture", "vllm", "--engine", "sglang"], "--capture vllm is vllm's capture"),
-    (["--capture", "return-aux", "--engine", "vllm"], "--capture return-aux is sglang's"),
-    (["--capture", "nonsense"], "expected engine, sglang, vllm, eagle-capture or return-aux"),
-    (["--capture", "sglang", "--eagle-capture"], "not allowed with argument"),
-    (["--return-aux-hidden-state-layer-ids", "1", "2"], "pass --capture return-aux with it"),
-    (["--capture", "return-aux", "--sglang-version", "0.5.22"], "SGLang 0.5.22 has no "
-                                                                  "--enable-return-aux"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--capture", "vllm", "--engine", "sglang"], "--capture vllm is vllm's capture"),
+        (["--capture", "return-aux", "--engine", "vllm"], "--capture return-aux is sglang's"),
+        (["--capture", "nonsense"], "expected engine, sglang, vllm, eagle-capture or return-aux"),
+        (["--capture", "sglang", "--eagle-capture"], "not allowed with argument"),
+        (["--return-aux-hidden-state-layer-ids", "1", "2"], "pass --capture return-aux with it"),
+        (
+            ["--capture", "return-aux", "--sglang-version", "0.5.22"],
+            "SGLang 0.5.22 has no --enable-return-aux",
+        ),
+    ],
+)
 def test_capture_refusals(capsys, argv, message):
     try:
-        code, out, err = _doctor(capsys, "--draft-config",
-                                 os.path.join(PUBLISHED, "specforge_kimi_k25.config.json"),
-                                 "--num-layers", 61, *argv)
-    except SystemExit as e:     # argparse's own refusal: usage and one error line
+        code, out, err = _doctor(
+            capsys,
+            "--draft-config",
+            os.path.join(PUBLISHED, "specforge_kimi_k25.config.json"),
+            "--num-layers",
+            61,
+            *argv,
+        )
+    except SystemExit as e:  # argparse's own refusal: usage and one error line
         code, err = e.code, capsys.readouterr().err
     assert code == 2 and message.lower() in err.lower(), err
     assert "Traceback" not in err
@@ -600,52 +973,77 @@ def test_sglang_capture_only_mode(tmp_path, capsys):
     config says it was trained on; SGLang's start-up refusals said as such; the fix is the
     command-line ids, never a config to write."""
     kimi = os.path.join(PUBLISHED, "specforge_kimi_k25.config.json")  # trained on [3, 31, 59]
-    base = ["--draft-config", kimi, "--num-layers", 61, "--id-convention", "output",
-            "--capture", "return-aux"]
+    base = [
+        "--draft-config",
+        kimi,
+        "--num-layers",
+        61,
+        "--id-convention",
+        "output",
+        "--capture",
+        "return-aux",
+    ]
     deepseek = base + ["--target-architecture", "KimiK25ForConditionalGeneration"]
     # DeepseekV2's rule (0.5.23: +1 only when ids[0] == 1): 3 31 59 captures [3, 31, 59].
-    code, out, _ = _doctor(capsys, *deepseek, "--return-aux-hidden-state-layer-ids", 3, 31, 59,
-                           explain=False)
+    code, out, _ = _doctor(
+        capsys, *deepseek, "--return-aux-hidden-state-layer-ids", 3, 31, 59, explain=False
+    )
     assert code == 0 and "summary: SGLang: OK (exit 0)" in out, out
     assert "captures [3, 31, 59]: OK" in out and "vLLM" not in out
-    assert "reads --return-aux-hidden-state-layer-ids from its command line: [3, 31, 59], " \
-           "never the draft config" in " ".join(out.split())
+    assert (
+        "reads --return-aux-hidden-state-layer-ids from its command line: [3, 31, 59], "
+        "never the draft config" in " ".join(out.split())
+    )
     # The draft's own ids [2, 30, 58] passed as is: one layer early; the fix is the flag.
-    code, out, _ = _doctor(capsys, *deepseek, "--return-aux-hidden-state-layer-ids", 2, 30, 58,
-                           explain=False)
-    assert code == 1 and "captures [2, 30, 58]: PROBLEM -> --return-aux-hidden-state-layer-ids " \
-                         "3 31 59" in " ".join(out.split()), out
+    code, out, _ = _doctor(
+        capsys, *deepseek, "--return-aux-hidden-state-layer-ids", 2, 30, 58, explain=False
+    )
+    assert (
+        code == 1
+        and "captures [2, 30, 58]: PROBLEM -> --return-aux-hidden-state-layer-ids 3 31 59"
+        in " ".join(out.split())
+    ), out
     # Absent: the model's defaults [2, 30, 58].
     code, out, _ = _doctor(capsys, *deepseek, explain=False)
     assert code == 1 and "absent (the model's defaults)" in out and "captures [2, 30, 58]" in out
     # Llama's rule (+1 to every id): 2 30 58 captures [3, 31, 59].
     llama = base + ["--target-architecture", "LlamaForCausalLM"]
-    code, out, _ = _doctor(capsys, *llama, "--return-aux-hidden-state-layer-ids", 2, 30, 58,
-                           explain=False)
+    code, out, _ = _doctor(
+        capsys, *llama, "--return-aux-hidden-state-layer-ids", 2, 30, 58, explain=False
+    )
     assert code == 0 and "captures [3, 31, 59]: OK" in out, out
     # SGLang's refusals: repeat, negative, >= the layer count, PP > 1.
-    for ids, said in (([2, 2, 58], "must not repeat a layer, got [2, 2, 58]"),
-                      ([-1, 30, 58], "must be non-negative"),
-                      ([2, 30, 61], "[61] out of range for a target with 61 layers")):
-        code, out, _ = _doctor(capsys, *llama, "--return-aux-hidden-state-layer-ids", *ids,
-                               explain=False)
+    for ids, said in (
+        ([2, 2, 58], "must not repeat a layer, got [2, 2, 58]"),
+        ([-1, 30, 58], "must be non-negative"),
+        ([2, 30, 61], "[61] out of range for a target with 61 layers"),
+    ):
+        code, out, _ = _doctor(
+            capsys, *llama, "--return-aux-hidden-state-layer-ids", *ids, explain=False
+        )
         flat = " ".join(out.split())
-        assert code == 1 and f"PROBLEM (SGLang refuses to start: " \
-                             f"--return-aux-hidden-state-layer-ids {said}" in flat, out
+        assert (
+            code == 1
+            and f"PROBLEM (SGLang refuses to start: --return-aux-hidden-state-layer-ids {said}"
+            in flat
+        ), out
         assert "-> --return-aux-hidden-state-layer-ids 2 30 58" in flat, out
-    code, out, _ = _doctor(capsys, *llama, "--return-aux-hidden-state-layer-ids", 2, 30, 58,
-                           "--pp", 2, explain=False)
+    code, out, _ = _doctor(
+        capsys, *llama, "--return-aux-hidden-state-layer-ids", 2, 30, 58, "--pp", 2, explain=False
+    )
     assert code == 1 and "only supports pp_size == 1" in out, out
     # A target class without the method cannot capture in this mode either.
-    code, out, _ = _doctor(capsys, *base, "--target-architecture", "BaichuanForCausalLM",
-                           explain=False)
+    code, out, _ = _doctor(
+        capsys, *base, "--target-architecture", "BaichuanForCausalLM", explain=False
+    )
     assert code == 1 and "summary: SGLang: CANNOT CAPTURE (exit 1)" in out, out
     # No config to write: the ids are SGLang's command line.
     code, _, err = _doctor(capsys, *llama, "--write-config", tmp_path / "x.json")
     assert code == 2 and "reads its ids from SGLang's command line" in err
     # --json says how the server captures.
-    code, out, _ = _doctor(capsys, *llama, "--return-aux-hidden-state-layer-ids", 2, 30, 58,
-                           "--json")
+    code, out, _ = _doctor(
+        capsys, *llama, "--return-aux-hidden-state-layer-ids", 2, 30, 58, "--json"
+    )
     answer = json.loads(out)
     assert answer["capture"] == "return-aux" and list(answer["engines"]) == ["sglang"]
     assert answer["engines"]["sglang"]["readings"][0]["lines"][0]["capture_layers"] == [3, 31, 59]
@@ -655,20 +1053,46 @@ def test_a_draft_class_no_engine_registers_cannot_load(tmp_path, capsys):
     """An EAGLE-3 draft architecture that no release read of either engine registers
     (the engine facts: SGLang's EntryClass, vLLM's registry) is not passed as loadable."""
     path = tmp_path / "draft.json"
-    path.write_text(json.dumps({"architectures": ["Eagle3Qwen3MoeForCausalLM"], "eagle_config": {
-        "eagle_aux_hidden_state_layer_ids": [1, 23, 44]}}))
-    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 48,
-                           "--target-architecture", "Qwen3MoeForCausalLM")
+    path.write_text(
+        json.dumps(
+            {
+                "architectures": ["Eagle3Qwen3MoeForCausalLM"],
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 23, 44]},
+            }
+        )
+    )
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        48,
+        "--target-architecture",
+        "Qwen3MoeForCausalLM",
+    )
     assert code == 1 and "summary: SGLang: CANNOT LOAD; vLLM: CANNOT LOAD (exit 1)" in out
     assert "no SGLang model class is registered as Eagle3Qwen3MoeForCausalLM" in out
     assert "no vLLM EAGLE-3 model is registered as Eagle3Qwen3MoeForCausalLM" in out
     # (three SGLang lines; vLLM's two runners, which read these nested ids differently)
     assert out.count("No release read of either engine registers it") == 5
     # A registered one, on both engines:
-    path.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {
-        "eagle_aux_hidden_state_layer_ids": [1, 23, 44]}}))
-    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 48,
-                           "--target-architecture", "Qwen3MoeForCausalLM")
+    path.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 23, 44]},
+            }
+        )
+    )
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        48,
+        "--target-architecture",
+        "Qwen3MoeForCausalLM",
+    )
     assert "CANNOT LOAD" not in out
 
 
@@ -678,15 +1102,39 @@ def test_a_class_some_releases_of_a_line_lack(tmp_path, capsys):
     the Transformers fallback (no method): CANNOT CAPTURE; the 0.5.18 - 0.5.23 line is a
     PROBLEM on its first two releases; --sglang-version picks the release."""
     path = tmp_path / "d.json"
-    path.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {
-        "eagle_aux_hidden_state_layer_ids": [1, 23, 44]}}))
-    argv = ["--draft-config", path, "--num-layers", 48, "--target-architecture",
-            "Qwen3_5ForCausalLM", "--engine", "sglang", "--id-convention", "output"]
+    path.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 23, 44]},
+            }
+        )
+    )
+    argv = [
+        "--draft-config",
+        path,
+        "--num-layers",
+        48,
+        "--target-architecture",
+        "Qwen3_5ForCausalLM",
+        "--engine",
+        "sglang",
+        "--id-convention",
+        "output",
+    ]
     code, out, _ = _doctor(capsys, *argv, explain=False)
-    assert code == 1 and out.count("CANNOT CAPTURE (Qwen3_5ForCausalLM is registered from "
-                                   "0.5.18 on) -> it can on SGLang 0.5.22, 0.5.23") == 2
-    assert "captures [2, 24, 45]: PROBLEM (qwen3_5_text.Qwen3_5ForCausalLM has no " \
-           "set_eagle3_layers_to_capture on 0.5.18, 0.5.20; 0.5.22, 0.5.23 capture)" in out
+    assert (
+        code == 1
+        and out.count(
+            "CANNOT CAPTURE (Qwen3_5ForCausalLM is registered from "
+            "0.5.18 on) -> it can on SGLang 0.5.22, 0.5.23"
+        )
+        == 2
+    )
+    assert (
+        "captures [2, 24, 45]: PROBLEM (qwen3_5_text.Qwen3_5ForCausalLM has no "
+        "set_eagle3_layers_to_capture on 0.5.18, 0.5.20; 0.5.22, 0.5.23 capture)" in out
+    )
     code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.20", explain=False)
     assert code == 1 and "summary: SGLang: CANNOT CAPTURE (exit 1)" in out
     code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.22")
@@ -699,13 +1147,25 @@ def test_a_loop_that_captures_the_final_boundary(tmp_path, capsys):
     layer (the engine facts): OK; Llama's does not: the capture of layer 26 never happens
     and SGLang's first forward fails."""
     path = _specforge(tmp_path, [1, 12, 25])
-    base = ["--draft-config", path, "--num-layers", 26, "--engine", "sglang",
-            "--sglang-version", "0.5.23", "--id-convention", "output"]
-    code, out, _ = _doctor(capsys, *base, "--target-architecture", "Gemma3ForCausalLM",
-                           explain=False)
+    base = [
+        "--draft-config",
+        path,
+        "--num-layers",
+        26,
+        "--engine",
+        "sglang",
+        "--sglang-version",
+        "0.5.23",
+        "--id-convention",
+        "output",
+    ]
+    code, out, _ = _doctor(
+        capsys, *base, "--target-architecture", "Gemma3ForCausalLM", explain=False
+    )
     assert code == 0 and "captures [2, 13, 26]: OK" in out, out
-    code, out, _ = _doctor(capsys, *base, "--target-architecture", "LlamaForCausalLM",
-                           explain=False)
+    code, out, _ = _doctor(
+        capsys, *base, "--target-architecture", "LlamaForCausalLM", explain=False
+    )
     assert code == 1 and "captures [2, 13, 26]: PROBLEM (FAILS at the first forward" in out, out
 
 
@@ -717,8 +1177,18 @@ def test_a_line_measured_to_capture_another_tensor(tmp_path, capsys, monkeypatch
     from eagle_capture.layer_ids import tensors
 
     path = _specforge(tmp_path, [1, 23, 44])
-    argv = ["--draft-config", path, "--num-layers", 48, "--target-architecture",
-            "LlamaForCausalLM", "--engine", "sglang", "--id-convention", "output"]
+    argv = [
+        "--draft-config",
+        path,
+        "--num-layers",
+        48,
+        "--target-architecture",
+        "LlamaForCausalLM",
+        "--engine",
+        "sglang",
+        "--id-convention",
+        "output",
+    ]
     measured = tensors.load()
     assert measured["sglang"]["0.5.23"]["LlamaForCausalLM"] == tensors.RESIDUAL
     code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.23", explain=False)
@@ -727,22 +1197,32 @@ def test_a_line_measured_to_capture_another_tensor(tmp_path, capsys, monkeypatch
     wrong["sglang"]["0.5.23"]["LlamaForCausalLM"] = "normed input"
     monkeypatch.setattr(tensors, "load", lambda path=tensors.DATA: wrong)
     code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.23", explain=False)
-    assert code == 1 and "captures [2, 24, 45]: PROBLEM (captures the normed input, not the " \
-                         "residual stream; no id fixes it: serve with SGLang 0.5.9, 0.5.13, " \
-                         "0.5.18, 0.5.20, 0.5.22 (measured" in out, out
+    assert (
+        code == 1
+        and "captures [2, 24, 45]: PROBLEM (captures the normed input, not the "
+        "residual stream; no id fixes it: serve with SGLang 0.5.9, 0.5.13, "
+        "0.5.18, 0.5.20, 0.5.22 (measured"
+        in out
+    ), out
     assert "write [" not in out
     code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.23")
     assert "WRONG TENSOR: SGLang 0.5.23: the normed input" in out, out
     # Without --sglang-version only the line holding 0.5.23 says it.
     code, out, _ = _doctor(capsys, *argv, explain=False)
     assert code == 1 and out.count("captures the normed input") == 1, out
-    code, _, err = _doctor(capsys, *argv, "--sglang-version", "0.5.23", "--write-config",
-                           tmp_path / "x.json")
+    code, _, err = _doctor(
+        capsys, *argv, "--sglang-version", "0.5.23", "--write-config", tmp_path / "x.json"
+    )
     assert code == 2 and "the problem above is not in the ids" in err, err
     # vLLM's lines the same way (its measured releases: 0.32.0, 0.34.0).
     assert measured["vllm"]["0.34.0"]["LlamaForCausalLM"] == tensors.RESIDUAL
     wrong["vllm"]["0.34.0"]["LlamaForCausalLM"] = "pre-residual output"
-    code, out, _ = _doctor(capsys, *argv[:-4], "--engine", "vllm", "--id-convention", "input",
-                           explain=False)
-    assert code == 1 and "captures the pre-residual output, not the residual stream; no id " \
-                         "fixes it: serve with vLLM 0.32.0" in out, out
+    code, out, _ = _doctor(
+        capsys, *argv[:-4], "--engine", "vllm", "--id-convention", "input", explain=False
+    )
+    assert (
+        code == 1
+        and "captures the pre-residual output, not the residual stream; no id "
+        "fixes it: serve with vLLM 0.32.0"
+        in out
+    ), out

@@ -11,7 +11,7 @@ EPS = 1e-6
 
 
 def _slot_major_aux(rows, slots, hidden):
-    return torch.zeros(slots, rows, hidden).permute(1, 0, 2)   # strides (H, rows*H, 1)
+    return torch.zeros(slots, rows, hidden).permute(1, 0, 2)  # strides (H, rows*H, 1)
 
 
 @pytest.mark.parametrize("call", ["public", "op"])
@@ -24,7 +24,11 @@ def test_slot_major_aux_is_refused_before_it_corrupts_a_residual(call):
     residual.copy_(make_rows(4, 16, torch.float32, "cpu"))
     before = aux.clone()
     w = torch.ones(16)
-    fn = ec.add_rmsnorm_into_slot if call == "public" else torch.ops.eagle_capture.add_rmsnorm_into_slot
+    fn = (
+        ec.add_rmsnorm_into_slot
+        if call == "public"
+        else torch.ops.eagle_capture.add_rmsnorm_into_slot
+    )
     with pytest.raises(ValueError, match="rows outermost.*permute"):
         fn(h, residual, w, EPS, aux, 2)
     assert torch.equal(aux, before)
@@ -35,7 +39,7 @@ def test_slot_major_aux_is_refused_before_it_corrupts_a_residual(call):
 def test_row_major_aux_views_still_pass():
     """Rows outermost with padding between rows and slots is fine."""
     base = torch.zeros(8, 3, 20)
-    aux = base[:, :, :16]                     # strides (60, 20, 1)
+    aux = base[:, :, :16]  # strides (60, 20, 1)
     h = make_rows(4, 16, torch.float32, "cpu")
     ec.add_capture(h, None, aux, 1)
     assert torch.equal(aux[:4, 1], h)

@@ -24,24 +24,43 @@ WHEELS = Path(os.environ.get("EAGLE_CAPTURE_ENGINE_WHEELS", ROOT / ".cache" / "e
 def _fetch_wheels() -> dict:
     WHEELS.mkdir(parents=True, exist_ok=True)
     found = engine_facts.find_wheels(str(WHEELS))
-    for engine, wanted in (("sglang", engine_facts.SGLANG_RELEASES),
-                           ("vllm", engine_facts.VLLM_RELEASES)):
+    for engine, wanted in (
+        ("sglang", engine_facts.SGLANG_RELEASES),
+        ("vllm", engine_facts.VLLM_RELEASES),
+    ):
         for version in wanted:
             if version in found[engine]:
                 continue
-            if os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL"):   # no package index there
-                pytest.skip(f"{engine}=={version}'s wheel is not cached and "
-                            f"EAGLE_CAPTURE_SKIP_SGLANG_REAL is set: the engines' wheels are "
-                            f"not fetched")
+            if os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL"):  # no package index there
+                pytest.skip(
+                    f"{engine}=={version}'s wheel is not cached and "
+                    f"EAGLE_CAPTURE_SKIP_SGLANG_REAL is set: the engines' wheels are "
+                    f"not fetched"
+                )
             try:
-                got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-                                      f"{engine}=={version}", "-d", str(WHEELS)],
-                                     capture_output=True, text=True, timeout=900)
+                got = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "pip",
+                        "download",
+                        "--no-deps",
+                        "-q",
+                        f"{engine}=={version}",
+                        "-d",
+                        str(WHEELS),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=900,
+                )
             except subprocess.TimeoutExpired:
                 pytest.skip(f"fetching {engine}=={version} took over 15 minutes")
             if got.returncode != 0:
-                pytest.skip(f"cannot fetch the {engine}=={version} wheel to read "
-                            f"({got.stderr.strip().splitlines()[-1:] or 'pip failed'})")
+                pytest.skip(
+                    f"cannot fetch the {engine}=={version} wheel to read "
+                    f"({got.stderr.strip().splitlines()[-1:] or 'pip failed'})"
+                )
     return engine_facts.find_wheels(str(WHEELS))
 
 
@@ -54,20 +73,40 @@ def test_the_committed_facts_are_what_the_wheels_say(generated):
     """The CI's drift check: regenerate from the wheels; any difference fails (adding an
     engine release is running the generator and reviewing this diff)."""
     diff = engine_facts.drift(generated, engine_facts.load())
-    assert not diff, ("eagle_capture/layer_ids/data/engine_facts.json differs from the wheels "
-                      "(python -m eagle_capture.layer_ids.engine_facts --wheel-dir DIR):\n"
-                      + "\n".join(diff[:40]))
+    assert not diff, (
+        "eagle_capture/layer_ids/data/engine_facts.json differs from the wheels "
+        "(python -m eagle_capture.layer_ids.engine_facts --wheel-dir DIR):\n" + "\n".join(diff[:40])
+    )
     # The file is written as the generator writes it (a regenerated file is a clean diff).
     assert engine_facts.dumps(generated) == Path(engine_facts.DATA).read_text()
 
 
 def test_the_generator_checks_and_refuses_in_one_line(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "eagle_capture.layer_ids.engine_facts",
-                          "--wheel-dir", str(tmp_path / "nowhere")],
-                         capture_output=True, text=True, cwd=ROOT)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eagle_capture.layer_ids.engine_facts",
+            "--wheel-dir",
+            str(tmp_path / "nowhere"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "not a folder" in run.stderr
-    run = subprocess.run([sys.executable, "-m", "eagle_capture.layer_ids.engine_facts",
-                          "--wheel-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eagle_capture.layer_ids.engine_facts",
+            "--wheel-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert run.returncode == 2 and run.stderr.count("\n") == 1
     assert "sglang==0.5.9" in run.stderr and "vllm==0.34.0" in run.stderr
 
@@ -87,6 +126,7 @@ def test_drift_names_each_changed_architecture():
 # The committed data against the rule table run in CI on each wheel's classes
 # ----------------------------------------------------------------------------
 
+
 def test_every_release_read_is_in_the_data():
     assert engine_facts.releases("sglang") == list(engine_facts.SGLANG_RELEASES)
     assert engine_facts.releases("vllm") == list(engine_facts.VLLM_RELEASES)
@@ -97,8 +137,9 @@ def test_the_data_agrees_with_the_rule_table_run_on_each_wheel(version):
     for arch, (rule, owner) in SGLANG_MODEL_RULES[version].items():
         fact = engine_facts.target("sglang", version, arch)
         assert fact is not None, f"{arch} is not registered in SGLang {version}'s data"
-        assert (fact["capture"], fact.get("rule"), fact.get("owner")) == (True, rule, owner), \
+        assert (fact["capture"], fact.get("rule"), fact.get("owner")) == (True, rule, owner), (
             f"SGLang {version} {arch}: data {fact}, rule table {(rule, owner)}"
+        )
 
 
 @pytest.mark.parametrize("version", sorted(SGLANG_MODEL_RULES))
@@ -119,6 +160,7 @@ def test_a_wrapper_has_the_rule_of_the_class_it_forwards_to(version):
 # The facts the doctor's verdicts rest on, as read
 # ----------------------------------------------------------------------------
 
+
 def test_vllm_without_supports_eagle3_cannot_capture():
     """Ling-flash-2.0's target: vLLM's BailingMoeV2ForCausalLM subclasses
     BailingMoeForCausalLM(nn.Module, SupportsPP, SupportsLoRA) in every release read."""
@@ -126,19 +168,28 @@ def test_vllm_without_supports_eagle3_cannot_capture():
         fact = engine_facts.target("vllm", version, "BailingMoeV2ForCausalLM")
         assert fact == {"class": "bailing_moe.BailingMoeV2ForCausalLM", "capture": False}
     assert engine_facts.target("vllm", "0.32.0", "LlamaForCausalLM") == {
-        "class": "llama.LlamaForCausalLM", "capture": True, "owner": "llama.LlamaForCausalLM"}
+        "class": "llama.LlamaForCausalLM",
+        "capture": True,
+        "owner": "llama.LlamaForCausalLM",
+    }
     # Inherited: DeepseekV3 is a DeepseekV2ForCausalLM subclass.
-    assert engine_facts.target("vllm", "0.33.0", "DeepseekV3ForCausalLM")["owner"] == \
-        "deepseek_v2.DeepseekV2ForCausalLM"
+    assert (
+        engine_facts.target("vllm", "0.33.0", "DeepseekV3ForCausalLM")["owner"]
+        == "deepseek_v2.DeepseekV2ForCausalLM"
+    )
 
 
 def test_sglang_delegation_to_an_inner_language_model_is_followed():
     """Llama 4's multimodal class hands the ids to a Llama4ForCausalLM, which inherits
     LlamaForCausalLM's method (+1): models/mllama4.py, models/llama4.py."""
     fact = engine_facts.target("sglang", "0.5.23", "Llama4ForConditionalGeneration")
-    assert fact == {"class": "mllama4.Llama4ForConditionalGeneration", "capture": True,
-                    "owner": "llama.LlamaForCausalLM", "rule": "+1",
-                    "via": ["mllama4.Llama4ForConditionalGeneration", "llama4.Llama4ForCausalLM"]}
+    assert fact == {
+        "class": "mllama4.Llama4ForConditionalGeneration",
+        "capture": True,
+        "owner": "llama.LlamaForCausalLM",
+        "rule": "+1",
+        "via": ["mllama4.Llama4ForConditionalGeneration", "llama4.Llama4ForCausalLM"],
+    }
     # A class handed in through __init__'s parameter (Qwen3.5's VL wrapper: its text
     # model's method stores the layers it is given; the wrapper adds 1).
     fact = engine_facts.target("sglang", "0.5.23", "Qwen3_5ForConditionalGeneration")
@@ -147,9 +198,13 @@ def test_sglang_delegation_to_an_inner_language_model_is_followed():
 
 def test_sglang_classes_without_the_method_cannot_capture():
     assert engine_facts.target("sglang", "0.5.23", "MixtralForCausalLM") == {
-        "class": "mixtral.MixtralForCausalLM", "capture": False}
-    assert engine_facts.target("sglang", "0.5.9", "KimiK25ForConditionalGeneration")[
-        "capture"] is False
+        "class": "mixtral.MixtralForCausalLM",
+        "capture": False,
+    }
+    assert (
+        engine_facts.target("sglang", "0.5.9", "KimiK25ForConditionalGeneration")["capture"]
+        is False
+    )
 
 
 def test_code_that_cannot_be_read_mechanically_says_why():
@@ -165,8 +220,10 @@ def test_draft_registries():
     assert not engine_facts.registers_draft("vllm", "0.34.0", "PEagleDraftModel")
     assert "Eagle3Qwen3ForCausalLM" in engine_facts.eagle3_drafts()
     assert engine_facts.draft_class("sglang", "Eagle3DeepseekV2ForCausalLM") == (
-        "0.5.13", "kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM")
-    assert engine_facts.registered_anywhere("DeepSeekMTPModel")      # vLLM, speculative
+        "0.5.13",
+        "kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM",
+    )
+    assert engine_facts.registered_anywhere("DeepSeekMTPModel")  # vLLM, speculative
     assert not engine_facts.registered_anywhere("SomeEagle3Draft")
 
 
@@ -181,17 +238,19 @@ def test_the_final_boundary_is_read_from_each_loop():
         return bool(engine_facts.target("sglang", version, arch).get("final_boundary"))
 
     assert boundary("0.5.13", "Gemma3ForCausalLM") and boundary("0.5.23", "Gemma4ForCausalLM")
-    assert boundary("0.5.23", "Gemma3ForConditionalGeneration")   # delegated to Gemma3's loop
+    assert boundary("0.5.23", "Gemma3ForConditionalGeneration")  # delegated to Gemma3's loop
     assert not boundary("0.5.13", "GptOssForCausalLM")
     assert boundary("0.5.18", "GptOssForCausalLM") and boundary("0.5.23", "GptOssForCausalLM")
     for arch in ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM"):
         assert not any(boundary(v, arch) for v in engine_facts.SGLANG_RELEASES), arch
-    for text, captured in [("if self.end_layer in self.layers_to_capture:", True),
-                           ("if num_layers in self.layers_to_capture:", True),
-                           ("if i + 1 in self.layers_to_capture:", True),
-                           ("and self.end_layer - 1 in self.layers_to_capture", False),
-                           ("if i in self.layers_to_capture", False),
-                           ("x.num_layers in self.layers_to_capture", False)]:
+    for text, captured in [
+        ("if self.end_layer in self.layers_to_capture:", True),
+        ("if num_layers in self.layers_to_capture:", True),
+        ("if i + 1 in self.layers_to_capture:", True),
+        ("and self.end_layer - 1 in self.layers_to_capture", False),
+        ("if i in self.layers_to_capture", False),
+        ("x.num_layers in self.layers_to_capture", False),
+    ]:
         assert bool(FINAL_BOUNDARY.search(text)) is captured, text
 
 

@@ -44,7 +44,7 @@ def test_a_run_waits_for_its_set_up_and_a_failure_reaches_every_test():
     jobs.submit(Job(0, "broken", broken))
     jobs.start()
     assert jobs.result("needs") == "ran"
-    for _ in range(2):   # every test reading the run gets the run's own error
+    for _ in range(2):  # every test reading the run gets the run's own error
         with pytest.raises(RuntimeError, match="scenario X broke"):
             jobs.result("broken")
     with pytest.raises(KeyError, match="no engine run 'nothing'"):
@@ -68,14 +68,16 @@ def test_fork_server_runs_a_module_with_its_environment(tmp_path):
 
     from engine_env import ROOT
 
-    (tmp_path / "probe.py").write_text("import os, sys\nprint('ARGS', sys.argv[1:], "
-                                       "os.environ['PROBE'])\nsys.exit(int(sys.argv[1]))\n")
+    (tmp_path / "probe.py").write_text(
+        "import os, sys\nprint('ARGS', sys.argv[1:], "
+        "os.environ['PROBE'])\nsys.exit(int(sys.argv[1]))\n"
+    )
     (tmp_path / "hang.py").write_text("import time\ntime.sleep(600)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{ROOT}"
     server = forkserver.ForkServer("test", env, str(ROOT), ["json"])
     try:
-        run_env = dict(env, PROBE="yes")   # a run's own environment, applied at the fork
+        run_env = dict(env, PROBE="yes")  # a run's own environment, applied at the fork
         ok = server.start("probe", ["0"], run_env, str(tmp_path), str(tmp_path / "ok.log"))
         assert ok.wait(timeout=60) == 0
         assert "ARGS ['0'] yes" in (tmp_path / "ok.log").read_text()
@@ -93,21 +95,39 @@ def test_a_broken_fork_server_says_why():
     from engine_env import ROOT
 
     with pytest.raises(RuntimeError, match="(?s)did not start.*no_such_module"):
-        forkserver.ForkServer("broken", {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-                              str(ROOT), ["no_such_module"], timeout_s=120)
+        forkserver.ForkServer(
+            "broken",
+            {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+            str(ROOT),
+            ["no_such_module"],
+            timeout_s=120,
+        )
 
 
 def test_a_tp_failure_names_the_process_and_the_scenario():
     from test_sglang_real_tp import summary
 
-    run = {"rank0": {"returncode": 1, "log_tail": "UserWarning: import noise\n",
-                     "json": {"tp2_setup": {"ok": True},
-                              "plugin_tp2": {"ok": False, "detail": "AssertionError: aux differs",
-                                             "traceback": "Traceback ... plugin_tp2"}}},
-           "rank1": {"returncode": -9, "log_tail": "warn: x\nRuntimeError: peer closed\n",
-                     "json": None},
-           "tp1": {"returncode": 0, "log_tail": "", "json": {"reference_tp1": {"ok": True}}},
-           "seconds": 3.0}
+    run = {
+        "rank0": {
+            "returncode": 1,
+            "log_tail": "UserWarning: import noise\n",
+            "json": {
+                "tp2_setup": {"ok": True},
+                "plugin_tp2": {
+                    "ok": False,
+                    "detail": "AssertionError: aux differs",
+                    "traceback": "Traceback ... plugin_tp2",
+                },
+            },
+        },
+        "rank1": {
+            "returncode": -9,
+            "log_tail": "warn: x\nRuntimeError: peer closed\n",
+            "json": None,
+        },
+        "tp1": {"returncode": 0, "log_tail": "", "json": {"reference_tp1": {"ok": True}}},
+        "seconds": 3.0,
+    }
     text = summary(run)
     assert "rank0: exit 1, plugin_tp2 failed: AssertionError: aux differs" in text
     assert "rank1: exit -9, wrote no results" in text and "RuntimeError: peer closed" in text

@@ -20,13 +20,14 @@ NOT_SUBPAGES = {"engine_facts.md", "test_runs.md"}
 def _run(*argv):
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # CPU tensors take the ops' torch path
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def _block(text: str, after: str) -> str:
     """The first fenced block following the line ``after`` in ``text``."""
-    tail = text[text.index(after):]
+    tail = text[text.index(after) :]
     match = re.search(r"```[a-z]*\n(.*?)```", tail, re.S)
     return match.group(1)
 
@@ -50,9 +51,12 @@ def test_docs_layer_loop_is_the_example():
 
 def test_docs_doctor_output_is_the_doctors():
     """The doctor blocks of docs/doctor.md are what the doctor prints now."""
-    for heading, want in (("The seed's case", 1), ("Ids written at the top level", 1),
-                          ("The seed's draft served by vLLM", 1),
-                          ("A Llama-3-70B draft trained by SpecForge", 0)):
+    for heading, want in (
+        ("The seed's case", 1),
+        ("Ids written at the top level", 1),
+        ("The seed's draft served by vLLM", 1),
+        ("A Llama-3-70B draft trained by SpecForge", 0),
+    ):
         block = _doc_block("doctor.md", heading)
         command, _, shown = block.partition("\n")
         assert command.startswith("$ eagle-capture doctor ")
@@ -77,6 +81,9 @@ def test_readme_and_docs_pages_link_each_other():
     assert pages
     unlinked = [p for p in pages if f"](docs/{p})" not in README]
     assert not unlinked, f"README.md does not link {unlinked}"
-    no_way_back = [p for p in pages if p not in NOT_SUBPAGES
-                   and "](../README.md)" not in (DOCS / p).read_text()]
+    no_way_back = [
+        p
+        for p in pages
+        if p not in NOT_SUBPAGES and "](../README.md)" not in (DOCS / p).read_text()
+    ]
     assert not no_way_back, f"no link back to ../README.md in {no_way_back}"

@@ -22,8 +22,12 @@ from eagle_capture.integrations.vllm import state as vllm_state
 def test_one_class_per_error():
     """A user's ``except`` and the plugins' policies see the same class whichever engine
     raised it."""
-    assert dropin.WrongCaptureLayers is sglang_state.WrongCaptureLayers \
-        is checked.WrongCaptureLayers is errors.WrongCaptureLayers
+    assert (
+        dropin.WrongCaptureLayers
+        is sglang_state.WrongCaptureLayers
+        is checked.WrongCaptureLayers
+        is errors.WrongCaptureLayers
+    )
     assert dropin.UnsupportedServer is server_modes.UnsupportedServer is errors.UnsupportedServer
     assert settings.PluginError is errors.PluginError
     assert issubclass(errors.WrongCaptureLayers, ValueError)
@@ -65,8 +69,9 @@ def test_vllm_state_overflow_and_completeness():
     """vLLM's state on the core: an oversized eager forward gets its own buffer, the
     next fitting one is back in the persistent buffer; a layer that stored nothing is
     named."""
-    state = vllm_state.CaptureState(_buffer(), norm_fp32_sum=True, provider="native",
-                                    compiled=False)
+    state = vllm_state.CaptureState(
+        _buffer(), norm_fp32_sum=True, provider="native", compiled=False
+    )
     state.begin(6)
     assert state.active is not state.buffer and state.overflow_forwards == 1
     state.begin(4)
@@ -99,13 +104,16 @@ def test_one_tolerance_per_dtype(dtype):
 def test_the_core_imports_no_engine():
     """Both plugins load in every engine process: the shared core (and the vLLM state
     on it) must import neither engine."""
-    code = ("import sys\n"
-            "import eagle_capture.integrations.core.errors, eagle_capture.integrations.core.log\n"
-            "import eagle_capture.integrations.core.selfcheck, eagle_capture.integrations.core.state\n"
-            "import eagle_capture.integrations.settings, eagle_capture.integrations.vllm.state\n"
-            "import eagle_capture.integrations.sglang.state\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'vllm'))\n"
-            "assert not bad, bad\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300)
+    code = (
+        "import sys\n"
+        "import eagle_capture.integrations.core.errors, eagle_capture.integrations.core.log\n"
+        "import eagle_capture.integrations.core.selfcheck, eagle_capture.integrations.core.state\n"
+        "import eagle_capture.integrations.settings, eagle_capture.integrations.vllm.state\n"
+        "import eagle_capture.integrations.sglang.state\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'vllm'))\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]

@@ -33,8 +33,11 @@ if not HAS_CUDA and not INTERPRETED:
     pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
 
 # (T, H): the interpreter gets small shapes, the GPU the full set.
-SHAPES = ([(0, 7), (1, 1), (3, 7), (17, 1000), (2, 7168)] if INTERPRETED else
-          [(t, h) for t in (0, 1, 3, 257) for h in (1, 7, 1000, 7168)] + [(4099, 7168)])
+SHAPES = (
+    [(0, 7), (1, 1), (3, 7), (17, 1000), (2, 7168)]
+    if INTERPRETED
+    else [(t, h) for t in (0, 1, 3, 257) for h in (1, 7, 1000, 7168)] + [(4099, 7168)]
+)
 EPS = 1e-6
 
 
@@ -73,8 +76,9 @@ def test_add_rmsnorm(dtype, num_tokens, hidden_size, capture, store_residual):
     residual_out = torch.full_like(s, float("nan")) if store_residual else None
     normed = torch.full_like(s, float("nan"))
 
-    launch_kernel(h, r, weight=w, eps=EPS, normed_out=normed, residual_out=residual_out,
-                  aux=aux, slot=1)
+    launch_kernel(
+        h, r, weight=w, eps=EPS, normed_out=normed, residual_out=residual_out, aux=aux, slot=1
+    )
 
     tol = (INTERPRETER_NORM_TOLERANCES if INTERPRETED else NORM_TOLERANCES)[dtype]
     torch.testing.assert_close(normed.double(), normed_ref, **tol)
@@ -114,8 +118,15 @@ def test_norm_input_choice(norm_fp32_sum):
     w = (1 + 0.1 * torch.randn(1000, generator=gen)).to(torch.float16).to(DEVICE)
     normed = torch.full_like(h, float("nan"))
     residual_out = torch.full_like(h, float("nan"))
-    launch_kernel(h, r, weight=w, eps=EPS, normed_out=normed, residual_out=residual_out,
-                  norm_fp32_sum=norm_fp32_sum)
+    launch_kernel(
+        h,
+        r,
+        weight=w,
+        eps=EPS,
+        normed_out=normed,
+        residual_out=residual_out,
+        norm_fp32_sum=norm_fp32_sum,
+    )
     assert_bitwise_equal(residual_out, h + r)  # the residual is the rounded sum either way
 
     def agreement(fp32_sum):
@@ -138,12 +149,17 @@ def test_row_offsets_are_64_bit_in_the_generated_code():
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "eagle_capture.testing.codegen"],
-                         cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "eagle_capture.testing.codegen"],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
-    assert len(report) == 5, report                      # 4 fused variants + the all-reduce
+    assert len(report) == 5, report  # 4 fused variants + the all-reduce
     assert all(problems == [] for problems in report.values()), report
 
 
@@ -153,6 +169,7 @@ def test_launch_config_warps_per_row():
     on the H100), the one-shot all-reduce kernel keeps the 8 it was measured with;
     the other sizes as before; the norm-free capture in column blocks."""
     from eagle_capture.kernels import launch_config
+
     assert launch_config(4096) == (4096, 16, 1) and launch_config(2880) == (4096, 16, 1)
     assert launch_config(4096, True, allreduce=True) == (4096, 8, 1)
     assert launch_config(2880, True, allreduce=True) == (4096, 8, 1)

@@ -17,8 +17,9 @@ class FakeCompiled:
     def __init__(self, log):
         self.log, self.function, self.packed_metadata = log, "fn", "meta"
 
-    def run(self, gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter, exit_,
-            *args):
+    def run(
+        self, gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter, exit_, *args
+    ):
         self.log.append(("direct", (gx, gy), args))
 
 
@@ -30,6 +31,7 @@ class FakeJit:
         def launch(*args, num_warps):
             self.log.append(("triton", grid, args))
             return FakeCompiled(self.log)
+
         return launch
 
 
@@ -42,14 +44,21 @@ def fake(monkeypatch):
     if not ops.DIRECT_LAUNCH:
         pytest.skip("this Triton has no direct-launch support; every launch is Triton's own")
     jit = FakeJit()
-    fast = ops.FastLaunch(kernel, direct_launch=True)   # whatever the environment says
+    fast = ops.FastLaunch(kernel, direct_launch=True)  # whatever the environment says
     fast.kernel = jit
-    plan = fast.plan((2, 1), {"n": 7}, {"a_ptr": 0, "b_ptr": 1}, num_warps=4, device_index=0,
-                     use_pdl=False, extents=(0, 0))
+    plan = fast.plan(
+        (2, 1),
+        {"n": 7},
+        {"a_ptr": 0, "b_ptr": 1},
+        num_warps=4,
+        device_index=0,
+        use_pdl=False,
+        extents=(0, 0),
+    )
     return jit, fast, plan
 
 
-A, B = torch.zeros(4), torch.zeros(4)   # stand-in tensors; the addresses below are made up
+A, B = torch.zeros(4), torch.zeros(4)  # stand-in tensors; the addresses below are made up
 
 
 def test_first_launch_compiles_then_reuses_with_the_new_addresses(fake):
@@ -57,16 +66,16 @@ def test_first_launch_compiles_then_reuses_with_the_new_addresses(fake):
     fast.launch(plan, (A, B), (16, 32))
     fast.launch(plan, (B, A), (64, 48))
     assert [kind for kind, *_ in jit.log] == ["triton", "direct"]
-    assert jit.log[0][2] == (A, B, 7, False)          # Triton's entry: the tensors
+    assert jit.log[0][2] == (A, B, 7, False)  # Triton's entry: the tensors
     assert jit.log[1][1:] == ((2, 1), (64, 48, 7, False))  # the direct launch: addresses
 
 
 def test_unaligned_launches_never_reuse_nor_cache(fake):
     jit, fast, plan = fake
-    fast.launch(plan, (A, B), (16, 33))       # unaligned: not cached
+    fast.launch(plan, (A, B), (16, 33))  # unaligned: not cached
     assert plan.direct is None
-    fast.launch(plan, (A, B), (16, 32))       # cached now
-    fast.launch(plan, (A, B), (16, 40))       # unaligned: Triton's entry again
+    fast.launch(plan, (A, B), (16, 32))  # cached now
+    fast.launch(plan, (A, B), (16, 40))  # unaligned: Triton's entry again
     assert [kind for kind, *_ in jit.log] == ["triton", "triton", "triton"]
 
 
@@ -94,8 +103,9 @@ def test_fixed_tensor_arguments_go_to_the_direct_launch_as_addresses(fake):
     jit, fast, _ = fake
     fast.signature = ops.KernelSignature(lambda a_ptr, b_ptr, state_ptr, n: None)
     state = torch.zeros(2)
-    plan = fast.plan((1, 1), {"state_ptr": state, "n": 3}, {"a_ptr": 0, "b_ptr": 1}, 4, 0,
-                     False, (0, 0))
+    plan = fast.plan(
+        (1, 1), {"state_ptr": state, "n": 3}, {"a_ptr": 0, "b_ptr": 1}, 4, 0, False, (0, 0)
+    )
     fast.launch(plan, (A, B), (16, 32))
     fast.launch(plan, (A, B), (16, 32))
     assert jit.log[0][2] == (A, B, state, 3)
@@ -109,7 +119,7 @@ def test_the_memo_is_cleared_when_full(fake, monkeypatch):
     fast.remember("b", plan)
     fast.remember("c", plan)
     assert list(fast.plans) == ["c"]
-    fast.remember(None, plan)   # no key (a non-tensor argument): not memoised
+    fast.remember(None, plan)  # no key (a non-tensor argument): not memoised
     assert list(fast.plans) == ["c"]
 
 
@@ -125,15 +135,36 @@ class RawForwardingLauncher:
 
     def __call__(self, gridX, gridY, gridZ, stream, function, *args):
         global_scratch = profile_scratch = None
-        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
-                    global_scratch, profile_scratch, *args)
+        self.launch(
+            gridX,
+            gridY,
+            gridZ,
+            stream,
+            function,
+            self.launch_cooperative_grid,
+            self.launch_pdl,
+            global_scratch,
+            profile_scratch,
+            *args,
+        )
 
 
 class MetadataByNameLauncher(RawForwardingLauncher):
     """Triton 3.9's CudaLauncher.__call__, in shape: the launch metadata by name."""
 
-    def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
-                 launch_enter_hook, launch_exit_hook, *args):
+    def __call__(
+        self,
+        gridX,
+        gridY,
+        gridZ,
+        stream,
+        function,
+        kernel_metadata,
+        launch_metadata,
+        launch_enter_hook,
+        launch_exit_hook,
+        *args,
+    ):
         self.log.append(("wrapped", args))
 
 
@@ -182,8 +213,9 @@ class EarlierLauncher:
         self.log.append(("raw", args))
 
     def __call__(self, gridX, gridY, gridZ, stream, function, *args):
-        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, None,
-                    *args)
+        self.launch(
+            gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, None, *args
+        )
 
 
 def test_an_earlier_forwarding_form_keeps_the_launcher_object(raw_release):
@@ -200,6 +232,7 @@ def test_raw_launch_only_on_a_release_whose_forwarding_is_known(monkeypatch):
 def test_the_forwarding_form_is_recognised_without_reading_source(raw_release, monkeypatch):
     def no_source(*args, **kwargs):
         raise OSError("source not available")
+
     monkeypatch.setattr(ops.inspect, "getsource", no_source)
     monkeypatch.setattr(ops.inspect, "getsourcelines", no_source)
     run = RawForwardingLauncher([])

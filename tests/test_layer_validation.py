@@ -15,7 +15,7 @@ from eagle_capture.layer_ids import startup
 from eagle_capture.layer_ids.validate import CaptureLayerError, check_capture_layers
 from eagle_capture.probe.target import target_states
 
-N = 8   # the target's decoder layers
+N = 8  # the target's decoder layers
 PREFIX = "eagle_capture: "
 
 
@@ -41,13 +41,18 @@ def _startup(ids):
 # check no layer count, the embedding output refused.
 CALLERS = {
     "buffer": lambda ids: AuxCaptureBuffer(4, 16, ids, dtype=torch.float32),
-    "drop-in": lambda ids: dropin.check_capture_layers(ids, 0, N, False, final_boundary=True,
-                                                       num_layers=N),
+    "drop-in": lambda ids: dropin.check_capture_layers(
+        ids, 0, N, False, final_boundary=True, num_layers=N
+    ),
     "vLLM plugin": lambda ids: checked.check_layer_ids(ids, N, 0, N, embedding_id=False),
     "start-up check": _startup,
     # The probe keeps each layer once (its readings share layers) and sorts them.
-    "probe": lambda ids: target_states(None, torch.nn.ModuleList(
-        torch.nn.Identity() for _ in range(N)), torch.zeros(1, 1, dtype=torch.long), ids),
+    "probe": lambda ids: target_states(
+        None,
+        torch.nn.ModuleList(torch.nn.Identity() for _ in range(N)),
+        torch.zeros(1, 1, dtype=torch.long),
+        ids,
+    ),
 }
 
 # Bad ids -> the callers that refuse them (the others lack what it takes to know).
@@ -64,8 +69,9 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_caller_refuses_with_the_same_message(case):
     ids, callers = CASES[case]
-    expected = _message(lambda: check_capture_layers(
-        ids, num_layers=N, embedding=False, stage=(0, N)))
+    expected = _message(
+        lambda: check_capture_layers(ids, num_layers=N, embedding=False, stage=(0, N))
+    )
     messages = {name: _message(lambda: CALLERS[name](list(ids))) for name in callers}
     assert set(messages.values()) == {expected}, messages
 
@@ -85,15 +91,19 @@ def test_what_each_caller_accepts():
     """The same rules where the caller knows them: the final boundary where the loop
     captures it, the embedding where allowed, this pipeline stage's layers."""
     assert check_capture_layers((5, 2, N)) == [2, 5, N]
-    assert dropin.check_capture_layers([2, N], 0, N, False, final_boundary=True,
-                                       num_layers=N) is None
+    assert (
+        dropin.check_capture_layers([2, N], 0, N, False, final_boundary=True, num_layers=N) is None
+    )
     with pytest.raises(dropin.WrongCaptureLayers, match=rf"outside 0\.\.{N - 1}"):
         dropin.check_capture_layers([2, N], 0, N, False, num_layers=N)
     assert dropin.check_capture_layers([0, 3], 0, N, True, num_layers=N) is None
     assert checked.check_layer_ids([0, 3, N], N, 0, N, embedding_id=True) == [0, 3, N]
     # The last of two stages (layers 4..7): another stage's layer, and the boundary.
-    with pytest.raises(checked.WrongCaptureLayers, match=r"another pipeline stage \(this rank "
-                                                         r"runs layers 4\.\.7\)"):
+    with pytest.raises(
+        checked.WrongCaptureLayers,
+        match=r"another pipeline stage \(this rank "
+        r"runs layers 4\.\.7\)",
+    ):
         checked.check_layer_ids([2, 5, N], N, 4, N)
     assert checked.check_layer_ids([N, 4, 6], N, 4, N) == [4, 6, N]
     # A first stage (0..3) never takes the final boundary.

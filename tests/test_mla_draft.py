@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "tiny_eagle3"
 MLA = DATA / "draft_torchspec_mla"
 PUBLISHED = ROOT / "tests" / "data" / "published_configs" / "torchspec_kimi_k25_mla.config.json"
-SGLANG_VERSIONS = ["0.5.13", "0.5.23"]      # the first line with the class, the newest read
+SGLANG_VERSIONS = ["0.5.13", "0.5.23"]  # the first line with the class, the newest read
 VLLM_VERSION = "0.32.0"
 
 
@@ -55,20 +55,23 @@ def _agreement(report, layers) -> float:
 
 # ---------------------------------------------------------------- the trained draft
 
+
 def test_trained_mla_draft_confirmed_in_transformers_mode():
     """TorchSpec-style ids [2, 4, 6] (outputs) = capture layers [3, 5, 7], what it was
     trained on: CONFIRMED, 8 points over the other convention's reading [2, 4, 6]; the hits
     the builder recorded (MANIFEST.json); SGLang (Llama's +1 rule) captures it, vLLM's
     runners need the top-level ids."""
     report = _probe(MLA)
-    assert report.verdict.startswith("CONFIRMED: the draft was trained on capture layers "
-                                     "[3, 5, 7]"), report.format()
+    assert report.verdict.startswith(
+        "CONFIRMED: the draft was trained on capture layers [3, 5, 7]"
+    ), report.format()
     assert _agreement(report, [3, 5, 7]) - _agreement(report, [2, 4, 6]) >= 0.04
     assert _agreement(report, [3, 5, 7]) > _agreement(report, [4, 6, 8])
     manifest = json.loads((DATA / "MANIFEST.json").read_text())["drafts"]["draft_torchspec_mla"]
     assert manifest["trained_on_capture_layers"] == [3, 5, 7]
-    assert {str(list(c.layers)): round(c.agreement, 4) for c in report.ranked} == \
-        manifest["probe"]["agreement"]
+    assert {str(list(c.layers)): round(c.agreement, 4) for c in report.ranked} == manifest["probe"][
+        "agreement"
+    ]
     engines = "\n".join(report.engines)
     assert "SGLang 0.5.23 captures [3, 5, 7]: OK" in engines
     assert "write the top-level eagle_aux_hidden_state_layer_ids = [3, 5, 7]" in engines
@@ -106,20 +109,26 @@ def test_mla_draft_on_cuda_in_bf16():
     there). The verdict stands; agreement moves by rounding only."""
     fp32 = _probe(MLA)
     report = _probe(MLA, device="cuda", dtype="bf16")
-    assert report.verdict.startswith("CONFIRMED: the draft was trained on capture layers "
-                                     "[3, 5, 7]"), report.format()
+    assert report.verdict.startswith(
+        "CONFIRMED: the draft was trained on capture layers [3, 5, 7]"
+    ), report.format()
     assert abs(_agreement(report, [3, 5, 7]) - _agreement(fp32, [3, 5, 7])) < 0.02
 
 
 # ---------------------------------------------------------------- the step
+
 
 def _reference_logits(draft, aux, emb, pos):
     """An independent loop in double precision: MLA with every head's keys and values
     multiplied out, DeepSeek YaRN and interleaved rope written out, one query at a time."""
     spec, r = draft.spec, draft.reading
     c = spec.layer_config
-    H, nope, rd, vd = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], \
-        c["v_head_dim"]
+    H, nope, rd, vd = (
+        c["num_attention_heads"],
+        c["qk_nope_head_dim"],
+        c["qk_rope_head_dim"],
+        c["v_head_dim"],
+    )
     eps = spec.rms_norm_eps
 
     def rms(x, w):
@@ -127,14 +136,18 @@ def _reference_logits(draft, aux, emb, pos):
 
     W = {n: p.double() for n, p in draft.named_parameters()}
     h = aux @ W["fc.weight"].T
-    x = torch.cat([rms(emb, W["layers.0.input_layernorm.weight"]),
-                   rms(h, W["layers.0.hidden_norm.weight"])], -1)
-    q = rms(x @ W["layers.0.q_a_proj.weight"].T, W["layers.0.q_a_layernorm.weight"]) \
+    x = torch.cat(
+        [rms(emb, W["layers.0.input_layernorm.weight"]), rms(h, W["layers.0.hidden_norm.weight"])],
+        -1,
+    )
+    q = (
+        rms(x @ W["layers.0.q_a_proj.weight"].T, W["layers.0.q_a_layernorm.weight"])
         @ W["layers.0.q_b_proj.weight"].T
+    )
     q = q.view(-1, H, nope + rd)
     kv_a = x @ W["layers.0.kv_a_proj_with_mqa.weight"].T
-    latent, k_pe = kv_a[:, : c["kv_lora_rank"]], kv_a[:, c["kv_lora_rank"]:]
-    kv = (rms(latent, W["layers.0.kv_a_layernorm.weight"]) @ W["layers.0.kv_b_proj.weight"].T)
+    latent, k_pe = kv_a[:, : c["kv_lora_rank"]], kv_a[:, c["kv_lora_rank"] :]
+    kv = rms(latent, W["layers.0.kv_a_layernorm.weight"]) @ W["layers.0.kv_b_proj.weight"].T
     kv = kv.view(-1, H, nope + vd)
     # YaRN (DeepSeek): ramp between the correction dims of beta_fast / beta_slow rotations.
     rope = r.rope
@@ -144,15 +157,18 @@ def _reference_logits(draft, aux, emb, pos):
 
     def dim_of(rot):
         return rd * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
-    lo, hi = max(math.floor(dim_of(rope["beta_fast"])), 0), \
-        min(math.ceil(dim_of(rope["beta_slow"])), rd - 1)
+
+    lo, hi = (
+        max(math.floor(dim_of(rope["beta_fast"])), 0),
+        min(math.ceil(dim_of(rope["beta_slow"])), rd - 1),
+    )
     hi = hi + 0.001 if lo == hi else hi
-    keep = 1 - ((i - lo) / (hi - lo)).clamp(0, 1)        # 1: extrapolate (high frequency)
+    keep = 1 - ((i - lo) / (hi - lo)).clamp(0, 1)  # 1: extrapolate (high frequency)
     inv = (1 / (f * base)) * (1 - keep) + (1 / base) * keep
-    mscale = 1.0            # yarn mscale / mscale_all_dim: 1.0 / 1.0 in the published scaling
+    mscale = 1.0  # yarn mscale / mscale_all_dim: 1.0 / 1.0 in the published scaling
     ang = pos.double()[:, None] * inv[None]
 
-    def rot(t):                     # pairs (0, 1), (2, 3), ... rotate together
+    def rot(t):  # pairs (0, 1), (2, 3), ... rotate together
         a, b = t[..., 0::2], t[..., 1::2]
         cos, sin = (ang.cos() * mscale)[:, None], (ang.sin() * mscale)[:, None]
         return torch.stack([a * cos - b * sin, b * cos + a * sin], -1).flatten(-2)
@@ -170,8 +186,10 @@ def _reference_logits(draft, aux, emb, pos):
     a = out.reshape(T, -1) @ W["layers.0.o_proj.weight"].T
     res = h + a
     y = rms(res, W["layers.0.post_attention_layernorm.weight"])
-    y = (torch.nn.functional.silu(y @ W["layers.0.gate_proj.weight"].T)
-         * (y @ W["layers.0.up_proj.weight"].T)) @ W["layers.0.down_proj.weight"].T
+    y = (
+        torch.nn.functional.silu(y @ W["layers.0.gate_proj.weight"].T)
+        * (y @ W["layers.0.up_proj.weight"].T)
+    ) @ W["layers.0.down_proj.weight"].T
     return rms(y + res, W["norm.weight"]) @ W["lm_head.weight"].T
 
 
@@ -205,8 +223,14 @@ def test_engine_readings_of_the_published_config_agree():
     assert readings["sglang"].differences(readings["vllm"]) == []
     want = (128 + 64) ** -0.5 * (0.1 * math.log(64) + 1) ** 2
     assert readings["vllm"].softmax_scale == pytest.approx(want, rel=1e-12)
-    assert readings["sglang"].rope == {"theta": 50000.0, "factor": 64.0, "original": 4096,
-                                       "beta_fast": 1.0, "beta_slow": 1.0, "extrapolation": 1}
+    assert readings["sglang"].rope == {
+        "theta": 50000.0,
+        "factor": 64.0,
+        "original": 4096,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "extrapolation": 1,
+    }
     assert not readings["sglang"].neox and readings["sglang"].rope_mscale == 1.0
 
 
@@ -219,22 +243,24 @@ def test_engine_readings_where_the_engines_differ():
     assert r["vllm"].norm_before_residual and not r["sglang"].norm_before_residual
     r = engine_readings(_config(use_aux_norm=True))
     assert r["sglang"].fc_norm and not r["vllm"].fc_norm
-    scaling = dict(tiny_eagle3.MLA_DRAFT_LAYER["rope_scaling"], attn_factor=0.8,
-                   attention_factor=1.0)
+    scaling = dict(
+        tiny_eagle3.MLA_DRAFT_LAYER["rope_scaling"], attn_factor=0.8, attention_factor=1.0
+    )
     r = engine_readings(_config(rope_scaling=scaling))
     assert r["sglang"].rope_mscale == pytest.approx(0.8)
     assert r["vllm"].rope_mscale == 1.0
-    assert r["vllm"].softmax_scale == pytest.approx(96 ** -0.5)
-    assert r["sglang"].softmax_scale == pytest.approx(96 ** -0.5 * (0.1 * math.log(64) + 1) ** 2)
+    assert r["vllm"].softmax_scale == pytest.approx(96**-0.5)
+    assert r["sglang"].softmax_scale == pytest.approx(96**-0.5 * (0.1 * math.log(64) + 1) ** 2)
     r = engine_readings(_config(rope_interleave=False))
     assert r["sglang"].neox and not r["vllm"].neox
     spec = DraftSpec.from_config(_config(norm_before_residual=True), "EAGLE-3")
     draft = mla_draft(_config(norm_before_residual=True), spec)
     assert draft.reading.engine == "SGLang"
-    assert any("norm_before_residual: SGLang False, vLLM True" in n and "--engine vllm" in n
-               for n in draft.notes), draft.notes
-    assert mla_draft(_config(norm_before_residual=True), spec, "vllm").reading \
-        .norm_before_residual
+    assert any(
+        "norm_before_residual: SGLang False, vLLM True" in n and "--engine vllm" in n
+        for n in draft.notes
+    ), draft.notes
+    assert mla_draft(_config(norm_before_residual=True), spec, "vllm").reading.norm_before_residual
     two = _config(num_hidden_layers=2)
     spec2 = DraftSpec.from_config(two, "EAGLE-3")
     with pytest.raises(DraftError, match="takes one layer"):
@@ -263,6 +289,7 @@ def test_norm_before_residual_changes_the_step():
 
 # ---------------------------------------------------------------- refusals
 
+
 def test_unknown_draft_class_refused_before_anything_loads(tmp_path, capsys, monkeypatch):
     """A draft class the probe does not run (here vLLM's Qwen3 EAGLE-3 class, whose layer
     has q/k norms, and a DSpark draft): one line naming the classes it runs, exit 2, before
@@ -279,17 +306,30 @@ def test_unknown_draft_class_refused_before_anything_loads(tmp_path, capsys, mon
     for arch in ("Eagle3Qwen3ForCausalLM", "Qwen3DSparkModel"):
         folder = tmp_path / arch
         shutil.copytree(MLA, folder)
-        (folder / "config.json").write_text(json.dumps(dict(
-            tiny_eagle3.torchspec_mla_config([2, 4, 6]), architectures=[arch])))
+        (folder / "config.json").write_text(
+            json.dumps(dict(tiny_eagle3.torchspec_mla_config([2, 4, 6]), architectures=[arch]))
+        )
         for engine in ([], ["--engine", "vllm"]):
-            code = main(["--target", str(DATA / "target"), "--draft", str(folder),
-                         "--prompts", str(DATA / "prompts.jsonl"), "--device", "cpu", *engine])
+            code = main(
+                [
+                    "--target",
+                    str(DATA / "target"),
+                    "--draft",
+                    str(folder),
+                    "--prompts",
+                    str(DATA / "prompts.jsonl"),
+                    "--device",
+                    "cpu",
+                    *engine,
+                ]
+            )
             err = capsys.readouterr().err
             assert code == 2 and err.count("\n") == 1, err
             assert f"draft class {arch} is not one the probe runs" in err, err
             assert "Eagle3DeepseekV2ForCausalLM" in err and "LlamaForCausalLMEagle3" in err
         with pytest.raises(DraftError, match="is not one the probe runs"):
             from eagle_capture.probe.draft import load_draft as real_load_draft
+
             real_load_draft(folder)
 
 
@@ -297,7 +337,8 @@ def test_unknown_draft_class_refused_before_anything_loads(tmp_path, capsys, mon
 
 pytestmark_engines = {
     "sglang": os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL") == "1",
-    "vllm": os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1"}
+    "vllm": os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1",
+}
 
 
 def _sglang_job(version: str, base: Path, jobs) -> Job:
@@ -307,10 +348,12 @@ def _sglang_job(version: str, base: Path, jobs) -> Job:
         work = base / f"mla_draft_sglang_{version}"
         work.mkdir(parents=True, exist_ok=True)
         out, log = work / "result.json", work / "run.log"
-        process = start_sglang(version, "tests.sglang_real.mla_draft",
-                               ["--json", str(out), "--work", str(work)], log)
+        process = start_sglang(
+            version, "tests.sglang_real.mla_draft", ["--json", str(out), "--work", str(work)], log
+        )
         run_to_end(jobs, process, log, 600, f"sglang {version} MLA draft")
         return json.loads(out.read_text())
+
     return Job(-30, f"mla draft sglang {version}", run, needs=sglang_needs(version))
 
 
@@ -319,22 +362,36 @@ def _vllm_job(base: Path, jobs) -> Job:
         work = base / "mla_draft_vllm"
         work.mkdir(parents=True, exist_ok=True)
         out, log = work / "result.json", work / "run.log"
-        env = dict(BASE_ENV, PYTHONPATH=os.pathsep.join([vllm_overlay(VLLM_VERSION), str(ROOT)]),
-                   VLLM_LOGGING_LEVEL="WARNING", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CACHE_ROOT=str(work / "cache"))
+        env = dict(
+            BASE_ENV,
+            PYTHONPATH=os.pathsep.join([vllm_overlay(VLLM_VERSION), str(ROOT)]),
+            VLLM_LOGGING_LEVEL="WARNING",
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            VLLM_CACHE_ROOT=str(work / "cache"),
+        )
         env.pop("TRITON_INTERPRET", None)
         env.pop("EAGLE_CAPTURE", None)
-        proc = jobs.track(forkserver.start_process(
-            None, "tests.vllm_real.mla_draft", ["--json", str(out), "--work", str(work)], env,
-            str(ROOT), str(log)))
+        proc = jobs.track(
+            forkserver.start_process(
+                None,
+                "tests.vllm_real.mla_draft",
+                ["--json", str(out), "--work", str(work)],
+                env,
+                str(ROOT),
+                str(log),
+            )
+        )
         try:
             proc.wait(timeout=900)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        assert proc.returncode == 0 and out.exists(), \
+        assert proc.returncode == 0 and out.exists(), (
             f"the vLLM run failed (exit {proc.returncode}):\n{log.read_text()[-5000:]}"
+        )
         return json.loads(out.read_text())
+
     return Job(-90, "mla draft vllm", run, needs=vllm_needs(VLLM_VERSION))
 
 
@@ -360,14 +417,21 @@ def test_step_equals_sglangs_own_class(version, engine_jobs):
     a draft without q_lora_rank refused by both in SGLang's words."""
     results = engine_jobs.result(f"mla draft sglang {version}")
     assert results["version"] == version
-    for case in ("trained_from_0", "trained_from_3000", "aux_norm_attn_factor",
-                 "no_rope_scaling", "fc_norm_yarn_scaling_off", "no_q_lora_refused"):
+    for case in (
+        "trained_from_0",
+        "trained_from_3000",
+        "aux_norm_attn_factor",
+        "no_rope_scaling",
+        "fc_norm_yarn_scaling_off",
+        "no_q_lora_refused",
+    ):
         result = results[case]
         assert result["ok"], f"{case}: {result['detail']}\n{result.get('traceback', '')}"
         if "largest" in result:
             assert result["max_abs_diff"] <= 1e-4 * result["largest"], (case, result)
-            assert result["softmax_scale"][0] == pytest.approx(result["softmax_scale"][1],
-                                                               rel=1e-12)
+            assert result["softmax_scale"][0] == pytest.approx(
+                result["softmax_scale"][1], rel=1e-12
+            )
 
 
 @pytest.mark.skipif(pytestmark_engines["vllm"], reason="EAGLE_CAPTURE_SKIP_VLLM_REAL=1")

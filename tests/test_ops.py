@@ -71,12 +71,16 @@ def _cases(slots, shapes=SHAPES, kernel_shapes=KERNEL_SHAPES):
             if None in slots:
                 cases += [(device, t, h, None) for t, h in shapes]
             if real:
-                cases += [(device, t, h, real[(i + i // len(real)) % len(real)])
-                          for i, (t, h) in enumerate(shapes)]
+                cases += [
+                    (device, t, h, real[(i + i // len(real)) % len(real)])
+                    for i, (t, h) in enumerate(shapes)
+                ]
         else:
-            cases += [(device, t, h, s)
-                      for t, h in (kernel_shapes if device == "cpu-kernel" else shapes)
-                      for s in slots]
+            cases += [
+                (device, t, h, s)
+                for t, h in (kernel_shapes if device == "cpu-kernel" else shapes)
+                for s in slots
+            ]
     return [pytest.param(*c, id=f"{c[0]}-{c[1]}x{c[2]}-slot{c[3]}") for c in cases]
 
 
@@ -115,7 +119,7 @@ def _rows(num_tokens, hidden_size, dtype, device, strided, pad=3):
     x[0::2] *= 1e-3
     if strided:  # keep the row stride: scale and cast the underlying buffer
         base = x._base.to(dtype=dtype, device=_tensor_device(device))
-        return base[:, 1:hidden_size + 1]
+        return base[:, 1 : hidden_size + 1]
     return x.to(dtype=dtype, device=_tensor_device(device))
 
 
@@ -164,13 +168,16 @@ def _assert_normed(device, actual, normed_ref):
 def test_add_rmsnorm_capture(call, device, dtype, hidden_size, num_tokens, slot, strided):
     """slot None: no aux (the plain fused_add_rmsnorm)."""
     h, r, w, normed_ref, residual_ref = _norm_case(device, dtype, hidden_size, num_tokens, strided)
-    aux = (poisoned_aux(num_tokens + 2, 3, hidden_size, dtype, _tensor_device(device))
-           if slot is not None else None)
+    aux = (
+        poisoned_aux(num_tokens + 2, 3, hidden_size, dtype, _tensor_device(device))
+        if slot is not None
+        else None
+    )
 
     _call(call, device, "add_rmsnorm_capture", h, r, w, EPS, aux, slot or 0)
 
-    assert_bitwise_equal(r, residual_ref)            # residual <- h + r, in place
-    _assert_normed(device, h, normed_ref)            # hidden <- rmsnorm(residual) * w
+    assert_bitwise_equal(r, residual_ref)  # residual <- h + r, in place
+    _assert_normed(device, h, normed_ref)  # hidden <- rmsnorm(residual) * w
     if aux is not None:
         assert_bitwise_equal(aux[:num_tokens, slot], residual_ref)
         assert_untouched(aux, num_tokens, slot)
@@ -190,15 +197,17 @@ def test_add_rmsnorm_into_slot(call, device, dtype, hidden_size, num_tokens, slo
 
     if strided:  # the columns around a strided row view are not touched
         assert_bitwise_equal(h._base[:, 0], base_h0[:, 0])
-        assert_bitwise_equal(h._base[:, hidden_size + 1:], base_h0[:, hidden_size + 1:])
+        assert_bitwise_equal(h._base[:, hidden_size + 1 :], base_h0[:, hidden_size + 1 :])
     assert_bitwise_equal(aux[:num_tokens, slot], residual_ref)
     assert_untouched(aux, num_tokens, slot)
-    assert_bitwise_equal(r, r0)                      # the residual input is left alone
+    assert_bitwise_equal(r, r0)  # the residual input is left alone
     _assert_normed(device, h, normed_ref)
 
 
-@pytest.mark.parametrize("device,num_tokens,hidden_size,slot",
-                         _cases((None,), shapes=[(t, h) for t in (0, 3, 257) for h in (7, 1000)]))
+@pytest.mark.parametrize(
+    "device,num_tokens,hidden_size,slot",
+    _cases((None,), shapes=[(t, h) for t in (0, 3, 257) for h in (7, 1000)]),
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rmsnorm_out(call, device, dtype, hidden_size, num_tokens, slot):
     h, r, w, normed_ref, residual_ref = _norm_case(device, dtype, hidden_size, num_tokens, True)
@@ -213,9 +222,17 @@ def test_add_rmsnorm_out(call, device, dtype, hidden_size, num_tokens, slot):
 
 
 @pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
-@pytest.mark.parametrize("op", ["add_capture", "add_capture_no_residual", "add_rmsnorm_capture",
-                                "add_rmsnorm_capture_no_aux", "add_rmsnorm_into_slot",
-                                "add_rmsnorm_out"])
+@pytest.mark.parametrize(
+    "op",
+    [
+        "add_capture",
+        "add_capture_no_residual",
+        "add_rmsnorm_capture",
+        "add_rmsnorm_capture_no_aux",
+        "add_rmsnorm_into_slot",
+        "add_rmsnorm_out",
+    ],
+)
 def test_eager_memo_hit_launches_the_new_tensors(device, op):
     """The public functions' second call of a signature (the memoised plan,
     the pointer map applied to the new tensors) after a first one (the miss):
@@ -223,8 +240,9 @@ def test_eager_memo_hit_launches_the_new_tensors(device, op):
     dtype, num_tokens, hidden_size = torch.bfloat16, 3, 40
     aux = poisoned_aux(num_tokens + 1, 3, hidden_size, dtype, _tensor_device(device))
     for slot in SLOTS * 2:  # each slot twice: misses, then hits
-        h, r, w, normed_ref, residual_ref = _norm_case(device, dtype, hidden_size, num_tokens,
-                                                       strided=True)
+        h, r, w, normed_ref, residual_ref = _norm_case(
+            device, dtype, hidden_size, num_tokens, strided=True
+        )
         h0, r0 = h.clone(), r.clone()
         with _mode(device):
             if op == "add_capture":
@@ -275,14 +293,14 @@ def test_eager_memo_tells_norm_fp32_sum_apart(device, op):
         return h.clone(), aux[:, slot].clone()
 
     outputs = {}
-    with _mode(device):   # one block: kernel_on_cpu() empties the memo when it ends
+    with _mode(device):  # one block: kernel_on_cpu() empties the memo when it ends
         for first, second in ((False, True), (True, False)):
             table.LAUNCHER.forget()
-            alone = run(second)                 # its own plan, on an empty memo
+            alone = run(second)  # its own plan, on an empty memo
             table.LAUNCHER.forget()
-            run(first)                          # the other flag's plan memoised
+            run(first)  # the other flag's plan memoised
             assert table.LAUNCHER.plans, "no plan memoised: the test would prove nothing"
-            after = run(second)                 # the same signature but the flag
+            after = run(second)  # the same signature but the flag
             assert_bitwise_equal(after[0], alone[0])
             assert_bitwise_equal(after[1], alone[1])
             outputs[second] = alone[0]
@@ -314,8 +332,10 @@ def _sglang_layer_inputs(num_layers, num_tokens, hidden_size, dtype, device):
     embed = make_rows(num_tokens, hidden_size, dtype, device)
     # Stand-ins for each layer's attention+MLP output (what the next layer adds).
     deltas = [make_rows(num_tokens, hidden_size, dtype, device) for _ in range(num_layers)]
-    weights = [(1 + 0.1 * torch.randn(hidden_size)).to(dtype=dtype, device=device)
-               for _ in range(num_layers)]
+    weights = [
+        (1 + 0.1 * torch.randn(hidden_size)).to(dtype=dtype, device=device)
+        for _ in range(num_layers)
+    ]
     return embed, deltas, weights
 
 
@@ -328,14 +348,16 @@ def test_layer_loop_into_slot_matches_in_place_capture(device, dtype):
     (residual -> slot; the following layer reads it from the slot and writes the
     next residual out of place)."""
     num_layers, num_tokens, hidden_size, capture_ids = 6, 9, 64, (1, 2, 4)
-    embed, deltas, weights = _sglang_layer_inputs(num_layers, num_tokens, hidden_size,
-                                                  dtype, _tensor_device(device))
+    embed, deltas, weights = _sglang_layer_inputs(
+        num_layers, num_tokens, hidden_size, dtype, _tensor_device(device)
+    )
 
     eager_captures = []
 
     def run(into_slot: bool) -> torch.Tensor:
-        buf = ec.AuxCaptureBuffer(16, hidden_size, capture_ids, dtype=dtype,
-                                  device=_tensor_device(device))
+        buf = ec.AuxCaptureBuffer(
+            16, hidden_size, capture_ids, dtype=dtype, device=_tensor_device(device)
+        )
         buf.aux.fill_(float("nan"))
         hidden = embed.clone()
         residual = embed.clone()
@@ -348,8 +370,9 @@ def test_layer_loop_into_slot_matches_in_place_capture(device, dtype):
                 ec.add_rmsnorm_into_slot(hidden, src, weights[i], EPS, buf.aux, buf.slot_of(i))
                 residual_in_slot = True
             elif residual_in_slot:
-                ec.add_rmsnorm_out(hidden, buf.slot_view(i - 1, num_tokens), weights[i], EPS,
-                                   residual)
+                ec.add_rmsnorm_out(
+                    hidden, buf.slot_view(i - 1, num_tokens), weights[i], EPS, residual
+                )
                 residual_in_slot = False
             elif buf.captures_layer(i):
                 # SGLang's aux.append(h + r) (truncated for bf16 under the interpreter)
@@ -376,8 +399,9 @@ def test_in_place_update_of_a_slot_is_refused():
 @pytest.mark.parametrize("device", DEVICES)
 def test_buffer_result_is_a_view_in_ascending_layer_order(device):
     hidden_size, num_tokens = 16, 5
-    buf = ec.AuxCaptureBuffer(8, hidden_size, [30, 2, 58], dtype=torch.bfloat16,
-                              device=_tensor_device(device))
+    buf = ec.AuxCaptureBuffer(
+        8, hidden_size, [30, 2, 58], dtype=torch.bfloat16, device=_tensor_device(device)
+    )
     assert buf.layer_ids == (2, 30, 58) and buf.slot_of(30) == 1
     captures = []
     for layer in (2, 30, 58):  # loop order
@@ -388,7 +412,7 @@ def test_buffer_result_is_a_view_in_ascending_layer_order(device):
         captures.append((h, r))
     out = buf.result(num_tokens)
     assert out.shape == (num_tokens, 3 * hidden_size)
-    assert out.data_ptr() == buf.aux.data_ptr()      # no copy
+    assert out.data_ptr() == buf.aux.data_ptr()  # no copy
     if device == "cpu-kernel":  # SGLang's h + r, with the interpreter's bf16 truncation
         assert_bitwise_equal(out, torch.cat([_sum(device, h, r) for h, r in captures], -1))
     else:
@@ -399,10 +423,15 @@ def test_buffer_result_is_a_view_in_ascending_layer_order(device):
         buf.slot_of(3)
 
 
-@pytest.mark.parametrize("ids, match", [
-    ([], "non-empty"), ([2, 2], "more than once"), ([-1, 2, 30], "negative index"),
-    ([2, True], "sequence of integers"),
-])
+@pytest.mark.parametrize(
+    "ids, match",
+    [
+        ([], "non-empty"),
+        ([2, 2], "more than once"),
+        ([-1, 2, 30], "negative index"),
+        ([2, True], "sequence of integers"),
+    ],
+)
 def test_buffer_rejects_bad_layer_ids(ids, match):
     with pytest.raises(ValueError, match=match):
         ec.AuxCaptureBuffer(4, 8, ids)
@@ -414,15 +443,21 @@ def test_import_does_not_initialise_cuda():
     current-device read) fails here too, not only where CUDA exists."""
     import subprocess
     import sys
-    code = ("import torch\n"
-            "def refuse(*a, **k): raise AssertionError('eagle_capture initialised CUDA at import')\n"
-            "torch.cuda._lazy_init = refuse\n"
-            "import eagle_capture, eagle_capture.parallel.symm, eagle_capture.parallel.tp, eagle_capture.integrations.sglang.dropin\n"
-            "import eagle_capture.cli.doctor, eagle_capture.layer_ids.diagnosis, eagle_capture.layer_ids.plan, eagle_capture.testing.bench\n"
-            "assert not torch.cuda.is_initialized(), 'import initialised CUDA'\n")
+
+    code = (
+        "import torch\n"
+        "def refuse(*a, **k): raise AssertionError('eagle_capture initialised CUDA at import')\n"
+        "torch.cuda._lazy_init = refuse\n"
+        "import eagle_capture, eagle_capture.parallel.symm, eagle_capture.parallel.tp, eagle_capture.integrations.sglang.dropin\n"
+        "import eagle_capture.cli.doctor, eagle_capture.layer_ids.diagnosis, eagle_capture.layer_ids.plan, eagle_capture.testing.bench\n"
+        "assert not torch.cuda.is_initialized(), 'import initialised CUDA'\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
     # The guard itself works: a CUDA query at import time would have raised.
-    bad = code.replace("import eagle_capture.cli.doctor", "torch.cuda.current_device()\nimport eagle_capture.cli.doctor")
+    bad = code.replace(
+        "import eagle_capture.cli.doctor",
+        "torch.cuda.current_device()\nimport eagle_capture.cli.doctor",
+    )
     result = subprocess.run([sys.executable, "-c", bad], capture_output=True, text=True)
     assert "eagle_capture initialised CUDA at import" in result.stderr
 
@@ -467,16 +502,17 @@ def test_norm_input_choice_per_op(call, device, dtype, norm_fp32_sum, op):
 
     residual_ref = _sum(device, h, r)
     refs = {  # the norm of the stored residual, or of the exact sum
-        False: cast(add_rmsnorm_reference(residual_ref, torch.zeros_like(residual_ref), w,
-                                             EPS)[0]),
+        False: cast(add_rmsnorm_reference(residual_ref, torch.zeros_like(residual_ref), w, EPS)[0]),
         True: cast(add_rmsnorm_reference(h, r, w, EPS, norm_fp32_sum=True)[0]),
     }
     r_before = r.clone()
     aux = poisoned_aux(17, 2, 1000, dtype, dev)
     out = torch.full_like(r, float("nan"))
-    args = {"add_rmsnorm_capture": (h, r, w, EPS, aux, 1),
-            "add_rmsnorm_into_slot": (h, r, w, EPS, aux, 1),
-            "add_rmsnorm_out": (h, r, w, EPS, out)}[op]
+    args = {
+        "add_rmsnorm_capture": (h, r, w, EPS, aux, 1),
+        "add_rmsnorm_into_slot": (h, r, w, EPS, aux, 1),
+        "add_rmsnorm_out": (h, r, w, EPS, out),
+    }[op]
     with _mode(device):
         if call == "public":
             getattr(ec, op)(*args, norm_fp32_sum=norm_fp32_sum)
@@ -508,6 +544,7 @@ def test_each_registered_op_matches_its_public_function_and_cpu_op(name):
     """The registered op's schema is the public function's parameters, and (norm
     ops) the private CPU op's schema, mutated arguments included."""
     import inspect
+
     schema = getattr(torch.ops.eagle_capture, name).default._schema
     params = tuple(a.name for a in schema.arguments)
     assert tuple(inspect.signature(getattr(ec, name)).parameters) == params
@@ -516,8 +553,10 @@ def test_each_registered_op_matches_its_public_function_and_cpu_op(name):
         assert tuple(a.name for a in cpu.arguments) == params
 
         def mutated(s):
-            return {a.name for a in s.arguments if a.alias_info is not None
-                    and a.alias_info.is_write}
+            return {
+                a.name for a in s.arguments if a.alias_info is not None and a.alias_info.is_write
+            }
+
         assert mutated(cpu) == mutated(schema)
 
 
@@ -530,20 +569,26 @@ def test_the_eager_template_binds_each_pointer_as_the_kernels_arguments_do(name,
     import inspect
 
     from eagle_capture.kernels import add_rmsnorm_capture_kernel
+
     names = tuple(inspect.signature(add_rmsnorm_capture_kernel.fn).parameters)
     h, r, w, ro = torch.randn(2, 8), torch.randn(2, 8), torch.ones(8), torch.randn(2, 8)
     aux = torch.zeros(3, 2, 8)
     norm = name != "add_capture"
-    tensors = [h, r if absent != "residual" or norm else None, w if norm else None,
-               aux if name != "add_rmsnorm_out" and absent != "aux" else None,
-               ro if name == "add_rmsnorm_out" else None]
+    tensors = [
+        h,
+        r if absent != "residual" or norm else None,
+        w if norm else None,
+        aux if name != "add_rmsnorm_out" and absent != "aux" else None,
+        ro if name == "add_rmsnorm_out" else None,
+    ]
     in_place = name == "add_rmsnorm_capture"
     grid, values, _ = table._kernel_arguments(tensors, in_place, 1e-6, 1, False, False)
     assert set(values) == set(names)
     sources = table._pointer_sources(tensors, residual_in_place=in_place)
     assert {p: values[p] for p in sources} == {p: tensors[i] for p, i in sources.items()}
-    head, tail = table.LAUNCHER.signature.template(sources, {k: v for k, v in values.items()
-                                                         if k not in sources})
+    head, tail = table.LAUNCHER.signature.template(
+        sources, {k: v for k, v in values.items() if k not in sources}
+    )
     assert (*head(tensors), *tail) == table.LAUNCHER.signature.bind(values)
 
 
@@ -551,6 +596,7 @@ def test_kernel_arguments_are_bound_by_the_kernels_parameter_names():
     import inspect
 
     from eagle_capture.kernels import add_rmsnorm_capture_kernel
+
     names = tuple(inspect.signature(add_rmsnorm_capture_kernel.fn).parameters)
     h, r, w = torch.randn(2, 8), torch.randn(2, 8), torch.ones(8)
     aux = torch.zeros(3, 2, 8)

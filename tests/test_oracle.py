@@ -39,7 +39,7 @@ CASES = [  # (num_layers, draft ids or None for defaults, tokens)
     (6, [1, 2, 3], 5),
     (8, None, 17),
     (9, specforge_default_ids(9), 33),
-    (12, [0, 5, 9], 3),          # output of layer 0 = input to layer 1
+    (12, [0, 5, 9], 3),  # output of layer 0 = input to layer 1
 ]
 
 
@@ -47,7 +47,7 @@ CASES = [  # (num_layers, draft ids or None for defaults, tokens)
 def test_fused_equals_training_side_fp32(num_layers, draft_ids, num_tokens):
     model = tiny_deepseek(num_layers)
     ids = input_ids(num_tokens)
-    plan = build_plan(draft_ids, num_layers)          # SpecForge convention: ids = outputs
+    plan = build_plan(draft_ids, num_layers)  # SpecForge convention: ids = outputs
     loop = SGLangDeepseekLoop(model)
     _, fused = loop.forward(ids, plan.layers_to_capture, capture="fused")
     trained_ids = [s.output_of_layer for s in plan.slots]
@@ -89,8 +89,9 @@ def test_the_users_scenario_on_a_61_layer_target():
     model = tiny_deepseek(61)
     ids = input_ids(6)
     _, fused = SGLangDeepseekLoop(model).forward(ids, plan.layers_to_capture)
-    torch.testing.assert_close(fused, hf_training_capture(model, ids, [2, 30, 58]),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        fused, hf_training_capture(model, ids, [2, 30, 58]), rtol=1e-5, atol=1e-5
+    )
     # The same config on SGLang >= 0.5.13 is shifted by one layer: not what was trained.
     late = build_plan([2, 30, 58], 61, sglang_version="0.5.13")
     _, shifted = SGLangDeepseekLoop(model).forward(ids, late.layers_to_capture)

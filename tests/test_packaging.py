@@ -24,20 +24,28 @@ from checkout import ROOT, build_dists, fresh_checkout, seed_venv
 
 # Modules that import a serving engine at their top: checked only where the engine imports
 # (the fresh venv has torch and Triton, no engine); the real-engine tests import them.
-ENGINE_MODULES = {f"eagle_capture.integrations.vllm.{name}": "vllm"
-                  for name in ("install", "model", "norms")}
+ENGINE_MODULES = {
+    f"eagle_capture.integrations.vllm.{name}": "vllm" for name in ("install", "model", "norms")
+}
 # Run, not imported: importing a package's __main__ runs its command line.
 NOT_IMPORTED = {"eagle_capture.__main__"}
 
-EXAMPLE = ["doctor", "--draft-config", str(ROOT / "examples" / "llama3_70b_specforge_draft_config.json"),
-           "--target-config", str(ROOT / "examples" / "llama3_70b_target_config.json")]
+EXAMPLE = [
+    "doctor",
+    "--draft-config",
+    str(ROOT / "examples" / "llama3_70b_specforge_draft_config.json"),
+    "--target-config",
+    str(ROOT / "examples" / "llama3_70b_target_config.json"),
+]
 
 
 def _package_files(tree: Path) -> dict[str, bytes]:
     """Every file of the package in a source tree, by its path in a wheel."""
-    return {p.relative_to(tree).as_posix(): p.read_bytes()
-            for p in sorted((tree / "eagle_capture").rglob("*"))
-            if p.is_file() and "__pycache__" not in p.parts}
+    return {
+        p.relative_to(tree).as_posix(): p.read_bytes()
+        for p in sorted((tree / "eagle_capture").rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 def _module_names(tree: Path) -> list[str]:
@@ -52,29 +60,55 @@ def _clean_env() -> dict:
     """This process's environment without what would put the checkout on sys.path, and
     without the tests' Triton interpreter (it needs numpy, which the venv lacks; importing
     the kernels needs no interpreter)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "TRITON_INTERPRET")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "VIRTUAL_ENV", "TRITON_INTERPRET")
+    }
     env["PYTHONNOUSERSITE"] = "1"
     return env
 
 
 def _run(argv, cwd, timeout=300):
-    return subprocess.run([str(a) for a in argv], cwd=cwd, env=_clean_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [str(a) for a in argv],
+        cwd=cwd,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _install(wheel: Path, venv_python: Path, cwd: Path) -> None:
     # This Python's pip installs into the venv (--python): the venv needs no pip of its own.
-    result = _run([sys.executable, "-m", "pip", "--python", venv_python, "install", "-q",
-                   "--no-deps", "--no-index", wheel], cwd)
+    result = _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            venv_python,
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            wheel,
+        ],
+        cwd,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """(source tree, wheel, sdist), built from what ``git clone`` of this tree gives."""
-    if subprocess.run([sys.executable, "-c", "import setuptools.build_meta"],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            [sys.executable, "-c", "import setuptools.build_meta"], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("setuptools is not installed: nothing to build the wheel with")
     base = tmp_path_factory.mktemp("packaging")
     src, dist = base / "src", base / "dist"
@@ -109,9 +143,15 @@ def test_the_wheel_and_the_sdist_carry_every_file_of_the_package(built):
     with tarfile.open(sdist) as t:
         top = t.getnames()[0].split("/")[0]
         in_sdist = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    wanted = set(expected) | {"setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE",
-                              "CHANGELOG.md",
-                              "examples/llama3_70b_specforge_draft_config.json"}
+    wanted = set(expected) | {
+        "setup.py",
+        "pyproject.toml",
+        "MANIFEST.in",
+        "README.md",
+        "LICENSE",
+        "CHANGELOG.md",
+        "examples/llama3_70b_specforge_draft_config.json",
+    }
     assert sorted(wanted - in_sdist) == [], f"files the sdist {top} lacks"
 
 
@@ -119,6 +159,7 @@ def test_the_version_has_a_changelog_section(built):
     """The one version (eagle_capture.__version__, which setup.py reads) is what the wheel
     is called, and CHANGELOG.md describes it."""
     import eagle_capture
+
     assert built[1].name.startswith(f"eagle_capture-{eagle_capture.__version__}-")
     assert f"\n## {eagle_capture.__version__} " in (ROOT / "CHANGELOG.md").read_text()
 
@@ -158,8 +199,10 @@ print(json.dumps(out))
     assert out["failed"] == {}, out["failed"]
     # Only the engine modules may be skipped, and only for their engine.
     assert set(out["skipped"]) <= set(ENGINE_MODULES), out["skipped"]
-    print(f"modules imported from the wheel: {len(modules) - len(out['skipped'])} of "
-          f"{len(modules)}; skipped (engine not installed): {out['skipped'] or 'none'}")
+    print(
+        f"modules imported from the wheel: {len(modules) - len(out['skipped'])} of "
+        f"{len(modules)}; skipped (engine not installed): {out['skipped'] or 'none'}"
+    )
     assert out["entry_points"] == {
         "sglang.srt.plugins:eagle_capture": "eagle_capture.integrations.sglang.plugin:register",
         "vllm.general_plugins:eagle_capture": "eagle_capture.integrations.vllm.plugin:register",
@@ -192,7 +235,11 @@ def test_the_doctor_runs_without_torch_or_triton(without_torch):
     python, cwd = without_torch
     assert _run([python, "-c", "import torch"], cwd).returncode != 0, "the venv has torch"
     script = Path(python).parent / "eagle-capture"
-    for argv in ([script, "--help"], [script, "doctor", "--help"], [python, "-m", "eagle_capture", "--help"]):
+    for argv in (
+        [script, "--help"],
+        [script, "doctor", "--help"],
+        [python, "-m", "eagle_capture", "--help"],
+    ):
         result = _run(argv, cwd)
         assert result.returncode == 0 and result.stderr == "", (argv, result.stderr[-3000:])
     result = _run([script, *EXAMPLE], cwd)
@@ -205,11 +252,13 @@ def test_the_doctor_runs_without_torch_or_triton(without_torch):
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
     assert "needs torch" in result.stderr
     # The package itself imports; an op, used, says what is missing.
-    code = ("import sys, eagle_capture\n"
-            "assert 'torch' not in sys.modules and 'triton' not in sys.modules\n"
-            "try:\n"
-            "    eagle_capture.add_capture\n"
-            "except ModuleNotFoundError as e:\n"
-            "    print(e.name)\n")
+    code = (
+        "import sys, eagle_capture\n"
+        "assert 'torch' not in sys.modules and 'triton' not in sys.modules\n"
+        "try:\n"
+        "    eagle_capture.add_capture\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print(e.name)\n"
+    )
     result = _run([python, "-c", code], cwd)
     assert result.returncode == 0 and result.stdout.strip() == "torch", result.stderr[-3000:]

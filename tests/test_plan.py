@@ -18,17 +18,20 @@ from eagle_capture.layer_ids.plan import (
     plan_from_draft_config,
 )
 
-KIMI_IDS = [1, 29, 57]          # SpecForge's ids for a 61-layer target: outputs of these layers
+KIMI_IDS = [1, 29, 57]  # SpecForge's ids for a 61-layer target: outputs of these layers
 
 
-@pytest.mark.parametrize("config, expected", [
-    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": KIMI_IDS}}, KIMI_IDS),
-    # a top-level field: SGLang's target ignores it (the doctor reports it)
-    ({"eagle_aux_hidden_state_layer_ids": [2, 30]}, None),
-    ({"eagle_config": {}, "eagle_aux_hidden_state_layer_ids": [3]}, None),
-    ({"eagle_config": None}, None),
-    ({}, None),
-])
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": KIMI_IDS}}, KIMI_IDS),
+        # a top-level field: SGLang's target ignores it (the doctor reports it)
+        ({"eagle_aux_hidden_state_layer_ids": [2, 30]}, None),
+        ({"eagle_config": {}, "eagle_aux_hidden_state_layer_ids": [3]}, None),
+        ({"eagle_config": None}, None),
+        ({}, None),
+    ],
+)
 def test_ids_from_draft_config(config, expected):
     assert ids_from_draft_config(config) == expected
 
@@ -43,11 +46,13 @@ def test_plan_slots_buffer_and_format():
     assert buf.aux.shape == (16, 3, 32) and buf.aux.dtype == torch.float16
     assert [buf.slot_of(layer) for layer in (2, 30, 58)] == [0, 1, 2]
     text = plan.format().splitlines()
-    assert text[0] == ("capture plan: 61-layer target, ids [1, 29, 57], rule: ids are layer "
-                       "outputs (adds 1)")
+    assert text[0] == (
+        "capture plan: 61-layer target, ids [1, 29, 57], rule: ids are layer outputs (adds 1)"
+    )
     assert text[1] == "  layers_to_capture = [2, 30, 58]"
-    assert text[2] == ("  slot 0: id 1 -> capture at start of layer 2 = output of layer 1 = "
-                       "HF hidden_states[2]")
+    assert text[2] == (
+        "  slot 0: id 1 -> capture at start of layer 2 = output of layer 1 = HF hidden_states[2]"
+    )
     assert len(text) == 5 and not plan.warnings
     defaults = build_plan(None, 61)
     assert defaults.layers_to_capture == [2, 30, 58]
@@ -55,25 +60,32 @@ def test_plan_slots_buffer_and_format():
 
 
 def test_plan_warnings():
-    plan = build_plan([29, 1, 57], 61)              # not ascending, ids[0] != 1
-    assert plan.layers_to_capture == [2, 30, 58]    # slots in ascending layer order
+    plan = build_plan([29, 1, 57], 61)  # not ascending, ids[0] != 1
+    assert plan.layers_to_capture == [2, 30, 58]  # slots in ascending layer order
     assert any("not ascending" in w for w in plan.warnings)
     assert any("SGLang <= 0.5.12 would capture layers [30, 2, 58]" in w for w in plan.warnings)
     assert plan.format().count("  warning: ") == 2
 
 
-@pytest.mark.parametrize("ids, num_layers, kwargs, message", [
-    (KIMI_IDS, 3, {}, "num_layers must be an int >= 4"),
-    (KIMI_IDS, True, {}, "num_layers must be an int >= 4"),
-    ([], 61, {}, "is empty"),
-    ([1, 2.0, 3], 61, {}, "must be integers"),
-    ([1, True], 61, {}, "must be integers"),
-    ([1, 29, 29], 61, {}, "layer id 29 appears more than once"),
-    ([1, 29, 60], 61, {}, "maps to capture layer 61, outside the 61-layer target; the last "
-                          "usable id is 59"),
-    ([1, 2, 3], 61, {"convention": "sideways"}, "convention must be one of"),
-    (KIMI_IDS, 61, {"pp_layers": (0, 31)}, r"captures layer\(s\) \[58\]"),
-])
+@pytest.mark.parametrize(
+    "ids, num_layers, kwargs, message",
+    [
+        (KIMI_IDS, 3, {}, "num_layers must be an int >= 4"),
+        (KIMI_IDS, True, {}, "num_layers must be an int >= 4"),
+        ([], 61, {}, "is empty"),
+        ([1, 2.0, 3], 61, {}, "must be integers"),
+        ([1, True], 61, {}, "must be integers"),
+        ([1, 29, 29], 61, {}, "layer id 29 appears more than once"),
+        (
+            [1, 29, 60],
+            61,
+            {},
+            "maps to capture layer 61, outside the 61-layer target; the last usable id is 59",
+        ),
+        ([1, 2, 3], 61, {"convention": "sideways"}, "convention must be one of"),
+        (KIMI_IDS, 61, {"pp_layers": (0, 31)}, r"captures layer\(s\) \[58\]"),
+    ],
+)
 def test_plan_refusals(ids, num_layers, kwargs, message):
     with pytest.raises(CapturePlanError, match=message):
         build_plan(ids, num_layers, **kwargs)
@@ -86,7 +98,8 @@ def test_plan_for_the_capturing_pipeline_stage():
 
 def test_plan_from_a_config_file_and_folder(tmp_path):
     (tmp_path / "config.json").write_text(
-        json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": KIMI_IDS}}))
+        json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": KIMI_IDS}})
+    )
     for where in (tmp_path, tmp_path / "config.json", str(tmp_path)):
         assert plan_from_draft_config(where, 61).layers_to_capture == [2, 30, 58]
     with pytest.raises(CapturePlanError, match="must be a dict or a path"):
@@ -105,15 +118,22 @@ def test_cli_is_the_doctor(tmp_path, capsys):
     # vLLM's V1 runner takes these nested ids one layer early (V2, its default, reads none).
     assert main(["--draft-config", str(config), *deepseek, "--vllm-runner", "v1"]) == 1
     assert "captures [1, 29, 57]: PROBLEM -> write [2, 30, 58]" in " ".join(
-        capsys.readouterr().out.split())
-    assert main(["--draft-config", str(config), "--num-layers", "61", "--pp", "2",
-                 "--engine", "sglang"]) == 1
-    assert "run before the last PP stage: never captured" in " ".join(capsys.readouterr().out.split())
+        capsys.readouterr().out.split()
+    )
+    assert (
+        main(
+            ["--draft-config", str(config), "--num-layers", "61", "--pp", "2", "--engine", "sglang"]
+        )
+        == 1
+    )
+    assert "run before the last PP stage: never captured" in " ".join(
+        capsys.readouterr().out.split()
+    )
     assert main(["--draft-config", str(tmp_path / "missing.json"), "--num-layers", "61"]) == 2
     assert "error:" in capsys.readouterr().err
     config.write_text("{not json")
     assert main(["--draft-config", str(config), "--num-layers", "61"]) == 2
-    with pytest.raises(SystemExit):          # --target-config and --num-layers exclude each other
+    with pytest.raises(SystemExit):  # --target-config and --num-layers exclude each other
         main(["--draft-config", str(config), "--num-layers", "61", "--target-config", "x"])
 
 
@@ -121,6 +141,7 @@ def test_store_fused_allreduce_residual():
     """SGLang's fused all-reduce + add + RMSNorm hands back the reduced residual:
     TPCapture stores it into the layer's slot, and only there."""
     from eagle_capture.parallel.tp import TPCapture
+
     buf = AuxCaptureBuffer(8, 16, [2, 30, 58], dtype=torch.float32)
     buf.aux.fill_(float("nan"))
     residual_out = torch.randn(5, 16)
@@ -137,8 +158,14 @@ def test_consistency_check_of_chosen_layers(tmp_path):
     """check_capture_consistency(layer_ids=...) checks those layers only (world 1:
     the fingerprints and the gather run; the cross-rank comparison is in test_tp)."""
     from eagle_capture.parallel.tp import CaptureConsistencyError, check_capture_consistency
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
-                            world_size=1, timeout=timedelta(seconds=60))
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp_path}/store",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=60),
+    )
     try:
         buf = AuxCaptureBuffer(8, 16, [2, 30, 58], dtype=torch.float32)
         buf.aux.copy_(torch.randn(8, 3, 16))
@@ -152,8 +179,9 @@ def test_consistency_check_of_chosen_layers(tmp_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("start, end, ok", [(30, 59, True), (30, 58, False), (31, 61, False),
-                                            (30, 61, True)])
+@pytest.mark.parametrize(
+    "start, end, ok", [(30, 59, True), (30, 58, False), (31, 61, False), (30, 61, True)]
+)
 def test_pipeline_stage_bounds(start, end, ok):
     """Capture layers [30, 58] (input-convention ids): a stage
     [start, end) owns them only when start <= 30 and 58 < end -- at each bound,
@@ -170,6 +198,7 @@ def test_pipeline_stage_bounds(start, end, ok):
 def test_drop_in_refuses_layers_outside_the_stage(start, end, ok):
     """The drop-in's start-up check at the stage's bounds."""
     from eagle_capture.integrations.sglang.dropin import WrongCaptureLayers, check_capture_layers
+
     if ok:
         check_capture_layers([30, 58], start, end, allow_embedding=False)
     else:

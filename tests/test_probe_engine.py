@@ -34,8 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "tiny_eagle3"
 VLLM_VERSION = "0.32.0"
 
-pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1",
-                                reason="EAGLE_CAPTURE_SKIP_VLLM_REAL=1")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1", reason="EAGLE_CAPTURE_SKIP_VLLM_REAL=1"
+)
 
 
 def _run(base: Path, jobs, tp: int):
@@ -46,24 +47,38 @@ def _run(base: Path, jobs, tp: int):
     # The run's own compile cache, the session's shared model-inspection cache (vLLM
     # inspects each architecture in a fresh interpreter otherwise: ~10 s each, each run).
     cache = link_modelinfos(str(work / "cache"), str(base / "vllm_modelinfos"))
-    env = dict(BASE_ENV, PYTHONPATH=os.pathsep.join([vllm_overlay(VLLM_VERSION), str(ROOT)]),
-               VLLM_CACHE_ROOT=cache, VLLM_LOGGING_LEVEL="WARNING",
-               # vLLM's CPU workers bind one NUMA node each by default; the ranks share one.
-               VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env = dict(
+        BASE_ENV,
+        PYTHONPATH=os.pathsep.join([vllm_overlay(VLLM_VERSION), str(ROOT)]),
+        VLLM_CACHE_ROOT=cache,
+        VLLM_LOGGING_LEVEL="WARNING",
+        # vLLM's CPU workers bind one NUMA node each by default; the ranks share one.
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+    )
     env.pop("TRITON_INTERPRET", None)
     env.pop("EAGLE_CAPTURE", None)
     if tp == 1:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # the engine core in the child itself
-    proc = jobs.track(forkserver.start_process(
-        None, "tests.vllm_real.probe_engine",
-        ["--work", str(work), "--json", str(out), "--tp", str(tp)], env, str(ROOT), str(log)))
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the child itself
+    proc = jobs.track(
+        forkserver.start_process(
+            None,
+            "tests.vllm_real.probe_engine",
+            ["--work", str(work), "--json", str(out), "--tp", str(tp)],
+            env,
+            str(ROOT),
+            str(log),
+        )
+    )
     try:
         proc.wait(timeout=900)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    return (proc.returncode, log.read_text(errors="replace"),
-            json.loads(out.read_text()) if out.exists() else None)
+    return (
+        proc.returncode,
+        log.read_text(errors="replace"),
+        json.loads(out.read_text()) if out.exists() else None,
+    )
 
 
 RUNS = {"probe engine tp1": (1, 1, -100), "probe engine tp2": (2, 2, -150)}
@@ -73,11 +88,21 @@ def engine_jobs(item, base: Path, jobs) -> list:
     """The engine run a selected test needs (tests/engine_jobs.py)."""
     if os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1":
         return []
-    key = "probe engine tp2" if "tp2" in item.originalname or "tensor_parallel" in \
-        item.originalname else "probe engine tp1"
+    key = (
+        "probe engine tp2"
+        if "tp2" in item.originalname or "tensor_parallel" in item.originalname
+        else "probe engine tp1"
+    )
     tp, weight, priority = RUNS[key]
-    return [Job(priority, key, lambda: _run(base, jobs, tp), weight=weight,
-                needs=vllm_needs(VLLM_VERSION))]
+    return [
+        Job(
+            priority,
+            key,
+            lambda: _run(base, jobs, tp),
+            weight=weight,
+            needs=vllm_needs(VLLM_VERSION),
+        )
+    ]
 
 
 def _result(engine_jobs, key):
@@ -87,9 +112,16 @@ def _result(engine_jobs, key):
 
 
 def _transformers(draft: Path, prompts: Path = DATA / "prompts.jsonl") -> dict:
-    return run_probe(str(DATA / "target"), str(draft), str(prompts),
-                     device="cpu", dtype="fp32", max_tokens=64, log=lambda s: None,
-                     progress=False).to_json()
+    return run_probe(
+        str(DATA / "target"),
+        str(draft),
+        str(prompts),
+        device="cpu",
+        dtype="fp32",
+        max_tokens=64,
+        log=lambda s: None,
+        progress=False,
+    ).to_json()
 
 
 def _assert_same_answer(engine: dict, reference: dict, max_token_flips: int) -> None:
@@ -106,8 +138,9 @@ def _assert_same_answer(engine: dict, reference: dict, max_token_flips: int) -> 
     # The vLLM mode answers for vLLM: the reference's vLLM lines alone decide it.
     vllm_lines = [e for e in reference["engines"] if e.startswith("vLLM")]
     assert engine["engines"] == vllm_lines
-    assert engine["ok"] == (reference["verdict"] == "CONFIRMED"
-                            and all(e.endswith(": OK") for e in vllm_lines))
+    assert engine["ok"] == (
+        reference["verdict"] == "CONFIRMED" and all(e.endswith(": OK") for e in vllm_lines)
+    )
 
 
 @pytest.mark.parametrize("case", ["specforge", "speculators", "converted", "mla"])
@@ -124,9 +157,13 @@ def test_engine_mode_equals_transformers_mode(engine_jobs, case, tmp_path):
     _assert_same_answer(engine, reference, max_token_flips=0)
     assert engine["measured"]["engine"] == "vllm" and engine["measured"]["tp"] == 1
     assert engine["measured"]["prompts"] == 64 and engine["measured"]["ranks_checked"] == 1
-    assert engine["measured"]["engine_token_differs"] == 0     # vLLM's own greedy token
-    expected = {"specforge": "CONFIRMED", "speculators": "CONFIRMED", "converted": "MISMATCH",
-                "mla": "CONFIRMED"}
+    assert engine["measured"]["engine_token_differs"] == 0  # vLLM's own greedy token
+    expected = {
+        "specforge": "CONFIRMED",
+        "speculators": "CONFIRMED",
+        "converted": "MISMATCH",
+        "mla": "CONFIRMED",
+    }
     assert engine["verdict"] == expected[case]
     if case == "converted":
         assert engine["verdict_text"].startswith("MISMATCH: capture layers [2, 4, 6]")
@@ -162,7 +199,8 @@ def test_tensor_parallel_2_captures_full_reduced_states(engine_jobs, tmp_path):
     assert measured["tp"] == 2 and measured["ranks_checked"] == 2
     assert measured["hidden_size"] == 64 and measured["prompts"] == TP2_PROMPTS
     assert measured["max_rank_difference"] <= 1e-6
-    _assert_same_answer(engine, _transformers(DATA / "draft_specforge", prompts(tmp_path, 2)),
-                        max_token_flips=2)
+    _assert_same_answer(
+        engine, _transformers(DATA / "draft_specforge", prompts(tmp_path, 2)), max_token_flips=2
+    )
     assert data["partial_sums"]["refused"], data["partial_sums"]
     assert "partial sums" in data["partial_sums"]["error"]

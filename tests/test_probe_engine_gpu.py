@@ -34,19 +34,23 @@ pytest.importorskip("transformers")
 # then refuses this skip).
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM's CUDA build is not installed (the GPU machine: carry "
-                              "tools/gpu/make_vllm_engine_bundle.sh's .vllm_engine and .whl)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM's CUDA build is not installed (the GPU machine: carry "
+        "tools/gpu/make_vllm_engine_bundle.sh's .vllm_engine and .whl)",
+    ),
 ]
 
 from eagle_capture.probe.probe import run_probe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "tiny_eagle3"
-EXPECTED = {"specforge": "CONFIRMED: the draft was trained on capture layers [2, 4, 6]",
-            "speculators": "CONFIRMED: the draft was trained on capture layers [1, 3, 6]",
-            "converted": "MISMATCH: capture layers [2, 4, 6]",
-            "mla": "CONFIRMED: the draft was trained on capture layers [3, 5, 7]"}
+EXPECTED = {
+    "specforge": "CONFIRMED: the draft was trained on capture layers [2, 4, 6]",
+    "speculators": "CONFIRMED: the draft was trained on capture layers [1, 3, 6]",
+    "converted": "MISMATCH: capture layers [2, 4, 6]",
+    "mla": "CONFIRMED: the draft was trained on capture layers [3, 5, 7]",
+}
 # fp32 on one GPU: vLLM's attention and GEMMs against transformers' differ in the last
 # bits; a token whose two best draft logits tie that closely may flip. Allowed: 0.25% of
 # the 4,032 tokens per reading.
@@ -60,15 +64,36 @@ def engine_run(request, tmp_path_factory):
     dtype = request.param
     work = tmp_path_factory.mktemp(f"probe_engine_cuda_{dtype}")
     out = work / "probe.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in [os.environ.get("PYTHONPATH", ""), str(ROOT)] if p))
-    env.pop("EAGLE_CAPTURE", None)     # the serving plugin stays out of the probe's engine
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in [os.environ.get("PYTHONPATH", ""), str(ROOT)] if p),
+    )
+    env.pop("EAGLE_CAPTURE", None)  # the serving plugin stays out of the probe's engine
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.vllm_real.probe_engine", "--work", str(work), "--json",
-         str(out), "--tp", "1", "--device", "cuda", "--dtype", dtype],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and out.exists(), \
+        [
+            sys.executable,
+            "-m",
+            "tests.vllm_real.probe_engine",
+            "--work",
+            str(work),
+            "--json",
+            str(out),
+            "--tp",
+            "1",
+            "--device",
+            "cuda",
+            "--dtype",
+            dtype,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0 and out.exists(), (
         f"the engine run failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
+    )
     record = os.environ.get("EAGLE_CAPTURE_RECORD")
     if record:
         Path(record).mkdir(parents=True, exist_ok=True)
@@ -77,9 +102,16 @@ def engine_run(request, tmp_path_factory):
 
 
 def _transformers(draft: Path, dtype: str) -> dict:
-    return run_probe(str(DATA / "target"), str(draft), str(DATA / "prompts.jsonl"),
-                     device="cuda", dtype=dtype, max_tokens=64, log=lambda s: None,
-                     progress=False).to_json()
+    return run_probe(
+        str(DATA / "target"),
+        str(draft),
+        str(DATA / "prompts.jsonl"),
+        device="cuda",
+        dtype=dtype,
+        max_tokens=64,
+        log=lambda s: None,
+        progress=False,
+    ).to_json()
 
 
 def _hits(report: dict) -> dict:
@@ -98,8 +130,9 @@ def test_engine_mode_on_cuda_equals_transformers_mode(engine_run):
         # The vLLM mode answers for vLLM: the reference's vLLM lines alone decide it.
         vllm_lines = [e for e in reference["engines"] if e.startswith("vLLM")]
         assert engine["engines"] == vllm_lines, case
-        assert engine["ok"] == (reference["verdict"] == "CONFIRMED"
-                                and all(e.endswith(": OK") for e in vllm_lines)), case
+        assert engine["ok"] == (
+            reference["verdict"] == "CONFIRMED" and all(e.endswith(": OK") for e in vllm_lines)
+        ), case
         mine, theirs = _hits(engine), _hits(reference)
         assert mine.keys() == theirs.keys()
         for layers, (hits, tokens) in mine.items():
@@ -118,7 +151,7 @@ def test_engine_mode_on_cuda_equals_transformers_mode(engine_run):
 def test_command_line_in_vllms_cuda_engine(engine_run):
     dtype, data, _ = engine_run
     cli = data["cli"]
-    assert cli["exit"] == 1, cli["stderr"][-3000:]      # vLLM's lines wrong for SpecForge's ids
+    assert cli["exit"] == 1, cli["stderr"][-3000:]  # vLLM's lines wrong for SpecForge's ids
     plan = cli["stderr"].index(f"the target in vLLM's engine at tensor parallel 1, dtype {dtype}")
     assert cli["stderr"].index("vLLM served the target in") > plan
     assert "trainer: SpecForge" in cli["stdout"] and EXPECTED["specforge"] in cli["stdout"]

@@ -36,8 +36,10 @@ DATA = ROOT / "tests" / "data" / "tiny_eagle3"
 # entrypoint imports uvloop; its scheduler processes setproctitle).
 ENGINE_DEPS = ("uvloop", "setproctitle")
 
-pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL") == "1",
-                                reason="EAGLE_CAPTURE_SKIP_SGLANG_REAL=1 (no PyPI here)")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL") == "1",
+    reason="EAGLE_CAPTURE_SKIP_SGLANG_REAL=1 (no PyPI here)",
+)
 
 
 def _engine_deps() -> str:
@@ -46,22 +48,43 @@ def _engine_deps() -> str:
         mark = target / ".ok"
         if not mark.exists() or mark.read_text() != " ".join(ENGINE_DEPS):
             with PIP_LOCK:
-                done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                                       "--target", str(target), *ENGINE_DEPS],
-                                      capture_output=True, text=True, timeout=600)
+                done = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "pip",
+                        "install",
+                        "-q",
+                        "--no-deps",
+                        "--target",
+                        str(target),
+                        *ENGINE_DEPS,
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                )
             assert done.returncode == 0, done.stderr[-3000:]
             mark.write_text(" ".join(ENGINE_DEPS))
         return str(target)
+
     return once("sglang engine deps", build)
 
 
 def _env(version: str, tp: int) -> dict:
-    env = dict(BASE_ENV, PYTHONPATH=os.pathsep.join([
-        str(ROOT / "tests" / "sglang_real" / "engine_site"),
-        _overlay("tools/sglang_real_env.sh", version), _engine_deps(), str(ROOT)]))
-    env["SGLANG_USE_CPU_ENGINE"] = "1"          # SGLang's CPU engine (no AMX here: torch ops)
-    env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1))
-                                                  for r in range(tp))
+    env = dict(
+        BASE_ENV,
+        PYTHONPATH=os.pathsep.join(
+            [
+                str(ROOT / "tests" / "sglang_real" / "engine_site"),
+                _overlay("tools/sglang_real_env.sh", version),
+                _engine_deps(),
+                str(ROOT),
+            ]
+        ),
+    )
+    env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU engine (no AMX here: torch ops)
+    env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
     env["PYTHONPYCACHEPREFIX"] = str(ROOT / ".cache" / "pycache")
     for key in ("TRITON_INTERPRET", "EAGLE_CAPTURE", "PYTHONDONTWRITEBYTECODE"):
         env.pop(key, None)
@@ -72,24 +95,36 @@ def _run(base: Path, jobs, version: str, tp: int, cli_only: bool):
     work = base / f"probe_sglang_{version}_tp{tp}"
     work.mkdir(parents=True, exist_ok=True)
     out, log = work / "probe.json", work / "probe.log"
-    proc = jobs.track(forkserver.start_process(
-        None, "tests.sglang_real.probe_engine",
-        ["--work", str(work), "--json", str(out), "--tp", str(tp)]
-        + (["--cli-only"] if cli_only else []), _env(version, tp), str(ROOT), str(log)))
+    proc = jobs.track(
+        forkserver.start_process(
+            None,
+            "tests.sglang_real.probe_engine",
+            ["--work", str(work), "--json", str(out), "--tp", str(tp)]
+            + (["--cli-only"] if cli_only else []),
+            _env(version, tp),
+            str(ROOT),
+            str(log),
+        )
+    )
     try:
         proc.wait(timeout=1500)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    return (proc.returncode, log.read_text(errors="replace"),
-            json.loads(out.read_text()) if out.exists() else None)
+    return (
+        proc.returncode,
+        log.read_text(errors="replace"),
+        json.loads(out.read_text()) if out.exists() else None,
+    )
 
 
 # key: (version, tp, command line only, weight, priority)
-RUNS = {"sglang probe 0.5.23 tp1": ("0.5.23", 1, False, 1, -400),
-        "sglang probe 0.5.20 tp2": ("0.5.20", 2, False, 2, -300),
-        "sglang probe 0.5.9 cli": ("0.5.9", 1, True, 1, -150),
-        "sglang probe 0.5.13 cli": ("0.5.13", 1, True, 1, -150)}
+RUNS = {
+    "sglang probe 0.5.23 tp1": ("0.5.23", 1, False, 1, -400),
+    "sglang probe 0.5.20 tp2": ("0.5.20", 2, False, 2, -300),
+    "sglang probe 0.5.9 cli": ("0.5.9", 1, True, 1, -150),
+    "sglang probe 0.5.13 cli": ("0.5.13", 1, True, 1, -150),
+}
 
 
 def _key(item) -> str:
@@ -108,8 +143,15 @@ def engine_jobs(item, base: Path, jobs) -> list:
         return []
     key = _key(item)
     version, tp, cli_only, weight, priority = RUNS[key]
-    return [Job(priority, key, lambda: _run(base, jobs, version, tp, cli_only), weight=weight,
-                needs=sglang_needs(version))]
+    return [
+        Job(
+            priority,
+            key,
+            lambda: _run(base, jobs, version, tp, cli_only),
+            weight=weight,
+            needs=sglang_needs(version),
+        )
+    ]
 
 
 def _result(engine_jobs, key):
@@ -119,13 +161,22 @@ def _result(engine_jobs, key):
 
 
 def _transformers(draft: Path, prompts: Path, version: str) -> dict:
-    return run_probe(str(DATA / "target"), str(draft), str(prompts), device="cpu",
-                     dtype="fp32", max_tokens=64, log=lambda s: None, progress=False,
-                     sglang_version=version).to_json()
+    return run_probe(
+        str(DATA / "target"),
+        str(draft),
+        str(prompts),
+        device="cpu",
+        dtype="fp32",
+        max_tokens=64,
+        log=lambda s: None,
+        progress=False,
+        sglang_version=version,
+    ).to_json()
 
 
 def _prompts(tmp_path: Path, tp: int) -> Path:
     from tests.sglang_real.probe_engine import prompts
+
     return prompts(tmp_path, tp)
 
 
@@ -143,8 +194,9 @@ def _assert_same_answer(engine: dict, reference: dict, max_token_flips: int) -> 
         assert engine[key] == reference[key], key
     sglang_lines = [e for e in reference["engines"] if e.startswith("SGLang")]
     assert engine["engines"] == sglang_lines and len(sglang_lines) == 1
-    assert engine["ok"] == (reference["verdict"] == "CONFIRMED"
-                            and sglang_lines[0].endswith(": OK"))
+    assert engine["ok"] == (
+        reference["verdict"] == "CONFIRMED" and sglang_lines[0].endswith(": OK")
+    )
 
 
 @pytest.mark.parametrize("case", ["specforge", "speculators", "converted"])
@@ -178,9 +230,11 @@ def test_command_line_in_sglangs_engine(engine_jobs, tmp_path):
     assert cli["exit"] == 0, cli["stderr"][-3000:]
     err = cli["stderr"]
     plan = err.index("the target in SGLang's engine at tensor parallel 1, dtype fp32")
-    settings = err.index("SGLang 0.5.23 runs with the settings the capture needs: CUDA graphs "
-                         "off, torch.compile off, radix cache off, chunked prefill off, "
-                         "FlashInfer all-reduce fusion off")
+    settings = err.index(
+        "SGLang 0.5.23 runs with the settings the capture needs: CUDA graphs "
+        "off, torch.compile off, radix cache off, chunked prefill off, "
+        "FlashInfer all-reduce fusion off"
+    )
     assert plan < settings < err.index("SGLang served the target in")
     assert "KV cache pool of 1088 tokens" in err[plan:settings]
     assert "trainer: SpecForge" in cli["stdout"] and "CONFIRMED" in cli["stdout"]
@@ -220,8 +274,11 @@ def test_tensor_parallel_2_captures_full_reduced_states(engine_jobs, tmp_path):
     assert measured["tp"] == 2 and measured["ranks_checked"] == 2
     assert measured["hidden_size"] == 64 and measured["prompts"] == 12
     assert measured["max_rank_difference"] <= 1e-6
-    _assert_same_answer(engine, _transformers(DATA / "draft_specforge", _prompts(tmp_path, 2),
-                                              "0.5.20"), max_token_flips=2)
+    _assert_same_answer(
+        engine,
+        _transformers(DATA / "draft_specforge", _prompts(tmp_path, 2), "0.5.20"),
+        max_token_flips=2,
+    )
     partial = data["partial_sums"]
     assert partial["refused"], partial
     assert "partial sums" in partial["error"] and "capture layer 4" in partial["error"]

@@ -49,6 +49,7 @@ def _installed(tmp_path, monkeypatch, version: str) -> None:
 def _nothing_loads(monkeypatch):
     def loaded(*args, **kwargs):
         raise AssertionError("loaded before the input was checked")
+
     monkeypatch.setattr(probe_mod, "load_draft", loaded)
     monkeypatch.setattr(probe_mod, "_load_target", loaded)
     monkeypatch.setattr(probe_mod, "_engine_target", loaded)
@@ -69,11 +70,21 @@ def _one_line_exit_2(capsys, argv, message):
     assert _exit_status(argv) == 2, argv
     err = capsys.readouterr().err
     assert message in err, (argv, err)
-    assert len(err.strip().splitlines()) == 1, (argv, err)   # no plan, no traceback
+    assert len(err.strip().splitlines()) == 1, (argv, err)  # no plan, no traceback
 
 
-BASE = ["--target", str(TARGET), "--draft", str(DATA / "draft_specforge"), "--prompts",
-        str(PROMPTS), "--device", "cpu", "--engine", "sglang"]
+BASE = [
+    "--target",
+    str(TARGET),
+    "--draft",
+    str(DATA / "draft_specforge"),
+    "--prompts",
+    str(PROMPTS),
+    "--device",
+    "cpu",
+    "--engine",
+    "sglang",
+]
 
 
 def test_sglang_not_installed(capsys, monkeypatch):
@@ -81,8 +92,7 @@ def test_sglang_not_installed(capsys, monkeypatch):
     if importlib.util.find_spec("sglang") is not None:
         pytest.skip("SGLang is installed in this Python")
     _nothing_loads(monkeypatch)
-    _one_line_exit_2(capsys, BASE, "error: --engine sglang: SGLang is not installed in this "
-                                   "Python")
+    _one_line_exit_2(capsys, BASE, "error: --engine sglang: SGLang is not installed in this Python")
 
 
 def test_bad_sglang_input_is_refused_before_anything_loads(tmp_path, capsys, monkeypatch):
@@ -92,22 +102,36 @@ def test_bad_sglang_input_is_refused_before_anything_loads(tmp_path, capsys, mon
     _nothing_loads(monkeypatch)
     _installed(tmp_path, monkeypatch, "0.5.13")
     for extra, message in [
-            (["--tp", "3"], "--tp 3: the target's 2 attention heads do not divide over 3 ranks "
-                            "(SGLang requires"),
-            (["--tp", "4"], "SGLang cannot serve the target at tensor parallel 4"),
-            (["--sglang-version", "0.5.23"], "--sglang-version 0.5.23: --engine sglang runs "
-                                             "and reports the installed SGLang, 0.5.13"),
-            (["--engine-arg", "forward_hooks=[]"], "--engine-arg forward_hooks (the probe's "
-                                                   "capture): set by the probe"),
-            (["--engine-arg", "disable_cuda_graph=false"], "disable_cuda_graph (a CUDA graph "
-                                                           "replay skips the hooks)"),
-            (["--engine-arg", "cuda_graph_max_bs=8"], "cuda_graph_max_bs (a CUDA graph replay"),
-            (["--engine-arg", "chunked_prefill_size=512"], "chunked_prefill_size (one forward "
-                                                           "per prompt)"),
-            (["--engine-arg", "enable_dp_attention=true"], "enable_dp_attention"),
-            (["--engine-arg", "pp_size=2"], "pp_size (the probe hooks one pipeline stage)"),
-            (["--engine-arg", "enforce_disable_flashinfer_allreduce_fusion=false"],
-             "enforce_disable_flashinfer_allreduce_fusion")]:
+        (
+            ["--tp", "3"],
+            "--tp 3: the target's 2 attention heads do not divide over 3 ranks (SGLang requires",
+        ),
+        (["--tp", "4"], "SGLang cannot serve the target at tensor parallel 4"),
+        (
+            ["--sglang-version", "0.5.23"],
+            "--sglang-version 0.5.23: --engine sglang runs "
+            "and reports the installed SGLang, 0.5.13",
+        ),
+        (
+            ["--engine-arg", "forward_hooks=[]"],
+            "--engine-arg forward_hooks (the probe's capture): set by the probe",
+        ),
+        (
+            ["--engine-arg", "disable_cuda_graph=false"],
+            "disable_cuda_graph (a CUDA graph replay skips the hooks)",
+        ),
+        (["--engine-arg", "cuda_graph_max_bs=8"], "cuda_graph_max_bs (a CUDA graph replay"),
+        (
+            ["--engine-arg", "chunked_prefill_size=512"],
+            "chunked_prefill_size (one forward per prompt)",
+        ),
+        (["--engine-arg", "enable_dp_attention=true"], "enable_dp_attention"),
+        (["--engine-arg", "pp_size=2"], "pp_size (the probe hooks one pipeline stage)"),
+        (
+            ["--engine-arg", "enforce_disable_flashinfer_allreduce_fusion=false"],
+            "enforce_disable_flashinfer_allreduce_fusion",
+        ),
+    ]:
         _one_line_exit_2(capsys, BASE + extra, message)
 
 
@@ -115,12 +139,14 @@ def test_a_line_the_probe_cannot_drive(tmp_path, capsys, monkeypatch):
     """SGLang older than 0.5.9: refused, naming the first line it drives."""
     _nothing_loads(monkeypatch)
     _installed(tmp_path, monkeypatch, "0.5.4")
-    _one_line_exit_2(capsys, BASE, "--engine sglang: SGLang 0.5.4 is older than 0.5.9, the "
-                                   "first line the probe drives")
+    _one_line_exit_2(
+        capsys,
+        BASE,
+        "--engine sglang: SGLang 0.5.4 is older than 0.5.9, the first line the probe drives",
+    )
 
 
-def test_0_5_9_cannot_turn_the_fusion_off_for_deepseek_at_tp_above_1(tmp_path, capsys,
-                                                                     monkeypatch):
+def test_0_5_9_cannot_turn_the_fusion_off_for_deepseek_at_tp_above_1(tmp_path, capsys, monkeypatch):
     """0.5.9 turns the FlashInfer all-reduce fusion on for DeepSeek-V3 / Kimi-K2.5 with no
     switch: refused at TP > 1 (no CUDA device here: it cannot tell the GPU, refuses), with
     the reason and what to do; at TP 1, or on 0.5.13, the input is accepted (it gets as far
@@ -129,11 +155,14 @@ def test_0_5_9_cannot_turn_the_fusion_off_for_deepseek_at_tp_above_1(tmp_path, c
     target = str(_deepseek_target(tmp_path))
     argv = ["--target", target] + BASE[2:]
     _installed(tmp_path, monkeypatch, "0.5.9")
-    _one_line_exit_2(capsys, argv + ["--tp", "2"],
-                     "SGLang 0.5.9 turns the FlashInfer all-reduce + RMSNorm fusion on for "
-                     "DeepseekV3ForCausalLM on sm90 / sm100 GPUs")
+    _one_line_exit_2(
+        capsys,
+        argv + ["--tp", "2"],
+        "SGLang 0.5.9 turns the FlashInfer all-reduce + RMSNorm fusion on for "
+        "DeepseekV3ForCausalLM on sm90 / sm100 GPUs",
+    )
     with pytest.raises(AssertionError, match="loaded before"):
-        main(argv)      # TP 1: accepted, the draft is loaded next
+        main(argv)  # TP 1: accepted, the draft is loaded next
 
     assert line_problem("0.5.9", "KimiK25ForConditionalGeneration", 8, None)
     assert line_problem("0.5.9", "KimiK25ForConditionalGeneration", 8, (9, 0))
@@ -144,12 +173,15 @@ def test_0_5_9_cannot_turn_the_fusion_off_for_deepseek_at_tp_above_1(tmp_path, c
     assert line_problem("0.5.23", "KimiK25ForConditionalGeneration", 8, (9, 0)) is None
 
 
-def test_a_draft_the_probe_cannot_read_is_refused_before_sglang_starts(tmp_path, capsys,
-                                                                         monkeypatch):
+def test_a_draft_the_probe_cannot_read_is_refused_before_sglang_starts(
+    tmp_path, capsys, monkeypatch
+):
     """A --draft the probe cannot run: an EAGLE-3 draft's config over weights without the
     draft's fc (a Llama checkpoint's): one line, exit 2, SGLang never started."""
+
     def started(*args, **kwargs):
         raise AssertionError("SGLang started")
+
     monkeypatch.setattr(probe_mod, "_engine_target", started)
     _installed(tmp_path, monkeypatch, "0.5.23")
     draft = tmp_path / "not_a_draft"
@@ -166,21 +198,32 @@ def test_server_arguments_per_line():
     fusion forced off where the switch exists (0.5.13+), piecewise CUDA graphs off by their
     own switch in 0.5.13 (disable_cuda_graph covers them from 0.5.18, off by default in
     0.5.9), CUDA graphs, radix cache, chunked prefill off, one replica and stage."""
-    common = dict(disable_cuda_graph=True, enable_torch_compile=False,
-                  disable_radix_cache=True, chunked_prefill_size=-1, dp_size=1, pp_size=1,
-                  enable_dp_attention=False, max_running_requests=1,
-                  skip_tokenizer_init=True, enable_flashinfer_allreduce_fusion=False)
+    common = dict(
+        disable_cuda_graph=True,
+        enable_torch_compile=False,
+        disable_radix_cache=True,
+        chunked_prefill_size=-1,
+        dp_size=1,
+        pp_size=1,
+        enable_dp_attention=False,
+        max_running_requests=1,
+        skip_tokenizer_init=True,
+        enable_flashinfer_allreduce_fusion=False,
+    )
     for version in ("0.5.9", "0.5.13", "0.5.18", "0.5.20", "0.5.23"):
         kw = engine_kwargs(version, TARGET, 8, "auto", 512, ["spec"])
         for key, value in common.items():
             assert kw[key] == value, (version, key)
         assert kw["tp_size"] == 8 and kw["forward_hooks"] == ["spec"] and kw["dtype"] == "auto"
         assert kw.get("enforce_disable_flashinfer_allreduce_fusion") is (
-            None if version == "0.5.9" else True), version
-        assert kw.get("disable_piecewise_cuda_graph") is (True if version == "0.5.13"
-                                                          else None), version
-        assert kw.get("enable_piecewise_cuda_graph") is (False if version == "0.5.9"
-                                                         else None), version
+            None if version == "0.5.9" else True
+        ), version
+        assert kw.get("disable_piecewise_cuda_graph") is (True if version == "0.5.13" else None), (
+            version
+        )
+        assert kw.get("enable_piecewise_cuda_graph") is (False if version == "0.5.9" else None), (
+            version
+        )
     user = engine_kwargs("0.5.23", TARGET, 1, "bf16", 64, [], {"quantization": "fp8"})
     assert user["quantization"] == "fp8" and user["dtype"] == "bfloat16"
     assert fixed_arg("quantization") is None and fixed_arg("mem_fraction_static") is None
@@ -200,11 +243,14 @@ def test_the_engine_named_is_the_engine_answered_for():
     provenance = recognise(ids, 8, tmodel.architecture, "auto")
 
     def report(engines):
-        cands = [Candidate((2, 4, 6), ["config: output convention"], True, 900, 1000),
-                 Candidate((2, 4, 5), ["vLLM V2 captures"], False, 500, 1000)]
+        cands = [
+            Candidate((2, 4, 6), ["config: output convention"], True, 900, 1000),
+            Candidate((2, 4, 5), ["vLLM V2 captures"], False, 500, 1000),
+        ]
         r = ProbeReport(8, cands, provenance, 0.0)
         judge(r, ids, tmodel.architecture, 0.03, "0.5.23", engines=engines)
         return r
+
     both, sglang, vllm = report(("sglang", "vllm")), report(("sglang",)), report(("vllm",))
     assert all(r.verdict.startswith("CONFIRMED") for r in (both, sglang, vllm))
     assert sglang.engines == ["SGLang 0.5.23 captures [2, 4, 6]: OK"] and sglang.ok

@@ -16,8 +16,7 @@ from eagle_capture.testing.reference import add_rmsnorm_reference
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-SETTINGS = settings(max_examples=60, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
@@ -25,22 +24,34 @@ def cases(draw):
     num_tokens = draw(st.integers(0, 40))
     hidden_size = draw(st.integers(1, 300))
     return dict(
-        num_tokens=num_tokens, hidden_size=hidden_size,
+        num_tokens=num_tokens,
+        hidden_size=hidden_size,
         extra_rows=draw(st.integers(0, 3)),
         num_slots=draw(st.integers(1, 4)),
         slot_seed=draw(st.integers(0, 3)),
         dtype=draw(st.sampled_from(DTYPES)),
-        pad_h=draw(st.integers(0, 9)), pad_r=draw(st.integers(0, 9)),
+        pad_h=draw(st.integers(0, 9)),
+        pad_r=draw(st.integers(0, 9)),
         offset_h=draw(st.integers(0, 3)),
-        op=draw(st.sampled_from(["add_capture", "add_capture_no_residual", "add_rmsnorm_capture",
-                                 "add_rmsnorm_no_aux", "add_rmsnorm_into_slot", "add_rmsnorm_out"])),
+        op=draw(
+            st.sampled_from(
+                [
+                    "add_capture",
+                    "add_capture_no_residual",
+                    "add_rmsnorm_capture",
+                    "add_rmsnorm_no_aux",
+                    "add_rmsnorm_into_slot",
+                    "add_rmsnorm_out",
+                ]
+            )
+        ),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
 
 def _rows(num_tokens, hidden_size, pad, offset, dtype, device, g):
     base = torch.randn(num_tokens, hidden_size + pad + offset, generator=g)
-    return base.to(dtype=dtype, device=device)[:, offset:offset + hidden_size]
+    return base.to(dtype=dtype, device=device)[:, offset : offset + hidden_size]
 
 
 @pytest.mark.parametrize("device", DEVICES)

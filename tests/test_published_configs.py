@@ -18,7 +18,7 @@ from eagle_capture.layer_ids.rules import sglang_model_rule
 from eagle_capture.layer_ids.trainers import recognise
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "published_configs")
-NAMES = sorted(f[:-len(".config.json")] for f in os.listdir(DATA) if f.endswith(".config.json"))
+NAMES = sorted(f[: -len(".config.json")] for f in os.listdir(DATA) if f.endswith(".config.json"))
 
 
 def _case(name):
@@ -29,8 +29,18 @@ def _case(name):
 
 def _json(capsys, path, case, *extra):
     target = case["target"]
-    code = doctor.main(["--draft-config", path, "--num-layers", str(target["num_layers"]),
-                        "--target-architecture", target["architecture"], "--json", *extra])
+    code = doctor.main(
+        [
+            "--draft-config",
+            path,
+            "--num-layers",
+            str(target["num_layers"]),
+            "--target-architecture",
+            target["architecture"],
+            "--json",
+            *extra,
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["exit"] == code
     return code, out
@@ -58,8 +68,12 @@ def test_verdict_exit_and_fix(name, capsys):
     if "readings" in want:
         assert sorted(readings) == sorted(want["readings"])
     if "fix_vllm" in want:
-        fixes = {tuple(line["fix"]) for reading in out["engines"]["vllm"]["readings"]
-                 for line in reading["lines"] if line["decides"] and line["fix"]}
+        fixes = {
+            tuple(line["fix"])
+            for reading in out["engines"]["vllm"]["readings"]
+            for line in reading["lines"]
+            if line["decides"] and line["fix"]
+        }
         assert fixes == {tuple(want["fix_vllm"])}
     if "trainer_said" in want:
         assert out["trainer"] == want["trainer_said"]
@@ -83,8 +97,7 @@ def test_kimi_k25_when_the_user_knows_the_run(capsys):
     """SpecForge's Kimi-K2.5 draft from its sglang==0.5.6 days: --id-convention output
     (HF backend / 0.5.6: capture layers [3, 31, 59]) gives one fix per engine."""
     path, case = _case("specforge_kimi_k25")
-    code, out = _json(capsys, path, case, "--id-convention", "output", "--sglang-version",
-                      "0.5.23")
+    code, out = _json(capsys, path, case, "--id-convention", "output", "--sglang-version", "0.5.23")
     assert code == 1
     want = case["expected"]["with_output_convention"]
     sglang = out["engines"]["sglang"]["readings"][0]["lines"]
@@ -102,16 +115,18 @@ def test_plugins_start_up_check_agrees_with_the_doctor(name, capsys):
     _, out = _json(capsys, path, case, "--sglang-version", "0.5.23")
     arch, n = case["target"]["architecture"], case["target"]["num_layers"]
     draft = read_draft_ids(path)
-    status = {"OK": "ok", "PROBLEM": "problem", "AMBIGUOUS": "ambiguous",
-              "UNVERIFIED": "unknown"}
+    status = {"OK": "ok", "PROBLEM": "problem", "AMBIGUOUS": "ambiguous", "UNVERIFIED": "unknown"}
     sglang_line = SGLANG_LINES[-1].for_model(sglang_model_rule((0, 5, 23), arch))
-    for engine, captured in (("sglang", sglang_line.capture_layers(draft.nested, n)),
-                             ("vllm", VLLM_V2.capture_layers(VLLM_V2.read_ids(draft), n))):
+    for engine, captured in (
+        ("sglang", sglang_line.capture_layers(draft.nested, n)),
+        ("vllm", VLLM_V2.capture_layers(VLLM_V2.read_ids(draft), n)),
+    ):
         verdict = out["engines"][engine]["verdict"]
         if verdict in ("CANNOT LOAD", "CANNOT CAPTURE"):
-            continue   # the engine never starts: no start-up check runs
-        check = startup.check("SGLang" if engine == "sglang" else "vLLM", captured, n, draft.raw,
-                              arch, env={})
+            continue  # the engine never starts: no start-up check runs
+        check = startup.check(
+            "SGLang" if engine == "sglang" else "vLLM", captured, n, draft.raw, arch, env={}
+        )
         assert check.status == status[verdict], (engine, check.text)
 
 

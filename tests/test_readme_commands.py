@@ -35,13 +35,18 @@ def readme_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
     section = text.split("## Two commands", 1)[1]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    return [line.split("#", 1)[0].strip() for line in block.splitlines()
-            if line.split("#", 1)[0].strip()]
+    return [
+        line.split("#", 1)[0].strip()
+        for line in block.splitlines()
+        if line.split("#", 1)[0].strip()
+    ]
 
 
 def _python3_has_torch() -> bool:
-    return subprocess.run(["python3", "-c", "import torch, triton"],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(["python3", "-c", "import torch, triton"], capture_output=True).returncode
+        == 0
+    )
 
 
 def _readme_run(base: Path, jobs):
@@ -50,18 +55,21 @@ def _readme_run(base: Path, jobs):
         shutil.rmtree(checkout)
     fresh_checkout(checkout)
     seed_venv(checkout / ".venv")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TRITON_INTERPRET", "VIRTUAL_ENV", "PYTHONPATH")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRITON_INTERPRET", "VIRTUAL_ENV", "PYTHONPATH")
+    }
     venv_bin = str(Path(sys.executable).parent)
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                  if p != venv_bin)
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)
     out = {}
     for command in readme_commands():
         argv = command.split() + (SELECTION if command.endswith("test.sh") else [])
         log = base / f"fresh_checkout_{Path(argv[1]).stem}.log"
         with open(log, "w") as f:
-            proc = jobs.track(subprocess.Popen(argv, cwd=checkout, env=env, stdout=f,
-                                               stderr=subprocess.STDOUT))
+            proc = jobs.track(
+                subprocess.Popen(argv, cwd=checkout, env=env, stdout=f, stderr=subprocess.STDOUT)
+            )
         try:
             proc.wait(timeout=900)
         except subprocess.TimeoutExpired:
@@ -85,21 +93,33 @@ def test_readme_names_the_two_commands_and_ci_runs_one():
 
 def test_readme_commands_from_a_fresh_checkout(engine_jobs):
     if _python3_has_torch():
-        pytest.skip("python3 already has torch and triton: the README's commands would install "
-                    "this checkout into it")
+        pytest.skip(
+            "python3 already has torch and triton: the README's commands would install "
+            "this checkout into it"
+        )
     checkout, out = engine_jobs.result("readme commands")
     code, log = out["bash scripts/bench.sh"]
     assert code == 0, log[-4000:]
-    assert "installing test/bench extras" in log, log[-4000:]     # the set-up ran, not skipped
-    assert (checkout / "benchmarks" / "out" / "capture_latency_cpu_H7168.json").exists(), log[-3000:]
+    assert "installing test/bench extras" in log, log[-4000:]  # the set-up ran, not skipped
+    assert (checkout / "benchmarks" / "out" / "capture_latency_cpu_H7168.json").exists(), log[
+        -3000:
+    ]
     code, log = out["bash scripts/test.sh"]
     assert code == 0, log[-4000:]
     assert re.search(r"\d+ passed", log) and " failed" not in log, log[-4000:]
-    installed = subprocess.run([str(checkout / ".venv" / "bin" / "python"), "-c",
-                                "import eagle_capture; print(eagle_capture.__file__)"],
-                               cwd="/", capture_output=True, text=True)
-    assert installed.stdout.strip() == str(checkout / "eagle_capture" / "__init__.py"), \
+    installed = subprocess.run(
+        [
+            str(checkout / ".venv" / "bin" / "python"),
+            "-c",
+            "import eagle_capture; print(eagle_capture.__file__)",
+        ],
+        cwd="/",
+        capture_output=True,
+        text=True,
+    )
+    assert installed.stdout.strip() == str(checkout / "eagle_capture" / "__init__.py"), (
         installed.stderr[-2000:]
+    )
 
 
 def test_test_sh_runs_the_file_it_is_given_and_else_the_suite(tmp_path):
@@ -115,8 +135,13 @@ def test_test_sh_runs_the_file_it_is_given_and_else_the_suite(tmp_path):
         (tmp_path / "tests" / f"test_{name}.py").write_text(f"def test_{name}():\n    pass\n")
 
     def run(*args):
-        result = subprocess.run(["bash", "scripts/test.sh", "-p", "no:cacheprovider", *args],
-                                cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            ["bash", "scripts/test.sh", "-p", "no:cacheprovider", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         return re.search(r"(\d+) passed", result.stdout).group(1)
 

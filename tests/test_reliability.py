@@ -24,9 +24,27 @@ def _special_rows(dtype, device):
     """Rows full of NaN, +-Inf, subnormals, signed zeros and huge values, in
     both operands, plus an all-zero row (RMSNorm of zero)."""
     info = torch.finfo(dtype)
-    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), info.tiny / 4,
-                             -info.tiny / 8, 0.0, -0.0, info.max, -info.max, 1.0, -2.5,
-                             info.tiny, 3.0, -0.0, float("nan"), 7.0], dtype=torch.float32)
+    specials = torch.tensor(
+        [
+            float("nan"),
+            float("inf"),
+            -float("inf"),
+            info.tiny / 4,
+            -info.tiny / 8,
+            0.0,
+            -0.0,
+            info.max,
+            -info.max,
+            1.0,
+            -2.5,
+            info.tiny,
+            3.0,
+            -0.0,
+            float("nan"),
+            7.0,
+        ],
+        dtype=torch.float32,
+    )
     h = specials.to(dtype).repeat(4, 1)
     r = specials.flip(0).to(dtype).repeat(4, 1)
     r[1] = specials[torch.randperm(16, generator=torch.Generator().manual_seed(0))].to(dtype)
@@ -59,6 +77,7 @@ def test_special_values_propagate_like_eager(dtype, path):
         def ftz(x):
             x = x.float()
             return torch.where(x.abs() < torch.finfo(torch.bfloat16).tiny, x * 0, x)
+
         expected = truncate_to_bf16(ftz(h) + ftz(r))
     else:
         expected = h + r
@@ -148,8 +167,13 @@ def test_one_buffer_shared_by_graphs_of_several_batch_sizes():
 def test_two_streams_capture_different_slots_of_one_buffer():
     H, device, dtype, T = 7168, "cuda", torch.bfloat16, 257
     aux = torch.full((T, 2, H), float("nan"), dtype=dtype, device=device)
-    inputs = [(torch.randn(T, H, device=device, dtype=dtype),
-               torch.randn(T, H, device=device, dtype=dtype)) for _ in range(2)]
+    inputs = [
+        (
+            torch.randn(T, H, device=device, dtype=dtype),
+            torch.randn(T, H, device=device, dtype=dtype),
+        )
+        for _ in range(2)
+    ]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     start = torch.cuda.Event()
     start.record()
@@ -173,6 +197,7 @@ def test_dependent_chain_of_launches(mode):
     dependent launch a missing or misplaced ``gdc_wait`` lets a kernel start
     while its predecessor runs and read stale (here NaN-poisoned) rows."""
     from eagle_capture import ops
+
     T, H, K, device, dtype = 4096, 7168, 12, "cuda", torch.bfloat16
     if torch.cuda.get_device_capability()[0] >= 9:
         assert ops.pdl_enabled(torch.cuda.current_device()) == ops.HAS_PDL

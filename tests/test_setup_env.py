@@ -18,8 +18,14 @@ SCRIPT = ROOT / "scripts" / "setup_env.sh"
 
 
 def _run(cwd_root: Path, env=None, timeout=900):
-    return subprocess.run(["bash", str(cwd_root / "scripts" / "setup_env.sh")], cwd="/",
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        ["bash", str(cwd_root / "scripts" / "setup_env.sh")],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def test_set_up_environment_prints_one_line_and_nothing_else():
@@ -92,9 +98,10 @@ def cpu_index(tmp_path):
     wheel = "torch-2.13.0+cpu-cp%d%d-cp%d%d-manylinux_2_28_x86_64.whl" % (sys.version_info[:2] * 2)
     (tmp_path / "index" / "torch").mkdir(parents=True)
     (tmp_path / "index" / "torch" / "index.html").write_text(
-        f'<a href="{wheel.replace("+", "%2B")}#sha256=0">{wheel}</a>\n')
+        f'<a href="{wheel.replace("+", "%2B")}#sha256=0">{wheel}</a>\n'
+    )
     with open(tmp_path / "index" / "torch" / wheel, "wb") as f:
-        f.truncate(191_794_682)                   # torch 2.13.0+cpu's cp311 wheel, sparse
+        f.truncate(191_794_682)  # torch 2.13.0+cpu's cp311 wheel, sparse
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=tmp_path / "index")
     handler.log_message = lambda *args: None
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -103,8 +110,9 @@ def cpu_index(tmp_path):
     server.shutdown()
 
 
-def _plain_box(tmp_path, cpu_index, cpu_index_has_torch=True, virtual_env=None,
-               offline_ruff=False, args=()):
+def _plain_box(
+    tmp_path, cpu_index, cpu_index_has_torch=True, virtual_env=None, offline_ruff=False, args=()
+):
     """A checkout holding the script, a PATH whose python3 is the stand-in, a CPU index."""
     checkout = tmp_path / "checkout"
     (checkout / "scripts").mkdir(parents=True)
@@ -120,33 +128,47 @@ def _plain_box(tmp_path, cpu_index, cpu_index_has_torch=True, virtual_env=None,
         (state / "cpu-index-has-torch").touch()
     if offline_ruff:
         (state / "offline").touch()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("PIP_") and k not in ("VIRTUAL_ENV", "EAGLE_CAPTURE_TORCH")}
-    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", STUB_STATE=str(state),
-               EAGLE_CAPTURE_TORCH="torch==2.13.0+cpu",   # the pin, on any platform
-               EAGLE_CAPTURE_TORCH_CPU_INDEX=cpu_index)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PIP_") and k not in ("VIRTUAL_ENV", "EAGLE_CAPTURE_TORCH")
+    }
+    env.update(
+        PATH=f"{bin_dir}:/usr/bin:/bin",
+        STUB_STATE=str(state),
+        EAGLE_CAPTURE_TORCH="torch==2.13.0+cpu",  # the pin, on any platform
+        EAGLE_CAPTURE_TORCH_CPU_INDEX=cpu_index,
+    )
     if virtual_env:
         subprocess.run([bin_dir / "python3", "-m", "venv", virtual_env], env=env, check=True)
         env["VIRTUAL_ENV"] = str(virtual_env)
-    result = subprocess.run(["bash", str(checkout / "scripts" / "setup_env.sh"), *args], cwd="/",
-                            capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(
+        ["bash", str(checkout / "scripts" / "setup_env.sh"), *args],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     pip_log = (state / "pip.log").read_text().splitlines() if (state / "pip.log").exists() else []
     return checkout, result, pip_log
 
 
 def test_a_plain_box_gets_torch_from_pytorchs_cpu_index_saying_so_and_its_size_first(
-        tmp_path, cpu_index):
+    tmp_path, cpu_index
+):
     checkout, result, pip_log = _plain_box(tmp_path, cpu_index)
     assert result.returncode == 0, result.stderr
     assert result.stdout == ".venv/bin/python\n"
     venv_python = str(checkout / ".venv" / "bin" / "python")
     torch_installs = [line for line in pip_log if "torch==2.13.0+cpu" in line]
-    assert torch_installs == [f"{venv_python} torch==2.13.0+cpu triton",
-                              f"{venv_python} --extra-index-url {cpu_index} "
-                              "torch==2.13.0+cpu triton"]
+    assert torch_installs == [
+        f"{venv_python} torch==2.13.0+cpu triton",
+        f"{venv_python} --extra-index-url {cpu_index} torch==2.13.0+cpu triton",
+    ]
     err = result.stderr
     said = err.index("torch==2.13.0+cpu is not on the configured package index")
-    assert "(192 MB)" in err[said:said + 400], err
+    assert "(192 MB)" in err[said : said + 400], err
     assert said < err.index("PIP --extra-index-url"), "the size must be said before downloading"
     # At the end: how to use it.
     assert f"ready: {venv_python} now has torch, triton" in err
@@ -166,29 +188,40 @@ def test_an_activated_virtualenv_is_used_not_replaced(tmp_path, cpu_index):
 def test_no_torch_anywhere_stops_with_a_hint(tmp_path, cpu_index):
     _, result, pip_log = _plain_box(tmp_path, cpu_index, cpu_index_has_torch=False)
     assert result.returncode == 1 and result.stdout == ""
-    assert len(pip_log) == 2, pip_log              # the configured index, then PyTorch's CPU index
+    assert len(pip_log) == 2, pip_log  # the configured index, then PyTorch's CPU index
     assert "EAGLE_CAPTURE_TORCH=torch==2.13.0" in result.stderr
     assert "EAGLE_CAPTURE_TORCH_CPU_INDEX=URL" in result.stderr
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
-                    reason="the +cpu pin applies to Linux x86_64")
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.machine() != "x86_64",
+    reason="the +cpu pin applies to Linux x86_64",
+)
 def test_real_pip_without_the_cpu_wheel_falls_back_then_fails_with_a_hint(tmp_path):
     """The same with the real python3 and pip, offline (no index, an empty find-links): pip's
     own message for a missing torch==2.13.0+cpu is the one the script recognises, so it
     tries PyTorch's CPU index (unreachable here), then stops with a hint rather than let
     pip take PyPI's CUDA build. A few seconds, no download."""
-    if subprocess.run(["python3", "-c", "import torch, triton"],
-                      capture_output=True).returncode == 0:
+    if (
+        subprocess.run(["python3", "-c", "import torch, triton"], capture_output=True).returncode
+        == 0
+    ):
         pytest.skip("python3 already has torch and triton: the script uses it as it is")
     (tmp_path / "scripts").mkdir()
     shutil.copy(SCRIPT, tmp_path / "scripts" / "setup_env.sh")
     empty = tmp_path / "no-wheels"
     empty.mkdir()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("PIP_") and k not in ("EAGLE_CAPTURE_TORCH", "VIRTUAL_ENV")}
-    env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", PIP_FIND_LINKS=str(empty),
-               EAGLE_CAPTURE_TORCH_CPU_INDEX=(tmp_path / "no-index").as_uri())
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PIP_") and k not in ("EAGLE_CAPTURE_TORCH", "VIRTUAL_ENV")
+    }
+    env.update(
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_NO_INDEX="1",
+        PIP_FIND_LINKS=str(empty),
+        EAGLE_CAPTURE_TORCH_CPU_INDEX=(tmp_path / "no-index").as_uri(),
+    )
     result = _run(tmp_path, env=env, timeout=300)
     assert result.returncode != 0
     assert result.stdout == ""
@@ -209,7 +242,8 @@ def test_the_lint_is_installed_pinned_only_when_asked(tmp_path, cpu_index):
     _, result, pip_log = _plain_box(tmp_path / "online", cpu_index, args=["--lint"])
     assert result.returncode == 0, result.stderr
     assert any(line.endswith("ruff==0.17.6") for line in pip_log), pip_log
-    _, result, pip_log = _plain_box(tmp_path / "offline", cpu_index, offline_ruff=True,
-                                    args=["--lint"])
+    _, result, pip_log = _plain_box(
+        tmp_path / "offline", cpu_index, offline_ruff=True, args=["--lint"]
+    )
     assert result.returncode == 1
     assert "could not install ruff 0.17.6, which the lint needs" in result.stderr

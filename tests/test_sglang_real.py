@@ -27,28 +27,60 @@ ROOT = Path(__file__).resolve().parents[1]
 # communicator + AuxHiddenStatePacker with append (0.5.18, 0.5.20),
 # attn_boundary / layer_boundary (0.5.22; 0.5.23 adds packer.slot).
 VERSIONS = ["0.5.9", "0.5.13", "0.5.18", "0.5.20", "0.5.22", "0.5.23"]
-SCENARIOS = ["same_as_sglang_fp32", "same_as_sglang_bf16", "same_as_sglang_bf16_path_e",
-             "residual_in_slot", "norm_paths", "names_and_weights",
-             "install_before_torch_compiled", "install_after_torch_compiled",
-             "piecewise_compiled", "layer_id_rules", "model_id_rules", "draft_config_reading",
-             "graph_order", "drop_in_checks", "refusals", "eagle3_draft_step",
-             # the SGLang plugin through each wheel's own load_plugins() and configure step
-             "plugin_deepseek_v3", "plugin_kimi_k25", "plugin_families", "plugin_off_and_broken",
-             "plugin_refuses_wrong_ids", "plugin_self_check", "plugin_overflow",
-             "plugin_server_args", "plugin_return_modes", "plugin_checks_every_target"]
+SCENARIOS = [
+    "same_as_sglang_fp32",
+    "same_as_sglang_bf16",
+    "same_as_sglang_bf16_path_e",
+    "residual_in_slot",
+    "norm_paths",
+    "names_and_weights",
+    "install_before_torch_compiled",
+    "install_after_torch_compiled",
+    "piecewise_compiled",
+    "layer_id_rules",
+    "model_id_rules",
+    "draft_config_reading",
+    "graph_order",
+    "drop_in_checks",
+    "refusals",
+    "eagle3_draft_step",
+    # the SGLang plugin through each wheel's own load_plugins() and configure step
+    "plugin_deepseek_v3",
+    "plugin_kimi_k25",
+    "plugin_families",
+    "plugin_off_and_broken",
+    "plugin_refuses_wrong_ids",
+    "plugin_self_check",
+    "plugin_overflow",
+    "plugin_server_args",
+    "plugin_return_modes",
+    "plugin_checks_every_target",
+]
 
 # The other families' loops (tests/sglang_real/family_scenarios.py), in the same process.
 FAMILY_SCENARIOS = ["final_boundary", "switch_back", "fp8_input_quant", "refusals"] + [
-    f"{family}_{case}" for family in ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe",
-                                      "gpt_oss", "glm4_moe", "minimax_m2")
-    for case in ("fp32_f", "fp32_e", "bf16_f")]
+    f"{family}_{case}"
+    for family in (
+        "llama",
+        "qwen2",
+        "qwen3",
+        "qwen2_moe",
+        "qwen3_moe",
+        "gpt_oss",
+        "glm4_moe",
+        "minimax_m2",
+    )
+    for case in ("fp32_f", "fp32_e", "bf16_f")
+]
 # The families compiled (~9 s each on CI's cores): on one line per loop style of theirs
 # (0.5.13 classic, 0.5.20 packer with append, 0.5.23 boundaries with packer.slot).
 FAMILY_COMPILED = [f"{family}_compiled" for family in ("llama", "qwen3_moe", "gpt_oss")]
 FAMILY_COMPILED_VERSIONS = ["0.5.13", "0.5.20", "0.5.23"]
 
-pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL") == "1",
-                                reason="EAGLE_CAPTURE_SKIP_SGLANG_REAL=1 (no PyPI here)")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL") == "1",
+    reason="EAGLE_CAPTURE_SKIP_SGLANG_REAL=1 (no PyPI here)",
+)
 TIMEOUT_S = 1200
 
 
@@ -63,8 +95,10 @@ def run_to_end(jobs, process, log: Path, timeout_s: float, what: str) -> str:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-        raise AssertionError(f"{what} did not finish within {timeout_s} s:\n"
-                             f"{log.read_text(errors='replace')[-5000:]}") from None
+        raise AssertionError(
+            f"{what} did not finish within {timeout_s} s:\n"
+            f"{log.read_text(errors='replace')[-5000:]}"
+        ) from None
     text = log.read_text(errors="replace")
     assert process.returncode == 0, f"{what} crashed (exit {process.returncode}):\n{text[-5000:]}"
     return text
@@ -74,12 +108,17 @@ def _scenarios_job(version: str, base: Path, jobs) -> Job:
     def run():
         out = base / f"sglang_{version}.json"
         log = base / f"sglang_{version}.log"
-        skip = ([] if version in FAMILY_COMPILED_VERSIONS
-                else ["--skip"] + [f"family_{name}" for name in FAMILY_COMPILED])
-        process = start_sglang(version, "tests.sglang_real.scenarios",
-                               ["--json", str(out)] + skip, log)
+        skip = (
+            []
+            if version in FAMILY_COMPILED_VERSIONS
+            else ["--skip"] + [f"family_{name}" for name in FAMILY_COMPILED]
+        )
+        process = start_sglang(
+            version, "tests.sglang_real.scenarios", ["--json", str(out)] + skip, log
+        )
         run_to_end(jobs, process, log, TIMEOUT_S, f"sglang {version} scenarios")
         return json.loads(out.read_text())
+
     return Job(-60, f"sglang {version} scenarios", run, needs=sglang_needs(version))
 
 
@@ -87,11 +126,15 @@ def _gpu_dry_run_job(base: Path, jobs) -> Job:
     def run():
         out = base / "sglang_gpu_scenarios_dry_run.json"
         log = base / "sglang_gpu_scenarios_dry_run.log"
-        process = start_sglang("0.5.23", "tests.sglang_real.gpu_scenarios",
-                               ["--device", "cpu", "--hidden", "64", "--no-fake-cuda",
-                                "--out", str(out)], log)
+        process = start_sglang(
+            "0.5.23",
+            "tests.sglang_real.gpu_scenarios",
+            ["--device", "cpu", "--hidden", "64", "--no-fake-cuda", "--out", str(out)],
+            log,
+        )
         run_to_end(jobs, process, log, 600, "the GPU scenarios' dry run")
         return json.loads(out.read_text())
+
     return Job(-15, "sglang 0.5.23 gpu scenarios dry run", run, needs=sglang_needs("0.5.23"))
 
 
@@ -133,8 +176,17 @@ def test_family_capture_compiled(version, scenario, engine_jobs):
 
 # Which tensor SGLang's own capture holds, against transformers' hidden_states for the same
 # weights (tests/sglang_real/hf_tensor.py), per family and line.
-HF_TENSOR_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "glm4_moe",
-                      "deepseek_v2", "deepseek_v3", "kimi_k25")
+HF_TENSOR_FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "glm4_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "kimi_k25",
+)
 
 
 @pytest.mark.parametrize("family", HF_TENSOR_FAMILIES)
@@ -150,7 +202,7 @@ def test_capture_holds_the_residual_stream(version, family, engine_jobs):
     result = results.get(f"family_hf_tensor_{family}")
     assert result is not None and result["ok"], result
     arch = result["architecture"]
-    if result["tensor"] is None:      # no method on this line: the engine facts say so
+    if result["tensor"] is None:  # no method on this line: the engine facts say so
         assert engine_facts.target("sglang", version, arch)["capture"] is False
         assert tensors.measured("sglang", version, arch) is None
         return

@@ -10,25 +10,30 @@ import pytest
 from eagle_capture.integrations.sglang import plugin
 from eagle_capture.layer_ids import startup
 
-SPECFORGE = {"architectures": ["LlamaForCausalLMEagle3"],
-             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 19, 36],
-                              "use_aux_hidden_state": True}}
-SPECULATORS = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-               "eagle_aux_hidden_state_layer_ids": [2, 20, 37]}
-MODELOPT = {"architectures": ["LlamaForCausalLMEagle3"],
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 19, 36],
-                             "next_layer_regular": True}}
+SPECFORGE = {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 19, 36], "use_aux_hidden_state": True},
+}
+SPECULATORS = {
+    "architectures": ["Eagle3Speculator"],
+    "speculators_model_type": "eagle3",
+    "eagle_aux_hidden_state_layer_ids": [2, 20, 37],
+}
+MODELOPT = {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 19, 36], "next_layer_regular": True},
+}
 
 
 def test_right_wrong_ambiguous_unknown():
     ok = startup.check("vLLM", [37, 2, 20], 40, SPECFORGE, "LlamaForCausalLM")
     assert ok.status == "ok" and "what the draft was trained on" in ok.text
-    wrong = startup.check("vLLM", [1, 19, 36], 40, SPECFORGE, "LlamaForCausalLM",
-                          fix=lambda e: f"top-level ids = {e}")
+    wrong = startup.check(
+        "vLLM", [1, 19, 36], 40, SPECFORGE, "LlamaForCausalLM", fix=lambda e: f"top-level ids = {e}"
+    )
     assert wrong.status == "problem" and "top-level ids = [2, 20, 37]" in wrong.text
     assert startup.check("vLLM", [2, 20, 37], 40, SPECULATORS).status == "ok"
-    ambiguous = startup.check("vLLM", [1, 19, 36], 40, MODELOPT,
-                              fix=lambda e: f"ids = {e}")
+    ambiguous = startup.check("vLLM", [1, 19, 36], 40, MODELOPT, fix=lambda e: f"ids = {e}")
     assert ambiguous.status == "ambiguous" and "ids = [2, 20, 37]" in ambiguous.text
     assert "EAGLE_CAPTURE_ID_CONVENTION" in ambiguous.text
     # Wrong under both readings: a problem.
@@ -46,11 +51,9 @@ def test_right_wrong_ambiguous_unknown():
 
 
 def test_the_user_decides_with_the_environment():
-    told = startup.check("SGLang", [2, 20, 37], 40, MODELOPT,
-                         env={startup.ID_CONVENTION: "output"})
+    told = startup.check("SGLang", [2, 20, 37], 40, MODELOPT, env={startup.ID_CONVENTION: "output"})
     assert told.status == "ok"
-    told = startup.check("SGLang", [2, 20, 37], 40, MODELOPT,
-                         env={startup.ID_CONVENTION: "input"})
+    told = startup.check("SGLang", [2, 20, 37], 40, MODELOPT, env={startup.ID_CONVENTION: "input"})
     assert told.status == "problem"
     with pytest.raises(ValueError, match="EAGLE_CAPTURE_ID_CONVENTION='middle'"):
         startup.check("SGLang", [2, 20, 37], 40, MODELOPT, env={startup.ID_CONVENTION: "middle"})
@@ -65,13 +68,15 @@ def test_sglang_id_problems_name_the_models_own_fix(caplog):
     assert len(problems) == 1
     assert "eagle_config.eagle_aux_hidden_state_layer_ids = [4, 9, 14]" in problems[0]
     with caplog.at_level("WARNING", logger="eagle_capture"):
-        assert plugin.id_problems([2, 20, 37], 40, SPECFORGE, [1, 19, 36], "LlamaForCausalLM",
-                                  "0.5.23") == []
+        assert (
+            plugin.id_problems(
+                [2, 20, 37], 40, SPECFORGE, [1, 19, 36], "LlamaForCausalLM", "0.5.23"
+            )
+            == []
+        )
         assert "predicts" not in caplog.text
-        plugin.id_problems([1, 19, 36], 40, SPECFORGE, [1, 19, 36], "LlamaForCausalLM",
-                           "0.5.23")
-    assert "predicts layers [2, 20, 37] for ids [1, 19, 36], SGLang set [1, 19, 36]" in \
-        caplog.text
+        plugin.id_problems([1, 19, 36], 40, SPECFORGE, [1, 19, 36], "LlamaForCausalLM", "0.5.23")
+    assert "predicts layers [2, 20, 37] for ids [1, 19, 36], SGLang set [1, 19, 36]" in caplog.text
 
 
 def test_find_draft_config(tmp_path):

@@ -36,9 +36,9 @@ from conftest import run_spawned, truncate_to_bf16
 
 TIMEOUT_S = 300
 H, K, SLOT, PROGRAMS, ROWS, EPS = 48, 3, 1, 3, 6, 1e-6
-CALL_TOKENS = [5, 2, 1, 6, 6, 3, 5]   # per call; ROWS rows per sender slab
-SLOW_RANK, SLOW_SPIN = 1, 400          # volatile loads between push and clear
-TIMEOUT_SPINS = 40 * SLOW_SPIN          # watchdog: polls (~1 us each by the kernel's count)
+CALL_TOKENS = [5, 2, 1, 6, 6, 3, 5]  # per call; ROWS rows per sender slab
+SLOW_RANK, SLOW_SPIN = 1, 400  # volatile loads between push and clear
+TIMEOUT_SPINS = 40 * SLOW_SPIN  # watchdog: polls (~1 us each by the kernel's count)
 
 
 def _expected(partials, residual):
@@ -55,10 +55,13 @@ def _check_interpreted(module) -> None:
     "Cannot call @triton.jit'd outside of the scope of a kernel" when the
     interpreted kernel calls it."""
     from triton.runtime.jit import JITFunction  # the compiled kind (InterpretedFunction is not one)
+
     compiled = [name for name, value in vars(module).items() if isinstance(value, JITFunction)]
     if compiled:
-        raise RuntimeError(f"compiled, not interpreted, in this rank: {compiled} (was the "
-                           "package imported before TRITON_INTERPRET=1 was set?)")
+        raise RuntimeError(
+            f"compiled, not interpreted, in this rank: {compiled} (was the "
+            "package imported before TRITON_INTERPRET=1 was set?)"
+        )
 
 
 def _rank(rank, world, by_ticket, reverse_dispatch, shared):
@@ -67,24 +70,47 @@ def _rank(rank, world, by_ticket, reverse_dispatch, shared):
     torch.set_num_threads(1)
     try:
         import eagle_capture.kernels.allreduce_add_rmsnorm_capture as module
+
         _check_interpreted(module)
         kernel = module.lamport_allreduce_add_rmsnorm_capture_kernel
         bufs, states, flags, partials, residuals, outs, auxes, weight = shared
-        ptr_table = torch.tensor([b.data_ptr() for b in bufs] + [flags[rank].data_ptr()],
-                                 dtype=torch.int64)
+        ptr_table = torch.tensor(
+            [b.data_ptr() for b in bufs] + [flags[rank].data_ptr()], dtype=torch.int64
+        )
         for call, tokens in enumerate(CALL_TOKENS):
             aux, partial = auxes[rank][call], partials[call][rank]
             kernel[(min(tokens, PROGRAMS),)](
-                partial_ptr=partial, residual_ptr=residuals[rank][call], weight_ptr=weight,
-                normed_out_ptr=outs[rank][call], residual_out_ptr=residuals[rank][call],
-                aux_ptr=aux, ptr_table=ptr_table, state_ptr=states[rank], num_tokens=tokens,
-                hidden_size=H, max_tokens=ROWS, eps=EPS, rank=rank,
-                stride_partial=partial.stride(0), stride_residual=H, stride_normed_out=H,
-                stride_residual_out=H, stride_aux_row=aux.stride(0),
-                aux_slot_offset=SLOT * aux.stride(1), timeout_ns=TIMEOUT_SPINS * 1000,
-                debug_rank=SLOW_RANK, WORLD_SIZE=world, CAPTURE=True, NORM_FP32_SUM=False,
-                USE_GLOBALTIMER=False, DEBUG_SPIN=SLOW_SPIN, BLOCK_H=64,
-                ROWS_BY_TICKET=by_ticket, DEBUG_REVERSE_DISPATCH=reverse_dispatch, num_warps=1)
+                partial_ptr=partial,
+                residual_ptr=residuals[rank][call],
+                weight_ptr=weight,
+                normed_out_ptr=outs[rank][call],
+                residual_out_ptr=residuals[rank][call],
+                aux_ptr=aux,
+                ptr_table=ptr_table,
+                state_ptr=states[rank],
+                num_tokens=tokens,
+                hidden_size=H,
+                max_tokens=ROWS,
+                eps=EPS,
+                rank=rank,
+                stride_partial=partial.stride(0),
+                stride_residual=H,
+                stride_normed_out=H,
+                stride_residual_out=H,
+                stride_aux_row=aux.stride(0),
+                aux_slot_offset=SLOT * aux.stride(1),
+                timeout_ns=TIMEOUT_SPINS * 1000,
+                debug_rank=SLOW_RANK,
+                WORLD_SIZE=world,
+                CAPTURE=True,
+                NORM_FP32_SUM=False,
+                USE_GLOBALTIMER=False,
+                DEBUG_SPIN=SLOW_SPIN,
+                BLOCK_H=64,
+                ROWS_BY_TICKET=by_ticket,
+                DEBUG_REVERSE_DISPATCH=reverse_dispatch,
+                num_warps=1,
+            )
             if flags[rank].item():
                 raise RuntimeError(f"rank {rank} call {call}: the watchdog gave up on a row")
     except Exception:
@@ -92,10 +118,11 @@ def _rank(rank, world, by_ticket, reverse_dispatch, shared):
         raise
 
 
-@pytest.mark.parametrize("world, by_ticket, reverse_dispatch",
-                         [(2, False, False), (4, False, False), (2, True, False),
-                          (2, True, True)],
-                         ids=["2", "4", "2-by-ticket", "2-by-ticket-reverse-dispatch"])
+@pytest.mark.parametrize(
+    "world, by_ticket, reverse_dispatch",
+    [(2, False, False), (4, False, False), (2, True, False), (2, True, True)],
+    ids=["2", "4", "2-by-ticket", "2-by-ticket-reverse-dispatch"],
+)
 def test_one_shot_protocol_across_processes(world, by_ticket, reverse_dispatch, monkeypatch):
     """by_ticket: rows by start order (ROWS_BY_TICKET). reverse_dispatch: rank 1
     runs its programs as if its GPU dispatched the highest program id first;
@@ -104,33 +131,52 @@ def test_one_shot_protocol_across_processes(world, by_ticket, reverse_dispatch, 
     used, so the shipped code runs this case as "2-by-ticket": it is the case
     that fails when rows follow the program id (tools/mutation_check.py)."""
     from eagle_capture.kernels.allreduce_add_rmsnorm_capture import NUM_BUFFERS, STATE_INTS
+
     g = torch.Generator().manual_seed(world)
     calls = len(CALL_TOKENS)
-    partials = [[torch.randn(t, H, generator=g).bfloat16().share_memory_()
-                 for _ in range(world)] for t in CALL_TOKENS]
-    partials[0][0][0, :4] = -0.0   # a -0.0 in a partial must not read as "not arrived"
+    partials = [
+        [torch.randn(t, H, generator=g).bfloat16().share_memory_() for _ in range(world)]
+        for t in CALL_TOKENS
+    ]
+    partials[0][0][0, :4] = -0.0  # a -0.0 in a partial must not read as "not arrived"
     residual_in = [torch.randn(t, H, generator=g).bfloat16() for t in CALL_TOKENS]
     weight = (1 + 0.1 * torch.randn(H, generator=g)).bfloat16().share_memory_()
-    bufs = [torch.full((NUM_BUFFERS * world * ROWS * H,), -0.0,
-                       dtype=torch.bfloat16).share_memory_() for _ in range(world)]
+    bufs = [
+        torch.full((NUM_BUFFERS * world * ROWS * H,), -0.0, dtype=torch.bfloat16).share_memory_()
+        for _ in range(world)
+    ]
     states = [torch.zeros(STATE_INTS, dtype=torch.int32).share_memory_() for _ in range(world)]
     flags = [torch.zeros(1, dtype=torch.int32).share_memory_() for _ in range(world)]
     residuals = [[r.clone().share_memory_() for r in residual_in] for _ in range(world)]
-    outs = [[torch.empty(t, H, dtype=torch.bfloat16).share_memory_() for t in CALL_TOKENS]
-            for _ in range(world)]
-    auxes = [[torch.full((t + 2, K, H), float("nan"), dtype=torch.bfloat16).share_memory_()
-              for t in CALL_TOKENS] for _ in range(world)]
+    outs = [
+        [torch.empty(t, H, dtype=torch.bfloat16).share_memory_() for t in CALL_TOKENS]
+        for _ in range(world)
+    ]
+    auxes = [
+        [
+            torch.full((t + 2, K, H), float("nan"), dtype=torch.bfloat16).share_memory_()
+            for t in CALL_TOKENS
+        ]
+        for _ in range(world)
+    ]
     shared = (bufs, states, flags, partials, residuals, outs, auxes, weight)
     # Inherited by the spawned ranks before they import anything (see the module docstring).
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    run_spawned(_rank, (world, by_ticket, reverse_dispatch, shared), world, TIMEOUT_S, "the ranks (lost row? hang?)")
+    run_spawned(
+        _rank,
+        (world, by_ticket, reverse_dispatch, shared),
+        world,
+        TIMEOUT_S,
+        "the ranks (lost row? hang?)",
+    )
     for call, tokens in enumerate(CALL_TOKENS):
         expected = _expected(partials[call], residual_in[call])
         for rank in range(world):
             got = residuals[rank][call]
-            assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), \
+            assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), (
                 f"call {call} rank {rank}: residual differs from the rank-ordered sum + add"
+            )
             aux = auxes[rank][call]
             assert torch.equal(aux[:tokens, SLOT].view(torch.int16), expected.view(torch.int16))
             untouched = torch.ones(tokens + 2, K, dtype=torch.bool)
@@ -152,5 +198,6 @@ def test_one_shot_protocol_across_processes(world, by_ticket, reverse_dispatch, 
         last = (calls - 1) % NUM_BUFFERS
         for b in range(NUM_BUFFERS):
             if b != last:
-                assert (slabs[b].view(torch.int16) == -32768).all(), \
+                assert (slabs[b].view(torch.int16) == -32768).all(), (
                     f"rank {rank}: buffer {b} not cleared back to -0.0"
+                )

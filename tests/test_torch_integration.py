@@ -180,8 +180,8 @@ def test_eager_fast_path_alignment_and_reuse(offset):
     base_h = torch.randn(num_tokens * hidden_size + 16, device=device).to(dtype)
     base_r = torch.randn(num_tokens * hidden_size + 16, device=device).to(dtype)
     for off in (0, offset):  # aligned first, so a wrong cache hit would be used
-        h = base_h[off:off + num_tokens * hidden_size].view(num_tokens, hidden_size)
-        r = base_r[off:off + num_tokens * hidden_size].view(num_tokens, hidden_size)
+        h = base_h[off : off + num_tokens * hidden_size].view(num_tokens, hidden_size)
+        r = base_r[off : off + num_tokens * hidden_size].view(num_tokens, hidden_size)
         aux = poisoned_aux(num_tokens, 3, hidden_size, dtype, device)
         ec.add_capture(h, r, aux, 2)
         assert_bitwise_equal(aux[:, 2], h + r)
@@ -201,6 +201,7 @@ def test_eager_direct_launch_on_repeated_calls():
     one signature fall back to Triton's entry. Every call, new values each time,
     is exact."""
     from eagle_capture.ops import table
+
     dtype, device, num_tokens, hidden_size = torch.bfloat16, "cuda", 37, 4096
     n = num_tokens * hidden_size
     base_h = torch.empty(n + 16, device=device, dtype=dtype)
@@ -210,8 +211,8 @@ def test_eager_direct_launch_on_repeated_calls():
     for off in (0, 0, 0, 0, 1, 0, 8, 3, 0):
         base_h.normal_()
         base_r.normal_()
-        h = base_h[off:off + n].view(num_tokens, hidden_size)
-        r = base_r[off:off + n].view(num_tokens, hidden_size)
+        h = base_h[off : off + n].view(num_tokens, hidden_size)
+        r = base_r[off : off + n].view(num_tokens, hidden_size)
         aux = poisoned_aux(num_tokens, 3, hidden_size, dtype, device)
         ec.add_capture(h, r, aux, 1)
         assert_bitwise_equal(aux[:, 1], h + r)
@@ -222,7 +223,7 @@ def test_eager_direct_launch_on_repeated_calls():
         ec.add_rmsnorm_out(hh, r, w, EPS, out)
         assert_bitwise_equal(out, h + r)
         torch.testing.assert_close(hh.double(), normed_ref, **NORM_TOLERANCES[dtype])
-    if table.LAUNCHER.direct_launch:   # EAGLE_CAPTURE_DIRECT_LAUNCH=0: Triton's entry only
+    if table.LAUNCHER.direct_launch:  # EAGLE_CAPTURE_DIRECT_LAUNCH=0: Triton's entry only
         assert any(plan.direct is not None for plan in table.LAUNCHER.plans.values())
     else:
         assert all(plan.direct is None for plan in table.LAUNCHER.plans.values())

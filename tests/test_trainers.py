@@ -24,32 +24,45 @@ def _doctor(capsys, *argv):
     argv = [str(a) for a in argv]
     code = doctor.main(argv + ([] if "--json" in argv else ["--explain"]))
     out = capsys.readouterr()
-    assert all(len(line) <= WIDTH for line in out.out.splitlines()
-               if not line.startswith(("draft:", "target:")) and DATA not in line)
+    assert all(
+        len(line) <= WIDTH
+        for line in out.out.splitlines()
+        if not line.startswith(("draft:", "target:")) and DATA not in line
+    )
     return code, " ".join(out.out.split()), out.err
 
 
 def _target(tmp_path, arch, layers):
     path = tmp_path / f"{arch}.json"
-    path.write_text(json.dumps({"architectures": [arch], "num_hidden_layers": layers,
-                                "hidden_size": 64}))
+    path.write_text(
+        json.dumps({"architectures": [arch], "num_hidden_layers": layers, "hidden_size": 64})
+    )
     return path
 
 
-EXPORTED = sorted((folder, name) for folder in os.listdir(DATA)
-                  if os.path.isdir(os.path.join(DATA, folder))
-                  for name in os.listdir(os.path.join(DATA, folder)))
-TRAINER = {"specforge": "SpecForge", "speculators": "speculators",
-           "modelopt": "NVIDIA Model Optimizer", "torchspec": "TorchSpec",
-           "angelslim": "AngelSlim"}
+EXPORTED = sorted(
+    (folder, name)
+    for folder in os.listdir(DATA)
+    if os.path.isdir(os.path.join(DATA, folder))
+    for name in os.listdir(os.path.join(DATA, folder))
+)
+TRAINER = {
+    "specforge": "SpecForge",
+    "speculators": "speculators",
+    "modelopt": "NVIDIA Model Optimizer",
+    "torchspec": "TorchSpec",
+    "angelslim": "AngelSlim",
+}
 
 
 @pytest.mark.parametrize("folder,name", EXPORTED)
 def test_every_exported_config_is_recognised(folder, name):
     p = recognise(read_draft_ids(_path(folder, name)), 61, "DeepseekV3ForCausalLM")
     # (a template with no ids and no marker: SpecForge's and TorchSpec's look alike)
-    assert p.trainer == TRAINER[folder] or p.trainer == "SpecForge or TorchSpec" == \
-        f"{TRAINER[folder]} or TorchSpec", (name, p)
+    assert (
+        p.trainer == TRAINER[folder]
+        or p.trainer == "SpecForge or TorchSpec" == f"{TRAINER[folder]} or TorchSpec"
+    ), (name, p)
     assert p.evidence
 
 
@@ -57,10 +70,15 @@ def test_speculators_ids_are_vllms_input_convention(capsys):
     """A speculators draft (top-level [2, 30, 58], vLLM's own convention) on a 61-layer
     DeepSeek-V3 target: right on both engines (it used to get MISMATCH and a fix to
     [3, 31, 59] that would break it)."""
-    code, out, _ = _doctor(capsys, "--draft-config",
-                           _path("speculators", "Eagle3SpeculatorConfig_61layer_ids_2_30_58"
-                                 ".config.json"),
-                           "--num-layers", 61, "--target-architecture", "DeepseekV3ForCausalLM")
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        _path("speculators", "Eagle3SpeculatorConfig_61layer_ids_2_30_58.config.json"),
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "DeepseekV3ForCausalLM",
+    )
     # vLLM reads them right; SGLang has no class for speculators' format (item 3).
     assert code == 1, out
     assert "trainer: speculators (recognised from speculators_model_type" in out
@@ -75,8 +93,15 @@ def test_torchspec_vllm_conversion_is_ambiguous_and_never_gets_a_bare_fix(capsys
     leaves no marker. Both verdicts, exit 1, each fix inside its reading;
     --id-convention input decides (right everywhere)."""
     path = _path("torchspec", "convert_to_hf_kimi_k25_vllm_flag.config.json")
-    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
-                           "--target-architecture", "KimiK25ForConditionalGeneration")
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "KimiK25ForConditionalGeneration",
+    )
     assert code == 1
     assert "trainer: TorchSpec (recognised from _torchspec_version)" in out
     assert "AMBIGUOUS" in out and "--id-convention output|input decides" in out
@@ -86,24 +111,49 @@ def test_torchspec_vllm_conversion_is_ambiguous_and_never_gets_a_bare_fix(capsys
         assert "fix for this line" not in section[:first_reading]
         assert "if the draft was trained in the output convention" in section
     assert "verdict (SGLang): AMBIGUOUS" in out
-    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 61,
-                           "--target-architecture", "KimiK25ForConditionalGeneration",
-                           "--id-convention", "input", "--sglang-version", "0.5.23")
-    assert code == 0, out   # (SGLang 0.5.9 - 0.5.12 adds 1 to them: wrong there)
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        61,
+        "--target-architecture",
+        "KimiK25ForConditionalGeneration",
+        "--id-convention",
+        "input",
+        "--sglang-version",
+        "0.5.23",
+    )
+    assert code == 0, out  # (SGLang 0.5.9 - 0.5.12 adds 1 to them: wrong there)
     # The native export (the output-convention default) is not ambiguous.
-    code, out, _ = _doctor(capsys, "--draft-config",
-                           _path("torchspec", "convert_to_hf_kimi_k25_native_sglang.config.json"),
-                           "--num-layers", 61, "--engine", "sglang", "--sglang-version", "0.5.13",
-                           "--target-architecture", "KimiK25ForConditionalGeneration")
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        _path("torchspec", "convert_to_hf_kimi_k25_native_sglang.config.json"),
+        "--num-layers",
+        61,
+        "--engine",
+        "sglang",
+        "--sglang-version",
+        "0.5.13",
+        "--target-architecture",
+        "KimiK25ForConditionalGeneration",
+    )
     assert code == 0 and "AMBIGUOUS" not in out and "TorchSpec's native export" in out
 
 
 def test_model_optimizer_dumps_differ(capsys):
     """Model Optimizer: HF dump (output convention) or its vLLM dump (ids unshifted):
     ambiguous whatever the ids."""
-    code, out, _ = _doctor(capsys, "--draft-config",
-                           _path("modelopt", "EagleExporter_tiny_llama_8l_default_ids.config.json"),
-                           "--num-layers", 8, "--target-architecture", "LlamaForCausalLM")
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        _path("modelopt", "EagleExporter_tiny_llama_8l_default_ids.config.json"),
+        "--num-layers",
+        8,
+        "--target-architecture",
+        "LlamaForCausalLM",
+    )
     assert code == 1
     assert "NVIDIA Model Optimizer (recognised from eagle_config keys next_layer_regular" in out
     assert "data from its Hugging Face dump" in out and "data from its vLLM dump" in out
@@ -113,11 +163,14 @@ def test_angelslim_ids_are_in_a_key_no_engine_reads(tmp_path, capsys):
     """AngelSlim's aux_hidden_states_layer_ids: both engines capture their defaults;
     right only when the ids are its defaults; otherwise each engine's fix, in each
     engine's key and rule (Llama: SGLang adds 1, vLLM does not)."""
-    path = _path("angelslim", "Eagle3LlamaForCausalLM_save_pretrained_template_with_aux_ids_1_3_4"
-                              ".config.json")
+    path = _path(
+        "angelslim",
+        "Eagle3LlamaForCausalLM_save_pretrained_template_with_aux_ids_1_3_4.config.json",
+    )
     target = _target(tmp_path, "LlamaForCausalLM", 8)
-    code, out, _ = _doctor(capsys, "--draft-config", path, "--target-config", target,
-                           "--engine", "vllm")
+    code, out, _ = _doctor(
+        capsys, "--draft-config", path, "--target-config", target, "--engine", "vllm"
+    )
     assert code == 0, out
     assert "aux_hidden_states_layer_ids is read by no engine" in out
     config = json.load(open(path))
@@ -129,8 +182,10 @@ def test_angelslim_ids_are_in_a_key_no_engine_reads(tmp_path, capsys):
     # SGLang registers no Eagle3LlamaForCausalLM: no id fix is offered there (item 3).
     assert "SGLang cannot load this draft format" in out and "verdict (SGLang): CANNOT LOAD" in out
     assert "eagle_config.eagle_aux_hidden_state_layer_ids = [2, 4, 6]" not in out
-    assert "top level (vLLM's runners read it first; its default GPU runner reads no other " \
-           "key) = [3, 5, 7]" in out
+    assert (
+        "top level (vLLM's runners read it first; its default GPU runner reads no other "
+        "key) = [3, 5, 7]" in out
+    )
 
 
 def test_specforge_reads_what_its_sglang_captured(capsys, tmp_path):
@@ -139,16 +194,25 @@ def test_specforge_reads_what_its_sglang_captured(capsys, tmp_path):
     ids[0] != 1 (its own Kimi-K2.5 template: [2, 30, 58]) SGLang kept the ids while
     its earlier HF backend took hidden_states[X + 1]: ambiguous."""
     draft = tmp_path / "specforge.json"
-    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
-                                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58],
-                                                  "use_aux_hidden_state": True}}))
+    draft.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "eagle_config": {
+                    "eagle_aux_hidden_state_layer_ids": [2, 30, 58],
+                    "use_aux_hidden_state": True,
+                },
+            }
+        )
+    )
     llama = recognise(read_draft_ids(draft), 61, "LlamaForCausalLM")
     assert not llama.ambiguous and llama.readings[0].expected == (3, 31, 59)
     kimi = recognise(read_draft_ids(draft), 61, "KimiK25ForConditionalGeneration")
     assert kimi.ambiguous
     assert {r.expected for r in kimi.readings} == {(3, 31, 59), (2, 30, 58)}
-    assert recognise(read_draft_ids(draft), 61, "KimiK25ForConditionalGeneration",
-                     "input").readings[0].expected == (2, 30, 58)
+    assert recognise(
+        read_draft_ids(draft), 61, "KimiK25ForConditionalGeneration", "input"
+    ).readings[0].expected == (2, 30, 58)
 
 
 def test_specforge_history_without_the_target_architecture(capsys, tmp_path):
@@ -160,17 +224,35 @@ def test_specforge_history_without_the_target_architecture(capsys, tmp_path):
     rule (Llama's +1 everywhere) it would be one confident reading, wrong under the
     rule the lines below it apply."""
     draft = tmp_path / "specforge.json"
-    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
-                                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58],
-                                                  "use_aux_hidden_state": True}}))
+    draft.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "eagle_config": {
+                    "eagle_aux_hidden_state_layer_ids": [2, 30, 58],
+                    "use_aux_hidden_state": True,
+                },
+            }
+        )
+    )
     ids = read_draft_ids(draft)
     assumed = recognise(ids, 61)
     deepseek = recognise(ids, 61, "DeepseekV3ForCausalLM")
-    assert assumed.ambiguous and [r.expected for r in assumed.readings] == \
-        [r.expected for r in deepseek.readings] == [(3, 31, 59), (2, 30, 58)]
+    assert assumed.ambiguous and [r.expected for r in assumed.readings] == [
+        r.expected for r in deepseek.readings
+    ] == [(3, 31, 59), (2, 30, 58)]
     assert all("with DeepseekV2 (assumed)'s rule" in r.why for r in assumed.readings)
-    code, out, _ = _doctor(capsys, "--draft-config", draft, "--num-layers", 61,
-                           "--engine", "sglang", "--sglang-version", "0.5.23")
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        draft,
+        "--num-layers",
+        61,
+        "--engine",
+        "sglang",
+        "--sglang-version",
+        "0.5.23",
+    )
     assert code == 1 and "summary: SGLang: AMBIGUOUS (exit 1)" in out, out
     assert "DeepseekV2's id rule is assumed" in out
 
@@ -181,23 +263,57 @@ def test_safeailab_and_unrecognised_configs(tmp_path, capsys):
     default is ambiguous; other ids are read in the output convention, said as
     assumed."""
     path = tmp_path / "safeailab.json"
-    path.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
-                                "draft_vocab_size": 32000, "hidden_size": 4096}))
-    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", 32,
-                           "--target-architecture", "LlamaForCausalLM")
+    path.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "num_hidden_layers": 1,
+                "draft_vocab_size": 32000,
+                "hidden_size": 4096,
+            }
+        )
+    )
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        32,
+        "--target-architecture",
+        "LlamaForCausalLM",
+    )
     assert code == 0, out
     assert "SafeAILab EAGLE" in out and "hard-coded" in out
     unknown = tmp_path / "unknown.json"
-    unknown.write_text(json.dumps({"architectures": ["SomeDraftModel"],
-                                   "eagle_config": {"eagle_aux_hidden_state_layer_ids":
-                                                    [2, 16, 29], "extra": 1}}))
+    unknown.write_text(
+        json.dumps(
+            {
+                "architectures": ["SomeDraftModel"],
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 16, 29], "extra": 1},
+            }
+        )
+    )
     p = recognise(read_draft_ids(unknown), 32, "LlamaForCausalLM")
     assert p.trainer == "" and p.ambiguous
-    unknown.write_text(json.dumps({"architectures": ["SomeDraftModel"],
-                                   "eagle_config": {"eagle_aux_hidden_state_layer_ids":
-                                                    [1, 15, 28], "extra": 1}}))
-    code, out, _ = _doctor(capsys, "--draft-config", unknown, "--num-layers", 32,
-                           "--target-architecture", "LlamaForCausalLM", "--engine", "sglang")
+    unknown.write_text(
+        json.dumps(
+            {
+                "architectures": ["SomeDraftModel"],
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28], "extra": 1},
+            }
+        )
+    )
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        unknown,
+        "--num-layers",
+        32,
+        "--target-architecture",
+        "LlamaForCausalLM",
+        "--engine",
+        "sglang",
+    )
     assert "not recognised from the config's keys" in out and "(ASSUMED)" in out and code == 0
 
 
@@ -208,41 +324,84 @@ def test_one_run_answers_for_both_engines(tmp_path, capsys):
     takes them one layer early; the fix is the top-level [2, 40, 77]."""
     target = _target(tmp_path, "LlamaForCausalLM", 80)
     draft = tmp_path / "draft.json"
-    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
-                                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 39, 76],
-                                                  "use_aux_hidden_state": True}}))
-    code, out, _ = _doctor(capsys, "--draft-config", draft, "--target-config", target,
-                           "--sglang-version", "0.5.23")
+    draft.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "eagle_config": {
+                    "eagle_aux_hidden_state_layer_ids": [1, 39, 76],
+                    "use_aux_hidden_state": True,
+                },
+            }
+        )
+    )
+    code, out, _ = _doctor(
+        capsys, "--draft-config", draft, "--target-config", target, "--sglang-version", "0.5.23"
+    )
     # The V1 runner's problem is shown; V2, vLLM's default, decides (item 6).
     assert code == 0, out
     assert "verdict (SGLang): every line shown feeds the draft what it was trained on" in out
-    assert "(not vLLM's default runner: shown, and decides the verdict only for a server run " \
-           "with it: --vllm-runner v1)" in out
-    assert "model runner V2 (vLLM's default) (read from 0.32.0 (run), 0.33.0, 0.34.0): " \
-           "aux_hidden_state_layers = [2, 40, 77] -> OK" in out
+    assert (
+        "(not vLLM's default runner: shown, and decides the verdict only for a server run "
+        "with it: --vllm-runner v1)" in out
+    )
+    assert (
+        "model runner V2 (vLLM's default) (read from 0.32.0 (run), 0.33.0, 0.34.0): "
+        "aux_hidden_state_layers = [2, 40, 77] -> OK" in out
+    )
     assert "aux_hidden_state_layers = [1, 39, 76] -> PROBLEM" in out
     assert "default GPU runner reads no other key) = [2, 40, 77]" in out
-    code, out, _ = _doctor(capsys, "--draft-config", draft, "--target-config", target,
-                           "--vllm-runner", "v1")
+    code, out, _ = _doctor(
+        capsys, "--draft-config", draft, "--target-config", target, "--vllm-runner", "v1"
+    )
     assert code == 1 and "summary: SGLang: OK; vLLM: PROBLEM (exit 1)" in out
     assert "model runner V2 (vLLM's default) (read from" not in out
-    code, out, _ = _doctor(capsys, "--draft-config", draft, "--target-config", target,
-                           "--engine", "sglang")
+    code, out, _ = _doctor(
+        capsys, "--draft-config", draft, "--target-config", target, "--engine", "sglang"
+    )
     assert code == 0 and "verdict (vLLM)" not in out
     with pytest.raises(SystemExit) as exit_:
-        doctor.main(["--draft-config", str(draft), "--target-config", str(target),
-                     "--engine", "sglang,trtllm"])
-    assert exit_.value.code == 2 and "expected sglang, vllm or sglang,vllm" in \
-        capsys.readouterr().err
+        doctor.main(
+            [
+                "--draft-config",
+                str(draft),
+                "--target-config",
+                str(target),
+                "--engine",
+                "sglang,trtllm",
+            ]
+        )
+    assert (
+        exit_.value.code == 2 and "expected sglang, vllm or sglang,vllm" in capsys.readouterr().err
+    )
 
 
 def test_a_misspelt_key_is_named_as_ignored(tmp_path, capsys):
     draft = tmp_path / "typo.json"
-    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
-                                 "eagle_config": {"eagle_aux_hidden_states_layer_ids": [1, 19, 36],
-                                                  "use_aux_hidden_state": True}}))
-    code, out, _ = _doctor(capsys, "--draft-config", draft, "--num-layers", 40,
-                           "--target-architecture", "LlamaForCausalLM", "--engine", "sglang")
-    assert "eagle_config.eagle_aux_hidden_states_layer_ids = [1, 19, 36] is read by no engine" \
-        in out and "a misspelling?" in out
-    assert code == 1    # no ids the engines read: their defaults, unverified
+    draft.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "eagle_config": {
+                    "eagle_aux_hidden_states_layer_ids": [1, 19, 36],
+                    "use_aux_hidden_state": True,
+                },
+            }
+        )
+    )
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        draft,
+        "--num-layers",
+        40,
+        "--target-architecture",
+        "LlamaForCausalLM",
+        "--engine",
+        "sglang",
+    )
+    assert (
+        "eagle_config.eagle_aux_hidden_states_layer_ids = [1, 19, 36] is read by no engine" in out
+        and "a misspelling?" in out
+    )
+    assert code == 1  # no ids the engines read: their defaults, unverified

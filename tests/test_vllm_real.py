@@ -47,28 +47,53 @@ VERSIONS = (VLLM_VERSION, "0.34.0")
 CUDA_WHEEL_VERSIONS = ("0.34.0",)
 # vLLM 0.34's EAGLE-3 targets in its vllm.models.<name> packages (a full module name in its
 # registry table) that the plugin checks.
-NEW_LAYOUT_TARGETS = {"0.34.0": {"DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM",
-                                 "DeepseekV41ForCausalLM", "KimiK3ForConditionalGeneration",
-                                 "KimiK31ForConditionalGeneration"}}
+NEW_LAYOUT_TARGETS = {
+    "0.34.0": {
+        "DeepseekV32ForCausalLM",
+        "DeepseekV4ForCausalLM",
+        "DeepseekV41ForCausalLM",
+        "KimiK3ForConditionalGeneration",
+        "KimiK31ForConditionalGeneration",
+    }
+}
 # scenarios.py's DeepSeek-V3 scenarios the other lines run (DeepseekV2 family).
-LINE_SCENARIOS = ("plugin_registry", "same_as_vllm_fp32", "same_as_vllm_bf16", "refusals",
-                  "self_check", "overflow", "compiled", "id_check", "norm_provider",
-                  "runner_install")
+LINE_SCENARIOS = (
+    "plugin_registry",
+    "same_as_vllm_fp32",
+    "same_as_vllm_bf16",
+    "refusals",
+    "self_check",
+    "overflow",
+    "compiled",
+    "id_check",
+    "norm_provider",
+    "runner_install",
+)
 
-pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1",
-                                reason="EAGLE_CAPTURE_SKIP_VLLM_REAL=1")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("EAGLE_CAPTURE_SKIP_VLLM_REAL") == "1", reason="EAGLE_CAPTURE_SKIP_VLLM_REAL=1"
+)
 
 
 def _env(version: str = VLLM_VERSION, **extra) -> dict:
     # The harness's drafts name their ids in vLLM's own (input) convention.
-    env = dict(BASE_ENV, PYTHONPATH=os.pathsep.join([vllm_overlay(version), str(ROOT)]),
-               EAGLE_CAPTURE="1", VLLM_LOGGING_LEVEL="INFO", EAGLE_CAPTURE_ID_CONVENTION="input")
+    env = dict(
+        BASE_ENV,
+        PYTHONPATH=os.pathsep.join([vllm_overlay(version), str(ROOT)]),
+        EAGLE_CAPTURE="1",
+        VLLM_LOGGING_LEVEL="INFO",
+        EAGLE_CAPTURE_ID_CONVENTION="input",
+    )
     if version in CUDA_WHEEL_VERSIONS:
-        env["VLLM_TARGET_DEVICE"] = "cpu"    # vLLM's CPU platform (the wheel says CUDA)
+        env["VLLM_TARGET_DEVICE"] = "cpu"  # vLLM's CPU platform (the wheel says CUDA)
     env.update(extra)
-    env.pop("TRITON_INTERPRET", None)   # CPU tensors take the ops' torch path
-    for name in ("EAGLE_CAPTURE_VERIFY", "EAGLE_CAPTURE_MAX_TOKENS", "EAGLE_CAPTURE_ON_PROBLEM",
-                 "VLLM_PLUGINS"):
+    env.pop("TRITON_INTERPRET", None)  # CPU tensors take the ops' torch path
+    for name in (
+        "EAGLE_CAPTURE_VERIFY",
+        "EAGLE_CAPTURE_MAX_TOKENS",
+        "EAGLE_CAPTURE_ON_PROBLEM",
+        "VLLM_PLUGINS",
+    ):
         if name not in extra:
             env.pop(name, None)
     return env
@@ -90,15 +115,28 @@ def _modelinfos(base: Path, jobs, version: str = VLLM_VERSION) -> str:
     then inspects what it loads)."""
     suffix = "" if version == VLLM_VERSION else f"_{version}"
     work = base / f"vllm_modelinfos_run{suffix}"
-    code, log = _run(jobs, "tests.vllm_real.modelinfos", [],
-                     _env(version, VLLM_CACHE_ROOT=_cache_root(base, work, version)), 300,
-                     base / f"modelinfos{suffix}.log", version=version)
+    code, log = _run(
+        jobs,
+        "tests.vllm_real.modelinfos",
+        [],
+        _env(version, VLLM_CACHE_ROOT=_cache_root(base, work, version)),
+        300,
+        base / f"modelinfos{suffix}.log",
+        version=version,
+    )
     assert code == 0, f"the model-inspection warm-up failed (exit {code}):\n{log[-3000:]}"
     return log
 
 
-def _start(jobs, module: str, args: list, env: dict, log: Path, forked: bool = True,
-           version: str = VLLM_VERSION):
+def _start(
+    jobs,
+    module: str,
+    args: list,
+    env: dict,
+    log: Path,
+    forked: bool = True,
+    version: str = VLLM_VERSION,
+):
     """``python -m module args`` with ``env``: forked from the fork server of vLLM
     ``version`` (vLLM imported once), or a fresh interpreter (``forked=False``: the
     engine, which starts processes of its own)."""
@@ -106,8 +144,16 @@ def _start(jobs, module: str, args: list, env: dict, log: Path, forked: bool = T
     return jobs.track(forkserver.start_process(server, module, args, env, str(ROOT), str(log)))
 
 
-def _run(jobs, module: str, args: list, env: dict, timeout_s: float, log: Path,
-         forked: bool = True, version: str = VLLM_VERSION) -> tuple[int, str]:
+def _run(
+    jobs,
+    module: str,
+    args: list,
+    env: dict,
+    timeout_s: float,
+    log: Path,
+    forked: bool = True,
+    version: str = VLLM_VERSION,
+) -> tuple[int, str]:
     """The run to its end (killed past ``timeout_s``): exit status and output."""
     proc = _start(jobs, module, args, env, log, forked, version)
     try:
@@ -127,8 +173,10 @@ def _unbuilt(version: str):
         vllm_overlay(version)
     except (AssertionError, subprocess.TimeoutExpired) as e:
         last = [line for line in str(e).splitlines() if line.strip()][-1:]
-        return {"skip": f"vLLM {version}'s overlay (tools/vllm_real_env.sh {version}) could "
-                        f"not be built here: {' '.join(last)[:300]}"}
+        return {
+            "skip": f"vLLM {version}'s overlay (tools/vllm_real_env.sh {version}) could "
+            f"not be built here: {' '.join(last)[:300]}"
+        }
     return None
 
 
@@ -141,10 +189,15 @@ def _scenarios(base: Path, jobs, version: str = VLLM_VERSION):
     only = [] if version == VLLM_VERSION else ["--only", *LINE_SCENARIOS]
     out = base / f"vllm_real{suffix}" / "scenarios.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    code, log = _run(jobs, "tests.vllm_real.scenarios", ["--json", str(out), *only],
-                     _env(version, VLLM_CACHE_ROOT=_cache_root(base, out.parent / "cache",
-                                                               version)), 1800,
-                     out.parent / "scenarios.log", version=version)
+    code, log = _run(
+        jobs,
+        "tests.vllm_real.scenarios",
+        ["--json", str(out), *only],
+        _env(version, VLLM_CACHE_ROOT=_cache_root(base, out.parent / "cache", version)),
+        1800,
+        out.parent / "scenarios.log",
+        version=version,
+    )
     assert code == 0 and out.exists(), f"scenarios crashed (exit {code}):\n{log[-5000:]}"
     return json.loads(out.read_text())
 
@@ -160,11 +213,15 @@ def _families(base: Path, jobs, version: str = VLLM_VERSION):
     suffix = "" if version == VLLM_VERSION else f"_{version}"
     out = base / f"vllm_families{suffix}" / "scenarios.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    code, log = _run(jobs, "tests.vllm_real.scenarios",
-                     ["--json", str(out), "--only", *scenario_names()],
-                     _env(version, VLLM_CACHE_ROOT=_cache_root(base, out.parent / "cache",
-                                                               version)), 1800,
-                     out.parent / "scenarios.log", version=version)
+    code, log = _run(
+        jobs,
+        "tests.vllm_real.scenarios",
+        ["--json", str(out), "--only", *scenario_names()],
+        _env(version, VLLM_CACHE_ROOT=_cache_root(base, out.parent / "cache", version)),
+        1800,
+        out.parent / "scenarios.log",
+        version=version,
+    )
     assert code == 0 and out.exists(), f"family scenarios crashed (exit {code}):\n{log[-5000:]}"
     return json.loads(out.read_text())
 
@@ -176,9 +233,16 @@ def _tp2(base: Path, jobs):
     work.mkdir(parents=True, exist_ok=True)
     init = f"tcp://127.0.0.1:{free_port()}"
     env = _env(EAGLE_TP_OUT=str(work), VLLM_CACHE_ROOT=_cache_root(base, work / "cache"))
-    procs = [_start(jobs, "tests.vllm_real.scenarios",
-                    ["--json", str(work / f"tp{rank}.json"), "--rank", str(rank),
-                     "--init-method", init], env, work / f"rank{rank}.log") for rank in (0, 1)]
+    procs = [
+        _start(
+            jobs,
+            "tests.vllm_real.scenarios",
+            ["--json", str(work / f"tp{rank}.json"), "--rank", str(rank), "--init-method", init],
+            env,
+            work / f"rank{rank}.log",
+        )
+        for rank in (0, 1)
+    ]
     deadline = time.monotonic() + 900
     for proc in procs:
         try:
@@ -186,8 +250,10 @@ def _tp2(base: Path, jobs):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return work, [(p.returncode, (work / f"rank{r}.log").read_text(errors="replace"))
-                  for r, p in enumerate(procs)]
+    return work, [
+        (p.returncode, (work / f"rank{r}.log").read_text(errors="replace"))
+        for r, p in enumerate(procs)
+    ]
 
 
 def _engine(base: Path, jobs):
@@ -198,9 +264,15 @@ def _engine(base: Path, jobs):
     work.mkdir(parents=True, exist_ok=True)
     out = work / "acceptance.json"
     env = _env(EAGLE_CAPTURE_VERIFY="3", VLLM_CACHE_ROOT=_cache_root(base, work / "c"))
-    code, log = _run(jobs, "tests.vllm_real.engine",
-                     ["--work", str(work), "--acceptance-json", str(out)], env, 900,
-                     work / "engine.log", forked=False)
+    code, log = _run(
+        jobs,
+        "tests.vllm_real.engine",
+        ["--work", str(work), "--acceptance-json", str(out)],
+        env,
+        900,
+        work / "engine.log",
+        forked=False,
+    )
     return code, log, json.loads(out.read_text()) if out.exists() else None
 
 
@@ -210,12 +282,27 @@ def _acceptance_off(base: Path, jobs):
     work = base / "vllm_acceptance_off"
     work.mkdir(parents=True, exist_ok=True)
     out = work / "acceptance.json"
-    code, log = _run(jobs, "tests.vllm_real.acceptance",
-                     ["--data", str(ROOT / "tests" / "data" / "tiny_eagle3"), "--work", str(work),
-                      "--json", str(out), "--plugin", "off", "--case", "as_exported", "--case",
-                      "doctor_fix"],
-                     _env(EAGLE_CAPTURE="0", VLLM_CACHE_ROOT=_cache_root(base, work / "c")), 600,
-                     work / "acceptance.log")
+    code, log = _run(
+        jobs,
+        "tests.vllm_real.acceptance",
+        [
+            "--data",
+            str(ROOT / "tests" / "data" / "tiny_eagle3"),
+            "--work",
+            str(work),
+            "--json",
+            str(out),
+            "--plugin",
+            "off",
+            "--case",
+            "as_exported",
+            "--case",
+            "doctor_fix",
+        ],
+        _env(EAGLE_CAPTURE="0", VLLM_CACHE_ROOT=_cache_root(base, work / "c")),
+        600,
+        work / "acceptance.log",
+    )
     return code, log, json.loads(out.read_text()) if out.exists() else None
 
 
@@ -225,11 +312,13 @@ OFF_CASES = ({"EAGLE_CAPTURE": "0"}, {"VLLM_PLUGINS": "someone_else"}, {"EAGLE_C
 def _plugin_off(base: Path, jobs):
     work = base / "vllm_plugin_off"
     work.mkdir(parents=True, exist_ok=True)
-    return [_run(jobs, "tests.vllm_real.registry_probe", [], _env(**extra), 300,
-                 work / f"case{i}.log") for i, extra in enumerate(OFF_CASES)]
+    return [
+        _run(jobs, "tests.vllm_real.registry_probe", [], _env(**extra), 300, work / f"case{i}.log")
+        for i, extra in enumerate(OFF_CASES)
+    ]
 
 
-RUNS = {   # key -> (run, weight, priority: the longest first)
+RUNS = {  # key -> (run, weight, priority: the longest first)
     "vllm scenarios": (_scenarios, 1, -170),
     "vllm families": (_families, 1, -300),
     "vllm tp2": (_tp2, 2, -200),
@@ -237,26 +326,35 @@ RUNS = {   # key -> (run, weight, priority: the longest first)
     "vllm plugin off": (_plugin_off, 1, -50),
     "vllm acceptance off": (_acceptance_off, 1, -110),
 }
-RUN_OF = {"test_tensor_parallel_2_on_gloo": "vllm tp2",
-          "test_family_capture_bit_exact_with_vllm": "vllm families",
-          "test_family_compiled_as_the_op": "vllm families",
-          "test_family_pipeline_rules": "vllm families",
-          "test_capture_holds_the_residual_stream": "vllm families",
-          "test_vllm_engine_with_eagle3_draft": "vllm engine",
-          "test_plugin_off_and_filtered": "vllm plugin off",
-          "test_acceptance_in_vllms_engine": ("vllm engine", "vllm acceptance off"),
-          "test_engine_driver_follows_each_lines_model_runners": ()}   # no engine run
+RUN_OF = {
+    "test_tensor_parallel_2_on_gloo": "vllm tp2",
+    "test_family_capture_bit_exact_with_vllm": "vllm families",
+    "test_family_compiled_as_the_op": "vllm families",
+    "test_family_pipeline_rules": "vllm families",
+    "test_capture_holds_the_residual_stream": "vllm families",
+    "test_vllm_engine_with_eagle3_draft": "vllm engine",
+    "test_plugin_off_and_filtered": "vllm plugin off",
+    "test_acceptance_in_vllms_engine": ("vllm engine", "vllm acceptance off"),
+    "test_engine_driver_follows_each_lines_model_runners": (),
+}  # no engine run
 
 
 def _line_job(base: Path, jobs, key: str, version: str) -> Job:
     """Run ``key`` ("vllm scenarios" / "vllm families") on another line than the
     default one; a set-up that fails here is reported by the run (a skip)."""
-    needs = ((f"overlay vllm {version} (may fail: skipped)", lambda: _try(vllm_overlay, version)),
-             (f"vllm modelinfos {version}", lambda: once(
-                 f"vllm modelinfos {version}", lambda: _try(_modelinfos, base, jobs, version))))
+    needs = (
+        (f"overlay vllm {version} (may fail: skipped)", lambda: _try(vllm_overlay, version)),
+        (
+            f"vllm modelinfos {version}",
+            lambda: once(
+                f"vllm modelinfos {version}", lambda: _try(_modelinfos, base, jobs, version)
+            ),
+        ),
+    )
     run, weight, priority = RUNS[key]
-    return Job(priority, f"{key} {version}", lambda: run(base, jobs, version), weight=weight,
-               needs=needs)
+    return Job(
+        priority, f"{key} {version}", lambda: run(base, jobs, version), weight=weight, needs=needs
+    )
 
 
 def _try(fn, *args):
@@ -282,10 +380,18 @@ def engine_jobs(item, base: Path, jobs) -> list:
     if _version(item) != VLLM_VERSION:
         return [_line_job(base, jobs, keys, _version(item))]
     needs = vllm_needs(VLLM_VERSION) + (
-        ("vllm modelinfos", lambda: once("vllm modelinfos", lambda: _modelinfos(base, jobs))),)
-    return [Job(RUNS[key][2], key, lambda fn=RUNS[key][0]: fn(base, jobs), weight=RUNS[key][1],
-                needs=needs)
-            for key in ((keys,) if isinstance(keys, str) else keys)]
+        ("vllm modelinfos", lambda: once("vllm modelinfos", lambda: _modelinfos(base, jobs))),
+    )
+    return [
+        Job(
+            RUNS[key][2],
+            key,
+            lambda fn=RUNS[key][0]: fn(base, jobs),
+            weight=RUNS[key][1],
+            needs=needs,
+        )
+        for key in ((keys,) if isinstance(keys, str) else keys)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -311,8 +417,10 @@ def _result(results, name):
 @pytest.mark.parametrize("version", VERSIONS)
 def test_plugin_is_found_by_vllm_and_registers_both_architectures(engine_jobs, version):
     r = _result(_line_results(engine_jobs, "vllm scenarios", version), "plugin_registry")
-    assert r["resolved"] == {"DeepseekV2ForCausalLM": "EagleCaptureDeepseekV2ForCausalLM",
-                             "DeepseekV3ForCausalLM": "EagleCaptureDeepseekV3ForCausalLM"}
+    assert r["resolved"] == {
+        "DeepseekV2ForCausalLM": "EagleCaptureDeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM": "EagleCaptureDeepseekV3ForCausalLM",
+    }
     assert r["built"] == "EagleCaptureDeepseekV3ForCausalLM" and r["isinstance_v3"]
     assert r["reference"] == "DeepseekV3ForCausalLM"
     # Kimi-K2.5 / Kimi-VL build their language model through the registry as V2.
@@ -333,9 +441,9 @@ def test_captures_bit_exact_with_vllm_fp32(engine_jobs, version):
         assert run["hidden_equal"] and all(run["captures_equal"]), run
         assert run["shapes"] == [[run["tokens"], 64]] * k
         assert run["views_of_buffer"] and run["nonzero"], run
-        assert run["fused_calls"] == k, run        # one fused norm per captured layer
+        assert run["fused_calls"] == k, run  # one fused norm per captured layer
         assert run["slot_residual_calls"] == k, run  # eager: each the slot-only write (path f)
-        assert run["vllm_list_empty"]              # vLLM's own add + list never ran
+        assert run["vllm_list_empty"]  # vLLM's own add + list never ran
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -343,10 +451,10 @@ def test_bf16_capture_exact_norm_within_one_rounding(engine_jobs, version):
     r = _result(_line_results(engine_jobs, "vllm scenarios", version), "same_as_vllm_bf16")
     assert r["op_capture_equal"] and r["op_residual_equal"]
     assert r["op_normed_max_ulps"] <= 1.0
-    assert r["provider"] == "native" and r["norm_fp32_sum"]   # vLLM's CPU norm: fp32 sum
+    assert r["provider"] == "native" and r["norm_fp32_sum"]  # vLLM's CPU norm: fp32 sum
     for run in r["runs"]:
-        assert run["first_equal"], run             # the first captured layer: bit-exact
-        assert run["max_rel"] < 2 ** -4 and run["hidden_rel"] < 2 ** -4, run
+        assert run["first_equal"], run  # the first captured layer: bit-exact
+        assert run["max_rel"] < 2**-4 and run["hidden_rel"] < 2**-4, run
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -363,7 +471,7 @@ def test_refusals_and_what_stays_vllms_own(engine_jobs, version):
     assert "layer: rows; None = not captured" in r["incomplete"] and "{4: None}" in r["incomplete"]
     assert r["reinstalled"]
     policy = r["install_policy"]
-    assert policy["state"] and policy["same"] and policy["count"] == 2   # vLLM's own, dedup'd
+    assert policy["state"] and policy["same"] and policy["count"] == 2  # vLLM's own, dedup'd
     assert r["after_fallback"] == {"fused": True, "vllm_list": [], "same": True}
     assert r["sp_moe_state"] and r["sp_moe_log"]
     assert "expects 4 x 64" in r["draft_width"] and "captures 3 layers" in r["draft_width"]
@@ -394,9 +502,9 @@ def test_overflow_eager_and_refused_when_compiled(engine_jobs, version):
 def test_traced_by_vllms_torch_compile_as_the_op(engine_jobs, version):
     r = _result(_line_results(engine_jobs, "vllm scenarios", version), "compiled")
     assert r["mode"] != 0 and r["compiled"]
-    assert r["python_calls"] == 0                 # the norms ran inside the compiled graph
-    assert r["op_calls_in_inductor_code"] == 3    # one call per captured layer
-    assert r["cache_dirs_differ"]                 # the install is in vLLM's cache key
+    assert r["python_calls"] == 0  # the norms ran inside the compiled graph
+    assert r["op_calls_in_inductor_code"] == 3  # one call per captured layer
+    assert r["cache_dirs_differ"]  # the install is in vLLM's cache key
     assert r["additional_config"]["layers"] == [1, 4, 8]
     for run in r["runs"]:
         assert run["count"] == 3 and run["views_of_buffer"]
@@ -406,12 +514,12 @@ def test_traced_by_vllms_torch_compile_as_the_op(engine_jobs, version):
 def test_doctor_vllm_rule_is_vllms(results):
     r = _result(results, "doctor_rules")
     for case in r["reading"]:
-        assert case["vllm"] == case["doctor"], case        # V1: top-level, then eagle_config
+        assert case["vllm"] == case["doctor"], case  # V1: top-level, then eagle_config
         assert case["vllm_v2"] == case["doctor_v2"], case  # V2: top-level, eagle_config.layer_ids
     assert [c["vllm"] for c in r["reading"]] == [[1, 4, 8], [2, 5, 7], [2, 5, 7], None, None]
     assert [c["vllm_v2"] for c in r["reading"]] == [None, [2, 5, 7], [2, 5, 7], None, [3, 4, 6]]
     for case in r["captured"]:
-        assert case["matches"], case                  # id k: the input of layer k
+        assert case["matches"], case  # id k: the input of layer k
     assert r["default_vllm"] == r["default_doctor"] == [2, 4, 5]
 
 
@@ -441,23 +549,29 @@ def test_id_check_on_every_eagle3_target(engine_jobs, version):
     convention before vLLM's own set_aux_hidden_state_layers runs."""
     r = _result(_line_results(engine_jobs, "vllm scenarios", version), "id_check")
     built = {a: v for a, v in r["resolved"].items() if isinstance(v, dict)}
-    assert {"Qwen3NextForCausalLM", "Phi3ForCausalLM", "Gemma4ForCausalLM",
-            "Llama4ForCausalLM"} | NEW_LAYOUT_TARGETS.get(version, set()) <= set(built), \
-        r["resolved"]
+    assert {
+        "Qwen3NextForCausalLM",
+        "Phi3ForCausalLM",
+        "Gemma4ForCausalLM",
+        "Llama4ForCausalLM",
+    } | NEW_LAYOUT_TARGETS.get(version, set()) <= set(built), r["resolved"]
     for arch, v in built.items():
         assert v["ours"] and v["subclass_of_vllms"] and v["eagle3"], (arch, v)
     cases = r["cases"]
     assert cases["speculators"]["status"] == "set" and cases["speculators"]["vllm_set"] == [2, 4, 5]
     refused = cases["specforge_v1_runner"]
     assert refused["status"].startswith("refused") and refused["vllm_set"] == []
-    assert "eagle_aux_hidden_state_layer_ids = [2, 4, 5] at the config's top level" in \
-        refused["status"]
-    assert cases["specforge_v2_runner"]["status"] == "set"       # vLLM's defaults: right
+    assert (
+        "eagle_aux_hidden_state_layer_ids = [2, 4, 5] at the config's top level"
+        in refused["status"]
+    )
+    assert cases["specforge_v2_runner"]["status"] == "set"  # vLLM's defaults: right
     assert cases["specforge_install"]["vllm_set"] == [1, 3, 4]
     assert any("PROBLEM" in m for m in cases["specforge_install"]["log"])
     assert cases["modelopt"]["status"] == "set"
-    assert any("AMBIGUOUS" in m and "EAGLE_CAPTURE_ID_CONVENTION" in m
-               for m in cases["modelopt"]["log"]), cases["modelopt"]
+    assert any(
+        "AMBIGUOUS" in m and "EAGLE_CAPTURE_ID_CONVENTION" in m for m in cases["modelopt"]["log"]
+    ), cases["modelopt"]
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -513,14 +627,19 @@ def test_family_capture_bit_exact_with_vllm(engine_jobs, family, version):
     assert r["vllm_type"].startswith("vllm.model_executor.models.")
     for case, ids in zip(r["cases"], IDS):
         _family_case_ok(case, ids)
-    assert r["cases"][0]["fused_calls"] == 3 * 3       # 3 norms x 3 forwards
+    assert r["cases"][0]["fused_calls"] == 3 * 3  # 3 norms x 3 forwards
     # Eager: path f (the slot-only write) on every captured norm but the embedding's.
     assert [c["slot_residual_calls"] for c in r["cases"]] == [9, 6, 3, 9, 24]
-    family_name = {"llama": "Llama", "mistral": "Llama", "qwen2": "Qwen2 / Qwen3",
-                   "qwen3": "Qwen2 / Qwen3", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "GPT-OSS",
-                   "minimax_m2": "MiniMax-M2"}[family]
-    assert any(f"(vLLM, {arch}, {family_name} family" in m for m in r["on_lines"]), \
-        r["on_lines"]
+    family_name = {
+        "llama": "Llama",
+        "mistral": "Llama",
+        "qwen2": "Qwen2 / Qwen3",
+        "qwen3": "Qwen2 / Qwen3",
+        "qwen3_moe": "Qwen3-MoE",
+        "gpt_oss": "GPT-OSS",
+        "minimax_m2": "MiniMax-M2",
+    }[family]
+    assert any(f"(vLLM, {arch}, {family_name} family" in m for m in r["on_lines"]), r["on_lines"]
     _family_case_ok(r["verified"], (0, 4, 8))
     checks = [m for m in r["self_check_lines"] if "self-check " in m and "/2 " in m]
     assert len(checks) == 2 and all(" OK " in m for m in checks), checks
@@ -534,7 +653,7 @@ def test_family_compiled_as_the_op(engine_jobs, family, version):
     r = _family_result(engine_jobs, version, f"family_compiled_{family}")
     _family_case_ok(r["case"], (0, 4, 8))
     assert r["compiled"] and r["python_calls"] == 0
-    assert r["op_calls_in_inductor_code"] >= 2, r      # the norms of ids 4 and 8
+    assert r["op_calls_in_inductor_code"] >= 2, r  # the norms of ids 4 and 8
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -546,8 +665,9 @@ def test_family_pipeline_rules(engine_jobs, version):
     assert r["llama first stage"] == r["llama last stage"] == "vllm's own"
     assert r["qwen3_moe first stage"] == "vllm's own" and r["qwen3_moe last stage"] == "fused"
     for stage in ("first", "last"):
-        assert "numbers the aux ids from its stage's first layer" in \
-            r[f"minimax_m2 {stage} stage"], r
+        assert (
+            "numbers the aux ids from its stage's first layer" in r[f"minimax_m2 {stage} stage"]
+        ), r
 
 
 def test_tensor_parallel_2_on_gloo(engine_jobs):
@@ -572,23 +692,27 @@ def test_tensor_parallel_2_on_gloo(engine_jobs):
         r = _result(results, "family_allreduce_fusion")
         assert r["vllm"]["norms"] == r["ours_fusion_kept"]["norms"] == 16, r
         assert r["ours_fusion_kept"]["matches"] == 16 and r["ours_fusion_kept"]["keep"], r
-        assert r["ours_fusion_kept"]["equal"], r          # same captures and output as vLLM
+        assert r["ours_fusion_kept"]["equal"], r  # same captures and output as vLLM
         assert r["ours_fusion_kept"]["additional"]["keep_allreduce_fusion"] is True
         # vLLM's own capture (hidden_states + residual reads the all-reduce output)
         # leaves the 3 captured layers unfused.
         assert r["vllm"]["matches"] == 13, r
-        assert r["decision"] == {"flag_compiled": True, "flag_eager": False, "no_flag": False,
-                                 "flag_unset": False}, r["decision"]
+        assert r["decision"] == {
+            "flag_compiled": True,
+            "flag_eager": False,
+            "no_flag": False,
+            "flag_unset": False,
+        }, r["decision"]
     for suffix in ["", *(f"_{family}" for family in TP2)]:
         rank0, rank1 = (torch.load(work / f"rank{rank}{suffix}.pt") for rank in (0, 1))
         assert len(rank0) == 3
-        assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))   # the same rows
+        assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))  # the same rows
 
 
 def test_vllm_engine_with_eagle3_draft(engine_jobs):
     code, log, _ = engine_jobs.result("vllm engine")
     assert code == 0, log[-5000:]
-    log = log.split("EAGLE_CAPTURE_CASE", 1)[0]          # the DeepSeek-V3 run's part
+    log = log.split("EAGLE_CAPTURE_CASE", 1)[0]  # the DeepSeek-V3 run's part
     # The MLA backend the run asked for, target and draft (vLLM logs each choice once),
     # whatever the CPU: one with AMX tiles would pick AMX_MLA, which refuses fp32 models.
     assert "Using CPU_MLA backend." in log and "Using AMX_MLA backend." not in log
@@ -619,7 +743,7 @@ def _replayed_acceptance(agree, prompt_len: int, generated: int) -> tuple[int, i
     first step agrees at positions ``agree`` (teacher-forced, bool per position t:
     the states at t, the token at t + 1): an accepted draft token brings the bonus
     token too, so the next proposal is two positions on; a rejected one, one."""
-    t, drafts, accepted, made = prompt_len - 1, 0, 0, 1    # prefill made 1 token
+    t, drafts, accepted, made = prompt_len - 1, 0, 0, 1  # prefill made 1 token
     while made < generated:
         drafts += 1
         if bool(agree[t]):
@@ -657,12 +781,16 @@ def test_acceptance_in_vllms_engine(engine_jobs, tmp_path):
     code, off_log, runs = engine_jobs.result("vllm acceptance off")
     assert code == 0 and runs is not None, off_log[-5000:]
     wrong, fixed, on = runs["as_exported"], runs["doctor_fix"], on_runs["doctor_fix"]
-    rate = {name: r["accepted"] / r["draft_tokens"] for name, r in
-            (("as_exported", wrong), ("doctor_fix", fixed))}
-    print(f"vLLM acceptance, tiny target: as exported {wrong['accepted']}/{wrong['draft_tokens']}"
-          f" = {rate['as_exported']:.3f}; doctor's fix {fixed['accepted']}/"
-          f"{fixed['draft_tokens']} = {rate['doctor_fix']:.3f}; plugin on "
-          f"{on['accepted']}/{on['draft_tokens']}")
+    rate = {
+        name: r["accepted"] / r["draft_tokens"]
+        for name, r in (("as_exported", wrong), ("doctor_fix", fixed))
+    }
+    print(
+        f"vLLM acceptance, tiny target: as exported {wrong['accepted']}/{wrong['draft_tokens']}"
+        f" = {rate['as_exported']:.3f}; doctor's fix {fixed['accepted']}/"
+        f"{fixed['draft_tokens']} = {rate['doctor_fix']:.3f}; plugin on "
+        f"{on['accepted']}/{on['draft_tokens']}"
+    )
     assert rate["doctor_fix"] - rate["as_exported"] >= 0.05, rate
     # The plugin on: the same drafts, the same acceptance, the same tokens.
     for key in ("drafts", "draft_tokens", "accepted", "outputs"):
@@ -681,27 +809,57 @@ def test_acceptance_in_vllms_engine(engine_jobs, tmp_path):
     # The doctor saw it coming (vLLM's V1 runner, the one on CPU), and passes the fix.
     data = ROOT / "tests" / "data" / "tiny_eagle3"
     exported = data / "draft_specforge" / "config.json"
-    assert doctor(["--draft-config", str(exported), "--target-config", str(data / "target"),
-                   "--engine", "vllm"]) == 1
+    assert (
+        doctor(
+            [
+                "--draft-config",
+                str(exported),
+                "--target-config",
+                str(data / "target"),
+                "--engine",
+                "vllm",
+            ]
+        )
+        == 1
+    )
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(dict(json.loads(exported.read_text()),
-                                    eagle_aux_hidden_state_layer_ids=[2, 4, 6])))
-    assert doctor(["--draft-config", str(path), "--target-config", str(data / "target"),
-                   "--engine", "vllm"]) == 0
+    path.write_text(
+        json.dumps(
+            dict(json.loads(exported.read_text()), eagle_aux_hidden_state_layer_ids=[2, 4, 6])
+        )
+    )
+    assert (
+        doctor(
+            [
+                "--draft-config",
+                str(path),
+                "--target-config",
+                str(data / "target"),
+                "--engine",
+                "vllm",
+            ]
+        )
+        == 0
+    )
 
     # The probe's step replayed on vLLM's own generations.
     target = transformers.AutoModelForCausalLM.from_pretrained(
-        str(data / "target"), **({"dtype": torch.float32}
-                                 if int(transformers.__version__.split(".")[0]) >= 5
-                                 else {"torch_dtype": torch.float32})).eval()
+        str(data / "target"),
+        **(
+            {"dtype": torch.float32}
+            if int(transformers.__version__.split(".")[0]) >= 5
+            else {"torch_dtype": torch.float32}
+        ),
+    ).eval()
     draft = load_draft(data / "draft_specforge")
     layers = decoder_layers(target, 8)
     for name, capture in (("as_exported", (1, 3, 5)), ("doctor_fix", (2, 4, 6))):
         drafts = accepted = 0
         for prompt, output in zip(runs["prompts"], runs[name]["outputs"]):
             tokens = torch.tensor(prompt + output).unsqueeze(0)
-            agree = first_step_agreement(target, layers, draft, target.get_input_embeddings(),
-                                         tokens, [capture])[capture]
+            agree = first_step_agreement(
+                target, layers, draft, target.get_input_embeddings(), tokens, [capture]
+            )[capture]
             d, a = _replayed_acceptance(agree, PROMPT_LEN, len(output))
             drafts, accepted = drafts + d, accepted + a
         got = runs[name]
@@ -725,14 +883,18 @@ def test_engine_driver_follows_each_lines_model_runners(version, tmp_path):
     env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
 
     def run(*args):
-        return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
 
-    probe = run("-c", "import json, sys; sys.path.insert(0, 'benchmarks'); "
-                      "import vllm_engine as v; "
-                      "print(json.dumps([v.vllm_version(), v.has_v1_runner()] + [v._child_env("
-                      "{'plugin': 'on', 'runner': r, 'work': 'w'}).get('VLLM_USE_V2_MODEL_RUNNER')"
-                      " for r in ('v1', 'v2')]))")
+    probe = run(
+        "-c",
+        "import json, sys; sys.path.insert(0, 'benchmarks'); "
+        "import vllm_engine as v; "
+        "print(json.dumps([v.vllm_version(), v.has_v1_runner()] + [v._child_env("
+        "{'plugin': 'on', 'runner': r, 'work': 'w'}).get('VLLM_USE_V2_MODEL_RUNNER')"
+        " for r in ('v1', 'v2')]))",
+    )
     assert probe.returncode == 0, probe.stderr[-2000:]
     line = json.loads(probe.stdout.strip().splitlines()[-1])
     if version == VLLM_VERSION:
@@ -743,4 +905,4 @@ def test_engine_driver_follows_each_lines_model_runners(version, tmp_path):
         out = run("benchmarks/vllm_engine.py", *args, "--out", str(tmp_path / args[0]))
         assert out.returncode == 2, (args, out.stdout[-500:], out.stderr[-1500:])
         assert out.stderr.count("\n") == 1 and "has no V1 model runner" in out.stderr, out.stderr
-        assert not (tmp_path / args[0]).exists()    # refused before anything ran
+        assert not (tmp_path / args[0]).exists()  # refused before anything ran

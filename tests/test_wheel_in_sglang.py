@@ -26,8 +26,10 @@ from engine_jobs import Job
 VERSION = "0.5.23"
 SCENARIOS = ["plugin_deepseek_v3", "plugin_families"]
 
-pytestmark = pytest.mark.skipif(os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL") == "1",
-                                reason="EAGLE_CAPTURE_SKIP_SGLANG_REAL=1 (no PyPI here)")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL") == "1",
+    reason="EAGLE_CAPTURE_SKIP_SGLANG_REAL=1 (no PyPI here)",
+)
 
 # Run in a fresh interpreter (not forked from a server that imported the checkout's
 # package): the package must come from the wheel, then the scenarios run as a module.
@@ -45,18 +47,38 @@ def _run(base: Path, jobs):
     fresh_checkout(work / "src")
     wheel, _ = build_dists(work / "src", work / "dist")
     unpacked = work / "site"
-    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                              "--no-index", "--target", str(unpacked), str(wheel)],
-                             capture_output=True, text=True, timeout=300)
+    install = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(unpacked),
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert install.returncode == 0, install.stderr[-3000:]
     env = sglang_env(VERSION)
     # The wheel first; the checkout last, for the scenario modules under tests/ only.
     env["PYTHONPATH"] = os.pathsep.join([str(unpacked), env["PYTHONPATH"]])
     out, log = work / "scenarios.json", work / "scenarios.log"
     with open(log, "w") as f:
-        process = jobs.track(subprocess.Popen(
-            [sys.executable, "-c", RUN, str(unpacked), str(out), *SCENARIOS],
-            cwd=work, env=env, stdout=f, stderr=subprocess.STDOUT))
+        process = jobs.track(
+            subprocess.Popen(
+                [sys.executable, "-c", RUN, str(unpacked), str(out), *SCENARIOS],
+                cwd=work,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
+        )
     try:
         process.wait(timeout=600)
     except subprocess.TimeoutExpired:
@@ -80,6 +102,6 @@ def test_the_built_wheel_serves_sglangs_plugin(engine_jobs):
         assert results[name]["ok"] is True, (name, results[name])
     # Every family's model code got the fused capture from the wheel's plugin.
     families = {k: v for k, v in results["plugin_families"].items() if k not in ("ok", "seconds")}
-    assert families and all("fused EAGLE-3 capture ON" in str(v) for v in families.values()), \
+    assert families and all("fused EAGLE-3 capture ON" in str(v) for v in families.values()), (
         families
-
+    )

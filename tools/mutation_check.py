@@ -44,8 +44,8 @@ MODULE = "<module>"
 
 class Mutant(NamedTuple):
     name: str
-    file: str       # relative to the checkout
-    anchor: str     # qualified name of the def / class / module-level name, or <module>
+    file: str  # relative to the checkout
+    anchor: str  # qualified name of the def / class / module-level name, or <module>
     original: str
     mutated: str
     tests: list
@@ -61,17 +61,27 @@ def load_mutants(path: Path = MUTANTS_FILE) -> list[Mutant]:
     mutants = []
     for i, entry in enumerate(entries):
         try:
-            mutants.append(Mutant(entry["name"], entry["file"], entry["anchor"],
-                                  entry["original"], entry["mutated"], list(entry["tests"])))
+            mutants.append(
+                Mutant(
+                    entry["name"],
+                    entry["file"],
+                    entry["anchor"],
+                    entry["original"],
+                    entry["mutated"],
+                    list(entry["tests"]),
+                )
+            )
         except KeyError as missing:
-            raise SystemExit(f"{path}: mutant {i + 1} ({entry.get('name', '?')}) has no "
-                             f"{missing}") from None
+            raise SystemExit(
+                f"{path}: mutant {i + 1} ({entry.get('name', '?')}) has no {missing}"
+            ) from None
     return mutants
 
 
 def _named_nodes(tree: ast.Module):
     """(qualified name, node) of every def and class (dotted through nesting) and
     of every module-level name bound by a plain or annotated assignment."""
+
     def walk(body, prefix):
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -88,6 +98,7 @@ def _named_nodes(tree: ast.Module):
                     yield from walk(getattr(node, block, []), prefix)
                 for handler in getattr(node, "handlers", []):
                     yield from walk(handler.body, prefix)
+
     yield from walk(tree.body, "")
 
 
@@ -118,14 +129,16 @@ def locate(mutant: Mutant, root: Path = ROOT) -> tuple[str, int]:
     start, end = anchor_span(text, mutant.anchor, mutant.file)
     count = text.count(mutant.original, start, end)
     if count != 1:
-        raise StaleMutant(f"{mutant.file}: the original text occurs {count} times in "
-                          f"{mutant.anchor} (need exactly once)")
+        raise StaleMutant(
+            f"{mutant.file}: the original text occurs {count} times in "
+            f"{mutant.anchor} (need exactly once)"
+        )
     return text, text.index(mutant.original, start, end)
 
 
 def mutated_text(mutant: Mutant, root: Path = ROOT) -> str:
     text, at = locate(mutant, root)
-    return text[:at] + mutant.mutated + text[at + len(mutant.original):]
+    return text[:at] + mutant.mutated + text[at + len(mutant.original) :]
 
 
 def stale_mutants(mutants, root: Path = ROOT) -> list[tuple[str, str]]:
@@ -142,13 +155,23 @@ def stale_mutants(mutants, root: Path = ROOT) -> list[tuple[str, str]]:
         except StaleMutant as why:
             stale.append((m.name, str(why)))
     names = [m.name for m in mutants]
-    stale += [(n, "the name is used twice") for n in sorted({n for n in names if names.count(n) > 1})]
+    stale += [
+        (n, "the name is used twice") for n in sorted({n for n in names if names.count(n) > 1})
+    ]
     return stale
 
 
 def _copy_checkout(dest: Path) -> None:
-    ignore = shutil.ignore_patterns(".git", ".venv", ".cache", "__pycache__", "*.egg-info",
-                                    ".pytest_cache", ".hypothesis", "out")
+    ignore = shutil.ignore_patterns(
+        ".git",
+        ".venv",
+        ".cache",
+        "__pycache__",
+        "*.egg-info",
+        ".pytest_cache",
+        ".hypothesis",
+        "out",
+    )
     shutil.copytree(ROOT, dest, ignore=ignore, symlinks=True)
     # The real-SGLang overlays are large and read-only: share them.
     if (ROOT / ".cache").exists():
@@ -161,9 +184,14 @@ def run_mutant(mutant: Mutant, python) -> tuple[bool, str]:
         _copy_checkout(copy)
         (copy / mutant.file).write_text(mutated_text(mutant, copy))
         env = dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
-        env.pop("TRITON_INTERPRET", None)   # tests/conftest.py sets it on CPU
-        result = subprocess.run([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                                 *mutant.tests], cwd=copy, env=env, capture_output=True, text=True)
+        env.pop("TRITON_INTERPRET", None)  # tests/conftest.py sets it on CPU
+        result = subprocess.run(
+            [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
+            cwd=copy,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         last = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
         return result.returncode != 0, last
 
@@ -171,18 +199,32 @@ def run_mutant(mutant: Mutant, python) -> tuple[bool, str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--list", action="store_true")
-    p.add_argument("--check", action="store_true",
-                   help="only check that every mutant's anchor and text still match")
-    p.add_argument("-k", action="append", default=[],
-                   help="only mutants whose name contains this (repeatable: any of them)")
-    p.add_argument("--file", action="append", default=[],
-                   help="only mutants in files under this path (repeatable: any of them)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="only check that every mutant's anchor and text still match",
+    )
+    p.add_argument(
+        "-k",
+        action="append",
+        default=[],
+        help="only mutants whose name contains this (repeatable: any of them)",
+    )
+    p.add_argument(
+        "--file",
+        action="append",
+        default=[],
+        help="only mutants in files under this path (repeatable: any of them)",
+    )
     p.add_argument("--json", help="write the run (date, each mutant's outcome and seconds) here")
     p.add_argument("--mutants", type=Path, default=MUTANTS_FILE, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    mutants = [m for m in load_mutants(args.mutants)
-               if (not args.k or any(k in m.name for k in args.k))
-               and (not args.file or any(m.file.startswith(f) for f in args.file))]
+    mutants = [
+        m
+        for m in load_mutants(args.mutants)
+        if (not args.k or any(k in m.name for k in args.k))
+        and (not args.file or any(m.file.startswith(f) for f in args.file))
+    ]
     if args.list:
         for m in mutants:
             print(f"{m.name:48s} {m.file}::{m.anchor:36s} {' '.join(m.tests)}")
@@ -191,9 +233,11 @@ def main(argv=None) -> int:
     for name, why in stale:
         print(f"STALE    {name}: {why}", file=sys.stderr)
     if stale:
-        print(f"{len(stale)} mutant(s) no longer match the code: re-anchor them in "
-              f"{args.mutants.relative_to(ROOT) if args.mutants.is_relative_to(ROOT) else args.mutants}",
-              file=sys.stderr)
+        print(
+            f"{len(stale)} mutant(s) no longer match the code: re-anchor them in "
+            f"{args.mutants.relative_to(ROOT) if args.mutants.is_relative_to(ROOT) else args.mutants}",
+            file=sys.stderr,
+        )
         return 2
     if args.check:
         print(f"{len(mutants)} mutants, every anchor matches")
@@ -203,19 +247,37 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         caught, detail = run_mutant(m, sys.executable)
         survived += not caught
-        results.append({"name": m.name, "file": m.file, "anchor": m.anchor, "tests": m.tests,
-                        "caught": caught, "detail": detail,
-                        "seconds": round(time.monotonic() - t0, 1)})
+        results.append(
+            {
+                "name": m.name,
+                "file": m.file,
+                "anchor": m.anchor,
+                "tests": m.tests,
+                "caught": caught,
+                "detail": detail,
+                "seconds": round(time.monotonic() - t0, 1),
+            }
+        )
         print(f"{'caught  ' if caught else 'SURVIVED'} {m.name:48s} {detail}", flush=True)
     total = time.monotonic() - started
     print(f"{len(mutants) - survived} of {len(mutants)} mutants caught in {total / 60:.1f} min")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
-            "date": datetime.date.today().isoformat(), "filter": args.k + args.file,
-            "mutants": len(mutants), "caught": len(mutants) - survived,
-            "minutes": round(total / 60, 1), "cpus": os.cpu_count(),
-            "results": results}, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "date": datetime.date.today().isoformat(),
+                    "filter": args.k + args.file,
+                    "mutants": len(mutants),
+                    "caught": len(mutants) - survived,
+                    "minutes": round(total / 60, 1),
+                    "cpus": os.cpu_count(),
+                    "results": results,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 1 if survived else 0
 
 

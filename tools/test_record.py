@@ -17,23 +17,33 @@ def cell(counts: dict) -> str:
 
 
 def render(records: list[tuple[str, dict]]) -> str:
-    out = ["# Recorded test runs", "",
-           "Made by `python tools/test_record.py docs/test_runs/*.json > docs/test_runs.md`",
-           "from the JSON that `pytest --record FILE` writes (tests/conftest.py). One column a",
-           "run; a file a run did not collect shows `-`.", ""]
+    out = [
+        "# Recorded test runs",
+        "",
+        "Made by `python tools/test_record.py docs/test_runs/*.json > docs/test_runs.md`",
+        "from the JSON that `pytest --record FILE` writes (tests/conftest.py). One column a",
+        "run; a file a run did not collect shows `-`.",
+        "",
+    ]
     for name, r in records:
         total = {}
         for counts in r["files"].values():
             for o, n in counts.items():
                 total[o] = total.get(o, 0) + n
-        out.append(f"- **{name}**: {r['date']}, {r['device']} ({r['gpus']} GPU(s), {r['cpus']} "
-                   f"CPUs), Python {r['python']}, torch {r['torch']}, Triton {r['triton']}: "
-                   f"{cell(total)} in {r['seconds']} s, exit status {r['exit_status']}")
-    out += ["", "| test file | " + " | ".join(name for name, _ in records) + " |",
-            "|---|" + "---|" * len(records)]
+        out.append(
+            f"- **{name}**: {r['date']}, {r['device']} ({r['gpus']} GPU(s), {r['cpus']} "
+            f"CPUs), Python {r['python']}, torch {r['torch']}, Triton {r['triton']}: "
+            f"{cell(total)} in {r['seconds']} s, exit status {r['exit_status']}"
+        )
+    out += [
+        "",
+        "| test file | " + " | ".join(name for name, _ in records) + " |",
+        "|---|" + "---|" * len(records),
+    ]
     for f in sorted({f for _, r in records for f in r["files"]}):
-        out.append(f"| `{f}` | " + " | ".join(cell(r["files"].get(f, {})) for _, r in records)
-                   + " |")
+        out.append(
+            f"| `{f}` | " + " | ".join(cell(r["files"].get(f, {})) for _, r in records) + " |"
+        )
     return "\n".join(out) + "\n"
 
 

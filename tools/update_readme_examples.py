@@ -16,9 +16,13 @@ BLOCK = re.compile(r"```\n(\$ eagle-capture (?:doctor|probe) [^\n]*)\n.*?```", r
 
 def rerun(match: re.Match) -> str:
     command = match.group(1)
-    result = subprocess.run([sys.executable, "-m", "eagle_capture.cli",
-                             *command.split()[2:]], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "eagle_capture.cli", *command.split()[2:]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if result.returncode == 2:
         raise SystemExit(f"{command}: {result.stderr}")
     return f"```\n{command}\n{result.stdout}```"
@@ -31,8 +35,10 @@ def main() -> int:
             continue
         new = BLOCK.sub(rerun, text)
         path.write_text(new)
-        print(f"{path.relative_to(ROOT)}: command blocks "
-              + ("rewritten" if new != text else "unchanged"))
+        print(
+            f"{path.relative_to(ROOT)}: command blocks "
+            + ("rewritten" if new != text else "unchanged")
+        )
     return 0
 
 

@@ -92,46 +92,79 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="eagle-capture doctor",
         description="What SGLang and vLLM will capture for an EAGLE-3 draft, per release line, "
-                    "runner and deployment, and whether it is what the draft was trained on "
-                    "(read in its trainer's convention).")
-    p.add_argument("--draft-config", required=True,
-                   help="the draft's config.json, or its model folder")
+        "runner and deployment, and whether it is what the draft was trained on "
+        "(read in its trainer's convention).",
+    )
+    p.add_argument(
+        "--draft-config", required=True, help="the draft's config.json, or its model folder"
+    )
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--target-config",
-                        help="the target's config.json or model folder (layer count, hidden "
-                             "size, architecture; Kimi-K2.5: its text_config)")
-    target.add_argument("--num-layers", type=int,
-                        help="the target's num_hidden_layers (Kimi-K2 / DeepSeek-V3: 61)")
-    p.add_argument("--target-architecture",
-                   help="the target's architecture (e.g. LlamaForCausalLM), when it is given "
-                        "by --num-layers: its model's own id rule applies (default: from "
-                        "--target-config; none: DeepseekV2's, said in a note)")
-    p.add_argument("--engine", type=_engines, default=None,
-                   help="the serving engines to answer for: sglang, vllm or sglang,vllm "
-                        "(default: both, or the one --capture names)")
-    p.add_argument("--id-convention", choices=CONVENTIONS, default="auto",
-                   help="how the draft's ids name layers: auto (from the trainer's markers in "
-                        "the config; default), output (id X = the output of layer X, as "
-                        "SpecForge writes them) or input (id X = the input of layer X, vLLM's "
-                        "own rule)")
+    target.add_argument(
+        "--target-config",
+        help="the target's config.json or model folder (layer count, hidden "
+        "size, architecture; Kimi-K2.5: its text_config)",
+    )
+    target.add_argument(
+        "--num-layers", type=int, help="the target's num_hidden_layers (Kimi-K2 / DeepSeek-V3: 61)"
+    )
+    p.add_argument(
+        "--target-architecture",
+        help="the target's architecture (e.g. LlamaForCausalLM), when it is given "
+        "by --num-layers: its model's own id rule applies (default: from "
+        "--target-config; none: DeepseekV2's, said in a note)",
+    )
+    p.add_argument(
+        "--engine",
+        type=_engines,
+        default=None,
+        help="the serving engines to answer for: sglang, vllm or sglang,vllm "
+        "(default: both, or the one --capture names)",
+    )
+    p.add_argument(
+        "--id-convention",
+        choices=CONVENTIONS,
+        default="auto",
+        help="how the draft's ids name layers: auto (from the trainer's markers in "
+        "the config; default), output (id X = the output of layer X, as "
+        "SpecForge writes them) or input (id X = the input of layer X, vLLM's "
+        "own rule)",
+    )
     p.add_argument("--sglang-version", help="only this SGLang version's line (default: all)")
-    p.add_argument("--accept-defaults", action="store_true",
-                   help="a config without ids is fine: the draft was trained on SGLang's defaults")
-    p.add_argument("--allow-embedding", action="store_true",
-                   help="the draft really was trained on the embedding output (id -1)")
-    p.add_argument("--vllm-runner", choices=("v1", "v2"),
-                   help="the vLLM model runner you serve with (default: V2, vLLM's own default "
-                        "and 0.34's only one; the V1 runner of 0.32 - 0.33 is then shown "
-                        "without deciding the verdict)")
-    p.add_argument("--explain", action="store_true",
-                   help="the reasoning behind each answer: the id rule read per line, every "
-                        "slot, the deployment's rows and what each rests on (default: the "
-                        "short answer)")
-    p.add_argument("--json", action="store_true",
-                   help="print the answer as one JSON object (verdict per engine, lines, fixes)")
-    p.add_argument("--write-config", metavar="PATH",
-                   help="with one --engine: write the draft config to PATH with the fix applied "
-                        "in the field that engine reads (nothing else changed)")
+    p.add_argument(
+        "--accept-defaults",
+        action="store_true",
+        help="a config without ids is fine: the draft was trained on SGLang's defaults",
+    )
+    p.add_argument(
+        "--allow-embedding",
+        action="store_true",
+        help="the draft really was trained on the embedding output (id -1)",
+    )
+    p.add_argument(
+        "--vllm-runner",
+        choices=("v1", "v2"),
+        help="the vLLM model runner you serve with (default: V2, vLLM's own default "
+        "and 0.34's only one; the V1 runner of 0.32 - 0.33 is then shown "
+        "without deciding the verdict)",
+    )
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="the reasoning behind each answer: the id rule read per line, every "
+        "slot, the deployment's rows and what each rests on (default: the "
+        "short answer)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the answer as one JSON object (verdict per engine, lines, fixes)",
+    )
+    p.add_argument(
+        "--write-config",
+        metavar="PATH",
+        help="with one --engine: write the draft config to PATH with the fix applied "
+        "in the field that engine reads (nothing else changed)",
+    )
     deployment.add_arguments(p)
     return p
 
@@ -146,57 +179,81 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             target = read_target(args.target_config)
             num_layers, architecture = target.num_layers, target.architecture
             named = target.architecture or "architecture not named"
-            header.append(f"target: {target.source} ({named}, {target.num_layers} layers, "
-                          f"hidden size {target.hidden_size})")
+            header.append(
+                f"target: {target.source} ({named}, {target.num_layers} layers, "
+                f"hidden size {target.hidden_size})"
+            )
         else:
             num_layers = args.num_layers
         if args.target_architecture:
             if architecture and architecture != args.target_architecture:
-                raise CapturePlanError(f"--target-architecture {args.target_architecture} "
-                                       f"contradicts the target config's {architecture}")
+                raise CapturePlanError(
+                    f"--target-architecture {args.target_architecture} "
+                    f"contradicts the target config's {architecture}"
+                )
             architecture = args.target_architecture
         capture, named = deployment.CAPTURES[args.capture or "engine"]
         engines = args.engine or ((named,) if named else ("sglang", "vllm"))
         if named and engines != (named,):
-            raise CapturePlanError(f"--capture {args.capture} is {named}'s capture: it does not "
-                                   f"apply to --engine {','.join(engines)}")
+            raise CapturePlanError(
+                f"--capture {args.capture} is {named}'s capture: it does not "
+                f"apply to --engine {','.join(engines)}"
+            )
         if args.return_aux_ids is not None and capture != "return-aux":
-            raise CapturePlanError("--return-aux-hidden-state-layer-ids is the capture-only "
-                                   "mode's: pass --capture return-aux with it")
+            raise CapturePlanError(
+                "--return-aux-hidden-state-layer-ids is the capture-only "
+                "mode's: pass --capture return-aux with it"
+            )
         if capture == "return-aux" and args.write_config:
-            raise CapturePlanError(f"--write-config: the capture-only mode reads its ids from "
-                                   f"SGLang's command line ({capture_only.IDS_FLAG}), not the "
-                                   f"draft config: pass the ids the answer names there")
+            raise CapturePlanError(
+                f"--write-config: the capture-only mode reads its ids from "
+                f"SGLang's command line ({capture_only.IDS_FLAG}), not the "
+                f"draft config: pass the ids the answer names there"
+            )
         if args.sglang_version and "sglang" not in engines:
             raise CapturePlanError("--sglang-version does not apply to --engine vllm")
         if args.vllm_runner and "vllm" not in engines:
             raise CapturePlanError("--vllm-runner does not apply to --engine sglang")
         if args.write_config and len(engines) != 1:
-            raise CapturePlanError("--write-config needs one engine: --engine sglang or "
-                                   "--engine vllm (each reads the ids in its own field)")
+            raise CapturePlanError(
+                "--write-config needs one engine: --engine sglang or "
+                "--engine vllm (each reads the ids in its own field)"
+            )
         check_id_range(draft, num_layers)
         provenance = recognise(draft, num_layers, architecture, args.id_convention)
         diagnoses = [
-            diagnose(VLLMLine().read_ids(draft) if engine == "vllm" else
-                     args.return_aux_ids if capture == "return-aux" else draft.read_by_target,
-                     num_layers, sglang_version=args.sglang_version,
-                     accept_defaults=args.accept_defaults,
-                     allow_embedding=args.allow_embedding, draft=draft,
-                     deploy=deployment.from_arguments(args, architecture),
-                     engine=engine, convention=args.id_convention,
-                     architecture=architecture, provenance=provenance,
-                     vllm_runner=args.vllm_runner if engine == "vllm" else None,
-                     capture=capture)
-            for engine in engines]
+            diagnose(
+                VLLMLine().read_ids(draft)
+                if engine == "vllm"
+                else args.return_aux_ids
+                if capture == "return-aux"
+                else draft.read_by_target,
+                num_layers,
+                sglang_version=args.sglang_version,
+                accept_defaults=args.accept_defaults,
+                allow_embedding=args.allow_embedding,
+                draft=draft,
+                deploy=deployment.from_arguments(args, architecture),
+                engine=engine,
+                convention=args.id_convention,
+                architecture=architecture,
+                provenance=provenance,
+                vllm_runner=args.vllm_runner if engine == "vllm" else None,
+                capture=capture,
+            )
+            for engine in engines
+        ]
         code = 0 if all(d.exit_ok for d in diagnoses) else 1
-        written = write_config(draft, diagnoses[0], args.write_config) \
-            if args.write_config else None
+        written = (
+            write_config(draft, diagnoses[0], args.write_config) if args.write_config else None
+        )
     except CapturePlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        return _emit(json.dumps(as_json(draft, provenance, diagnoses, code, written), indent=2),
-                     code)
+        return _emit(
+            json.dumps(as_json(draft, provenance, diagnoses, code, written), indent=2), code
+        )
     out = ["summary: " + "; ".join(d.summary() for d in diagnoses) + f" (exit {code})"]
     out += [_wrap(h, "", "  ") for h in header]
     if args.explain:
@@ -229,26 +286,34 @@ def single_fix(diagnosis: Diagnosis) -> Optional[list[int]]:
     if kind in ("OK", "ASSUMED"):
         return None
     if kind in ("AMBIGUOUS", "UNVERIFIED"):
-        raise CapturePlanError(f"--write-config: the verdict is {kind}: which layers the draft "
-                               f"was trained on is not known (measure them with `eagle-capture "
-                               f"probe`, or pass --id-convention), so no fix can be written")
+        raise CapturePlanError(
+            f"--write-config: the verdict is {kind}: which layers the draft "
+            f"was trained on is not known (measure them with `eagle-capture "
+            f"probe`, or pass --id-convention), so no fix can be written"
+        )
     # The written ids must serve every line that decides, the right ones included.
     fixes = {tuple(v.fix_ids) if v.fix_ids else None for v in diagnosis.verdicts if v.decides}
     trained = diagnosis.provenance.readings[0].expected if diagnosis.provenance else None
     twice = sorted({c for c in trained or () if list(trained).count(c) > 1})
     if None in fixes and twice:
-        raise CapturePlanError(f"--write-config: the draft's ids name capture layer(s) {twice} "
-                               f"twice; every engine captures a layer once, so the draft would "
-                               f"get fewer states than its fc expects whatever ids are written. "
-                               f"It needs {len(trained)} distinct layers: the ones it was "
-                               f"trained on (`eagle-capture probe` measures them)")
+        raise CapturePlanError(
+            f"--write-config: the draft's ids name capture layer(s) {twice} "
+            f"twice; every engine captures a layer once, so the draft would "
+            f"get fewer states than its fc expects whatever ids are written. "
+            f"It needs {len(trained)} distinct layers: the ones it was "
+            f"trained on (`eagle-capture probe` measures them)"
+        )
     if None in fixes:
-        raise CapturePlanError(f"--write-config: no id list fixes this draft on "
-                               f"{diagnosis.engine_name} (the problem above is not in the ids)")
+        raise CapturePlanError(
+            f"--write-config: no id list fixes this draft on "
+            f"{diagnosis.engine_name} (the problem above is not in the ids)"
+        )
     if len(fixes) > 1:
-        raise CapturePlanError(f"--write-config: the {diagnosis.engine_name} lines need different "
-                               f"ids ({', '.join(str(list(f)) for f in sorted(fixes))}); pass "
-                               f"--sglang-version to choose the release you serve with")
+        raise CapturePlanError(
+            f"--write-config: the {diagnosis.engine_name} lines need different "
+            f"ids ({', '.join(str(list(f)) for f in sorted(fixes))}); pass "
+            f"--sglang-version to choose the release you serve with"
+        )
     return list(fixes.pop())
 
 
@@ -271,11 +336,16 @@ def write_config(draft: DraftIds, diagnosis: Diagnosis, path: str) -> str:
         # config's markers still name: record what they were written for, so that the
         # doctor (and the probe) read this file back the same way.
         reading = diagnosis.provenance.readings[0]
-        lines = [v.line.title if v.line.engine == "vLLM" else v.line.name
-                 for v in diagnosis.verdicts if v.decides]
-        config[RECORD_KEY] = {RECORD_LAYERS: list(reading.expected),
-                              "read_as": reading.label,
-                              "ids_written_for": f"{diagnosis.engine_name} {', '.join(lines)}"}
+        lines = [
+            v.line.title if v.line.engine == "vLLM" else v.line.name
+            for v in diagnosis.verdicts
+            if v.decides
+        ]
+        config[RECORD_KEY] = {
+            RECORD_LAYERS: list(reading.expected),
+            "read_as": reading.label,
+            "ids_written_for": f"{diagnosis.engine_name} {', '.join(lines)}",
+        }
         what += f"; {RECORD_KEY}.{RECORD_LAYERS} = {list(reading.expected)} recorded"
     try:
         with open(path, "w", encoding="utf-8") as f:
@@ -286,28 +356,51 @@ def write_config(draft: DraftIds, diagnosis: Diagnosis, path: str) -> str:
     return f"wrote {path} for {diagnosis.engine_name}: {what}"
 
 
-def as_json(draft: DraftIds, provenance: Provenance, diagnoses: list, code: int,
-            written: Optional[str]) -> dict:
+def as_json(
+    draft: DraftIds, provenance: Provenance, diagnoses: list, code: int, written: Optional[str]
+) -> dict:
     """The answer as data (``--json``)."""
+
     def line(v: LineVerdict) -> dict:
-        return {"line": v.line.title if v.line.engine == "vLLM" else v.line.name,
-                "ids_read": v.ids, "capture_layers": v.capture_layers,
-                "status": v.status or ("OK" if v.ok else "PROBLEM"), "decides": v.decides,
-                "detail": v.lines, "fix": v.fix_ids if not v.ok else None}
+        return {
+            "line": v.line.title if v.line.engine == "vLLM" else v.line.name,
+            "ids_read": v.ids,
+            "capture_layers": v.capture_layers,
+            "status": v.status or ("OK" if v.ok else "PROBLEM"),
+            "decides": v.decides,
+            "detail": v.lines,
+            "fix": v.fix_ids if not v.ok else None,
+        }
 
     return {
-        "exit": code, "draft": draft.source,
+        "exit": code,
+        "draft": draft.source,
         "capture": diagnoses[0].capture if diagnoses else "engine",
-        "trainer": provenance.trainer or None, "ids": provenance.ids,
-        "readings": [{"label": r.label, "why": r.why,
-                      "trained_capture_layers": None if r.expected is None else list(r.expected)}
-                     for r in provenance.readings],
-        "engines": {d.engine: {
-            "verdict": d.verdict_class, "text": d._verdict(), "notes": d.notes,
-            "readings": [{"reading": r.label if r else None, "lines": [line(v) for v in vs]}
-                         for r, vs in (d.by_reading or [(None, d.verdicts)])],
-            "deployment": d.deployment} for d in diagnoses},
-        "written": written}
+        "trainer": provenance.trainer or None,
+        "ids": provenance.ids,
+        "readings": [
+            {
+                "label": r.label,
+                "why": r.why,
+                "trained_capture_layers": None if r.expected is None else list(r.expected),
+            }
+            for r in provenance.readings
+        ],
+        "engines": {
+            d.engine: {
+                "verdict": d.verdict_class,
+                "text": d._verdict(),
+                "notes": d.notes,
+                "readings": [
+                    {"reading": r.label if r else None, "lines": [line(v) for v in vs]}
+                    for r, vs in (d.by_reading or [(None, d.verdicts)])
+                ],
+                "deployment": d.deployment,
+            }
+            for d in diagnoses
+        },
+        "written": written,
+    }
 
 
 if __name__ == "__main__":

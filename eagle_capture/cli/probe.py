@@ -39,8 +39,9 @@ def _engine_arg(text: str) -> tuple[str, object]:
     when it parses, else text."""
     key, sep, value = text.partition("=")
     if not sep or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. "
-                                         f"gpu_memory_utilization=0.85)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not KEY=VALUE (e.g. gpu_memory_utilization=0.85)"
+        )
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:
@@ -51,54 +52,98 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="eagle-capture probe",
         description="Measure which target layers an EAGLE-3 draft was trained on: its first "
-                    "step's agreement with the target for every reading of its ids.")
+        "step's agreement with the target for every reading of its ids.",
+    )
     p.add_argument("--target", required=True, help="the target model's folder (HF format)")
     p.add_argument("--draft", required=True, help="the EAGLE-3 draft's folder")
-    p.add_argument("--prompts", help="calibration prompts: .jsonl of {\"text\"} or "
-                                     "{\"token_ids\"}, or a text file (one prompt per "
-                                     "paragraph); default: the package's own")
-    p.add_argument("--engine", choices=ENGINES, default="transformers",
-                   help="where the target runs: transformers on one device (default), or "
-                        "vLLM's or SGLang's engine as it serves the target (--tp, its dtype, "
-                        "quantisation); an engine's run answers for that engine's lines")
-    p.add_argument("--tp", type=int, default=1,
-                   help="--engine vllm|sglang: the tensor-parallel size the target is served "
-                        "with")
-    p.add_argument("--engine-arg", action="append", type=_engine_arg, default=[],
-                   metavar="KEY=VALUE",
-                   help="--engine vllm|sglang: another argument of vLLM's LLM(...) or "
-                        "SGLang's Engine(...) (repeatable; e.g. quantization=fp8, "
-                        "trust_remote_code=true)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where the target (transformers) and the draft run: cpu, cuda, cuda:N")
-    p.add_argument("--dtype", choices=sorted(DTYPES) + ["auto"], default=None,
-                   help="default: with --engine vllm|sglang auto (the checkpoint's, as the "
-                        "engine serves it); else bf16 on cuda, fp32 on cpu")
+    p.add_argument(
+        "--prompts",
+        help='calibration prompts: .jsonl of {"text"} or '
+        '{"token_ids"}, or a text file (one prompt per '
+        "paragraph); default: the package's own",
+    )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="transformers",
+        help="where the target runs: transformers on one device (default), or "
+        "vLLM's or SGLang's engine as it serves the target (--tp, its dtype, "
+        "quantisation); an engine's run answers for that engine's lines",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="--engine vllm|sglang: the tensor-parallel size the target is served with",
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        type=_engine_arg,
+        default=[],
+        metavar="KEY=VALUE",
+        help="--engine vllm|sglang: another argument of vLLM's LLM(...) or "
+        "SGLang's Engine(...) (repeatable; e.g. quantization=fp8, "
+        "trust_remote_code=true)",
+    )
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the target (transformers) and the draft run: cpu, cuda, cuda:N",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES) + ["auto"],
+        default=None,
+        help="default: with --engine vllm|sglang auto (the checkpoint's, as the "
+        "engine serves it); else bf16 on cuda, fp32 on cpu",
+    )
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per prompt (default 512)")
-    p.add_argument("--id-convention", choices=CONVENTIONS, default="auto",
-                   help="how the config's ids are read (default: from the trainer's markers)")
-    p.add_argument("--sglang-version", default=None,
-                   help=f"the SGLang version whose capture is shown (default {SGLANG_DEFAULT}; "
-                        f"with --engine sglang the installed one)")
-    p.add_argument("--json", metavar="FILE",
-                   help="also write the table, the verdict and each engine's line here")
-    p.add_argument("--min-margin", type=float, default=0.03,
-                   help="the agreement margin (fraction) that decides (default 0.03)")
+    p.add_argument(
+        "--id-convention",
+        choices=CONVENTIONS,
+        default="auto",
+        help="how the config's ids are read (default: from the trainer's markers)",
+    )
+    p.add_argument(
+        "--sglang-version",
+        default=None,
+        help=f"the SGLang version whose capture is shown (default {SGLANG_DEFAULT}; "
+        f"with --engine sglang the installed one)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write the table, the verdict and each engine's line here",
+    )
+    p.add_argument(
+        "--min-margin",
+        type=float,
+        default=0.03,
+        help="the agreement margin (fraction) that decides (default 0.03)",
+    )
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    bad = ("--max-tokens must be >= 3" if args.max_tokens < 3 else
-           "--min-margin must be in [0, 1)" if not 0 <= args.min_margin < 1 else
-           "--tp and --engine-arg need --engine vllm or sglang"
-           if args.engine not in ENGINE_WORDS and (args.tp != 1 or args.engine_arg) else "")
+    bad = (
+        "--max-tokens must be >= 3"
+        if args.max_tokens < 3
+        else "--min-margin must be in [0, 1)"
+        if not 0 <= args.min_margin < 1
+        else "--tp and --engine-arg need --engine vllm or sglang"
+        if args.engine not in ENGINE_WORDS and (args.tp != 1 or args.engine_arg)
+        else ""
+    )
     if args.engine == "sglang":
         from eagle_capture.probe.sglang_engine import fixed_arg
+
         fixed = [f"{key} ({fixed_arg(key)})" for key in dict(args.engine_arg) if fixed_arg(key)]
     else:
-        fixed = [f"{key} ({why})" for key, why in FIXED_ARGS.items()
-                 if key in dict(args.engine_arg)]
+        fixed = [
+            f"{key} ({why})" for key, why in FIXED_ARGS.items() if key in dict(args.engine_arg)
+        ]
     if fixed and not bad:
         bad = f"--engine-arg {', '.join(fixed)}: set by the probe"
     if bad:
@@ -108,14 +153,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unwritable:
         print(f"error: --json {args.json}: {unwritable}", file=sys.stderr)
         return 2
-    dtype = args.dtype or ("auto" if args.engine in ENGINE_WORDS else
-                           "bf16" if args.device.startswith("cuda") else "fp32")
+    dtype = args.dtype or (
+        "auto"
+        if args.engine in ENGINE_WORDS
+        else "bf16"
+        if args.device.startswith("cuda")
+        else "fp32"
+    )
     try:
-        report = run_probe(args.target, args.draft, args.prompts, args.device, dtype,
-                           args.max_tokens, args.id_convention, args.min_margin,
-                           log=lambda s: print(s, file=sys.stderr),
-                           sglang_version=args.sglang_version, engine=args.engine, tp=args.tp,
-                           engine_args=dict(args.engine_arg))
+        report = run_probe(
+            args.target,
+            args.draft,
+            args.prompts,
+            args.device,
+            dtype,
+            args.max_tokens,
+            args.id_convention,
+            args.min_margin,
+            log=lambda s: print(s, file=sys.stderr),
+            sglang_version=args.sglang_version,
+            engine=args.engine,
+            tp=args.tp,
+            engine_args=dict(args.engine_arg),
+        )
     except ProbeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -5,17 +5,27 @@ import os
 
 from eagle_capture.integrations.core.errors import PluginError
 
-SWITCH = "EAGLE_CAPTURE"                    # 1: the fused capture on; unset / 0: off
-ON_PROBLEM = "EAGLE_CAPTURE_ON_PROBLEM"     # refuse (default) | install
-VERIFY = "EAGLE_CAPTURE_VERIFY"             # number of eager forwards to self-check
-MAX_TOKENS = "EAGLE_CAPTURE_MAX_TOKENS"     # override the derived buffer rows
+SWITCH = "EAGLE_CAPTURE"  # 1: the fused capture on; unset / 0: off
+ON_PROBLEM = "EAGLE_CAPTURE_ON_PROBLEM"  # refuse (default) | install
+VERIFY = "EAGLE_CAPTURE_VERIFY"  # number of eager forwards to self-check
+MAX_TOKENS = "EAGLE_CAPTURE_MAX_TOKENS"  # override the derived buffer rows
 # SGLang at TP > 1: 1 runs the all-reduce SGLang fuses into a captured layer's
 # input norm by eagle_capture (the one kernel or SGLang's all-reduce + the fused
 # op, per T); unset / 0: SGLang's fusion and a capture copy.
 FUSED_ALLREDUCE = "EAGLE_CAPTURE_FUSED_ALLREDUCE"
 
-__all__ = ["FUSED_ALLREDUCE", "MAX_TOKENS", "ON_PROBLEM", "PluginError", "SWITCH", "VERIFY",
-           "fused_allreduce", "on_problem", "switch_on", "verify_forwards"]
+__all__ = [
+    "FUSED_ALLREDUCE",
+    "MAX_TOKENS",
+    "ON_PROBLEM",
+    "PluginError",
+    "SWITCH",
+    "VERIFY",
+    "fused_allreduce",
+    "on_problem",
+    "switch_on",
+    "verify_forwards",
+]
 
 
 def _on_off(env, name: str) -> bool:

@@ -64,6 +64,7 @@ import triton.language as tl
 
 try:  # Triton >= 3.4 (Hopper griddepcontrol intrinsics)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
     HAS_PDL = True
 except ImportError:  # pragma: no cover - older Triton: USE_PDL must stay False
     gdc_launch_dependents = gdc_wait = None
@@ -123,27 +124,69 @@ def add_rmsnorm_capture_kernel(
     # on the H200 (benchmarks/NOTES.md).
     h = tl.load(hidden_ptr + row * stride_hidden + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0,
-                    eviction_policy=RESIDUAL_EVICT)
+        r = tl.load(
+            residual_ptr + row * stride_residual + cols,
+            mask=mask,
+            other=0.0,
+            eviction_policy=RESIDUAL_EVICT,
+        )
     else:
         r = h
     if not APPLY_NORM:
         w = h
-    add_rmsnorm_store_row(h, r, w, cols, mask, row, hidden_size, eps, normed_out_ptr,
-                          stride_normed_out, residual_out_ptr, stride_residual_out, aux_ptr,
-                          stride_aux_row, aux_slot_offset, HAS_RESIDUAL, APPLY_NORM,
-                          STORE_RESIDUAL, CAPTURE, NORM_FP32_SUM, AUX_EVICT, AUX_CACHE)
+    add_rmsnorm_store_row(
+        h,
+        r,
+        w,
+        cols,
+        mask,
+        row,
+        hidden_size,
+        eps,
+        normed_out_ptr,
+        stride_normed_out,
+        residual_out_ptr,
+        stride_residual_out,
+        aux_ptr,
+        stride_aux_row,
+        aux_slot_offset,
+        HAS_RESIDUAL,
+        APPLY_NORM,
+        STORE_RESIDUAL,
+        CAPTURE,
+        NORM_FP32_SUM,
+        AUX_EVICT,
+        AUX_CACHE,
+    )
     if USE_PDL and PDL_TRIGGER_LATE:
         gdc_launch_dependents()
 
 
 @triton.jit
-def add_rmsnorm_store_row(h, r, w, cols, mask, row, hidden_size, eps, normed_out_ptr,
-                          stride_normed_out, residual_out_ptr, stride_residual_out, aux_ptr,
-                          stride_aux_row, aux_slot_offset, HAS_RESIDUAL: tl.constexpr,
-                          APPLY_NORM: tl.constexpr, STORE_RESIDUAL: tl.constexpr,
-                          CAPTURE: tl.constexpr, NORM_FP32_SUM: tl.constexpr,
-                          AUX_EVICT: tl.constexpr, AUX_CACHE: tl.constexpr):
+def add_rmsnorm_store_row(
+    h,
+    r,
+    w,
+    cols,
+    mask,
+    row,
+    hidden_size,
+    eps,
+    normed_out_ptr,
+    stride_normed_out,
+    residual_out_ptr,
+    stride_residual_out,
+    aux_ptr,
+    stride_aux_row,
+    aux_slot_offset,
+    HAS_RESIDUAL: tl.constexpr,
+    APPLY_NORM: tl.constexpr,
+    STORE_RESIDUAL: tl.constexpr,
+    CAPTURE: tl.constexpr,
+    NORM_FP32_SUM: tl.constexpr,
+    AUX_EVICT: tl.constexpr,
+    AUX_CACHE: tl.constexpr,
+):
     """The row epilogue both kernels share (this one and the all-reduce kernel):
     ``s = h + r`` (HAS_RESIDUAL; else ``s = h``) in fp32 rounded once to h's
     dtype, stored into the aux slot (CAPTURE) and the residual output
@@ -156,25 +199,34 @@ def add_rmsnorm_store_row(h, r, w, cols, mask, row, hidden_size, eps, normed_out
     else:
         s = h
     if CAPTURE:
-        tl.store(aux_ptr + row * stride_aux_row + aux_slot_offset + cols, s, mask=mask,
-                 cache_modifier=AUX_CACHE, eviction_policy=AUX_EVICT)
+        tl.store(
+            aux_ptr + row * stride_aux_row + aux_slot_offset + cols,
+            s,
+            mask=mask,
+            cache_modifier=AUX_CACHE,
+            eviction_policy=AUX_EVICT,
+        )
     if STORE_RESIDUAL:
         tl.store(residual_out_ptr + row * stride_residual_out + cols, s, mask=mask)
     if APPLY_NORM:
         if NORM_FP32_SUM and HAS_RESIDUAL:
-            x = s_fp32          # FlashInfer / SGLang: normalise the unrounded sum
+            x = s_fp32  # FlashInfer / SGLang: normalise the unrounded sum
         else:
             x = s.to(tl.float32)
         mean_sq = tl.sum(x * x, axis=0) / hidden_size
         rstd = tl.rsqrt(mean_sq + eps)
         y = x * rstd * w.to(tl.float32)
-        tl.store(normed_out_ptr + row * stride_normed_out + cols,
-                 y.to(normed_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            normed_out_ptr + row * stride_normed_out + cols,
+            y.to(normed_out_ptr.dtype.element_ty),
+            mask=mask,
+        )
 
 
 @functools.lru_cache(maxsize=None)
-def launch_config(hidden_size: int, apply_norm: bool = True,
-                  allreduce: bool = False) -> tuple[int, int, int]:
+def launch_config(
+    hidden_size: int, apply_norm: bool = True, allreduce: bool = False
+) -> tuple[int, int, int]:
     """(BLOCK_H, num_warps, column blocks) for rows of ``hidden_size`` elements.
 
     With the norm: the whole row in one program, with enough warps that each
@@ -204,10 +256,21 @@ def launch_config(hidden_size: int, apply_norm: bool = True,
     return block_h, num_warps, 1
 
 
-def kernel_arguments(hidden, residual=None, weight=None, normed_out=None, residual_out=None,
-                     aux=None, *, eps: float = 0.0, slot: int = 0, norm_fp32_sum: bool = False,
-                     use_pdl: bool = False, block_h: Optional[int] = None,
-                     num_warps: Optional[int] = None) -> tuple[tuple, dict, int]:
+def kernel_arguments(
+    hidden,
+    residual=None,
+    weight=None,
+    normed_out=None,
+    residual_out=None,
+    aux=None,
+    *,
+    eps: float = 0.0,
+    slot: int = 0,
+    norm_fp32_sum: bool = False,
+    use_pdl: bool = False,
+    block_h: Optional[int] = None,
+    num_warps: Optional[int] = None,
+) -> tuple[tuple, dict, int]:
     """``(grid, {parameter: value}, num_warps)`` of one launch: the one place the
     kernel's arguments are spelled out. Features follow from the outputs given:
     ``aux`` -> capture into ``aux[:T, slot]``; ``residual_out`` -> store the new
@@ -228,16 +291,25 @@ def kernel_arguments(hidden, residual=None, weight=None, normed_out=None, residu
         normed_out_ptr=normed_out if apply_norm else hidden,
         residual_out_ptr=residual_out if residual_out is not None else hidden,
         aux_ptr=aux if aux is not None else hidden,
-        hidden_size=hidden_size, eps=float(eps), stride_hidden=hidden.stride(0),
+        hidden_size=hidden_size,
+        eps=float(eps),
+        stride_hidden=hidden.stride(0),
         stride_residual=residual.stride(0) if residual is not None else 0,
         stride_normed_out=normed_out.stride(0) if apply_norm else 0,
         stride_residual_out=residual_out.stride(0) if residual_out is not None else 0,
         stride_aux_row=aux.stride(0) if aux is not None else 0,
         aux_slot_offset=slot * aux.stride(1) if aux is not None else 0,
-        HAS_RESIDUAL=residual is not None, APPLY_NORM=apply_norm,
-        STORE_RESIDUAL=residual_out is not None, CAPTURE=aux is not None,
-        BLOCK_H=block_h, USE_PDL=use_pdl,
+        HAS_RESIDUAL=residual is not None,
+        APPLY_NORM=apply_norm,
+        STORE_RESIDUAL=residual_out is not None,
+        CAPTURE=aux is not None,
+        BLOCK_H=block_h,
+        USE_PDL=use_pdl,
         NORM_FP32_SUM=bool(norm_fp32_sum) and apply_norm and residual is not None,
         # No cache hint: none beat the default with cold inputs (benchmarks/NOTES.md).
-        AUX_CACHE="", AUX_EVICT="", RESIDUAL_EVICT="", PDL_TRIGGER_LATE=False)
+        AUX_CACHE="",
+        AUX_EVICT="",
+        RESIDUAL_EVICT="",
+        PDL_TRIGGER_LATE=False,
+    )
     return (num_tokens, col_blocks), values, default_warps if num_warps is None else num_warps

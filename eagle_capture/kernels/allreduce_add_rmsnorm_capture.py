@@ -92,8 +92,8 @@ import triton.language as tl
 
 from .add_rmsnorm_capture import add_rmsnorm_store_row
 
-NUM_BUFFERS = 3          # see the reuse argument in the module docstring
-STATE_INTS = 5   # epoch (mod NUM_BUFFERS), arrivals, T_prev, watchdog tripped, tickets taken
+NUM_BUFFERS = 3  # see the reuse argument in the module docstring
+STATE_INTS = 5  # epoch (mod NUM_BUFFERS), arrivals, T_prev, watchdog tripped, tickets taken
 # The same values as constexprs: a jit function may only read constexpr globals.
 _NUM_BUFFERS = tl.constexpr(NUM_BUFFERS)
 _EPOCH, _ARRIVED, _PREV_TOKENS, _TRIPPED, _TICKETS = (tl.constexpr(i) for i in range(STATE_INTS))
@@ -101,8 +101,9 @@ _EPOCH, _ARRIVED, _PREV_TOKENS, _TRIPPED, _TICKETS = (tl.constexpr(i) for i in r
 
 @triton.jit
 def _globaltimer_ns():
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                     is_pure=False, pack=1)
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
 
 
 @triton.jit
@@ -177,17 +178,17 @@ def _debug_delay(state_ptr, error_ptr, DEBUG_SPIN: tl.constexpr, USE_GLOBALTIMER
 # max_tokens must stay a runtime int64-convertible value (a 1 would be a constexpr).
 @triton.jit(do_not_specialize=["rank", "debug_rank", "num_tokens", "max_tokens", "timeout_ns"])
 def lamport_allreduce_add_rmsnorm_capture_kernel(
-    partial_ptr,          # the call's tensors lead (the eager launch's argument template)
+    partial_ptr,  # the call's tensors lead (the eager launch's argument template)
     residual_ptr,
     weight_ptr,
     normed_out_ptr,
     residual_out_ptr,
     aux_ptr,
-    ptr_table,            # int64[W + 1]: each rank's symmetric buffer, then the watchdog flag
-    state_ptr,            # int32[STATE_INTS], this rank's, device memory
+    ptr_table,  # int64[W + 1]: each rank's symmetric buffer, then the watchdog flag
+    state_ptr,  # int32[STATE_INTS], this rank's, device memory
     num_tokens,
     hidden_size,
-    max_tokens,           # rows per sender slab of the symmetric buffer
+    max_tokens,  # rows per sender slab of the symmetric buffer
     eps,
     rank,
     stride_partial,
@@ -229,7 +230,7 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
     # Symmetric allocations are page-aligned: say so, or the loads and stores of a
     # pointer made from an integer stay scalar (2-byte) instead of 16-byte.
     local = tl.multiple_of(tl.load(ptr_table + rank).to(tl.pointer_type(dtype)), 16)
-    slab = max_tokens.to(tl.int64) * hidden_size          # elements per (buffer, sender)
+    slab = max_tokens.to(tl.int64) * hidden_size  # elements per (buffer, sender)
     work64 = first_row.to(tl.int64)
 
     # The row loops are `while` loops: Triton 3.6's interpreter cannot take its
@@ -239,11 +240,12 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
     row64 = work64
     while row64 < num_tokens:
         x = tl.load(partial_ptr + row64 * stride_partial + cols, mask=mask, other=0.0)
-        x = tl.where(_is_sentinel(x), 0.0, x).to(dtype)    # -0.0 is the "not arrived" mark
+        x = tl.where(_is_sentinel(x), 0.0, x).to(dtype)  # -0.0 is the "not arrived" mark
         for peer in tl.static_range(WORLD_SIZE):
             base = tl.multiple_of(tl.load(ptr_table + peer).to(tl.pointer_type(dtype)), 16)
-            tl.store(base + (cur * WORLD_SIZE + rank) * slab + row64 * hidden_size + cols, x,
-                     mask=mask)
+            tl.store(
+                base + (cur * WORLD_SIZE + rank) * slab + row64 * hidden_size + cols, x, mask=mask
+            )
         row64 += num_programs
 
     if DEBUG_SPIN > 0:
@@ -256,8 +258,11 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
     while i < prev_tokens * WORLD_SIZE:
         sender = i // prev_tokens
         row64 = (i - sender * prev_tokens).to(tl.int64)
-        tl.store(local + (prev * WORLD_SIZE + sender) * slab + row64 * hidden_size + cols,
-                 neg_zero, mask=mask)
+        tl.store(
+            local + (prev * WORLD_SIZE + sender) * slab + row64 * hidden_size + cols,
+            neg_zero,
+            mask=mask,
+        )
         i += num_programs
 
     # Poll, reduce in rank order, then the add+RMSNorm+capture epilogue.
@@ -265,9 +270,14 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
     row64 = work64
     while row64 < num_tokens:
         for sender in tl.static_range(WORLD_SIZE):
-            part = _poll_row(local + (cur * WORLD_SIZE + sender) * slab + row64 * hidden_size
-                             + cols, mask, timeout_ns, error_ptr, state_ptr + _TRIPPED,
-                             USE_GLOBALTIMER)
+            part = _poll_row(
+                local + (cur * WORLD_SIZE + sender) * slab + row64 * hidden_size + cols,
+                mask,
+                timeout_ns,
+                error_ptr,
+                state_ptr + _TRIPPED,
+                USE_GLOBALTIMER,
+            )
             if sender == 0:
                 acc = part
             else:
@@ -277,12 +287,32 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
         # rounding, the stores, the norm).
         h = acc.to(dtype)
         r = tl.load(residual_ptr + row64 * stride_residual + cols, mask=mask, other=0.0)
-        add_rmsnorm_store_row(h, r, w, cols, mask, row64, hidden_size, eps, normed_out_ptr,
-                              stride_normed_out, residual_out_ptr, stride_residual_out, aux_ptr,
-                              stride_aux_row, aux_slot_offset, True, True, True, CAPTURE,
-                              NORM_FP32_SUM, "", "")   # no cache hints, passed explicitly:
-                              # Triton 3.6 failed to compile the call that left them to their
-                              # defaults (its interpreter accepted it)
+        add_rmsnorm_store_row(
+            h,
+            r,
+            w,
+            cols,
+            mask,
+            row64,
+            hidden_size,
+            eps,
+            normed_out_ptr,
+            stride_normed_out,
+            residual_out_ptr,
+            stride_residual_out,
+            aux_ptr,
+            stride_aux_row,
+            aux_slot_offset,
+            True,
+            True,
+            True,
+            CAPTURE,
+            NORM_FP32_SUM,
+            "",
+            "",
+        )  # no cache hints, passed explicitly:
+        # Triton 3.6 failed to compile the call that left them to their
+        # defaults (its interpreter accepted it)
         row64 += num_programs
 
     # Arrive: the last program bumps the epoch for the next launch (which starts
@@ -291,6 +321,6 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
     if arrived == num_programs - 1:
         tl.store(state_ptr + _ARRIVED, 0)
         if ROWS_BY_TICKET:
-            tl.store(state_ptr + _TICKETS, 0)   # every program took its ticket before arriving
+            tl.store(state_ptr + _TICKETS, 0)  # every program took its ticket before arriving
         tl.store(state_ptr + _PREV_TOKENS, num_tokens)
-        tl.store(state_ptr + _EPOCH, (epoch + 1) % _NUM_BUFFERS)   # never overflows
+        tl.store(state_ptr + _EPOCH, (epoch + 1) % _NUM_BUFFERS)  # never overflows

@@ -41,26 +41,36 @@ def line() -> SGLangLine:
     if not have:
         raise CapturePlanError(f"no SGLang release read has {FLAG}")
     first = parse_version(have[0])
-    return SGLangLine(f"{have[0]}{'+' if len(have) == 1 else ' - ' + have[-1]} capture-only",
-                      tuple(have), first, NEWEST_READ, shift_always=False,
-                      layer0="embedding", missing_capture="error")
+    return SGLangLine(
+        f"{have[0]}{'+' if len(have) == 1 else ' - ' + have[-1]} capture-only",
+        tuple(have),
+        first,
+        NEWEST_READ,
+        shift_always=False,
+        layer0="embedding",
+        missing_capture="error",
+    )
 
 
 def line_for(sglang_version: Optional[str]) -> SGLangLine:
     """The capture-only line, refused for a release without the mode."""
     mode = line()
     if sglang_version and parse_version(sglang_version) < mode.first:
-        raise CapturePlanError(f"SGLang {sglang_version} has no {FLAG} (the capture-only mode "
-                               f"came in {mode.read_versions[0]}): --capture return-aux needs "
-                               f"{mode.read_versions[0]} or later")
+        raise CapturePlanError(
+            f"SGLang {sglang_version} has no {FLAG} (the capture-only mode "
+            f"came in {mode.read_versions[0]}): --capture return-aux needs "
+            f"{mode.read_versions[0]} or later"
+        )
     return mode
 
 
 def refusal(ids: Optional[Sequence[int]], num_layers: int, pp: int = 1) -> Optional[str]:
     """SGLang's own start-up refusal for this mode, in its words, or None."""
     if pp != 1:
-        return (f"{FLAG} only supports pp_size == 1: the capture hooks only see the layers on "
-                f"the last pipeline rank")
+        return (
+            f"{FLAG} only supports pp_size == 1: the capture hooks only see the layers on "
+            f"the last pipeline rank"
+        )
     if ids is None:
         return None
     ids = list(ids)

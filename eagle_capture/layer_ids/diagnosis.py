@@ -35,8 +35,18 @@ from eagle_capture.layer_ids.rules import SHIFT_ALWAYS, ModelRule, model_rule_of
 from eagle_capture.layer_ids.startup import slot_order_problem
 from eagle_capture.layer_ids.trainers import CONVENTIONS, Provenance, Reading, recognise
 
-__all__ = ["CannotCapture", "Diagnosis", "LineVerdict", "cannot_load", "diagnose",
-           "diagnose_line", "fix_ids", "model_lines", "target_cannot_capture", "wrong_tensor"]
+__all__ = [
+    "CannotCapture",
+    "Diagnosis",
+    "LineVerdict",
+    "cannot_load",
+    "diagnose",
+    "diagnose_line",
+    "fix_ids",
+    "model_lines",
+    "target_cannot_capture",
+    "wrong_tensor",
+]
 
 
 def _source(input_layer: int, num_layers: int = 0) -> str:
@@ -45,8 +55,10 @@ def _source(input_layer: int, num_layers: int = 0) -> str:
         return "embedding output (input to layer 0, HF hidden_states[0])"
     if input_layer == num_layers:
         return f"output of layer {input_layer - 1} (the last layer, before the final norm)"
-    return (f"output of layer {input_layer - 1} (input to layer {input_layer}, "
-            f"HF hidden_states[{input_layer}])")
+    return (
+        f"output of layer {input_layer - 1} (input to layer {input_layer}, "
+        f"HF hidden_states[{input_layer}])"
+    )
 
 
 def _capturable(line, num_layers: int) -> int:
@@ -55,17 +67,20 @@ def _capturable(line, num_layers: int) -> int:
     return num_layers + (1 if getattr(line, "last_layer_capturable", False) else 0)
 
 
-def fix_ids(line: SGLangLine, want: Sequence[int], num_layers: int,
-            allow_embedding: bool = False) -> Optional[list[int]]:
+def fix_ids(
+    line: SGLangLine, want: Sequence[int], num_layers: int, allow_embedding: bool = False
+) -> Optional[list[int]]:
     """Draft-config ids for which ``line`` captures exactly the layers ``want``
     (SGLang's capture layers, slots in ascending order), or None if none can:
     the output-convention ids, else the input-convention ones, in ascending
     order first (``ids[0]`` decides 0.5.13+'s +1, so the order matters)."""
     want = sorted(want)
     # A layer wanted twice: every line captures a layer once, so no ids fill both slots.
-    if len(set(want)) != len(want) or any(not 0 <= w < _capturable(line, num_layers)
-                                          for w in want) \
-            or (0 in want and not allow_embedding):
+    if (
+        len(set(want)) != len(want)
+        or any(not 0 <= w < _capturable(line, num_layers) for w in want)
+        or (0 in want and not allow_embedding)
+    ):
         return None
     if 0 in want and line.layer0 == "crash":
         return None
@@ -84,20 +99,25 @@ class LineVerdict:
     ok: bool
     lines: list[str]
     fix: Optional[str] = None
-    ids: Optional[list[int]] = None      # the ids this line reads
+    ids: Optional[list[int]] = None  # the ids this line reads
     fix_ids: Optional[list[int]] = None  # the ids the fix writes
-    status: str = ""                     # not decided by the slots (CANNOT LOAD, CANNOT CAPTURE)
-    decides: bool = True                 # False: a non-default runner, shown only
-    brief: str = ""                      # the cause in a few words, for the short answer
+    status: str = ""  # not decided by the slots (CANNOT LOAD, CANNOT CAPTURE)
+    decides: bool = True  # False: a non-default runner, shown only
+    brief: str = ""  # the cause in a few words, for the short answer
 
 
 _FROM_TRAINED = object()
 
 
-def diagnose_line(line: SGLangLine, ids: Optional[Sequence[int]], num_layers: int,
-                  allow_embedding: bool = False,
-                  trained: Optional[Sequence[int]] = None,
-                  convention: str = "output", expected=_FROM_TRAINED) -> LineVerdict:
+def diagnose_line(
+    line: SGLangLine,
+    ids: Optional[Sequence[int]],
+    num_layers: int,
+    allow_embedding: bool = False,
+    trained: Optional[Sequence[int]] = None,
+    convention: str = "output",
+    expected=_FROM_TRAINED,
+) -> LineVerdict:
     """What ``line`` captures for the ``ids`` it reads (None: absent) and whether
     it matches what the draft was trained on: ``expected`` capture layers (None:
     unknown), else ``trained`` ids in ``convention`` (default: ``ids``)."""
@@ -119,31 +139,44 @@ def diagnose_line(line: SGLangLine, ids: Optional[Sequence[int]], num_layers: in
 
     if expected is not None and not (0 in expected and not allow_embedding):
         fixed = fix_ids(line, expected, num_layers, allow_embedding)
-        key = ("eagle_aux_hidden_state_layer_ids at the config's top level (vLLM's runners read "
-               "it first; its default GPU runner reads no other key)" if line.engine == "vLLM"
-               else "eagle_config.eagle_aux_hidden_state_layer_ids")
-        verdict.fix = (f"{key} = {fixed}" if fixed
-                       else "no ids make this line capture those layers")
+        key = (
+            "eagle_aux_hidden_state_layer_ids at the config's top level (vLLM's runners read "
+            "it first; its default GPU runner reads no other key)"
+            if line.engine == "vLLM"
+            else "eagle_config.eagle_aux_hidden_state_layer_ids"
+        )
+        verdict.fix = f"{key} = {fixed}" if fixed else "no ids make this line capture those layers"
         verdict.fix_ids = fixed
     if 0 in capture and line.layer0 == "crash":
-        return problem("FAILS at the first forward: layer 0 is captured and this line's loop "
-                       "computes hidden_states + residual there, with residual None (TypeError)")
+        return problem(
+            "FAILS at the first forward: layer 0 is captured and this line's loop "
+            "computes hidden_states + residual there, with residual None (TypeError)"
+        )
     invalid = [layer for layer in capture if not 0 <= layer < _capturable(line, num_layers)]
     duplicates = sorted({layer for layer in capture if capture.count(layer) > 1})
     taken = len(set(capture) - set(invalid))
     if invalid or duplicates:
-        what = (f"layer(s) {invalid} do not exist" if invalid else
-                f"layer(s) {duplicates} are named twice (duplicate ids)")
+        what = (
+            f"layer(s) {invalid} do not exist"
+            if invalid
+            else f"layer(s) {duplicates} are named twice (duplicate ids)"
+        )
         if line.missing_capture == "dropped":
-            return problem(f"{what}: the loop captures each existing layer once and hands the "
-                           f"draft {taken} of {len(capture)} slots ([T, {taken}*H]) without an "
-                           f"error: the draft's input is wrong")
+            return problem(
+                f"{what}: the loop captures each existing layer once and hands the "
+                f"draft {taken} of {len(capture)} slots ([T, {taken}*H]) without an "
+                f"error: the draft's input is wrong"
+            )
         if line.engine == "vLLM":
-            return problem(f"FAILS at the first forward: {what}, the loop captures each "
-                           f"existing layer once and the draft's fc, sized for {len(capture)}, "
-                           f"gets {taken} (RuntimeError)")
-        return problem(f"FAILS at the first forward: {what}, the packer gets {taken} of "
-                       f"{len(capture)} captures (RuntimeError)")
+            return problem(
+                f"FAILS at the first forward: {what}, the loop captures each "
+                f"existing layer once and the draft's fc, sized for {len(capture)}, "
+                f"gets {taken} (RuntimeError)"
+            )
+        return problem(
+            f"FAILS at the first forward: {what}, the packer gets {taken} of "
+            f"{len(capture)} captures (RuntimeError)"
+        )
     for slot, got in enumerate(sorted(capture)):
         text = f"slot {slot}: {line.engine} captures the {_source(got, num_layers)}"
         if expected is None:
@@ -153,26 +186,32 @@ def diagnose_line(line: SGLangLine, ids: Optional[Sequence[int]], num_layers: in
         if want is None:
             problem(text + "; the draft has no slot for it: MISMATCH")
         elif got != want:
-            problem(text + f"; the draft expects the {_source(want, num_layers)}: MISMATCH, "
-                           f"expect acceptance to collapse")
+            problem(
+                text + f"; the draft expects the {_source(want, num_layers)}: MISMATCH, "
+                f"expect acceptance to collapse"
+            )
         elif got == 0 and not allow_embedding:
-            problem(text + "; the draft asks for it (id -1), but no SpecForge draft is trained "
-                           "on the embedding (field report: ~47% -> ~19% acceptance when it was "
-                           "added); --allow-embedding only if yours was")
+            problem(
+                text + "; the draft asks for it (id -1), but no SpecForge draft is trained "
+                "on the embedding (field report: ~47% -> ~19% acceptance when it was "
+                "added); --allow-embedding only if yours was"
+            )
         else:
             verdict.lines.append(text + ": matches")
     if expected is not None and len(expected) != len(capture):
-        problem(f"the draft was trained on {len(expected)} layers, {line.engine} captures "
-                f"{len(capture)}: its fc expects another width")
+        problem(
+            f"the draft was trained on {len(expected)} layers, {line.engine} captures "
+            f"{len(capture)}: its fc expects another width"
+        )
     return verdict
 
 
 @dataclass
 class Diagnosis:
     draft: Optional[DraftIds]
-    ids: Optional[list[int]]          # what the engine reads (vLLM: its first runner)
+    ids: Optional[list[int]]  # what the engine reads (vLLM: its first runner)
     num_layers: int
-    verdicts: list[LineVerdict]       # under the first reading
+    verdicts: list[LineVerdict]  # under the first reading
     notes: list[str]
     ok: bool
     deployment: list[str] = field(default_factory=list)
@@ -182,11 +221,11 @@ class Diagnosis:
     provenance: Optional[Provenance] = None
     # every reading of the draft's ids with its verdicts (more than one: ambiguous)
     by_reading: list = field(default_factory=list)
-    assumed: bool = False             # a rule the answer rests on was not read
-    accepted: bool = False            # --accept-defaults
-    deployment_ok: bool = True        # no PROBLEM row in the deployment's report
+    assumed: bool = False  # a rule the answer rests on was not read
+    accepted: bool = False  # --accept-defaults
+    deployment_ok: bool = True  # no PROBLEM row in the deployment's report
     deployment_brief: list = field(default_factory=list)  # its PROBLEM rows, one line each
-    capture: str = "engine"           # how the server captures (deployment.CAPTURES)
+    capture: str = "engine"  # how the server captures (deployment.CAPTURES)
 
     @property
     def unknown(self) -> bool:
@@ -199,12 +238,13 @@ class Diagnosis:
     def verdict_class(self) -> str:
         """One word per engine: OK, PROBLEM, CANNOT CAPTURE, CANNOT LOAD, AMBIGUOUS,
         UNVERIFIED or ASSUMED (exit 0 only for OK)."""
-        decisive = [v for _, vs in (self.by_reading or [(None, self.verdicts)]) for v in vs
-                    if v.decides]
+        decisive = [
+            v for _, vs in (self.by_reading or [(None, self.verdicts)]) for v in vs if v.decides
+        ]
         if decisive and all(v.status == "CANNOT CAPTURE" for v in decisive):
             return "CANNOT CAPTURE"  # the target's class, on every line (some only: PROBLEM)
         if decisive and all(v.status == "CANNOT LOAD" for v in decisive):
-            return "CANNOT LOAD"    # (on some lines only: a PROBLEM there, below)
+            return "CANNOT LOAD"  # (on some lines only: a PROBLEM there, below)
         if self.ok:
             return "ASSUMED" if self.assumed else "OK"
         if len(self.by_reading) > 1 and any(v.ok for v in self.by_reading_decisive()):
@@ -215,7 +255,6 @@ class Diagnosis:
 
     def by_reading_decisive(self):
         return [v for _, vs in self.by_reading for v in vs if v.decides]
-
 
     @property
     def exit_ok(self) -> bool:
@@ -235,9 +274,15 @@ class Diagnosis:
         for reading, verdicts in readings:
             indent = ""
             if len(readings) > 1:
-                out.append(_wrap(f"if the draft was trained in the {reading.label} "
-                                 f"({reading.why}):" if reading.why else
-                                 f"if the draft was trained in the {reading.label}:", "", "  "))
+                out.append(
+                    _wrap(
+                        f"if the draft was trained in the {reading.label} ({reading.why}):"
+                        if reading.why
+                        else f"if the draft was trained in the {reading.label}:",
+                        "",
+                        "  ",
+                    )
+                )
                 indent = "  "
             for v in verdicts:
                 out += self._line(v, indent)
@@ -255,13 +300,17 @@ class Diagnosis:
             title = v.line.title if v.line.engine == "vLLM" else v.line.name
             answers = [self._brief_answer(vs[i]) for _, vs in readings]
             if len(readings) > 1 and len(set(answers)) > 1:
-                answer = "; ".join(f"if {_short_label(r)}: {a}"
-                                   for (r, _), a in zip(readings, answers))
+                answer = "; ".join(
+                    f"if {_short_label(r)}: {a}" for (r, _), a in zip(readings, answers)
+                )
             else:
                 answer = answers[0]
             shown = "" if v.decides else " (shown; decides with --vllm-runner v1)"
-            captures = ("" if v.status in ("CANNOT CAPTURE", "CANNOT LOAD")
-                        else f" captures {v.capture_layers}:")
+            captures = (
+                ""
+                if v.status in ("CANNOT CAPTURE", "CANNOT LOAD")
+                else f" captures {v.capture_layers}:"
+            )
             out.append(_wrap(f"{title}{shown}:{captures} {answer}", "  ", "    "))
         if self.deployment_brief:
             out += self.deployment_brief
@@ -269,102 +318,148 @@ class Diagnosis:
         return "\n".join(out)
 
     def _brief_answer(self, v: LineVerdict) -> str:
-        status = v.status or ("PROBLEM" if not v.ok else
-                              "UNVERIFIED" if self.unknown else "OK")
+        status = v.status or ("PROBLEM" if not v.ok else "UNVERIFIED" if self.unknown else "OK")
         if v.ok:
             return status
         if v.brief:
-            remedy = f" -> {v.fix}" if v.status == "CANNOT CAPTURE" or (
-                self.capture == "return-aux" and v.fix_ids) else ""
+            remedy = (
+                f" -> {v.fix}"
+                if v.status == "CANNOT CAPTURE" or (self.capture == "return-aux" and v.fix_ids)
+                else ""
+            )
             return f"{status} ({v.brief}){remedy}"
         problems = [t for t in v.lines if not t.endswith((": matches", "(no ids)"))]
         why = problems[0] if problems else ""
         if any("MISMATCH" in t for t in problems):
-            why = ""                       # wrong slots: the ids to write say it all
+            why = ""  # wrong slots: the ids to write say it all
         elif len(why) > 90:
-            why = why[:why.find(":", 20) if ":" in why[20:] else 90].rstrip(" ,;")
-        fix = "" if not v.fix_ids else (f" -> {v.fix}" if self.capture == "return-aux"
-                                         else f" -> write {v.fix_ids}")
+            why = why[: why.find(":", 20) if ":" in why[20:] else 90].rstrip(" ,;")
+        fix = (
+            ""
+            if not v.fix_ids
+            else (f" -> {v.fix}" if self.capture == "return-aux" else f" -> write {v.fix_ids}")
+        )
         return f"{status}{f' ({why})' if why else ''}{fix}"
 
     def _reads(self) -> str:
         target = f"target: {self.num_layers} layers"
         if self.capture == "return-aux":
             given = "absent (the model's defaults)" if self.ids is None else str(self.ids)
-            return (f"SGLang's capture-only mode ({capture_only.FLAG}) reads "
-                    f"{capture_only.IDS_FLAG} from its command line: {given}, never the draft "
-                    f"config; {target}")
+            return (
+                f"SGLang's capture-only mode ({capture_only.FLAG}) reads "
+                f"{capture_only.IDS_FLAG} from its command line: {given}, never the draft "
+                f"config; {target}"
+            )
         if self.engine == "vllm":
             lines = self.verdicts
             if len(lines) == 1:
-                return (f"vLLM reads {lines[0].line.reads()}: {self._ids(lines[0].ids)}; "
-                        f"{target}")
-            return ("vLLM's runners read different ids here: " + "; ".join(
-                f"{v.line.runner} ({v.line.reads()}): {self._ids(v.ids)}" for v in lines)
-                + f"; {target}")
-        return (f"SGLang's target reads eagle_config.eagle_aux_hidden_state_layer_ids: "
-                f"{self._ids(self.ids)}; {target}")
+                return f"vLLM reads {lines[0].line.reads()}: {self._ids(lines[0].ids)}; {target}"
+            return (
+                "vLLM's runners read different ids here: "
+                + "; ".join(
+                    f"{v.line.runner} ({v.line.reads()}): {self._ids(v.ids)}" for v in lines
+                )
+                + f"; {target}"
+            )
+        return (
+            f"SGLang's target reads eagle_config.eagle_aux_hidden_state_layer_ids: "
+            f"{self._ids(self.ids)}; {target}"
+        )
 
     @staticmethod
     def _ids(ids) -> str:
         return "none (field absent)" if ids is None else str(ids)
 
     def _line(self, v: LineVerdict, indent: str) -> list[str]:
-        status = (v.status or ("PROBLEM" if not v.ok else
-                               "UNVERIFIED (the draft's layers are unknown)" if self.unknown
-                               else "OK"))
+        status = v.status or (
+            "PROBLEM"
+            if not v.ok
+            else "UNVERIFIED (the draft's layers are unknown)"
+            if self.unknown
+            else "OK"
+        )
         title = v.line.title if v.line.engine == "vLLM" else v.line.name
-        out = [_wrap(f"{v.line.engine} {title} (read from {', '.join(v.line.read_versions)}):",
-                     indent, indent + "  ")]
+        out = [
+            _wrap(
+                f"{v.line.engine} {title} (read from {', '.join(v.line.read_versions)}):",
+                indent,
+                indent + "  ",
+            )
+        ]
         name = "aux_hidden_state_layers" if v.line.engine == "vLLM" else "layers_to_capture"
         out.append(f"{indent}  {name} = {v.capture_layers} -> {status}")
         if not v.decides:
-            out.append(_wrap("(not vLLM's default runner: shown, and decides the verdict only "
-                             "for a server run with it: --vllm-runner v1)", indent + "    ",
-                             indent + "      "))
+            out.append(
+                _wrap(
+                    "(not vLLM's default runner: shown, and decides the verdict only "
+                    "for a server run with it: --vllm-runner v1)",
+                    indent + "    ",
+                    indent + "      ",
+                )
+            )
         out += [_wrap(text, indent + "    ", indent + "      ") for text in v.lines]
-        if not v.ok and v.fix and v.status != "CANNOT CAPTURE":   # (its text says where)
+        if not v.ok and v.fix and v.status != "CANNOT CAPTURE":  # (its text says where)
             out.append(_wrap(f"fix for this line: {v.fix}", indent + "    ", indent + "      "))
         return out
 
     def _verdict(self) -> str:
         kind = self.verdict_class
         if kind == "CANNOT CAPTURE":
-            remedy = next(v.fix for _, vs in self.by_reading for v in vs
-                          if v.status == "CANNOT CAPTURE")
-            return (f"CANNOT CAPTURE: {self.engine_name}'s class for this target cannot feed an "
-                    f"EAGLE-3 draft on the lines shown, whatever the ids; {remedy}")
+            remedy = next(
+                v.fix for _, vs in self.by_reading for v in vs if v.status == "CANNOT CAPTURE"
+            )
+            return (
+                f"CANNOT CAPTURE: {self.engine_name}'s class for this target cannot feed an "
+                f"EAGLE-3 draft on the lines shown, whatever the ids; {remedy}"
+            )
         if kind == "CANNOT LOAD":
             return f"CANNOT LOAD: {self.engine_name} cannot load this draft format (above)"
         if kind == "AMBIGUOUS":
-            return ("AMBIGUOUS: what the draft receives is right or wrong depending on how "
-                    "its ids were meant (each reading above); measure it with `eagle-capture "
-                    "probe`, or pass --id-convention output|input if you know (exit 1 until then)")
+            return (
+                "AMBIGUOUS: what the draft receives is right or wrong depending on how "
+                "its ids were meant (each reading above); measure it with `eagle-capture "
+                "probe`, or pass --id-convention output|input if you know (exit 1 until then)"
+            )
         if kind == "UNVERIFIED":
-            return ("UNVERIFIED: the draft's layers cannot be known from its config; measure "
-                    "them with `eagle-capture probe`, or pass --accept-defaults if it was "
-                    "trained on the layers above")
+            return (
+                "UNVERIFIED: the draft's layers cannot be known from its config; measure "
+                "them with `eagle-capture probe`, or pass --accept-defaults if it was "
+                "trained on the layers above"
+            )
         if kind == "PROBLEM":
             return "problems above; do not serve this as is"
-        said = ("accepted (--accept-defaults): the draft is taken to be trained on these"
-                if self.unknown and self.accepted else
-                "every line shown feeds the draft what it was trained on")
+        said = (
+            "accepted (--accept-defaults): the draft is taken to be trained on these"
+            if self.unknown and self.accepted
+            else "every line shown feeds the draft what it was trained on"
+        )
         if self.capture == "eagle-capture":
-            manual = any(v.line.engine == "SGLang" and v.line.first < (0, 5, 13)
-                         for v in self.verdicts)
-            said += (" with eagle-capture's capture switched on (EAGLE_CAPTURE=1 in the "
-                     "server's environment" + ("; SGLang 0.5.9 - 0.5.12: install_eagle3_capture "
-                                               "called in your launcher)" if manual else ")"))
+            manual = any(
+                v.line.engine == "SGLang" and v.line.first < (0, 5, 13) for v in self.verdicts
+            )
+            said += (
+                " with eagle-capture's capture switched on (EAGLE_CAPTURE=1 in the "
+                "server's environment"
+                + (
+                    "; SGLang 0.5.9 - 0.5.12: install_eagle3_capture called in your launcher)"
+                    if manual
+                    else ")"
+                )
+            )
         elif self.capture == "return-aux":
             said += f" in SGLang's capture-only mode ({capture_only.FLAG})"
         if any(not v.ok and not v.decides for _, vs in self.by_reading for v in vs):
-            said = ("vLLM's default runner (V2) feeds the draft what it was trained on; the V1 "
-                    "runner of 0.32 - 0.33 would not (above): pass --vllm-runner v1 if you serve "
-                    "with it")
+            said = (
+                "vLLM's default runner (V2) feeds the draft what it was trained on; the V1 "
+                "runner of 0.32 - 0.33 would not (above): pass --vllm-runner v1 if you serve "
+                "with it"
+            )
         if kind == "ASSUMED":
-            return (f"ASSUMED: {said}, under the assumption in the notes (a rule not read for "
-                    f"this target or release); exit 1 until --target-config or "
-                    f"--target-architecture names a model whose rule was read")
+            return (
+                f"ASSUMED: {said}, under the assumption in the notes (a rule not read for "
+                f"this target or release); exit 1 until --target-config or "
+                f"--target-architecture names a model whose rule was read"
+            )
         return said
 
     def summary(self) -> str:
@@ -378,13 +473,22 @@ class Diagnosis:
         return self.draft.trained if self.draft is not None else self.ids
 
 
-def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
-             sglang_version: Optional[str] = None, accept_defaults: bool = False,
-             allow_embedding: bool = False, draft: Optional[DraftIds] = None,
-             deploy: Optional["deployment.Deployment"] = None, engine: str = "sglang",
-             convention: str = "output", architecture: str = "",
-             provenance: Optional[Provenance] = None,
-             vllm_runner: Optional[str] = None, capture: str = "engine") -> Diagnosis:
+def diagnose(
+    ids: Optional[Sequence[int]],
+    num_layers: int,
+    *,
+    sglang_version: Optional[str] = None,
+    accept_defaults: bool = False,
+    allow_embedding: bool = False,
+    draft: Optional[DraftIds] = None,
+    deploy: Optional["deployment.Deployment"] = None,
+    engine: str = "sglang",
+    convention: str = "output",
+    architecture: str = "",
+    provenance: Optional[Provenance] = None,
+    vllm_runner: Optional[str] = None,
+    capture: str = "engine",
+) -> Diagnosis:
     """Diagnose a draft against every SGLang line (or only the one
     ``sglang_version`` belongs to), or ``engine="vllm"``: vLLM's runners.
     ``ids``: what the engine reads (None: absent); ``draft`` (from
@@ -400,20 +504,20 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     if engine not in ("sglang", "vllm"):
         raise CapturePlanError(f"engine must be sglang or vllm, got {engine!r}")
     if convention not in CONVENTIONS:
-        raise CapturePlanError(f"convention must be output or input (or auto), got "
-                               f"{convention!r}")
+        raise CapturePlanError(f"convention must be output or input (or auto), got {convention!r}")
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 4:
         raise CapturePlanError(f"num_layers must be an int >= 4, got {num_layers!r}")
     if ids is not None:
         ids = list(ids)
         if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-            raise CapturePlanError(f"eagle_aux_hidden_state_layer_ids must be a list of "
-                                   f"integers, got {ids!r}")
+            raise CapturePlanError(
+                f"eagle_aux_hidden_state_layer_ids must be a list of integers, got {ids!r}"
+            )
     notes, ok = [], True
     assumed = False
     if engine == "vllm":
         lines = vllm_lines(draft)
-        if vllm_runner:   # the runner the user serves with: only that one
+        if vllm_runner:  # the runner the user serves with: only that one
             lines = [line for line in lines if line.runner in (vllm_runner.upper(), "V1 and V2")]
     else:
         if capture == "return-aux":
@@ -428,24 +532,33 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
         assumed = True
     aux_only = capture == "return-aux"
     if aux_only and engine != "sglang":
-        raise CapturePlanError(f"--capture return-aux is SGLang's capture-only mode "
-                               f"({capture_only.FLAG}, 0.5.23 on): vLLM has none")
-    line_ids = [(line.read_ids(draft) if engine == "vllm" and draft is not None else ids)
-                for line in lines]
+        raise CapturePlanError(
+            f"--capture return-aux is SGLang's capture-only mode "
+            f"({capture_only.FLAG}, 0.5.23 on): vLLM has none"
+        )
+    line_ids = [
+        (line.read_ids(draft) if engine == "vllm" and draft is not None else ids) for line in lines
+    ]
     if provenance is None:
         bare = draft if draft is not None else DraftIds(ids, None, "", "the ids given")
         provenance = recognise(bare, num_layers, architecture, convention)
     notes += list(provenance.notes)
     trained = provenance.ids
-    if engine == "vllm" and not architecture and provenance.trainer == "SpecForge" \
-            and trained and provenance.decided_by == "markers":
-        assumed = True    # SpecForge's history was read with DeepseekV2's rule
+    if (
+        engine == "vllm"
+        and not architecture
+        and provenance.trainer == "SpecForge"
+        and trained
+        and provenance.decided_by == "markers"
+    ):
+        assumed = True  # SpecForge's history was read with DeepseekV2's rule
     config_problems = []
     if trained == [] or ids == []:
         config_problems.append(
             "the draft config's id list is empty: SGLang then captures no layer (the draft "
             "gets no aux states), vLLM its defaults; no trainer trains on an empty list "
-            "(SpecForge refuses fewer than three ids). Write the ids the draft was trained on")
+            "(SpecForge refuses fewer than three ids). Write the ids the draft was trained on"
+        )
         provenance = replace(provenance, readings=(Reading("", None),))
     unsorted = slot_order_problem(trained)
     if unsorted:
@@ -455,12 +568,14 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     cannot_on = [None if aux_only else cannot_load(engine, draft, line) for line in lines]
     cannot = cannot_on[0] if all(cannot_on) else None
     if cannot:
-        pass    # no note on ids for a file this engine cannot load
+        pass  # no note on ids for a file this engine cannot load
     elif aux_only:
-        notes.append(f"SGLang's capture-only mode loads no draft and reads no draft config: it "
-                     f"hands {capture_only.IDS_FLAG} (absent: None, the model's defaults) to the "
-                     f"target's set_eagle3_layers_to_capture, the rule a draft's ids get; the "
-                     f"draft config says only which layers the draft was trained on")
+        notes.append(
+            f"SGLang's capture-only mode loads no draft and reads no draft config: it "
+            f"hands {capture_only.IDS_FLAG} (absent: None, the model's defaults) to the "
+            f"target's set_eagle3_layers_to_capture, the rule a draft's ids get; the "
+            f"draft config says only which layers the draft was trained on"
+        )
     elif engine == "vllm":
         notes += _vllm_notes(draft, ids, provenance)
     elif draft is not None and draft.nested is None and draft.top_level is not None:
@@ -470,10 +585,13 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
             f"runner reads only eagle_config[...]) and captures its defaults "
             f"{default_capture_layers(num_layers)}, while a draft class that reads either key "
             f"(SGLang's own Kimi-K2.5 EAGLE-3 draft does) was set up for these ids. "
-            + _nested_fix(lines, provenance, num_layers, allow_embedding))
+            + _nested_fix(lines, provenance, num_layers, allow_embedding)
+        )
     elif draft is not None and draft.top_level is not None and draft.top_level != draft.nested:
-        notes.append(f"{draft.source} also names ids {draft.top_level} at its top level: the "
-                     f"target reads only eagle_config's {draft.nested}; remove the other")
+        notes.append(
+            f"{draft.source} also names ids {draft.top_level} at its top level: the "
+            f"target reads only eagle_config's {draft.nested}; remove the other"
+        )
     # (the ids are then never read; the capture-only mode reads no draft config)
     no_aux = draft is not None and not draft.use_aux and not aux_only
     unknown = all(r.expected is None for r in provenance.readings)
@@ -481,60 +599,94 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
         defaults = default_capture_layers(num_layers)
         notes.append(
             f"neither {capture_only.IDS_FLAG} nor the draft config names ids: "
-            if aux_only else
-            f"the draft config names no eagle_aux_hidden_state_layer_ids: "
+            if aux_only
+            else f"the draft config names no eagle_aux_hidden_state_layer_ids: "
             f"{lines[0].engine} captures its "
             f"defaults {defaults} (outputs of layers {[i - 1 for i in defaults]}, SpecForge's "
             f"default too). A draft trained on other layers then fails silently (field report, "
             f"vLLM issue 50170: acceptance 1.2% instead of 58.9%). "
-            + (f"Pass {capture_only.IDS_FLAG} for the layers the draft was trained on, and write "
-               f"them into its config" if aux_only else
-               "Write the ids the draft was trained on into its config")
-            + ("" if accept_defaults else
-                                             ", or pass --accept-defaults if they are these"))
+            + (
+                f"Pass {capture_only.IDS_FLAG} for the layers the draft was trained on, and write "
+                f"them into its config"
+                if aux_only
+                else "Write the ids the draft was trained on into its config"
+            )
+            + ("" if accept_defaults else ", or pass --accept-defaults if they are these")
+        )
         ok = accept_defaults
-    elif trained is not None and any(i < 0 for i in trained) and any(
-            r.convention == "output" for r in provenance.readings):
-        notes.append(f"id {min(trained)} is the embedding output; SpecForge requires "
-                     f"non-negative ids, so a SpecForge-trained draft never saw it: the config "
-                     f"was probably edited (SpecForge's default for {num_layers} layers is "
-                     f"{specforge_default_ids(num_layers)})")
+    elif (
+        trained is not None
+        and any(i < 0 for i in trained)
+        and any(r.convention == "output" for r in provenance.readings)
+    ):
+        notes.append(
+            f"id {min(trained)} is the embedding output; SpecForge requires "
+            f"non-negative ids, so a SpecForge-trained draft never saw it: the config "
+            f"was probably edited (SpecForge's default for {num_layers} layers is "
+            f"{specforge_default_ids(num_layers)})"
+        )
     if trained is not None and len(set(trained)) != len(trained):
-        notes.append(f"ids {trained} name a layer twice: the draft expects {len(trained)} "
-                     f"distinct captures")
+        notes.append(
+            f"ids {trained} name a layer twice: the draft expects {len(trained)} distinct captures"
+        )
     by_reading = []
     for reading in provenance.readings:
         # A reading with no ids and a config that names none: unknown, or the
         # defaults when the user accepts them.
         expected = reading.expected
-        by_reading.append((reading, [
-            diagnose_line(line, lids, num_layers, allow_embedding, expected=expected)
-            for line, lids in zip(lines, line_ids)]))
+        by_reading.append(
+            (
+                reading,
+                [
+                    diagnose_line(line, lids, num_layers, allow_embedding, expected=expected)
+                    for line, lids in zip(lines, line_ids)
+                ],
+            )
+        )
     if cannot:
         config_problems = []
-        by_reading = [(by_reading[0][0], [
-            LineVerdict(line, [], False, [text], status="CANNOT LOAD")
-            for line, text in zip(lines, cannot_on)])]
+        by_reading = [
+            (
+                by_reading[0][0],
+                [
+                    LineVerdict(line, [], False, [text], status="CANNOT LOAD")
+                    for line, text in zip(lines, cannot_on)
+                ],
+            )
+        ]
     elif no_aux:
         config_problems = []
-        text = ("no aux hidden states: eagle_config.use_aux_hidden_state is false, so "
-                f"{lines[0].engine} feeds the draft the target's last hidden state and captures "
-                "no layer (its ids are not used); right for a draft trained so (a single-state "
-                "head)")
-        by_reading = [(by_reading[0][0], [LineVerdict(line, [], True, [text], status="OK")
-                                          for line in lines])]
+        text = (
+            "no aux hidden states: eagle_config.use_aux_hidden_state is false, so "
+            f"{lines[0].engine} feeds the draft the target's last hidden state and captures "
+            "no layer (its ids are not used); right for a draft trained so (a single-state "
+            "head)"
+        )
+        by_reading = [
+            (by_reading[0][0], [LineVerdict(line, [], True, [text], status="OK") for line in lines])
+        ]
     elif any(cannot_on):
-        by_reading = [(reading, [
-            LineVerdict(v.line, [], False, [text], status="CANNOT LOAD") if text else v
-            for v, text in zip(vs, cannot_on)]) for reading, vs in by_reading]
+        by_reading = [
+            (
+                reading,
+                [
+                    LineVerdict(v.line, [], False, [text], status="CANNOT LOAD") if text else v
+                    for v, text in zip(vs, cannot_on)
+                ],
+            )
+            for reading, vs in by_reading
+        ]
     # The target's class itself cannot capture (no draft, no ids change that); a draft
     # that takes no aux states never asks it to.
-    capture_on = [None if no_aux else target_cannot_capture(engine, line, architecture,
-                                                            sglang_version)
-                  for line in lines]
+    capture_on = [
+        None if no_aux else target_cannot_capture(engine, line, architecture, sglang_version)
+        for line in lines
+    ]
     if any(capture_on):
-        by_reading = [(reading, [_cannot_capture(v, c) for v, c in zip(vs, capture_on)])
-                      for reading, vs in by_reading]
+        by_reading = [
+            (reading, [_cannot_capture(v, c) for v, c in zip(vs, capture_on)])
+            for reading, vs in by_reading
+        ]
     # A line measured to capture another tensor than the residual stream: no id fixes it.
     if architecture and not no_aux:
         for line in lines:
@@ -553,8 +705,9 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
                 v.ok = False
                 v.lines[:0] = config_problems
             # vLLM's V1 runner when V2 (its default) is also shown: reported, not decisive
-            v.decides = not (engine == "vllm" and not vllm_runner and len(lines) > 1
-                             and v.line.runner == "V1")
+            v.decides = not (
+                engine == "vllm" and not vllm_runner and len(lines) > 1 and v.line.runner == "V1"
+            )
             if aux_only and v.status != "CANNOT CAPTURE":
                 _capture_only_verdict(v, ids, num_layers, deploy)
     verdicts = by_reading[0][1]
@@ -565,47 +718,71 @@ def diagnose(ids: Optional[Sequence[int]], num_layers: int, *,
     if deploy is not None:
         # A line where the target's class cannot capture at all has no deployment to assess
         # (its CANNOT CAPTURE above says so).
-        live = [(line, v.capture_layers) for line, v in zip(lines, verdicts)
-                if v.status != "CANNOT CAPTURE"]
+        live = [
+            (line, v.capture_layers)
+            for line, v in zip(lines, verdicts)
+            if v.status != "CANNOT CAPTURE"
+        ]
         if engine == "vllm":
             report = deployment.assess_vllm(deploy, live[0][1] if live else [], num_layers)
             if not live:
                 report.lines.clear()
         else:
-            report = deployment.assess(deploy, [line for line, _ in live],
-                                       [c for _, c in live], num_layers, trained)
+            report = deployment.assess(
+                deploy, [line for line, _ in live], [c for _, c in live], num_layers, trained
+            )
         deploy_lines = report.format(WIDTH)
         deploy_brief = report.brief()
         deploy_ok = report.ok
         ok = ok and report.ok
-    return Diagnosis(draft, line_ids[0], num_layers, verdicts, notes, ok, deploy_lines,
-                     engine=engine, convention=provenance.readings[0].convention,
-                     provenance=provenance, by_reading=by_reading, assumed=assumed,
-                     accepted=accept_defaults, deployment_ok=deploy_ok,
-                     deployment_brief=deploy_brief, capture=capture)
+    return Diagnosis(
+        draft,
+        line_ids[0],
+        num_layers,
+        verdicts,
+        notes,
+        ok,
+        deploy_lines,
+        engine=engine,
+        convention=provenance.readings[0].convention,
+        provenance=provenance,
+        by_reading=by_reading,
+        assumed=assumed,
+        accepted=accept_defaults,
+        deployment_ok=deploy_ok,
+        deployment_brief=deploy_brief,
+        capture=capture,
+    )
 
 
-def wrong_tensor(engine: str, line, architecture: str,
-                 sglang_version: Optional[str] = None) -> Optional[tuple[str, str, str]]:
+def wrong_tensor(
+    engine: str, line, architecture: str, sglang_version: Optional[str] = None
+) -> Optional[tuple[str, str, str]]:
     """(the problem, the remedy, a few words) when ``line``'s capture for ``architecture``
     was measured to hold another tensor than the residual stream (:mod:`.tensors`)."""
-    releases = (_vllm_releases(line) if engine == "vllm"
-                else _sglang_releases(line, sglang_version))
+    releases = _vllm_releases(line) if engine == "vllm" else _sglang_releases(line, sglang_version)
     bad = tensors.wrong(engine, releases, architecture)
     if not bad:
         return None
     name = "vLLM" if engine == "vllm" else "SGLang"
     held = "; ".join(f"{name} {r}: the {t}" for r, t in bad)
     right = [r for r in tensors.right_releases(engine, architecture)]
-    remedy = ("no id fixes it: serve with " + (f"{name} {', '.join(right)} (measured to capture "
-                                                f"the residual stream)" if right else
-                                                "another engine line")
-              + ", or with eagle-capture's capture (EAGLE_CAPTURE=1), which stores the residual "
-                "stream itself")
-    text = (f"WRONG TENSOR: {held} -- what this line's capture holds for {architecture}, "
-            f"measured against transformers' hidden_states for the same weights; the draft "
-            f"was trained on the residual stream entering each layer. The ids are not the "
-            f"problem: {remedy}")
+    remedy = (
+        "no id fixes it: serve with "
+        + (
+            f"{name} {', '.join(right)} (measured to capture the residual stream)"
+            if right
+            else "another engine line"
+        )
+        + ", or with eagle-capture's capture (EAGLE_CAPTURE=1), which stores the residual "
+        "stream itself"
+    )
+    text = (
+        f"WRONG TENSOR: {held} -- what this line's capture holds for {architecture}, "
+        f"measured against transformers' hidden_states for the same weights; the draft "
+        f"was trained on the residual stream entering each layer. The ids are not the "
+        f"problem: {remedy}"
+    )
     return text, remedy, f"captures the {bad[0][1]}, not the residual stream; {remedy}"
 
 
@@ -621,8 +798,10 @@ def _capture_only_verdict(v: LineVerdict, ids, num_layers: int, deploy) -> None:
     refused = capture_only.refusal(ids, num_layers, deploy.pp if deploy is not None else 1)
     if refused:
         v.ok = False
-        v.lines = [f"SGLang refuses to start: \"{refused}\" (arg_groups/validation_hook.py, "
-                   f"spec_aux_hidden_state.py)"]
+        v.lines = [
+            f'SGLang refuses to start: "{refused}" (arg_groups/validation_hook.py, '
+            f"spec_aux_hidden_state.py)"
+        ]
         v.brief = f"SGLang refuses to start: {refused}"
 
 
@@ -630,9 +809,16 @@ def _cannot_capture(v: LineVerdict, cannot: Optional["CannotCapture"]) -> LineVe
     """``v`` for a target class that cannot capture on (part of) its line."""
     if cannot is None:
         return v
-    if cannot.whole:   # the draft's own CANNOT LOAD, if any, is said after
-        return LineVerdict(v.line, [], False, [cannot.text] + (v.lines if v.status else []),
-                           fix=cannot.remedy, status="CANNOT CAPTURE", brief=cannot.short)
+    if cannot.whole:  # the draft's own CANNOT LOAD, if any, is said after
+        return LineVerdict(
+            v.line,
+            [],
+            False,
+            [cannot.text] + (v.lines if v.status else []),
+            fix=cannot.remedy,
+            status="CANNOT CAPTURE",
+            brief=cannot.short,
+        )
     return replace(v, ok=False, lines=[cannot.text] + v.lines, brief=cannot.short)
 
 
@@ -648,41 +834,62 @@ def cannot_load(engine: str, draft: Optional[DraftIds], line=None) -> Optional[s
     unknown = "eagle3" in arch.lower() and not engine_facts.registered_anywhere(arch)
     if not (arch in draft_architectures() or unknown):
         return None
-    nowhere = (" No release read of either engine registers it (SGLang 0.5.9 - 0.5.23, "
-               "vLLM 0.32 - 0.34): check the config's architectures" if unknown else "")
+    nowhere = (
+        " No release read of either engine registers it (SGLang 0.5.9 - 0.5.23, "
+        "vLLM 0.32 - 0.34): check the config's architectures"
+        if unknown
+        else ""
+    )
     if engine == "sglang":
-        releases = (_sglang_releases(line, None) if line is not None
-                    else engine_facts.releases("sglang"))
+        releases = (
+            _sglang_releases(line, None) if line is not None else engine_facts.releases("sglang")
+        )
         if any(engine_facts.registers_draft("sglang", r, arch) for r in releases):
             return None
         since = engine_facts.draft_class("sglang", arch)
         if since is not None:
-            return (f"SGLang cannot load this draft format on this line: {arch} "
-                    f"(models/{since[1].split('.')[0]}.py) is registered from {since[0]} on "
-                    f"(not in {releases[0]}). Serve it with a later SGLang, or with vLLM")
+            return (
+                f"SGLang cannot load this draft format on this line: {arch} "
+                f"(models/{since[1].split('.')[0]}.py) is registered from {since[0]} on "
+                f"(not in {releases[0]}). Serve it with a later SGLang, or with vLLM"
+            )
         newest = engine_facts.releases("sglang")[-1]
         speculators = arch == "Eagle3Speculator" or "speculators_config" in draft.raw
-        return (f"SGLang cannot load this draft format: no SGLang model class is registered as "
-                f"{arch} (its EAGLE-3 drafts: "
-                f"{', '.join(engine_facts.load()['sglang'][newest]['eagle3_drafts'])}; read in "
-                f"SGLang 0.5.9 - {newest})" + (
-                    ", and nothing in SGLang reads speculators' speculators_config. Serve it with "
-                    "vLLM, which loads speculators' format, or convert it back to "
-                    "LlamaForCausalLMEagle3 with the ids in eagle_config"
-                    if speculators else "." + nowhere + "." if unknown else
-                    ". Serve it with vLLM, which registers it, or export the draft as "
-                    "LlamaForCausalLMEagle3 (its trainer's SGLang export)"))
+        return (
+            f"SGLang cannot load this draft format: no SGLang model class is registered as "
+            f"{arch} (its EAGLE-3 drafts: "
+            f"{', '.join(engine_facts.load()['sglang'][newest]['eagle3_drafts'])}; read in "
+            f"SGLang 0.5.9 - {newest})"
+            + (
+                ", and nothing in SGLang reads speculators' speculators_config. Serve it with "
+                "vLLM, which loads speculators' format, or convert it back to "
+                "LlamaForCausalLMEagle3 with the ids in eagle_config"
+                if speculators
+                else "." + nowhere + "."
+                if unknown
+                else ". Serve it with vLLM, which registers it, or export the draft as "
+                "LlamaForCausalLMEagle3 (its trainer's SGLang export)"
+            )
+        )
     # vLLM names an EAGLE-3 draft's class "Eagle3" + its architecture unless the name
     # already starts or ends with Eagle3 (transformers_utils/configs/eagle.py).
     loaded = arch if arch.startswith("Eagle3") or arch.endswith("Eagle3") else f"Eagle3{arch}"
     releases = _vllm_releases(line if line is not None else VLLM_LINE)
-    if engine == "vllm" and "speculators_config" not in draft.raw and not any(
-            engine_facts.registers_draft("vllm", r, loaded) for r in releases):
-        return (f"vLLM cannot load this draft format: no vLLM EAGLE-3 model is registered as "
-                f"{loaded} (model_executor/models/registry.py, read in {', '.join(releases)})."
-                + (nowhere + "." if unknown else
-                   " Serve it with SGLang if it registers it, or convert it to a vLLM format "
-                   "(speculators' converter)"))
+    if (
+        engine == "vllm"
+        and "speculators_config" not in draft.raw
+        and not any(engine_facts.registers_draft("vllm", r, loaded) for r in releases)
+    ):
+        return (
+            f"vLLM cannot load this draft format: no vLLM EAGLE-3 model is registered as "
+            f"{loaded} (model_executor/models/registry.py, read in {', '.join(releases)})."
+            + (
+                nowhere + "."
+                if unknown
+                else " Serve it with SGLang if it registers it, or convert it to a vLLM format "
+                "(speculators' converter)"
+            )
+        )
     return None
 
 
@@ -691,13 +898,17 @@ def _nested_fix(lines, provenance: Provenance, num_layers: int, allow_embedding:
     the same ids moved into eagle_config can name other layers)."""
     expected = {r.expected for r in provenance.readings}
     if len(expected) != 1 or None in expected:
-        return ("Name them in \"eagle_config\" once it is known which layers the draft was "
-                "trained on (the fix lines below, per reading)")
-    fixes = {str(fix_ids(line, list(next(iter(expected))), num_layers, allow_embedding))
-             for line in lines}
+        return (
+            'Name them in "eagle_config" once it is known which layers the draft was '
+            "trained on (the fix lines below, per reading)"
+        )
+    fixes = {
+        str(fix_ids(line, list(next(iter(expected))), num_layers, allow_embedding))
+        for line in lines
+    }
     if len(fixes) == 1:
         return f"Write eagle_config.eagle_aux_hidden_state_layer_ids = {fixes.pop()}"
-    return "Write them into \"eagle_config\" as each line's rule needs (fix lines below)"
+    return 'Write them into "eagle_config" as each line\'s rule needs (fix lines below)'
 
 
 def model_lines(lines: list, architecture: str, sglang_version: Optional[str]):
@@ -706,13 +917,17 @@ def model_lines(lines: list, architecture: str, sglang_version: Optional[str]):
     none is known and what is assumed). A line whose class cannot capture at all is
     returned as is: :func:`target_cannot_capture` says so."""
     if not architecture:
-        return lines, ["the target's architecture is not given: DeepseekV2's id rule is "
-                       "assumed (other models have their own; pass --target-config or "
-                       "--target-architecture)"]
+        return lines, [
+            "the target's architecture is not given: DeepseekV2's id rule is "
+            "assumed (other models have their own; pass --target-config or "
+            "--target-architecture)"
+        ]
     out, notes, said = [], [], set()
     for line in lines:
-        facts = [(r, engine_facts.target("sglang", r, architecture))
-                 for r in _sglang_releases(line, sglang_version)]
+        facts = [
+            (r, engine_facts.target("sglang", r, architecture))
+            for r in _sglang_releases(line, sglang_version)
+        ]
         capturing = [(r, f) for r, f in facts if f and f["capture"]]
         if facts and all(_cannot_here("sglang", architecture, f) for _, f in facts):
             out.append(line)
@@ -724,15 +939,21 @@ def model_lines(lines: list, architecture: str, sglang_version: Optional[str]):
             rule = ModelRule(architecture, SHIFT_ALWAYS, "not read (assumed)", release)
             read = ", ".join(r for r, _ in facts) or release
             if fact is None:
-                why = (f"no model class is registered as {architecture} in SGLang {read} "
-                       f"(check the config's architecture name)")
+                why = (
+                    f"no model class is registered as {architecture} in SGLang {read} "
+                    f"(check the config's architecture name)"
+                )
             elif fact["capture"] is None:
                 why = f"its class's capture could not be read from the code ({fact['why']})"
             else:
-                why = (f"its set_eagle3_layers_to_capture ({fact['owner']}) follows none of the "
-                       f"known rules ({fact['why']})")
-            text = (f"SGLang {line.name}: {why}; the doctor ASSUMES it adds 1 to every id "
-                    f"(the rule of most models). Check its set_eagle3_layers_to_capture")
+                why = (
+                    f"its set_eagle3_layers_to_capture ({fact['owner']}) follows none of the "
+                    f"known rules ({fact['why']})"
+                )
+            text = (
+                f"SGLang {line.name}: {why}; the doctor ASSUMES it adds 1 to every id "
+                f"(the rule of most models). Check its set_eagle3_layers_to_capture"
+            )
         else:
             text = f"SGLang {line.name}'s rule for {rule.describe()}"
         if text not in said:
@@ -757,12 +978,13 @@ def _vllm_releases(line) -> list[str]:
 def _lines_that_capture(architecture: str) -> str:
     """Where a target class can feed an EAGLE-3 draft, among the releases read."""
     where = engine_facts.capturing_releases(architecture)
-    parts, run = [], []      # run: consecutive lines that capture on every release read
+    parts, run = [], []  # run: consecutive lines that capture on every release read
 
     def close():
         if run:
             parts.append(f"SGLang {run[0].name.split(' - ')[0]} - {run[-1].name.split(' - ')[-1]}")
             run.clear()
+
     for line in SGLANG_LINES:
         covered = [r for r in engine_facts.releases("sglang") if line.covers(parse_version(r))]
         can = [r for r in covered if r in where["sglang"]]
@@ -776,20 +998,22 @@ def _lines_that_capture(architecture: str) -> str:
     if where["vllm"]:
         parts.append("vLLM " + ", ".join(where["vllm"]))
     if not parts:
-        return ("no SGLang or vLLM release read can (SGLang 0.5.9 - 0.5.23, vLLM 0.32 - 0.34): "
-                "serve it without EAGLE-3, or with a draft for another target")
+        return (
+            "no SGLang or vLLM release read can (SGLang 0.5.9 - 0.5.23, vLLM 0.32 - 0.34): "
+            "serve it without EAGLE-3, or with a draft for another target"
+        )
     return "it can on " + "; ".join(parts) + " (of the releases read)"
 
 
-def target_cannot_capture(engine: str, line, architecture: str,
-                          sglang_version: Optional[str] = None) -> Optional["CannotCapture"]:
+def target_cannot_capture(
+    engine: str, line, architecture: str, sglang_version: Optional[str] = None
+) -> Optional["CannotCapture"]:
     """Why the target's class cannot feed an EAGLE-3 draft on ``line`` (from the
     engine facts), and whether that holds for the whole line (False: only some of
     its releases read); None when it can, or when that is not known."""
     if not architecture:
         return None
-    releases = (_vllm_releases(line) if engine == "vllm"
-                else _sglang_releases(line, sglang_version))
+    releases = _vllm_releases(line) if engine == "vllm" else _sglang_releases(line, sglang_version)
     facts = {r: engine_facts.target(engine, r, architecture) for r in releases}
     cannot = [r for r, f in facts.items() if _cannot_here(engine, architecture, f)]
     if not cannot:
@@ -797,31 +1021,44 @@ def target_cannot_capture(engine: str, line, architecture: str,
     fact = facts[cannot[-1]]
     where = f"{line.engine} {', '.join(cannot)}"
     if fact is None:
-        first = next(r for r in engine_facts.releases("sglang")
-                     if engine_facts.target("sglang", r, architecture))
+        first = next(
+            r
+            for r in engine_facts.releases("sglang")
+            if engine_facts.target("sglang", r, architecture)
+        )
         short = f"{architecture} is registered from {first} on"
-        why = (f"{where}: no model class is registered as {architecture} ({short}), so SGLang "
-               f"serves it, if at all, through its Transformers fallback "
-               f"(TransformersForCausalLM), which has no set_eagle3_layers_to_capture")
+        why = (
+            f"{where}: no model class is registered as {architecture} ({short}), so SGLang "
+            f"serves it, if at all, through its Transformers fallback "
+            f"(TransformersForCausalLM), which has no set_eagle3_layers_to_capture"
+        )
     elif engine == "vllm":
         short = f"{fact['class']} is not SupportsEagle3"
-        why = (f"{where}: the target's class {short}, so the server refuses EAGLE-3 at "
-               f"start-up (\"Model does not support EAGLE3 interface\")")
+        why = (
+            f"{where}: the target's class {short}, so the server refuses EAGLE-3 at "
+            f'start-up ("Model does not support EAGLE3 interface")'
+        )
     elif fact.get("why"):
         short = f"{fact['class']}: {fact['why'].split(':')[0]}"
         why = f"{where}: the target's class {fact['class']} {fact['why']}"
     else:
         short = f"{fact['class']} has no set_eagle3_layers_to_capture"
-        why = (f"{where}: the target's class {short} (nor its bases), so the model runner's "
-               f"call fails at start-up (AttributeError)")
+        why = (
+            f"{where}: the target's class {short} (nor its bases), so the model runner's "
+            f"call fails at start-up (AttributeError)"
+        )
     whole = len(cannot) == len(releases)
     if not whole:
         can = [r for r in releases if r not in cannot and (facts[r] or {}).get("capture")]
-        why += (f"; {', '.join(can)} capture" if can else "")
+        why += f"; {', '.join(can)} capture" if can else ""
         short += f" on {', '.join(cannot)}" + (f"; {', '.join(can)} capture" if can else "")
     remedy = _lines_that_capture(architecture)
-    return CannotCapture(f"{why}. It cannot feed an EAGLE-3 draft there, whatever the ids; "
-                         f"{remedy}", whole, short, remedy)
+    return CannotCapture(
+        f"{why}. It cannot feed an EAGLE-3 draft there, whatever the ids; {remedy}",
+        whole,
+        short,
+        remedy,
+    )
 
 
 def _cannot_here(engine: str, architecture: str, fact: Optional[dict]) -> bool:
@@ -831,45 +1068,59 @@ def _cannot_here(engine: str, architecture: str, fact: Optional[dict]) -> bool:
     no release registers may be a typo: ASSUMED, said in a note.)"""
     if fact is not None:
         return fact["capture"] is False
-    return engine == "sglang" and any(engine_facts.target("sglang", r, architecture)
-                                      for r in engine_facts.releases("sglang"))
+    return engine == "sglang" and any(
+        engine_facts.target("sglang", r, architecture) for r in engine_facts.releases("sglang")
+    )
 
 
 @dataclass(frozen=True)
 class CannotCapture:
     """A target class that cannot feed an EAGLE-3 draft on a line (or part of it)."""
+
     text: str
-    whole: bool      # every release of the line read (False: some only)
-    short: str       # the cause in a few words
-    remedy: str      # where it can
+    whole: bool  # every release of the line read (False: some only)
+    short: str  # the cause in a few words
+    remedy: str  # where it can
 
 
 def _vllm_notes(draft: Optional[DraftIds], ids, provenance: Provenance) -> list[str]:
     """What vLLM's reading of the draft config and its id rule mean for this draft."""
     notes = []
-    if draft is not None and draft.top_level is not None and draft.nested is not None \
-            and draft.top_level != draft.nested:
-        notes.append(f"{draft.source} names ids {draft.top_level} at its top level and "
-                     f"{draft.nested} in eagle_config: vLLM's runners read the top-level ones, "
-                     f"SGLang's target eagle_config's; remove the other")
+    if (
+        draft is not None
+        and draft.top_level is not None
+        and draft.nested is not None
+        and draft.top_level != draft.nested
+    ):
+        notes.append(
+            f"{draft.source} names ids {draft.top_level} at its top level and "
+            f"{draft.nested} in eagle_config: vLLM's runners read the top-level ones, "
+            f"SGLang's target eagle_config's; remove the other"
+        )
     if draft is not None and draft.target_layer_ids and not draft.top_level:
         notes.append("vLLM's V1 runner reads no target_layer_ids: it captures its defaults")
     elif len(vllm_lines(draft)) > 1:
-        notes.append("vLLM's model runner V2 (its default wherever Triton runs, and the only "
-                     "runner of 0.34) never reads eagle_config.eagle_aux_hidden_state_layer_ids: "
-                     "this draft gets vLLM's defaults there and its ids only under the V1 "
-                     "runner of 0.32 - 0.33. Write the ids at the config's top level")
-    if ids is not None and not provenance.ambiguous \
-            and provenance.readings[0].convention == "output":
+        notes.append(
+            "vLLM's model runner V2 (its default wherever Triton runs, and the only "
+            "runner of 0.34) never reads eagle_config.eagle_aux_hidden_state_layer_ids: "
+            "this draft gets vLLM's defaults there and its ids only under the V1 "
+            "runner of 0.32 - 0.33. Write the ids at the config's top level"
+        )
+    if (
+        ids is not None
+        and not provenance.ambiguous
+        and provenance.readings[0].convention == "output"
+    ):
         notes.append(
             "vLLM captures id k as the input of layer k (the output of layer k - 1), without "
             "SGLang's +1: a draft trained by SpecForge (id X = the output of layer X) gets "
             "every capture one layer early (a field report of the same off-by-one on another "
             "model: acceptance ~45% -> ~10%). If the ids were written for vLLM's rule (the "
-            "draft trained on vLLM's own captures), pass --id-convention input")
+            "draft trained on vLLM's own captures), pass --id-convention input"
+        )
     return notes
 
 
 def _short_label(reading: Reading) -> str:
-    """"output convention", "input convention", "the recorded capture layers"..."""
+    """ "output convention", "input convention", "the recorded capture layers"..."""
     return reading.label.split(" (")[0]

@@ -82,15 +82,23 @@ def draft_class(engine: str, architecture: str) -> Optional[tuple[str, str]]:
 def registered_anywhere(architecture: str) -> bool:
     """Whether any release read of either engine registers ``architecture`` at all
     (a target, an EAGLE-3 draft, vLLM's other speculative models)."""
-    return any(architecture in r["targets"] or architecture in r["eagle3_drafts"]
-               or architecture in r.get("speculative", ())
-               for engine in ("sglang", "vllm") for r in load()[engine].values())
+    return any(
+        architecture in r["targets"]
+        or architecture in r["eagle3_drafts"]
+        or architecture in r.get("speculative", ())
+        for engine in ("sglang", "vllm")
+        for r in load()[engine].values()
+    )
 
 
 def eagle3_drafts() -> frozenset:
     """Every EAGLE-3 draft architecture any release read registers."""
-    return frozenset(a for engine in ("sglang", "vllm") for r in load()[engine].values()
-                     for a in r["eagle3_drafts"])
+    return frozenset(
+        a
+        for engine in ("sglang", "vllm")
+        for r in load()[engine].values()
+        for a in r["eagle3_drafts"]
+    )
 
 
 def capture_only_releases() -> list[str]:
@@ -101,14 +109,18 @@ def capture_only_releases() -> list[str]:
 
 def capturing_releases(architecture: str) -> dict[str, list[str]]:
     """Per engine, the releases read whose class for ``architecture`` can capture."""
-    return {engine: [v for v in releases(engine)
-                     if (target(engine, v, architecture) or {}).get("capture")]
-            for engine in ("sglang", "vllm")}
+    return {
+        engine: [
+            v for v in releases(engine) if (target(engine, v, architecture) or {}).get("capture")
+        ]
+        for engine in ("sglang", "vllm")
+    }
 
 
 # ----------------------------------------------------------------------------
 # Generating
 # ----------------------------------------------------------------------------
+
 
 def find_wheels(wheel_dir: str) -> dict[str, dict[str, str]]:
     """{"sglang": {version: wheel}, "vllm": {...}} for the releases read."""
@@ -141,14 +153,14 @@ def dumps(facts: dict) -> str:
         items = list(per.items())
         for ri, (version, rel) in enumerate(items):
             lines.append(f"    {json.dumps(version)}: {{")
-            lines.append(f"      \"wheel\": {json.dumps(rel['wheel'])},")
-            lines.append(f"      \"registered\": {rel['registered']},")
-            lines.append(f"      \"eagle3_drafts\": {json.dumps(rel['eagle3_drafts'])},")
+            lines.append(f'      "wheel": {json.dumps(rel["wheel"])},')
+            lines.append(f'      "registered": {rel["registered"]},')
+            lines.append(f'      "eagle3_drafts": {json.dumps(rel["eagle3_drafts"])},')
             if "speculative" in rel:
-                lines.append(f"      \"speculative\": {json.dumps(rel['speculative'])},")
+                lines.append(f'      "speculative": {json.dumps(rel["speculative"])},')
             if "capture_only" in rel:
-                lines.append(f"      \"capture_only\": {json.dumps(rel['capture_only'])},")
-            lines.append("      \"targets\": {")
+                lines.append(f'      "capture_only": {json.dumps(rel["capture_only"])},')
+            lines.append('      "targets": {')
             targets = list(rel["targets"].items())
             for ti, (arch, fact) in enumerate(targets):
                 comma = "," if ti < len(targets) - 1 else ""
@@ -164,24 +176,32 @@ def drift(generated: dict, committed: dict) -> list[str]:
     """What differs, one line per architecture (empty: none)."""
     out = []
     for engine in ("sglang", "vllm"):
-        for version in sorted(set(generated.get(engine, {})) | set(committed.get(engine, {})),
-                              key=_key):
+        for version in sorted(
+            set(generated.get(engine, {})) | set(committed.get(engine, {})), key=_key
+        ):
             g, c = generated.get(engine, {}).get(version), committed.get(engine, {}).get(version)
             if g is None or c is None:
                 missing = "not generated" if g is None else "not committed"
                 out.append(f"{engine} {version}: {missing}")
                 continue
             if g.get("capture_only") != c.get("capture_only"):
-                out.append(f"{engine} {version} capture_only: {c.get('capture_only')} -> "
-                           f"{g.get('capture_only')}")
-            if g["eagle3_drafts"] != c["eagle3_drafts"] or g.get("speculative") != \
-                    c.get("speculative"):
-                out.append(f"{engine} {version} eagle3_drafts: {c['eagle3_drafts']} -> "
-                           f"{g['eagle3_drafts']}")
+                out.append(
+                    f"{engine} {version} capture_only: {c.get('capture_only')} -> "
+                    f"{g.get('capture_only')}"
+                )
+            if g["eagle3_drafts"] != c["eagle3_drafts"] or g.get("speculative") != c.get(
+                "speculative"
+            ):
+                out.append(
+                    f"{engine} {version} eagle3_drafts: {c['eagle3_drafts']} -> "
+                    f"{g['eagle3_drafts']}"
+                )
             for arch in sorted(set(g["targets"]) | set(c["targets"])):
                 if g["targets"].get(arch) != c["targets"].get(arch):
-                    out.append(f"{engine} {version} {arch}: {c['targets'].get(arch)} -> "
-                               f"{g['targets'].get(arch)}")
+                    out.append(
+                        f"{engine} {version} {arch}: {c['targets'].get(arch)} -> "
+                        f"{g['targets'].get(arch)}"
+                    )
     return out
 
 
@@ -189,23 +209,37 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m eagle_capture.layer_ids.engine_facts",
         description="Read the SGLang and vLLM wheels' model code and write (or check) the "
-                    "doctor's engine facts.")
-    p.add_argument("--wheel-dir", required=True,
-                   help="a folder holding the wheels: sglang-{%s}, vllm-{%s}" % (
-                       ",".join(SGLANG_RELEASES), ",".join(VLLM_RELEASES)))
-    p.add_argument("--check", action="store_true",
-                   help="compare with the committed data instead of writing it (exit 1 on drift)")
+        "doctor's engine facts.",
+    )
+    p.add_argument(
+        "--wheel-dir",
+        required=True,
+        help="a folder holding the wheels: sglang-{%s}, vllm-{%s}"
+        % (",".join(SGLANG_RELEASES), ",".join(VLLM_RELEASES)),
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="compare with the committed data instead of writing it (exit 1 on drift)",
+    )
     p.add_argument("--out", default=DATA, help="where to write (default: the package's data)")
     args = p.parse_args(argv)
     if not os.path.isdir(args.wheel_dir):
         print(f"error: --wheel-dir {args.wheel_dir} is not a folder", file=sys.stderr)
         return 2
     wheels = find_wheels(args.wheel_dir)
-    missing = [f"{e}=={v}" for e, want in (("sglang", SGLANG_RELEASES), ("vllm", VLLM_RELEASES))
-               for v in want if v not in wheels[e]]
+    missing = [
+        f"{e}=={v}"
+        for e, want in (("sglang", SGLANG_RELEASES), ("vllm", VLLM_RELEASES))
+        for v in want
+        if v not in wheels[e]
+    ]
     if missing:
-        print(f"error: {args.wheel_dir} lacks the wheels of {', '.join(missing)} (pip download "
-              f"--no-deps {' '.join(missing)} -d {args.wheel_dir})", file=sys.stderr)
+        print(
+            f"error: {args.wheel_dir} lacks the wheels of {', '.join(missing)} (pip download "
+            f"--no-deps {' '.join(missing)} -d {args.wheel_dir})",
+            file=sys.stderr,
+        )
         return 2
     facts = generate(wheels)
     if args.check:
@@ -213,8 +247,11 @@ def main(argv=None) -> int:
             diff = drift(facts, json.load(f))
         for line in diff:
             print(line)
-        print(f"{len(diff)} difference(s) from {args.out}" if diff else
-              f"{args.out} matches the wheels")
+        print(
+            f"{len(diff)} difference(s) from {args.out}"
+            if diff
+            else f"{args.out} matches the wheels"
+        )
         return 1 if diff else 0
     with open(args.out, "w", encoding="utf-8") as f:
         f.write(dumps(facts))

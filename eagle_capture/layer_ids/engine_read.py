@@ -42,15 +42,16 @@ class Unresolved(Exception):
 # Modules, classes and imports
 # ----------------------------------------------------------------------------
 
+
 @dataclass
 class Module:
-    name: str                       # dotted: sglang.srt.models.llama
-    path: str                       # in the wheel
+    name: str  # dotted: sglang.srt.models.llama
+    path: str  # in the wheel
     tree: ast.Module
     is_package: bool = False
-    classes: dict = field(default_factory=dict)    # name -> ast.ClassDef
-    imports: dict = field(default_factory=dict)    # local name -> (module, name or None)
-    aliases: dict = field(default_factory=dict)    # NAME = OtherName at module level
+    classes: dict = field(default_factory=dict)  # name -> ast.ClassDef
+    imports: dict = field(default_factory=dict)  # local name -> (module, name or None)
+    aliases: dict = field(default_factory=dict)  # NAME = OtherName at module level
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,9 @@ class ClassRef:
 
     def short(self, prefix: str) -> str:
         """``llama.LlamaForCausalLM`` for a class of ``prefix`` (the models package)."""
-        mod = self.module[len(prefix) + 1:] if self.module.startswith(prefix + ".") else self.module
+        mod = (
+            self.module[len(prefix) + 1 :] if self.module.startswith(prefix + ".") else self.module
+        )
         return f"{mod}.{self.name}"
 
 
@@ -89,7 +92,7 @@ class Source:
             if path in self._files:
                 try:
                     mod = self._parse(name, path, package)
-                except SyntaxError:      # the engine's import fails too: not registered
+                except SyntaxError:  # the engine's import fails too: not registered
                     mod = None
                 break
         self._modules[name] = mod
@@ -110,15 +113,19 @@ class Source:
             base = node.module or ""
             if node.level:
                 parts = pkg.split(".")
-                parts = parts[:len(parts) - node.level + 1]
+                parts = parts[: len(parts) - node.level + 1]
                 base = ".".join(parts + ([node.module] if node.module else []))
             for a in node.names:
                 mod.imports[a.asname or a.name] = (base, a.name)
         elif isinstance(node, ast.Import):
             for a in node.names:
                 mod.imports[a.asname or a.name.split(".")[0]] = (a.name, None)
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1 \
-                and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Name):
+        elif (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Name)
+        ):
             mod.aliases[node.targets[0].id] = node.value.id
         elif isinstance(node, (ast.If, ast.Try)):
             # Definitions under a guard (try: import X except ImportError): every branch.
@@ -145,7 +152,7 @@ class Source:
                 return None
             found = self.resolve(src, orig, depth + 1)
             if found is None and self.module(f"{src}.{orig}") is not None:
-                return None          # a submodule, not a class
+                return None  # a submodule, not a class
             return found
         return None
 
@@ -197,7 +204,7 @@ def _c3(ref, bases_of, memo):
         return [ref]
     if ref in memo:
         return memo[ref]
-    memo[ref] = [ref]      # a cycle (never in real code) ends here
+    memo[ref] = [ref]  # a cycle (never in real code) ends here
     bases = bases_of(ref)
     seqs = [_c3(b, bases_of, memo) for b in bases] + [list(bases)]
     out = [ref]
@@ -207,7 +214,7 @@ def _c3(ref, bases_of, memo):
             head = s[0]
             if not any(head in t[1:] for t in seqs):
                 break
-        else:   # inconsistent: fall back to depth-first order
+        else:  # inconsistent: fall back to depth-first order
             rest = [x for s in seqs for x in s]
             out += [x for i, x in enumerate(rest) if x not in rest[:i] and x not in out]
             break
@@ -231,7 +238,7 @@ def sglang_registry(src: Source) -> dict[str, ClassRef]:
     out = {}
     prefix = SGLANG_MODELS.replace(".", "/") + "/"
     for path in sorted(src.files()):
-        rest = path[len(prefix):] if path.startswith(prefix) else None
+        rest = path[len(prefix) :] if path.startswith(prefix) else None
         if not rest or "/" in rest or rest == "__init__.py":
             continue
         name = f"{SGLANG_MODELS}.{rest[:-3]}"
@@ -240,15 +247,19 @@ def sglang_registry(src: Source) -> dict[str, ClassRef]:
             continue
         for node in mod.tree.body:
             if isinstance(node, ast.Assign) and any(
-                    isinstance(t, ast.Name) and t.id == "EntryClass" for t in node.targets):
-                items = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) \
+                isinstance(t, ast.Name) and t.id == "EntryClass" for t in node.targets
+            ):
+                items = (
+                    node.value.elts
+                    if isinstance(node.value, (ast.List, ast.Tuple))
                     else [node.value]
+                )
                 for item in items:
                     if not isinstance(item, ast.Name):
                         continue
                     ref = src.resolve(name, item.id)
                     if ref is not None:
-                        out[ref.name] = ref     # registered by __name__
+                        out[ref.name] = ref  # registered by __name__
     return out
 
 
@@ -295,7 +306,7 @@ class _Run:
     def __init__(self, src: Source, top: ClassRef):
         self.src = src
         self.captures: list = []
-        self.chain: list = []          # (owner ClassRef, whether it got the caller's ids)
+        self.chain: list = []  # (owner ClassRef, whether it got the caller's ids)
         self.top = top
 
     def attribute_class(self, shell: _Shell, name: str) -> Optional[ClassRef]:
@@ -305,20 +316,33 @@ class _Run:
             return None
         mro = [c for c in self.src.mro(cls) if isinstance(c, ClassRef)]
         for c in mro:
-            init = next((n for n in self.src.classdef(c).body
-                         if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+            init = next(
+                (
+                    n
+                    for n in self.src.classdef(c).body
+                    if isinstance(n, ast.FunctionDef) and n.name == "__init__"
+                ),
+                None,
+            )
             if init is None:
                 continue
             for node in ast.walk(init):
                 if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
                     continue
-                if not any(isinstance(t, ast.Attribute) and t.attr == name
-                           and isinstance(t.value, ast.Name) and t.value.id == "self"
-                           for t in node.targets):
+                if not any(
+                    isinstance(t, ast.Attribute)
+                    and t.attr == name
+                    and isinstance(t.value, ast.Name)
+                    and t.value.id == "self"
+                    for t in node.targets
+                ):
                     continue
                 func = node.value.func
-                if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) \
-                        and func.value.id == "self":
+                if (
+                    isinstance(func, ast.Attribute)
+                    and isinstance(func.value, ast.Name)
+                    and func.value.id == "self"
+                ):
                     # self.body_cls(...): a class attribute, the most derived one
                     return self._class_attribute(mro, func.attr)
                 if not isinstance(func, ast.Name):
@@ -337,22 +361,32 @@ class _Run:
     def _class_attribute(self, mro, name: str) -> Optional[ClassRef]:
         for c in mro:
             for node in self.src.classdef(c).body:
-                tgt = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                tgt = (
+                    node.targets[0]
+                    if isinstance(node, ast.Assign) and len(node.targets) == 1
                     else (node.target if isinstance(node, ast.AnnAssign) else None)
+                )
                 if isinstance(tgt, ast.Name) and tgt.id == name:
                     return self.src.resolve_expr(c.module, node.value)
         return None
 
     def _param_default(self, mro, param: str) -> Optional[ClassRef]:
         for c in mro:
-            init = next((n for n in self.src.classdef(c).body
-                         if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+            init = next(
+                (
+                    n
+                    for n in self.src.classdef(c).body
+                    if isinstance(n, ast.FunctionDef) and n.name == "__init__"
+                ),
+                None,
+            )
             if init is None:
                 continue
             args = init.args
-            pos = args.args[len(args.args) - len(args.defaults):]
+            pos = args.args[len(args.args) - len(args.defaults) :]
             pairs = list(zip(pos, args.defaults)) + [
-                (a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+                (a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None
+            ]
             for a, default in pairs:
                 if a.arg == param and isinstance(default, ast.Name):
                     return self.src.resolve(c.module, default.id)
@@ -361,6 +395,7 @@ class _Run:
     def bound(self, shell: _Shell):
         def call(*args, **kwargs):
             return self.call(shell, args, kwargs)
+
         return call
 
     def call(self, shell: _Shell, args, kwargs, top: bool = False):
@@ -384,7 +419,7 @@ def _local_import(fn: ast.FunctionDef, name: str, module: str) -> Optional[tuple
                 if (a.asname or a.name) == name:
                     base = node.module or ""
                     if node.level:
-                        parts = module.split(".")[:-node.level]
+                        parts = module.split(".")[: -node.level]
                         base = ".".join(parts + ([node.module] if node.module else []))
                     return base, a.name
     return None
@@ -399,21 +434,48 @@ class _Layers(list):
         self._extra = _Shell(run, None, f"{path}[n]")
 
     def __getitem__(self, i):
-        return super().__getitem__(i) if isinstance(i, slice) or -len(self) <= i < len(self) \
+        return (
+            super().__getitem__(i)
+            if isinstance(i, slice) or -len(self) <= i < len(self)
             else self._extra
+        )
 
 
 # What a set_eagle3_layers_to_capture body may call; anything else is not followed.
-_SAFE_BUILTINS = {n: getattr(builtins, n) for n in (
-    "len", "list", "max", "min", "range", "sorted", "tuple", "set", "setattr", "getattr",
-    "isinstance", "int", "enumerate", "any", "all", "zip", "print", "ValueError",
-    "AttributeError", "RuntimeError", "NotImplementedError", "AssertionError", "TypeError")}
+_SAFE_BUILTINS = {
+    n: getattr(builtins, n)
+    for n in (
+        "len",
+        "list",
+        "max",
+        "min",
+        "range",
+        "sorted",
+        "tuple",
+        "set",
+        "setattr",
+        "getattr",
+        "isinstance",
+        "int",
+        "enumerate",
+        "any",
+        "all",
+        "zip",
+        "print",
+        "ValueError",
+        "AttributeError",
+        "RuntimeError",
+        "NotImplementedError",
+        "AssertionError",
+        "TypeError",
+    )
+}
 
 
 def _execute(run: _Run, owner: ClassRef, fn: ast.FunctionDef, shell: _Shell, args, kwargs):
     """Run the method's body, compiled from its source (annotations and decorators
     dropped: they are not executed for a call), on ``shell``."""
-    fn = ast.parse(ast.unparse(fn)).body[0]      # a fresh copy to strip
+    fn = ast.parse(ast.unparse(fn)).body[0]  # a fresh copy to strip
     fn.decorator_list = []
     fn.returns = None
     for a in fn.args.args + fn.args.kwonlyargs + fn.args.posonlyargs:
@@ -424,31 +486,35 @@ def _execute(run: _Run, owner: ClassRef, fn: ast.FunctionDef, shell: _Shell, arg
         if isinstance(obj, _Shell):
             if name == METHOD:
                 if obj._cls is None:
-                    raise Unresolved(f"hasattr({obj._path}, {name!r}): its class is built at "
-                                     f"run time")
+                    raise Unresolved(
+                        f"hasattr({obj._path}, {name!r}): its class is built at run time"
+                    )
                 return run.src.method(obj._cls, METHOD) is not None
             raise Unresolved(f"hasattr({obj._path}, {name!r})")
         return hasattr(obj, name)
 
     # The parallel-state helpers answer as the pipeline's last rank (where SGLang
     # captures); any other global the body names is a NameError: not read.
-    parallel = lambda *a, **k: _Shell(run, None, "<parallel>")      # noqa: E731
-    shell_globals = {"__builtins__": dict(_SAFE_BUILTINS, hasattr=hasattr_),
-                     "get_pp_group": parallel, "get_parallel": parallel,
-                     "logger": _Shell(run, None, "<logger>")}
+    parallel = lambda *a, **k: _Shell(run, None, "<parallel>")  # noqa: E731
+    shell_globals = {
+        "__builtins__": dict(_SAFE_BUILTINS, hasattr=hasattr_),
+        "get_pp_group": parallel,
+        "get_parallel": parallel,
+        "logger": _Shell(run, None, "<logger>"),
+    }
     namespace: dict = {}
-    exec(code, shell_globals, namespace)      # noqa: S102 - one engine method, on a shell
+    exec(code, shell_globals, namespace)  # noqa: S102 - one engine method, on a shell
     return namespace[fn.name](shell, *args, **kwargs)
 
 
 @dataclass
 class SGLangFact:
     architecture: str
-    cls: str                     # "llama.LlamaForCausalLM"
-    capture: Optional[bool]      # None: could not be read mechanically
+    cls: str  # "llama.LlamaForCausalLM"
+    capture: Optional[bool]  # None: could not be read mechanically
     owner: Optional[str] = None  # the class whose method computes the capture layers
-    rule: Optional[str] = None   # a rules.RULE_WORDS key; None: unclassified
-    via: list = field(default_factory=list)   # delegation, outermost first
+    rule: Optional[str] = None  # a rules.RULE_WORDS key; None: unclassified
+    via: list = field(default_factory=list)  # delegation, outermost first
     why: str = ""
     # The owner's model loop also captures after its last layer (capture layer
     # num_layers, the final norm's input): see FINAL_BOUNDARY.
@@ -476,7 +542,8 @@ class SGLangFact:
 # layer. ``self.end_layer - 1 in ...`` (the last layer's input) does not match.
 FINAL_BOUNDARY = re.compile(
     r"(?<![\w.])(?:num_layers|self\.end_layer|len\(self\.layers\)|"
-    r"self\.config\.num_hidden_layers|\w+\s*\+\s*1)\s+in\s+self\.layers_to_capture\b")
+    r"self\.config\.num_hidden_layers|\w+\s*\+\s*1)\s+in\s+self\.layers_to_capture\b"
+)
 
 
 def captures_final_boundary(src: Source, classes) -> bool:
@@ -509,26 +576,43 @@ def sglang_fact(src: Source, arch: str, ref: ClassRef) -> SGLangFact:
         except AttributeError as e:
             return SGLangFact(arch, short, False, why=f"delegates, and {e}: start-up fails")
         except Exception as e:  # noqa: BLE001 - the shell could not run it: say what
-            return SGLangFact(arch, short, None, why=f"not read mechanically: "
-                                                     f"{type(e).__name__}: {e}")
+            return SGLangFact(
+                arch, short, None, why=f"not read mechanically: {type(e).__name__}: {e}"
+            )
         results[str(ids)] = run.captures[-1][1] if run.captures else None
         if probe is not None:
             # The method that computes the layers: the last one handed the caller's ids.
             chains.append([(o, c) for o, c, given in run.chain if given is probe])
     if any(v is None for v in results.values()):
         last = [c.short(SGLANG_MODELS) for _, c, _ in run.chain]
-        return SGLangFact(arch, short, False, via=last,
-                          why="the ids are handed to a model without the method "
-                              "(checked with hasattr): nothing is captured")
+        return SGLangFact(
+            arch,
+            short,
+            False,
+            via=last,
+            why="the ids are handed to a model without the method "
+            "(checked with hasattr): nothing is captured",
+        )
     chain = chains[0]
     owner = chain[-1][0].short(SGLANG_MODELS)
     via = [c.short(SGLANG_MODELS) for _, c in chain] if len(chain) > 1 else []
-    rule = next((r for r in RULE_WORDS
-                 if all(results[str(ids)] == apply_rule(r, ids, PROBE_LAYERS) for ids in PROBES)),
-                None)
-    fact = SGLangFact(arch, short, True, owner, rule, via,
-                      final_boundary=captures_final_boundary(
-                          src, [ref] + [c for _, c in chain] + [chain[-1][0]]))
+    rule = next(
+        (
+            r
+            for r in RULE_WORDS
+            if all(results[str(ids)] == apply_rule(r, ids, PROBE_LAYERS) for ids in PROBES)
+        ),
+        None,
+    )
+    fact = SGLangFact(
+        arch,
+        short,
+        True,
+        owner,
+        rule,
+        via,
+        final_boundary=captures_final_boundary(src, [ref] + [c for _, c in chain] + [chain[-1][0]]),
+    )
     if rule is None:
         fact.why = "unclassified: " + "; ".join(f"ids {k} -> {v}" for k, v in results.items())
     return fact
@@ -549,8 +633,9 @@ def sglang_capture_only(wheel: str) -> bool:
     """Whether the release has the capture-only mode (--enable-return-aux-hidden-states)."""
     with zipfile.ZipFile(wheel) as z:
         for name in z.namelist():
-            if name.endswith(".py") and (name.startswith("sglang/srt/arg_groups/")
-                                         or name == "sglang/srt/server_args.py"):
+            if name.endswith(".py") and (
+                name.startswith("sglang/srt/arg_groups/") or name == "sglang/srt/server_args.py"
+            ):
                 text = z.read(name).decode("utf-8", errors="replace")
                 if CAPTURE_ONLY_FIELD.search(text):
                     return True
@@ -566,9 +651,13 @@ def read_sglang(wheel: str) -> dict:
             drafts[arch] = ref.short(SGLANG_MODELS)
             continue
         targets[arch] = sglang_fact(src, arch, ref).as_dict()
-    return {"wheel": wheel.rsplit("/", 1)[-1], "eagle3_drafts": drafts,
-            "registered": len(registry), "capture_only": sglang_capture_only(wheel),
-            "targets": targets}
+    return {
+        "wheel": wheel.rsplit("/", 1)[-1],
+        "eagle3_drafts": drafts,
+        "registered": len(registry),
+        "capture_only": sglang_capture_only(wheel),
+        "targets": targets,
+    }
 
 
 # ----------------------------------------------------------------------------
@@ -578,8 +667,13 @@ def read_sglang(wheel: str) -> dict:
 VLLM_MODELS = "vllm.model_executor.models"
 # Not listed as targets: the Transformers backend's tables (one generic class each),
 # removed or out-of-tree names, and the union of the others.
-_VLLM_TABLES_SKIPPED = ("_TRANSFORMERS_SUPPORTED_MODELS", "_TRANSFORMERS_BACKEND_MODELS",
-                        "_PREVIOUSLY_SUPPORTED_MODELS", "_OOT_SUPPORTED_MODELS", "_VLLM_MODELS")
+_VLLM_TABLES_SKIPPED = (
+    "_TRANSFORMERS_SUPPORTED_MODELS",
+    "_TRANSFORMERS_BACKEND_MODELS",
+    "_PREVIOUSLY_SUPPORTED_MODELS",
+    "_OOT_SUPPORTED_MODELS",
+    "_VLLM_MODELS",
+)
 
 
 def vllm_registry(src: Source) -> tuple[dict, dict]:
@@ -589,15 +683,28 @@ def vllm_registry(src: Source) -> tuple[dict, dict]:
     mod = src.module(f"{VLLM_MODELS}.registry")
     targets, spec = {}, {}
     for node in mod.tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) else (
-            node.target if isinstance(node, ast.AnnAssign) else None)
-        if not (isinstance(target, ast.Name) and isinstance(node.value, ast.Dict)
-                and target.id.endswith("_MODELS")) or target.id in _VLLM_TABLES_SKIPPED:
+        target = (
+            node.targets[0]
+            if isinstance(node, ast.Assign)
+            else (node.target if isinstance(node, ast.AnnAssign) else None)
+        )
+        if (
+            not (
+                isinstance(target, ast.Name)
+                and isinstance(node.value, ast.Dict)
+                and target.id.endswith("_MODELS")
+            )
+            or target.id in _VLLM_TABLES_SKIPPED
+        ):
             continue
         into = spec if target.id == "_SPECULATIVE_DECODING_MODELS" else targets
         for k, v in zip(node.value.keys, node.value.values):
-            if not (isinstance(k, ast.Constant) and isinstance(v, ast.Tuple) and len(v.elts) >= 2
-                    and all(isinstance(e, ast.Constant) for e in v.elts[:2])):
+            if not (
+                isinstance(k, ast.Constant)
+                and isinstance(v, ast.Tuple)
+                and len(v.elts) >= 2
+                and all(isinstance(e, ast.Constant) for e in v.elts[:2])
+            ):
                 continue
             module, cls = v.elts[0].value, v.elts[1].value
             module = module if "." in module else f"{VLLM_MODELS}.{module}"
@@ -607,8 +714,11 @@ def vllm_registry(src: Source) -> tuple[dict, dict]:
 
 def vllm_fact(src: Source, ref) -> dict:
     if not isinstance(ref, ClassRef):
-        return {"class": f"{ref[0]}.{ref[1]}", "capture": None,
-                "why": "not read mechanically: the class is not defined in that module's source"}
+        return {
+            "class": f"{ref[0]}.{ref[1]}",
+            "capture": None,
+            "why": "not read mechanically: the class is not defined in that module's source",
+        }
     short = ref.short(VLLM_MODELS)
     mro = src.mro(ref)
     flag = None
@@ -616,16 +726,30 @@ def vllm_fact(src: Source, ref) -> dict:
         if not isinstance(c, ClassRef):
             continue
         for node in src.classdef(c).body:
-            tgt = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+            tgt = (
+                node.targets[0]
+                if isinstance(node, ast.Assign) and len(node.targets) == 1
                 else (node.target if isinstance(node, ast.AnnAssign) else None)
-            if isinstance(tgt, ast.Name) and tgt.id == "supports_eagle3" \
-                    and isinstance(node.value, ast.Constant):
+            )
+            if (
+                isinstance(tgt, ast.Name)
+                and tgt.id == "supports_eagle3"
+                and isinstance(node.value, ast.Constant)
+            ):
                 flag = (c, bool(node.value.value))
                 break
         if flag:
             break
-    owner = next((c for c in mro if isinstance(c, ClassRef) and c.name == "SupportsEagle3"
-                  and c.module.endswith("interfaces")), None)
+    owner = next(
+        (
+            c
+            for c in mro
+            if isinstance(c, ClassRef)
+            and c.name == "SupportsEagle3"
+            and c.module.endswith("interfaces")
+        ),
+        None,
+    )
     if flag is not None and flag[0] != owner:
         capture, by = flag[1], flag[0]
     else:
@@ -642,8 +766,15 @@ def vllm_fact(src: Source, ref) -> dict:
 def read_vllm(wheel: str) -> dict:
     src = Source(wheel, ("vllm/model_executor/models/", "vllm/models/"))
     targets, spec = vllm_registry(src)
-    drafts = {a: ref.short(VLLM_MODELS) for a, ref in sorted(spec.items())
-              if isinstance(ref, ClassRef) and ref.name.startswith("Eagle3")}
-    return {"wheel": wheel.rsplit("/", 1)[-1], "eagle3_drafts": drafts,
-            "registered": len(targets) + len(spec), "speculative": sorted(spec),
-            "targets": {a: vllm_fact(src, ref) for a, ref in sorted(targets.items())}}
+    drafts = {
+        a: ref.short(VLLM_MODELS)
+        for a, ref in sorted(spec.items())
+        if isinstance(ref, ClassRef) and ref.name.startswith("Eagle3")
+    }
+    return {
+        "wheel": wheel.rsplit("/", 1)[-1],
+        "eagle3_drafts": drafts,
+        "registered": len(targets) + len(spec),
+        "speculative": sorted(spec),
+        "targets": {a: vllm_fact(src, ref) for a, ref in sorted(targets.items())},
+    }

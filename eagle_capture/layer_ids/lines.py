@@ -23,8 +23,11 @@ NEWEST_READ = (0, 5, 23)
 OLDEST_READ = (0, 5, 9)
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 # Target architectures whose text model is SGLang's DeepseekV2 loop.
-TARGET_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                        "KimiK25ForConditionalGeneration")
+TARGET_ARCHITECTURES = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "KimiK25ForConditionalGeneration",
+)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -71,14 +74,15 @@ def _dotted(version: tuple[int, ...]) -> str:
 class SGLangLine:
     """How one SGLang release line maps draft ids to captures, and what its
     first forward does with captures no layer takes."""
+
     name: str
-    read_versions: tuple[str, ...]   # wheels whose code this was read from and run
-    first: tuple[int, int, int]      # first version of the line (inclusive)
-    last: tuple[int, int, int]       # last version (inclusive)
-    shift_always: bool               # +1 to every id (<= 0.5.12); else +1 only when ids[0] == 1
-    layer0: str                      # "crash" | "embedding": a capture at the start of layer 0
-    missing_capture: str             # "dropped" | "error": a layer no loop step takes
-                                     # (-1, or the second of a duplicate)
+    read_versions: tuple[str, ...]  # wheels whose code this was read from and run
+    first: tuple[int, int, int]  # first version of the line (inclusive)
+    last: tuple[int, int, int]  # last version (inclusive)
+    shift_always: bool  # +1 to every id (<= 0.5.12); else +1 only when ids[0] == 1
+    layer0: str  # "crash" | "embedding": a capture at the start of layer 0
+    missing_capture: str  # "dropped" | "error": a layer no loop step takes
+    # (-1, or the second of a duplicate)
     # The target model's own rule (eagle_capture.layer_ids.rules); None: DeepseekV2's
     # as read and run per line (shift_always, layer0, missing_capture above).
     model: Optional[object] = None
@@ -110,12 +114,33 @@ class SGLangLine:
 
 
 SGLANG_LINES = (
-    SGLangLine("0.5.9 - 0.5.12", ("0.5.9",), (0, 5, 9), (0, 5, 12), shift_always=True,
-               layer0="crash", missing_capture="dropped"),
-    SGLangLine("0.5.13 - 0.5.17", ("0.5.13",), (0, 5, 13), (0, 5, 17), shift_always=False,
-               layer0="crash", missing_capture="dropped"),
-    SGLangLine("0.5.18 - 0.5.23", ("0.5.18", "0.5.20", "0.5.22", "0.5.23"), (0, 5, 18),
-               NEWEST_READ, shift_always=False, layer0="embedding", missing_capture="error"),
+    SGLangLine(
+        "0.5.9 - 0.5.12",
+        ("0.5.9",),
+        (0, 5, 9),
+        (0, 5, 12),
+        shift_always=True,
+        layer0="crash",
+        missing_capture="dropped",
+    ),
+    SGLangLine(
+        "0.5.13 - 0.5.17",
+        ("0.5.13",),
+        (0, 5, 13),
+        (0, 5, 17),
+        shift_always=False,
+        layer0="crash",
+        missing_capture="dropped",
+    ),
+    SGLangLine(
+        "0.5.18 - 0.5.23",
+        ("0.5.18", "0.5.20", "0.5.22", "0.5.23"),
+        (0, 5, 18),
+        NEWEST_READ,
+        shift_always=False,
+        layer0="embedding",
+        missing_capture="error",
+    ),
 )
 
 
@@ -140,12 +165,13 @@ class VLLMLine:
     vLLM 0.34 removed the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0`` stops the start):
     its V2 runner reads and captures as 0.32's, so the V2 line covers 0.32 - 0.34
     and the V1 line 0.32 - 0.33 only."""
+
     name: str = "0.32 - 0.34"
     read_versions: tuple[str, ...] = ("0.32.0 (run)", "0.33.0", "0.34.0")
-    runner: str = "V1 and V2"            # "V2", "V1" or both (when they read the same ids)
+    runner: str = "V1 and V2"  # "V2", "V1" or both (when they read the same ids)
     layer0: str = "crash"
     missing_capture: str = "error"
-    last_layer_capturable: bool = True   # id num_layers: the last layer's output
+    last_layer_capturable: bool = True  # id num_layers: the last layer's output
     engine: ClassVar[str] = "vLLM"
 
     def capture_layers(self, ids: Optional[Sequence[int]], num_layers: int) -> list[int]:
@@ -167,17 +193,20 @@ class VLLMLine:
     def reads(self) -> str:
         """Where this runner reads the ids, in words."""
         if self.runner == "V2":
-            return ("the top-level eagle_aux_hidden_state_layer_ids, else eagle_config.layer_ids "
-                    "(never eagle_config.eagle_aux_hidden_state_layer_ids)")
+            return (
+                "the top-level eagle_aux_hidden_state_layer_ids, else eagle_config.layer_ids "
+                "(never eagle_config.eagle_aux_hidden_state_layer_ids)"
+            )
         if self.runner == "V1":
             return "the top-level eagle_aux_hidden_state_layer_ids, else eagle_config's"
         return "the top-level eagle_aux_hidden_state_layer_ids"
 
     @property
     def title(self) -> str:
-        runner = {"V2": "model runner V2 (vLLM's default)",
-                  "V1": "V1 runner (VLLM_USE_V2_MODEL_RUNNER=0)"}.get(self.runner,
-                                                                     "model runners V1 and V2")
+        runner = {
+            "V2": "model runner V2 (vLLM's default)",
+            "V1": "V1 runner (VLLM_USE_V2_MODEL_RUNNER=0)",
+        }.get(self.runner, "model runners V1 and V2")
         return f"{self.name}, {runner}"
 
 
@@ -209,21 +238,25 @@ def line_of(version: str) -> SGLangLine:
         return SGLANG_LINES[-1]
     raise CapturePlanError(
         f"SGLang {version} is older than every release line whose code was read "
-        f"({_dotted(OLDEST_READ)} - {_dotted(NEWEST_READ)}): no rule is known for it")
+        f"({_dotted(OLDEST_READ)} - {_dotted(NEWEST_READ)}): no rule is known for it"
+    )
 
 
 def assumed_note(version: str) -> Optional[str]:
     """A note when ``version``'s rules are assumed rather than read."""
     if parse_version(version) > NEWEST_READ:
-        return (f"SGLang {version} is newer than every wheel read (up to "
-                f"{_dotted(NEWEST_READ)}): the {SGLANG_LINES[-1].name} rules are ASSUMED; check "
-                f"set_eagle3_layers_to_capture in that release")
+        return (
+            f"SGLang {version} is newer than every wheel read (up to "
+            f"{_dotted(NEWEST_READ)}): the {SGLANG_LINES[-1].name} rules are ASSUMED; check "
+            f"set_eagle3_layers_to_capture in that release"
+        )
     return None
 
 
 # ----------------------------------------------------------------------------
 # Configs, read as SGLang reads them
 # ----------------------------------------------------------------------------
+
 
 def load_config(config: Union[dict, str, os.PathLike], what: str = "config") -> tuple[dict, str]:
     """``(dict, where it came from)`` for a config given as a dict, a ``config.json``
@@ -242,18 +275,22 @@ def load_config(config: Union[dict, str, os.PathLike], what: str = "config") -> 
         raise CapturePlanError(
             f"{what}: {path} is not a file or folder here; if it is a Hugging Face model id, "
             f"download its config first (`huggingface-cli download {path} config.json "
-            f"--local-dir {path.rsplit('/', 1)[-1]}`) and pass that folder")
+            f"--local-dir {path.rsplit('/', 1)[-1]}`) and pass that folder"
+        )
     try:
         with open(path, encoding="utf-8") as f:
             loaded = json.load(f)
     except OSError as e:
         raise CapturePlanError(f"{what}: cannot read {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
-        raise CapturePlanError(f"{what}: {path} is not a text file (not UTF-8): pass the "
-                               f"model's config.json or its folder") from None
+        raise CapturePlanError(
+            f"{what}: {path} is not a text file (not UTF-8): pass the "
+            f"model's config.json or its folder"
+        ) from None
     except json.JSONDecodeError as e:
-        raise CapturePlanError(f"{what}: {path} is not valid JSON ({e.msg} at line {e.lineno}, "
-                               f"column {e.colno})") from None
+        raise CapturePlanError(
+            f"{what}: {path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+        ) from None
     if not isinstance(loaded, dict):
         raise CapturePlanError(f"{what}: {path} does not hold a JSON object")
     return loaded, path
@@ -268,8 +305,7 @@ def _check_ids(ids, field: str, source: str) -> Optional[list[int]]:
     if ids is None:
         return None
     # An empty list is read (the engines differ on it: the doctor says how).
-    if not isinstance(ids, list) or any(
-            isinstance(i, bool) or not isinstance(i, int) for i in ids):
+    if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
         raise CapturePlanError(f"{source}: {field} must be a list of integers, got {ids!r}")
     return list(ids)
 
@@ -279,26 +315,33 @@ def check_id_range(draft: "DraftIds", num_layers: int) -> None:
     below -1 (the embedding output, output convention) or above ``num_layers`` (the
     final norm's input, input convention). Such a list is a typo, not a deployment to
     diagnose."""
-    fields = ((f"eagle_config.{IDS_KEY}", draft.nested), (IDS_KEY, draft.top_level),
-              ("eagle_config.layer_ids", draft.nested_layer_ids),
-              ("target_layer_ids", draft.target_layer_ids))
+    fields = (
+        (f"eagle_config.{IDS_KEY}", draft.nested),
+        (IDS_KEY, draft.top_level),
+        ("eagle_config.layer_ids", draft.nested_layer_ids),
+        ("target_layer_ids", draft.target_layer_ids),
+    )
     for field, ids in fields:
         bad = [i for i in ids or () if not -1 <= i <= num_layers]
         if bad:
-            shown = ", ".join(str(i) if len(str(i)) <= 12 else f"{str(i)[:6]}...({len(str(i))} "
-                              f"digits)" for i in bad)
+            shown = ", ".join(
+                str(i) if len(str(i)) <= 12 else f"{str(i)[:6]}...({len(str(i))} digits)"
+                for i in bad
+            )
             raise CapturePlanError(
                 f"{draft.source}: {field} names {shown}, not a layer of a {num_layers}-layer "
                 f"target (ids run from -1, the embedding output, to {num_layers}, the final "
-                f"norm's input)")
+                f"norm's input)"
+            )
 
 
 @dataclass(frozen=True)
 class DraftIds:
     """A draft config's layer ids, where SGLang's target and its draft classes
     look for them."""
-    nested: Optional[list[int]]      # eagle_config.eagle_aux_hidden_state_layer_ids: the target's
-    top_level: Optional[list[int]]   # the top-level key: ignored by every target line
+
+    nested: Optional[list[int]]  # eagle_config.eagle_aux_hidden_state_layer_ids: the target's
+    top_level: Optional[list[int]]  # the top-level key: ignored by every target line
     architecture: str
     source: str
     # eagle_config.layer_ids (vLLM's model runner V2 reads it; no trainer writes it)
@@ -331,17 +374,20 @@ def read_draft_ids(config: Union[dict, str, os.PathLike]) -> DraftIds:
     arch = _architecture(loaded)
     eagle = loaded.get("eagle_config")
     if eagle is not None and not isinstance(eagle, dict):
-        raise CapturePlanError(f"{source}: eagle_config must be a JSON object, got "
-                               f"{type(eagle).__name__}")
+        raise CapturePlanError(
+            f"{source}: eagle_config must be a JSON object, got {type(eagle).__name__}"
+        )
     nested = _check_ids((eagle or {}).get(IDS_KEY), f"eagle_config.{IDS_KEY}", source)
     top = _check_ids(loaded.get(IDS_KEY), IDS_KEY, source)
     layer_ids = _check_ids((eagle or {}).get("layer_ids"), "eagle_config.layer_ids", source)
-    if arch in TARGET_ARCHITECTURES or (nested is None and top is None and looks_like_target(
-            loaded)):
+    if arch in TARGET_ARCHITECTURES or (
+        nested is None and top is None and looks_like_target(loaded)
+    ):
         raise CapturePlanError(
             f"{source} is a target model's config ({arch or 'with a text_config'}), not an "
             f"EAGLE-3 draft's: pass it as --target-config and the draft's config.json as "
-            f"--draft-config")
+            f"--draft-config"
+        )
     use_aux = (eagle or {}).get("use_aux_hidden_state", True)
     targets = _check_ids(loaded.get("target_layer_ids"), "target_layer_ids", source)
     return DraftIds(nested, top, arch, source, layer_ids, loaded, use_aux is not False, targets)
@@ -350,10 +396,22 @@ def read_draft_ids(config: Union[dict, str, os.PathLike]) -> DraftIds:
 def looks_like_draft(config: dict) -> bool:
     """An EAGLE-3 draft's config by its own keys (for a config passed in the
     wrong place)."""
-    return (_architecture(config) in draft_architectures() or config.get("num_hidden_layers") == 1
-            or any(k in config for k in ("eagle_config", IDS_KEY, "speculators_config",
-                                         "target_layer_ids", "dflash_config",
-                                         "dspark_target_layer_ids", "num_target_layers")))
+    return (
+        _architecture(config) in draft_architectures()
+        or config.get("num_hidden_layers") == 1
+        or any(
+            k in config
+            for k in (
+                "eagle_config",
+                IDS_KEY,
+                "speculators_config",
+                "target_layer_ids",
+                "dflash_config",
+                "dspark_target_layer_ids",
+                "num_target_layers",
+            )
+        )
+    )
 
 
 def looks_like_target(config: dict) -> bool:
@@ -381,8 +439,13 @@ def read_target(config: Union[dict, str, os.PathLike]) -> TargetModel:
     layers = text.get("num_hidden_layers")
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 4:
         where = "text_config.num_hidden_layers" if text is not loaded else "num_hidden_layers"
-        raise CapturePlanError(f"{source}: {where} must be an integer >= 4, got {layers!r}"
-                               + (" (an EAGLE-3 draft's config? pass it as --draft-config)"
-                                  if looks_like_draft(loaded) else ""))
+        raise CapturePlanError(
+            f"{source}: {where} must be an integer >= 4, got {layers!r}"
+            + (
+                " (an EAGLE-3 draft's config? pass it as --draft-config)"
+                if looks_like_draft(loaded)
+                else ""
+            )
+        )
     hidden = text.get("hidden_size")
     return TargetModel(arch, layers, hidden if isinstance(hidden, int) else None, source)

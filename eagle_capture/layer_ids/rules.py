@@ -37,9 +37,9 @@ KEEP_FINAL_BOUNDARY = "kept at the final boundary"
 RULE_WORDS = {
     SHIFT_ALWAYS: "adds 1 to every id (id X = the output of layer X)",
     SHIFT_IF_FIRST_IS_1: "adds 1 to every id only when ids[0] == 1, else takes the ids as "
-                         "capture layers (id X = the input of layer X)",
+    "capture layers (id X = the input of layer X)",
     KEEP_FINAL_BOUNDARY: "takes the ids as capture layers when the largest is num_layers (the "
-                         "final boundary, captured after the last layer), else adds 1",
+    "final boundary, captured after the last layer), else adds 1",
 }
 
 
@@ -60,10 +60,11 @@ def apply_rule(rule: str, ids: Optional[Sequence[int]], num_layers: int) -> list
 @dataclass(frozen=True)
 class ModelRule:
     """One architecture's id rule in one SGLang wheel."""
+
     architecture: str
     rule: str
-    source: str            # "models/<file>.py <Class>.set_eagle3_layers_to_capture"
-    read_version: str      # the wheel it was read from and run against
+    source: str  # "models/<file>.py <Class>.set_eagle3_layers_to_capture"
+    read_version: str  # the wheel it was read from and run against
     boundary: bool = False  # its loop captures after the last layer (the engine facts)
 
     @property
@@ -81,8 +82,10 @@ class ModelRule:
         return apply_rule(self.rule, ids, num_layers)
 
     def describe(self) -> str:
-        return (f"{self.architecture}: {self.source} {RULE_WORDS[self.rule]} "
-                f"(read in SGLang {self.read_version})")
+        return (
+            f"{self.architecture}: {self.source} {RULE_WORDS[self.rule]} "
+            f"(read in SGLang {self.read_version})"
+        )
 
 
 # Per wheel read: architecture (a model file's EntryClass) -> (rule, the
@@ -112,7 +115,10 @@ SGLANG_MODEL_RULES: dict[str, dict[str, tuple[str, str]]] = {
         "Phi3ForCausalLM": (SHIFT_ALWAYS, "llama.LlamaForCausalLM"),
         "Qwen2ForCausalLM": (SHIFT_ALWAYS, "qwen2.Qwen2ForCausalLM"),
         "Qwen2MoeForCausalLM": (SHIFT_ALWAYS, "qwen2_moe.Qwen2MoeForCausalLM"),
-        "Qwen2_5_VLForConditionalGeneration": (SHIFT_ALWAYS, "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration"),
+        "Qwen2_5_VLForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration",
+        ),
         "Qwen3ForCausalLM": (SHIFT_ALWAYS, "qwen3.Qwen3ForCausalLM"),
         "Qwen3MoeForCausalLM": (SHIFT_ALWAYS, "qwen3_moe.Qwen3MoeForCausalLM"),
         "Qwen3NextForCausalLM": (SHIFT_ALWAYS, "qwen3_next.Qwen3NextForCausalLM"),
@@ -140,11 +146,17 @@ SGLANG_MODEL_RULES: dict[str, dict[str, tuple[str, str]]] = {
         "Phi3ForCausalLM": (SHIFT_ALWAYS, "llama.LlamaForCausalLM"),
         "Qwen2ForCausalLM": (SHIFT_ALWAYS, "qwen2.Qwen2ForCausalLM"),
         "Qwen2MoeForCausalLM": (SHIFT_ALWAYS, "qwen2_moe.Qwen2MoeForCausalLM"),
-        "Qwen2_5_VLForConditionalGeneration": (SHIFT_ALWAYS, "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration"),
+        "Qwen2_5_VLForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration",
+        ),
         "Qwen3ForCausalLM": (SHIFT_ALWAYS, "qwen3.Qwen3ForCausalLM"),
         "Qwen3MoeForCausalLM": (SHIFT_ALWAYS, "qwen3_moe.Qwen3MoeForCausalLM"),
         "Qwen3NextForCausalLM": (SHIFT_ALWAYS, "qwen3_next.Qwen3NextForCausalLM"),
-        "Qwen3VLForConditionalGeneration": (SHIFT_ALWAYS, "qwen3_vl.Qwen3VLForConditionalGeneration"),
+        "Qwen3VLForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "qwen3_vl.Qwen3VLForConditionalGeneration",
+        ),
     },
     "0.5.18": {
         "ApertusForCausalLM": (SHIFT_ALWAYS, "apertus.ApertusForCausalLM"),
@@ -171,11 +183,17 @@ SGLANG_MODEL_RULES: dict[str, dict[str, tuple[str, str]]] = {
         "Phi3ForCausalLM": (SHIFT_ALWAYS, "llama.LlamaForCausalLM"),
         "Qwen2ForCausalLM": (SHIFT_ALWAYS, "qwen2.Qwen2ForCausalLM"),
         "Qwen2MoeForCausalLM": (SHIFT_ALWAYS, "qwen2_moe.Qwen2MoeForCausalLM"),
-        "Qwen2_5_VLForConditionalGeneration": (SHIFT_ALWAYS, "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration"),
+        "Qwen2_5_VLForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration",
+        ),
         "Qwen3ForCausalLM": (SHIFT_ALWAYS, "qwen3.Qwen3ForCausalLM"),
         "Qwen3MoeForCausalLM": (SHIFT_ALWAYS, "qwen3_moe.Qwen3MoeForCausalLM"),
         "Qwen3NextForCausalLM": (SHIFT_ALWAYS, "qwen3_next.Qwen3NextForCausalLM"),
-        "Qwen3VLForConditionalGeneration": (SHIFT_ALWAYS, "qwen3_vl.Qwen3VLForConditionalGeneration"),
+        "Qwen3VLForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "qwen3_vl.Qwen3VLForConditionalGeneration",
+        ),
     },
     "0.5.20": {
         "ApertusForCausalLM": (SHIFT_ALWAYS, "apertus.ApertusForCausalLM"),
@@ -191,7 +209,10 @@ SGLANG_MODEL_RULES: dict[str, dict[str, tuple[str, str]]] = {
         "Gemma4ForCausalLM": (SHIFT_ALWAYS, "gemma4_causal.Gemma4ForCausalLM"),
         "Glm4MoeForCausalLM": (SHIFT_ALWAYS, "glm4_moe.Glm4MoeForCausalLM"),
         "Glm4MoeLiteForCausalLM": (SHIFT_IF_FIRST_IS_1, "glm4_moe_lite.Glm4MoeLiteForCausalLM"),
-        "Glm5NextForConditionalGeneration": (SHIFT_ALWAYS, "glm5_next.Glm5NextForConditionalGeneration"),
+        "Glm5NextForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "glm5_next.Glm5NextForConditionalGeneration",
+        ),
         "GlmMoeDsaForCausalLM": (SHIFT_IF_FIRST_IS_1, "deepseek_v2.DeepseekV2ForCausalLM"),
         "GlmMoeDsaForCausalLMNextN": (SHIFT_IF_FIRST_IS_1, "deepseek_v2.DeepseekV2ForCausalLM"),
         "GptOssForCausalLM": (KEEP_FINAL_BOUNDARY, "gpt_oss.GptOssForCausalLM"),
@@ -203,11 +224,17 @@ SGLANG_MODEL_RULES: dict[str, dict[str, tuple[str, str]]] = {
         "Phi3ForCausalLM": (SHIFT_ALWAYS, "llama.LlamaForCausalLM"),
         "Qwen2ForCausalLM": (SHIFT_ALWAYS, "qwen2.Qwen2ForCausalLM"),
         "Qwen2MoeForCausalLM": (SHIFT_ALWAYS, "qwen2_moe.Qwen2MoeForCausalLM"),
-        "Qwen2_5_VLForConditionalGeneration": (SHIFT_ALWAYS, "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration"),
+        "Qwen2_5_VLForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration",
+        ),
         "Qwen3ForCausalLM": (SHIFT_ALWAYS, "qwen3.Qwen3ForCausalLM"),
         "Qwen3MoeForCausalLM": (SHIFT_ALWAYS, "qwen3_moe.Qwen3MoeForCausalLM"),
         "Qwen3NextForCausalLM": (SHIFT_ALWAYS, "qwen3_next.Qwen3NextForCausalLM"),
-        "Qwen3VLForConditionalGeneration": (SHIFT_ALWAYS, "qwen3_vl.Qwen3VLForConditionalGeneration"),
+        "Qwen3VLForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "qwen3_vl.Qwen3VLForConditionalGeneration",
+        ),
     },
     "0.5.23": {
         "ApertusForCausalLM": (SHIFT_ALWAYS, "apertus.ApertusForCausalLM"),
@@ -224,7 +251,10 @@ SGLANG_MODEL_RULES: dict[str, dict[str, tuple[str, str]]] = {
         "Gemma4ForCausalLM": (SHIFT_ALWAYS, "gemma4_causal.Gemma4ForCausalLM"),
         "Glm4MoeForCausalLM": (SHIFT_ALWAYS, "glm4_moe.Glm4MoeForCausalLM"),
         "Glm4MoeLiteForCausalLM": (SHIFT_IF_FIRST_IS_1, "glm4_moe_lite.Glm4MoeLiteForCausalLM"),
-        "Glm5NextForConditionalGeneration": (SHIFT_ALWAYS, "glm5_next.Glm5NextForConditionalGeneration"),
+        "Glm5NextForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "glm5_next.Glm5NextForConditionalGeneration",
+        ),
         "GlmMoeDsaForCausalLM": (SHIFT_IF_FIRST_IS_1, "deepseek_v2.DeepseekV2ForCausalLM"),
         "GlmMoeDsaForCausalLMNextN": (SHIFT_IF_FIRST_IS_1, "deepseek_v2.DeepseekV2ForCausalLM"),
         "GptOssForCausalLM": (KEEP_FINAL_BOUNDARY, "gpt_oss.GptOssForCausalLM"),
@@ -236,13 +266,25 @@ SGLANG_MODEL_RULES: dict[str, dict[str, tuple[str, str]]] = {
         "Phi3ForCausalLM": (SHIFT_ALWAYS, "llama.LlamaForCausalLM"),
         "Qwen2ForCausalLM": (SHIFT_ALWAYS, "qwen2.Qwen2ForCausalLM"),
         "Qwen2MoeForCausalLM": (SHIFT_ALWAYS, "qwen2_moe.Qwen2MoeForCausalLM"),
-        "Qwen2_5_VLForConditionalGeneration": (SHIFT_ALWAYS, "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration"),
+        "Qwen2_5_VLForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration",
+        ),
         "Qwen3ForCausalLM": (SHIFT_ALWAYS, "qwen3.Qwen3ForCausalLM"),
         "Qwen3MoeForCausalLM": (SHIFT_ALWAYS, "qwen3_moe.Qwen3MoeForCausalLM"),
         "Qwen3NextForCausalLM": (SHIFT_ALWAYS, "qwen3_next.Qwen3NextForCausalLM"),
-        "Qwen3VLForConditionalGeneration": (SHIFT_ALWAYS, "qwen3_vl.Qwen3VLForConditionalGeneration"),
-        "Qwen3_5ForConditionalGeneration": (SHIFT_ALWAYS, "qwen3_vl.Qwen3VLForConditionalGeneration"),
-        "Qwen3_5MoeForConditionalGeneration": (SHIFT_ALWAYS, "qwen3_vl.Qwen3VLForConditionalGeneration"),
+        "Qwen3VLForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "qwen3_vl.Qwen3VLForConditionalGeneration",
+        ),
+        "Qwen3_5ForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "qwen3_vl.Qwen3VLForConditionalGeneration",
+        ),
+        "Qwen3_5MoeForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "qwen3_vl.Qwen3VLForConditionalGeneration",
+        ),
     },
 }
 
@@ -265,9 +307,13 @@ def model_rule_of(architecture: str, fact: Optional[dict], release: str) -> Opti
     file, cls = fact["owner"].rsplit(".", 1)
     inner = fact.get("via", [])[1:]
     via = f" (via {', '.join(v.rsplit('.', 1)[1] for v in inner)})" if inner else ""
-    return ModelRule(architecture, fact["rule"],
-                     f"models/{file}.py {cls}.set_eagle3_layers_to_capture{via}", release,
-                     bool(fact.get("final_boundary")))
+    return ModelRule(
+        architecture,
+        fact["rule"],
+        f"models/{file}.py {cls}.set_eagle3_layers_to_capture{via}",
+        release,
+        bool(fact.get("final_boundary")),
+    )
 
 
 def sglang_model_rule(version: tuple[int, ...], architecture: str) -> Optional[ModelRule]:
@@ -279,5 +325,6 @@ def sglang_model_rule(version: tuple[int, ...], architecture: str) -> Optional[M
     release = engine_facts.read_release("sglang", version)
     if release is None:
         return None
-    return model_rule_of(architecture, engine_facts.target("sglang", release, architecture),
-                         release)
+    return model_rule_of(
+        architecture, engine_facts.target("sglang", release, architecture), release
+    )

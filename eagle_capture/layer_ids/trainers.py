@@ -105,7 +105,8 @@ def out_default(num_layers: int) -> list[int]:
 @dataclass(frozen=True)
 class Reading:
     """One way to read the draft's ids: the capture layers it was trained on."""
-    label: str                          # "output convention", "input convention", ...
+
+    label: str  # "output convention", "input convention", ...
     expected: Optional[tuple[int, ...]]  # capture layers, ascending; None: unknown (no ids)
     why: str = ""
 
@@ -116,52 +117,66 @@ class Reading:
 
 @dataclass(frozen=True)
 class Provenance:
-    trainer: str                        # "" when not recognised
-    evidence: str                       # the keys it was recognised from
-    ids: Optional[list[int]]            # the ids the trainer wrote (None: none)
-    field: str                          # where they are
-    readings: tuple[Reading, ...]       # one: decided; more: ambiguous
+    trainer: str  # "" when not recognised
+    evidence: str  # the keys it was recognised from
+    ids: Optional[list[int]]  # the ids the trainer wrote (None: none)
+    field: str  # where they are
+    readings: tuple[Reading, ...]  # one: decided; more: ambiguous
     notes: tuple[str, ...] = field(default_factory=tuple)
-    decided_by: str = "markers"         # "markers" | "--id-convention" | "assumed"
+    decided_by: str = "markers"  # "markers" | "--id-convention" | "assumed"
 
     @property
     def ambiguous(self) -> bool:
         return len({r.expected for r in self.readings}) > 1
 
     def describe(self) -> str:
-        who = (f"{self.trainer} (recognised from {self.evidence})" if self.trainer
-               else "not recognised from the config's keys")
-        ids = (f"{self.field} = {self.ids}" if self.ids is not None
-               else "no ids written")
+        who = (
+            f"{self.trainer} (recognised from {self.evidence})"
+            if self.trainer
+            else "not recognised from the config's keys"
+        )
+        ids = f"{self.field} = {self.ids}" if self.ids is not None else "no ids written"
         if self.ambiguous:
-            how = ("AMBIGUOUS: " + "; or ".join(
-                f"{r.label}: trained on capture layers {list(r.expected)}"
-                + (f" ({r.why})" if r.why else "") for r in self.readings)
-                + ". --id-convention output|input decides; until then no single fix is given")
+            how = (
+                "AMBIGUOUS: "
+                + "; or ".join(
+                    f"{r.label}: trained on capture layers {list(r.expected)}"
+                    + (f" ({r.why})" if r.why else "")
+                    for r in self.readings
+                )
+                + ". --id-convention output|input decides; until then no single fix is given"
+            )
         else:
             r = self.readings[0]
-            layers = ("unknown (no ids)" if r.expected is None
-                      else f"capture layers {list(r.expected)} (outputs of layers "
-                           f"{[c - 1 for c in r.expected]})")
-            by = {"--id-convention": " (as --id-convention says)",
-                  "assumed": " (ASSUMED)"}.get(self.decided_by, "")
+            layers = (
+                "unknown (no ids)"
+                if r.expected is None
+                else f"capture layers {list(r.expected)} (outputs of layers "
+                f"{[c - 1 for c in r.expected]})"
+            )
+            by = {"--id-convention": " (as --id-convention says)", "assumed": " (ASSUMED)"}.get(
+                self.decided_by, ""
+            )
             how = f"read as {r.label}{by}: trained on {layers}" + (f"; {r.why}" if r.why else "")
         return f"trainer: {who}; {ids}; {how}"
-
 
     def brief(self) -> str:
         """Who trained the draft and on which capture layers, in one sentence."""
         who = self.trainer or "trainer not recognised"
         ids = f"{self.field} = {self.ids}" if self.ids is not None else "no ids written"
-        layers = [f"{list(r.expected)} ({r.label.split(' (')[0]})" for r in self.readings
-                  if r.expected is not None]
+        layers = [
+            f"{list(r.expected)} ({r.label.split(' (')[0]})"
+            for r in self.readings
+            if r.expected is not None
+        ]
         if not layers:
             trained = "the layers it was trained on are unknown"
         elif self.ambiguous:
             trained = "trained on capture layers " + " or ".join(layers) + ": AMBIGUOUS"
         else:
-            by = {"--id-convention": ", as --id-convention says",
-                  "assumed": ", ASSUMED"}.get(self.decided_by, "")
+            by = {"--id-convention": ", as --id-convention says", "assumed": ", ASSUMED"}.get(
+                self.decided_by, ""
+            )
             trained = f"trained on capture layers {layers[0][:-1]}{by})"
         return f"trainer: {who}; {ids}; {trained}"
 
@@ -188,57 +203,86 @@ def _markers(config: dict) -> tuple[str, str]:
         return "speculators", ", ".join(found or ["architectures Eagle3Speculator"])
     if "_torchspec_version" in config:
         return "TorchSpec", "_torchspec_version"
-    if isinstance(config.get("target_layer_ids"), list) and IDS_KEY not in config and not (
-            eagle and IDS_KEY in eagle):
-        return "DeepSpec", "top-level target_layer_ids" + (f", architectures {arch}" if arch
-                                                           else "")
+    if (
+        isinstance(config.get("target_layer_ids"), list)
+        and IDS_KEY not in config
+        and not (eagle and IDS_KEY in eagle)
+    ):
+        return "DeepSpec", "top-level target_layer_ids" + (
+            f", architectures {arch}" if arch else ""
+        )
     if eagle is not None and any(k in eagle for k in MODELOPT_KEYS):
-        return ("NVIDIA Model Optimizer",
-                "eagle_config keys " + ", ".join(k for k in MODELOPT_KEYS if k in eagle))
+        return (
+            "NVIDIA Model Optimizer",
+            "eagle_config keys " + ", ".join(k for k in MODELOPT_KEYS if k in eagle),
+        )
     if ANGELSLIM_KEY in config or arch == "Eagle3LlamaForCausalLM" or "modal_type" in config:
         keys = [k for k in (ANGELSLIM_KEY, "modal_type") if k in config]
-        return "AngelSlim", ", ".join(keys + ([f"architectures {arch}"]
-                                               if arch == "Eagle3LlamaForCausalLM" else []))
+        return "AngelSlim", ", ".join(
+            keys + ([f"architectures {arch}"] if arch == "Eagle3LlamaForCausalLM" else [])
+        )
     if arch == "LlamaForCausalLMEagle3" and eagle is None and IDS_KEY not in config:
         # SpecForge's and TorchSpec's templates without ids look alike (TorchSpec's
         # exporter adds _torchspec_version); both train such a draft on the same layers.
-        return ("SpecForge or TorchSpec",
-                "architectures LlamaForCausalLMEagle3, no eagle_config, no _torchspec_version")
-    if arch == "LlamaForCausalLMEagle3" and (eagle is None or set(eagle) <= {
-            IDS_KEY, "use_aux_hidden_state"}):
-        return "SpecForge", ("architectures LlamaForCausalLMEagle3" + (
-            ", eagle_config = {ids, use_aux_hidden_state}" if eagle else ", no eagle_config"))
-    if arch == "LlamaForCausalLM" and "draft_vocab_size" in config and eagle is None \
-            and IDS_KEY not in config and config.get("num_hidden_layers") == 1:
+        return (
+            "SpecForge or TorchSpec",
+            "architectures LlamaForCausalLMEagle3, no eagle_config, no _torchspec_version",
+        )
+    if arch == "LlamaForCausalLMEagle3" and (
+        eagle is None or set(eagle) <= {IDS_KEY, "use_aux_hidden_state"}
+    ):
+        return "SpecForge", (
+            "architectures LlamaForCausalLMEagle3"
+            + (", eagle_config = {ids, use_aux_hidden_state}" if eagle else ", no eagle_config")
+        )
+    if (
+        arch == "LlamaForCausalLM"
+        and "draft_vocab_size" in config
+        and eagle is None
+        and IDS_KEY not in config
+        and config.get("num_hidden_layers") == 1
+    ):
         return "SafeAILab EAGLE", "a one-layer LlamaForCausalLM with draft_vocab_size, no ids"
     return "", ""
 
 
 # Id keys an engine reads (top level / in eagle_config); AngelSlim's own is noted apart.
-_READ_KEYS = {IDS_KEY, ANGELSLIM_KEY, "num_aux_hidden_states", "target_layer_ids",
-              "dspark_target_layer_ids"}
+_READ_KEYS = {
+    IDS_KEY,
+    ANGELSLIM_KEY,
+    "num_aux_hidden_states",
+    "target_layer_ids",
+    "dspark_target_layer_ids",
+}
 _READ_NESTED = {IDS_KEY, "layer_ids"}
 
 
 def _ignored_keys(config: dict) -> list[str]:
     """Keys that look like layer ids but that no engine reads (a misspelling)."""
+
     def looks(key: str) -> bool:
-        return re.search(r"layers?_ids?\b|layers?_to_capture|capture_layers", key.lower()) \
-            is not None
+        return (
+            re.search(r"layers?_ids?\b|layers?_to_capture|capture_layers", key.lower()) is not None
+        )
 
     eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
-    found = [k for k in config if looks(k) and k not in _READ_KEYS] + \
-        [f"eagle_config.{k}" for k in eagle if looks(k) and k not in _READ_NESTED]
+    found = [k for k in config if looks(k) and k not in _READ_KEYS] + [
+        f"eagle_config.{k}" for k in eagle if looks(k) and k not in _READ_NESTED
+    ]
+
     def value(key: str):
         return (eagle if key.startswith("eagle_config.") else config).get(key.split(".")[-1])
 
-    return [f"{key} = {value(key)!r} is read by no engine (SGLang reads eagle_config.{IDS_KEY}, vLLM the top-level "
-            f"{IDS_KEY}): a misspelling? What the engines capture instead is below"
-            for key in found]
+    return [
+        f"{key} = {value(key)!r} is read by no engine (SGLang reads eagle_config.{IDS_KEY}, vLLM the top-level "
+        f"{IDS_KEY}): a misspelling? What the engines capture instead is below"
+        for key in found
+    ]
 
 
-def recognise(draft, num_layers: int, architecture: str = "",
-              convention: str = "auto") -> Provenance:
+def recognise(
+    draft, num_layers: int, architecture: str = "", convention: str = "auto"
+) -> Provenance:
     """The trainer behind ``draft`` (a :class:`~eagle_capture.layer_ids.lines.DraftIds`)
     and the capture layers its ids were trained on, for a target of ``num_layers``
     layers and ``architecture``; ``convention`` "output" / "input" overrides the
@@ -253,9 +297,11 @@ def recognise(draft, num_layers: int, architecture: str = "",
         ids, where = draft.top_level, f"top-level {IDS_KEY}"
     elif trainer == "AngelSlim" and isinstance(config.get(ANGELSLIM_KEY), list):
         ids, where = list(config[ANGELSLIM_KEY]), f"top-level {ANGELSLIM_KEY}"
-        notes.append(f"{ANGELSLIM_KEY} is read by no engine (SGLang reads "
-                     f"eagle_config.{IDS_KEY}, vLLM the top-level {IDS_KEY}): both capture "
-                     f"their defaults instead. Write the ids below where each engine reads")
+        notes.append(
+            f"{ANGELSLIM_KEY} is read by no engine (SGLang reads "
+            f"eagle_config.{IDS_KEY}, vLLM the top-level {IDS_KEY}): both capture "
+            f"their defaults instead. Write the ids below where each engine reads"
+        )
     elif trainer == "DeepSpec":
         ids, where = draft.target_layer_ids, "top-level target_layer_ids"
     elif draft.nested is not None:
@@ -269,77 +315,138 @@ def recognise(draft, num_layers: int, architecture: str = "",
     if convention != "auto":
         reading = _out(ids) if convention == "output" else _in(ids)
         auto = recognise(draft, num_layers, architecture, "auto") if trainer else None
-        if auto is not None and not auto.ambiguous and ids is not None \
-                and auto.readings[0].expected != reading.expected:
-            notes.append(f"--id-convention {convention} overrides what {trainer}'s ids mean "
-                         f"({auto.readings[0].label}: capture layers "
-                         f"{list(auto.readings[0].expected)})")
-        return Provenance(trainer, evidence, ids, where, (reading,), tuple(notes),
-                          "--id-convention")
+        if (
+            auto is not None
+            and not auto.ambiguous
+            and ids is not None
+            and auto.readings[0].expected != reading.expected
+        ):
+            notes.append(
+                f"--id-convention {convention} overrides what {trainer}'s ids mean "
+                f"({auto.readings[0].label}: capture layers "
+                f"{list(auto.readings[0].expected)})"
+            )
+        return Provenance(
+            trainer, evidence, ids, where, (reading,), tuple(notes), "--id-convention"
+        )
 
     recorded = recorded_capture_layers(config, draft.source)
     if recorded is not None:
         record = config[RECORD_KEY]
-        why = "recorded when eagle-capture doctor --write-config wrote the ids" + (
-            f" for {record['ids_written_for']}" if isinstance(record.get("ids_written_for"), str)
-            else "") + (f", from the {record['read_as']}" if isinstance(record.get("read_as"), str)
-                        else "")
+        why = (
+            "recorded when eagle-capture doctor --write-config wrote the ids"
+            + (
+                f" for {record['ids_written_for']}"
+                if isinstance(record.get("ids_written_for"), str)
+                else ""
+            )
+            + (f", from the {record['read_as']}" if isinstance(record.get("read_as"), str) else "")
+        )
         evidence = ", ".join(filter(None, [evidence, f"{RECORD_KEY}.{RECORD_LAYERS}"]))
-        return Provenance(trainer, evidence, ids, where,
-                          (Reading("input convention (the recorded capture layers)",
-                                   tuple(sorted(recorded)), why),), tuple(notes))
+        return Provenance(
+            trainer,
+            evidence,
+            ids,
+            where,
+            (
+                Reading(
+                    "input convention (the recorded capture layers)", tuple(sorted(recorded)), why
+                ),
+            ),
+            tuple(notes),
+        )
 
     if trainer == "speculators":
-        readings = (_in(ids, "speculators hands its ids to vLLM unchanged; its converter copies "
-                             "the ids given verbatim, so a SpecForge list converted as is would "
-                             "be one layer early"),)
+        readings = (
+            _in(
+                ids,
+                "speculators hands its ids to vLLM unchanged; its converter copies "
+                "the ids given verbatim, so a SpecForge list converted as is would "
+                "be one layer early",
+            ),
+        )
         if ids is not None and sorted(ids) == out_default(num_layers):
             # The output-convention default of SpecForge / TorchSpec: the mark of a
             # draft converted with its ids copied as they were.
-            readings = (_out(ids, "a SpecForge or TorchSpec draft converted by speculators' "
-                                  f"converter, which copies the ids verbatim: {ids} is "
-                                  f"SpecForge's default list for {num_layers} layers"),
-                        _in(ids, "trained by speculators on vLLM's own captures"))
-            notes.append(f"{ids} is SpecForge's and TorchSpec's default list (output "
-                         f"convention) for a {num_layers}-layer target: the mark of a draft "
-                         f"converted to speculators' format with its ids copied verbatim. "
-                         f"Only the draft's training run can say which reading is right: "
-                         f"measure it with `eagle-capture probe`")
+            readings = (
+                _out(
+                    ids,
+                    "a SpecForge or TorchSpec draft converted by speculators' "
+                    f"converter, which copies the ids verbatim: {ids} is "
+                    f"SpecForge's default list for {num_layers} layers",
+                ),
+                _in(ids, "trained by speculators on vLLM's own captures"),
+            )
+            notes.append(
+                f"{ids} is SpecForge's and TorchSpec's default list (output "
+                f"convention) for a {num_layers}-layer target: the mark of a draft "
+                f"converted to speculators' format with its ids copied verbatim. "
+                f"Only the draft's training run can say which reading is right: "
+                f"measure it with `eagle-capture probe`"
+            )
         if ids is None:
-            notes.append("speculators wrote null: its converter does not read the source "
-                         "draft's ids")
+            notes.append(
+                "speculators wrote null: its converter does not read the source draft's ids"
+            )
     elif trainer in NO_ID_DEFAULTS and ids is None:
-        readings = (Reading("trainer's default (no ids written)",
-                            tuple(in_default(num_layers)),
-                            f"{NO_ID_DEFAULTS[trainer]} takes the outputs of layers "
-                            f"{out_default(num_layers)}, the layers both engines capture by "
-                            f"default"),)
+        readings = (
+            Reading(
+                "trainer's default (no ids written)",
+                tuple(in_default(num_layers)),
+                f"{NO_ID_DEFAULTS[trainer]} takes the outputs of layers "
+                f"{out_default(num_layers)}, the layers both engines capture by "
+                f"default",
+            ),
+        )
         where = f"none written; {NO_ID_DEFAULTS[trainer]} {out_default(num_layers)}"
     elif trainer == "SpecForge":
         readings = _specforge_readings(ids, num_layers, architecture)
     elif trainer == "NVIDIA Model Optimizer":
-        readings = (_out(ids, "data from its Hugging Face dump"),
-                    _in(ids, "data from its vLLM dump with the ids passed unshifted"))
+        readings = (
+            _out(ids, "data from its Hugging Face dump"),
+            _in(ids, "data from its vLLM dump with the ids passed unshifted"),
+        )
     elif trainer == "TorchSpec":
         kimi = config.get("model_type") == "kimi_k2"
         if not kimi or ids is None or sorted(ids) == out_default(num_layers):
-            readings = (_out(ids, "TorchSpec's native export" + (
-                "; its --vllm conversion would have written "
-                f"{in_default(num_layers)}" if kimi and ids is not None else "")),)
+            readings = (
+                _out(
+                    ids,
+                    "TorchSpec's native export"
+                    + (
+                        f"; its --vllm conversion would have written {in_default(num_layers)}"
+                        if kimi and ids is not None
+                        else ""
+                    ),
+                ),
+            )
         else:
-            readings = (_in(ids, "after TorchSpec's --vllm conversion (+1 for kimi_k2)"),
-                        _out(ids, "TorchSpec's native export"))
+            readings = (
+                _in(ids, "after TorchSpec's --vllm conversion (+1 for kimi_k2)"),
+                _out(ids, "TorchSpec's native export"),
+            )
     elif trainer == "AngelSlim":
-        readings = (_out(ids if ids is not None else out_default(num_layers),
-                         "AngelSlim takes hidden_states[X + 1]" + (
-                             "; no ids written: its default" if ids is None else "")),)
+        readings = (
+            _out(
+                ids if ids is not None else out_default(num_layers),
+                "AngelSlim takes hidden_states[X + 1]"
+                + ("; no ids written: its default" if ids is None else ""),
+            ),
+        )
         if ids is None:
             ids, where = out_default(num_layers), "AngelSlim's default (none written)"
     elif trainer == "DeepSpec":
-        readings = (_out(ids, "DeepSpec hooks each named target layer's output "
-                              "(run_target_forward_with_hooks: hidden_states[X + 1])"),)
-        notes.append("SGLang's EAGLE-3 target reads no target_layer_ids (only eagle_config's "
-                     f"{IDS_KEY}); vLLM's V2 runner reads them, adding 1")
+        readings = (
+            _out(
+                ids,
+                "DeepSpec hooks each named target layer's output "
+                "(run_target_forward_with_hooks: hidden_states[X + 1])",
+            ),
+        )
+        notes.append(
+            "SGLang's EAGLE-3 target reads no target_layer_ids (only eagle_config's "
+            f"{IDS_KEY}); vLLM's V2 runner reads them, adding 1"
+        )
     elif trainer == "SafeAILab EAGLE":
         readings = (_in(in_default(num_layers), "hard-coded in SafeAILab's EAGLE-3 training"),)
     else:
@@ -347,8 +454,15 @@ def recognise(draft, num_layers: int, architecture: str = "",
             readings = (_out(ids), _in(ids, "the input-convention default"))
         else:
             readings = (_out(ids),)
-        return Provenance("", "", ids, where, readings, tuple(notes),
-                          "markers" if len(readings) > 1 else "assumed")
+        return Provenance(
+            "",
+            "",
+            ids,
+            where,
+            readings,
+            tuple(notes),
+            "markers" if len(readings) > 1 else "assumed",
+        )
     return Provenance(trainer, evidence, ids, where, readings, tuple(notes))
 
 
@@ -360,12 +474,17 @@ def recorded_capture_layers(config: dict, source: str = "the draft config") -> O
     if record is None:
         return None
     layers = record.get(RECORD_LAYERS) if isinstance(record, dict) else None
-    if not isinstance(layers, list) or not layers or any(
-            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers) \
-            or len(set(layers)) != len(layers):
-        raise CapturePlanError(f"{source}: {RECORD_KEY}.{RECORD_LAYERS} must be a list of distinct non-negative "
-                         f"integers (the capture layers eagle-capture recorded), got "
-                         f"{layers if isinstance(record, dict) else record!r}")
+    if (
+        not isinstance(layers, list)
+        or not layers
+        or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers)
+        or len(set(layers)) != len(layers)
+    ):
+        raise CapturePlanError(
+            f"{source}: {RECORD_KEY}.{RECORD_LAYERS} must be a list of distinct non-negative "
+            f"integers (the capture layers eagle-capture recorded), got "
+            f"{layers if isinstance(record, dict) else record!r}"
+        )
     return list(layers)
 
 
@@ -384,18 +503,38 @@ def _specforge_readings(ids, num_layers: int, architecture: str) -> tuple[Readin
         captured = apply_rule(rule.rule if rule else SHIFT_ALWAYS, ids, num_layers)
         found.setdefault(tuple(sorted(captured)), []).append((date, pin))
     if len(found) == 1:
-        return (_out(ids, "what SpecForge captured on every SGLang it pinned, as its HF "
-                          "backend's hidden_states[X + 1]"),)
+        return (
+            _out(
+                ids,
+                "what SpecForge captured on every SGLang it pinned, as its HF "
+                "backend's hidden_states[X + 1]",
+            ),
+        )
     readings = []
     for expected, sources in found.items():
-        label = ("output convention (id X = the output of layer X)" if expected ==
-                 _shifted(ids, 1) else "input convention (id X = the input of layer X)"
-                 if expected == _shifted(ids, 0) else "SpecForge's capture of them")
+        label = (
+            "output convention (id X = the output of layer X)"
+            if expected == _shifted(ids, 1)
+            else "input convention (id X = the input of layer X)"
+            if expected == _shifted(ids, 0)
+            else "SpecForge's capture of them"
+        )
         pins = [p for p in sources if p != "HF"]
-        said = (["its Hugging Face target (hidden_states[X + 1])"] if "HF" in sources else []) \
-            + ([f"SGLang {pins[0][1]}" + (f" - {pins[-1][1]}" if len(pins) > 1 else "")
-                + f" as pinned from {pins[0][0]}"] if pins else [])
-        readings.append(Reading(label, expected,
-                                f"SpecForge's data from {' and '.join(said)}, with "
-                                f"{architecture or 'DeepseekV2 (assumed)'}'s rule"))
+        said = (["its Hugging Face target (hidden_states[X + 1])"] if "HF" in sources else []) + (
+            [
+                f"SGLang {pins[0][1]}"
+                + (f" - {pins[-1][1]}" if len(pins) > 1 else "")
+                + f" as pinned from {pins[0][0]}"
+            ]
+            if pins
+            else []
+        )
+        readings.append(
+            Reading(
+                label,
+                expected,
+                f"SpecForge's data from {' and '.join(said)}, with "
+                f"{architecture or 'DeepseekV2 (assumed)'}'s rule",
+            )
+        )
     return tuple(readings)

@@ -27,19 +27,28 @@ def layer_list(layers, *, error: type[Exception] = CaptureLayerError) -> list[in
     """``layers`` as a list of ints, or ``error``: a non-empty sequence of integers
     (``bool`` is not one, a string is not a sequence of ids)."""
     if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-        raise error(f"eagle_capture: the capture layers must be a non-empty sequence of "
-                    f"integers, got {layers!r}")
+        raise error(
+            f"eagle_capture: the capture layers must be a non-empty sequence of "
+            f"integers, got {layers!r}"
+        )
     ids = list(layers)
     if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise error(f"eagle_capture: the capture layers must be a non-empty sequence of "
-                    f"integers, got {layers!r}")
+        raise error(
+            f"eagle_capture: the capture layers must be a non-empty sequence of "
+            f"integers, got {layers!r}"
+        )
     return ids
 
 
-def check_capture_layers(layers, *, num_layers: Optional[int] = None,
-                         final_boundary: bool = True, embedding: bool = True,
-                         stage: Optional[tuple[int, int]] = None,
-                         error: type[Exception] = CaptureLayerError) -> list[int]:
+def check_capture_layers(
+    layers,
+    *,
+    num_layers: Optional[int] = None,
+    final_boundary: bool = True,
+    embedding: bool = True,
+    stage: Optional[tuple[int, int]] = None,
+    error: type[Exception] = CaptureLayerError,
+) -> list[int]:
     """The capture layers ``layers``, sorted (the order every engine fills its
     slots in), or ``error`` saying what is wrong with them.
 
@@ -55,39 +64,50 @@ def check_capture_layers(layers, *, num_layers: Optional[int] = None,
             f"eagle_capture: capture layers {ids} name layer(s) {duplicates} more than once: an "
             f"engine captures each layer once, so the draft would get {len(set(ids))} of the "
             f"{len(ids)} hidden states its fc expects. Fix the draft's "
-            f"eagle_aux_hidden_state_layer_ids")
+            f"eagle_aux_hidden_state_layer_ids"
+        )
     negative = [i for i in ids if i < 0]
     if negative:
         raise error(
             f"eagle_capture: capture layers {ids} hold {negative}: no layer has a negative "
             f"index, so no engine captures it. A draft id of -1 is the embedding output in the "
             f"output convention (capture layer 0), which no SpecForge draft is trained on: fix "
-            f"the draft's eagle_aux_hidden_state_layer_ids")
+            f"the draft's eagle_aux_hidden_state_layer_ids"
+        )
     if num_layers is not None:
         highest = num_layers if final_boundary else num_layers - 1
         outside = [i for i in ids if i > highest]
         if outside:
-            last = (f", {num_layers} the last layer's output" if final_boundary else
-                    f"; {num_layers}, the last layer's output, is not captured here")
+            last = (
+                f", {num_layers} the last layer's output"
+                if final_boundary
+                else f"; {num_layers}, the last layer's output, is not captured here"
+            )
             raise error(
                 f"eagle_capture: capture layer(s) {outside} of {ids} are outside 0..{highest} "
                 f"(capture layer c is the input of decoder layer c{last}): no engine captures "
-                f"them, so the draft would get fewer hidden states than it expects")
+                f"them, so the draft would get fewer hidden states than it expects"
+            )
     if 0 in ids and not embedding:
         raise error(
             f"eagle_capture: capture layer 0 in {ids} is the embedding output (the input of "
             f"layer 0): no trainer's EAGLE-3 draft is trained on it (a draft id of -1 in the "
             f"output convention, or 0 in the input one), and several engines' loops fail "
-            f"there. Fix the draft's eagle_aux_hidden_state_layer_ids")
+            f"there. Fix the draft's eagle_aux_hidden_state_layer_ids"
+        )
     if stage is not None:
         start, end = stage
-        elsewhere = [i for i in ids if not start <= i < end
-                     and not (final_boundary and i == end == num_layers)]
+        elsewhere = [
+            i
+            for i in ids
+            if not start <= i < end and not (final_boundary and i == end == num_layers)
+        ]
         if elsewhere:
             raise error(
                 f"eagle_capture: capture layer(s) {elsewhere} of {ids} are in another pipeline "
                 f"stage (this rank runs layers {start}..{end - 1}): the engine drops what "
                 f"another stage captures, so the draft would get {len(ids) - len(elsewhere)} "
                 f"of {len(ids)} hidden states. Choose capture layers in this stage, or serve "
-                f"without pipeline parallelism")
+                f"without pipeline parallelism"
+            )
     return sorted(ids)

@@ -26,37 +26,36 @@ import torch  # noqa: F401 -- before the kernels' triton: without torch, torch i
 
 from eagle_capture.kernels import HAS_PDL
 from eagle_capture.ops.checks import (
-                                      SUPPORTED_DTYPES,
-                                      byte_extent,
-                                      check_add_inputs,
-                                      check_aliasing,
-                                      check_aux,
-                                      check_no_autograd,
-                                      check_no_internal_overlap,
-                                      check_norm_inputs,
-                                      overlaps_other_elements,
-                                      ranges_overlap,
-                                      spans_meet,
+    SUPPORTED_DTYPES,
+    byte_extent,
+    check_add_inputs,
+    check_aliasing,
+    check_aux,
+    check_no_autograd,
+    check_no_internal_overlap,
+    check_norm_inputs,
+    overlaps_other_elements,
+    ranges_overlap,
+    spans_meet,
 )
 from eagle_capture.ops.launcher import (
-                                      DIRECT_LAUNCH,
-                                      DirectLaunch,
-                                      FastLaunch,
-                                      KernelSignature,
-                                      Plan,
-                                      direct_launch_of,
-                                      hooks_active,
-                                      pdl_enabled,
+    DIRECT_LAUNCH,
+    DirectLaunch,
+    FastLaunch,
+    KernelSignature,
+    Plan,
+    direct_launch_of,
+    hooks_active,
+    pdl_enabled,
 )
 from eagle_capture.ops.table import (
-                                      KERNEL_DEVICE_TYPES,
-                                      add_capture,
-                                      add_rmsnorm_capture,
-                                      add_rmsnorm_into_slot,
-                                      add_rmsnorm_out,
+    KERNEL_DEVICE_TYPES,
+    add_capture,
+    add_rmsnorm_capture,
+    add_rmsnorm_into_slot,
+    add_rmsnorm_out,
 )
 
 # The ops are the public API; the other names are imported from here by the
 # package, the benchmarks and the plugins.
 __all__ = ["add_capture", "add_rmsnorm_capture", "add_rmsnorm_into_slot", "add_rmsnorm_out"]
-

@@ -52,7 +52,9 @@ except ImportError:  # pragma: no cover - older Triton: no direct launches
 # CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata, launch_metadata,
 # enter_hook, exit_hook, *args) is JITFunction.run's own call in Triton 3.3 - 3.9.
 _RELEASE = _triton_release()
-DIRECT_LAUNCH = _RELEASE is not None and _RELEASE[0] == 3 and _RELEASE[1] >= 3 and _knobs is not None
+DIRECT_LAUNCH = (
+    _RELEASE is not None and _RELEASE[0] == 3 and _RELEASE[1] >= 3 and _knobs is not None
+)
 
 
 def _hook_active(hook) -> bool:
@@ -62,13 +64,15 @@ def _hook_active(hook) -> bool:
 
 def hooks_active() -> bool:
     """A profiler's launch hooks are installed: launch through Triton's entry so it sees them."""
-    return (_hook_active(_knobs.runtime.launch_enter_hook)
-            or _hook_active(_knobs.runtime.launch_exit_hook))
+    return _hook_active(_knobs.runtime.launch_enter_hook) or _hook_active(
+        _knobs.runtime.launch_exit_hook
+    )
 
 
 class DirectLaunch(NamedTuple):
     """``launch(gx, gy, gz, stream, *mid, *kernel_args)`` launches one compiled kernel;
     pointer arguments may be ints (device addresses)."""
+
     launch: Callable
     mid: tuple
     compiled: Any = None  # keeps the CompiledKernel (and its module) alive
@@ -90,22 +94,38 @@ def _forwards_to_raw_launch(run) -> bool:
         params = inspect.signature(type(run).__call__).parameters
     except (AttributeError, TypeError, ValueError):
         return False
-    return (tuple(params) == _RAW_FORWARDING_CALL
-            and params["args"].kind is inspect.Parameter.VAR_POSITIONAL
-            and callable(getattr(run, "launch", None))
-            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")
-            and getattr(run, "global_scratch_size", 1) == 0
-            and getattr(run, "profile_scratch_size", 1) == 0)
+    return (
+        tuple(params) == _RAW_FORWARDING_CALL
+        and params["args"].kind is inspect.Parameter.VAR_POSITIONAL
+        and callable(getattr(run, "launch", None))
+        and hasattr(run, "launch_cooperative_grid")
+        and hasattr(run, "launch_pdl")
+        and getattr(run, "global_scratch_size", 1) == 0
+        and getattr(run, "profile_scratch_size", 1) == 0
+    )
 
 
 def direct_launch_of(compiled) -> DirectLaunch:
     run = compiled.run
     if _forwards_to_raw_launch(run):
-        return DirectLaunch(run.launch, (compiled.function, run.launch_cooperative_grid,
-                                         run.launch_pdl, None, None, compiled.packed_metadata,
-                                         None, None, None), compiled)
-    return DirectLaunch(run, (compiled.function, compiled.packed_metadata, None, None, None),
-                        compiled)
+        return DirectLaunch(
+            run.launch,
+            (
+                compiled.function,
+                run.launch_cooperative_grid,
+                run.launch_pdl,
+                None,
+                None,
+                compiled.packed_metadata,
+                None,
+                None,
+                None,
+            ),
+            compiled,
+        )
+    return DirectLaunch(
+        run, (compiled.function, compiled.packed_metadata, None, None, None), compiled
+    )
 
 
 def tuple_getter(indices) -> Callable[[Sequence], tuple]:
@@ -124,8 +144,9 @@ class KernelSignature:
     def __init__(self, kernel) -> None:
         parameters = inspect.signature(getattr(kernel, "fn", kernel)).parameters
         self.params = tuple(parameters)
-        self.defaults = {n: p.default for n, p in parameters.items()
-                         if p.default is not inspect.Parameter.empty}
+        self.defaults = {
+            n: p.default for n, p in parameters.items() if p.default is not inspect.Parameter.empty
+        }
 
     def bind(self, values: dict) -> tuple:
         """``values`` in parameter order, defaults filled in; TypeError naming
@@ -133,21 +154,24 @@ class KernelSignature:
         unknown = sorted(values.keys() - set(self.params))
         missing = [p for p in self.params if p not in values and p not in self.defaults]
         if unknown or missing:
-            raise TypeError(f"eagle_capture: kernel arguments do not match the kernel's "
-                            f"signature (unknown {unknown}, missing {missing})")
+            raise TypeError(
+                f"eagle_capture: kernel arguments do not match the kernel's "
+                f"signature (unknown {unknown}, missing {missing})"
+            )
         return tuple(values[p] if p in values else self.defaults[p] for p in self.params)
 
     def template(self, sources: dict, values: dict) -> tuple[Callable, tuple]:
         """``(head, tail)``: ``(*head(pointers), *tail)`` is the argument list of a call
         whose leading pointer parameters take ``pointers[sources[p]]`` (tensors or
         addresses) and every other parameter its entry in ``values``."""
-        lead = self.params[:len(sources)]
+        lead = self.params[: len(sources)]
         if set(lead) != set(sources):
-            raise TypeError(f"eagle_capture: the call's pointer parameters {sorted(sources)} "
-                            f"must lead the kernel's signature {self.params}")
+            raise TypeError(
+                f"eagle_capture: the call's pointer parameters {sorted(sources)} "
+                f"must lead the kernel's signature {self.params}"
+            )
         bound = self.bind({**values, **dict.fromkeys(sources)})
-        return tuple_getter(sources[p] for p in lead), bound[len(sources):]
-
+        return tuple_getter(sources[p] for p in lead), bound[len(sources) :]
 
 
 class Plan:
@@ -157,11 +181,34 @@ class Plan:
     call must not meet, the addresses last found free of overlaps (the
     aliasing pre-check), and the compiled kernel's DirectLaunch once there is
     one."""
-    __slots__ = ("grid", "head", "tail", "tail_entry", "num_warps", "device_index", "use_pdl",
-                 "extents", "fixed", "checked", "direct", "extra")
 
-    def __init__(self, grid, head, tail_entry, num_warps, device_index, use_pdl, extents,
-                 extra=None, fixed=()):
+    __slots__ = (
+        "grid",
+        "head",
+        "tail",
+        "tail_entry",
+        "num_warps",
+        "device_index",
+        "use_pdl",
+        "extents",
+        "fixed",
+        "checked",
+        "direct",
+        "extra",
+    )
+
+    def __init__(
+        self,
+        grid,
+        head,
+        tail_entry,
+        num_warps,
+        device_index,
+        use_pdl,
+        extents,
+        extra=None,
+        fixed=(),
+    ):
         self.grid, self.head, self.num_warps = grid, head, num_warps
         # Fixed tensor arguments (symm's state) go to Triton's entry as tensors,
         # to the direct launch as addresses.
@@ -200,8 +247,9 @@ class FastLaunch:
 
     MAX_PLANS = 4096
 
-    def __init__(self, kernel, *, kernel_devices=frozenset({"cuda"}),
-                 direct_launch: Optional[bool] = None) -> None:
+    def __init__(
+        self, kernel, *, kernel_devices=frozenset({"cuda"}), direct_launch: Optional[bool] = None
+    ) -> None:
         self.kernel = kernel
         self.signature = KernelSignature(kernel)
         self.plans: dict = {}
@@ -224,16 +272,32 @@ class FastLaunch:
             self.plans[key] = plan
         return plan
 
-    def plan(self, grid, values: dict, sources: dict, num_warps: int,
-             device_index: Optional[int], use_pdl: bool, extents: tuple, extra=None,
-             fixed=()) -> Plan:
+    def plan(
+        self,
+        grid,
+        values: dict,
+        sources: dict,
+        num_warps: int,
+        device_index: Optional[int],
+        use_pdl: bool,
+        extents: tuple,
+        extra=None,
+        fixed=(),
+    ) -> Plan:
         """The plan of a call whose pointer parameter ``p`` takes the call's tensor
         ``sources[p]`` (by position) and every other parameter ``values[p]``."""
         head, tail = self.signature.template(sources, values)
         return Plan(grid, head, tail, num_warps, device_index, use_pdl, extents, extra, fixed)
 
-    def eager_plan(self, key, tensors: Sequence, call: tuple, check: Callable,
-                   check_aliasing: Callable, make_plan: Callable) -> tuple:
+    def eager_plan(
+        self,
+        key,
+        tensors: Sequence,
+        call: tuple,
+        check: Callable,
+        check_aliasing: Callable,
+        make_plan: Callable,
+    ) -> tuple:
         """``(plan, addresses)`` of an eager call: on a memo miss ``check(*call)``
         (everything, before any address is read), then ``make_plan(*call)``
         remembered under ``key`` (None: a call that is never memoised); on a hit
@@ -246,7 +310,7 @@ class FastLaunch:
             plan = self.remember(key, make_plan(*call))
             plan.checked = addresses(tensors)
             return plan, plan.checked
-        ptrs = [t.data_ptr() if t is not None else 0 for t in tensors]   # (inlined: per call)
+        ptrs = [t.data_ptr() if t is not None else 0 for t in tensors]  # (inlined: per call)
         if ptrs != plan.checked:
             if plan.meets(ptrs):
                 check_aliasing(*call)
@@ -267,17 +331,28 @@ class FastLaunch:
         direct = plan.direct
         aligned = not functools.reduce(operator.or_, ptrs) & 15
         if direct is not None and aligned and not hooks_active():
-            direct.launch(plan.grid[0], plan.grid[1], 1,
-                          torch._C._cuda_getCurrentRawStream(plan.device_index), *direct.mid,
-                          *plan.head(ptrs), *plan.tail)
+            direct.launch(
+                plan.grid[0],
+                plan.grid[1],
+                1,
+                torch._C._cuda_getCurrentRawStream(plan.device_index),
+                *direct.mid,
+                *plan.head(ptrs),
+                *plan.tail,
+            )
             return
         kwargs = {"num_warps": plan.num_warps}
         if plan.use_pdl:
             kwargs["launch_pdl"] = True
         compiled = self.kernel[plan.grid](*plan.head(tensors), *plan.tail_entry, **kwargs)
-        if (self.direct_launch and aligned and plan.device_index is not None
-                and not hooks_active()
-                and compiled is not None and not hasattr(compiled, "result")):  # not a future
+        if (
+            self.direct_launch
+            and aligned
+            and plan.device_index is not None
+            and not hooks_active()
+            and compiled is not None
+            and not hasattr(compiled, "result")
+        ):  # not a future
             plan.direct = direct_launch_of(compiled)
 
     def launch_traced(self, grid, values: dict, num_warps: int, device: torch.device) -> None:
@@ -287,10 +362,15 @@ class FastLaunch:
             return  # a zero-size grid is not a valid launch
         # Triton launches on the current device; the dispatcher may be called with
         # tensors elsewhere (compiled code sets its own guard).
-        guard = (torch.cuda.device(device)
-                 if (device.type == "cuda" and not torch.compiler.is_compiling()
-                     and device.index != torch.cuda.current_device())
-                 else contextlib.nullcontext())
+        guard = (
+            torch.cuda.device(device)
+            if (
+                device.type == "cuda"
+                and not torch.compiler.is_compiling()
+                and device.index != torch.cuda.current_device()
+            )
+            else contextlib.nullcontext()
+        )
         with guard:
             wrap_triton(self.kernel)[grid](*self.signature.bind(values), num_warps=num_warps)
 

@@ -47,11 +47,25 @@ Call = tuple
 
 class CaptureOp:
     """What tells the four ops over the one kernel apart."""
-    __slots__ = ("name", "norm", "residual_in_place", "aux_required", "residual_out_required",
-                 "cpu")
 
-    def __init__(self, name: str, *, norm: bool, residual_in_place: bool = False,
-                 aux_required: bool = False, residual_out_required: bool = False) -> None:
+    __slots__ = (
+        "name",
+        "norm",
+        "residual_in_place",
+        "aux_required",
+        "residual_out_required",
+        "cpu",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        norm: bool,
+        residual_in_place: bool = False,
+        aux_required: bool = False,
+        residual_out_required: bool = False,
+    ) -> None:
         self.name, self.norm, self.residual_in_place = name, norm, residual_in_place
         self.aux_required, self.residual_out_required = aux_required, residual_out_required
         self.cpu = None  # the opaque CPU op, where there is one
@@ -63,6 +77,7 @@ class CaptureOp:
 # ----------------------------------------------------------------------------
 # Checks and the kernel's arguments, by the call's five tensors
 # ----------------------------------------------------------------------------
+
 
 def _check(op: CaptureOp, tensors, eps, slot, norm_fp32_sum=False) -> None:
     """Everything but aliasing."""
@@ -89,8 +104,16 @@ def _check(op: CaptureOp, tensors, eps, slot, norm_fp32_sum=False) -> None:
 
 def _check_aliasing(op: CaptureOp, tensors, eps, slot, norm_fp32_sum=False) -> None:
     hidden, residual, weight, aux, residual_out = tensors
-    check_aliasing(hidden, residual, aux, slot, weight=weight, residual_out=residual_out,
-                   residual_mutated=op.residual_in_place, hidden_mutated=op.norm)
+    check_aliasing(
+        hidden,
+        residual,
+        aux,
+        slot,
+        weight=weight,
+        residual_out=residual_out,
+        residual_mutated=op.residual_in_place,
+        hidden_mutated=op.norm,
+    )
 
 
 def _check_all(op: CaptureOp, tensors, eps, slot, norm_fp32_sum=False) -> None:
@@ -103,21 +126,38 @@ def _pointer_sources(tensors: Sequence, residual_in_place: bool) -> dict:
     eager plan's template): the binding of ``kernel_arguments``, absent roles at
     hidden_states as there."""
     has = [t is not None for t in tensors]
-    return {"hidden_ptr": _H,
-            "residual_ptr": _R if has[_R] else _H,
-            "weight_ptr": _W if has[_W] else _H,
-            "normed_out_ptr": _H,
-            "residual_out_ptr": _R if residual_in_place else (_OUT if has[_OUT] else _H),
-            "aux_ptr": _AUX if has[_AUX] else _H}
+    return {
+        "hidden_ptr": _H,
+        "residual_ptr": _R if has[_R] else _H,
+        "weight_ptr": _W if has[_W] else _H,
+        "normed_out_ptr": _H,
+        "residual_out_ptr": _R if residual_in_place else (_OUT if has[_OUT] else _H),
+        "aux_ptr": _AUX if has[_AUX] else _H,
+    }
 
 
-def _kernel_arguments(tensors: Sequence, residual_in_place: bool, eps: float, slot: int,
-                      norm_fp32_sum: bool, use_pdl: bool) -> tuple[tuple, dict, int]:
+def _kernel_arguments(
+    tensors: Sequence,
+    residual_in_place: bool,
+    eps: float,
+    slot: int,
+    norm_fp32_sum: bool,
+    use_pdl: bool,
+) -> tuple[tuple, dict, int]:
     """(grid, the kernel's arguments by name, num_warps) of a call's five tensors."""
     hidden, residual, weight, aux, residual_out = tensors
-    return kernel_arguments(hidden, residual, weight, hidden if weight is not None else None,
-                            residual if residual_in_place else residual_out, aux, eps=eps,
-                            slot=slot, norm_fp32_sum=norm_fp32_sum, use_pdl=use_pdl)
+    return kernel_arguments(
+        hidden,
+        residual,
+        weight,
+        hidden if weight is not None else None,
+        residual if residual_in_place else residual_out,
+        aux,
+        eps=eps,
+        slot=slot,
+        norm_fp32_sum=norm_fp32_sum,
+        use_pdl=use_pdl,
+    )
 
 
 def _plan(op: CaptureOp, tensors, eps, slot, norm_fp32_sum) -> Plan:
@@ -127,18 +167,27 @@ def _plan(op: CaptureOp, tensors, eps, slot, norm_fp32_sum) -> Plan:
     if not LAUNCHER.runs_kernel(hidden.device):
         return Plan(None, None, (), 0, None, False, extents)
     use_pdl = hidden.is_cuda and pdl_enabled(hidden.device.index)
-    grid, values, num_warps = _kernel_arguments(tensors, op.residual_in_place, eps, slot,
-                                                norm_fp32_sum, use_pdl)
+    grid, values, num_warps = _kernel_arguments(
+        tensors, op.residual_in_place, eps, slot, norm_fp32_sum, use_pdl
+    )
     sources = _pointer_sources(tensors, op.residual_in_place)
     for pointer in sources:  # bound to the call's tensors by position, per call
         del values[pointer]
-    return LAUNCHER.plan(grid, values, sources, num_warps,
-                         hidden.device.index if hidden.is_cuda else None, use_pdl, extents)
+    return LAUNCHER.plan(
+        grid,
+        values,
+        sources,
+        num_warps,
+        hidden.device.index if hidden.is_cuda else None,
+        use_pdl,
+        extents,
+    )
 
 
 # ----------------------------------------------------------------------------
 # The torch implementation (CPU tensors): the kernel's numerics
 # ----------------------------------------------------------------------------
+
 
 def _torch_impl(op: CaptureOp, tensors: Sequence, eps, slot, norm_fp32_sum) -> None:
     hidden, residual, weight, aux, residual_out = tensors
@@ -147,10 +196,13 @@ def _torch_impl(op: CaptureOp, tensors: Sequence, eps, slot, norm_fp32_sum) -> N
     # torch's same-dtype add rounds once, like the kernel.
     s = hidden + residual if residual is not None else hidden
     # Before any store: the outputs may alias the inputs (in place).
-    norm_input = (hidden.float() + residual.float()
-                  if norm_fp32_sum and residual is not None and weight is not None else s)
+    norm_input = (
+        hidden.float() + residual.float()
+        if norm_fp32_sum and residual is not None and weight is not None
+        else s
+    )
     if aux is not None:
-        aux[:hidden.shape[0], slot].copy_(s)
+        aux[: hidden.shape[0], slot].copy_(s)
     if residual_out is not None:
         residual_out.copy_(s)
     if weight is not None:
@@ -163,13 +215,15 @@ def _torch_impl(op: CaptureOp, tensors: Sequence, eps, slot, norm_fp32_sum) -> N
 # The paths of a call: registered (dispatcher, torch.compile) and eager
 # ----------------------------------------------------------------------------
 
+
 def _registered(op: CaptureOp, args, kwargs, tensors, eps, slot, norm_fp32_sum) -> None:
     """The body of every registered op: check, then the kernel or the CPU path."""
     _check_all(op, tensors, eps, slot)
     hidden = tensors[_H]
     if LAUNCHER.runs_kernel(hidden.device):
-        grid, values, num_warps = _kernel_arguments(tensors, op.residual_in_place, eps, slot,
-                                                    norm_fp32_sum, use_pdl=False)
+        grid, values, num_warps = _kernel_arguments(
+            tensors, op.residual_in_place, eps, slot, norm_fp32_sum, use_pdl=False
+        )
         LAUNCHER.launch_traced(grid, values, num_warps, hidden.device)
     elif op.cpu is not None:
         op.cpu(*args, **kwargs)
@@ -188,21 +242,30 @@ def _eager(op: CaptureOp, tensors: tuple, eps, slot, norm_fp32_sum) -> None:
     if torch.is_grad_enabled():
         check_no_autograd(op.name, tensors)
     try:  # everything the checks depend on but addresses; with types: 1.0 == 1
-        key = (op, eps, slot, norm_fp32_sum, type(eps), type(slot),
-               *[(t.shape, t.stride(), t.dtype, t.device) if t is not None else None
-                 for t in tensors])
+        key = (
+            op,
+            eps,
+            slot,
+            norm_fp32_sum,
+            type(eps),
+            type(slot),
+            *[(t.shape, t.stride(), t.dtype, t.device) if t is not None else None for t in tensors],
+        )
     except AttributeError:  # a non-tensor argument: the full check names it
         key = None
-    plan, ptrs = LAUNCHER.eager_plan(key, tensors, (op, tensors, eps, slot, norm_fp32_sum),
-                                     _check_all, _check_aliasing, _plan)
+    plan, ptrs = LAUNCHER.eager_plan(
+        key, tensors, (op, tensors, eps, slot, norm_fp32_sum), _check_all, _check_aliasing, _plan
+    )
     if plan.grid is None:  # the torch implementation
         _torch_impl(op, tensors, eps, slot, norm_fp32_sum)
         return
     if plan.grid[0] and plan.device_index is not None and plan.device_index != _current_device():
         # Triton launches on the current device: elsewhere is an illegal address.
-        raise ValueError(f"eagle_capture: hidden_states is on cuda:{plan.device_index} but "
-                         f"the current CUDA device is cuda:{torch.cuda.current_device()}; "
-                         f"call torch.cuda.set_device({plan.device_index}) first")
+        raise ValueError(
+            f"eagle_capture: hidden_states is on cuda:{plan.device_index} but "
+            f"the current CUDA device is cuda:{torch.cuda.current_device()}; "
+            f"call torch.cuda.set_device({plan.device_index}) first"
+        )
     LAUNCHER.launch(plan, tensors, ptrs)
 
 
@@ -218,41 +281,66 @@ def _schema_signature(signature: inspect.Signature, mutates_args: tuple) -> insp
     (IndexError); torch 2.13 keeps them, so only a torch-2.11 machine shows it."""
     params = list(signature.parameters.values())
     last = max(i for i, p in enumerate(params) if p.name in mutates_args)
-    return signature.replace(parameters=[
-        p.replace(default=inspect.Parameter.empty) if i <= last else p
-        for i, p in enumerate(params)])
+    return signature.replace(
+        parameters=[
+            p.replace(default=inspect.Parameter.empty) if i <= last else p
+            for i, p in enumerate(params)
+        ]
+    )
 
 
-def capture_op(*, mutates_args: tuple, norm: bool, residual_in_place: bool = False,
-               aux_required: bool = False, residual_out_required: bool = False,
-               cpu_op: bool = False):
+def capture_op(
+    *,
+    mutates_args: tuple,
+    norm: bool,
+    residual_in_place: bool = False,
+    aux_required: bool = False,
+    residual_out_required: bool = False,
+    cpu_op: bool = False,
+):
     """Declare one op from its public function (see the module docstring):
     registers ``torch.ops.eagle_capture.<name>`` and, with ``cpu_op``, the
     opaque CPU op ``torch.ops.eagle_capture._<name>_cpu`` and its fake; returns
     the public function -- the registered op under torch.compile, the eager
     path otherwise (the dispatcher costs tens of microseconds per call)."""
+
     def declare(describe):
         name = describe.__name__
-        op = CaptureOp(name, norm=norm, residual_in_place=residual_in_place,
-                       aux_required=aux_required, residual_out_required=residual_out_required)
+        op = CaptureOp(
+            name,
+            norm=norm,
+            residual_in_place=residual_in_place,
+            aux_required=aux_required,
+            residual_out_required=residual_out_required,
+        )
         signature = inspect.signature(describe).replace(return_annotation=None)
         schema = _schema_signature(signature, mutates_args)
         names = tuple(signature.parameters)
-        defaults = {n: p.default for n, p in signature.parameters.items()
-                    if p.default is not inspect.Parameter.empty}
+        defaults = {
+            n: p.default
+            for n, p in signature.parameters.items()
+            if p.default is not inspect.Parameter.empty
+        }
 
         def registered(*args, **kwargs):
             _registered(op, args, kwargs, *describe(*args, **kwargs))
 
-        triton_op(f"eagle_capture::{name}", _with_signature(registered, schema, name),
-                  mutates_args=mutates_args)
+        triton_op(
+            f"eagle_capture::{name}",
+            _with_signature(registered, schema, name),
+            mutates_args=mutates_args,
+        )
         if cpu_op:
+
             def on_cpu(*args, **kwargs):
                 _torch_impl(op, *describe(*args, **kwargs))
 
             op.cpu = torch.library.custom_op(
-                f"eagle_capture::_{name}_cpu", _with_signature(on_cpu, schema, name),
-                mutates_args=mutates_args, device_types="cpu")
+                f"eagle_capture::_{name}_cpu",
+                _with_signature(on_cpu, schema, name),
+                mutates_args=mutates_args,
+                device_types="cpu",
+            )
             op.cpu.register_fake(lambda *args, **kwargs: None)
         compiled = getattr(torch.ops.eagle_capture, name)
 
@@ -261,14 +349,16 @@ def capture_op(*, mutates_args: tuple, norm: bool, residual_in_place: bool = Fal
             if torch.compiler.is_compiling():
                 # Every argument given, as the schema has no defaults up to its last mutated
                 # one; plain tuples and dicts (inspect's binding breaks dynamo's graph).
-                compiled(*args, *(kwargs[n] if n in kwargs else defaults[n]
-                                  for n in names[len(args):]))
+                compiled(
+                    *args, *(kwargs[n] if n in kwargs else defaults[n] for n in names[len(args) :])
+                )
             else:
                 _eager(op, *describe(*args, **kwargs))
 
         public.__signature__ = signature
         public.capture_op = op
         return public
+
     return declare
 
 
@@ -282,9 +372,11 @@ def capture_op(*, mutates_args: tuple, norm: bool, residual_in_place: bool = Fal
 # the add+RMSNorm ops call an opaque CPU op (same schema) that Inductor calls
 # as it is (cpu_op=True): compiled CPU results are bit-identical to eager.
 
+
 @capture_op(mutates_args=("aux",), norm=False, aux_required=True)
-def add_capture(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
-                aux: torch.Tensor, slot: int) -> Call:
+def add_capture(
+    hidden_states: torch.Tensor, residual: Optional[torch.Tensor], aux: torch.Tensor, slot: int
+) -> Call:
     """Capture ``hidden_states + residual`` into one slot of the aux buffer.
 
     ``aux[:T, slot] = hidden_states + residual``, rounded once to the storage
@@ -315,12 +407,21 @@ def add_capture(hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
     return (hidden_states, residual, None, aux, None), 0.0, slot, False
 
 
-@capture_op(mutates_args=("hidden_states", "residual", "aux"), norm=True,
-            residual_in_place=True, cpu_op=True)
-def add_rmsnorm_capture(hidden_states: torch.Tensor, residual: torch.Tensor,
-                        weight: torch.Tensor, eps: float,
-                        aux: Optional[torch.Tensor] = None, slot: int = 0,
-                        norm_fp32_sum: bool = False) -> Call:
+@capture_op(
+    mutates_args=("hidden_states", "residual", "aux"),
+    norm=True,
+    residual_in_place=True,
+    cpu_op=True,
+)
+def add_rmsnorm_capture(
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    aux: Optional[torch.Tensor] = None,
+    slot: int = 0,
+    norm_fp32_sum: bool = False,
+) -> Call:
     """Fused add + RMSNorm in place, and the new residual captured into a slot.
 
     SGLang/FlashInfer ``fused_add_rmsnorm``: ``residual = hidden_states +
@@ -363,9 +464,15 @@ def add_rmsnorm_capture(hidden_states: torch.Tensor, residual: torch.Tensor,
 
 
 @capture_op(mutates_args=("hidden_states", "aux"), norm=True, aux_required=True, cpu_op=True)
-def add_rmsnorm_into_slot(hidden_states: torch.Tensor, residual: torch.Tensor,
-                          weight: torch.Tensor, eps: float, aux: torch.Tensor,
-                          slot: int, norm_fp32_sum: bool = False) -> Call:
+def add_rmsnorm_into_slot(
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    aux: torch.Tensor,
+    slot: int,
+    norm_fp32_sum: bool = False,
+) -> Call:
     """Fused add + RMSNorm whose residual output *is* ``aux[:T, slot]``.
 
     ``aux[:T, slot] = hidden_states + residual``; ``hidden_states =
@@ -401,11 +508,20 @@ def add_rmsnorm_into_slot(hidden_states: torch.Tensor, residual: torch.Tensor,
     return (hidden_states, residual, weight, aux, None), eps, slot, norm_fp32_sum
 
 
-@capture_op(mutates_args=("hidden_states", "residual_out"), norm=True,
-            residual_out_required=True, cpu_op=True)
-def add_rmsnorm_out(hidden_states: torch.Tensor, residual: torch.Tensor,
-                    weight: torch.Tensor, eps: float, residual_out: torch.Tensor,
-                    norm_fp32_sum: bool = False) -> Call:
+@capture_op(
+    mutates_args=("hidden_states", "residual_out"),
+    norm=True,
+    residual_out_required=True,
+    cpu_op=True,
+)
+def add_rmsnorm_out(
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual_out: torch.Tensor,
+    norm_fp32_sum: bool = False,
+) -> Call:
     """Fused add + RMSNorm with the new residual written out of place.
 
     ``residual_out = hidden_states + residual``; ``hidden_states =

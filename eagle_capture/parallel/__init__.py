@@ -10,5 +10,11 @@ from .paths import PathTable
 from .symm import SymmAllReduceCapture, ensure_multicast_disabled
 from .tp import CaptureConsistencyError, TPCapture, check_capture_consistency
 
-__all__ = ["CaptureConsistencyError", "PathTable", "SymmAllReduceCapture", "TPCapture",
-           "check_capture_consistency", "ensure_multicast_disabled"]
+__all__ = [
+    "CaptureConsistencyError",
+    "PathTable",
+    "SymmAllReduceCapture",
+    "TPCapture",
+    "check_capture_consistency",
+    "ensure_multicast_disabled",
+]

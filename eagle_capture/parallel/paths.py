@@ -40,16 +40,23 @@ class PathTable:
     (above the largest: the largest's); a world size not in the table takes
     the default rule."""
 
-    def __init__(self, paths: dict, hidden_size: Optional[int] = None,
-                 dtype: Optional[str] = None, source: str = "<dict>") -> None:
+    def __init__(
+        self,
+        paths: dict,
+        hidden_size: Optional[int] = None,
+        dtype: Optional[str] = None,
+        source: str = "<dict>",
+    ) -> None:
         self.hidden_size, self.dtype, self.source = hidden_size, dtype, source
         self.paths: dict[int, list[tuple[int, str]]] = {}
         for world, rows in paths.items():
             entries = sorted((int(t), str(p)) for t, p in rows)
             bad = [p for _, p in entries if p not in PATHS]
             if bad or not entries or entries[0][0] < 1:
-                raise ValueError(f"eagle_capture: path table {source}: world size {world} needs "
-                                 f"[[T >= 1, path], ...] with path in {PATHS}, got {rows!r}")
+                raise ValueError(
+                    f"eagle_capture: path table {source}: world size {world} needs "
+                    f"[[T >= 1, path], ...] with path in {PATHS}, got {rows!r}"
+                )
             self.paths[int(world)] = entries
 
     @classmethod
@@ -62,8 +69,10 @@ class PathTable:
             with open(source) as f:
                 table = json.load(f)
         if table.get("format") != TABLE_FORMAT:
-            raise ValueError(f"eagle_capture: {source} is not a path table (format "
-                             f"{table.get('format')!r}, expected {TABLE_FORMAT!r})")
+            raise ValueError(
+                f"eagle_capture: {source} is not a path table (format "
+                f"{table.get('format')!r}, expected {TABLE_FORMAT!r})"
+            )
         return cls(table["paths"], table.get("hidden_size"), table.get("dtype"), source)
 
     def path(self, world_size: int, num_tokens: int) -> Optional[str]:
@@ -81,10 +90,14 @@ def default_one_shot_max_tokens(world_size: int) -> int:
     return DEFAULT_ONE_SHOT_MAX_TOKENS[max(known)] if known else 0
 
 
-def measured_table(world_size: int,
-                   timings: Iterable[tuple[int, Optional[float], Optional[float]]],
-                   hidden_size: int, dtype: str, device: str,
-                   date: Optional[str] = None) -> dict:
+def measured_table(
+    world_size: int,
+    timings: Iterable[tuple[int, Optional[float], Optional[float]]],
+    hidden_size: int,
+    dtype: str,
+    device: str,
+    date: Optional[str] = None,
+) -> dict:
     """The path table of one world size from times measured on this machine.
 
     Parameters
@@ -110,12 +123,18 @@ def measured_table(world_size: int,
     for t, one_shot, nccl in timings:
         if one_shot is None and nccl is None:
             continue
-        fastest = "one_shot" if nccl is None or (one_shot is not None and one_shot <= nccl) \
-            else "nccl"
+        fastest = (
+            "one_shot" if nccl is None or (one_shot is not None and one_shot <= nccl) else "nccl"
+        )
         entries.append([int(t), fastest])
-    return {"format": TABLE_FORMAT, "hidden_size": hidden_size, "dtype": dtype,
-            "device": device, "date": date or time.strftime("%Y-%m-%d", time.gmtime()),
-            "paths": {str(world_size): entries}}
+    return {
+        "format": TABLE_FORMAT,
+        "hidden_size": hidden_size,
+        "dtype": dtype,
+        "device": device,
+        "date": date or time.strftime("%Y-%m-%d", time.gmtime()),
+        "paths": {str(world_size): entries},
+    }
 
 
 def write_table(table: dict, path: Union[str, os.PathLike]) -> PathTable:

@@ -77,8 +77,11 @@ from eagle_capture.parallel.paths import (  # noqa: F401
     default_one_shot_max_tokens,
 )
 
-_MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
-                  "NVSHMEM_DISABLE_NVLS": "1"}
+_MULTICAST_OFF = {
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 def check_multicast_disabled() -> None:
@@ -86,8 +89,10 @@ def check_multicast_disabled() -> None:
     one fails too: :func:`ensure_multicast_disabled` sets the defaults)."""
     for name, value in _MULTICAST_OFF.items():
         if os.environ.get(name) != value:
-            raise RuntimeError(f"eagle_capture: {name}={os.environ.get(name)!r}; NVLink "
-                               f"multicast must stay off on these hosts: set {name}={value}")
+            raise RuntimeError(
+                f"eagle_capture: {name}={os.environ.get(name)!r}; NVLink "
+                f"multicast must stay off on these hosts: set {name}={value}"
+            )
 
 
 def ensure_multicast_disabled() -> None:
@@ -129,41 +134,56 @@ class SymmAllReduceCapture:
     call at T <= 64 on 2 H200s (benchmarks/NOTES.md).
     """
 
-    def __init__(self, max_tokens: int, hidden_size: int, dtype: torch.dtype,
-                 group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[torch.device] = None,
-                 one_shot_max_tokens: Optional[int] = None,
-                 table=None, watchdog_s: Optional[float] = None,
-                 rows_by_ticket: bool = False) -> None:
+    def __init__(
+        self,
+        max_tokens: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        group: Optional[dist.ProcessGroup] = None,
+        device: Optional[torch.device] = None,
+        one_shot_max_tokens: Optional[int] = None,
+        table=None,
+        watchdog_s: Optional[float] = None,
+        rows_by_ticket: bool = False,
+    ) -> None:
         ensure_multicast_disabled()  # before torch's symmetric memory is touched
         import torch.distributed._symmetric_memory as symm_mem
 
         if max_tokens < 1 or not 1 <= hidden_size <= MAX_HIDDEN_SIZE:
-            raise ValueError(f"eagle_capture: max_tokens must be >= 1 and hidden_size in "
-                             f"[1, {MAX_HIDDEN_SIZE}], got {max_tokens}, {hidden_size}")
+            raise ValueError(
+                f"eagle_capture: max_tokens must be >= 1 and hidden_size in "
+                f"[1, {MAX_HIDDEN_SIZE}], got {max_tokens}, {hidden_size}"
+            )
         if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"eagle_capture: dtype must be bfloat16, float16 or float32, "
-                             f"got {dtype}")
+            raise ValueError(
+                f"eagle_capture: dtype must be bfloat16, float16 or float32, got {dtype}"
+            )
         if watchdog_s is not None and not watchdog_s > 0:
             raise ValueError(f"eagle_capture: watchdog_s must be > 0 or None, got {watchdog_s}")
         table = table if table is not None else os.environ.get(TABLE_ENV) or None
         self.table = PathTable.load(table) if table is not None else None
         if self.table is not None and self.table.hidden_size not in (None, hidden_size):
-            raise ValueError(f"eagle_capture: path table {self.table.source} was measured for "
-                             f"hidden_size {self.table.hidden_size}, not {hidden_size}")
+            raise ValueError(
+                f"eagle_capture: path table {self.table.source} was measured for "
+                f"hidden_size {self.table.hidden_size}, not {hidden_size}"
+            )
         self.group = group if group is not None else dist.group.WORLD
         self.device = torch.device(device) if device is not None else torch.device("cuda")
-        if self.device.index is None:   # "cuda": the current device, as tensors report it
+        if self.device.index is None:  # "cuda": the current device, as tensors report it
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_tokens, self.hidden_size, self.dtype = max_tokens, hidden_size, dtype
         self.world_size = dist.get_world_size(self.group)
-        cap = (self._one_shot_limit_from_rule() if one_shot_max_tokens is None
-               else int(one_shot_max_tokens))
+        cap = (
+            self._one_shot_limit_from_rule()
+            if one_shot_max_tokens is None
+            else int(one_shot_max_tokens)
+        )
         self.one_shot_max_tokens = max(0, min(cap, max_tokens))
         rows = max(self.one_shot_max_tokens, 1)
         # [NUM_BUFFERS, W senders, rows, H], -0.0 everywhere ("not arrived").
-        self.buffer = symm_mem.empty(NUM_BUFFERS * self.world_size * rows * hidden_size,
-                                     dtype=dtype, device=self.device)
+        self.buffer = symm_mem.empty(
+            NUM_BUFFERS * self.world_size * rows * hidden_size, dtype=dtype, device=self.device
+        )
         self.buffer.fill_(-0.0)
         self.handle = symm_mem.rendezvous(self.buffer, self.group)
         self.rank = self.handle.rank
@@ -174,15 +194,19 @@ class SymmAllReduceCapture:
         self._watchdog_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self._timeout_ns = int(watchdog_s * 1e9) if watchdog_s is not None else 0
         self.rows_by_ticket = bool(rows_by_ticket)
-        self._ptr_table = torch.tensor(list(self.handle.buffer_ptrs)
-                                       + [self._watchdog_flag.data_ptr()],
-                                       dtype=torch.int64, device=self.device)
+        self._ptr_table = torch.tensor(
+            list(self.handle.buffer_ptrs) + [self._watchdog_flag.data_ptr()],
+            dtype=torch.int64,
+            device=self.device,
+        )
         # At most one program per SM (all co-resident on an idle GPU, see the
         # kernel's docstring); every rank must launch the same grid.
         sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        bound = torch.tensor([sm_count], dtype=torch.int64,
-                             device="cpu" if dist.get_backend(self.group) == "gloo"
-                             else self.device)
+        bound = torch.tensor(
+            [sm_count],
+            dtype=torch.int64,
+            device="cpu" if dist.get_backend(self.group) == "gloo" else self.device,
+        )
         dist.all_reduce(bound, op=dist.ReduceOp.MIN, group=self.group)
         self.max_programs = max(1, int(bound.item()))
         self._block_h, self._num_warps, _ = launch_config(hidden_size, True, allreduce=True)
@@ -209,7 +233,7 @@ class SymmAllReduceCapture:
         if self.table is not None:
             chosen = self.table.path(self.world_size, num_tokens)
             if chosen is not None:
-                return "one_shot" if chosen == "one_shot" else "nccl"   # no engine here
+                return "one_shot" if chosen == "one_shot" else "nccl"  # no engine here
         return "one_shot"
 
     def overlaps_buffer(self, t: torch.Tensor) -> bool:
@@ -227,29 +251,44 @@ class SymmAllReduceCapture:
                 f"eagle_capture: rank {self.rank}: a one-shot all-reduce waited more than "
                 f"{self._timeout_ns / 1e9:g} s for a peer's rows and gave up (a rank that never "
                 f"arrived, or programs that could not all be resident). The results of that "
-                f"call are garbage and this SymmAllReduceCapture can no longer be used")
+                f"call are garbage and this SymmAllReduceCapture can no longer be used"
+            )
 
-    def _validate(self, partial, residual, weight, eps, aux, slot, out,
-                  norm_fp32_sum=False) -> None:
-        if not isinstance(partial, torch.Tensor) or partial.dim() != 2 or \
-                partial.shape[1] != self.hidden_size or partial.dtype != self.dtype or \
-                partial.device != self.device or partial.stride(1) != 1:
-            raise ValueError(f"eagle_capture: partial must be a row-major [T, {self.hidden_size}] "
-                             f"{self.dtype} tensor on {self.device}, got "
-                             f"{getattr(partial, 'shape', type(partial))} "
-                             f"{getattr(partial, 'dtype', '')} on {getattr(partial, 'device', '-')}")
+    def _validate(
+        self, partial, residual, weight, eps, aux, slot, out, norm_fp32_sum=False
+    ) -> None:
+        if (
+            not isinstance(partial, torch.Tensor)
+            or partial.dim() != 2
+            or partial.shape[1] != self.hidden_size
+            or partial.dtype != self.dtype
+            or partial.device != self.device
+            or partial.stride(1) != 1
+        ):
+            raise ValueError(
+                f"eagle_capture: partial must be a row-major [T, {self.hidden_size}] "
+                f"{self.dtype} tensor on {self.device}, got "
+                f"{getattr(partial, 'shape', type(partial))} "
+                f"{getattr(partial, 'dtype', '')} on {getattr(partial, 'device', '-')}"
+            )
         if torch.cuda.current_device() != self.device.index:
-            raise ValueError(f"eagle_capture: this SymmAllReduceCapture lives on {self.device} "
-                             f"but the current CUDA device is cuda:{torch.cuda.current_device()}")
+            raise ValueError(
+                f"eagle_capture: this SymmAllReduceCapture lives on {self.device} "
+                f"but the current CUDA device is cuda:{torch.cuda.current_device()}"
+            )
         # The kernel writes the buffer's dtype into residual, out and aux.
         for name, t in (("out", out), ("residual", residual)):
             if not isinstance(t, torch.Tensor) or t.dtype != self.dtype or t.device != self.device:
-                raise ValueError(f"eagle_capture: {name} must be a {self.dtype} tensor on "
-                                 f"{self.device} (the symmetric buffer's dtype), got "
-                                 f"{getattr(t, 'dtype', type(t))} on {getattr(t, 'device', '-')}")
+                raise ValueError(
+                    f"eagle_capture: {name} must be a {self.dtype} tensor on "
+                    f"{self.device} (the symmetric buffer's dtype), got "
+                    f"{getattr(t, 'dtype', type(t))} on {getattr(t, 'device', '-')}"
+                )
         if out.shape != partial.shape:
-            raise ValueError(f"eagle_capture: out must have partial's shape "
-                             f"{tuple(partial.shape)}, got {tuple(out.shape)}")
+            raise ValueError(
+                f"eagle_capture: out must have partial's shape "
+                f"{tuple(partial.shape)}, got {tuple(out.shape)}"
+            )
         # The same contract as the single-GPU add_rmsnorm_capture, with `out` as the
         # normed output (named hidden_states in the messages, as there).
         check_add_inputs(out, residual)
@@ -258,29 +297,41 @@ class SymmAllReduceCapture:
             check_aux(aux, slot, out.shape[0], out.shape[1], out.dtype, out.device)
         if torch.compiler.is_compiling():
             return  # address checks need real tensors; eager calls made them
-        for name, t in (("partial", partial), ("out", out), ("residual", residual),
-                        ("aux", aux)):
+        for name, t in (("partial", partial), ("out", out), ("residual", residual), ("aux", aux)):
             if t is not None and self.overlaps_buffer(t):
-                raise ValueError(f"eagle_capture: {name} must not lie in the symmetric buffer "
-                                 f"(peers write into it during a one-shot call)")
+                raise ValueError(
+                    f"eagle_capture: {name} must not lie in the symmetric buffer "
+                    f"(peers write into it during a one-shot call)"
+                )
         check_no_internal_overlap("hidden_states", out)
         check_no_internal_overlap("residual", residual)
-        check_aliasing(out, residual, aux, slot, weight=weight, residual_mutated=True,
-                       hidden_mutated=True)
+        check_aliasing(
+            out, residual, aux, slot, weight=weight, residual_mutated=True, hidden_mutated=True
+        )
         # Into partial's own rows is fine: each row is pushed by the program that
         # later overwrites it.
         if out is not partial and overlaps_other_elements(out, partial):
-            raise ValueError("eagle_capture: out must be partial itself (or a view of the "
-                             "same rows) or not overlap it")
-        if ranges_overlap(partial, residual) or (
-                aux is not None and ranges_overlap(partial, aux)):
-            raise ValueError("eagle_capture: partial must not overlap residual or aux "
-                             "(both are written while peers' rows are still arriving)")
+            raise ValueError(
+                "eagle_capture: out must be partial itself (or a view of the "
+                "same rows) or not overlap it"
+            )
+        if ranges_overlap(partial, residual) or (aux is not None and ranges_overlap(partial, aux)):
+            raise ValueError(
+                "eagle_capture: partial must not overlap residual or aux "
+                "(both are written while peers' rows are still arriving)"
+            )
 
-    def reduce_add_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor,
-                           weight: torch.Tensor, eps: float, aux: Optional[torch.Tensor] = None,
-                           slot: int = 0, out: Optional[torch.Tensor] = None,
-                           norm_fp32_sum: bool = False) -> torch.Tensor:
+    def reduce_add_rmsnorm(
+        self,
+        partial: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        aux: Optional[torch.Tensor] = None,
+        slot: int = 0,
+        out: Optional[torch.Tensor] = None,
+        norm_fp32_sum: bool = False,
+    ) -> torch.Tensor:
         """``h = all_reduce(partial)``; ``residual = h + residual`` (in place);
         ``aux[:T, slot] = residual`` when ``aux`` is given; returns
         ``rmsnorm(residual) * weight`` written into ``out`` (default: ``partial``).
@@ -294,29 +345,45 @@ class SymmAllReduceCapture:
         if self._timeout_ns:
             self._check_watchdog()
         out = partial if out is None else out
-        if torch.is_grad_enabled():   # every call: requires_grad is not in the memo key
-            check_no_autograd("SymmAllReduceCapture.reduce_add_rmsnorm",
-                              (partial, residual, weight, out, aux))
+        if torch.is_grad_enabled():  # every call: requires_grad is not in the memo key
+            check_no_autograd(
+                "SymmAllReduceCapture.reduce_add_rmsnorm", (partial, residual, weight, out, aux)
+            )
         if torch.compiler.is_compiling():
             self._validate(partial, residual, weight, eps, aux, slot, out)
             if partial.shape[0] == 0:
                 return out
             if self.path_for(partial.shape[0]) == "nccl":
-                return self._nccl_path(partial, residual, weight, eps, aux, slot, out,
-                                       norm_fp32_sum)
+                return self._nccl_path(
+                    partial, residual, weight, eps, aux, slot, out, norm_fp32_sum
+                )
             # The op takes out=None for "into partial": one tensor passed as two
             # arguments, one of them mutated, is an aliasing error for a custom op.
             torch.ops.eagle_capture.allreduce_add_rmsnorm_capture(
-                partial, residual, weight, eps, aux, slot, None if out is partial else out,
-                self.state, self.name, norm_fp32_sum)
+                partial,
+                residual,
+                weight,
+                eps,
+                aux,
+                slot,
+                None if out is partial else out,
+                self.state,
+                self.name,
+                norm_fp32_sum,
+            )
             return out
         key = self._signature(partial, residual, weight, eps, aux, slot, out, norm_fp32_sum)
         tensors = (partial, residual, weight, out, aux)
         # An overlap among the arguments or with the symmetric buffer gets the full
         # check, which raises or allows it (a residual from another slot).
         plan, ptrs = self._launcher.eager_plan(
-            key, tensors, (partial, residual, weight, eps, aux, slot, out, norm_fp32_sum),
-            self._validate, self._validate, self._eager_plan)
+            key,
+            tensors,
+            (partial, residual, weight, eps, aux, slot, out, norm_fp32_sum),
+            self._validate,
+            self._validate,
+            self._eager_plan,
+        )
         if partial.shape[0] == 0:
             return out
         if plan.extra == "nccl":
@@ -328,21 +395,39 @@ class SymmAllReduceCapture:
         """The memo key: everything the checks and the launch depend on but
         addresses (spelled out: a generator over the tensors costs ~2 us more)."""
         try:
-            return (partial.shape, partial.stride(), partial.dtype, partial.device,
-                    residual.shape, residual.stride(), residual.dtype, residual.device,
-                    weight.shape, weight.stride(), weight.dtype, weight.device,
-                    None if out is partial else (out.shape, out.stride(), out.dtype, out.device),
-                    None if aux is None else (aux.shape, aux.stride(), aux.dtype, aux.device),
-                    type(slot), slot, type(eps), eps, bool(norm_fp32_sum),
-                    torch.cuda.current_device())
+            return (
+                partial.shape,
+                partial.stride(),
+                partial.dtype,
+                partial.device,
+                residual.shape,
+                residual.stride(),
+                residual.dtype,
+                residual.device,
+                weight.shape,
+                weight.stride(),
+                weight.dtype,
+                weight.device,
+                None if out is partial else (out.shape, out.stride(), out.dtype, out.device),
+                None if aux is None else (aux.shape, aux.stride(), aux.dtype, aux.device),
+                type(slot),
+                slot,
+                type(eps),
+                eps,
+                bool(norm_fp32_sum),
+                torch.cuda.current_device(),
+            )
         except AttributeError:  # a non-tensor argument: the full check names it
             return None
 
     def _nccl_path(self, partial, residual, weight, eps, aux, slot, out, norm_fp32_sum):
         # Reduce into `out` (partial itself by default); the collective needs a
         # dense tensor.
-        reduced = out if out.is_contiguous() else torch.empty_like(
-            out, memory_format=torch.contiguous_format)
+        reduced = (
+            out
+            if out.is_contiguous()
+            else torch.empty_like(out, memory_format=torch.contiguous_format)
+        )
         if reduced is not partial:
             reduced.copy_(partial)
         dist.all_reduce(reduced, group=self.group)
@@ -351,8 +436,20 @@ class SymmAllReduceCapture:
         add_rmsnorm_capture(out, residual, weight, eps, aux, slot, norm_fp32_sum)
         return out
 
-    def _plan(self, partial, residual, weight, eps, aux, slot, out, state, norm_fp32_sum,
-              debug_spin: int = 0, debug_rank: int = -1) -> Plan:
+    def _plan(
+        self,
+        partial,
+        residual,
+        weight,
+        eps,
+        aux,
+        slot,
+        out,
+        state,
+        norm_fp32_sum,
+        debug_spin: int = 0,
+        debug_rank: int = -1,
+    ) -> Plan:
         """The launch of a call signature (``extra``: its path). The call's five
         tensors (partial, residual, weight, out, aux) lead the kernel's
         arguments; the symmetric-buffer table and the state are this object's.
@@ -360,52 +457,97 @@ class SymmAllReduceCapture:
         key tells) and this rank's symmetric buffer, which the peers write."""
         num_tokens = partial.shape[0]
         values = dict(
-            ptr_table=self._ptr_table, state_ptr=state,
-            num_tokens=num_tokens, hidden_size=self.hidden_size, max_tokens=self._rows,
-            eps=float(eps), rank=self.rank, stride_partial=partial.stride(0),
-            stride_residual=residual.stride(0), stride_normed_out=out.stride(0),
+            ptr_table=self._ptr_table,
+            state_ptr=state,
+            num_tokens=num_tokens,
+            hidden_size=self.hidden_size,
+            max_tokens=self._rows,
+            eps=float(eps),
+            rank=self.rank,
+            stride_partial=partial.stride(0),
+            stride_residual=residual.stride(0),
+            stride_normed_out=out.stride(0),
             stride_residual_out=residual.stride(0),
             stride_aux_row=aux.stride(0) if aux is not None else 0,
             aux_slot_offset=slot * aux.stride(1) if aux is not None else 0,
-            timeout_ns=self._timeout_ns, debug_rank=debug_rank,
-            WORLD_SIZE=self.world_size, CAPTURE=aux is not None,
-            NORM_FP32_SUM=bool(norm_fp32_sum), USE_GLOBALTIMER=True,
-            DEBUG_SPIN=int(debug_spin), BLOCK_H=self._block_h,
-            ROWS_BY_TICKET=self.rows_by_ticket, DEBUG_REVERSE_DISPATCH=False)
-        sources = dict(partial_ptr=0, residual_ptr=1, weight_ptr=2, normed_out_ptr=3,
-                       residual_out_ptr=1, aux_ptr=4 if aux is not None else 1)
-        extents = tuple(byte_extent(t) for t in
-                        (partial, residual, weight, None if out is partial else out, aux))
-        return self._launcher.plan((min(num_tokens, self.max_programs), 1), values, sources,
-                                   self._num_warps, self.device.index, False, extents,
-                                   extra=self.path_for(num_tokens),
-                                   fixed=((self._buffer_addr, self._buffer_bytes),))
+            timeout_ns=self._timeout_ns,
+            debug_rank=debug_rank,
+            WORLD_SIZE=self.world_size,
+            CAPTURE=aux is not None,
+            NORM_FP32_SUM=bool(norm_fp32_sum),
+            USE_GLOBALTIMER=True,
+            DEBUG_SPIN=int(debug_spin),
+            BLOCK_H=self._block_h,
+            ROWS_BY_TICKET=self.rows_by_ticket,
+            DEBUG_REVERSE_DISPATCH=False,
+        )
+        sources = dict(
+            partial_ptr=0,
+            residual_ptr=1,
+            weight_ptr=2,
+            normed_out_ptr=3,
+            residual_out_ptr=1,
+            aux_ptr=4 if aux is not None else 1,
+        )
+        extents = tuple(
+            byte_extent(t)
+            for t in (partial, residual, weight, None if out is partial else out, aux)
+        )
+        return self._launcher.plan(
+            (min(num_tokens, self.max_programs), 1),
+            values,
+            sources,
+            self._num_warps,
+            self.device.index,
+            False,
+            extents,
+            extra=self.path_for(num_tokens),
+            fixed=((self._buffer_addr, self._buffer_bytes),),
+        )
 
     def _eager_plan(self, partial, residual, weight, eps, aux, slot, out, norm_fp32_sum) -> Plan:
-        return self._plan(partial, residual, weight, eps, aux, slot, out, self.state,
-                          norm_fp32_sum)
+        return self._plan(partial, residual, weight, eps, aux, slot, out, self.state, norm_fp32_sum)
 
-    def _launch_one_shot(self, partial, residual, weight, eps, aux, slot, out, state,
-                         norm_fp32_sum, **debug) -> None:
+    def _launch_one_shot(
+        self, partial, residual, weight, eps, aux, slot, out, state, norm_fp32_sum, **debug
+    ) -> None:
         """The one-shot kernel on validated arguments (the custom op's body; tests
         pass ``debug_spin`` / ``debug_rank``), memoised as the eager calls are."""
-        key = None if debug else ("op", state.data_ptr(), self._signature(
-            partial, residual, weight, eps, aux, slot, out, norm_fp32_sum))
+        key = (
+            None
+            if debug
+            else (
+                "op",
+                state.data_ptr(),
+                self._signature(partial, residual, weight, eps, aux, slot, out, norm_fp32_sum),
+            )
+        )
         plan = self._launcher.memoised(
-            key, (partial, residual, weight, eps, aux, slot, out, state, norm_fp32_sum),
-            functools.partial(self._plan, **debug) if debug else self._plan)
+            key,
+            (partial, residual, weight, eps, aux, slot, out, state, norm_fp32_sum),
+            functools.partial(self._plan, **debug) if debug else self._plan,
+        )
         tensors = (partial, residual, weight, out, aux)
         self._launcher.launch(plan, tensors, addresses(tensors))
 
 
-@torch.library.custom_op("eagle_capture::allreduce_add_rmsnorm_capture",
-                         mutates_args=("partial", "residual", "aux", "out", "state"),
-                         device_types="cuda")
-def _allreduce_add_rmsnorm_capture_op(partial: torch.Tensor, residual: torch.Tensor,
-                                      weight: torch.Tensor, eps: float,
-                                      aux: Optional[torch.Tensor], slot: int,
-                                      out: Optional[torch.Tensor], state: torch.Tensor,
-                                      name: str, norm_fp32_sum: bool) -> None:
+@torch.library.custom_op(
+    "eagle_capture::allreduce_add_rmsnorm_capture",
+    mutates_args=("partial", "residual", "aux", "out", "state"),
+    device_types="cuda",
+)
+def _allreduce_add_rmsnorm_capture_op(
+    partial: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    aux: Optional[torch.Tensor],
+    slot: int,
+    out: Optional[torch.Tensor],
+    state: torch.Tensor,
+    name: str,
+    norm_fp32_sum: bool,
+) -> None:
     """The one-shot path of :meth:`SymmAllReduceCapture.reduce_add_rmsnorm` as an
     op: ``name`` is the object's :attr:`~SymmAllReduceCapture.name`, ``state``
     its device-side epoch (declared mutated, so calls keep their order); the
@@ -414,8 +556,17 @@ def _allreduce_add_rmsnorm_capture_op(partial: torch.Tensor, residual: torch.Ten
     ar = _INSTANCES.get(name)
     if ar is None:
         raise ValueError(f"eagle_capture: no live SymmAllReduceCapture named {name!r}")
-    ar._launch_one_shot(partial, residual, weight, eps, aux, slot,
-                        partial if out is None else out, state, norm_fp32_sum)
+    ar._launch_one_shot(
+        partial,
+        residual,
+        weight,
+        eps,
+        aux,
+        slot,
+        partial if out is None else out,
+        state,
+        norm_fp32_sum,
+    )
 
 
 @_allreduce_add_rmsnorm_capture_op.register_fake

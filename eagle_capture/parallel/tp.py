@@ -43,9 +43,13 @@ class CaptureConsistencyError(RuntimeError):
 class TPCapture:
     """An :class:`AuxCaptureBuffer` written only through reducing entry points."""
 
-    def __init__(self, buffer: AuxCaptureBuffer, group: Optional[dist.ProcessGroup] = None,
-                 attn_tp_group: Optional[dist.ProcessGroup] = None,
-                 fused_allreduce=None) -> None:
+    def __init__(
+        self,
+        buffer: AuxCaptureBuffer,
+        group: Optional[dist.ProcessGroup] = None,
+        attn_tp_group: Optional[dist.ProcessGroup] = None,
+        fused_allreduce=None,
+    ) -> None:
         """``fused_allreduce``: an :class:`eagle_capture.parallel.symm.SymmAllReduceCapture`
         over ``group``; :meth:`reduce_add_rmsnorm` then runs all-reduce + add +
         RMSNorm + capture as one kernel for the T its path table gives the
@@ -55,8 +59,14 @@ class TPCapture:
         self.attn_tp_group = attn_tp_group if attn_tp_group is not None else group
         self.fused_allreduce = fused_allreduce
 
-    def reduce_add_rmsnorm(self, layer_id: int, partial_hidden: torch.Tensor,
-                           residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    def reduce_add_rmsnorm(
+        self,
+        layer_id: int,
+        partial_hidden: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> None:
         """Layer ``layer_id``'s input boundary: ``partial_hidden`` (this rank's
         row-parallel share of layer ``layer_id - 1``'s output) is all-reduced in
         place, then ``residual += hidden; hidden = rmsnorm(residual) * w`` with the
@@ -64,8 +74,13 @@ class TPCapture:
         if self.fused_allreduce is not None:
             captured = self.buffer.captures_layer(layer_id)
             self.fused_allreduce.reduce_add_rmsnorm(
-                partial_hidden, residual, weight, eps, self.buffer.aux if captured else None,
-                self.buffer.slot_of(layer_id) if captured else 0)
+                partial_hidden,
+                residual,
+                weight,
+                eps,
+                self.buffer.aux if captured else None,
+                self.buffer.slot_of(layer_id) if captured else 0,
+            )
             return
         dist.all_reduce(partial_hidden, group=self.group)
         if self.buffer.captures_layer(layer_id):
@@ -78,9 +93,15 @@ class TPCapture:
         RMSNorm into the slot (one read + one write; the fusion itself is kept)."""
         self.buffer.capture(layer_id, residual_out, None)
 
-    def add_rmsnorm_gather(self, layer_id: int, hidden_local: torch.Tensor,
-                           residual_local: torch.Tensor, weight: torch.Tensor, eps: float,
-                           num_tokens: int) -> None:
+    def add_rmsnorm_gather(
+        self,
+        layer_id: int,
+        hidden_local: torch.Tensor,
+        residual_local: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        num_tokens: int,
+    ) -> None:
         """Token-scattered rows: local add+RMSNorm on this rank's rows, then the new
         residual rows of every attention-TP rank gathered into the slot."""
         ops.add_rmsnorm_capture(hidden_local, residual_local, weight, eps)
@@ -89,11 +110,14 @@ class TPCapture:
         world = dist.get_world_size(self.attn_tp_group)
         rows = residual_local.shape[0]
         if rows * world < num_tokens:
-            raise ValueError(f"eagle_capture: {world} ranks x {rows} local rows cannot hold "
-                             f"{num_tokens} tokens; is the gather over the attention-TP group?")
+            raise ValueError(
+                f"eagle_capture: {world} ranks x {rows} local rows cannot hold "
+                f"{num_tokens} tokens; is the gather over the attention-TP group?"
+            )
         gathered = residual_local.new_empty(rows * world, residual_local.shape[1])
-        dist.all_gather(list(gathered.split(rows)), residual_local.contiguous(),
-                        group=self.attn_tp_group)
+        dist.all_gather(
+            list(gathered.split(rows)), residual_local.contiguous(), group=self.attn_tp_group
+        )
         self.buffer.capture(layer_id, gathered[:num_tokens], None)
 
 
@@ -101,16 +125,20 @@ def _fingerprint(x: torch.Tensor) -> torch.Tensor:
     """Two exact int64 checksums of a capture's bits: their sum, and a sum
     weighted by position (so swapped rows or columns also show)."""
     int_type = {2: torch.int16, 4: torch.int32}[x.element_size()]
-    flat = x.view(int_type).to(torch.int64).flatten()   # a same-size dtype view keeps strides
+    flat = x.view(int_type).to(torch.int64).flatten()  # a same-size dtype view keeps strides
     weights = torch.arange(flat.numel(), device=x.device, dtype=torch.int64)
     weights.remainder_(65521).add_(1)
     # int64 sums may wrap; the wrap is deterministic, so equal bits still give equal sums.
     return torch.stack([flat.sum(), (flat * weights).sum()])
 
 
-def check_capture_consistency(buffer: AuxCaptureBuffer, num_tokens: int,
-                              hidden_size: int, group: Optional[dist.ProcessGroup] = None,
-                              layer_ids: Optional[Sequence[int]] = None) -> None:
+def check_capture_consistency(
+    buffer: AuxCaptureBuffer,
+    num_tokens: int,
+    hidden_size: int,
+    group: Optional[dist.ProcessGroup] = None,
+    layer_ids: Optional[Sequence[int]] = None,
+) -> None:
     """Raise :class:`CaptureConsistencyError` unless every rank of ``group`` holds
     bit-identical captures of width ``hidden_size`` (the model's, not H / tp).
 
@@ -125,14 +153,15 @@ def check_capture_consistency(buffer: AuxCaptureBuffer, num_tokens: int,
         raise CaptureConsistencyError(
             f"captures are {buffer.hidden_size} wide but the model's hidden size is "
             f"{hidden_size}: a tensor-parallel shard (H / tp) reached the capture point; "
-            f"capture only full, reduced hidden states")
+            f"capture only full, reduced hidden states"
+        )
     layer_ids = list(layer_ids) if layer_ids is not None else list(buffer.layer_ids)
     local = torch.stack([_fingerprint(buffer.slot_view(layer, num_tokens)) for layer in layer_ids])
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     everyone = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(everyone, local, group=group)
-    everyone = torch.stack(everyone).cpu()                 # [world, K, 2]
+    everyone = torch.stack(everyone).cpu()  # [world, K, 2]
     problems = []
     for k, layer in enumerate(layer_ids):
         prints = [tuple(everyone[r, k].tolist()) for r in range(world)]
@@ -140,30 +169,43 @@ def check_capture_consistency(buffer: AuxCaptureBuffer, num_tokens: int,
         if len(distinct) == 1:
             continue
         # Ranks grouped by the value they hold, largest group first.
-        holders = sorted(([r for r in range(world) if prints[r] == p] for p in distinct),
-                         key=lambda ranks: (-len(ranks), ranks))
+        holders = sorted(
+            ([r for r in range(world) if prints[r] == p] for p in distinct),
+            key=lambda ranks: (-len(ranks), ranks),
+        )
         votes = len(holders[0])
         if votes == 1 and world == 2:
-            cause = ("the two ranks hold different values: an unreduced per-rank partial sum "
-                     "(reduce first, then add), or one rank diverging -- with two ranks "
-                     "which one cannot be told")
+            cause = (
+                "the two ranks hold different values: an unreduced per-rank partial sum "
+                "(reduce first, then add), or one rank diverging -- with two ranks "
+                "which one cannot be told"
+            )
             ranks = list(range(world))
         elif votes == 1:
-            cause = ("every rank holds a different value: likely an unreduced per-rank partial "
-                     "sum was captured (reduce first, then add)")
+            cause = (
+                "every rank holds a different value: likely an unreduced per-rank partial "
+                "sum was captured (reduce first, then add)"
+            )
             ranks = list(range(world))
-        elif len(holders[1]) == votes:   # no majority: name every group
+        elif len(holders[1]) == votes:  # no majority: name every group
             ranks = list(range(world))
-            cause = ("the ranks split into groups holding different values: "
-                     + " vs ".join(str(group) for group in holders)
-                     + " -- a reduction or gather over a sub-group (e.g. the attention-TP "
-                       "group instead of the TP group), or groups fed different batches")
+            cause = (
+                "the ranks split into groups holding different values: "
+                + " vs ".join(str(group) for group in holders)
+                + " -- a reduction or gather over a sub-group (e.g. the attention-TP "
+                "group instead of the TP group), or groups fed different batches"
+            )
         else:
             ranks = sorted(r for group in holders[1:] for r in group)
-            cause = (f"rank(s) {ranks} diverge from the other {votes}: a stale or wrongly "
-                     f"indexed buffer, a rank that skipped the capture, or a missing gather")
-        problems.append(f"layer {layer} (slot {buffer.slot_of(layer)}): ranks {ranks} differ; "
-                        f"{cause}")
+            cause = (
+                f"rank(s) {ranks} diverge from the other {votes}: a stale or wrongly "
+                f"indexed buffer, a rank that skipped the capture, or a missing gather"
+            )
+        problems.append(
+            f"layer {layer} (slot {buffer.slot_of(layer)}): ranks {ranks} differ; {cause}"
+        )
     if problems:
-        raise CaptureConsistencyError(f"rank {rank}: captured hidden states are not consistent "
-                                      f"across the {world} ranks:\n  " + "\n  ".join(problems))
+        raise CaptureConsistencyError(
+            f"rank {rank}: captured hidden states are not consistent "
+            f"across the {world} ranks:\n  " + "\n  ".join(problems)
+        )

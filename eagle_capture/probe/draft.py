@@ -42,8 +42,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DraftError", "DraftSpec", "Eagle3Draft", "check_draft_class", "load_draft",
-           "read_weights", "state_dict_for_format"]
+__all__ = [
+    "DraftError",
+    "DraftSpec",
+    "Eagle3Draft",
+    "check_draft_class",
+    "load_draft",
+    "read_weights",
+    "state_dict_for_format",
+]
 
 
 class DraftError(ValueError):
@@ -61,51 +68,64 @@ SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "transformer
 @dataclass(frozen=True)
 class DraftSpec:
     """What the step needs from a draft's config.json."""
-    format: str                  # "SpecForge", "speculators", "Model Optimizer", "EAGLE-3 (vLLM names)"
+
+    format: str  # "SpecForge", "speculators", "Model Optimizer", "EAGLE-3 (vLLM names)"
     hidden_size: int
     target_hidden_size: int
-    num_aux: int                 # K: target states concatenated into fc
+    num_aux: int  # K: target states concatenated into fc
     num_layers: int
-    vocab_size: int              # the target's vocabulary (d2t maps into it)
+    vocab_size: int  # the target's vocabulary (d2t maps into it)
     draft_vocab_size: int
     rms_norm_eps: float
     norm_before_residual: bool = False
     norm_before_fc: bool = False
     fc_norm: bool = False
-    layer_config: Optional[dict] = None   # a Llama config dict for the decoder layer(s)
+    layer_config: Optional[dict] = None  # a Llama config dict for the decoder layer(s)
 
     @classmethod
     def from_config(cls, config: dict, fmt: str, num_aux: Optional[int] = None) -> "DraftSpec":
         speculators = fmt == "speculators"
         layer = dict(config.get("transformer_layer_config") or {}) if speculators else dict(config)
         if not layer:
-            raise DraftError("a speculators config without transformer_layer_config: the "
-                             "draft layer's sizes are not written anywhere")
+            raise DraftError(
+                "a speculators config without transformer_layer_config: the "
+                "draft layer's sizes are not written anywhere"
+            )
         for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
             if not isinstance(layer.get(key), int):
-                raise DraftError(f"the draft config has no integer {key} "
-                                 f"({'transformer_layer_config' if speculators else 'top level'})")
+                raise DraftError(
+                    f"the draft config has no integer {key} "
+                    f"({'transformer_layer_config' if speculators else 'top level'})"
+                )
         hidden = layer["hidden_size"]
         vocab = layer.get("vocab_size", config.get("vocab_size"))
         draft_vocab = config.get("draft_vocab_size") or vocab
         target_hidden = config.get("target_hidden_size") or hidden
         eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
         ids = eagle.get("eagle_aux_hidden_state_layer_ids") or config.get(
-            "eagle_aux_hidden_state_layer_ids")
+            "eagle_aux_hidden_state_layer_ids"
+        )
         k = num_aux or config.get("num_aux_hidden_states") or (len(ids) if ids else 3)
 
         def flag(name, default=False):
             return bool(eagle.get(name, config.get(name, default)))
 
-        return cls(format=fmt, hidden_size=hidden, target_hidden_size=target_hidden,
-                   num_aux=k, num_layers=int(layer.get("num_hidden_layers") or 1),
-                   vocab_size=int(vocab), draft_vocab_size=int(draft_vocab),
-                   rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-                   # vLLM reads a speculators config without the key as True (speculators
-                   # itself always writes it); the other formats have no such flag: False.
-                   norm_before_residual=flag("norm_before_residual", speculators),
-                   norm_before_fc=flag("norm_before_fc"), fc_norm=flag("fc_norm"),
-                   layer_config=layer)
+        return cls(
+            format=fmt,
+            hidden_size=hidden,
+            target_hidden_size=target_hidden,
+            num_aux=k,
+            num_layers=int(layer.get("num_hidden_layers") or 1),
+            vocab_size=int(vocab),
+            draft_vocab_size=int(draft_vocab),
+            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+            # vLLM reads a speculators config without the key as True (speculators
+            # itself always writes it); the other formats have no such flag: False.
+            norm_before_residual=flag("norm_before_residual", speculators),
+            norm_before_fc=flag("norm_before_fc"),
+            fc_norm=flag("fc_norm"),
+            layer_config=layer,
+        )
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -168,8 +188,9 @@ class _Layer(nn.Module):
         self.down_proj = nn.Linear(inter, h, bias=mlp_bias)
         act = c.get("hidden_act", "silu")
         if act != "silu":
-            raise DraftError(f"draft hidden_act {act!r}: only silu (every EAGLE-3 Llama draft) "
-                             f"is implemented")
+            raise DraftError(
+                f"draft hidden_act {act!r}: only silu (every EAGLE-3 Llama draft) is implemented"
+            )
         self.input_layernorm = _Norm(h, eps)
         self.post_attention_layernorm = _Norm(h, eps)
         if first:
@@ -186,8 +207,9 @@ class _Layer(nn.Module):
         if self.kv_heads != self.heads:
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           scale=1.0 / math.sqrt(self.head_dim))
+        o = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=1.0 / math.sqrt(self.head_dim)
+        )
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
     def forward(self, embeds, hidden, residual, cos, sin):
@@ -212,16 +234,24 @@ class Eagle3Draft(nn.Module):
         h = spec.hidden_size
         fc_in = spec.target_hidden_size * spec.num_aux
         self.input_norm = _Norm(fc_in, spec.rms_norm_eps) if spec.norm_before_fc else None
-        self.fc_norm = (nn.ModuleList(_Norm(spec.target_hidden_size, spec.rms_norm_eps)
-                                      for _ in range(spec.num_aux)) if spec.fc_norm else None)
+        self.fc_norm = (
+            nn.ModuleList(
+                _Norm(spec.target_hidden_size, spec.rms_norm_eps) for _ in range(spec.num_aux)
+            )
+            if spec.fc_norm
+            else None
+        )
         self.fc = nn.Linear(fc_in, h, bias=False)
         self.layers = nn.ModuleList(_Layer(spec, first=(i == 0)) for i in range(spec.num_layers))
         self.norm = _Norm(h, spec.rms_norm_eps)
         self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
         self.embed_tokens: Optional[nn.Embedding] = None
-        layer = {k: v for k, v in (spec.layer_config or {}).items()
-                 if k not in ("architectures", "auto_map")}
+        layer = {
+            k: v
+            for k, v in (spec.layer_config or {}).items()
+            if k not in ("architectures", "auto_map")
+        }
         self.rotary = LlamaRotaryEmbedding(LlamaConfig(**layer))
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
@@ -233,8 +263,9 @@ class Eagle3Draft(nn.Module):
             aux = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux)
 
-    def forward(self, aux: torch.Tensor, embeds: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, aux: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         """Draft-vocabulary logits [B, T, draft_vocab] from the target's states ``aux``
         [B, T, K * target_hidden] at t, the embeddings of the tokens at t + 1 and the
         positions t."""
@@ -255,6 +286,7 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("*.safetensors"))
     if files:
         from safetensors.torch import load_file
+
         out: dict[str, torch.Tensor] = {}
         for f in files:
             out.update(load_file(str(f)))
@@ -269,8 +301,10 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _format_of(config: dict, names) -> str:
-    if any(k in config for k in SPECULATORS_KEYS) or \
-            (config.get("architectures") or [""])[0] == "Eagle3Speculator":
+    if (
+        any(k in config for k in SPECULATORS_KEYS)
+        or (config.get("architectures") or [""])[0] == "Eagle3Speculator"
+    ):
         return "speculators"
     if any(n.startswith("midlayer.") for n in names):
         return "SpecForge"
@@ -280,7 +314,7 @@ def _format_of(config: dict, names) -> str:
     return "EAGLE-3 (vLLM's names)"
 
 
-_SKIPPED = ("t2d",)          # derivable from d2t; vLLM and SGLang skip it too
+_SKIPPED = ("t2d",)  # derivable from d2t; vLLM and SGLang skip it too
 
 
 def state_dict_for_format(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -289,9 +323,9 @@ def state_dict_for_format(weights: dict[str, torch.Tensor]) -> dict[str, torch.T
     out = {}
     for name, tensor in weights.items():
         if name.startswith("model."):
-            name = name[len("model."):]
+            name = name[len("model.") :]
         if name.startswith("midlayer."):
-            name = "layers.0." + name[len("midlayer."):]
+            name = "layers.0." + name[len("midlayer.") :]
         if name.split(".")[-1] in _SKIPPED:
             continue
         if name.startswith("layers.") and ".self_attn." in name:
@@ -308,14 +342,22 @@ def check_draft_class(config: dict, where="the draft") -> str:
     archs = config.get("architectures") if isinstance(config, dict) else None
     arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
     if arch and arch not in LLAMA_DRAFTS + MLA_DRAFTS:
-        raise DraftError(f"{where}: draft class {arch} is not one the probe runs (it runs "
-                         f"{', '.join(LLAMA_DRAFTS)}: a Llama layer; "
-                         f"{', '.join(MLA_DRAFTS)}: an MLA layer)")
+        raise DraftError(
+            f"{where}: draft class {arch} is not one the probe runs (it runs "
+            f"{', '.join(LLAMA_DRAFTS)}: a Llama layer; "
+            f"{', '.join(MLA_DRAFTS)}: an MLA layer)"
+        )
     return arch
 
 
-def load_draft(folder, device="cpu", dtype=torch.float32, target_vocab: Optional[int] = None,
-               target_hidden: Optional[int] = None, engine: str = "transformers"):
+def load_draft(
+    folder,
+    device="cpu",
+    dtype=torch.float32,
+    target_vocab: Optional[int] = None,
+    target_hidden: Optional[int] = None,
+    engine: str = "transformers",
+):
     """The draft in ``folder`` (config.json + weights), in ``dtype`` on ``device``: an
     :class:`Eagle3Draft`, or for an MLA draft an
     :class:`~eagle_capture.probe.mla_draft.Eagle3MlaDraft` computed as the engine of the
@@ -335,21 +377,33 @@ def load_draft(folder, device="cpu", dtype=torch.float32, target_vocab: Optional
     state = state_dict_for_format(weights)
     fc = state.get("fc.weight")
     if fc is None:
-        raise DraftError(f"{folder}: no fc.weight: not an EAGLE-3 draft (EAGLE-3 drafts take "
-                         f"K target hidden states through fc)")
+        raise DraftError(
+            f"{folder}: no fc.weight: not an EAGLE-3 draft (EAGLE-3 drafts take "
+            f"K target hidden states through fc)"
+        )
     spec = DraftSpec.from_config(config, fmt)
     if target_vocab is not None and "d2t" not in state and spec.draft_vocab_size != target_vocab:
-        raise DraftError(f"{folder}: draft vocabulary {spec.draft_vocab_size} != the target's "
-                         f"{target_vocab} and no d2t map to translate it")
+        raise DraftError(
+            f"{folder}: draft vocabulary {spec.draft_vocab_size} != the target's "
+            f"{target_vocab} and no d2t map to translate it"
+        )
     th = target_hidden or spec.target_hidden_size
     if fc.shape[1] % th:
-        raise DraftError(f"{folder}: fc.weight is {tuple(fc.shape)}: its input is not a multiple "
-                         f"of the target's hidden size {th}")
-    spec = DraftSpec(**{**spec.__dict__, "num_aux": fc.shape[1] // th,
-                        "target_hidden_size": th,
-                        "vocab_size": target_vocab or spec.vocab_size})
+        raise DraftError(
+            f"{folder}: fc.weight is {tuple(fc.shape)}: its input is not a multiple "
+            f"of the target's hidden size {th}"
+        )
+    spec = DraftSpec(
+        **{
+            **spec.__dict__,
+            "num_aux": fc.shape[1] // th,
+            "target_hidden_size": th,
+            "vocab_size": target_vocab or spec.vocab_size,
+        }
+    )
     if arch in MLA_DRAFTS:
         from eagle_capture.probe.mla_draft import mla_draft
+
         draft = mla_draft(config, spec, engine)
     else:
         draft = Eagle3Draft(spec)
@@ -366,13 +420,22 @@ def load_draft(folder, device="cpu", dtype=torch.float32, target_vocab: Optional
     missing = sorted(set(own) - set(state))
     unknown = sorted(set(state) - set(own))
     if missing or unknown:
-        raise DraftError(f"{folder} ({fmt}): " + "; ".join(
-            part for part in (f"missing weights {missing}" if missing else "",
-                              f"weights the EAGLE-3 step does not use {unknown}" if unknown
-                              else "") if part))
+        raise DraftError(
+            f"{folder} ({fmt}): "
+            + "; ".join(
+                part
+                for part in (
+                    f"missing weights {missing}" if missing else "",
+                    f"weights the EAGLE-3 step does not use {unknown}" if unknown else "",
+                )
+                if part
+            )
+        )
     for name, tensor in state.items():
         if tuple(own[name].shape) != tuple(tensor.shape):
-            raise DraftError(f"{folder} ({fmt}): {name} is {tuple(tensor.shape)}, the config "
-                             f"makes it {tuple(own[name].shape)}")
+            raise DraftError(
+                f"{folder} ({fmt}): {name} is {tuple(tensor.shape)}, the config "
+                f"makes it {tuple(own[name].shape)}"
+            )
     draft.load_state_dict(state, strict=False)
     return draft.to(device=device, dtype=dtype).eval()

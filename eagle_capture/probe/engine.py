@@ -27,8 +27,17 @@ import torch
 
 from eagle_capture.integrations.vllm.probe_capture import QUALNAME, digest, unpack
 
-__all__ = ["EngineError", "FIXED_ARGS", "RANK_TOLERANCE", "VLLM_DTYPES", "VllmTarget",
-           "check_ranks", "check_vllm", "digest", "kv_cache_bytes"]
+__all__ = [
+    "EngineError",
+    "FIXED_ARGS",
+    "RANK_TOLERANCE",
+    "VLLM_DTYPES",
+    "VllmTarget",
+    "check_ranks",
+    "check_vllm",
+    "digest",
+    "kv_cache_bytes",
+]
 
 # Relative difference allowed between a rank's per-row digest and rank 0's. An
 # all-reduce leaves the same bits on every rank (NCCL, vLLM's custom all-reduce and
@@ -47,11 +56,14 @@ def kv_cache_bytes(num_layers: int, hidden_size: int, max_tokens: int) -> int:
 
 # LLM(...) arguments the probe sets itself: the capture needs them (eager, every row
 # computed, one pipeline stage, one replica), or a probe option says them (--target, --tp).
-FIXED_ARGS = {"model": "--target", "tensor_parallel_size": "--tp",
-              "enforce_eager": "the hooks run in eager mode only",
-              "enable_prefix_caching": "every prompt's rows must be computed",
-              "pipeline_parallel_size": "the probe hooks one pipeline stage",
-              "data_parallel_size": "the probe runs one replica"}
+FIXED_ARGS = {
+    "model": "--target",
+    "tensor_parallel_size": "--tp",
+    "enforce_eager": "the hooks run in eager mode only",
+    "enable_prefix_caching": "every prompt's rows must be computed",
+    "pipeline_parallel_size": "the probe hooks one pipeline stage",
+    "data_parallel_size": "the probe runs one replica",
+}
 
 
 class EngineError(ValueError):
@@ -75,18 +87,22 @@ def check_ranks(answers: Sequence[dict], hidden_size: int, num_tokens: int) -> f
             if rows != num_tokens:
                 raise EngineError(
                     f"rank {rank} captured {rows} rows at capture layer {c} for a prompt of "
-                    f"{num_tokens} tokens: " + (
+                    f"{num_tokens} tokens: "
+                    + (
                         f"{rows - num_tokens} more rows than the prompt has (padding rows the "
                         f"engine added, or forwards besides the prompt's)"
-                        if rows > num_tokens else
-                        f"{num_tokens - rows} fewer rows than the prompt has (rows scattered "
-                        f"over ranks, or a layer the forward did not pass)")
-                    + "; the probe does not score it")
+                        if rows > num_tokens
+                        else f"{num_tokens - rows} fewer rows than the prompt has (rows scattered "
+                        f"over ranks, or a layer the forward did not pass)"
+                    )
+                    + "; the probe does not score it"
+                )
             if a["width"][c] != hidden_size:
                 raise EngineError(
                     f"rank {rank}'s state at capture layer {c} is {a['width'][c]} wide, the "
                     f"target's hidden size is {hidden_size}: a tensor-parallel shard, not the "
-                    f"full state; the probe does not score it")
+                    f"full state; the probe does not score it"
+                )
             mine, theirs = a["digest"][c], ref["digest"][c]
             scale = theirs.norm(dim=-1).clamp_min(1e-30)
             per_row = (mine - theirs).norm(dim=-1) / scale
@@ -98,7 +114,8 @@ def check_ranks(answers: Sequence[dict], hidden_size: int, num_tokens: int) -> f
                     f"rank {rank}'s state at capture layer {c} differs from rank 0's in {off} "
                     f"of {rows} rows (relative {rel:.2g} at row {at}): "
                     f"per-rank partial sums, not the all-reduced state; the probe does not "
-                    f"score it")
+                    f"score it"
+                )
             worst = max(worst, rel)
     return worst
 
@@ -120,18 +137,22 @@ def check_vllm() -> None:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        raise EngineError("--engine vllm: vLLM is not installed in this Python; run the probe "
-                          "where the target is served, or leave out --engine to run the target "
-                          "with transformers")
+        raise EngineError(
+            "--engine vllm: vLLM is not installed in this Python; run the probe "
+            "where the target is served, or leave out --engine to run the target "
+            "with transformers"
+        )
 
 
 def _import_vllm():
     try:
         import vllm
     except ImportError as exc:
-        raise EngineError(f"--engine vllm: vLLM does not import here ({exc}); run the probe "
-                          f"where the target is served, or leave out --engine to run the "
-                          f"target with transformers") from None
+        raise EngineError(
+            f"--engine vllm: vLLM does not import here ({exc}); run the probe "
+            f"where the target is served, or leave out --engine to run the "
+            f"target with transformers"
+        ) from None
     return vllm
 
 
@@ -140,28 +161,41 @@ class VllmTarget:
     the capture layers ``keep`` ({c: [1, T, H]}), the greedy next token at each
     position [1, T] and the tokens' embeddings [1, T, H] (rank 0's)."""
 
-    def __init__(self, folder: Path, num_layers: int, hidden_size: int,
-                 keep: Sequence[int], tp: int = 1, dtype: str = "auto",
-                 max_tokens: int = 512, engine_args: Optional[dict] = None) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        num_layers: int,
+        hidden_size: int,
+        keep: Sequence[int],
+        tp: int = 1,
+        dtype: str = "auto",
+        max_tokens: int = 512,
+        engine_args: Optional[dict] = None,
+    ) -> None:
         vllm = _import_vllm()
         self.num_layers, self.hidden_size = num_layers, hidden_size
         self.keep = sorted(set(keep))
         self.tp = tp
         self.reset_counts()
-        kwargs = dict(model=str(folder), tensor_parallel_size=tp, dtype=VLLM_DTYPES[dtype],
-                      # The hooks run in eager PyTorch: torch.compile would trace the layer
-                      # loop without them, a CUDA graph replay would skip them.
-                      enforce_eager=True,
-                      # Every prompt's rows must be computed (a cached prefix is not).
-                      enable_prefix_caching=False,
-                      max_model_len=max_tokens + 1, max_num_batched_tokens=max_tokens + 1,
-                      max_num_seqs=1, skip_tokenizer_init=True,
-                      # One prompt at a time needs little KV cache: a bound on it (every
-                      # layer, K and V of the full width, fp32) instead of vLLM's default of
-                      # most of each device, which leaves room for the draft.
-                      kv_cache_memory_bytes=kv_cache_bytes(num_layers, hidden_size,
-                                                           max_tokens),
-                      worker_extension_cls=QUALNAME)
+        kwargs = dict(
+            model=str(folder),
+            tensor_parallel_size=tp,
+            dtype=VLLM_DTYPES[dtype],
+            # The hooks run in eager PyTorch: torch.compile would trace the layer
+            # loop without them, a CUDA graph replay would skip them.
+            enforce_eager=True,
+            # Every prompt's rows must be computed (a cached prefix is not).
+            enable_prefix_caching=False,
+            max_model_len=max_tokens + 1,
+            max_num_batched_tokens=max_tokens + 1,
+            max_num_seqs=1,
+            skip_tokenizer_init=True,
+            # One prompt at a time needs little KV cache: a bound on it (every
+            # layer, K and V of the full width, fp32) instead of vLLM's default of
+            # most of each device, which leaves room for the draft.
+            kv_cache_memory_bytes=kv_cache_bytes(num_layers, hidden_size, max_tokens),
+            worker_extension_cls=QUALNAME,
+        )
         kwargs.update(engine_args or {})
         # vLLM forks its engine and workers unless it sees CUDA initialised here; the
         # probe's own checks (torch.cuda.is_available()) already make a fork unusable
@@ -172,16 +206,21 @@ class VllmTarget:
             self.llm = vllm.LLM(**kwargs)
         except Exception as exc:  # noqa: BLE001 - vLLM's start-up errors are all kinds
             lines = [line for line in str(exc).splitlines() if line.strip()]
-            raise EngineError(f"vLLM could not serve the target {folder} "
-                              f"(tensor parallel {tp}, dtype {dtype}): {type(exc).__name__}: "
-                              f"{lines[0] if lines else ''}") from None
+            raise EngineError(
+                f"vLLM could not serve the target {folder} "
+                f"(tensor parallel {tp}, dtype {dtype}): {type(exc).__name__}: "
+                f"{lines[0] if lines else ''}"
+            ) from None
         try:
-            self.ranks = self.llm.collective_rpc("eagle_probe_install",
-                                                 args=(self.keep, num_layers))
+            self.ranks = self.llm.collective_rpc(
+                "eagle_probe_install", args=(self.keep, num_layers)
+            )
         except Exception as exc:  # noqa: BLE001 - raised in the workers
             self.close()
-            raise EngineError(f"the probe's capture could not be installed in vLLM's workers: "
-                              f"{type(exc).__name__}: {exc}") from None
+            raise EngineError(
+                f"the probe's capture could not be installed in vLLM's workers: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
         self.sampling = vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
     def reset_counts(self) -> None:
@@ -196,21 +235,27 @@ class VllmTarget:
 
     @torch.no_grad()
     def run(self, tokens: list[int]):
-        out = self.llm.generate([{"prompt_token_ids": list(tokens)}], self.sampling,
-                                use_tqdm=False)
+        out = self.llm.generate([{"prompt_token_ids": list(tokens)}], self.sampling, use_tqdm=False)
         try:
-            answers = [_decoded(a) for a in
-                       self.llm.collective_rpc("eagle_probe_take", args=(list(tokens),))]
+            answers = [
+                _decoded(a)
+                for a in self.llm.collective_rpc("eagle_probe_take", args=(list(tokens),))
+            ]
         except Exception as exc:  # noqa: BLE001 - raised in the workers
-            raise EngineError(f"vLLM's workers could not hand over the probe's captures: "
-                              f"{type(exc).__name__}: {exc}") from None
+            raise EngineError(
+                f"vLLM's workers could not hand over the probe's captures: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
         n = len(tokens)
-        self.worst_rank_difference = max(self.worst_rank_difference,
-                                         check_ranks(answers, self.hidden_size, n))
-        first = next((a for a in answers if "states" in a), {})   # TP rank 0's
+        self.worst_rank_difference = max(
+            self.worst_rank_difference, check_ranks(answers, self.hidden_size, n)
+        )
+        first = next((a for a in answers if "states" in a), {})  # TP rank 0's
         if first.get("greedy") is None:
-            raise EngineError("vLLM's workers returned no final hidden states for a prompt: "
-                              "the model's final norm was not called as the probe expects")
+            raise EngineError(
+                "vLLM's workers returned no final hidden states for a prompt: "
+                "the model's final norm was not called as the probe expects"
+            )
         greedy = first["greedy"].long()
         # The engine's own sampled token is the greedy token after the last position.
         self.engine_disagreements += int(out[0].outputs[0].token_ids[0] != int(greedy[-1]))

@@ -47,8 +47,12 @@ __all__ = ["MLA_CLASSES", "MlaReading", "Eagle3MlaDraft", "engine_readings", "ml
 MLA_CLASSES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 # transformers' DeepseekV3Config defaults, which both engines load these configs with
 # (SGLang aliases model_type kimi_k2 to it, vLLM's config registry maps it).
-_DEFAULTS = {"rope_theta": 10000.0, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-             "hidden_act": "silu"}
+_DEFAULTS = {
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+}
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -58,25 +62,33 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
 def _correction_range(beta_fast, beta_slow, dim: int, base: float, original: int):
     def at(rotations):
         return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
     return max(math.floor(at(beta_fast)), 0), min(math.ceil(at(beta_slow)), dim - 1)
 
 
 @dataclass(frozen=True)
 class MlaReading:
     """How one engine computes the step for a config (the fields where they can differ)."""
-    engine: str                      # "SGLang" or "vLLM"
+
+    engine: str  # "SGLang" or "vLLM"
     norm_before_residual: bool
     fc_norm: bool
-    neox: bool                       # rope in halves (else DeepSeek's interleaved pairs)
-    rope: Optional[dict]             # DeepSeek YaRN parameters, None: plain rope
-    rope_mscale: float               # on cos and sin
+    neox: bool  # rope in halves (else DeepSeek's interleaved pairs)
+    rope: Optional[dict]  # DeepSeek YaRN parameters, None: plain rope
+    rope_mscale: float  # on cos and sin
     softmax_scale: float
-    problem: str = ""                # why this engine cannot run the draft ("": it can)
+    problem: str = ""  # why this engine cannot run the draft ("": it can)
 
     def differences(self, other: "MlaReading") -> list[str]:
         out = []
-        for name in ("norm_before_residual", "fc_norm", "neox", "rope", "rope_mscale",
-                     "softmax_scale"):
+        for name in (
+            "norm_before_residual",
+            "fc_norm",
+            "neox",
+            "rope",
+            "rope_mscale",
+            "softmax_scale",
+        ):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
                 out.append(f"{name}: {self.engine} {a}, {other.engine} {b}")
@@ -86,12 +98,16 @@ class MlaReading:
 def _rope_parameters(config: dict) -> tuple[float, Optional[dict]]:
     """(rope_theta, the scaling dict or None) as transformers standardises the config:
     ``rope_scaling`` (legacy) or ``rope_parameters``, ``type`` read as ``rope_type``."""
-    params = config.get("rope_parameters") if isinstance(config.get("rope_parameters"),
-                                                          dict) else None
-    scaling = config.get("rope_scaling") if isinstance(config.get("rope_scaling"), dict) \
-        else params
-    theta = config.get("rope_theta") or (params or {}).get("rope_theta") or \
-        (scaling or {}).get("rope_theta") or _DEFAULTS["rope_theta"]
+    params = (
+        config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else None
+    )
+    scaling = config.get("rope_scaling") if isinstance(config.get("rope_scaling"), dict) else params
+    theta = (
+        config.get("rope_theta")
+        or (params or {}).get("rope_theta")
+        or (scaling or {}).get("rope_theta")
+        or _DEFAULTS["rope_theta"]
+    )
     if scaling is None:
         return float(theta), None
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -117,21 +133,31 @@ def engine_readings(config: dict) -> dict[str, MlaReading]:
     for engine in ("sglang", "vllm"):
         rope, rope_mscale, scale = None, 1.0, base_scale
         if scaling is not None:
-            if "factor" not in scaling or (engine == "vllm" and
-                                           "original_max_position_embeddings" not in scaling):
+            if "factor" not in scaling or (
+                engine == "vllm" and "original_max_position_embeddings" not in scaling
+            ):
                 raise DraftError(
                     f"rope scaling {scaling.get('rope_type', scaling.get('type'))!r} without "
                     f"factor / original_max_position_embeddings: the engines read every MLA "
-                    f"rope scaling as DeepSeek's YaRN, which needs both")
+                    f"rope scaling as DeepSeek's YaRN, which needs both"
+                )
             factor = float(scaling["factor"])
-            rope = {"theta": theta, "factor": factor,
-                    "original": int(scaling.get("original_max_position_embeddings",
-                                                config.get("max_position_embeddings",
-                                                           _DEFAULTS["max_position_embeddings"]))),
-                    "beta_fast": scaling.get("beta_fast", 32),
-                    "beta_slow": scaling.get("beta_slow", 1)}
-            rope_mscale = float(yarn_get_mscale(factor, float(scaling.get("mscale", 1)))
-                                / yarn_get_mscale(factor, float(scaling.get("mscale_all_dim", 0))))
+            rope = {
+                "theta": theta,
+                "factor": factor,
+                "original": int(
+                    scaling.get(
+                        "original_max_position_embeddings",
+                        config.get("max_position_embeddings", _DEFAULTS["max_position_embeddings"]),
+                    )
+                ),
+                "beta_fast": scaling.get("beta_fast", 32),
+                "beta_slow": scaling.get("beta_slow", 1),
+            }
+            rope_mscale = float(
+                yarn_get_mscale(factor, float(scaling.get("mscale", 1)))
+                / yarn_get_mscale(factor, float(scaling.get("mscale_all_dim", 0)))
+            )
             all_dim = yarn_get_mscale(factor, float(scaling.get("mscale_all_dim", False)))
             if engine == "sglang":
                 rope["extrapolation"] = scaling.get("extrapolation_factor", 1)
@@ -144,20 +170,38 @@ def engine_readings(config: dict) -> dict[str, MlaReading]:
                 rope["extrapolation"] = 1
         layers = int(config.get("num_hidden_layers") or 1)
         if engine == "sglang":
-            problem = ("" if layers == 1 else
-                       f"SGLang's Eagle3DeepseekV2ForCausalLM takes one layer (it raises "
-                       f"'EAGLE3 currently only supports 1 layer'); this draft has {layers}")
+            problem = (
+                ""
+                if layers == 1
+                else f"SGLang's Eagle3DeepseekV2ForCausalLM takes one layer (it raises "
+                f"'EAGLE3 currently only supports 1 layer'); this draft has {layers}"
+            )
             if not config.get("q_lora_rank"):
-                problem = ("SGLang's Eagle3DeepseekV2ForCausalLM refuses a draft without "
-                           "q_lora_rank (it raises 'Eagle3 MLA layer requires q_lora_rank in "
-                           "the draft config')")
+                problem = (
+                    "SGLang's Eagle3DeepseekV2ForCausalLM refuses a draft without "
+                    "q_lora_rank (it raises 'Eagle3 MLA layer requires q_lora_rank in "
+                    "the draft config')"
+                )
             reading = MlaReading(
-                "SGLang", False, bool(config.get("fc_norm") or config.get("use_aux_norm")),
-                not config.get("rope_interleave", True), rope, rope_mscale, scale, problem)
+                "SGLang",
+                False,
+                bool(config.get("fc_norm") or config.get("use_aux_norm")),
+                not config.get("rope_interleave", True),
+                rope,
+                rope_mscale,
+                scale,
+                problem,
+            )
         else:
-            reading = MlaReading("vLLM", bool(config.get("norm_before_residual", False)),
-                                 bool(config.get("fc_norm", False)), False, rope, rope_mscale,
-                                 scale)
+            reading = MlaReading(
+                "vLLM",
+                bool(config.get("norm_before_residual", False)),
+                bool(config.get("fc_norm", False)),
+                False,
+                rope,
+                rope_mscale,
+                scale,
+            )
         out[engine] = reading
     return out
 
@@ -175,12 +219,14 @@ def _rope_tables(reading: MlaReading, theta: float, dim: int, positions: torch.T
         return freqs.cos(), freqs.sin()
     extrapolation = 1.0 / pos_freqs
     interpolation = 1.0 / (rope["factor"] * pos_freqs)
-    low, high = _correction_range(rope["beta_fast"], rope["beta_slow"], dim, theta,
-                                  rope["original"])
+    low, high = _correction_range(
+        rope["beta_fast"], rope["beta_slow"], dim, theta, rope["original"]
+    )
     if low == high:
-        high += 0.001       # the engines' guard against a zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float, device=device) - low)
-                       / (high - low), 0, 1)
+        high += 0.001  # the engines' guard against a zero-width ramp
+    ramp = torch.clamp(
+        (torch.arange(dim // 2, dtype=torch.float, device=device) - low) / (high - low), 0, 1
+    )
     mask = (1 - ramp) * rope["extrapolation"]
     inv_freq = interpolation * (1 - mask) + extrapolation * mask
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
@@ -225,13 +271,13 @@ class _MlaLayer(nn.Module):
             self.q_proj = nn.Linear(d_in, qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d_in, self.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_a_layernorm = _Norm(self.kv_lora_rank, eps)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.heads * (self.nope + self.v_dim),
-                                   bias=False)
+        self.kv_b_proj = nn.Linear(
+            self.kv_lora_rank, self.heads * (self.nope + self.v_dim), bias=False
+        )
         self.o_proj = nn.Linear(self.heads * self.v_dim, h, bias=False)
         act = c.get("hidden_act", _DEFAULTS["hidden_act"])
         if act != "silu":
-            raise DraftError(f"draft hidden_act {act!r}: both engines' MLA drafts use a "
-                             f"SiLU MLP")
+            raise DraftError(f"draft hidden_act {act!r}: both engines' MLA drafts use a SiLU MLP")
         inter = c["intermediate_size"]
         self.gate_proj = nn.Linear(h, inter, bias=False)
         self.up_proj = nn.Linear(h, inter, bias=False)
@@ -250,21 +296,24 @@ class _MlaLayer(nn.Module):
         q = q.view(b, t, self.heads, self.nope + self.rope_dim)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], -1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, self.heads,
-                                                               self.nope + self.v_dim)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(
+            b, t, self.heads, self.nope + self.v_dim
+        )
         k_nope, v = kv.split([self.nope, self.v_dim], -1)
         cos, sin = _rope_tables(self.reading, self.theta, self.rope_dim, positions)
         q_pe = _apply_rope(q_pe, cos, sin, self.reading.neox)
         k_pe = _apply_rope(k_pe.unsqueeze(2), cos, sin, self.reading.neox)
         q = torch.cat([q_nope, q_pe], -1).transpose(1, 2)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], -1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True,
-                                           scale=self.reading.softmax_scale)
+        o = F.scaled_dot_product_attention(
+            q, k, v.transpose(1, 2), is_causal=True, scale=self.reading.softmax_scale
+        )
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
     def forward(self, embeds, hidden, residual, positions):
-        x, residual = attention_input(self, embeds, hidden, residual,
-                                      self.reading.norm_before_residual)
+        x, residual = attention_input(
+            self, embeds, hidden, residual, self.reading.norm_before_residual
+        )
         x = self.attention(x, positions)
         residual = x + residual
         x = self.post_attention_layernorm(residual)
@@ -283,11 +332,17 @@ class Eagle3MlaDraft(nn.Module):
         self.spec, self.reading = spec, reading
         self.notes = list(notes or [])
         fc_in = spec.target_hidden_size * spec.num_aux
-        self.fc_norm = (nn.ModuleList(_Norm(spec.target_hidden_size, spec.rms_norm_eps)
-                                      for _ in range(spec.num_aux)) if reading.fc_norm else None)
+        self.fc_norm = (
+            nn.ModuleList(
+                _Norm(spec.target_hidden_size, spec.rms_norm_eps) for _ in range(spec.num_aux)
+            )
+            if reading.fc_norm
+            else None
+        )
         self.fc = nn.Linear(fc_in, spec.hidden_size, bias=False)
-        self.layers = nn.ModuleList(_MlaLayer(spec, reading, first=(i == 0))
-                                    for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(
+            _MlaLayer(spec, reading, first=(i == 0)) for i in range(spec.num_layers)
+        )
         self.norm = _Norm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
@@ -299,8 +354,9 @@ class Eagle3MlaDraft(nn.Module):
             aux = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux)
 
-    def forward(self, aux: torch.Tensor, embeds: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, aux: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         """Draft-vocabulary logits [B, T, draft_vocab] (see the module's docstring)."""
         hidden = self.combine(aux)
         residual = None
@@ -324,8 +380,10 @@ def mla_draft(config: dict, spec: DraftSpec, engine: str = "transformers") -> Ea
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise DraftError(f"the MLA draft config has no positive integer {key}")
     if spec.norm_before_fc:
-        raise DraftError("norm_before_fc on an MLA draft: neither engine's "
-                         "Eagle3DeepseekV2ForCausalLM has that norm")
+        raise DraftError(
+            "norm_before_fc on an MLA draft: neither engine's "
+            "Eagle3DeepseekV2ForCausalLM has that norm"
+        )
     readings = engine_readings(config)
     notes = []
     if engine in _ENGINE_OF_MODE:
@@ -337,11 +395,12 @@ def mla_draft(config: dict, spec: DraftSpec, engine: str = "transformers") -> Ea
         reading = vllm if sglang.problem else sglang
         differ = sglang.differences(vllm)
         if sglang.problem:
-            notes.append(f"the MLA draft's step is computed as vLLM computes it: "
-                         f"{sglang.problem}")
+            notes.append(f"the MLA draft's step is computed as vLLM computes it: {sglang.problem}")
         elif differ:
-            notes.append("SGLang and vLLM compute this MLA draft's step differently ("
-                         + "; ".join(differ) + "): measured as SGLang computes it; "
-                         "--engine vllm measures vLLM's")
+            notes.append(
+                "SGLang and vLLM compute this MLA draft's step differently ("
+                + "; ".join(differ)
+                + "): measured as SGLang computes it; "
+                "--engine vllm measures vLLM's"
+            )
     return Eagle3MlaDraft(spec, reading, notes)
-

@@ -21,8 +21,14 @@ from eagle_capture.layer_ids.lines import (
 )
 from eagle_capture.layer_ids.trainers import Provenance
 
-__all__ = ["SGLANG_DEFAULT", "Candidate", "candidates", "config_order", "first_step_agreement",
-           "score_readings"]
+__all__ = [
+    "SGLANG_DEFAULT",
+    "Candidate",
+    "candidates",
+    "config_order",
+    "first_step_agreement",
+    "score_readings",
+]
 
 # The SGLang version whose capture the engine lines show (--sglang-version): the newest read.
 SGLANG_DEFAULT = SGLANG_LINES[-1].read_versions[-1]
@@ -31,11 +37,12 @@ SGLANG_DEFAULT = SGLANG_LINES[-1].read_versions[-1]
 @dataclass
 class Candidate:
     """One reading of the draft's ids: the capture layers it feeds the draft."""
-    layers: tuple[int, ...]          # capture layers (c = the input of layer c) in the order
+
+    layers: tuple[int, ...]  # capture layers (c = the input of layer c) in the order
     #                                  the draft's fc takes them: ascending (the engines'
     #                                  order) but for a reading in the config's slot order
     labels: list[str]
-    config_reading: bool = False     # one of the config's own readings
+    config_reading: bool = False  # one of the config's own readings
     hits: int = 0
     tokens: int = 0
 
@@ -50,8 +57,12 @@ class Candidate:
 
     def describe(self, num_layers: int) -> str:
         def one(c):
-            return "embedding" if c == 0 else (f"out {c - 1}" if c < num_layers
-                                               else f"out {c - 1} (final)")
+            return (
+                "embedding"
+                if c == 0
+                else (f"out {c - 1}" if c < num_layers else f"out {c - 1} (final)")
+            )
+
         return f"{list(self.layers)} = {', '.join(one(c) for c in self.layers)}"
 
 
@@ -66,17 +77,27 @@ def _engine_captures(draft: DraftIds, num_layers: int, architecture: str, sglang
     """(short label, full label, capture layers) for what each engine captures for
     this config."""
     line, _ = _sglang_line(architecture, sglang_version)
-    out = [(f"SGLang {sglang_version}", f"SGLang {sglang_version}",
-            line.capture_layers(draft.read_by_target, num_layers))]
+    out = [
+        (
+            f"SGLang {sglang_version}",
+            f"SGLang {sglang_version}",
+            line.capture_layers(draft.read_by_target, num_layers),
+        )
+    ]
     for v in vllm_lines(draft):
         short = {"V2": "vLLM V2", "V1": "vLLM V1"}.get(v.runner, "vLLM")
         out.append((short, f"vLLM {v.title}", v.capture_layers(v.read_ids(draft), num_layers)))
     return out
 
 
-def candidates(draft: DraftIds, provenance: Provenance, num_layers: int, num_aux: int,
-               architecture: str = "", sglang_version: str = SGLANG_DEFAULT
-               ) -> tuple[list[Candidate], list[str]]:
+def candidates(
+    draft: DraftIds,
+    provenance: Provenance,
+    num_layers: int,
+    num_aux: int,
+    architecture: str = "",
+    sglang_version: str = SGLANG_DEFAULT,
+) -> tuple[list[Candidate], list[str]]:
     """Every reading worth measuring (deduplicated by layers, labels merged), and
     notes on readings left out (outside [0, num_layers], a layer twice, or not
     ``num_aux`` layers: the draft's fc takes exactly that many). Readings are in
@@ -88,10 +109,15 @@ def candidates(draft: DraftIds, provenance: Provenance, num_layers: int, num_aux
         if layers is None:
             return
         layers = tuple(layers) if ordered else tuple(sorted(layers))
-        if len(layers) != num_aux or len(set(layers)) != len(layers) \
-                or not all(0 <= c <= num_layers for c in layers):
-            notes.append(f"{label}: {list(layers)} left out (the draft takes {num_aux} distinct "
-                         f"capture layers in [0, {num_layers}])")
+        if (
+            len(layers) != num_aux
+            or len(set(layers)) != len(layers)
+            or not all(0 <= c <= num_layers for c in layers)
+        ):
+            notes.append(
+                f"{label}: {list(layers)} left out (the draft takes {num_aux} distinct "
+                f"capture layers in [0, {num_layers}])"
+            )
             return
         cand = found.setdefault(layers, Candidate(layers, []))
         if label not in cand.labels:
@@ -104,8 +130,12 @@ def candidates(draft: DraftIds, provenance: Provenance, num_layers: int, num_aux
         add(r.expected, f"config: {r.label.split(' (')[0]}", config_reading=True)
         in_order = config_order(ids, r.expected)
         if in_order is not None:
-            add(in_order, f"config: {r.label.split(' (')[0]}, slots in the config's order",
-                config_reading=True, ordered=True)
+            add(
+                in_order,
+                f"config: {r.label.split(' (')[0]}, slots in the config's order",
+                config_reading=True,
+                ordered=True,
+            )
     defaults = default_capture_layers(num_layers)
     if not readings:
         # No ids: the config's reading is what the engines feed it, their default.
@@ -131,16 +161,26 @@ def config_order(ids, expected) -> Optional[tuple[int, ...]]:
     """The capture layers ``expected`` (ascending) in the order the config lists ``ids``,
     when that order is not ascending (None otherwise). Every reading moves all ids by
     one constant, so the k-th smallest id names the k-th capture layer."""
-    if not ids or expected is None or list(ids) == sorted(ids) \
-            or len(set(ids)) != len(ids) or len(ids) != len(expected):
+    if (
+        not ids
+        or expected is None
+        or list(ids) == sorted(ids)
+        or len(set(ids)) != len(ids)
+        or len(ids) != len(expected)
+    ):
         return None
     rank = {i: k for k, i in enumerate(sorted(ids))}
     return tuple(expected[rank[i]] for i in ids)
 
 
 @torch.no_grad()
-def score_readings(draft, states: dict, greedy: torch.Tensor, embeds: torch.Tensor,
-                   readings: Sequence[tuple[int, ...]]) -> dict:
+def score_readings(
+    draft,
+    states: dict,
+    greedy: torch.Tensor,
+    embeds: torch.Tensor,
+    readings: Sequence[tuple[int, ...]],
+) -> dict:
     """For each reading (capture layers), whether the draft's first step at each
     position t (the target's states at t, the token at t + 1) proposes the target's
     greedy token at t + 1: {layers: bool [T - 1]}, from the target's ``states``
@@ -159,8 +199,9 @@ def score_readings(draft, states: dict, greedy: torch.Tensor, embeds: torch.Tens
 
 
 @torch.no_grad()
-def first_step_agreement(model, layers, draft, embed, tokens: torch.Tensor,
-                         readings: Sequence[tuple[int, ...]]) -> dict:
+def first_step_agreement(
+    model, layers, draft, embed, tokens: torch.Tensor, readings: Sequence[tuple[int, ...]]
+) -> dict:
     """:func:`score_readings` for a transformers ``model`` (its decoder ``layers``) on
     ``tokens`` [1, T], the draft's embeddings from ``embed``."""
     from eagle_capture.probe.target import target_states

@@ -30,8 +30,19 @@ import torch
 
 from eagle_capture.probe.engine import EngineError, check_ranks
 
-__all__ = ["FIRST", "FIXED_ARGS", "SGLANG_DTYPES", "SglangTarget", "check_sglang", "collect",
-           "engine_kwargs", "fixed_arg", "installed_version", "line_problem", "read_answers"]
+__all__ = [
+    "FIRST",
+    "FIXED_ARGS",
+    "SGLANG_DTYPES",
+    "SglangTarget",
+    "check_sglang",
+    "collect",
+    "engine_kwargs",
+    "fixed_arg",
+    "installed_version",
+    "line_problem",
+    "read_answers",
+]
 
 # The first line whose forward_hooks, server arguments and norm calls were read.
 FIRST = (0, 5, 9)
@@ -39,9 +50,14 @@ SGLANG_DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": 
 # Targets 0.5.9 turns the FlashInfer all-reduce + RMSNorm fusion on for, on sm90 / sm100
 # GPUs, with no switch to turn it off (server_args.py, _handle_model_specific_adjustments;
 # enforce_disable_flashinfer_allreduce_fusion arrives in 0.5.13).
-FUSION_ARCHS_0_5_9 = ("DeepseekV3ForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM",
-                      "Glm4MoeLiteForCausalLM", "Qwen3MoeForCausalLM",
-                      "KimiK25ForConditionalGeneration")
+FUSION_ARCHS_0_5_9 = (
+    "DeepseekV3ForCausalLM",
+    "GptOssForCausalLM",
+    "Glm4MoeForCausalLM",
+    "Glm4MoeLiteForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "KimiK25ForConditionalGeneration",
+)
 # Seconds to wait for every rank's record of a prompt after SGLang answered it (the
 # ranks finish their forward together; rank r > 0 may write its record a little later).
 RECORD_WAIT_S = 120.0
@@ -50,7 +66,9 @@ RECORD_WAIT_S = 120.0
 # --engine-arg): the hooks run in eager PyTorch on every row of every prompt, on one
 # replica and one pipeline stage, where the norms are called as modules.
 FIXED_ARGS = {
-    "model_path": "--target", "tp_size": "--tp", "dtype": "--dtype",
+    "model_path": "--target",
+    "tp_size": "--tp",
+    "dtype": "--dtype",
     "forward_hooks": "the probe's capture",
     "disable_cuda_graph": "a CUDA graph replay skips the hooks",
     "enable_torch_compile": "the hooks run in eager mode only",
@@ -60,7 +78,7 @@ FIXED_ARGS = {
     "enable_dp_attention": "every rank must hold every row",
     "pp_size": "the probe hooks one pipeline stage",
     "enable_flashinfer_allreduce_fusion": "the fused norm is not called as a module: "
-                                          "its input would not be seen",
+    "its input would not be seen",
     "enforce_disable_flashinfer_allreduce_fusion": "the fused norm is not called as a module",
     "skip_tokenizer_init": "the probe sends token ids",
     "max_running_requests": "one prompt at a time",
@@ -71,8 +89,12 @@ def fixed_arg(key: str) -> Optional[str]:
     """Why ``key`` may not be passed (set by the probe), or None."""
     if key in FIXED_ARGS:
         return FIXED_ARGS[key]
-    if key.startswith("cuda_graph") or "piecewise_cuda_graph" in key \
-            or key.endswith("prefill_cuda_graph") or key.endswith("decode_cuda_graph"):
+    if (
+        key.startswith("cuda_graph")
+        or "piecewise_cuda_graph" in key
+        or key.endswith("prefill_cuda_graph")
+        or key.endswith("decode_cuda_graph")
+    ):
         return "a CUDA graph replay skips the hooks"
     return None
 
@@ -88,33 +110,46 @@ def _parse(version: str) -> tuple[int, ...]:
 def installed_version() -> str:
     """The SGLang in this Python (found, not imported: its import takes seconds)."""
     if importlib.util.find_spec("sglang") is None:
-        raise EngineError("--engine sglang: SGLang is not installed in this Python; run the "
-                          "probe where the target is served, or leave out --engine to run "
-                          "the target with transformers")
+        raise EngineError(
+            "--engine sglang: SGLang is not installed in this Python; run the "
+            "probe where the target is served, or leave out --engine to run "
+            "the target with transformers"
+        )
     from importlib import metadata
+
     try:
         return metadata.version("sglang")
     except metadata.PackageNotFoundError:
-        raise EngineError("--engine sglang: an sglang package is importable here but has no "
-                          "installed metadata (no version to read); install it with pip") \
-            from None
+        raise EngineError(
+            "--engine sglang: an sglang package is importable here but has no "
+            "installed metadata (no version to read); install it with pip"
+        ) from None
 
 
-def line_problem(version: str, architecture: str, tp: int,
-                 capability: Optional[tuple[int, int]] = None) -> Optional[str]:
+def line_problem(
+    version: str, architecture: str, tp: int, capability: Optional[tuple[int, int]] = None
+) -> Optional[str]:
     """Why the probe cannot drive SGLang ``version`` for this target at ``tp``, or None.
     ``capability``: the GPU's compute capability (None: no CUDA device here)."""
     if _parse(version) < FIRST:
-        return (f"SGLang {version} is older than 0.5.9, the first line the probe drives "
-                f"(its forward_hooks server argument and norm calls were read from 0.5.9 on)")
-    if _parse(version) < (0, 5, 13) and tp > 1 and architecture in FUSION_ARCHS_0_5_9 \
-            and (capability is None or capability[0] in (9, 10)):
-        return (f"SGLang {version} turns the FlashInfer all-reduce + RMSNorm fusion on for "
-                f"{architecture} on sm90 / sm100 GPUs (H100, H200, B200) with no argument to "
-                f"turn it off (enforce_disable_flashinfer_allreduce_fusion arrives in 0.5.13); "
-                f"at tensor parallel {tp} the fused norm leaves each layer's input unseen by "
-                f"any hook. Probe with SGLang 0.5.13 or newer (the draft's ids do not depend "
-                f"on the SGLang version the probe runs), or with --engine transformers")
+        return (
+            f"SGLang {version} is older than 0.5.9, the first line the probe drives "
+            f"(its forward_hooks server argument and norm calls were read from 0.5.9 on)"
+        )
+    if (
+        _parse(version) < (0, 5, 13)
+        and tp > 1
+        and architecture in FUSION_ARCHS_0_5_9
+        and (capability is None or capability[0] in (9, 10))
+    ):
+        return (
+            f"SGLang {version} turns the FlashInfer all-reduce + RMSNorm fusion on for "
+            f"{architecture} on sm90 / sm100 GPUs (H100, H200, B200) with no argument to "
+            f"turn it off (enforce_disable_flashinfer_allreduce_fusion arrives in 0.5.13); "
+            f"at tensor parallel {tp} the fused norm leaves each layer's input unseen by "
+            f"any hook. Probe with SGLang 0.5.13 or newer (the draft's ids do not depend "
+            f"on the SGLang version the probe runs), or with --engine transformers"
+        )
     return None
 
 
@@ -124,9 +159,11 @@ def check_sglang(asked: Optional[str], architecture: str, tp: int) -> str:
     shown is the installed one's)."""
     version = installed_version()
     if asked is not None and asked != version:
-        raise EngineError(f"--sglang-version {asked}: --engine sglang runs and reports the "
-                          f"installed SGLang, {version}; leave out --sglang-version, or leave "
-                          f"out --engine to see another version's line")
+        raise EngineError(
+            f"--sglang-version {asked}: --engine sglang runs and reports the "
+            f"installed SGLang, {version}; leave out --sglang-version, or leave "
+            f"out --engine to see another version's line"
+        )
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     problem = line_problem(version, architecture, tp, capability)
     if problem:
@@ -134,22 +171,39 @@ def check_sglang(asked: Optional[str], architecture: str, tp: int) -> str:
     return version
 
 
-def engine_kwargs(version: str, folder: Path, tp: int, dtype: str, max_tokens: int,
-                  hooks: list, engine_args: Optional[dict] = None) -> dict:
+def engine_kwargs(
+    version: str,
+    folder: Path,
+    tp: int,
+    dtype: str,
+    max_tokens: int,
+    hooks: list,
+    engine_args: Optional[dict] = None,
+) -> dict:
     """SGLang ``Engine(...)`` arguments: the probe's settings for ``version``, then the
     user's (which never name a fixed one: refused before)."""
     v = _parse(version)
-    kwargs = dict(model_path=str(folder), tp_size=tp, dtype=SGLANG_DTYPES[dtype],
-                  forward_hooks=hooks, skip_tokenizer_init=True,
-                  disable_cuda_graph=True, enable_torch_compile=False,
-                  disable_radix_cache=True, chunked_prefill_size=-1,
-                  max_prefill_tokens=max(max_tokens + 1, 16384),
-                  dp_size=1, enable_dp_attention=False, pp_size=1,
-                  max_running_requests=1,
-                  # One prompt at a time needs little KV cache: a bound on the pool
-                  # instead of most of each device, which leaves room for the draft.
-                  max_total_tokens=max_tokens + 1024,
-                  enable_flashinfer_allreduce_fusion=False, log_level="warning")
+    kwargs = dict(
+        model_path=str(folder),
+        tp_size=tp,
+        dtype=SGLANG_DTYPES[dtype],
+        forward_hooks=hooks,
+        skip_tokenizer_init=True,
+        disable_cuda_graph=True,
+        enable_torch_compile=False,
+        disable_radix_cache=True,
+        chunked_prefill_size=-1,
+        max_prefill_tokens=max(max_tokens + 1, 16384),
+        dp_size=1,
+        enable_dp_attention=False,
+        pp_size=1,
+        max_running_requests=1,
+        # One prompt at a time needs little KV cache: a bound on the pool
+        # instead of most of each device, which leaves room for the draft.
+        max_total_tokens=max_tokens + 1024,
+        enable_flashinfer_allreduce_fusion=False,
+        log_level="warning",
+    )
     if v >= (0, 5, 13):
         kwargs["enforce_disable_flashinfer_allreduce_fusion"] = True
     if (0, 5, 13) <= v < (0, 5, 18):
@@ -164,14 +218,20 @@ def engine_kwargs(version: str, folder: Path, tp: int, dtype: str, max_tokens: i
 
 def stated_settings(version: str) -> str:
     """The settings in words, for the plan the probe prints."""
-    fusion = ("FlashInfer all-reduce fusion off (enforce_disable_flashinfer_allreduce_fusion)"
-              if _parse(version) >= (0, 5, 13) else "FlashInfer all-reduce fusion not enabled")
-    return (f"CUDA graphs off, torch.compile off, radix cache off, chunked prefill off, "
-            f"{fusion}, DP 1, PP 1, one request at a time")
+    fusion = (
+        "FlashInfer all-reduce fusion off (enforce_disable_flashinfer_allreduce_fusion)"
+        if _parse(version) >= (0, 5, 13)
+        else "FlashInfer all-reduce fusion not enabled"
+    )
+    return (
+        f"CUDA graphs off, torch.compile off, radix cache off, chunked prefill off, "
+        f"{fusion}, DP 1, PP 1, one request at a time"
+    )
 
 
-def read_answers(directory: str, tp: int, tokens: Sequence[int], consumed: dict,
-                 timeout: float = RECORD_WAIT_S) -> list[dict]:
+def read_answers(
+    directory: str, tp: int, tokens: Sequence[int], consumed: dict, timeout: float = RECORD_WAIT_S
+) -> list[dict]:
     """Every rank's records of the forward of ``tokens`` since the last call (waits for
     it), merged per rank: {rank, rows, width, digest, states and embeds from rank 0,
     errors, others}. A record of other input ids is a forward SGLang ran of its own
@@ -210,7 +270,8 @@ def read_answers(directory: str, tp: int, tokens: Sequence[int], consumed: dict,
                         f"SGLang's rank {rank} wrote no capture of the prompt's forward in "
                         f"{timeout:.0f} s ({others} other forwards seen): the hooks on "
                         f"the embedding and the final norm did not run (a model whose text "
-                        f"layers are not under 'model.', or a path that does not call them)")
+                        f"layers are not under 'model.', or a path that does not call them)"
+                    )
                 time.sleep(0.01)
         answers.append(dict(_merge(records), others=others))
     return answers
@@ -220,8 +281,14 @@ def _merge(records: list[dict]) -> dict:
     """One rank's records (the forwards since the last prompt: its own, and any other,
     which the row counts then show) as one answer."""
     last = records[-1]
-    out = {"rank": last["rank"], "errors": [e for r in records for e in r["errors"]],
-           "device": last.get("device", "?"), "rows": {}, "width": {}, "digest": {}}
+    out = {
+        "rank": last["rank"],
+        "errors": [e for r in records for e in r["errors"]],
+        "device": last.get("device", "?"),
+        "rows": {},
+        "width": {},
+        "digest": {},
+    }
     for c in last["rows"]:
         out["rows"][c] = sum(r["rows"].get(c, 0) for r in records)
         parts = [r["digest"][c] for r in records if c in r["digest"]]
@@ -232,14 +299,23 @@ def _merge(records: list[dict]) -> dict:
             out["digest"][c] = torch.empty(0, 8, dtype=torch.float64)
             out["width"][c] = 0
     if "states" in last:
-        out["states"] = {c: torch.cat([r["states"][c] for r in records if c in r["states"]])
-                         for c in last["rows"] if any(c in r["states"] for r in records)}
+        out["states"] = {
+            c: torch.cat([r["states"][c] for r in records if c in r["states"]])
+            for c in last["rows"]
+            if any(c in r["states"] for r in records)
+        }
         out["embeds"] = last.get("embeds")
     return out
 
 
-def collect(directory: str, tp: int, tokens: Sequence[int], hidden_size: int,
-            consumed: dict, timeout: float = RECORD_WAIT_S):
+def collect(
+    directory: str,
+    tp: int,
+    tokens: Sequence[int],
+    hidden_size: int,
+    consumed: dict,
+    timeout: float = RECORD_WAIT_S,
+):
     """The ranks' captures of the prompt ``tokens``, checked: (every rank's answer, rank
     0's first, the largest relative difference between ranks). Raises :class:`EngineError` for a
     capture the probe does not score (missing rows, a shard, partial sums)."""
@@ -253,7 +329,8 @@ def collect(directory: str, tp: int, tokens: Sequence[int], hidden_size: int,
             raise EngineError(
                 f"no rank captured capture layer {c}: its hook (on the norm that reads the "
                 f"stream there) never ran -- a norm called through a fused path, not as a "
-                f"module; the probe does not score it")
+                f"module; the probe does not score it"
+            )
     worst = check_ranks(answers, hidden_size, n)
     return answers, worst
 
@@ -271,10 +348,19 @@ class SglangTarget:
 
     engine_name = "sglang"
 
-    def __init__(self, folder: Path, num_layers: int, hidden_size: int,
-                 keep: Sequence[int], tp: int = 1, dtype: str = "auto",
-                 max_tokens: int = 512, engine_args: Optional[dict] = None,
-                 version: Optional[str] = None, extra_hooks: Sequence[dict] = ()) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        num_layers: int,
+        hidden_size: int,
+        keep: Sequence[int],
+        tp: int = 1,
+        dtype: str = "auto",
+        max_tokens: int = 512,
+        engine_args: Optional[dict] = None,
+        version: Optional[str] = None,
+        extra_hooks: Sequence[dict] = (),
+    ) -> None:
         from eagle_capture.integrations.sglang.probe_hooks import specs
 
         self.num_layers, self.hidden_size = num_layers, hidden_size
@@ -285,9 +371,15 @@ class SglangTarget:
         self.dir = _side_channel()
         self._consumed: dict = {}
         self.engine = None
-        kwargs = engine_kwargs(self.version, folder, tp, dtype, max_tokens,
-                               specs(self.dir, self.keep, num_layers) + list(extra_hooks),
-                               engine_args)
+        kwargs = engine_kwargs(
+            self.version,
+            folder,
+            tp,
+            dtype,
+            max_tokens,
+            specs(self.dir, self.keep, num_layers) + list(extra_hooks),
+            engine_args,
+        )
         try:
             import sglang
             from sglang.srt.server_args import ServerArgs
@@ -301,13 +393,16 @@ class SglangTarget:
         except Exception as exc:  # noqa: BLE001 - SGLang's start-up errors are all kinds
             self.close()
             lines = [line for line in str(exc).splitlines() if line.strip()]
-            raise EngineError(f"SGLang could not serve the target {folder} (tensor parallel "
-                              f"{tp}, dtype {dtype}): {type(exc).__name__}: "
-                              f"{lines[0] if lines else ''}") from None
+            raise EngineError(
+                f"SGLang could not serve the target {folder} (tensor parallel "
+                f"{tp}, dtype {dtype}): {type(exc).__name__}: "
+                f"{lines[0] if lines else ''}"
+            ) from None
         self.ranks = self._hellos()
 
     def _hellos(self) -> list[dict]:
         import json
+
         ranks = []
         for rank in range(self.tp):
             path = os.path.join(self.dir, f"hello.{rank}.json")
@@ -316,9 +411,11 @@ class SglangTarget:
                     ranks.append(json.load(f))
             except (OSError, ValueError):
                 self.close()
-                raise EngineError(f"SGLang's rank {rank} did not load the probe's hooks (its "
-                                  f"forward_hooks argument): SGLang {self.version} ignored "
-                                  f"them") from None
+                raise EngineError(
+                    f"SGLang's rank {rank} did not load the probe's hooks (its "
+                    f"forward_hooks argument): SGLang {self.version} ignored "
+                    f"them"
+                ) from None
         return ranks
 
     def reset_counts(self) -> None:
@@ -334,12 +431,14 @@ class SglangTarget:
 
     @torch.no_grad()
     def run(self, tokens: list[int]):
-        out = self.engine.generate(input_ids=list(tokens),
-                                   sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                                   return_logprob=True, logprob_start_len=0,
-                                   top_logprobs_num=1)
-        self.answers, worst = collect(self.dir, self.tp, tokens, self.hidden_size,
-                                      self._consumed)
+        out = self.engine.generate(
+            input_ids=list(tokens),
+            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+            return_logprob=True,
+            logprob_start_len=0,
+            top_logprobs_num=1,
+        )
+        self.answers, worst = collect(self.dir, self.tp, tokens, self.hidden_size, self._consumed)
         first = self.answers[0]
         self.other_forwards += first["others"]
         self.worst_rank_difference = max(self.worst_rank_difference, worst)
@@ -348,8 +447,10 @@ class SglangTarget:
         last = (meta.get("output_top_logprobs") or [[None]])[0]
         n = len(tokens)
         if len(top) != n or any(not t for t in top[1:]) or not last:
-            raise EngineError(f"SGLang returned {len(top)} positions of prompt logprobs for a "
-                              f"prompt of {n} tokens: the target's greedy tokens are unknown")
+            raise EngineError(
+                f"SGLang returned {len(top)} positions of prompt logprobs for a "
+                f"prompt of {n} tokens: the target's greedy tokens are unknown"
+            )
         # input_top_logprobs[t] is the top token SGLang predicts for position t (from
         # position t - 1); the last position's is the output's.
         greedy = [int(top[t][0][1]) for t in range(1, n)] + [int(last[0][1])]

@@ -23,12 +23,18 @@ __all__ = ["decoder_layers", "target_states"]
 def decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
     """The model's decoder layers: the one ModuleList of ``num_layers`` modules
     (``model.model.layers`` for every Llama-like family; Kimi-K2.5's language model)."""
-    found = [m for name, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m) == num_layers
-             and name.split(".")[-1] in ("layers", "h", "blocks")]
+    found = [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList)
+        and len(m) == num_layers
+        and name.split(".")[-1] in ("layers", "h", "blocks")
+    ]
     if len(found) != 1:
-        raise ValueError(f"expected one list of {num_layers} decoder layers in "
-                         f"{type(model).__name__}, found {len(found)}")
+        raise ValueError(
+            f"expected one list of {num_layers} decoder layers in "
+            f"{type(model).__name__}, found {len(found)}"
+        )
     return found[0]
 
 
@@ -40,8 +46,9 @@ def _hidden(args, kwargs) -> torch.Tensor:
 
 
 @torch.no_grad()
-def target_states(model: nn.Module, layers: nn.ModuleList, input_ids: torch.Tensor,
-                  keep: Iterable[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+def target_states(
+    model: nn.Module, layers: nn.ModuleList, input_ids: torch.Tensor, keep: Iterable[int]
+) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Run ``model`` on ``input_ids`` [B, T]: the states at capture layers ``keep``
     ({c: [B, T, H]}) and the greedy next token after each position [B, T]."""
     n = len(layers)
@@ -52,6 +59,7 @@ def target_states(model: nn.Module, layers: nn.ModuleList, input_ids: torch.Tens
     def before(c):
         def hook(module, args, kwargs):
             states[c] = _hidden(args, kwargs).detach().clone()
+
         return hook
 
     def after(module, args, kwargs, output):

@@ -30,18 +30,34 @@ class ProbeReport:
     engines: list[str] = field(default_factory=list)
     ok: bool = False
     notes: list[str] = field(default_factory=list)
-    measured: dict = field(default_factory=dict)   # where and how the target ran
+    measured: dict = field(default_factory=dict)  # where and how the target ran
 
     def to_json(self) -> dict:
         """The report as data: what a script checks (``--json``)."""
-        return {"verdict": self.verdict.split(":")[0], "verdict_text": self.verdict,
-                "ok": self.ok, "threshold": self.threshold, "num_layers": self.num_layers,
-                "trainer": self.provenance.trainer, "ids": self.provenance.ids,
-                "readings": [{"capture_layers": list(c.layers), "agreement": c.agreement,
-                              "hits": c.hits, "tokens": c.tokens, "labels": c.labels,
-                              "config_reading": c.config_reading} for c in self.ranked],
-                "engines": self.engines, "fixes": self.fixes, "notes": self.notes,
-                "measured": self.measured}
+        return {
+            "verdict": self.verdict.split(":")[0],
+            "verdict_text": self.verdict,
+            "ok": self.ok,
+            "threshold": self.threshold,
+            "num_layers": self.num_layers,
+            "trainer": self.provenance.trainer,
+            "ids": self.provenance.ids,
+            "readings": [
+                {
+                    "capture_layers": list(c.layers),
+                    "agreement": c.agreement,
+                    "hits": c.hits,
+                    "tokens": c.tokens,
+                    "labels": c.labels,
+                    "config_reading": c.config_reading,
+                }
+                for c in self.ranked
+            ],
+            "engines": self.engines,
+            "fixes": self.fixes,
+            "notes": self.notes,
+            "measured": self.measured,
+        }
 
     @property
     def ranked(self) -> list[Candidate]:
@@ -52,12 +68,21 @@ class ProbeReport:
         rows = [("", "capture layers (c = input of layer c)", "agree", "tokens", "reading")]
         for i, c in enumerate(self.ranked):
             mark = "*" if c.config_reading else " "
-            rows.append((f"{i + 1}{mark}", c.describe(n), f"{100 * c.agreement:5.1f}%",
-                         str(c.tokens), "; ".join(c.labels)))
+            rows.append(
+                (
+                    f"{i + 1}{mark}",
+                    c.describe(n),
+                    f"{100 * c.agreement:5.1f}%",
+                    str(c.tokens),
+                    "; ".join(c.labels),
+                )
+            )
         w = [max(len(r[j]) for r in rows) for j in range(4)]
         lines = ["  ".join(r[j].ljust(w[j]) for j in range(4)) + "  " + r[4] for r in rows]
-        lines.append("(* the config's own reading; out X = the output of layer X; agree = the "
-                     "draft's first token is the target's greedy next token)")
+        lines.append(
+            "(* the config's own reading; out X = the output of layer X; agree = the "
+            "draft's first token is the target's greedy next token)"
+        )
         lines.append("")
         lines += [wrap(self.verdict, "", "  ")]
         lines += [wrap(f, "  ", "    ") for f in self.fixes]
@@ -85,22 +110,33 @@ def _fc_reorder(trained: list[int], spec, ids) -> str:
     width = f" of {spec.target_hidden_size} columns" if spec is not None else ""
     extra = ""
     if spec is not None and spec.norm_before_fc:
-        extra += (f"; permute the {k} blocks of the weight of the norm before fc the same way "
-                  f"(its RMS over the whole concatenation does not depend on the order)")
+        extra += (
+            f"; permute the {k} blocks of the weight of the norm before fc the same way "
+            f"(its RMS over the whole concatenation does not depend on the order)"
+        )
     if spec is not None and spec.fc_norm:
         extra += f"; reorder its {k} per-state fc norms the same way"
-    return (f"fix the draft, not the ids: reorder the input columns of its fc.weight in {k} "
-            f"blocks{width}, one per target state, so that the new blocks are the old blocks "
-            f"{perm} in that order (new block j = old block {perm}[j]){extra}. fc is linear "
-            f"in the concatenated states and nothing else in the draft sees them, so the "
-            f"draft then computes from the engines' ascending feed {ascending} exactly what "
-            f"it was trained to" + (f"; then write the ids sorted, {sorted(ids)}" if ids else "")
-            + ". Or retrain the draft on the engines' order")
+    return (
+        f"fix the draft, not the ids: reorder the input columns of its fc.weight in {k} "
+        f"blocks{width}, one per target state, so that the new blocks are the old blocks "
+        f"{perm} in that order (new block j = old block {perm}[j]){extra}. fc is linear "
+        f"in the concatenated states and nothing else in the draft sees them, so the "
+        f"draft then computes from the engines' ascending feed {ascending} exactly what "
+        f"it was trained to"
+        + (f"; then write the ids sorted, {sorted(ids)}" if ids else "")
+        + ". Or retrain the draft on the engines' order"
+    )
 
 
-def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: float,
-          sglang_version: str = "", draft_spec=None,
-          engines: Sequence[str] = ("sglang", "vllm")) -> None:
+def judge(
+    report: ProbeReport,
+    draft: DraftIds,
+    architecture: str,
+    min_margin: float,
+    sglang_version: str = "",
+    draft_spec=None,
+    engines: Sequence[str] = ("sglang", "vllm"),
+) -> None:
     """The verdict, the ids to write and each engine's line, from the measured table.
     The config's reading stands unless another reading beats it by more than the
     noise (:func:`_threshold`); two config readings (ambiguous ids, or unsorted ids
@@ -126,34 +162,41 @@ def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: f
             f"MISMATCH: capture layers {want} agree {pct(best)}, "
             f"{100 * (best.agreement - top.agreement):.1f} points more than the config's "
             f"reading {list(top.layers)} ({pct(top)}; {100 * need:.1f} needed): the draft was "
-            f"trained on {want}")
+            f"trained on {want}"
+        )
     elif len(config) > 1 and top.agreement - config[1].agreement < _threshold(
-            top, config[1], min_margin):
+        top, config[1], min_margin
+    ):
         report.verdict = (
             f"INCONCLUSIVE: the config's readings {list(top.layers)} ({pct(top)}) and "
             f"{list(config[1].layers)} ({pct(config[1])}) are within "
             f"{100 * _threshold(top, config[1], min_margin):.1f} points over {top.tokens} "
             f"tokens: more calibration text (--prompts, --max-tokens) narrows it; a draft "
-            f"that agrees little everywhere may not belong to this target")
+            f"that agrees little everywhere may not belong to this target"
+        )
     else:
         want = list(top.layers)
         which = "; ".join(lb for lb in top.labels if lb.startswith("config"))
         runner = next((c for c in ranked if c is not top), None)
-        report.verdict = f"CONFIRMED: the draft was trained on capture layers {want}, the " \
-                         f"config's reading ({which}): {pct(top)} agreement"
+        report.verdict = (
+            f"CONFIRMED: the draft was trained on capture layers {want}, the "
+            f"config's reading ({which}): {pct(top)} agreement"
+        )
         if runner is not None:
             gap = top.agreement - runner.agreement
             report.verdict += (
                 f", {100 * gap:.1f} points over the next reading {list(runner.layers)}"
-                if gap >= 0 else
-                f"; {list(runner.layers)} agrees {pct(runner)}, within the "
-                f"{100 * need:.1f} points that noise allows")
+                if gap >= 0
+                else f"; {list(runner.layers)} agrees {pct(runner)}, within the "
+                f"{100 * need:.1f} points that noise allows"
+            )
         if report.provenance.ambiguous:
             conv = "output" if "output" in which else "input"
             report.fixes.append(
                 f"the config's ids are ambiguous; this draft's are in the {conv} convention: "
                 f"pass --id-convention {conv} to the doctor, EAGLE_CAPTURE_ID_CONVENTION={conv} "
-                f"to the plugins")
+                f"to the plugins"
+            )
     if want is None:
         report.ok = False
         return
@@ -170,7 +213,8 @@ def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: f
             f"layers {want} in that order ({pct(won)}"
             + (f"; ascending, {sorted(want)}, {pct(asc)}" if asc is not None else "")
             + "): no engine can feed it so. SGLang and vLLM capture in ascending layer order "
-              "whatever the order of the ids, so no id list fixes it on either engine")
+            "whatever the order of the ids, so no id list fixes it on either engine"
+        )
         report.fixes.append(_fc_reorder(want, draft_spec, ids))
         want = sorted(want)
     elif ids and slot_order_problem(ids) and want == list(top.layers):
@@ -179,7 +223,8 @@ def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: f
             slot_order_problem(ids) + ". Measured: this draft takes its slots in ascending "
             f"order, as the engines feed them ({pct(top)}"
             + (f"; in the config's order {pct(ordered)}" if ordered is not None else "")
-            + f"): write the ids sorted, {sorted(ids)}")
+            + f"): write the ids sorted, {sorted(ids)}"
+        )
     sglang_version = sglang_version or SGLANG_DEFAULT
     line, _ = _sglang_line(architecture, sglang_version)
     sglang_ids = fix_ids(line, want, n, allow_embedding=0 in want)
@@ -194,19 +239,24 @@ def judge(report: ProbeReport, draft: DraftIds, architecture: str, min_margin: f
             report.engines.append(f"{label}: CANNOT LOAD -- {cannot}")
             continue
         # The target's class cannot capture there at all (the doctor's engine facts).
-        stuck = target_cannot_capture("sglang" if sglang else "vllm",
-                                      line if sglang else VLLM_LINE, architecture,
-                                      sglang_version if sglang else None)
+        stuck = target_cannot_capture(
+            "sglang" if sglang else "vllm",
+            line if sglang else VLLM_LINE,
+            architecture,
+            sglang_version if sglang else None,
+        )
         if stuck is not None and stuck.whole:
             report.ok = False
             report.engines.append(f"{label}: CANNOT CAPTURE -- {stuck.text}")
             continue
-        head = (f"{label} captures {sorted(layers)} in ascending order: PROBLEM -- no ids "
-                f"feed slots in the config's order; with the draft's fc reordered (above), "
-                if in_order else f"{label} captures {sorted(layers)}: ")
+        head = (
+            f"{label} captures {sorted(layers)} in ascending order: PROBLEM -- no ids "
+            f"feed slots in the config's order; with the draft's fc reordered (above), "
+            if in_order
+            else f"{label} captures {sorted(layers)}: "
+        )
         if sorted(layers) == want:
-            report.engines.append(head + ("it captures the right layers" if in_order
-                                          else "OK"))
+            report.engines.append(head + ("it captures the right layers" if in_order else "OK"))
             continue
         report.ok = False
         if not sglang:

@@ -60,8 +60,14 @@ def time_graph_replay(steps: list, steps_per_graph: int, replays: int) -> float:
     return statistics.median(times)
 
 
-def rotation_sets(set_bytes: int, l2_bytes: int, l2_multiple: float, *, max_sets: int,
-                  budget_bytes: Optional[int] = None) -> int:
+def rotation_sets(
+    set_bytes: int,
+    l2_bytes: int,
+    l2_multiple: float,
+    *,
+    max_sets: int,
+    budget_bytes: Optional[int] = None,
+) -> int:
     """Distinct buffer sets, each of ``set_bytes``, whose total is at least
     ``l2_multiple`` x L2, so that a step never reads what an earlier one left in
     cache (a model's layers read fresh activations). 1 for ``l2_multiple <= 0``
@@ -75,8 +81,9 @@ def rotation_sets(set_bytes: int, l2_bytes: int, l2_multiple: float, *, max_sets
     return max(1, min(max_sets, sets))
 
 
-def graph_steps(num_sets: int, min_steps: int, kept_bytes: int = 0,
-                budget_bytes: Optional[int] = None) -> int:
+def graph_steps(
+    num_sets: int, min_steps: int, kept_bytes: int = 0, budget_bytes: Optional[int] = None
+) -> int:
     """Steps per CUDA graph: at least ``min_steps`` (one replay's launch cost is
     shared by that many steps) and every set once (round-robin), but no more
     steps whose kept outputs (``kept_bytes`` each, see :func:`time_graph_replay`)
@@ -87,8 +94,9 @@ def graph_steps(num_sets: int, min_steps: int, kept_bytes: int = 0,
     return max(1, steps)
 
 
-def measure_copy_graph(nbytes: int, dtype, device, *, num_pairs: int, steps_per_graph: int,
-                       replays: int) -> dict:
+def measure_copy_graph(
+    nbytes: int, dtype, device, *, num_pairs: int, steps_per_graph: int, replays: int
+) -> dict:
     """A device copy (``dst = src + 0``) moving ``nbytes`` (read + written, rounded down to
     whole elements), timed as the steps it is a roofline for: CUDA-graph replay
     of ``steps_per_graph`` copies walking ``num_pairs`` (src, dst) pairs
@@ -96,8 +104,13 @@ def measure_copy_graph(nbytes: int, dtype, device, *, num_pairs: int, steps_per_
     misaligned and lose the copy kernel's vector loads."""
     elem = torch.tensor([], dtype=dtype).element_size()
     numel = max(1, nbytes // (2 * elem))
-    pairs = [(torch.ones(numel, dtype=dtype, device=device),
-              torch.empty(numel, dtype=dtype, device=device)) for _ in range(num_pairs)]
+    pairs = [
+        (
+            torch.ones(numel, dtype=dtype, device=device),
+            torch.empty(numel, dtype=dtype, device=device),
+        )
+        for _ in range(num_pairs)
+    ]
     # An elementwise kernel, not copy_: captured in a CUDA graph, copy_ becomes a
     # memcpy node, which measured 2.77 TB/s on the H200 at 2.8 GB against 4.28
     # for the same copy run eagerly -- consistent with the graph handing it to a
@@ -105,8 +118,13 @@ def measure_copy_graph(nbytes: int, dtype, device, *, num_pairs: int, steps_per_
     steps = [lambda src=src, dst=dst: torch.add(src, 0, out=dst) for src, dst in pairs]
     us = time_graph_replay(steps, steps_per_graph, replays)
     moved = 2 * numel * elem
-    return {"bytes": moved, "us": us, "gbps": moved / us / 1e3, "pairs": num_pairs,
-            "steps_per_graph": max(steps_per_graph, num_pairs)}
+    return {
+        "bytes": moved,
+        "us": us,
+        "gbps": moved / us / 1e3,
+        "pairs": num_pairs,
+        "steps_per_graph": max(steps_per_graph, num_pairs),
+    }
 
 
 def measure_write_floor(buffers: list, steps_per_graph: int, replays: int) -> dict:
@@ -117,13 +135,20 @@ def measure_write_floor(buffers: list, steps_per_graph: int, replays: int) -> di
     buffers and subtracted: ``net_us`` is the write alone, comparable with a
     store added inside an existing kernel."""
     us = time_graph_replay([lambda b=b: b.fill_(1) for b in buffers], steps_per_graph, replays)
-    fixed = time_graph_replay([lambda b=b: b[:1].fill_(1) for b in buffers], steps_per_graph,
-                              replays)
+    fixed = time_graph_replay(
+        [lambda b=b: b[:1].fill_(1) for b in buffers], steps_per_graph, replays
+    )
     nbytes = buffers[0].numel() * buffers[0].element_size()
     net = us - fixed
-    return {"bytes": nbytes, "us": us, "fixed_us": fixed, "net_us": net,
-            "gbps": nbytes / net / 1e3 if net > 0 else None, "buffers": len(buffers),
-            "steps_per_graph": max(steps_per_graph, len(buffers))}
+    return {
+        "bytes": nbytes,
+        "us": us,
+        "fixed_us": fixed,
+        "net_us": net,
+        "gbps": nbytes / net / 1e3 if net > 0 else None,
+        "buffers": len(buffers),
+        "steps_per_graph": max(steps_per_graph, len(buffers)),
+    }
 
 
 def time_events(steps: list, reps: int) -> float:
@@ -150,9 +175,15 @@ def measure_copy_roofline(device, nbytes: int = 2 << 30, reps: int = 20) -> dict
     return {"bytes": 2 * nbytes, "us": us, "gbps": 2 * nbytes / us / 1e3}
 
 
-def host_us_per_call(fn: Callable[[], object], calls: int, *, warmup: int,
-                     summary: Callable = statistics.median, sync: bool = True,
-                     chunks: int = 5) -> float:
+def host_us_per_call(
+    fn: Callable[[], object],
+    calls: int,
+    *,
+    warmup: int,
+    summary: Callable = statistics.median,
+    sync: bool = True,
+    chunks: int = 5,
+) -> float:
     """Host microseconds per call of ``fn``: ``warmup`` calls, then ``chunks``
     timed chunks of ``calls // chunks`` calls, reduced with ``summary`` (median,
     or min for the best chunk). With ``sync`` the GPU is drained after the
@@ -176,10 +207,19 @@ def host_us_per_call(fn: Callable[[], object], calls: int, *, warmup: int,
 def add_graph_timing_arguments(parser, *, replays: int, steps_note: str, one_set_note: str) -> None:
     """The CUDA-graph timing options every benchmark script takes: --replays,
     --steps-per-graph and --rotate-l2 (see :func:`rotation_sets`, :func:`graph_steps`)."""
-    parser.add_argument("--replays", type=int, default=replays,
-                        help=f"graph replays per point (default {replays})")
-    parser.add_argument("--steps-per-graph", type=int, default=8,
-                        help=f"at least this many steps per CUDA graph (default 8; {steps_note})")
-    parser.add_argument("--rotate-l2", type=float, default=4,
-                        help=f"rotate buffer sets totalling this many L2 sizes (default 4; 0: "
-                             f"{one_set_note}, warm cache)")
+    parser.add_argument(
+        "--replays", type=int, default=replays, help=f"graph replays per point (default {replays})"
+    )
+    parser.add_argument(
+        "--steps-per-graph",
+        type=int,
+        default=8,
+        help=f"at least this many steps per CUDA graph (default 8; {steps_note})",
+    )
+    parser.add_argument(
+        "--rotate-l2",
+        type=float,
+        default=4,
+        help=f"rotate buffer sets totalling this many L2 sizes (default 4; 0: "
+        f"{one_set_note}, warm cache)",
+    )

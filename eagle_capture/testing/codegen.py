@@ -38,9 +38,14 @@ def ttir(kernel, signature: dict, constexprs: dict) -> str:
     parameters = inspect.signature(kernel.fn).parameters
     params = list(parameters)
     # A constexpr left out takes its default, as at a launch (the cache-hint knobs).
-    constexprs = {**{name: p.default for name, p in parameters.items()
-                     if "constexpr" in str(p.annotation)
-                     and p.default is not inspect.Parameter.empty}, **constexprs}
+    constexprs = {
+        **{
+            name: p.default
+            for name, p in parameters.items()
+            if "constexpr" in str(p.annotation) and p.default is not inspect.Parameter.empty
+        },
+        **constexprs,
+    }
     sig = {p: ("constexpr" if p in constexprs else signature[p]) for p in params}
     consts = {(params.index(name),): value for name, value in constexprs.items()}
     target = GPUTarget("cuda", 90, 32)
@@ -51,9 +56,8 @@ def ttir(kernel, signature: dict, constexprs: dict) -> str:
     backend.load_dialects(context)
     source = ASTSource(fn=kernel, signature=sig, constexprs=consts)
     make_ir = source.make_ir
-    args = (options, backend.get_codegen_implementation(options), backend.get_module_map(),
-            context)
-    if "target" in inspect.signature(make_ir).parameters:   # Triton >= 3.5
+    args = (options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+    if "target" in inspect.signature(make_ir).parameters:  # Triton >= 3.5
         args = (target,) + args
     return str(make_ir(*args))
 
@@ -81,34 +85,67 @@ def _variants():
     def types(kernel, special):
         out = {}
         for p in inspect.signature(kernel.fn).parameters:
-            out[p] = special.get(p) or ("*bf16" if p.endswith("_ptr") else
-                                        "fp32" if p == "eps" else "i32")
+            out[p] = special.get(p) or (
+                "*bf16" if p.endswith("_ptr") else "fp32" if p == "eps" else "i32"
+            )
         return out
 
     fused = types(add_rmsnorm_capture_kernel, {})
     for residual in (True, False):
         for norm in (True, False):
-            consts = dict(HAS_RESIDUAL=residual, APPLY_NORM=norm, STORE_RESIDUAL=residual,
-                          CAPTURE=True, BLOCK_H=64, USE_PDL=False, NORM_FP32_SUM=False)
+            consts = dict(
+                HAS_RESIDUAL=residual,
+                APPLY_NORM=norm,
+                STORE_RESIDUAL=residual,
+                CAPTURE=True,
+                BLOCK_H=64,
+                USE_PDL=False,
+                NORM_FP32_SUM=False,
+            )
             strides = ["stride_hidden", "stride_aux_row"]
             strides += ["stride_residual", "stride_residual_out"] if residual else []
             strides += ["stride_normed_out"] if norm else []
-            yield (f"add_rmsnorm_capture residual={residual} norm={norm}",
-                   add_rmsnorm_capture_kernel, fused, consts, strides)
-    reduce = types(lamport_allreduce_add_rmsnorm_capture_kernel,
-                   {"ptr_table": "*i64", "state_ptr": "*i32", "timeout_ns": "i64"})
-    consts = dict(WORLD_SIZE=2, CAPTURE=True, NORM_FP32_SUM=False, USE_GLOBALTIMER=True,
-                  DEBUG_SPIN=0, BLOCK_H=64)
-    yield ("lamport_allreduce_add_rmsnorm_capture", lamport_allreduce_add_rmsnorm_capture_kernel,
-           reduce, consts, ["stride_partial", "stride_residual", "stride_normed_out",
-                            "stride_residual_out", "stride_aux_row"])
+            yield (
+                f"add_rmsnorm_capture residual={residual} norm={norm}",
+                add_rmsnorm_capture_kernel,
+                fused,
+                consts,
+                strides,
+            )
+    reduce = types(
+        lamport_allreduce_add_rmsnorm_capture_kernel,
+        {"ptr_table": "*i64", "state_ptr": "*i32", "timeout_ns": "i64"},
+    )
+    consts = dict(
+        WORLD_SIZE=2,
+        CAPTURE=True,
+        NORM_FP32_SUM=False,
+        USE_GLOBALTIMER=True,
+        DEBUG_SPIN=0,
+        BLOCK_H=64,
+    )
+    yield (
+        "lamport_allreduce_add_rmsnorm_capture",
+        lamport_allreduce_add_rmsnorm_capture_kernel,
+        reduce,
+        consts,
+        [
+            "stride_partial",
+            "stride_residual",
+            "stride_normed_out",
+            "stride_residual_out",
+            "stride_aux_row",
+        ],
+    )
 
 
 def main() -> int:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, root)
-    report = {name: narrow_offsets(ttir(kernel, sig, consts), strides)
-              for name, kernel, sig, consts, strides in _variants()}
+    report = {
+        name: narrow_offsets(ttir(kernel, sig, consts), strides)
+        for name, kernel, sig, consts, strides in _variants()
+    }
     print(json.dumps(report, indent=1))
     return 0
 

@@ -22,19 +22,33 @@ from eagle_capture.kernels import add_rmsnorm_capture_kernel, kernel_arguments
 from eagle_capture.ops import table
 
 
-def launch_kernel(hidden_states: torch.Tensor, residual: Optional[torch.Tensor], *,
-                  weight: Optional[torch.Tensor] = None, eps: float = 0.0,
-                  normed_out: Optional[torch.Tensor] = None,
-                  residual_out: Optional[torch.Tensor] = None,
-                  aux: Optional[torch.Tensor] = None, slot: int = 0,
-                  norm_fp32_sum: bool = False) -> None:
+def launch_kernel(
+    hidden_states: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    *,
+    weight: Optional[torch.Tensor] = None,
+    eps: float = 0.0,
+    normed_out: Optional[torch.Tensor] = None,
+    residual_out: Optional[torch.Tensor] = None,
+    aux: Optional[torch.Tensor] = None,
+    slot: int = 0,
+    norm_fp32_sum: bool = False,
+) -> None:
     """The kernel on unchecked arguments: ``aux`` -> capture into ``aux[:T, slot]``;
     ``residual_out`` -> store the new residual; ``weight`` + ``normed_out`` -> RMSNorm."""
     if hidden_states.shape[0] == 0:
         return  # a zero-size grid is not a valid launch
-    grid, values, num_warps = kernel_arguments(hidden_states, residual, weight, normed_out,
-                                               residual_out, aux, eps=eps, slot=slot,
-                                               norm_fp32_sum=norm_fp32_sum)
+    grid, values, num_warps = kernel_arguments(
+        hidden_states,
+        residual,
+        weight,
+        normed_out,
+        residual_out,
+        aux,
+        eps=eps,
+        slot=slot,
+        norm_fp32_sum=norm_fp32_sum,
+    )
     add_rmsnorm_capture_kernel[grid](**values, num_warps=num_warps)
 
 
@@ -49,8 +63,10 @@ def kernel_interpreted() -> bool:
 @contextlib.contextmanager
 def kernel_on_cpu():
     if not kernel_interpreted():
-        raise RuntimeError("eagle_capture.testing.kernel.kernel_on_cpu() needs Triton's "
-                           "interpreter: set TRITON_INTERPRET=1 before eagle_capture is imported")
+        raise RuntimeError(
+            "eagle_capture.testing.kernel.kernel_on_cpu() needs Triton's "
+            "interpreter: set TRITON_INTERPRET=1 before eagle_capture is imported"
+        )
     launcher = table.LAUNCHER
     if "cpu" in launcher.kernel_devices:  # nested
         yield

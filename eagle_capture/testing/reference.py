@@ -25,7 +25,10 @@ def sglang_eager_capture(
 
 
 def add_rmsnorm_reference(
-    hidden_states: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
     norm_fp32_sum: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(normed, new_residual)``: ``new_residual = h + r`` in the input dtype
@@ -33,8 +36,7 @@ def add_rmsnorm_reference(
     dtype tolerance after the kernel's single rounding), taken of the rounded
     residual or, with ``norm_fp32_sum``, of the exact sum (FlashInfer's choice)."""
     new_residual = hidden_states + residual
-    x = (hidden_states.double() + residual.double() if norm_fp32_sum
-         else new_residual.double())
+    x = hidden_states.double() + residual.double() if norm_fp32_sum else new_residual.double()
     rstd = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
     return x * rstd * weight.double(), new_residual
 

@@ -53,13 +53,23 @@ class SGLangDeepseekLoop:
             pass
         finally:
             handle.remove()
-        return {k: v for k, v in seen.items()
-                if k in ("attention_mask", "position_embeddings", "position_ids")}
+        return {
+            k: v
+            for k, v in seen.items()
+            if k in ("attention_mask", "position_embeddings", "position_ids")
+        }
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, layers_to_capture, *, capture: str = "fused",
-                buffer: Optional[AuxCaptureBuffer] = None, tp=None,
-                partial: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        layers_to_capture,
+        *,
+        capture: str = "fused",
+        buffer: Optional[AuxCaptureBuffer] = None,
+        tp=None,
+        partial: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
+    ):
         """Returns ``(final_hidden_states [T, H], aux [T, K*H])``.
 
         ``input_ids`` is ``[1, T]`` (one sequence); ``capture`` is ``"eager"``
@@ -77,25 +87,26 @@ class SGLangDeepseekLoop:
             raise ValueError(f"capture must be 'eager' or 'fused', got {capture!r}")
         layers_to_capture = sorted(layers_to_capture)
         attn_kwargs = self._layer_inputs(input_ids)
-        hidden = self.model.embed_tokens(input_ids)[0]            # [T, H]
+        hidden = self.model.embed_tokens(input_ids)[0]  # [T, H]
         num_tokens, hidden_size = hidden.shape
         if capture == "fused" and buffer is None:
-            buffer = AuxCaptureBuffer(num_tokens, hidden_size, layers_to_capture,
-                                      dtype=hidden.dtype, device=hidden.device)
+            buffer = AuxCaptureBuffer(
+                num_tokens, hidden_size, layers_to_capture, dtype=hidden.dtype, device=hidden.device
+            )
         eager_aux = []
         residual = None
         for i, layer in enumerate(self.layers):
             w_in = layer.input_layernorm.weight
             captured = i in layers_to_capture
-            if capture == "eager" and captured:                   # SGLang: aux.append(h + r)
+            if capture == "eager" and captured:  # SGLang: aux.append(h + r)
                 eager_aux.append(hidden + residual if residual is not None else hidden.clone())
-            if residual is None:                                  # layer 0: residual <- input
+            if residual is None:  # layer 0: residual <- input
                 if capture == "fused" and captured:
                     buffer.capture(i, hidden, None)
                 residual = hidden.clone()
                 # Layer 0's plain RMSNorm (no residual yet), fp32 math like the kernel.
                 hidden = rmsnorm_fp32(hidden, w_in, self.eps).to(hidden.dtype)
-            elif tp is not None:                                  # reduce, then add, then store
+            elif tp is not None:  # reduce, then add, then store
                 tp.reduce_add_rmsnorm(i, hidden, residual, w_in, self.eps)
             elif capture == "fused" and captured:
                 buffer.add_rmsnorm_capture(i, hidden, residual, w_in, self.eps)
@@ -103,8 +114,9 @@ class SGLangDeepseekLoop:
                 ops.add_rmsnorm_capture(hidden, residual, w_in, self.eps)
             attn_out = layer.self_attn(hidden_states=hidden.unsqueeze(0), **attn_kwargs)[0][0]
             hidden = attn_out.contiguous()
-            ops.add_rmsnorm_capture(hidden, residual, layer.post_attention_layernorm.weight,
-                                    self.eps)
+            ops.add_rmsnorm_capture(
+                hidden, residual, layer.post_attention_layernorm.weight, self.eps
+            )
             hidden = layer.mlp(hidden.unsqueeze(0))[0].contiguous()
             if partial is not None:
                 hidden = partial(i, hidden).contiguous()
@@ -122,8 +134,9 @@ class _Stop(Exception):
     pass
 
 
-def hf_training_capture(hf_model, input_ids: torch.Tensor, draft_ids, *,
-                        convention: str = "output") -> torch.Tensor:
+def hf_training_capture(
+    hf_model, input_ids: torch.Tensor, draft_ids, *, convention: str = "output"
+) -> torch.Tensor:
     """The training side: ``torch.cat`` of HF ``output_hidden_states`` for the
     draft's ids, as SpecForge builds the draft's input (``[T, K*H]``)."""
     with torch.no_grad():

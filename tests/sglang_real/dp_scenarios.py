@@ -43,8 +43,7 @@ HIDDEN = tp_scenarios.HIDDEN
 # (mode, tokens on rank 0, tokens on rank 1): unequal batches (extend: SGLang's
 # SUM_LEN padding, an all-reduce gather; decode: MAX_LEN, rank 1 padded to rank
 # 0's rows and trimmed back), an idle rank, equal ones.
-CASES = (("extend", 5, 3), ("decode", 3, 1), ("extend", 4, 0), ("decode", 2, 2),
-         ("extend", 11, 6))
+CASES = (("extend", 5, 3), ("decode", 3, 1), ("extend", 4, 0), ("decode", 2, 2), ("extend", 11, 6))
 
 _ARGS: argparse.Namespace | None = None
 
@@ -88,10 +87,15 @@ def _seed(case) -> int:
 
 
 def _build(set_capture=True):
-    return harness.build_model(num_layers=tp_scenarios.NUM_LAYERS, hidden_size=HIDDEN,
-                               dtype=torch.float32, capture_ids=tp_scenarios.DRAFT_IDS,
-                               seed=tp_scenarios.SEED, set_capture=set_capture,
-                               standin="row_parallel")
+    return harness.build_model(
+        num_layers=tp_scenarios.NUM_LAYERS,
+        hidden_size=HIDDEN,
+        dtype=torch.float32,
+        capture_ids=tp_scenarios.DRAFT_IDS,
+        seed=tp_scenarios.SEED,
+        set_capture=set_capture,
+        standin="row_parallel",
+    )
 
 
 def _verifying_install(forwards: int):
@@ -99,13 +103,19 @@ def _verifying_install(forwards: int):
     model built as SGLang's reference is: (model, state, install log, how)."""
     ours = _build(set_capture=False)
     state, log, how = tp_scenarios._install_capture(
-        ours, {"EAGLE_CAPTURE": "1", "EAGLE_CAPTURE_MAX_TOKENS": "16",
-               "EAGLE_CAPTURE_VERIFY": str(forwards)})
+        ours,
+        {
+            "EAGLE_CAPTURE": "1",
+            "EAGLE_CAPTURE_MAX_TOKENS": "16",
+            "EAGLE_CAPTURE_VERIFY": str(forwards),
+        },
+    )
     tp_scenarios._detach_log(log)
     return ours, state, log, how
 
 
 # ------------------------------------------------------------------ scenarios
+
 
 def dp_setup():
     """SGLang's own DP-attention topology, and the stand-ins' groups read off the
@@ -116,11 +126,13 @@ def dp_setup():
 
     assert dp_attention.is_dp_attention_enabled(), "DP attention is not enabled"
     attn, tp = get_attn_tp_group(), get_tp_group()
-    assert (attn.world_size, tp.world_size) == (_attn_tp(), _world()), \
-        (attn.world_size, tp.world_size)
+    assert (attn.world_size, tp.world_size) == (_attn_tp(), _world()), (
+        attn.world_size,
+        tp.world_size,
+    )
     model = _build()
     layers = harness.text_lm(model).model.layers
-    shards = {"attn": layers[3].self_attn.cols, "mlp": layers[1].mlp.cols}   # layer 1: dense
+    shards = {"attn": layers[3].self_attn.cols, "mlp": layers[1].mlp.cols}  # layer 1: dense
     a, w = HIDDEN // _attn_tp(), HIDDEN // _world()
     r = _ARGS.rank % _attn_tp()
     assert shards["attn"] == (r * a, (r + 1) * a), f"attention not on its own group: {shards}"
@@ -128,12 +140,18 @@ def dp_setup():
     modes = {}
     for i, layer in enumerate(harness.text_lm(model).model.layers):
         scatter = getattr(getattr(layer, "layer_communicator", None), "layer_scatter_modes", None)
-        if scatter is not None:   # <= 0.5.20: the layout SGLang derived for the layer
+        if scatter is not None:  # <= 0.5.20: the layout SGLang derived for the layer
             modes[i] = f"mlp {scatter.mlp_mode.name}, output {scatter.layer_output_mode.name}"
     from sglang.srt.layers.moe.utils import get_moe_a2a_backend
-    return {"attn_tp": attn.world_size, "tp": tp.world_size, "shards": shards,
-            "moe_a2a_backend": str(get_moe_a2a_backend()), "layer_modes": modes,
-            "init_calls": harness._STATE["init_calls"]}
+
+    return {
+        "attn_tp": attn.world_size,
+        "tp": tp.world_size,
+        "shards": shards,
+        "moe_a2a_backend": str(get_moe_a2a_backend()),
+        "layer_modes": modes,
+        "init_calls": harness._STATE["init_calls"],
+    }
 
 
 def dp_equals_sglang():
@@ -165,22 +183,25 @@ def dp_equals_sglang():
             sglang_fails, final_ref, aux_ref = f"{type(e).__name__}: {e}", None, None
         final, aux = _run(ours, mode, t, _seed(case))
         assert aux.shape == (t, 3 * HIDDEN), (case, aux.shape)
-        if aux_ref is None:   # no reference on this rank: both ranks hold the same rows
+        if aux_ref is None:  # no reference on this rank: both ranks hold the same rows
             tp_scenarios._same_on_all_ranks(aux, f"{case}: the gathered capture")
         else:
-            assert torch.equal(aux, aux_ref), \
-                f"{case}: the draft's input differs from SGLang's own"
+            assert torch.equal(aux, aux_ref), f"{case}: the draft's input differs from SGLang's own"
             assert torch.equal(final, final_ref), f"{case}: final hidden states differ"
         n = state.fused_calls - fused
         gathered = state.gathered_calls - gathered_before
         want = len(state.scattered_layers) if t else 0
-        assert gathered == want and n == (3 - want if t else 0), \
+        assert gathered == want and n == (3 - want if t else 0), (
             f"{case}: {n} fused captures, {gathered} gathered"
+        )
         assert state.slot_residual_calls == 0
         out.append(f"{mode} {case[1]}/{case[2]}: rank {_ARGS.rank} {t} rows equal")
     assert state.fallback_calls == state.gathered_calls and state.overflow_forwards == 0
-    return {"cases": out, "scattered_layers": sorted(state.scattered_layers),
-            "sglang_own_capture_fails": sglang_fails}
+    return {
+        "cases": out,
+        "scattered_layers": sorted(state.scattered_layers),
+        "sglang_own_capture_fails": sglang_fails,
+    }
 
 
 def _sglang_gathers_no_dense_rows() -> bool:
@@ -204,10 +225,11 @@ def dp_plugin_verify():
     assert state.verify_group is tp_scenarios._group().cpu_group
     if _dp() and _attn_tp() == 1:
         assert state.verify_rows_group is None, "the self-check would compare different requests"
-    elif _dp():   # the attention-TP group's ranks hold the same rows: compared
+    elif _dp():  # the attention-TP group's ranks hold the same rows: compared
         from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
         assert state.verify_rows_group is get_attn_tp_group().cpu_group
-    else:   # both ranks hold the same rows: compared
+    else:  # both ranks hold the same rows: compared
         assert state.verify_rows_group is state.verify_group
     records = ps._Records()
     logging.getLogger("eagle_capture").addHandler(records)
@@ -221,12 +243,16 @@ def dp_plugin_verify():
     lines = [m for _, m in records.lines if m.startswith("eagle_capture verify")]
     assert not records.text(logging.ERROR) and not state.disabled, records.text()
     assert len(lines) == 5 and "self-check off" in lines[-1], lines
-    same = ("each holds its own requests' rows" if _dp() and _attn_tp() == 1 else
-            f"identical on all {_attn_tp()} attention-TP ranks" if _dp() else
-            f"identical on all {_world()} TP ranks")
+    same = (
+        "each holds its own requests' rows"
+        if _dp() and _attn_tp() == 1
+        else f"identical on all {_attn_tp()} attention-TP ranks"
+        if _dp()
+        else f"identical on all {_world()} TP ranks"
+    )
     assert all(same in m or "T=0" in m and "(idle)" in m for m in lines[:4]), lines
     on = [m for _, m in log.lines if "ON" in m]
-    if on and _dp():   # the plugin's ON line (0.5.13+)
+    if on and _dp():  # the plugin's ON line (0.5.13+)
         assert f"DP attention (attention-TP {_attn_tp()}" in on[0], on[0]
     return {"how": how, "lines": lines[:2], "on": on[:1]}
 
@@ -261,7 +287,7 @@ def dp_wrong_group_caught():
 
     ref = tp_scenarios._sglang_reference()
     ours, state, log, how = _verifying_install(2)
-    case = ("decode", 4, 4)       # equal counts: the planted all-gather needs them
+    case = ("decode", 4, 4)  # equal counts: the planted all-gather needs them
     records = ps._Records()
     logging.getLogger("eagle_capture").addHandler(records)
     try:
@@ -272,15 +298,15 @@ def dp_wrong_group_caught():
         tp_scenarios._detach_log(records)
     assert torch.equal(aux, aux_ref), "the self-check did not serve SGLang's values"
     errors = records.text(logging.ERROR)
-    if _dp_rank() != 0:   # handed DP rank 0's rows
-        planted = [i for i in (2, 4, 6) if i not in state.scattered_layers]   # fused ones
-        assert "MISMATCH" in errors and all(f"layer {i} (slot" in errors for i in planted), \
-            errors
+    if _dp_rank() != 0:  # handed DP rank 0's rows
+        planted = [i for i in (2, 4, 6) if i not in state.scattered_layers]  # fused ones
+        assert "MISMATCH" in errors and all(f"layer {i} (slot" in errors for i in planted), errors
     else:
         assert "another TP rank" in errors, errors
     assert state.disabled, "not switched back on this rank"
     # The comparison group: over the TP group two DP ranks' captures differ.
     from eagle_capture import AuxCaptureBuffer
+
     mine = AuxCaptureBuffer(4, HIDDEN, [2, 4, 6], dtype=torch.float32)
     mine.aux.copy_(aux_ref.view(4, 3, HIDDEN))
     try:
@@ -289,8 +315,11 @@ def dp_wrong_group_caught():
         message = str(e)
     else:
         raise AssertionError("two DP ranks' different requests compared equal over the TP group")
-    return {"how": how, "self_check": errors.splitlines()[0][:240],
-            "over_the_tp_group": message.splitlines()[0][:200]}
+    return {
+        "how": how,
+        "self_check": errors.splitlines()[0][:240],
+        "over_the_tp_group": message.splitlines()[0][:200],
+    }
 
 
 def scattered_setup():
@@ -309,8 +338,9 @@ def scattered_setup():
     state = harness.text_lm(model)._eagle_capture
     # After a sparse layer under the all-to-all backend, after a dense one with
     # moe_dense_tp_size 1 (layers 0 and 1 are dense here).
-    want = ({4, 6} if _ARGS.moe_a2a_backend else set()) | \
-        ({2} if _ARGS.moe_dense_tp_size == 1 else set())
+    want = ({4, 6} if _ARGS.moe_a2a_backend else set()) | (
+        {2} if _ARGS.moe_dense_tp_size == 1 else set()
+    )
     assert state.scattered_layers == want, (sorted(state.scattered_layers), sorted(want))
     assert not state.residual_in_slot_enabled, "path f taken with token-scattered rows"
     return {"scattered_layers": sorted(state.scattered_layers)}
@@ -334,28 +364,46 @@ def main(argv=None) -> None:
     global _ARGS
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, choices=(2, 4), default=2,
-                        help="4 with --dp-size 2: attention-TP groups of two ranks")
+    parser.add_argument(
+        "--world",
+        type=int,
+        choices=(2, 4),
+        default=2,
+        help="4 with --dp-size 2: attention-TP groups of two ranks",
+    )
     parser.add_argument("--init-method", required=True, help="tcp://127.0.0.1:PORT")
     parser.add_argument("--json", required=True)
     parser.add_argument("--only", nargs="*")
     parser.add_argument("--dist-timeout", type=int, default=120)
     parser.add_argument("--moe-a2a-backend", default=None)
     parser.add_argument("--moe-dense-tp-size", type=int, default=None)
-    parser.add_argument("--dp-size", type=int, choices=(1, 2), default=2,
-                        help="1: plain TP 2 (with --moe-a2a-backend: scattered rows)")
+    parser.add_argument(
+        "--dp-size",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="1: plain TP 2 (with --moe-a2a-backend: scattered rows)",
+    )
     _ARGS = tp_scenarios._ARGS = args = parser.parse_args(argv)
     results = {"world": args.world, "dp": args.dp_size, "rank": args.rank}
     write = tp_scenarios._writer(args.json, results)
     try:
-        harness.setup(tp_size=args.world, rank=args.rank, init_method=args.init_method,
-                      dist_timeout=args.dist_timeout, dp_size=args.dp_size,
-                      moe_a2a_backend=args.moe_a2a_backend,
-                      moe_dense_tp_size=args.moe_dense_tp_size)
+        harness.setup(
+            tp_size=args.world,
+            rank=args.rank,
+            init_method=args.init_method,
+            dist_timeout=args.dist_timeout,
+            dp_size=args.dp_size,
+            moe_a2a_backend=args.moe_a2a_backend,
+            moe_dense_tp_size=args.moe_dense_tp_size,
+        )
         results["version"] = harness.sglang_version()
     except Exception as e:  # noqa: BLE001
-        results["setup"] = {"ok": False, "detail": f"{type(e).__name__}: {e}",
-                            "traceback": traceback.format_exc()}
+        results["setup"] = {
+            "ok": False,
+            "detail": f"{type(e).__name__}: {e}",
+            "traceback": traceback.format_exc(),
+        }
         write()
         tp_scenarios._exit(1)
     scenarios = SCENARIOS if args.dp_size > 1 else SCATTERED

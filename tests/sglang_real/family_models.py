@@ -36,31 +36,61 @@ GPU_ONLY_IMPORTS = {"minimax_m2": ("tvm_ffi",)}
 def tiny_config(family: str, num_layers: int, hidden_size: int, vocab_size: int = 128):
     """A tiny config of ``family``'s transformers class: 4 heads of 16, GQA 2 KV
     heads, 4 experts of which 2 per token for the MoE families."""
-    harness._ensure_stubs()   # before transformers is first imported (stubs.py says why)
+    harness._ensure_stubs()  # before transformers is first imported (stubs.py says why)
     import transformers
 
     module, entry, config_class = FAMILIES[family]
-    common = dict(vocab_size=vocab_size, hidden_size=hidden_size,
-                  intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
-                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  architectures=[entry])
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        architectures=[entry],
+    )
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2)
     extra = {
-        "qwen2_moe": dict(moe, decoder_sparse_step=1, mlp_only_layers=[],
-                          shared_expert_intermediate_size=hidden_size),
+        "qwen2_moe": dict(
+            moe,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            shared_expert_intermediate_size=hidden_size,
+        ),
         "qwen3_moe": dict(moe, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
-        "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
-                        swiglu_limit=7.0,   # GPT-OSS's config.json (<= 0.5.20 read it)
-                        layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)
-                        + ["sliding_attention"] * (num_layers % 2)),
-        "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                         moe_intermediate_size=hidden_size // 2, first_k_dense_replace=1,
-                         n_group=1, topk_group=1, routed_scaling_factor=1.0,
-                         norm_topk_prob=True, use_qk_norm=False, partial_rotary_factor=0.5),
-        "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2,
-                           use_qk_norm=True, rotary_dim=hidden_size // 8,
-                           scoring_func="sigmoid", use_routing_bias=True),
+        "gpt_oss": dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=128,
+            swiglu_limit=7.0,  # GPT-OSS's config.json (<= 0.5.20 read it)
+            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)
+            + ["sliding_attention"] * (num_layers % 2),
+        ),
+        "glm4_moe": dict(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=hidden_size // 2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.0,
+            norm_topk_prob=True,
+            use_qk_norm=False,
+            partial_rotary_factor=0.5,
+        ),
+        "minimax_m2": dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            use_qk_norm=True,
+            rotary_dim=hidden_size // 8,
+            scoring_func="sigmoid",
+            use_routing_bias=True,
+        ),
     }.get(family, {})
     cls = getattr(transformers, config_class, None)
     if cls is None:
@@ -77,19 +107,28 @@ def _without_cute_dsl_dual_gemm() -> None:
     the MLP is stood in here: without the DSL the mode is None, as on a GPU it does
     not run on. Nothing changes where the DSL is installed."""
     import importlib.util
+
     if importlib.util.find_spec("cutlass") is not None:
         return
     try:
         from sglang.srt.layers import dual_gemm
-    except ImportError:   # lines before 0.5.23
+    except ImportError:  # lines before 0.5.23
         return
     for obj in vars(dual_gemm).values():
         if isinstance(obj, type) and "_select_mode" in vars(obj):
             obj._select_mode = lambda self, *args, **kwargs: None
 
 
-def build(family: str, dtype=None, capture_ids=(1, 3, 5), seed: int = 3, num_layers: int = 7,
-          hidden_size: int = 64, set_capture: bool = True, standin: str | None = None):
+def build(
+    family: str,
+    dtype=None,
+    capture_ids=(1, 3, 5),
+    seed: int = 3,
+    num_layers: int = 7,
+    hidden_size: int = 64,
+    set_capture: bool = True,
+    standin: str | None = None,
+):
     import importlib
 
     import torch
@@ -104,6 +143,7 @@ def build(family: str, dtype=None, capture_ids=(1, 3, 5), seed: int = 3, num_lay
     module, entry, _ = FAMILIES[family]
     if family in GPU_ONLY_IMPORTS:
         from tests.sglang_real import stubs
+
         stubs.install(GPU_ONLY_IMPORTS[family])
     cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), entry)
     _without_cute_dsl_dual_gemm()
@@ -120,7 +160,7 @@ def build(family: str, dtype=None, capture_ids=(1, 3, 5), seed: int = 3, num_lay
         else:
             embed = model.model.embed_tokens
             full = torch.randn((embed.num_embeddings_padded, emb.shape[1]), generator=g)
-            embed.weight_loader(emb, full[:embed.org_vocab_size].to(emb.dtype))
+            embed.weight_loader(emb, full[: embed.org_vocab_size].to(emb.dtype))
         for _, norm in harness._norms(model):
             w = norm.weight
             w.copy_((1.0 + 0.1 * torch.randn(w.shape, generator=g)).to(w.dtype))
@@ -133,11 +173,23 @@ def build(family: str, dtype=None, capture_ids=(1, 3, 5), seed: int = 3, num_lay
         else:
             with set_default_torch_dtype(dtype):
                 layer.self_attn = RowParallelStandIn(
-                    hidden_size, seed * 1000 + 2 * i, "attn", attn_real,
-                    harness._reduces_itself("attn", attn_real))
-                setattr(layer, ffn, RowParallelStandIn(
-                    hidden_size, seed * 1000 + 2 * i + 1, "mlp", ffn_real,
-                    harness._reduces_itself("mlp", ffn_real)))
+                    hidden_size,
+                    seed * 1000 + 2 * i,
+                    "attn",
+                    attn_real,
+                    harness._reduces_itself("attn", attn_real),
+                )
+                setattr(
+                    layer,
+                    ffn,
+                    RowParallelStandIn(
+                        hidden_size,
+                        seed * 1000 + 2 * i + 1,
+                        "mlp",
+                        ffn_real,
+                        harness._reduces_itself("mlp", ffn_real),
+                    ),
+                )
     model.logits_processor = harness._observed_logits_processor(model.config)
     harness._seed_lm_head(model, seed)
     if set_capture:

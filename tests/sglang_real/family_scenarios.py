@@ -24,23 +24,24 @@ from tests.sglang_real import family_models, harness, hf_tensor
 from tests.sglang_real.scenarios import _run, compiled_same_as_sglang
 
 NUM_LAYERS = 7
-CAPTURE_IDS = (1, 3, 5)   # SpecForge ids: SGLang captures layers 2, 4, 6 in every family here
+CAPTURE_IDS = (1, 3, 5)  # SpecForge ids: SGLang captures layers 2, 4, 6 in every family here
 MAX_TOKENS = 16
 FAMILIES = tuple(family_models.FAMILIES)
 
 
 def _build(family, dtype=torch.float32, capture_ids=CAPTURE_IDS):
-    return family_models.build(family, dtype=dtype, capture_ids=capture_ids,
-                               num_layers=NUM_LAYERS)
+    return family_models.build(family, dtype=dtype, capture_ids=capture_ids, num_layers=NUM_LAYERS)
 
 
 def _install(model, **kwargs):
     from eagle_capture.integrations.sglang.dropin import install_eagle3_capture
+
     return install_eagle3_capture(model, MAX_TOKENS, **kwargs)
 
 
-def same_as_sglang(family: str, dtype_name: str = "float32", path: str = "f",
-                   capture_ids=CAPTURE_IDS):
+def same_as_sglang(
+    family: str, dtype_name: str = "float32", path: str = "f", capture_ids=CAPTURE_IDS
+):
     """What the draft receives and the final hidden state, ours vs SGLang's own
     capture, over extend / decode / idle / LAST-mode batches."""
     dtype = getattr(torch, dtype_name)
@@ -52,27 +53,40 @@ def same_as_sglang(family: str, dtype_name: str = "float32", path: str = "f",
     hidden = ours.config.hidden_size
     # Path f where every captured norm has a post-attention norm after it.
     expect_f = path == "f" and NUM_LAYERS not in sglang_layers
-    out = {"layers": sglang_layers, "surface": state.surface, "path_f": state.residual_in_slot_enabled,
-           "packed_tensor": state.packed_tensor, "cases": []}
-    assert state.residual_in_slot_enabled == expect_f, \
+    out = {
+        "layers": sglang_layers,
+        "surface": state.surface,
+        "path_f": state.residual_in_slot_enabled,
+        "packed_tensor": state.packed_tensor,
+        "cases": [],
+    }
+    assert state.residual_in_slot_enabled == expect_f, (
         f"path f {'on' if state.residual_in_slot_enabled else 'off'}, expected {expect_f}"
-    for num_tokens, mode, capture in ((5, "extend", "full"), (1, "decode", "full"),
-                                      (3, "decode", "full"), (11, "extend", "full"),
-                                      (0, "extend", "full"), (6, "extend", "last")):
+    )
+    for num_tokens, mode, capture in (
+        (5, "extend", "full"),
+        (1, "decode", "full"),
+        (3, "decode", "full"),
+        (11, "extend", "full"),
+        (0, "extend", "full"),
+        (6, "extend", "last"),
+    ):
         fused_before = state.fused_calls
         final_ref, aux_ref = _run(ref, num_tokens, mode, seed=num_tokens, capture=capture)
         final, aux = _run(ours, num_tokens, mode, seed=num_tokens, capture=capture)
         rows = 1 if (mode, capture) == ("extend", "last") else num_tokens
-        assert aux is not None and aux.shape == (rows, k * hidden), \
+        assert aux is not None and aux.shape == (rows, k * hidden), (
             f"{mode} T={num_tokens}: the draft receives {None if aux is None else tuple(aux.shape)}"
+        )
         if num_tokens:
-            assert aux_ref is not None and aux_ref.shape == aux.shape, \
+            assert aux_ref is not None and aux_ref.shape == aux.shape, (
                 f"SGLang's own capture handed {None if aux_ref is None else tuple(aux_ref.shape)}"
+            )
             assert torch.equal(aux, aux_ref), "aux differs from SGLang's own capture"
         if dtype == torch.float32 or num_tokens == 0:
             assert torch.equal(final, final_ref), "final hidden differs from SGLang's own"
         fused = state.fused_calls - fused_before
-        if num_tokens:   # our kernel did every capture; SGLang's own capture is off
+        if num_tokens:  # our kernel did every capture; SGLang's own capture is off
             assert fused + state.fallback_calls >= k and fused >= 1, f"{fused} fused captures"
         assert state.residual_in_slot is None, "a residual left in a slot was not taken"
         out["cases"].append({"T": num_tokens, "mode": mode, "capture": capture, "fused": fused})
@@ -96,6 +110,7 @@ def final_boundary():
     and captures the final norm's input; ours takes it from the final norm (path
     e there, path f off). 0.5.13 captures nothing there: refused at install."""
     from eagle_capture.integrations.sglang.dropin import WrongCaptureLayers, sglang_version
+
     if sglang_version() < (0, 5, 18):
         # Ids the line shifts onto the boundary (+1: layer N): its loop never captures
         # there, so the draft would get K - 1 states; refused.
@@ -125,8 +140,11 @@ def switch_back(family: str = "qwen3_moe"):
     final, aux = _run(ours, 5)
     assert aux is not None and torch.equal(aux, aux_ref), "switch-back: aux differs"
     assert state.fused_calls == 0
-    flagged = [i for i, layer in enumerate(ours.model.layers)
-               if getattr(layer, "_is_layer_to_capture", False)]
+    flagged = [
+        i
+        for i, layer in enumerate(ours.model.layers)
+        if getattr(layer, "_is_layer_to_capture", False)
+    ]
     return {"layers_to_capture": list(ours.model.layers_to_capture), "marked": flagged}
 
 
@@ -137,6 +155,7 @@ def fp8_input_quant(family: str = "llama"):
     the residual: our kernel writes no quantized output. The norm module's own
     test (``_fp8_static_input_scale``) is made to answer "static FP8" here."""
     import sglang.srt.layers.layernorm as layernorm
+
     if not hasattr(layernorm, "_fp8_static_input_scale"):
         return {"skip": f"SGLang {harness.sglang_version()} fuses no input quant into its norm"}
     ref, ours = _build(family), _build(family)
@@ -150,9 +169,10 @@ def fp8_input_quant(family: str = "llama"):
     finally:
         layernorm._fp8_static_input_scale = real
     assert torch.equal(aux, aux_ref) and torch.equal(final, final_ref)
-    assert state.fused_calls == 0 and state.fallback_calls == len(CAPTURE_IDS), \
+    assert state.fused_calls == 0 and state.fallback_calls == len(CAPTURE_IDS), (
         f"{state.fused_calls} fused, {state.fallback_calls} through SGLang's norm"
-    _run(ours, 5)   # the real test again: a plain norm, our kernel
+    )
+    _run(ours, 5)  # the real test again: a plain norm, our kernel
     assert state.fused_calls == len(CAPTURE_IDS)
     return {"fallback_calls": len(CAPTURE_IDS)}
 
@@ -162,20 +182,22 @@ def refusals():
     capture left on; a class no adapter was read against is named."""
     from eagle_capture.integrations.sglang.dropin import UnsupportedServer
     from eagle_capture.integrations.sglang.families import UnknownFamily
+
     out = {}
     glm = _build("glm4_moe")
-    glm.model.layers[4].attn_quant_format = "fp8_per_token"   # ROCm aiter's fused norm + quant
+    glm.model.layers[4].attn_quant_format = "fp8_per_token"  # ROCm aiter's fused norm + quant
     try:
         _install(glm)
         raise AssertionError("GLM-4 MoE with aiter's fused norm + quant installed")
     except UnsupportedServer as e:
         assert "layers [4]" in str(e), e
         out["glm4_moe_aiter_fp8"] = str(e)
-    assert glm.model.layers_to_capture and glm.capture_aux_hidden_states   # SGLang's stays
+    assert glm.model.layers_to_capture and glm.capture_aux_hidden_states  # SGLang's stays
     llama = _build("llama")
 
     class SomeOtherForCausalLM(type(llama)):
         pass
+
     llama.__class__ = SomeOtherForCausalLM
     try:
         _install(llama)
@@ -186,8 +208,12 @@ def refusals():
     return out
 
 
-SCENARIOS = {"final_boundary": final_boundary, "switch_back": switch_back,
-             "fp8_input_quant": fp8_input_quant, "refusals": refusals}
+SCENARIOS = {
+    "final_boundary": final_boundary,
+    "switch_back": switch_back,
+    "fp8_input_quant": fp8_input_quant,
+    "refusals": refusals,
+}
 # Compiled: one family per way a layer calls its norms (itself: Llama <= 0.5.20;
 # a communicator: Qwen3-MoE, with its per-layer marks; GPT-OSS's boundary loop).
 COMPILED = ("llama", "qwen3_moe", "gpt_oss")
@@ -220,8 +246,11 @@ def main() -> None:
         try:
             results[name] = {"ok": True, **(fn() or {})}
         except Exception as e:  # noqa: BLE001 - reported per scenario
-            results[name] = {"ok": False, "detail": f"{type(e).__name__}: {e}",
-                             "traceback": traceback.format_exc()}
+            results[name] = {
+                "ok": False,
+                "detail": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(),
+            }
         results[name]["seconds"] = round(time.perf_counter() - started, 2)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1, default=str)

@@ -106,13 +106,28 @@ ARCH = "DeepseekV3ForCausalLM"
 DEEPSEEK = "deepseek_v3"
 # The other families (tests/sglang_real/family_models.py; names only: no import of
 # SGLang before the harness's set-up) and their feed-forward attribute where not mlp.
-FAMILY_NAMES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe",
-                "minimax_m2")
+FAMILY_NAMES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gpt_oss",
+    "glm4_moe",
+    "minimax_m2",
+)
 FFN_ATTR = {"minimax_m2": "block_sparse_moe"}
-DRAFT_IDS = [1, 3, 5]            # SpecForge ids -> SGLang layers [2, 4, 6]
+DRAFT_IDS = [1, 3, 5]  # SpecForge ids -> SGLang layers [2, 4, 6]
 CAPTURED_LAYERS = [2, 4, 6]
-EAGER_CASES = ((1024, "extend"), (64, "decode"), (5, "extend"), (1, "decode"),
-               (4, "decode"), (16, "decode"), (300, "extend"))
+EAGER_CASES = (
+    (1024, "extend"),
+    (64, "decode"),
+    (5, "extend"),
+    (1, "decode"),
+    (4, "decode"),
+    (16, "decode"),
+    (300, "extend"),
+)
 GRAPH_SIZES = (1, 4, 16, 64)
 TIMING_SIZES = (1, 64, 1024)
 ELEMENTWISE_EXTRA_SIZES = (4096,)
@@ -123,14 +138,15 @@ ELEMENTWISE_EXTRA_SIZES = (4096,)
 # Checked: max |ours - SGLang| / max |SGLang| of the layer (a rounding flip is ~1 ulp =
 # 2^-8 of an element); the fraction of differing elements is reported, not bounded
 # (one flipped normed element changes a whole row of the next stand-in's matmul).
-LATER_LAYER_MAX_REL_TO_SCALE = 2.0 ** -4
+LATER_LAYER_MAX_REL_TO_SCALE = 2.0**-4
 
 ROUTED_CALLS = {"fused_add_rmsnorm": 0, "rmsnorm": 0}
 ROUTED_TO = {"impl": None}
-_FAKE_MODE = None   # the CPU dry run's TorchFunctionMode (install_fake_cuda)
+_FAKE_MODE = None  # the CPU dry run's TorchFunctionMode (install_fake_cuda)
 
 
 # ------------------------------------------------------------------ results
+
 
 class Results:
     def __init__(self):
@@ -142,8 +158,9 @@ class Results:
         self.data["checks"].append({"name": name, "ok": ok, "detail": detail})
         if not ok:
             self.failed += 1
-        print(f"  [{'PASS' if ok else 'FAIL'}] {name}" + (f": {detail}" if detail else ""),
-              flush=True)
+        print(
+            f"  [{'PASS' if ok else 'FAIL'}] {name}" + (f": {detail}" if detail else ""), flush=True
+        )
         return ok
 
     def error(self, scenario: str, exc: BaseException) -> None:
@@ -170,16 +187,28 @@ class LogLines(logging.Handler):
 
 # -------------------------------------------------------------- environment
 
+
 def install_fake_cuda():
     """CPU dry run only: torch.cuda answers as one H200 would, so SGLang takes
     its CUDA import / construction / dispatch branches; tensors stay on the CPU."""
     import torch
 
     props = types.SimpleNamespace(
-        name="NVIDIA H200 (fake, CPU dry run)", major=9, minor=0, total_memory=141 << 30,
-        multi_processor_count=132, L2_cache_size=60 << 20, warp_size=32, gcnArchName="",
-        is_integrated=False, is_multi_gpu_board=False, max_threads_per_multi_processor=2048,
-        regs_per_multiprocessor=65536, shared_memory_per_block_optin=232448, uuid="fake")
+        name="NVIDIA H200 (fake, CPU dry run)",
+        major=9,
+        minor=0,
+        total_memory=141 << 30,
+        multi_processor_count=132,
+        L2_cache_size=60 << 20,
+        warp_size=32,
+        gcnArchName="",
+        is_integrated=False,
+        is_multi_gpu_board=False,
+        max_threads_per_multi_processor=2048,
+        regs_per_multiprocessor=65536,
+        shared_memory_per_block_optin=232448,
+        uuid="fake",
+    )
 
     class FakeEvent:
         def __init__(self, *a, **k):
@@ -243,19 +272,32 @@ def install_fake_cuda():
 
     c = torch.cuda
     for name, value in dict(
-            CUDAGraph=FakeGraph, graph=fake_graph, graph_pool_handle=lambda: None,
+        CUDAGraph=FakeGraph,
+        graph=fake_graph,
+        graph_pool_handle=lambda: None,
     ).items():
         setattr(c, name, value)
     for name, value in dict(
-            is_available=lambda: True, device_count=lambda: 1, current_device=lambda: 0,
-            set_device=lambda *a: None, get_device_capability=lambda *a: (9, 0),
-            get_device_name=lambda *a: props.name, get_device_properties=lambda *a: props,
-            mem_get_info=lambda *a: (130 << 30, 141 << 30), synchronize=lambda *a: None,
-            is_current_stream_capturing=lambda: False, Stream=FakeStream, Event=FakeEvent,
-            current_stream=lambda *a: FakeStream(), default_stream=lambda *a: FakeStream(),
-            stream=lambda *a: contextlib.nullcontext(), is_initialized=lambda: True,
-            empty_cache=lambda: None, get_arch_list=lambda: ["sm_90a"],
-            memory_allocated=lambda *a: 0, max_memory_allocated=lambda *a: 0,
+        is_available=lambda: True,
+        device_count=lambda: 1,
+        current_device=lambda: 0,
+        set_device=lambda *a: None,
+        get_device_capability=lambda *a: (9, 0),
+        get_device_name=lambda *a: props.name,
+        get_device_properties=lambda *a: props,
+        mem_get_info=lambda *a: (130 << 30, 141 << 30),
+        synchronize=lambda *a: None,
+        is_current_stream_capturing=lambda: False,
+        Stream=FakeStream,
+        Event=FakeEvent,
+        current_stream=lambda *a: FakeStream(),
+        default_stream=lambda *a: FakeStream(),
+        stream=lambda *a: contextlib.nullcontext(),
+        is_initialized=lambda: True,
+        empty_cache=lambda: None,
+        get_arch_list=lambda: ["sm_90a"],
+        memory_allocated=lambda *a: 0,
+        max_memory_allocated=lambda *a: 0,
     ).items():
         setattr(c, name, value)
     torch.version.cuda = "13.0"
@@ -265,8 +307,9 @@ def install_fake_cuda():
     from torch.overrides import TorchFunctionMode
 
     def cpu(dev):
-        return "cpu" if isinstance(dev, (str, torch.device)) and str(dev).startswith("cuda") \
-            else dev
+        return (
+            "cpu" if isinstance(dev, (str, torch.device)) and str(dev).startswith("cuda") else dev
+        )
 
     class CudaToCpu(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -289,6 +332,7 @@ def _torch_fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None)
     """CPU stand-in for FlashInfer's kernel: residual += input (fp32 sum, rounded
     once); input = sum / rms(sum) * weight, from the unrounded fp32 sum."""
     import torch
+
     s = input.float() + residual.float()
     residual.copy_(s.to(residual.dtype))
     inv = torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + eps)
@@ -297,8 +341,9 @@ def _torch_fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None)
 
 def _torch_rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
     import torch
+
     x = input.float()
-    y = (x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float())
+    y = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
     y = y.to(input.dtype)
     if out is None:
         return y
@@ -315,15 +360,21 @@ def route_sgl_kernel_norms(use_flashinfer: bool) -> str:
 
     stubs.install()
     import sgl_kernel
+
     if not getattr(sgl_kernel, "__stub__", False):
-        raise RuntimeError(f"a real sgl_kernel is importable ({sgl_kernel.__file__}): this "
-                           f"run expects it stubbed, with only the norms routed")
+        raise RuntimeError(
+            f"a real sgl_kernel is importable ({sgl_kernel.__file__}): this "
+            f"run expects it stubbed, with only the norms routed"
+        )
     if use_flashinfer:
         import flashinfer
         import flashinfer.norm as fin
+
         fused, plain = fin.fused_add_rmsnorm, fin.rmsnorm
-        where = (f"flashinfer {flashinfer.__version__}: flashinfer.norm.fused_add_rmsnorm / "
-                 f"rmsnorm (FLASHINFER_USE_CUDA_NORM={os.environ.get('FLASHINFER_USE_CUDA_NORM')})")
+        where = (
+            f"flashinfer {flashinfer.__version__}: flashinfer.norm.fused_add_rmsnorm / "
+            f"rmsnorm (FLASHINFER_USE_CUDA_NORM={os.environ.get('FLASHINFER_USE_CUDA_NORM')})"
+        )
     else:
         fused, plain = _torch_fused_add_rmsnorm, _torch_rmsnorm
         where = "torch stand-in for FlashInfer (CPU dry run)"
@@ -346,25 +397,45 @@ def versions() -> dict:
     import importlib.metadata as md
 
     import torch
-    out = {"python": platform.python_version(), "torch": torch.__version__,
-           "torch_cuda": torch.version.cuda}
-    for name in ("sglang", "transformers", "flashinfer-python", "apache-tvm-ffi", "triton",
-                 "huggingface-hub", "tokenizers", "pydantic", "eagle-capture"):
+
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+    }
+    for name in (
+        "sglang",
+        "transformers",
+        "flashinfer-python",
+        "apache-tvm-ffi",
+        "triton",
+        "huggingface-hub",
+        "tokenizers",
+        "pydantic",
+        "eagle-capture",
+    ):
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
             out[name] = None
     for mod in ("sglang", "transformers", "flashinfer", "tvm_ffi", "sgl_kernel"):
         m = sys.modules.get(mod)
-        out[f"{mod}_from"] = (None if m is None else
-                              "stub" if getattr(m, "__stub__", False) else getattr(m, "__file__", "?"))
+        out[f"{mod}_from"] = (
+            None
+            if m is None
+            else "stub"
+            if getattr(m, "__stub__", False)
+            else getattr(m, "__file__", "?")
+        )
     return out
 
 
 # ----------------------------------------------------------------- helpers
 
+
 def sync(device):
     import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -396,8 +467,10 @@ def eager(harness, model, batch):
 def ordered_int(x):
     """bf16 / fp16 / fp32 bits as integers ordered like the values (ulp distance)."""
     import torch
-    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16,
-            torch.float32: torch.int32}[x.dtype]
+
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[
+        x.dtype
+    ]
     i = x.contiguous().view(bits).to(torch.int64)
     sign_bit = 1 << (8 * x.element_size() - 1)
     return torch.where(i < 0, -(i + sign_bit), i)
@@ -406,6 +479,7 @@ def ordered_int(x):
 def deviation(a, b) -> dict:
     """ours (a) vs SGLang's (b), same shape."""
     import torch
+
     differ = a != b
     n = a.numel()
     d = (a.float() - b.float()).abs()
@@ -425,22 +499,32 @@ def deviation(a, b) -> dict:
 
 
 def per_layer(aux_ours, aux_ref, hidden) -> list[dict]:
-    return [dict(layer=layer, **deviation(aux_ours[:, k * hidden:(k + 1) * hidden],
-                                          aux_ref[:, k * hidden:(k + 1) * hidden]))
-            for k, layer in enumerate(CAPTURED_LAYERS)]
+    return [
+        dict(
+            layer=layer,
+            **deviation(
+                aux_ours[:, k * hidden : (k + 1) * hidden],
+                aux_ref[:, k * hidden : (k + 1) * hidden],
+            ),
+        )
+        for k, layer in enumerate(CAPTURED_LAYERS)
+    ]
 
 
 def fmt_dev(d: dict) -> str:
     if d["equal"]:
         return "bit-exact"
-    return (f"{d['frac_diff']:.2e} of elements differ, max abs {d['max_abs']:.3g}, "
-            f"max rel {d['max_rel']:.3g}, max {d['max_ulp']} ulp (scale {d['scale']:.3g})")
+    return (
+        f"{d['frac_diff']:.2e} of elements differ, max abs {d['max_abs']:.3g}, "
+        f"max rel {d['max_rel']:.3g}, max {d['max_ulp']} ulp (scale {d['scale']:.3g})"
+    )
 
 
 def check_layers(res: Results, where: str, layers: list[dict]) -> None:
     first, later = layers[0], layers[1:]
-    res.check(f"{where}: first captured layer {first['layer']} bit-exact", first["equal"],
-              fmt_dev(first))
+    res.check(
+        f"{where}: first captured layer {first['layer']} bit-exact", first["equal"], fmt_dev(first)
+    )
     for d in later:
         ok = d["max_abs_over_scale"] <= LATER_LAYER_MAX_REL_TO_SCALE
         res.check(f"{where}: layer {d['layer']} within rounding", ok, fmt_dev(d))
@@ -477,6 +561,7 @@ class LightStandIn:
 
 # ------------------------------------------------------------------ set-up
 
+
 class Ctx:
     pass
 
@@ -490,19 +575,27 @@ def setup(args, res: Results) -> Ctx:
     ctx.dtype = getattr(torch, args.dtype)
     ctx.t0 = time.time()
     from tests.sglang_real import harness
+
     ctx.harness = harness
-    harness.setup(dtype=ctx.dtype,
-                  hf_config=harness.make_config(num_layers=args.layers, hidden_size=args.hidden))
+    harness.setup(
+        dtype=ctx.dtype,
+        hf_config=harness.make_config(num_layers=args.layers, hidden_size=args.hidden),
+    )
     ctx.logs = LogLines()
     log = logging.getLogger("eagle_capture")
     log.addHandler(ctx.logs)
     log.setLevel(logging.DEBUG)
     res.data["env"] = versions()
-    res.data["env"].update(device=str(ctx.device), fake_cuda=args.fake_cuda,
-                           sglang_is_cuda=_sglang_is_cuda(), norm_route=ROUTED_TO["impl"],
-                           SGLANG_IS_FLASHINFER_AVAILABLE=os.environ.get(
-                               "SGLANG_IS_FLASHINFER_AVAILABLE"),
-                           hidden=args.hidden, layers=args.layers, dtype=args.dtype)
+    res.data["env"].update(
+        device=str(ctx.device),
+        fake_cuda=args.fake_cuda,
+        sglang_is_cuda=_sglang_is_cuda(),
+        norm_route=ROUTED_TO["impl"],
+        SGLANG_IS_FLASHINFER_AVAILABLE=os.environ.get("SGLANG_IS_FLASHINFER_AVAILABLE"),
+        hidden=args.hidden,
+        layers=args.layers,
+        dtype=args.dtype,
+    )
     if ctx.device.type == "cuda":
         res.data["env"]["gpu"] = torch.cuda.get_device_name()
     return ctx
@@ -511,6 +604,7 @@ def setup(args, res: Results) -> Ctx:
 def _sglang_is_cuda():
     try:
         from sglang.srt.utils import is_cuda
+
         return bool(is_cuda())
     except Exception as e:  # noqa: BLE001
         return f"? ({e})"
@@ -519,14 +613,27 @@ def _sglang_is_cuda():
 def build(ctx, set_capture=False):
     t = time.time()
     if ctx.args.family == DEEPSEEK:
-        model = ctx.harness.build_model(num_layers=ctx.args.layers, hidden_size=ctx.args.hidden,
-                                        dtype=ctx.dtype, capture_ids=DRAFT_IDS,
-                                        seed=ctx.args.seed, arch=ARCH, set_capture=set_capture)
-    else:   # another family's own SGLang class (family_models.py)
+        model = ctx.harness.build_model(
+            num_layers=ctx.args.layers,
+            hidden_size=ctx.args.hidden,
+            dtype=ctx.dtype,
+            capture_ids=DRAFT_IDS,
+            seed=ctx.args.seed,
+            arch=ARCH,
+            set_capture=set_capture,
+        )
+    else:  # another family's own SGLang class (family_models.py)
         from tests.sglang_real import family_models
-        model = family_models.build(ctx.args.family, dtype=ctx.dtype, capture_ids=DRAFT_IDS,
-                                    seed=ctx.args.seed, num_layers=ctx.args.layers,
-                                    hidden_size=ctx.args.hidden, set_capture=set_capture)
+
+        model = family_models.build(
+            ctx.args.family,
+            dtype=ctx.dtype,
+            capture_ids=DRAFT_IDS,
+            seed=ctx.args.seed,
+            num_layers=ctx.args.layers,
+            hidden_size=ctx.args.hidden,
+            set_capture=set_capture,
+        )
     model.to(ctx.device)
     sync(ctx.device)
     ctx.build_s = getattr(ctx, "build_s", []) + [round(time.time() - t, 2)]
@@ -539,12 +646,16 @@ def make_models(ctx, res: Results):
     from eagle_capture.integrations.sglang import dropin
 
     lm = ctx.harness.text_lm
-    env = dict(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
-               EAGLE_CAPTURE_MAX_TOKENS=str(ctx.args.max_tokens),
-               EAGLE_CAPTURE_VERIFY=str(ctx.args.verify))
+    env = dict(
+        EAGLE_CAPTURE="1",
+        SGLANG_PLUGINS="eagle_capture",
+        EAGLE_CAPTURE_MAX_TOKENS=str(ctx.args.max_tokens),
+        EAGLE_CAPTURE_VERIFY=str(ctx.args.verify),
+    )
     ctx.install = None
     try:
         from tests.sglang_real import plugin_scenarios as ps
+
         ref, ours = build(ctx), build(ctx)
         with ps.plugins_loaded(**env):
             ps.configure(ours, DRAFT_IDS)
@@ -562,23 +673,33 @@ def make_models(ctx, res: Results):
     ctx.ref, ctx.ours = ref, ours
     ctx.state = lm(ours)._eagle_capture
     st = ctx.state
-    res.data["install"] = {"how": ctx.install, "layer_ids": st.layer_ids,
-                           "buffer": list(st.buffer.aux.shape),
-                           "buffer_device": str(st.buffer.aux.device),
-                           "surface": st.surface, "build_s": ctx.build_s,
-                           "log": [m for _, m in ctx.logs.lines if "ON" in m][:3]}
-    res.check("install: layers [2, 4, 6], buffer on the model's device",
-              st.layer_ids == CAPTURED_LAYERS and st.buffer.aux.device.type == ctx.device.type
-              and list(st.buffer.aux.shape) == [ctx.args.max_tokens, 3, ctx.args.hidden],
-              f"{ctx.install}; layers {st.layer_ids}, buffer {list(st.buffer.aux.shape)} on "
-              f"{st.buffer.aux.device}")
-    res.check("install: SGLang's own capture still on in the reference model",
-              lm(ref).model.layers_to_capture == CAPTURED_LAYERS
-              and lm(ref).capture_aux_hidden_states, str(lm(ref).model.layers_to_capture))
+    res.data["install"] = {
+        "how": ctx.install,
+        "layer_ids": st.layer_ids,
+        "buffer": list(st.buffer.aux.shape),
+        "buffer_device": str(st.buffer.aux.device),
+        "surface": st.surface,
+        "build_s": ctx.build_s,
+        "log": [m for _, m in ctx.logs.lines if "ON" in m][:3],
+    }
+    res.check(
+        "install: layers [2, 4, 6], buffer on the model's device",
+        st.layer_ids == CAPTURED_LAYERS
+        and st.buffer.aux.device.type == ctx.device.type
+        and list(st.buffer.aux.shape) == [ctx.args.max_tokens, 3, ctx.args.hidden],
+        f"{ctx.install}; layers {st.layer_ids}, buffer {list(st.buffer.aux.shape)} on "
+        f"{st.buffer.aux.device}",
+    )
+    res.check(
+        "install: SGLang's own capture still on in the reference model",
+        lm(ref).model.layers_to_capture == CAPTURED_LAYERS and lm(ref).capture_aux_hidden_states,
+        str(lm(ref).model.layers_to_capture),
+    )
     return ctx
 
 
 # --------------------------------------------------------------- scenarios
+
 
 def scenario_flashinfer(ctx, res: Results):
     """FlashInfer's routed kernel vs a fp32 torch reference, and our fused op vs
@@ -593,6 +714,7 @@ def scenario_flashinfer(ctx, res: Results):
     if ctx.args.norm_impl == "flashinfer":
         import flashinfer.norm as fin
         from flashinfer.jit.norm import gen_norm_module
+
         t = time.time()
         fin.get_norm_module()
         out["jit_build_or_load_s"] = round(time.time() - t, 1)
@@ -615,30 +737,42 @@ def scenario_flashinfer(ctx, res: Results):
         ops.add_rmsnorm_capture(ox, orr, w, eps, aux, 0, norm_fp32_sum=True)
         plain = sgl_kernel.rmsnorm(x, w, eps)
         sync(dev)
-        case = {"T": T,
-                "flashinfer_residual_vs_torch": deviation(fr, tr),
-                "flashinfer_normed_vs_torch": deviation(fx, tx),
-                "flashinfer_rmsnorm_vs_torch": deviation(plain, _torch_rmsnorm(x, w, eps)),
-                "ours_residual_vs_flashinfer": deviation(orr, fr),
-                "ours_capture_vs_flashinfer_residual": deviation(aux[:, 0], fr),
-                "ours_normed_vs_flashinfer": deviation(ox, fx)}
+        case = {
+            "T": T,
+            "flashinfer_residual_vs_torch": deviation(fr, tr),
+            "flashinfer_normed_vs_torch": deviation(fx, tx),
+            "flashinfer_rmsnorm_vs_torch": deviation(plain, _torch_rmsnorm(x, w, eps)),
+            "ours_residual_vs_flashinfer": deviation(orr, fr),
+            "ours_capture_vs_flashinfer_residual": deviation(aux[:, 0], fr),
+            "ours_normed_vs_flashinfer": deviation(ox, fx),
+        }
         out["cases"].append(case)
-        res.check(f"flashinfer T={T}: residual = x + r (rounded once), as torch's fp32 sum",
-                  case["flashinfer_residual_vs_torch"]["equal"],
-                  fmt_dev(case["flashinfer_residual_vs_torch"]))
-        res.check(f"flashinfer T={T}: normed output within 2 ulp of the fp32 reference",
-                  case["flashinfer_normed_vs_torch"]["max_ulp"] <= 2,
-                  fmt_dev(case["flashinfer_normed_vs_torch"]))
-        res.check(f"flashinfer T={T}: rmsnorm (no residual) within 2 ulp",
-                  case["flashinfer_rmsnorm_vs_torch"]["max_ulp"] <= 2,
-                  fmt_dev(case["flashinfer_rmsnorm_vs_torch"]))
-        res.check(f"ours vs flashinfer T={T}: residual and capture bit-exact",
-                  case["ours_residual_vs_flashinfer"]["equal"]
-                  and case["ours_capture_vs_flashinfer_residual"]["equal"],
-                  fmt_dev(case["ours_capture_vs_flashinfer_residual"]))
-        res.check(f"ours vs flashinfer T={T}: normed output within 2 ulp",
-                  case["ours_normed_vs_flashinfer"]["max_ulp"] <= 2,
-                  "normed: " + fmt_dev(case["ours_normed_vs_flashinfer"]))
+        res.check(
+            f"flashinfer T={T}: residual = x + r (rounded once), as torch's fp32 sum",
+            case["flashinfer_residual_vs_torch"]["equal"],
+            fmt_dev(case["flashinfer_residual_vs_torch"]),
+        )
+        res.check(
+            f"flashinfer T={T}: normed output within 2 ulp of the fp32 reference",
+            case["flashinfer_normed_vs_torch"]["max_ulp"] <= 2,
+            fmt_dev(case["flashinfer_normed_vs_torch"]),
+        )
+        res.check(
+            f"flashinfer T={T}: rmsnorm (no residual) within 2 ulp",
+            case["flashinfer_rmsnorm_vs_torch"]["max_ulp"] <= 2,
+            fmt_dev(case["flashinfer_rmsnorm_vs_torch"]),
+        )
+        res.check(
+            f"ours vs flashinfer T={T}: residual and capture bit-exact",
+            case["ours_residual_vs_flashinfer"]["equal"]
+            and case["ours_capture_vs_flashinfer_residual"]["equal"],
+            fmt_dev(case["ours_capture_vs_flashinfer_residual"]),
+        )
+        res.check(
+            f"ours vs flashinfer T={T}: normed output within 2 ulp",
+            case["ours_normed_vs_flashinfer"]["max_ulp"] <= 2,
+            "normed: " + fmt_dev(case["ours_normed_vs_flashinfer"]),
+        )
     ROUTED_CALLS["fused_add_rmsnorm"] = ROUTED_CALLS["rmsnorm"] = 0
     res.data["scenarios"]["flashinfer"] = out
 
@@ -659,20 +793,28 @@ def scenario_eager(ctx, res: Results):
         final_ref, aux_ref = eager(h, ctx.ref, batch_to(cpu_batch, ctx.device))
         routed_ref = {k: ROUTED_CALLS[k] - routed_before[k] for k in ROUTED_CALLS}
         routed_before = dict(ROUTED_CALLS)
-        final, aux = eager(h, ctx.ours, batch_to(h.make_batch(ctx.ours, T, mode, seed=100 + i),
-                                                 ctx.device, ids))
+        final, aux = eager(
+            h, ctx.ours, batch_to(h.make_batch(ctx.ours, T, mode, seed=100 + i), ctx.device, ids)
+        )
         routed_ours = {k: ROUTED_CALLS[k] - routed_before[k] for k in ROUTED_CALLS}
         routed_before = dict(ROUTED_CALLS)
         nonzero += T > 0
         layers = per_layer(aux, aux_ref, H)
-        case = {"T": T, "mode": mode, "aux_shape": list(aux.shape), "layers": layers,
-                "final_hidden": deviation(final, final_ref),
-                "routed_norm_calls_sglang_model": routed_ref,
-                "routed_norm_calls_dropin_model": routed_ours}
+        case = {
+            "T": T,
+            "mode": mode,
+            "aux_shape": list(aux.shape),
+            "layers": layers,
+            "final_hidden": deviation(final, final_ref),
+            "routed_norm_calls_sglang_model": routed_ref,
+            "routed_norm_calls_dropin_model": routed_ours,
+        }
         out["cases"].append(case)
-        res.check(f"eager T={T} {mode}: aux shape [T, 3*H] from the drop-in",
-                  list(aux.shape) == [T, 3 * H] and list(aux_ref.shape) == [T, 3 * H],
-                  f"{list(aux.shape)} vs SGLang's {list(aux_ref.shape)}")
+        res.check(
+            f"eager T={T} {mode}: aux shape [T, 3*H] from the drop-in",
+            list(aux.shape) == [T, 3 * H] and list(aux_ref.shape) == [T, 3 * H],
+            f"{list(aux.shape)} vs SGLang's {list(aux_ref.shape)}",
+        )
         check_layers(res, f"eager T={T} {mode}", layers)
     verify_lines = ctx.logs.matching("eagle_capture verify")
     out["verify_log"] = verify_lines
@@ -680,23 +822,30 @@ def scenario_eager(ctx, res: Results):
     out["fallback_calls"] = st.fallback_calls
     out["verify_norm_max_dev"] = st.verify_norm_dev
     n = min(ctx.args.verify, nonzero)
-    res.check("eager: the drop-in's fused kernel did every capture",
-              out["fused_calls"] == 3 * nonzero and st.fallback_calls == 0,
-              f"{out['fused_calls']} fused captures for {nonzero} forwards x 3 layers, "
-              f"{st.fallback_calls} fallbacks")
+    res.check(
+        "eager: the drop-in's fused kernel did every capture",
+        out["fused_calls"] == 3 * nonzero and st.fallback_calls == 0,
+        f"{out['fused_calls']} fused captures for {nonzero} forwards x 3 layers, "
+        f"{st.fallback_calls} fallbacks",
+    )
     out["residual_in_slot_calls"] = st.slot_residual_calls - in_slot_before
-    res.check("eager: path f (the residual lives in the slot) took every capture",
-              out["residual_in_slot_calls"] == out["fused_calls"]
-              and st.residual_in_slot is None,
-              f"{out['residual_in_slot_calls']} of {out['fused_calls']} captures")
+    res.check(
+        "eager: path f (the residual lives in the slot) took every capture",
+        out["residual_in_slot_calls"] == out["fused_calls"] and st.residual_in_slot is None,
+        f"{out['residual_in_slot_calls']} of {out['fused_calls']} captures",
+    )
     equal_lines = [m for m in verify_lines if "bit-identical" in m]
-    res.check(f"eager: live self-check: {n} forwards verified, all equal to SGLang's own "
-              f"(FlashInfer) norm",
-              st.verified_forwards == n and len(equal_lines) == n and not st.disabled
-              and not ctx.logs.matching("MISMATCH")
-              and (n < ctx.args.verify or any("self-check off" in m for m in verify_lines)),
-              f"{st.verified_forwards} verified, {len(equal_lines)} 'bit-identical' lines, "
-              f"disabled={st.disabled}, normed max dev {st.verify_norm_dev:.3g}")
+    res.check(
+        f"eager: live self-check: {n} forwards verified, all equal to SGLang's own "
+        f"(FlashInfer) norm",
+        st.verified_forwards == n
+        and len(equal_lines) == n
+        and not st.disabled
+        and not ctx.logs.matching("MISMATCH")
+        and (n < ctx.args.verify or any("self-check off" in m for m in verify_lines)),
+        f"{st.verified_forwards} verified, {len(equal_lines)} 'bit-identical' lines, "
+        f"disabled={st.disabled}, normed max dev {st.verify_norm_dev:.3g}",
+    )
     norm = ctx.harness.text_lm(ctx.ref).model.layers[1].input_layernorm
     method = getattr(getattr(norm, "_forward_method", None), "__name__", None)
     out["sglang_rmsnorm_forward_method"] = method
@@ -704,9 +853,11 @@ def scenario_eager(ctx, res: Results):
     want = "forward_cuda" if (ctx.device.type == "cuda" or ctx.args.fake_cuda) else "forward_native"
     res.check(f"eager: SGLang's RMSNorm dispatched to {want}", method == want, str(method))
     if want == "forward_cuda":
-        res.check("eager: SGLang's norms called the routed " + ROUTED_TO["impl"].split(":")[0],
-                  ROUTED_CALLS["fused_add_rmsnorm"] > 0 and ROUTED_CALLS["rmsnorm"] > 0,
-                  str(ROUTED_CALLS))
+        res.check(
+            "eager: SGLang's norms called the routed " + ROUTED_TO["impl"].split(":")[0],
+            ROUTED_CALLS["fused_add_rmsnorm"] > 0 and ROUTED_CALLS["rmsnorm"] > 0,
+            str(ROUTED_CALLS),
+        )
     res.data["scenarios"]["eager"] = out
 
 
@@ -716,6 +867,7 @@ def _graph_batch(ctx, model, T, seed):
 
 def capture_graph(ctx, model, batch, pool):
     import torch
+
     ids, positions, fb = batch
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -733,7 +885,8 @@ def capture_graph(ctx, model, batch, pool):
     assert len(records) == 1, f"{len(records)} LogitsProcessor calls in one captured forward"
     out = records[-1]
     records.clear()
-    if _FAKE_MODE is not None:   # CPU dry run: replay = the same forward, eagerly
+    if _FAKE_MODE is not None:  # CPU dry run: replay = the same forward, eagerly
+
         def replay():
             with torch.no_grad():
                 model.forward(ids, positions, fb)
@@ -742,6 +895,7 @@ def capture_graph(ctx, model, batch, pool):
             drafted = ctx.harness.draft_input(out)
             if drafted is not None:
                 drafted.copy_(ctx.harness.draft_input(new))
+
         graph._replay = replay
     return graph, out
 
@@ -749,6 +903,7 @@ def capture_graph(ctx, model, batch, pool):
 def scenario_graphs(ctx, res: Results):
     """(b) the drop-in inside CUDA graphs: several batch sizes, one aux buffer."""
     import torch
+
     h, st = ctx.harness, ctx.state
     H = ctx.args.hidden
     pool = torch.cuda.graph_pool_handle()
@@ -765,16 +920,24 @@ def scenario_graphs(ctx, res: Results):
     if not graphs:
         raise RuntimeError("no CUDA graph could be captured")
     if _FAKE_MODE is None:
-        res.check("graphs: state.graph_captured after capture", st.graph_captured is True,
-                  str(st.graph_captured))
+        res.check(
+            "graphs: state.graph_captured after capture",
+            st.graph_captured is True,
+            str(st.graph_captured),
+        )
     else:
-        print("  [SKIP] graphs: state.graph_captured (CPU dry run: no real capture; replays "
-              "re-run the forward eagerly)", flush=True)
+        print(
+            "  [SKIP] graphs: state.graph_captured (CPU dry run: no real capture; replays "
+            "re-run the forward eagerly)",
+            flush=True,
+        )
     aux_ptr = st.buffer.aux.data_ptr()
-    res.check("graphs: what every graph's LogitsProcessor hands the draft is a view of the "
-              "one persistent buffer",
-              all(h.draft_input(g[2]).data_ptr() == aux_ptr for g in graphs.values()),
-              "rows [0, T) of the same buffer")
+    res.check(
+        "graphs: what every graph's LogitsProcessor hands the draft is a view of the "
+        "one persistent buffer",
+        all(h.draft_input(g[2]).data_ptr() == aux_ptr for g in graphs.values()),
+        "rows [0, T) of the same buffer",
+    )
     g = torch.Generator().manual_seed(11)
     vocab = h.text_lm(ctx.ours).config.vocab_size
     for rep in range(2):
@@ -786,19 +949,30 @@ def scenario_graphs(ctx, res: Results):
             graph.replay()
             torch.cuda.synchronize()
             r_final, r_aux = gfinal.clone(), gaux.clone()
-            e_final, e_aux = eager(h, ctx.ours, batch_to(h.make_batch(ctx.ours, T, "decode"),
-                                                         ctx.device, new_ids))
-            s_final, s_aux = eager(h, ctx.ref, batch_to(h.make_batch(ctx.ref, T, "decode"),
-                                                        ctx.device, new_ids))
+            e_final, e_aux = eager(
+                h, ctx.ours, batch_to(h.make_batch(ctx.ours, T, "decode"), ctx.device, new_ids)
+            )
+            s_final, s_aux = eager(
+                h, ctx.ref, batch_to(h.make_batch(ctx.ref, T, "decode"), ctx.device, new_ids)
+            )
             vs_eager = deviation(r_aux, e_aux)
             final_vs_eager = deviation(r_final, e_final)
             layers = per_layer(r_aux, s_aux, H)
-            out["replays"].append({"T": T, "rep": rep, "vs_dropin_eager": vs_eager,
-                                   "final_vs_dropin_eager": final_vs_eager,
-                                   "vs_sglang_eager": layers})
-            res.check(f"graphs T={T} replay {rep}: capture and final hidden == eager drop-in "
-                      f"on the same inputs", vs_eager["equal"] and final_vs_eager["equal"],
-                      fmt_dev(vs_eager) + "; final " + fmt_dev(final_vs_eager))
+            out["replays"].append(
+                {
+                    "T": T,
+                    "rep": rep,
+                    "vs_dropin_eager": vs_eager,
+                    "final_vs_dropin_eager": final_vs_eager,
+                    "vs_sglang_eager": layers,
+                }
+            )
+            res.check(
+                f"graphs T={T} replay {rep}: capture and final hidden == eager drop-in "
+                f"on the same inputs",
+                vs_eager["equal"] and final_vs_eager["equal"],
+                fmt_dev(vs_eager) + "; final " + fmt_dev(final_vs_eager),
+            )
             check_layers(res, f"graphs T={T} replay {rep} vs SGLang's eager", layers)
     # After replays: an eager forward passes the completeness check.
     try:
@@ -806,12 +980,17 @@ def scenario_graphs(ctx, res: Results):
         eager(h, ctx.ours, batch_to(h.make_batch(ctx.ours, 33, "extend", seed=9), ctx.device))
         res.check("graphs: eager forwards after replays pass the completeness check", True)
     except Exception as e:  # noqa: BLE001
-        res.check("graphs: eager forwards after replays pass the completeness check", False,
-                  f"{type(e).__name__}: {e}")
-    res.check("graphs: still the drop-in (not switched back)" +
-              (", graph_captured" if _FAKE_MODE is None else ""),
-              not st.disabled and (st.graph_captured or _FAKE_MODE is not None),
-              f"disabled={st.disabled}, graph_captured={st.graph_captured}")
+        res.check(
+            "graphs: eager forwards after replays pass the completeness check",
+            False,
+            f"{type(e).__name__}: {e}",
+        )
+    res.check(
+        "graphs: still the drop-in (not switched back)"
+        + (", graph_captured" if _FAKE_MODE is None else ""),
+        not st.disabled and (st.graph_captured or _FAKE_MODE is not None),
+        f"disabled={st.disabled}, graph_captured={st.graph_captured}",
+    )
     ctx.graphs_ours = graphs
     res.data["scenarios"]["graphs"] = out
 
@@ -838,8 +1017,9 @@ def scenario_one_kernel(ctx, res: Results):
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     group = dist.new_group([0], backend="nccl")
     table = PathTable({"1": [[64, "one_shot"], [4096, "nccl"]]})
-    one_shot = SymmAllReduceCapture(64, H, dtype, group=group, device=st.buffer.aux.device,
-                                    table=table)
+    one_shot = SymmAllReduceCapture(
+        64, H, dtype, group=group, device=st.buffer.aux.device, table=table
+    )
     reducer = CapturedLayerAllReduce(1, lambda t: t, one_shot, table, dtype, H)
     layer = CAPTURED_LAYERS[1]
     norm = lm(ctx.ours).model.layers[layer].input_layernorm
@@ -851,34 +1031,49 @@ def scenario_one_kernel(ctx, res: Results):
     g = torch.Generator(device="cpu").manual_seed(17)
 
     def rows(T):
-        return (torch.randn(T, H, generator=g).to(dev, dtype),
-                torch.randn(T, H, generator=g).to(dev, dtype))
+        return (
+            torch.randn(T, H, generator=g).to(dev, dtype),
+            torch.randn(T, H, generator=g).to(dev, dtype),
+        )
 
     def compare(tag, T, x_out, r_out, x, r):
         rx, rr = ref_norm.forward(x.clone(), r.clone())
         sync(dev)
-        case = {"T": T, "case": tag, "residual": deviation(r_out, rr),
-                "capture": deviation(st.buffer.aux[:T, slot], rr),
-                "normed": deviation(x_out, rx)}
+        case = {
+            "T": T,
+            "case": tag,
+            "residual": deviation(r_out, rr),
+            "capture": deviation(st.buffer.aux[:T, slot], rr),
+            "normed": deviation(x_out, rx),
+        }
         out["cases"].append(case)
-        res.check(f"one kernel {tag} T={T}: residual and capture bit-exact with SGLang's norm",
-                  case["residual"]["equal"] and case["capture"]["equal"],
-                  fmt_dev(case["capture"]))
-        res.check(f"one kernel {tag} T={T}: normed within 2 ulp of SGLang's norm",
-                  case["normed"]["max_ulp"] <= 2, fmt_dev(case["normed"]))
+        res.check(
+            f"one kernel {tag} T={T}: residual and capture bit-exact with SGLang's norm",
+            case["residual"]["equal"] and case["capture"]["equal"],
+            fmt_dev(case["capture"]),
+        )
+        res.check(
+            f"one kernel {tag} T={T}: normed within 2 ulp of SGLang's norm",
+            case["normed"]["max_ulp"] <= 2,
+            fmt_dev(case["normed"]),
+        )
 
     grad = torch.is_grad_enabled()
-    torch.set_grad_enabled(False)   # as serving runs (the model's weights require grad)
+    torch.set_grad_enabled(False)  # as serving runs (the model's weights require grad)
     try:
         for T in (1, 7, 64, 100, 1024):
             x, r = rows(T)
             st.buffer.aux[:T, slot].fill_(float("nan"))
             before = dict(reducer.calls)
-            xo, ro = norm.forward_with_allreduce_fusion(x.clone(), r.clone(),
-                                                        use_attn_tp_group=False)
+            xo, ro = norm.forward_with_allreduce_fusion(
+                x.clone(), r.clone(), use_attn_tp_group=False
+            )
             want = "one_shot" if T <= 64 else "nccl"
-            res.check(f"one kernel T={T}: path {want}",
-                      reducer.calls[want] == before.get(want, 0) + 1, str(dict(reducer.calls)))
+            res.check(
+                f"one kernel T={T}: path {want}",
+                reducer.calls[want] == before.get(want, 0) + 1,
+                str(dict(reducer.calls)),
+            )
             compare("eager", T, xo, ro, x, r)
         # Inside a CUDA graph: static rows, replayed on new values.
         T = 8
@@ -887,8 +1082,7 @@ def scenario_one_kernel(ctx, res: Results):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                norm.forward_with_allreduce_fusion(xs.clone(), rs.clone(),
-                                                   use_attn_tp_group=False)
+                norm.forward_with_allreduce_fusion(xs.clone(), rs.clone(), use_attn_tp_group=False)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -903,13 +1097,14 @@ def scenario_one_kernel(ctx, res: Results):
     finally:
         torch.set_grad_enabled(grad)
         st.allreduce = saved
-        st.stored_rows = {}   # these calls were not a forward
+        st.stored_rows = {}  # these calls were not a forward
         st.residual_in_slot = None
     res.data["scenarios"]["one_kernel"] = out
 
 
 def _replay_us(graph, n):
     import torch
+
     for _ in range(5):
         graph.replay()
     start = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
@@ -926,10 +1121,14 @@ def scenario_timing(ctx, res: Results):
     """(c) GPU us per forward from graph replay: no capture / SGLang's / drop-in
     (path f, the default) / drop-in path e."""
     import torch
+
     h = ctx.harness
-    out = {"replays": ctx.args.replays, "method": "median of per-replay CUDA-event times; "
-           "rounds alternate the four graphs", "standins": {}}
-    ctx.graphs_ours = None   # (b)'s graphs: their memory back
+    out = {
+        "replays": ctx.args.replays,
+        "method": "median of per-replay CUDA-event times; rounds alternate the four graphs",
+        "standins": {},
+    }
+    ctx.graphs_ours = None  # (b)'s graphs: their memory back
     torch.cuda.empty_cache()
     for standin in ("matmul", "elementwise"):
         if time.time() - ctx.t0 > ctx.args.deadline_s:
@@ -944,8 +1143,11 @@ def scenario_timing(ctx, res: Results):
         rows = []
         # The elementwise stand-ins leave the norms and the capture dominant: also
         # T = 4096 there, when the buffer has the rows (--max-tokens 4096).
-        sizes = TIMING_SIZES + tuple(T for T in ELEMENTWISE_EXTRA_SIZES
-                                     if standin == "elementwise" and T <= ctx.args.max_tokens)
+        sizes = TIMING_SIZES + tuple(
+            T
+            for T in ELEMENTWISE_EXTRA_SIZES
+            if standin == "elementwise" and T <= ctx.args.max_tokens
+        )
         for T in sizes:
             if time.time() - ctx.t0 > ctx.args.deadline_s:
                 rows.append({"T": T, "skipped": "deadline"})
@@ -958,13 +1160,19 @@ def scenario_timing(ctx, res: Results):
             rows.append(row)
         out["standins"][standin] = rows
     res.data["scenarios"]["timing"] = out
-    res.check("timing: measured", any(isinstance(v, list) and any("skipped" not in r for r in v)
-                                      for v in out["standins"].values()))
+    res.check(
+        "timing: measured",
+        any(
+            isinstance(v, list) and any("skipped" not in r for r in v)
+            for v in out["standins"].values()
+        ),
+    )
 
 
 def _time_row(ctx, standin, T):
     """One timing row: graphs of the three captures at T, replays interleaved."""
     import torch
+
     h = ctx.harness
     pool = torch.cuda.graph_pool_handle()
     lm_ref = h.text_lm(ctx.ref)
@@ -972,6 +1180,7 @@ def _time_row(ctx, standin, T):
     # family's adapter: Qwen-MoE's per-layer marks too) while its graph is
     # captured (Python decides at capture time).
     from eagle_capture.integrations.sglang.families import family_of
+
     family = family_of(ctx.ref)
     saved = family.engine_layers(lm_ref)
     family.engine_capture_off(lm_ref)
@@ -993,49 +1202,79 @@ def _time_row(ctx, standin, T):
     rounds = 5
     per = max(10, ctx.args.replays // rounds)
     for _ in range(rounds):
-        for name, graph in (("none", g_none), ("sglang", g_ref), ("dropin", g_ours),
-                            ("dropin_e", g_ours_e)):
+        for name, graph in (
+            ("none", g_none),
+            ("sglang", g_ref),
+            ("dropin", g_ours),
+            ("dropin_e", g_ours_e),
+        ):
             times[name] += _replay_us(graph, per)
     med = {k: statistics.median(v) for k, v in times.items()}
-    row = {"T": T, "n_each": len(times["none"]),
-           "none_us": round(med["none"], 2), "sglang_us": round(med["sglang"], 2),
-           "dropin_us": round(med["dropin"], 2), "dropin_path_e_us": round(med["dropin_e"], 2),
-           "sglang_capture_cost_us": round(med["sglang"] - med["none"], 2),
-           "dropin_capture_cost_us": round(med["dropin"] - med["none"], 2),
-           "dropin_path_e_capture_cost_us": round(med["dropin_e"] - med["none"], 2),
-           "dropin_minus_sglang_us": round(med["dropin"] - med["sglang"], 2)}
-    print(f"  timing {standin:11s} T={T:5d}: none {row['none_us']:9.2f} us, SGLang "
-          f"{row['sglang_us']:9.2f} us, drop-in f {row['dropin_us']:9.2f} us, e "
-          f"{row['dropin_path_e_us']:9.2f} us (f - SGLang "
-          f"{row['dropin_minus_sglang_us']:+.2f} us)", flush=True)
+    row = {
+        "T": T,
+        "n_each": len(times["none"]),
+        "none_us": round(med["none"], 2),
+        "sglang_us": round(med["sglang"], 2),
+        "dropin_us": round(med["dropin"], 2),
+        "dropin_path_e_us": round(med["dropin_e"], 2),
+        "sglang_capture_cost_us": round(med["sglang"] - med["none"], 2),
+        "dropin_capture_cost_us": round(med["dropin"] - med["none"], 2),
+        "dropin_path_e_capture_cost_us": round(med["dropin_e"] - med["none"], 2),
+        "dropin_minus_sglang_us": round(med["dropin"] - med["sglang"], 2),
+    }
+    print(
+        f"  timing {standin:11s} T={T:5d}: none {row['none_us']:9.2f} us, SGLang "
+        f"{row['sglang_us']:9.2f} us, drop-in f {row['dropin_us']:9.2f} us, e "
+        f"{row['dropin_path_e_us']:9.2f} us (f - SGLang "
+        f"{row['dropin_minus_sglang_us']:+.2f} us)",
+        flush=True,
+    )
     del g_none, g_ref, g_ours, g_ours_e
     return row
 
 
 # --------------------------------------------------------------------- main
 
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--no-fake-cuda", dest="fake_cuda", action="store_false",
-                    help="--device cpu: keep SGLang on its CPU paths (forward_native)")
-    ap.add_argument("--norm-impl", default=None, choices=("flashinfer", "torch"),
-                    help="what SGLang's sgl_kernel norms are routed to (default: flashinfer "
-                         "on cuda, torch on cpu)")
-    ap.add_argument("--family", default=DEEPSEEK, choices=(DEEPSEEK,) + tuple(FAMILY_NAMES),
-                    help="the SGLang model family to build (default: DeepSeek-V3)")
+    ap.add_argument(
+        "--no-fake-cuda",
+        dest="fake_cuda",
+        action="store_false",
+        help="--device cpu: keep SGLang on its CPU paths (forward_native)",
+    )
+    ap.add_argument(
+        "--norm-impl",
+        default=None,
+        choices=("flashinfer", "torch"),
+        help="what SGLang's sgl_kernel norms are routed to (default: flashinfer "
+        "on cuda, torch on cpu)",
+    )
+    ap.add_argument(
+        "--family",
+        default=DEEPSEEK,
+        choices=(DEEPSEEK,) + tuple(FAMILY_NAMES),
+        help="the SGLang model family to build (default: DeepSeek-V3)",
+    )
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--layers", type=int, default=7)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=1024, help="EAGLE_CAPTURE_MAX_TOKENS")
     ap.add_argument("--verify", type=int, default=3, help="EAGLE_CAPTURE_VERIFY")
-    ap.add_argument("--tokens", default=None,
-                    help="eager cases, e.g. '1024e,64d,5e' (e extend, d decode)")
+    ap.add_argument(
+        "--tokens", default=None, help="eager cases, e.g. '1024e,64d,5e' (e extend, d decode)"
+    )
     ap.add_argument("--replays", type=int, default=100, help="timed replays per graph")
     ap.add_argument("--skip", default="", help="comma list of scenarios to skip")
-    ap.add_argument("--deadline-s", type=float, default=240.0,
-                    help="skip the remaining timing rows after this many seconds")
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=240.0,
+        help="skip the remaining timing rows after this many seconds",
+    )
     ap.add_argument("--out", default=None, help="JSON file (default $OUT/gpu_sglang_real.json)")
     args = ap.parse_args(argv)
     if args.device == "cuda":
@@ -1045,8 +1284,9 @@ def parse_args(argv=None):
     if args.norm_impl == "flashinfer" and args.device != "cuda":
         ap.error("--norm-impl flashinfer needs --device cuda")
     if args.tokens:
-        args.eager_cases = tuple((int(t[:-1]), {"e": "extend", "d": "decode"}[t[-1]])
-                                 for t in args.tokens.split(","))
+        args.eager_cases = tuple(
+            (int(t[:-1]), {"e": "extend", "d": "decode"}[t[-1]]) for t in args.tokens.split(",")
+        )
     else:
         args.eager_cases = EAGER_CASES
     args.skip = {s for s in args.skip.split(",") if s}
@@ -1058,14 +1298,15 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     res = Results()
-    res.data["args"] = {k: (sorted(v) if isinstance(v, set) else v)
-                        for k, v in vars(args).items()}
+    res.data["args"] = {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()}
     t0 = time.time()
-    print(f"gpu_scenarios: SGLang's real {ARCH if args.family == DEEPSEEK else args.family} "
-          f"model, H={args.hidden}, "
-          f"{args.layers} layers, {args.dtype}, device {args.device}"
-          f"{' (fake CUDA for SGLang)' if args.fake_cuda and args.device == 'cpu' else ''}",
-          flush=True)
+    print(
+        f"gpu_scenarios: SGLang's real {ARCH if args.family == DEEPSEEK else args.family} "
+        f"model, H={args.hidden}, "
+        f"{args.layers} layers, {args.dtype}, device {args.device}"
+        f"{' (fake CUDA for SGLang)' if args.fake_cuda and args.device == 'cpu' else ''}",
+        flush=True,
+    )
     os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
     os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
     if args.device == "cuda" or args.fake_cuda:
@@ -1073,21 +1314,27 @@ def main(argv=None) -> int:
         os.environ.setdefault("SGLANG_IS_FLASHINFER_AVAILABLE", "true")
     try:
         import torch
+
         if args.device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda but torch sees no GPU")
         if args.device == "cpu" and args.fake_cuda:
             install_fake_cuda()
         route_sgl_kernel_norms(use_flashinfer=args.norm_impl == "flashinfer")
-        print(f"gpu_scenarios: SGLang's fused_add_rmsnorm / rmsnorm -> {ROUTED_TO['impl']}",
-              flush=True)
+        print(
+            f"gpu_scenarios: SGLang's fused_add_rmsnorm / rmsnorm -> {ROUTED_TO['impl']}",
+            flush=True,
+        )
         ctx = setup(args, res)
         print("gpu_scenarios: versions " + json.dumps(res.data["env"]), flush=True)
     except Exception as e:  # noqa: BLE001
         res.error("setup", e)
         _write(args, res, t0)
         return 3
-    steps = [("flashinfer", scenario_flashinfer), ("models", make_models),
-             ("eager", scenario_eager)]
+    steps = [
+        ("flashinfer", scenario_flashinfer),
+        ("models", make_models),
+        ("eager", scenario_eager),
+    ]
     if args.device == "cuda" or args.fake_cuda:
         # CPU dry run: fake graphs (replay = an eager forward), timings of 0.
         steps += [("graphs", scenario_graphs), ("timing", scenario_timing)]
@@ -1097,8 +1344,9 @@ def main(argv=None) -> int:
         res.data["scenarios"]["graphs"] = res.data["scenarios"]["timing"] = "skipped on cpu"
     have_models = False
     for name, fn in steps:
-        if name in args.skip or (name in ("eager", "graphs", "timing", "one_kernel")
-                                 and not have_models):
+        if name in args.skip or (
+            name in ("eager", "graphs", "timing", "one_kernel") and not have_models
+        ):
             res.data["scenarios"].setdefault(name, "skipped")
             print(f"== {name}: skipped", flush=True)
             continue
@@ -1131,35 +1379,47 @@ def summary(res: Results) -> None:
     d = res.data
     env = d.get("env", {})
     print("\n================ gpu_scenarios summary ================")
-    print(f"device {env.get('device')} {env.get('gpu', '')}; torch {env.get('torch')}, "
-          f"sglang {env.get('sglang')}, transformers {env.get('transformers')}, flashinfer "
-          f"{env.get('flashinfer-python')}; SGLang's norm -> {env.get('norm_route')}")
+    print(
+        f"device {env.get('device')} {env.get('gpu', '')}; torch {env.get('torch')}, "
+        f"sglang {env.get('sglang')}, transformers {env.get('transformers')}, flashinfer "
+        f"{env.get('flashinfer-python')}; SGLang's norm -> {env.get('norm_route')}"
+    )
     fi = d["scenarios"].get("flashinfer")
     if isinstance(fi, dict):
         if "jit_build_or_load_s" in fi:
-            print(f"FlashInfer norm module ({'prebuilt AOT' if fi.get('norm_module_is_prebuilt_aot') else 'JIT'}"
-                  f", {fi.get('norm_module')}): loaded in {fi['jit_build_or_load_s']} s")
+            print(
+                f"FlashInfer norm module ({'prebuilt AOT' if fi.get('norm_module_is_prebuilt_aot') else 'JIT'}"
+                f", {fi.get('norm_module')}): loaded in {fi['jit_build_or_load_s']} s"
+            )
         for c in fi.get("cases", []):
-            print(f"  T={c['T']:5d} ours vs FlashInfer: capture "
-                  f"{fmt_dev(c['ours_capture_vs_flashinfer_residual'])}; normed "
-                  f"{fmt_dev(c['ours_normed_vs_flashinfer'])}")
+            print(
+                f"  T={c['T']:5d} ours vs FlashInfer: capture "
+                f"{fmt_dev(c['ours_capture_vs_flashinfer_residual'])}; normed "
+                f"{fmt_dev(c['ours_normed_vs_flashinfer'])}"
+            )
     ea = d["scenarios"].get("eager")
     if isinstance(ea, dict):
         print(f"eager (a), install: {d.get('install', {}).get('how')}")
         for c in ea["cases"]:
-            print(f"  T={c['T']:5d} {c['mode']:6s} " + " | ".join(
-                f"L{x['layer']}: {fmt_dev(x)}" for x in c["layers"]))
+            print(
+                f"  T={c['T']:5d} {c['mode']:6s} "
+                + " | ".join(f"L{x['layer']}: {fmt_dev(x)}" for x in c["layers"])
+            )
         for line in ea.get("verify_log", []):
             print(f"  {line[:200]}")
     gr = d["scenarios"].get("graphs")
     if isinstance(gr, dict):
         ok = all(r["vs_dropin_eager"]["equal"] for r in gr["replays"])
-        print(f"graphs (b): {len(gr['replays'])} replays of T={gr['sizes']}: "
-              f"{'all bit-exact vs eager drop-in' if ok else 'NOT all equal to eager'}")
+        print(
+            f"graphs (b): {len(gr['replays'])} replays of T={gr['sizes']}: "
+            f"{'all bit-exact vs eager drop-in' if ok else 'NOT all equal to eager'}"
+        )
         for r in gr["replays"]:
             if r["rep"] == 0:
-                print(f"  T={r['T']:3d} vs SGLang eager: " + " | ".join(
-                    f"L{x['layer']}: {fmt_dev(x)}" for x in r["vs_sglang_eager"]))
+                print(
+                    f"  T={r['T']:3d} vs SGLang eager: "
+                    + " | ".join(f"L{x['layer']}: {fmt_dev(x)}" for x in r["vs_sglang_eager"])
+                )
     ti = d["scenarios"].get("timing")
     if isinstance(ti, dict):
         print("timing (c), us per forward (graph replay, median):")
@@ -1171,12 +1431,13 @@ def summary(res: Results) -> None:
                 if "skipped" in r:
                     print(f"  {standin:11s} T={r['T']}: skipped ({r['skipped']})")
                     continue
-                print(f"  {standin:11s} T={r['T']:5d}: none {r['none_us']:9.2f}  SGLang "
-                      f"{r['sglang_us']:9.2f} (+{r['sglang_capture_cost_us']:.2f})  drop-in "
-                      f"{r['dropin_us']:9.2f} (+{r['dropin_capture_cost_us']:.2f})")
+                print(
+                    f"  {standin:11s} T={r['T']:5d}: none {r['none_us']:9.2f}  SGLang "
+                    f"{r['sglang_us']:9.2f} (+{r['sglang_capture_cost_us']:.2f})  drop-in "
+                    f"{r['dropin_us']:9.2f} (+{r['dropin_capture_cost_us']:.2f})"
+                )
     failed = [c for c in d["checks"] if not c["ok"]]
-    print(f"{len(d['checks']) - len(failed)} passed, {len(failed)} failed "
-          f"({d.get('wall_s')} s)")
+    print(f"{len(d['checks']) - len(failed)} passed, {len(failed)} failed ({d.get('wall_s')} s)")
     for c in failed:
         print(f"  FAILED: {c['name']}: {c['detail'][:300]}")
 

@@ -233,7 +233,7 @@ def _detect_version_from_path() -> str:
     root = os.path.dirname(os.path.dirname(spec.origin))
     for name in os.listdir(root):
         if name.startswith("sglang-") and name.endswith(".dist-info"):
-            return name[len("sglang-"): -len(".dist-info")]
+            return name[len("sglang-") : -len(".dist-info")]
     raise RuntimeError(f"no sglang dist-info next to {spec.origin}")
 
 
@@ -268,15 +268,26 @@ def use_overlay(version_dir: str) -> None:
         if m is not None and not os.path.abspath(m.__file__).startswith(version_dir + os.sep):
             raise RuntimeError(
                 f"{mod} already imported from {m.__file__}; one sglang version per "
-                "process: start a new process with the overlay on PYTHONPATH")
+                "process: start a new process with the overlay on PYTHONPATH"
+            )
     if version_dir not in sys.path:
         sys.path.insert(0, version_dir)
 
 
-def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=None, *,
-          tp_size: int | None = None, rank: int = 0, init_method: str | None = None,
-          dist_timeout: int | None = None, dp_size: int = 1,
-          moe_a2a_backend: str | None = None, moe_dense_tp_size: int | None = None):
+def setup(
+    version: str | None = None,
+    dtype=None,
+    hf_config=None,
+    version_dir=None,
+    *,
+    tp_size: int | None = None,
+    rank: int = 0,
+    init_method: str | None = None,
+    dist_timeout: int | None = None,
+    dp_size: int = 1,
+    moe_a2a_backend: str | None = None,
+    moe_dense_tp_size: int | None = None,
+):
     """Import sglang (stubs installed first), set global server args and the
     gloo process groups. Idempotent (first call wins).
 
@@ -296,14 +307,16 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
         if tp_size is not None and (tp_size, rank) != (_STATE["tp_size"], _STATE["rank"]):
             raise RuntimeError(
                 f"harness already set up at TP {_STATE['tp_size']} rank {_STATE['rank']}; "
-                f"asked for TP {tp_size} rank {rank}: one world per process")
+                f"asked for TP {tp_size} rank {rank}: one world per process"
+            )
         return
     tp_size = 1 if tp_size is None else tp_size
     if tp_size < 1 or not 0 <= rank < tp_size:
         raise ValueError(f"rank {rank} is not in a TP world of {tp_size}")
     if tp_size > 1 and init_method is None:
-        raise ValueError("tp_size > 1 needs the init_method all ranks share "
-                         "(tcp://127.0.0.1:<port>)")
+        raise ValueError(
+            "tp_size > 1 needs the init_method all ranks share (tcp://127.0.0.1:<port>)"
+        )
     if dp_size < 1 or tp_size % dp_size:
         raise ValueError(f"dp_size {dp_size} does not divide tp_size {tp_size}")
     if version_dir is not None:
@@ -329,16 +342,18 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
     if moe_dense_tp_size is not None:
         args["moe_dense_tp_size"] = moe_dense_tp_size
     syncs = dp_size > 1 or moe_a2a_backend is not None or moe_dense_tp_size is not None
-    if syncs:   # the forwards sync their DP / MoE rows
-        try:   # 0.5.20+: model_path "dummy" skips the resolution that fills it in
+    if syncs:  # the forwards sync their DP / MoE rows
+        try:  # 0.5.20+: model_path "dummy" skips the resolution that fills it in
             from sglang.srt.model_executor.cuda_graph_config import (
                 Backend,
                 CudaGraphConfig,
                 PhaseConfig,
             )
+
             args["cuda_graph_config"] = CudaGraphConfig(
                 decode=PhaseConfig(backend=Backend.DISABLED),
-                prefill=PhaseConfig(backend=Backend.DISABLED))
+                prefill=PhaseConfig(backend=Backend.DISABLED),
+            )
         except ImportError:
             pass
     if moe_a2a_backend is not None:
@@ -361,12 +376,16 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
         world_rank = rank
         if tp_size > 1:
             from sglang.srt.runtime_context import spawn_world_rank
+
             world_rank = spawn_world_rank(server_args, tp_rank=rank, pp_rank=0)
         # DP attention: the DP controller gives TP rank r the attention-DP rank
         # r // attn_tp_size (compute_dp_attention_world_info).
         dp_rank = rank // (tp_size // dp_size) if dp_size > 1 else None
-        publish(server_args, role="scheduler",
-                ranks=SpawnRanks(world_rank=world_rank, dp_rank=dp_rank, gpu_id=None))
+        publish(
+            server_args,
+            role="scheduler",
+            ranks=SpawnRanks(world_rank=world_rank, dp_rank=dp_rank, gpu_id=None),
+        )
         publish_call = f"runtime_context.publish(role='scheduler', ranks=SpawnRanks({world_rank}))"
     else:
         # <= 0.5.13: sets the module global read by get_global_server_args();
@@ -382,10 +401,12 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
     from sglang.srt.distributed import parallel_state as ps
 
     extra = {}
-    if tp_size > 1:   # what the model runner calls before init_distributed_environment
+    if tp_size > 1:  # what the model runner calls before init_distributed_environment
         ps.set_custom_all_reduce(not server_args.disable_custom_all_reduce)
-    if dist_timeout is not None and \
-            "timeout" in inspect.signature(ps.init_distributed_environment).parameters:
+    if (
+        dist_timeout is not None
+        and "timeout" in inspect.signature(ps.init_distributed_environment).parameters
+    ):
         extra["timeout"] = dist_timeout
     ps.init_distributed_environment(
         world_size=tp_size,
@@ -396,13 +417,18 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
         **extra,
     )
 
-    calls = [publish_call, f"init_distributed_environment(gloo, world {tp_size}"
-             + (f", rank {rank})" if tp_size > 1 else ")")]
+    calls = [
+        publish_call,
+        f"init_distributed_environment(gloo, world {tp_size}"
+        + (f", rank {rank})" if tp_size > 1 else ")"),
+    ]
     if "tensor_model_parallel_size" in inspect.signature(ps.initialize_model_parallel).parameters:
         dp_kw = {"attention_data_parallel_size": dp_size} if dp_size > 1 else {}
         ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, **dp_kw)  # <= 0.5.22
-        calls.append(f"initialize_model_parallel(tensor_model_parallel_size={tp_size}"
-                     + (f", attention_data_parallel_size={dp_size})" if dp_kw else ")"))
+        calls.append(
+            f"initialize_model_parallel(tensor_model_parallel_size={tp_size}"
+            + (f", attention_data_parallel_size={dp_size})" if dp_kw else ")")
+        )
     else:  # 0.5.23: widths come from the published get_parallel() (tp_size=server_args.tp_size)
         ps.initialize_model_parallel()
         calls.append("initialize_model_parallel()")
@@ -450,7 +476,7 @@ def setup(version: str | None = None, dtype=None, hf_config=None, version_dir=No
         else:  # >= 0.5.20: reads the published bags
             initialize_moe_config()
             calls.append("initialize_moe_config()")
-    if syncs:   # DP gathers / scattered rows
+    if syncs:  # DP gathers / scattered rows
         calls += _dp_attention_on_cpu()
     _STATE["tp_size"] = tp_size
     _STATE["dp_size"] = dp_size
@@ -483,6 +509,7 @@ def _dp_attention_on_cpu() -> list[str]:
         dpa.memcpy_func = dpa.memcpy_cpu
         done.append("dp_attention.memcpy_func = dp_attention.memcpy_cpu")
     else:
+
         def memcpy_torch(dst, src, dim, offset, sz, offset_src):
             """memcpy_triton's semantics: rows [offset, offset + sz) of src into dst's
             first rows (offset_src), or src's first rows into dst at offset."""
@@ -490,9 +517,10 @@ def _dp_attention_on_cpu() -> list[str]:
                 raise AssertionError("memcpy_triton stand-in: rows of equal width only")
             o, n = int(offset), int(sz)
             if offset_src:
-                dst[:n].copy_(src[o:o + n])
+                dst[:n].copy_(src[o : o + n])
             else:
-                dst[o:o + n].copy_(src[:n])
+                dst[o : o + n].copy_(src[:n])
+
         dpa.memcpy_triton = memcpy_torch
         done.append("dp_attention.memcpy_triton = a torch row copy")
     if hasattr(fbi, "_is_cpu"):
@@ -588,20 +616,28 @@ def _define_modules():
             shard = hidden_size // world
             self.cols = (rank * shard, (rank + 1) * shard)
             self.reduces = bool(reduces)
-            self.proj = RowParallelLinear(hidden_size, hidden_size, bias=False,
-                                          reduce_results=self.reduces,
-                                          prefix=f"standin.{role}.proj", **group)
+            self.proj = RowParallelLinear(
+                hidden_size,
+                hidden_size,
+                bias=False,
+                reduce_results=self.reduces,
+                prefix=f"standin.{role}.proj",
+                **group,
+            )
             self.proj.weight_loader(self.proj.weight, self.w.to(self.proj.weight.dtype))
-            want = self.w[:, self.cols[0]:self.cols[1]].to(self.proj.weight.dtype)
+            want = self.w[:, self.cols[0] : self.cols[1]].to(self.proj.weight.dtype)
             if not torch.equal(self.proj.weight.data, want):
-                raise AssertionError(f"{role}: SGLang's RowParallelLinear weight_loader did not "
-                                     f"keep input columns {self.cols} of W on rank {rank}")
+                raise AssertionError(
+                    f"{role}: SGLang's RowParallelLinear weight_loader did not "
+                    f"keep input columns {self.cols} of W on rank {rank}"
+                )
             try:
                 import inspect
+
                 self._real_sig = inspect.signature(type(real).forward)
             except (TypeError, ValueError):
                 self._real_sig = None
-            self.skips = 0      # forwards where the layer asked this module not to reduce
+            self.skips = 0  # forwards where the layer asked this module not to reduce
 
         def _skip_requested(self, args, kwargs) -> bool:
             """<= 0.5.13's explicit skip arguments of the real MLP / MoE forward."""
@@ -611,8 +647,9 @@ def _define_modules():
                 bound = self._real_sig.bind_partial(None, *args, **kwargs).arguments
             except TypeError:
                 return False
-            return bool(bound.get("should_allreduce_fusion")) or \
-                bool(bound.get("use_reduce_scatter"))
+            return bool(bound.get("should_allreduce_fusion")) or bool(
+                bound.get("use_reduce_scatter")
+            )
 
         def forward(self, *args, **kwargs):
             h = kwargs.get("hidden_states", args[0] if args else None)
@@ -620,7 +657,7 @@ def _define_modules():
                 raise TypeError(f"{self.role}: hidden_states is a tuple")
             self.calls += 1
             act = (0.5 * torch.tanh(h.float())).to(h.dtype)
-            local = act[:, self.cols[0]:self.cols[1]].contiguous()
+            local = act[:, self.cols[0] : self.cols[1]].contiguous()
             skip = self._skip_requested(args, kwargs)
             self.skips += skip
             out, _ = self.proj(local, skip_all_reduce=True) if skip else self.proj(local)
@@ -632,6 +669,7 @@ def _define_modules():
 class LogitsCall(NamedTuple):
     """One call of the model's LogitsProcessor: its inputs exactly as the model
     handed them, and SGLang's own ``LogitsProcessorOutput`` for them."""
+
     hidden_states: Any
     aux_hidden_states: Any
     output: Any
@@ -646,10 +684,25 @@ def _observed_logits_processor(config):
     from sglang.srt.layers.logits_processor import LogitsProcessor
 
     class ObservedLogitsProcessor(LogitsProcessor):
-        def forward(self, input_ids, hidden_states, lm_head, logits_metadata,
-                    aux_hidden_states=None, *args, **kwargs):
-            output = super().forward(input_ids, hidden_states, lm_head, logits_metadata,
-                                     aux_hidden_states, *args, **kwargs)
+        def forward(
+            self,
+            input_ids,
+            hidden_states,
+            lm_head,
+            logits_metadata,
+            aux_hidden_states=None,
+            *args,
+            **kwargs,
+        ):
+            output = super().forward(
+                input_ids,
+                hidden_states,
+                lm_head,
+                logits_metadata,
+                aux_hidden_states,
+                *args,
+                **kwargs,
+            )
             self.records.append(LogitsCall(hidden_states, aux_hidden_states, output))
             return output
 
@@ -666,6 +719,7 @@ def _all_to_all_moe(real) -> bool:
     if type(real).__name__ != "DeepseekV2MoE":
         return False
     from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+
     return not get_moe_a2a_backend().is_none()
 
 
@@ -681,11 +735,12 @@ def _shard_group(real) -> tuple[int, int, dict]:
     proj = getattr(real, "o_proj", None) or getattr(real, "down_proj", None)
     if proj is None:
         return tp.world_size, tp.rank_in_group, {}
-    if hasattr(proj, "tp_rank"):            # <= 0.5.20: tp_rank / tp_size arguments
+    if hasattr(proj, "tp_rank"):  # <= 0.5.20: tp_rank / tp_size arguments
         world, rank = proj.tp_size, proj.tp_rank
         group = {"tp_rank": rank, "tp_size": world}
-    else:                                   # 0.5.22+: a parallel_group argument
+    else:  # 0.5.22+: a parallel_group argument
         from sglang.srt.layers import linear
+
         world = proj.input_size // proj.input_size_per_partition
         rank = linear.get_group_rank_size(proj.tp_group)[0] if world > 1 else 0
         group = {"parallel_group": proj.parallel_group}
@@ -718,10 +773,15 @@ def _reduces_itself(role: str, real) -> bool:
 # ---------------------------------------------------------------- model
 
 
-def make_config(num_layers: int = 6, hidden_size: int = 64, vocab_size: int = 128,
-                first_k_dense_replace: int = 2):
+def make_config(
+    num_layers: int = 6,
+    hidden_size: int = 64,
+    vocab_size: int = 128,
+    first_k_dense_replace: int = 2,
+):
     _ensure_stubs()
     from eagle_capture.testing.models import tiny_deepseek_v3_config
+
     return tiny_deepseek_v3_config(num_layers, hidden_size, vocab_size, first_k_dense_replace)
 
 
@@ -747,20 +807,36 @@ def _kimi_k25_config(text_cfg):
     the fields SGLang's KimiK25ForConditionalGeneration reads at construction)."""
     from sglang.srt.configs.kimi_k25 import KimiK25Config
 
-    vision = dict(vt_hidden_size=16, patch_size=2, init_pos_emb_height=4, init_pos_emb_width=4,
-                  init_pos_emb_time=2, num_attention_heads=2, num_hidden_layers=1,
-                  hidden_size=16, intermediate_size=32, mm_hidden_size=16,
-                  text_hidden_size=text_cfg.hidden_size)
+    vision = dict(
+        vt_hidden_size=16,
+        patch_size=2,
+        init_pos_emb_height=4,
+        init_pos_emb_width=4,
+        init_pos_emb_time=2,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        hidden_size=16,
+        intermediate_size=32,
+        mm_hidden_size=16,
+        text_hidden_size=text_cfg.hidden_size,
+    )
     cfg = KimiK25Config(text_config=text_cfg.to_dict(), vision_config=vision)
     cfg.architectures = ["KimiK25ForConditionalGeneration"]
-    cfg.encoder_only = False     # what KimiK25Config.__init__ of the checkpoint's remote
-    cfg.language_only = False    # code sets; SGLang's own class reads them
+    cfg.encoder_only = False  # what KimiK25Config.__init__ of the checkpoint's remote
+    cfg.language_only = False  # code sets; SGLang's own class reads them
     return cfg
 
 
-def build_model(num_layers: int = 6, hidden_size: int = 64, dtype=None,
-                capture_ids=(1, 3, 4), seed: int = 0, arch: str = "DeepseekV2ForCausalLM",
-                set_capture: bool = True, standin: str | None = None):
+def build_model(
+    num_layers: int = 6,
+    hidden_size: int = 64,
+    dtype=None,
+    capture_ids=(1, 3, 4),
+    seed: int = 0,
+    arch: str = "DeepseekV2ForCausalLM",
+    set_capture: bool = True,
+    standin: str | None = None,
+):
     """SGLang's own ``arch`` class (one of :data:`ARCHS`), stand-ins installed,
     deterministic weights, ``set_eagle3_layers_to_capture(capture_ids)`` called
     unless ``set_capture`` is False (the plugin's hook path calls SGLang's own
@@ -781,9 +857,11 @@ def build_model(num_layers: int = 6, hidden_size: int = 64, dtype=None,
     if standin not in ("tanh", "row_parallel"):
         raise ValueError(f"standin {standin!r}: expected 'tanh' or 'row_parallel'")
     if standin == "tanh" and world > 1:
-        raise ValueError("the 'tanh' stand-in computes the full output on every rank, which "
-                         "SGLang's all-reduce would then add up tp_size times: use "
-                         "standin='row_parallel' at TP > 1")
+        raise ValueError(
+            "the 'tanh' stand-in computes the full output on every rank, which "
+            "SGLang's all-reduce would then add up tp_size times: use "
+            "standin='row_parallel' at TP > 1"
+        )
     from sglang.srt.model_loader.utils import set_default_torch_dtype
     from sglang.srt.models import deepseek_v2
 
@@ -792,6 +870,7 @@ def build_model(num_layers: int = 6, hidden_size: int = 64, dtype=None,
     with set_default_torch_dtype(dtype), torch.device("cpu"):
         if arch == "KimiK25ForConditionalGeneration":
             from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
+
             model = KimiK25ForConditionalGeneration(_kimi_k25_config(cfg), quant_config=None)
         else:
             model = getattr(deepseek_v2, arch)(cfg, quant_config=None)
@@ -803,10 +882,10 @@ def build_model(num_layers: int = 6, hidden_size: int = 64, dtype=None,
         emb = lm.model.embed_tokens.weight
         if world == 1:
             emb.copy_(torch.randn(emb.shape, generator=g).to(emb.dtype))
-        else:   # this rank's vocab shard of the table TP 1 draws (same generator)
+        else:  # this rank's vocab shard of the table TP 1 draws (same generator)
             embed = lm.model.embed_tokens
             full = torch.randn((embed.num_embeddings_padded, emb.shape[1]), generator=g)
-            embed.weight_loader(emb, full[:embed.org_vocab_size].to(emb.dtype))
+            embed.weight_loader(emb, full[: embed.org_vocab_size].to(emb.dtype))
         for _, norm in _norms(lm):
             w = norm.weight
             w.copy_((1.0 + 0.1 * torch.randn(w.shape, generator=g)).to(w.dtype))
@@ -818,14 +897,22 @@ def build_model(num_layers: int = 6, hidden_size: int = 64, dtype=None,
         else:
             with set_default_torch_dtype(dtype):
                 layer.self_attn = RowParallelStandIn(
-                    hidden_size, seed * 1000 + 2 * i, "attn", layer.self_attn,
-                    _reduces_itself("attn", layer.self_attn))
-                if _all_to_all_moe(layer.mlp):   # whole rows in, whole rows out
+                    hidden_size,
+                    seed * 1000 + 2 * i,
+                    "attn",
+                    layer.self_attn,
+                    _reduces_itself("attn", layer.self_attn),
+                )
+                if _all_to_all_moe(layer.mlp):  # whole rows in, whole rows out
                     layer.mlp = StandIn(hidden_size, seed * 1000 + 2 * i + 1, "mlp", layer.mlp)
                 else:
                     layer.mlp = RowParallelStandIn(
-                        hidden_size, seed * 1000 + 2 * i + 1, "mlp", layer.mlp,
-                        _reduces_itself("mlp", layer.mlp))
+                        hidden_size,
+                        seed * 1000 + 2 * i + 1,
+                        "mlp",
+                        layer.mlp,
+                        _reduces_itself("mlp", layer.mlp),
+                    )
     lm.logits_processor = _observed_logits_processor(lm.config)
     _seed_lm_head(lm, seed)
     if set_capture:
@@ -840,7 +927,7 @@ def _seed_lm_head(lm, seed: int) -> None:
     import torch
 
     head = lm.lm_head
-    if head is lm.model.embed_tokens:   # tied: already seeded with the embedding
+    if head is lm.model.embed_tokens:  # tied: already seeded with the embedding
         return
     g = torch.Generator().manual_seed(seed + 101)
     w = head.weight
@@ -849,11 +936,10 @@ def _seed_lm_head(lm, seed: int) -> None:
             w.copy_(torch.randn(w.shape, generator=g).to(w.dtype))
         else:
             full = torch.randn((head.num_embeddings_padded, w.shape[1]), generator=g)
-            head.weight_loader(w, full[:head.org_vocab_size].to(w.dtype))
+            head.weight_loader(w, full[: head.org_vocab_size].to(w.dtype))
 
 
-def make_batch(model, num_tokens: int, mode: str = "extend", seed: int = 0,
-               capture: str = "full"):
+def make_batch(model, num_tokens: int, mode: str = "extend", seed: int = 0, capture: str = "full"):
     """(input_ids, positions, forward_batch) for an EXTEND (one request of
     ``num_tokens`` new tokens, no prefix) or DECODE (``num_tokens`` requests
     of one token) batch. ``num_tokens == 0`` gives an IDLE batch. ``capture``:
@@ -915,8 +1001,9 @@ def make_batch(model, num_tokens: int, mode: str = "extend", seed: int = 0,
     return input_ids, positions, fb
 
 
-def make_dp_batch(model, num_tokens: int, mode: str = "extend", seed: int = 0,
-                  capture: str = "full"):
+def make_dp_batch(
+    model, num_tokens: int, mode: str = "extend", seed: int = 0, capture: str = "full"
+):
     """Under DP attention (or an all-to-all MoE: any server whose forwards sync
     their rows): this rank's own batch (``make_batch``) plus what the scheduler
     and model runner add before the forward -- the token counts of every DP rank
@@ -937,7 +1024,7 @@ def make_dp_batch(model, num_tokens: int, mode: str = "extend", seed: int = 0,
     group = get_tp_group()
     every = [torch.empty_like(mine) for _ in range(group.world_size)]
     dist.all_gather(every, mine, group=group.cpu_group)
-    every = every[::group.world_size // _STATE.get("dp_size", 1)]   # one per DP rank
+    every = every[:: group.world_size // _STATE.get("dp_size", 1)]  # one per DP rank
     tokens = [int(t[0]) for t in every]
     logprob = [int(t[1]) for t in every]
     fb.is_extend_in_batch = any(int(t[2]) for t in every)
@@ -947,7 +1034,7 @@ def make_dp_batch(model, num_tokens: int, mode: str = "extend", seed: int = 0,
     fb.global_num_tokens_for_logprob_gpu = torch.tensor(logprob, dtype=torch.int64)
     if hasattr(fb, "original_global_num_tokens_cpu"):
         fb.original_global_num_tokens_cpu = tokens
-    if getattr(fb, "lora_ids", "absent") is None:   # ForwardBatch.init_new sets one per request
+    if getattr(fb, "lora_ids", "absent") is None:  # ForwardBatch.init_new sets one per request
         fb.lora_ids = [None] * fb.batch_size
     with _no_pinned_memory():
         fb.prepare_mlp_sync_batch(_dp_runner(model))
@@ -972,16 +1059,25 @@ def _dp_runner(model):
         def get_cpu_graph_seq_len_fill_value(self):
             return 1
 
-        def late_layer_num_tokens(self, forward_batch):   # 0.5.23: no late-layer rows
+        def late_layer_num_tokens(self, forward_batch):  # 0.5.23: no late-layer rows
             return None
 
-    config = types.SimpleNamespace(hidden_size=lm.config.hidden_size, hf_config=lm.config,
-                                   dtype=model._harness_dtype, linear_attn_registry_result=None)
-    runner = types.SimpleNamespace(is_draft_worker=False, model_config=config,
-                                   attn_backend=Backend(), spec_algorithm=None,
-                                   server_args=_STATE["server_args"])
+    config = types.SimpleNamespace(
+        hidden_size=lm.config.hidden_size,
+        hf_config=lm.config,
+        dtype=model._harness_dtype,
+        linear_attn_registry_result=None,
+    )
+    runner = types.SimpleNamespace(
+        is_draft_worker=False,
+        model_config=config,
+        attn_backend=Backend(),
+        spec_algorithm=None,
+        server_args=_STATE["server_args"],
+    )
     from sglang.srt.model_executor.model_runner import ModelRunner
-    if hasattr(ModelRunner, "attn_tp_sequence_sharded"):   # 0.5.23
+
+    if hasattr(ModelRunner, "attn_tp_sequence_sharded"):  # 0.5.23
         runner.attn_tp_sequence_sharded = lambda n: ModelRunner.attn_tp_sequence_sharded(runner, n)
     return runner
 
@@ -992,6 +1088,7 @@ def _no_pinned_memory():
     import contextlib
 
     from sglang.srt.model_executor import forward_batch_info as fbi
+
     if hasattr(fbi, "_is_cpu"):
         return contextlib.nullcontext()
     from torch.overrides import TorchFunctionMode
@@ -1056,26 +1153,25 @@ def surface(model) -> dict:
         plan = getattr(boundary, "plan", None)
         s["attn_boundary_plan"] = type(plan).__name__ if plan is not None else None
         norm = getattr(plan, "norm", None) if plan is not None else None
-        s["attn_boundary_plan_norm_is_input_layernorm"] = (
-            norm is getattr(layer, "input_layernorm", object())
+        s["attn_boundary_plan_norm_is_input_layernorm"] = norm is getattr(
+            layer, "input_layernorm", object()
         )
     ffn = getattr(layer, "ffn_boundary", None)
     if ffn is not None and getattr(ffn, "plan", None) is not None:
-        s["ffn_boundary_plan_norm_is_post_attention_layernorm"] = (
-            getattr(ffn.plan, "norm", None) is getattr(layer, "post_attention_layernorm", object())
-        )
+        s["ffn_boundary_plan_norm_is_post_attention_layernorm"] = getattr(
+            ffn.plan, "norm", None
+        ) is getattr(layer, "post_attention_layernorm", object())
     s["has_input_layernorm_attr"] = hasattr(layer, "input_layernorm")
     s["decoder_forward_params"] = list(inspect.signature(type(layer).forward).parameters)[1:]
     try:
         from sglang.srt.layers import aux_hidden_states as ahs
 
         packer = getattr(ahs, "AuxHiddenStatePacker", None)
-        s["packer"] = (
-            f"{packer.__module__}.{packer.__qualname__}" if packer else None
-        )
+        s["packer"] = f"{packer.__module__}.{packer.__qualname__}" if packer else None
         if packer is not None:
             s["packer_methods"] = sorted(
-                n for n, v in vars(packer).items()
+                n
+                for n, v in vars(packer).items()
                 if not n.startswith("__") and callable(getattr(packer, n, None))
             )
     except ImportError:
@@ -1096,22 +1192,22 @@ def surface(model) -> dict:
     s["layers_to_capture"] = list(model.model.layers_to_capture)
     s["init_calls"] = list(_STATE.get("init_calls", []))
     s["capture_aux_hidden_states"] = getattr(model, "capture_aux_hidden_states", None)
-    s["model_forward_params"] = list(
-        inspect.signature(type(model.model).forward).parameters
-    )[1:]
+    s["model_forward_params"] = list(inspect.signature(type(model.model).forward).parameters)[1:]
     return s
 
 
 SURFACE: dict = {}
 
 
-def build(num_layers=6, hidden=64, dtype=None, seed=0, capture_ids=(1, 3, 4), *,
-          version_dir=None):
+def build(num_layers=6, hidden=64, dtype=None, seed=0, capture_ids=(1, 3, 4), *, version_dir=None):
     """build_model + fill SURFACE. ``version_dir``: an overlay dir to put on
     sys.path first (only before sglang is imported)."""
     if version_dir is not None:
-        setup(dtype=dtype, version_dir=version_dir,
-              hf_config=make_config(num_layers=num_layers, hidden_size=hidden))
+        setup(
+            dtype=dtype,
+            version_dir=version_dir,
+            hf_config=make_config(num_layers=num_layers, hidden_size=hidden),
+        )
     model = build_model(num_layers, hidden, dtype, capture_ids, seed)
     SURFACE.clear()
     SURFACE.update(surface(model))
@@ -1127,15 +1223,22 @@ def main(argv=None):
     ap.add_argument("--version", default=None)
     ap.add_argument("--tokens", type=int, default=5)
     ap.add_argument("--mode", default="extend")
-    ap.add_argument("--version-dir", default=None,
-                    help="overlay dir (else it must already be on PYTHONPATH)")
+    ap.add_argument(
+        "--version-dir", default=None, help="overlay dir (else it must already be on PYTHONPATH)"
+    )
     args = ap.parse_args(argv)
     setup(args.version, version_dir=args.version_dir)
     model = build(dtype=torch.float32)
     print(json.dumps(SURFACE, indent=1, default=str))
     hs, aux = run(model, make_batch(model, args.tokens, args.mode))
-    print("final", tuple(hs.shape), "aux", [tuple(a.shape) for a in aux]
-          if isinstance(aux, (list, tuple)) else getattr(aux, "shape", aux))
+    print(
+        "final",
+        tuple(hs.shape),
+        "aux",
+        [tuple(a.shape) for a in aux]
+        if isinstance(aux, (list, tuple))
+        else getattr(aux, "shape", aux),
+    )
 
 
 if __name__ == "__main__":

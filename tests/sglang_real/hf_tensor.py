@@ -27,9 +27,9 @@ import torch
 from tests.sglang_real import family_models, harness
 
 NUM_LAYERS = 7
-CAPTURE_IDS = (1, 3, 5)        # SGLang captures layers 2, 4, 6 (DeepseekV2: the same)
+CAPTURE_IDS = (1, 3, 5)  # SGLang captures layers 2, 4, 6 (DeepseekV2: the same)
 TOKENS = 9
-TOLERANCE = 1e-4               # fp32, two implementations of the same RMSNorm
+TOLERANCE = 1e-4  # fp32, two implementations of the same RMSNorm
 
 # family -> (SGLang's architecture built, transformers' class of the same config)
 FAMILIES = {
@@ -47,15 +47,20 @@ FAMILIES = {
 }
 DEEPSEEK = ("deepseek_v2", "deepseek_v3", "kimi_k25")
 # What the measurement says the capture holds (the doctor's data has the same words).
-RESIDUAL, NORMED, PRE_RESIDUAL, OTHER = ("residual stream", "normed input",
-                                         "pre-residual output", "other")
+RESIDUAL, NORMED, PRE_RESIDUAL, OTHER = (
+    "residual stream",
+    "normed input",
+    "pre-residual output",
+    "other",
+)
 
 
 def _sglang_model(family: str):
     if family not in DEEPSEEK:
         return family_models.build(family, capture_ids=CAPTURE_IDS, num_layers=NUM_LAYERS)
-    return harness.build_model(num_layers=NUM_LAYERS, capture_ids=CAPTURE_IDS,
-                               arch=FAMILIES[family][0])
+    return harness.build_model(
+        num_layers=NUM_LAYERS, capture_ids=CAPTURE_IDS, arch=FAMILIES[family][0]
+    )
 
 
 class _Same(torch.nn.Module):
@@ -87,10 +92,14 @@ def _hf_model(family: str, sglang_lm):
         # A fresh copy of the config the harness built SGLang's model from (SGLang
         # rewrites its own copy's rope type to one transformers does not know).
         cfg = harness.make_config(num_layers=NUM_LAYERS, hidden_size=cfg.hidden_size)
-        if family == "deepseek_v2":   # the same text config, read by DeepseekV2's class
-            cfg = transformers.DeepseekV2Config(**{
-                k: v for k, v in cfg.to_dict().items()
-                if k not in ("model_type", "transformers_version", "architectures")})
+        if family == "deepseek_v2":  # the same text config, read by DeepseekV2's class
+            cfg = transformers.DeepseekV2Config(
+                **{
+                    k: v
+                    for k, v in cfg.to_dict().items()
+                    if k not in ("model_type", "transformers_version", "architectures")
+                }
+            )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = getattr(transformers, arch)(cfg).eval()
@@ -98,7 +107,8 @@ def _hf_model(family: str, sglang_lm):
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name in ("model.embed_tokens.weight", "model.norm.weight") or name.endswith(
-                    (".input_layernorm.weight", ".post_attention_layernorm.weight")):
+                (".input_layernorm.weight", ".post_attention_layernorm.weight")
+            ):
                 p.copy_(state[name].to(p.dtype))
     ffn = family_models.FFN_ATTR.get(family, "mlp")
     for mine, theirs in zip(hf.model.layers, sglang_lm.model.layers):
@@ -128,7 +138,9 @@ def _measure(family: str) -> dict:
     def keep(i):
         def hook(module, args, output):
             outputs[i] = output
+
         return hook
+
     hooks = [layer.mlp.register_forward_hook(keep(i)) for i, layer in enumerate(hf.model.layers)]
     with torch.no_grad():
         out = hf.model(input_ids=batch[0][None], output_hidden_states=True)
@@ -139,25 +151,41 @@ def _measure(family: str) -> dict:
     assert torch.equal(states[0], emb), "hidden_states[0] is not the embedding"
     slots = []
     for slot, k in enumerate(layers):
-        got = aux[:, slot * hidden:(slot + 1) * hidden].float()
-        candidates = {RESIDUAL: states[k][0].float(),
-                      NORMED: hf.model.layers[k].input_layernorm(states[k])[0].float()
-                      if k < NUM_LAYERS else None,
-                      PRE_RESIDUAL: outputs[k - 1][0].float() if k >= 1 else None}
-        dist = {name: float((got - ref).abs().max()) for name, ref in candidates.items()
-                if ref is not None}
+        got = aux[:, slot * hidden : (slot + 1) * hidden].float()
+        candidates = {
+            RESIDUAL: states[k][0].float(),
+            NORMED: hf.model.layers[k].input_layernorm(states[k])[0].float()
+            if k < NUM_LAYERS
+            else None,
+            PRE_RESIDUAL: outputs[k - 1][0].float() if k >= 1 else None,
+        }
+        dist = {
+            name: float((got - ref).abs().max())
+            for name, ref in candidates.items()
+            if ref is not None
+        }
         nearest = min(dist, key=dist.get)
-        slots.append({"layer": k, "tensor": nearest if dist[nearest] <= TOLERANCE else OTHER,
-                      "max_abs_diff": dist})
+        slots.append(
+            {
+                "layer": k,
+                "tensor": nearest if dist[nearest] <= TOLERANCE else OTHER,
+                "max_abs_diff": dist,
+            }
+        )
     tensors = {s["tensor"] for s in slots}
-    result = {"architecture": FAMILIES[family][0], "transformers": FAMILIES[family][1],
-              "layers": layers,
-              "tensor": tensors.pop() if len(tensors) == 1 else OTHER, "slots": slots}
+    result = {
+        "architecture": FAMILIES[family][0],
+        "transformers": FAMILIES[family][1],
+        "layers": layers,
+        "tensor": tensors.pop() if len(tensors) == 1 else OTHER,
+        "slots": slots,
+    }
     # Distinct candidates, or the measurement tells nothing apart.
     for s in slots:
         others = [v for name, v in s["max_abs_diff"].items() if name != s["tensor"]]
-        assert all(v > 100 * TOLERANCE for v in others), \
+        assert all(v > 100 * TOLERANCE for v in others), (
             f"layer {s['layer']}: the candidates are too close to tell apart: {s['max_abs_diff']}"
+        )
     return result
 
 
@@ -168,14 +196,20 @@ def scenario(family: str) -> dict:
     nothing: said, not measured (the engine facts carry it)."""
     if family in DEEPSEEK and FAMILIES[family][0] != "DeepseekV2ForCausalLM":
         import importlib
-        module = {"DeepseekV3ForCausalLM": "deepseek_v2",
-                  "KimiK25ForConditionalGeneration": "kimi_k25"}[FAMILIES[family][0]]
-        cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"),
-                      FAMILIES[family][0])
+
+        module = {
+            "DeepseekV3ForCausalLM": "deepseek_v2",
+            "KimiK25ForConditionalGeneration": "kimi_k25",
+        }[FAMILIES[family][0]]
+        cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), FAMILIES[family][0])
         if not hasattr(cls, "set_eagle3_layers_to_capture"):
-            return {"architecture": FAMILIES[family][0], "tensor": None,
-                    "why": "no set_eagle3_layers_to_capture on this line"}
+            return {
+                "architecture": FAMILIES[family][0],
+                "tensor": None,
+                "why": "no set_eagle3_layers_to_capture on this line",
+            }
     result = measure(family)
-    assert result["tensor"] == RESIDUAL, \
+    assert result["tensor"] == RESIDUAL, (
         f"SGLang's capture holds the {result['tensor']}, not the residual stream: {result}"
+    )
     return result

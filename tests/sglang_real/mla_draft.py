@@ -68,8 +68,9 @@ class _CausalLatentAttention(torch.nn.Module):
         q = q.reshape(t, self.heads, -1).transpose(0, 1)
         k = k.reshape(t, 1, -1).transpose(0, 1).expand(self.heads, -1, -1)
         v = v.reshape(t, 1, -1)[..., : self.v_dim].transpose(0, 1).expand(self.heads, -1, -1)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                             scale=self.scaling)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.scaling
+        )
         self.calls += 1
         return o.transpose(0, 1).reshape(t, -1)
 
@@ -89,13 +90,14 @@ def _sglang_draft(folder: Path):
     # torch path on CPU tensors: built as on a GPU host where the CPU path cannot.
     params = getattr(config, "rope_parameters", None) or {}
     real = deepseek_v2.get_rope_wrapper
-    if params.get("rope_type", "default") == "default":     # SGLang's own test
+    if params.get("rope_type", "default") == "default":  # SGLang's own test
         deepseek_v2.get_rope_wrapper = lambda *a, **k: real(*a, **{**k, "device": "cuda"})
     try:
         model = kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM(config).float().eval()
     finally:
         deepseek_v2.get_rope_wrapper = real
     from eagle_capture.probe.draft import read_weights
+
     model.load_weights(read_weights(folder).items())
     attn = model.model.midlayer.self_attn
     attn.attn_mqa = _CausalLatentAttention(attn.attn_mqa)
@@ -109,10 +111,17 @@ def _batch(aux: torch.Tensor):
     # only the spec-v2 worker's DRAFT_EXTEND_V2).
     mode = getattr(ForwardMode, "DRAFT_EXTEND", None) or ForwardMode.DRAFT_EXTEND_V2
     return types.SimpleNamespace(
-        forward_mode=mode, spec_info=types.SimpleNamespace(hidden_states=aux),
-        mm_input_embeds=None, contains_mm_inputs=lambda: False, extend_prefix_lens_cpu=[0],
-        seq_lens_cpu=torch.tensor([aux.shape[0]]), attn_cp_metadata=None,
-        dsa_cp_metadata=None, out_cache_loc=None, batch_size=1)
+        forward_mode=mode,
+        spec_info=types.SimpleNamespace(hidden_states=aux),
+        mm_input_embeds=None,
+        contains_mm_inputs=lambda: False,
+        extend_prefix_lens_cpu=[0],
+        seq_lens_cpu=torch.tensor([aux.shape[0]]),
+        attn_cp_metadata=None,
+        dsa_cp_metadata=None,
+        out_cache_loc=None,
+        batch_size=1,
+    )
 
 
 def _forward_context():
@@ -122,10 +131,12 @@ def _forward_context():
     import contextlib
 
     from sglang.srt.model_executor import forward_context as fc
+
     if not hasattr(fc, "forward_context"):
         return contextlib.nullcontext()
-    backend = types.SimpleNamespace(prefill_attention_backend_str=None,
-                                    decode_attention_backend_str=None)
+    backend = types.SimpleNamespace(
+        prefill_attention_backend_str=None, decode_attention_backend_str=None
+    )
     return fc.forward_context(fc.ForwardContext(attn_backend=backend))
 
 
@@ -142,8 +153,9 @@ def compare(folder: Path, start: int = 0, t: int = 23, seed: int = 0) -> dict:
     embeds = torch.randn(t, h, generator=g) * 0.05
     positions = torch.arange(start, start + t)
     with torch.no_grad(), _forward_context():
-        hidden, _ = model.model(torch.zeros(t, dtype=torch.long), positions, _batch(aux),
-                                input_embeds=embeds)
+        hidden, _ = model.model(
+            torch.zeros(t, dtype=torch.long), positions, _batch(aux), input_embeds=embeds
+        )
         theirs = hidden @ model.lm_head.weight.T
         mine = ours(aux.unsqueeze(0), embeds.unsqueeze(0), positions.unsqueeze(0))[0]
     attn = model.model.midlayer.self_attn
@@ -154,8 +166,12 @@ def compare(folder: Path, start: int = 0, t: int = 23, seed: int = 0) -> dict:
     tokens_theirs, tokens_mine = hot[theirs.argmax(-1)], ours.to_target(mine.argmax(-1))
     assert diff <= RTOL * scale, f"logits differ by {diff} (largest {scale})"
     assert torch.equal(tokens_theirs, tokens_mine), (tokens_theirs, tokens_mine)
-    return {"max_abs_diff": diff, "largest": scale, "tokens": t,
-            "softmax_scale": [attn.scaling, ours.reading.softmax_scale]}
+    return {
+        "max_abs_diff": diff,
+        "largest": scale,
+        "tokens": t,
+        "softmax_scale": [attn.scaling, ours.reading.softmax_scale],
+    }
 
 
 def _variant(work: Path, name: str, edit) -> Path:
@@ -168,8 +184,11 @@ def _variant(work: Path, name: str, edit) -> Path:
     draft = tiny_eagle3.new_draft(config, "TorchSpec MLA")
     with torch.no_grad():
         for n, p in draft.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if n.endswith("norm.weight")
-                    else torch.randn_like(p) / p.shape[-1] ** 0.5)
+            p.copy_(
+                1 + 0.1 * torch.randn_like(p)
+                if n.endswith("norm.weight")
+                else torch.randn_like(p) / p.shape[-1] ** 0.5
+            )
         draft.d2t.copy_(torch.randint(0, 256, (256,)))
     folder = work / name
     shutil.rmtree(folder, ignore_errors=True)
@@ -182,8 +201,11 @@ def no_q_lora_refused() -> dict:
     probe's SGLang reading says so, in SGLang's words."""
     from eagle_capture.probe.draft import DraftError, load_draft
 
-    folder = _variant(Path(os.environ.get("TMPDIR", "/tmp")) / "mla_no_q_lora", "no_q_lora",
-                      lambda c: c.update(q_lora_rank=None))
+    folder = _variant(
+        Path(os.environ.get("TMPDIR", "/tmp")) / "mla_no_q_lora",
+        "no_q_lora",
+        lambda c: c.update(q_lora_rank=None),
+    )
     try:
         _sglang_draft(folder)
         raise AssertionError("SGLang built a draft without q_lora_rank")
@@ -202,11 +224,13 @@ VARIANTS = {
     # SGLang's keys: its legacy fc_norm flag, attn_factor on cos / sin, other YaRN betas.
     "aux_norm_attn_factor": lambda c: (
         c.update(use_aux_norm=True),
-        c["rope_scaling"].update(attn_factor=0.8, mscale=0.7, beta_fast=32.0)),
+        c["rope_scaling"].update(attn_factor=0.8, mscale=0.7, beta_fast=32.0),
+    ),
     "no_rope_scaling": lambda c: c.pop("rope_scaling"),
-    "fc_norm_yarn_scaling_off": lambda c: (c.update(fc_norm=True),
-                                           c["rope_scaling"].update(apply_yarn_scaling=False,
-                                                                    mscale_all_dim=0.5)),
+    "fc_norm_yarn_scaling_off": lambda c: (
+        c.update(fc_norm=True),
+        c["rope_scaling"].update(apply_yarn_scaling=False, mscale_all_dim=0.5),
+    ),
 }
 
 
@@ -218,8 +242,10 @@ def main() -> None:
     harness.setup()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    cases = {"trained_from_0": lambda: compare(TRAINED, 0),
-             "trained_from_3000": lambda: compare(TRAINED, 3000)}
+    cases = {
+        "trained_from_0": lambda: compare(TRAINED, 0),
+        "trained_from_3000": lambda: compare(TRAINED, 3000),
+    }
     for name, edit in VARIANTS.items():
         cases[name] = lambda name=name, edit=edit: compare(_variant(work, name, edit), 5)
     cases["no_q_lora_refused"] = no_q_lora_refused
@@ -229,8 +255,11 @@ def main() -> None:
         try:
             results[name] = {"ok": True, **fn()}
         except Exception as e:  # noqa: BLE001 - reported per case
-            results[name] = {"ok": False, "detail": f"{type(e).__name__}: {e}",
-                             "traceback": traceback.format_exc()}
+            results[name] = {
+                "ok": False,
+                "detail": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(),
+            }
         results[name]["seconds"] = round(time.perf_counter() - start, 2)
         print(f"MLA_DRAFT {name}: {results[name]}", file=sys.stderr, flush=True)
     with open(args.json, "w") as f:

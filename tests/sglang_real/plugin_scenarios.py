@@ -30,7 +30,7 @@ from tests.sglang_real import harness
 
 NUM_LAYERS = 7
 HIDDEN = 64
-DRAFT_IDS = [1, 3, 5]          # SpecForge ids -> SGLang layers [2, 4, 6]
+DRAFT_IDS = [1, 3, 5]  # SpecForge ids -> SGLang layers [2, 4, 6]
 
 
 class _Records(logging.Handler):
@@ -52,6 +52,7 @@ def _has_plugins() -> bool:
 def _target():
     """(module, attribute holder, name) of this line's hook point."""
     from eagle_capture.integrations.sglang.plugin import hook_target
+
     dotted = hook_target()
     module_name, attr = dotted.rsplit(".", 1)
     if module_name.endswith(".ModelRunner"):
@@ -64,6 +65,7 @@ def _target():
 def _rebind(old, new) -> None:
     """Every module-level binding of ``old`` -> ``new``."""
     import sys
+
     for m in list(sys.modules.values()):
         if isinstance(m, types.ModuleType):
             for a, v in list(vars(m).items()):
@@ -122,31 +124,49 @@ def configure(model, draft_ids=DRAFT_IDS, eagle3=True):
     module, holder, name = _target()
     fn = getattr(holder, name)
     if holder is module:
-        fn(model=model, eagle_use_aux_hidden_state=eagle3,
-           eagle_aux_hidden_state_layer_ids=draft_ids,
-           **{k: v for k, v in dict(dflash_use_aux_hidden_state=False,
-                                    dflash_target_layer_ids=None,
-                                    is_dspark=False).items()
-              if k in _params(fn)})
+        fn(
+            model=model,
+            eagle_use_aux_hidden_state=eagle3,
+            eagle_aux_hidden_state_layer_ids=draft_ids,
+            **{
+                k: v
+                for k, v in dict(
+                    dflash_use_aux_hidden_state=False, dflash_target_layer_ids=None, is_dspark=False
+                ).items()
+                if k in _params(fn)
+            },
+        )
     else:
-        runner = types.SimpleNamespace(model=model, eagle_use_aux_hidden_state=eagle3,
-                                       eagle_aux_hidden_state_layer_ids=draft_ids,
-                                       dflash_use_aux_hidden_state=False, is_draft_worker=False)
+        runner = types.SimpleNamespace(
+            model=model,
+            eagle_use_aux_hidden_state=eagle3,
+            eagle_aux_hidden_state_layer_ids=draft_ids,
+            dflash_use_aux_hidden_state=False,
+            is_draft_worker=False,
+        )
         fn(runner)
 
 
 def _params(fn) -> set:
     import inspect
+
     return set(inspect.signature(inspect.unwrap(fn)).parameters)
 
 
-def _build(arch="DeepseekV3ForCausalLM", dtype=torch.float32, set_capture=False,
-           capture_ids=DRAFT_IDS):
+def _build(
+    arch="DeepseekV3ForCausalLM", dtype=torch.float32, set_capture=False, capture_ids=DRAFT_IDS
+):
     """SGLang's own model (with SGLang's own LogitsProcessor, as every harness
     model) without the capture set: the wheel's configure step sets it."""
-    return harness.build_model(num_layers=NUM_LAYERS, hidden_size=HIDDEN, dtype=dtype,
-                               capture_ids=capture_ids, seed=3, arch=arch,
-                               set_capture=set_capture)
+    return harness.build_model(
+        num_layers=NUM_LAYERS,
+        hidden_size=HIDDEN,
+        dtype=dtype,
+        capture_ids=capture_ids,
+        seed=3,
+        arch=arch,
+        set_capture=set_capture,
+    )
 
 
 def _run(model, num_tokens, mode="extend", seed=0):
@@ -157,13 +177,13 @@ def _run(model, num_tokens, mode="extend", seed=0):
     return out.next_token_logits.clone(), None if aux is None else aux.clone()
 
 
-def _same_as_sglang(ours, ref, cases=((5, "extend"), (1, "decode"), (3, "decode"),
-                                      (11, "extend"))):
+def _same_as_sglang(ours, ref, cases=((5, "extend"), (1, "decode"), (3, "decode"), (11, "extend"))):
     for num_tokens, mode in cases:
         final_ref, aux_ref = _run(ref, num_tokens, mode, seed=num_tokens)
         final, aux = _run(ours, num_tokens, mode, seed=num_tokens)
-        assert aux is not None and aux_ref is not None and aux.shape == aux_ref.shape, \
+        assert aux is not None and aux_ref is not None and aux.shape == aux_ref.shape, (
             f"T={num_tokens}: aux {None if aux is None else tuple(aux.shape)} vs SGLang's"
+        )
         assert torch.equal(aux, aux_ref), f"T={num_tokens} {mode}: aux differs from SGLang's"
         assert torch.equal(final, final_ref), f"T={num_tokens} {mode}: logits differ"
 
@@ -174,12 +194,15 @@ def _state(model):
 
 def _skip_without_plugins():
     if not _has_plugins():
-        return {"skip": f"SGLang {harness.sglang_version()} has no plugin system "
-                        f"(sglang.srt.plugins, from 0.5.13): the manual install applies"}
+        return {
+            "skip": f"SGLang {harness.sglang_version()} has no plugin system "
+            f"(sglang.srt.plugins, from 0.5.13): the manual install applies"
+        }
     return None
 
 
 # ----------------------------------------------------------------- scenarios
+
 
 def plugin_installs(arch: str):
     """Discovered by the wheel's load_plugins() (our entry point), hooked on the
@@ -189,18 +212,23 @@ def plugin_installs(arch: str):
     if skip:
         return skip
     from eagle_capture.integrations.sglang.dropin import WrongCaptureLayers
-    if arch == "KimiK25ForConditionalGeneration" and \
-            importlib.util.find_spec("sglang.srt.models.kimi_k25") is None:
+
+    if (
+        arch == "KimiK25ForConditionalGeneration"
+        and importlib.util.find_spec("sglang.srt.models.kimi_k25") is None
+    ):
         return {"skip": f"SGLang {harness.sglang_version()} has no kimi_k25.py"}
     ref, ours = _build(arch), _build(arch)
-    with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
-                        EAGLE_CAPTURE_MAX_TOKENS="16") as log:
+    with plugins_loaded(
+        EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture", EAGLE_CAPTURE_MAX_TOKENS="16"
+    ) as log:
         module, holder, name = _target()
         assert hasattr(getattr(holder, name), "__wrapped__"), "the hook did not land"
         mr = importlib.import_module("sglang.srt.model_executor.model_runner")
-        if holder is module:   # the model runner calls the name it imported: rebound too
-            assert getattr(mr, name) is getattr(module, name), \
+        if holder is module:  # the model runner calls the name it imported: rebound too
+            assert getattr(mr, name) is getattr(module, name), (
                 "model_runner still calls the unhooked configure_aux_hidden_state_capture"
+            )
         configure(ours, DRAFT_IDS)
         state = _state(ours)
         # SGLang may run its configure step again (a second init of the attention
@@ -215,8 +243,8 @@ def plugin_installs(arch: str):
             assert "restart the server" in str(e) and "[2, 3, 5]" in str(e), e
         else:
             raise AssertionError("other layers set again were accepted")
-        configure(ours, DRAFT_IDS)   # back to the installed layers
-    configure(ref, DRAFT_IDS)      # unhooked again: SGLang's own capture
+        configure(ours, DRAFT_IDS)  # back to the installed layers
+    configure(ref, DRAFT_IDS)  # unhooked again: SGLang's own capture
     lm = harness.text_lm(ours)
     assert lm.model.layers_to_capture == [] and not lm.capture_aux_hidden_states
     assert state.layer_ids == [2, 4, 6] and state.buffer.max_tokens == 16
@@ -231,15 +259,23 @@ def plugin_installs(arch: str):
     # EAGLE_CAPTURE_RESIDUAL_IN_SLOT=0: path e, said in the ON line; another value
     # refuses to start (before anything is installed).
     path_e = _build(arch)
-    with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
-                        EAGLE_CAPTURE_MAX_TOKENS="16", EAGLE_CAPTURE_RESIDUAL_IN_SLOT="0") as log:
+    with plugins_loaded(
+        EAGLE_CAPTURE="1",
+        SGLANG_PLUGINS="eagle_capture",
+        EAGLE_CAPTURE_MAX_TOKENS="16",
+        EAGLE_CAPTURE_RESIDUAL_IN_SLOT="0",
+    ) as log:
         configure(path_e, DRAFT_IDS)
     _same_as_sglang(path_e, ref)
     assert _state(path_e).slot_residual_calls == 0 and _state(path_e).fused_calls == 12
     assert "copied into its slot" in log.text(logging.INFO), log.text(logging.INFO)
     bad = _build(arch)
-    with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
-                        EAGLE_CAPTURE_MAX_TOKENS="16", EAGLE_CAPTURE_RESIDUAL_IN_SLOT="yes"):
+    with plugins_loaded(
+        EAGLE_CAPTURE="1",
+        SGLANG_PLUGINS="eagle_capture",
+        EAGLE_CAPTURE_MAX_TOKENS="16",
+        EAGLE_CAPTURE_RESIDUAL_IN_SLOT="yes",
+    ):
         try:
             configure(bad, DRAFT_IDS)
         except RuntimeError as e:
@@ -259,6 +295,7 @@ def plugin_off_and_broken():
     if skip:
         return skip
     from sglang.srt.plugins.hook_registry import HookRegistry
+
     out = {}
     with plugins_loaded(EAGLE_CAPTURE=None, SGLANG_PLUGINS="eagle_capture") as log:
         assert not HookRegistry._hooks, "hooks registered while off"
@@ -269,13 +306,13 @@ def plugin_off_and_broken():
     out["off"] = "one line, SGLang's own capture"
     with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture"):
         model = _build()
-        configure(model, eagle3=False)     # the draft's own runner
+        configure(model, eagle3=False)  # the draft's own runner
         assert not hasattr(harness.text_lm(model), "_eagle_capture")
     out["no_eagle3"] = "nothing"
     target = _target()
     module, holder, name = target
     original = holder.__dict__[name]
-    delattr(holder, name)      # an SGLang without this hook point
+    delattr(holder, name)  # an SGLang without this hook point
     try:
         with plugins_loaded(target, EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture") as log:
             errors = log.text(logging.ERROR)
@@ -295,6 +332,7 @@ def plugin_refuses_wrong_ids():
     if skip:
         return skip
     from eagle_capture.integrations.sglang.dropin import WrongCaptureLayers
+
     out = {}
     for ids, match in (([1, 1, 5], "more than once"), ([-1, 3, 5], "-1")):
         with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture"):
@@ -306,8 +344,9 @@ def plugin_refuses_wrong_ids():
                 out[str(ids)] = str(e).splitlines()[0]
             else:
                 raise AssertionError(f"ids {ids}: the server was not refused")
-        with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
-                            EAGLE_CAPTURE_ON_PROBLEM="install") as log:
+        with plugins_loaded(
+            EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture", EAGLE_CAPTURE_ON_PROBLEM="install"
+        ) as log:
             model = _build()
             configure(model, ids)
             assert not hasattr(harness.text_lm(model), "_eagle_capture")
@@ -323,8 +362,7 @@ def planted_capture_fault(bad_slot: Optional[int], corrupt=None):
     +1 on column 0), in slot ``bad_slot`` (None: every slot)."""
     from eagle_capture import ops
 
-    real = {name: getattr(ops, name)
-            for name in ("add_rmsnorm_capture", "add_rmsnorm_into_slot")}
+    real = {name: getattr(ops, name) for name in ("add_rmsnorm_capture", "add_rmsnorm_into_slot")}
 
     def planted(real_op):
         def wrong(x, residual, weight, eps, aux, slot, norm_fp32_sum=False):
@@ -335,6 +373,7 @@ def planted_capture_fault(bad_slot: Optional[int], corrupt=None):
                     rows[:, 0] += 1.0
                 else:
                     corrupt(rows)
+
         return wrong
 
     for name, op in real.items():
@@ -355,8 +394,9 @@ def plugin_self_check():
     if skip:
         return skip
     ref, ours = _build(), _build()
-    with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
-                        EAGLE_CAPTURE_VERIFY="2"):
+    with plugins_loaded(
+        EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture", EAGLE_CAPTURE_VERIFY="2"
+    ):
         configure(ours)
     configure(ref)
     log = _Records()
@@ -371,14 +411,15 @@ def plugin_self_check():
     assert not _state(ours).disabled
 
     planted = _build()
-    with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
-                        EAGLE_CAPTURE_VERIFY="3"):
+    with plugins_loaded(
+        EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture", EAGLE_CAPTURE_VERIFY="3"
+    ):
         configure(planted)
     records = _Records()
     logging.getLogger("eagle_capture").addHandler(records)
     try:
         with planted_capture_fault(_state(planted).buffer.slot_of(4)):
-            _same_as_sglang(planted, ref, cases=((5, "extend"),))   # served SGLang's values
+            _same_as_sglang(planted, ref, cases=((5, "extend"),))  # served SGLang's values
     finally:
         logging.getLogger("eagle_capture").removeHandler(records)
     errors = records.text(logging.ERROR)
@@ -386,7 +427,7 @@ def plugin_self_check():
     state = _state(planted)
     assert state.disabled and harness.text_lm(planted).model.layers_to_capture == [2, 4, 6]
     fused = state.fused_calls
-    _same_as_sglang(planted, ref, cases=((6, "extend"), (2, "decode")))   # SGLang's own now
+    _same_as_sglang(planted, ref, cases=((6, "extend"), (2, "decode")))  # SGLang's own now
     assert state.fused_calls == fused, "the fused capture still ran after the switch"
     return {"mismatch": errors.splitlines()[0][:200]}
 
@@ -400,8 +441,9 @@ def plugin_overflow():
         return skip
     ref, ours = _build(), _build()
     configure(ref)
-    with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
-                        EAGLE_CAPTURE_MAX_TOKENS="4") as log:
+    with plugins_loaded(
+        EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture", EAGLE_CAPTURE_MAX_TOKENS="4"
+    ) as log:
         configure(ours)
         state = _state(ours)
         state.buffer.aux.fill_(float("nan"))
@@ -431,15 +473,18 @@ def plugin_server_args():
     assert limits.max_prefill_tokens == args.max_prefill_tokens == 16384, limits
 
     plain = _build()
-    with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
-                        EAGLE_CAPTURE_MAX_TOKENS="16"):
+    with plugins_loaded(
+        EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture", EAGLE_CAPTURE_MAX_TOKENS="16"
+    ):
         configure(plain)
     aux = harness.run(plain, harness.make_batch(plain, 5)).output.hidden_states
     state = _state(plain)
     # 0.5.18+ pass the packed view through to the draft (no copy); 0.5.13's
     # LogitsProcessor torch.cat's the one-element list (a copy).
-    assert _shares_buffer(aux, state) == state.packed_tensor and not state.copy_out, \
-        (state.packed_tensor, state.copy_out)
+    assert _shares_buffer(aux, state) == state.packed_tensor and not state.copy_out, (
+        state.packed_tensor,
+        state.copy_out,
+    )
     return {"limits": str(limits)}
 
 
@@ -451,11 +496,22 @@ RETURN_MODES = (
     ("legacy_flag", {"enable_return_hidden_states": True}, "full", False),
     ("mode_full", {"return_hidden_states_mode": "full"}, "full", False),
     ("mode_last", {"return_hidden_states_mode": "last"}, "last", False),
-    ("capture_only", {"enable_return_aux_hidden_states": True,
-                      "speculative_algorithm": "EAGLE3"}, "full", True),
-    ("capture_only_last", {"enable_return_aux_hidden_states": True,
-                           "speculative_algorithm": "EAGLE3",
-                           "return_hidden_states_mode": "last"}, "last", True),
+    (
+        "capture_only",
+        {"enable_return_aux_hidden_states": True, "speculative_algorithm": "EAGLE3"},
+        "full",
+        True,
+    ),
+    (
+        "capture_only_last",
+        {
+            "enable_return_aux_hidden_states": True,
+            "speculative_algorithm": "EAGLE3",
+            "return_hidden_states_mode": "last",
+        },
+        "last",
+        True,
+    ),
 )
 
 
@@ -463,6 +519,7 @@ def _server_fields() -> set:
     import dataclasses
 
     from sglang.srt.server_args import ServerArgs
+
     names = getattr(ServerArgs, "__struct_fields__", None)
     return set(names) if names is not None else {f.name for f in dataclasses.fields(ServerArgs)}
 
@@ -477,11 +534,13 @@ def served_with(**fields):
     SGLang's ``override_server_args`` restores them; <= 0.5.13 the global the
     scheduler sets (``set_global_server_args_for_scheduler``)."""
     from sglang.srt import server_args as sa_module
+
     args = sa_module.ServerArgs(model_path="dummy", device="cpu", **fields)
     if hasattr(args, "resolve_once"):
         args.resolve_once()
-    rc = importlib.util.find_spec("sglang.srt.runtime_context") and \
-        importlib.import_module("sglang.srt.runtime_context")
+    rc = importlib.util.find_spec("sglang.srt.runtime_context") and importlib.import_module(
+        "sglang.srt.runtime_context"
+    )
     ctx = rc.get_context() if rc and hasattr(rc, "get_context") else None
     if ctx is None or not hasattr(ctx, "set_server_args"):
         previous = sa_module.get_global_server_args()
@@ -491,8 +550,11 @@ def served_with(**fields):
         finally:
             sa_module.set_global_server_args_for_scheduler(previous)
         return
-    saved = {k: getattr(ctx, k) for k in ("_server_args", "_config_bags", "_overrides_log",
-                                          "_publish_role") if hasattr(ctx, k)}
+    saved = {
+        k: getattr(ctx, k)
+        for k in ("_server_args", "_config_bags", "_overrides_log", "_publish_role")
+        if hasattr(ctx, k)
+    }
     parallel_config = ctx.parallel._config
     compile_flag = ctx.flags.capture.enable_torch_compile
     ctx.set_server_args(args)
@@ -515,12 +577,16 @@ def _capture_only_ids(args, num_layers: int):
     )
     from sglang.srt.runtime_context import get_spec
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
     model_config = types.SimpleNamespace(
-        hf_text_config=types.SimpleNamespace(num_hidden_layers=num_layers))
+        hf_text_config=types.SimpleNamespace(num_hidden_layers=num_layers)
+    )
     config = resolve_spec_aux_hidden_state_config(
-        server_args=args, model_config=model_config,
+        server_args=args,
+        model_config=model_config,
         spec_algorithm=SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm),
-        is_draft_worker=False)
+        is_draft_worker=False,
+    )
     assert config.eagle_use_aux_hidden_state and config.draft_kv_num_layers is None, config
     return config.eagle_aux_hidden_state_layer_ids
 
@@ -533,9 +599,13 @@ def sglang_host_copy(out, num_rows: int):
     ``async_d2h`` of a CPU tensor): the copy that has not run yet when the next forward
     writes -- the race, made deterministic."""
     from sglang.srt.managers.utils import GenerationBatchResult
-    result = GenerationBatchResult(logits_output=out,
-                                   next_token_ids=torch.zeros(num_rows, dtype=torch.int64))
-    result.copy_done = torch.get_device_module("cpu").Event()   # the scheduler's device_module.Event()
+
+    result = GenerationBatchResult(
+        logits_output=out, next_token_ids=torch.zeros(num_rows, dtype=torch.int64)
+    )
+    result.copy_done = torch.get_device_module(
+        "cpu"
+    ).Event()  # the scheduler's device_module.Event()
     result.copy_to_cpu(return_logprob=False, return_hidden_states=True)
     return out.hidden_states
 
@@ -567,10 +637,15 @@ def plugin_return_modes():
             continue
         # Capture-only: SGLang's defaults (no ids), ids shifted (ids[0] == 1) and the
         # embedding output (0); a draft deployment: the draft's ids.
-        id_cases = ([None, [1, 3, 5], [0, 3, 5]] if name == "capture_only"
-                    else [None] if capture_only else [DRAFT_IDS])
+        id_cases = (
+            [None, [1, 3, 5], [0, 3, 5]]
+            if name == "capture_only"
+            else [None]
+            if capture_only
+            else [DRAFT_IDS]
+        )
         out[name] = []
-        for layer_ids in id_cases:   # every case runs: a failure names each one
+        for layer_ids in id_cases:  # every case runs: a failure names each one
             try:
                 out[name].append(_return_mode(name, cli, mode, capture_only, layer_ids))
             except Exception as e:  # noqa: BLE001 - reported together below
@@ -580,8 +655,11 @@ def plugin_return_modes():
         # [2, 4, 7] of 7): no draft to protect, so no refusal -- SGLang's own capture
         # stays (and fails its own first forward there), with one warning.
         past_end = [1, 3, NUM_LAYERS - 1]
-        with served_with(enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
-                         return_aux_hidden_state_layer_ids=past_end) as args:
+        with served_with(
+            enable_return_aux_hidden_states=True,
+            speculative_algorithm="EAGLE3",
+            return_aux_hidden_state_layer_ids=past_end,
+        ) as args:
             model = _build()
             with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture") as log:
                 configure(model, _capture_only_ids(args, NUM_LAYERS))
@@ -592,12 +670,20 @@ def plugin_return_modes():
                 own = f"{type(e).__name__}: {e}"
         lm = harness.text_lm(model)
         warned = log.text(logging.WARNING)
-        if hasattr(lm, "_eagle_capture") or "not installed (capture-only mode" not in warned \
-                or lm.model.layers_to_capture != [2, 4, NUM_LAYERS] or own == "no error":
-            failed.append(f"capture_only (ids {past_end}): installed, refused or served: "
-                          f"{lm.model.layers_to_capture} {own} {log.text()}")
-        out["capture_only_past_the_last_layer"] = {"plugin": warned.splitlines()[:1],
-                                                   "SGLang's first forward": own}
+        if (
+            hasattr(lm, "_eagle_capture")
+            or "not installed (capture-only mode" not in warned
+            or lm.model.layers_to_capture != [2, 4, NUM_LAYERS]
+            or own == "no error"
+        ):
+            failed.append(
+                f"capture_only (ids {past_end}): installed, refused or served: "
+                f"{lm.model.layers_to_capture} {own} {log.text()}"
+            )
+        out["capture_only_past_the_last_layer"] = {
+            "plugin": warned.splitlines()[:1],
+            "SGLang's first forward": own,
+        }
     assert not failed, "\n".join(failed)
     return out
 
@@ -606,22 +692,36 @@ def _return_mode(name, cli, mode, capture_only, layer_ids) -> str:
     """One server of RETURN_MODES (``layer_ids``: the draft's, or capture-only's
     --return-aux-hidden-state-layer-ids): what plugin_return_modes checks."""
     from eagle_capture.integrations.sglang import server_modes
-    extra = {} if layer_ids is None or not capture_only else \
-        {"return_aux_hidden_state_layer_ids": layer_ids}
+
+    extra = (
+        {}
+        if layer_ids is None or not capture_only
+        else {"return_aux_hidden_state_layer_ids": layer_ids}
+    )
     with served_with(**cli, **extra) as args:
         # What SGLang's runtime says, and SGLang's rule on the published record (what
         # the plugin reads where no runtime context answers).
-        assert server_modes.return_hidden_states_mode() == mode \
-            == server_modes.return_mode_of_args(args), \
-            (name, server_modes.return_hidden_states_mode(),
-             server_modes.return_mode_of_args(args), mode)
-        assert (server_modes.aux_capture_only() is not None) == capture_only \
-            == (server_modes.capture_only_of_args(args) is not None), name
+        assert (
+            server_modes.return_hidden_states_mode()
+            == mode
+            == server_modes.return_mode_of_args(args)
+        ), (
+            name,
+            server_modes.return_hidden_states_mode(),
+            server_modes.return_mode_of_args(args),
+            mode,
+        )
+        assert (
+            (server_modes.aux_capture_only() is not None)
+            == capture_only
+            == (server_modes.capture_only_of_args(args) is not None)
+        ), name
         ids = _capture_only_ids(args, NUM_LAYERS) if capture_only else layer_ids
         # Built here: 0.5.23's LogitsProcessor reads capture-only mode when built.
         ref, ours = _build(), _build()
-        with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
-                            EAGLE_CAPTURE_MAX_TOKENS="16") as log:
+        with plugins_loaded(
+            EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture", EAGLE_CAPTURE_MAX_TOKENS="16"
+        ) as log:
             configure(ours, ids)
         configure(ref, ids)
         state = _state(ours)
@@ -629,44 +729,57 @@ def _return_mode(name, cli, mode, capture_only, layer_ids) -> str:
         # The target's forwards: FULL (EAGLE-3 extend / verify; capture-only in
         # mode full); capture-only in mode last: LAST, whose decodes pass the
         # packed aux through as it is.
-        batch_mode, capture, rows = (("decode", "last", 3) if mode == "last"
-                                     and capture_only else ("extend", "full", 5))
+        batch_mode, capture, rows = (
+            ("decode", "last", 3) if mode == "last" and capture_only else ("extend", "full", 5)
+        )
 
         def forward(model, seed):
-            return harness.run(model, harness.make_batch(model, rows, batch_mode,
-                                                         seed=seed, capture=capture)).output
+            return harness.run(
+                model, harness.make_batch(model, rows, batch_mode, seed=seed, capture=capture)
+            ).output
+
         first, first_ref = forward(ours, 1), forward(ref, 1)
-        assert torch.equal(first.hidden_states, first_ref.hidden_states), \
+        assert torch.equal(first.hidden_states, first_ref.hidden_states), (
             f"{name} ids {ids}: not what SGLang's own capture returns"
+        )
         if mode is None:
             # No request may ask for hidden states: no host copy of them, and
             # the draft reads the buffer itself (0.5.18+), no copy made.
             assert not state.copy_out, f"{name}: a copy per forward for nothing"
             assert _shares_buffer(first.hidden_states, state) == state.packed_tensor
-            return ("no copy (the draft reads the buffer)" if state.packed_tensor
-                    else "no copy of ours (0.5.13's LogitsProcessor torch.cat's)")
+            return (
+                "no copy (the draft reads the buffer)"
+                if state.packed_tensor
+                else "no copy of ours (0.5.13's LogitsProcessor torch.cat's)"
+            )
         host = sglang_host_copy(first, rows)
         kept = host.clone()
-        forward(ours, 2)     # overwrites the persistent buffer's rows
+        forward(ours, 2)  # overwrites the persistent buffer's rows
         assert torch.equal(host, kept), (
             f"{name}: the hidden states SGLang's asynchronous host copy reads were "
             f"overwritten by the next forward (the plugin handed it its persistent "
-            f"buffer; mode {mode})")
+            f"buffer; mode {mode})"
+        )
         assert not _shares_buffer(host, state), f"{name}: the buffer reached the host copy"
         assert state.copy_out == state.packed_tensor, (name, state.copy_out)
         text = log.text(logging.INFO)
         assert "fused EAGLE-3 capture ON" in text, text
         if capture_only:
             assert "capture-only mode" in text and "PROBLEM" not in log.text(), text
-        return (f"ids {ids} -> layers {state.layer_ids}: "
-                + ("a copy per forward" if state.copy_out
-                   else "the LogitsProcessor's own copy (0.5.13: torch.cat)"))
+        return f"ids {ids} -> layers {state.layer_ids}: " + (
+            "a copy per forward"
+            if state.copy_out
+            else "the LogitsProcessor's own copy (0.5.13: torch.cat)"
+        )
 
 
 # The start-up id check on other EAGLE-3 targets: (architecture, model file) whose
 # set_eagle3_layers_to_capture a shell can run (as scenarios.model_id_rules does).
-CHECKED_TARGETS = (("LlamaForCausalLM", "llama"), ("Qwen3MoeForCausalLM", "qwen3_moe"),
-                   ("GptOssForCausalLM", "gpt_oss"))
+CHECKED_TARGETS = (
+    ("LlamaForCausalLM", "llama"),
+    ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    ("GptOssForCausalLM", "gpt_oss"),
+)
 
 
 def _shell_target(arch: str, module_name: str, num_layers: int = 40):
@@ -679,7 +792,7 @@ def _shell_target(arch: str, module_name: str, num_layers: int = 40):
         layers_to_capture = None
         layers = [None] * num_layers
 
-        def set_eagle3_layers_to_capture(self, layer_ids):   # qwen3_moe delegates
+        def set_eagle3_layers_to_capture(self, layer_ids):  # qwen3_moe delegates
             self.layers_to_capture = list(layer_ids)
 
     shell = type(arch, (), {"set_eagle3_layers_to_capture": method})()
@@ -709,43 +822,67 @@ def plugin_checks_every_target():
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(config, f)
-        return types.SimpleNamespace(speculative_draft_model_path=folder,
-                                     speculative_draft_model_revision=None)
+        return types.SimpleNamespace(
+            speculative_draft_model_path=folder, speculative_draft_model_revision=None
+        )
 
-    specforge = {"architectures": ["LlamaForCausalLMEagle3"],
-                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 19, 36],
-                                  "use_aux_hidden_state": True}}
-    speculators = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-                   "speculators_config": {"algorithm": "eagle3"},
-                   "eagle_aux_hidden_state_layer_ids": [5, 10, 15]}
-    modelopt = {"architectures": ["LlamaForCausalLMEagle3"],
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 19, 36],
-                                 "next_layer_regular": True, "parallel_draft_step": 1}}
+    specforge = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [1, 19, 36],
+            "use_aux_hidden_state": True,
+        },
+    }
+    speculators = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_config": {"algorithm": "eagle3"},
+        "eagle_aux_hidden_state_layer_ids": [5, 10, 15],
+    }
+    modelopt = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [1, 19, 36],
+            "next_layer_regular": True,
+            "parallel_draft_step": 1,
+        },
+    }
     out, saved = {}, server_modes.server_args
     work = tempfile.mkdtemp(prefix="eagle_checks_")
     try:
         for arch, module_name in CHECKED_TARGETS:
             got = {}
             for case, config, env, expect in (
-                    ("specforge", specforge, {}, "ok"),
-                    ("specforge_told_input", specforge, {"EAGLE_CAPTURE_ID_CONVENTION": "input"},
-                     "refused"),
-                    ("modelopt", modelopt, {}, "ambiguous"),
-                    ("speculators_top_level", speculators, {}, "refused")):
+                ("specforge", specforge, {}, "ok"),
+                (
+                    "specforge_told_input",
+                    specforge,
+                    {"EAGLE_CAPTURE_ID_CONVENTION": "input"},
+                    "refused",
+                ),
+                ("modelopt", modelopt, {}, "ambiguous"),
+                ("speculators_top_level", speculators, {}, "refused"),
+            ):
                 args = draft(os.path.join(work, f"{arch}_{case}"), config)
                 server_modes.server_args = lambda: args
                 ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
                 model = _shell_target(arch, module_name)
-                with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
-                                    **env) as log:
+                with plugins_loaded(
+                    EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture", **env
+                ) as log:
                     try:
                         configure(model, ids)
                     except WrongCaptureLayers as e:
                         got[case] = ("refused", str(e))
                     else:
                         text = log.text(logging.INFO)
-                        status = "ambiguous" if "layer ids AMBIGUOUS" in text else \
-                            "ok" if "what the draft was trained on" in text else "?"
+                        status = (
+                            "ambiguous"
+                            if "layer ids AMBIGUOUS" in text
+                            else "ok"
+                            if "what the draft was trained on" in text
+                            else "?"
+                        )
                         assert "SGLang's own capture serves this model" in text, text
                         got[case] = (status, text)
                 assert model.capture_aux_hidden_states, f"{arch} {case}: SGLang's capture off"
@@ -771,19 +908,23 @@ def plugin_installs_families():
     if skip:
         return skip
     from tests.sglang_real import family_models
+
     out = {}
     for family in family_models.FAMILIES:
         ref = family_models.build(family, set_capture=False)
         ours = family_models.build(family, set_capture=False)
-        with plugins_loaded(EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture",
-                            EAGLE_CAPTURE_MAX_TOKENS="16") as log:
+        with plugins_loaded(
+            EAGLE_CAPTURE="1", SGLANG_PLUGINS="eagle_capture", EAGLE_CAPTURE_MAX_TOKENS="16"
+        ) as log:
             configure(ours, DRAFT_IDS)
-        configure(ref, DRAFT_IDS)      # unhooked: SGLang's own capture
+        configure(ref, DRAFT_IDS)  # unhooked: SGLang's own capture
         state = ours._eagle_capture
         text = log.text(logging.INFO)
         on = [m for _, m in log.lines if "fused EAGLE-3 capture ON" in m]
-        assert len(on) == 1 and f"{state.family.name} family" in on[0] \
-            and "[16, 3, 64]" in on[0], (family, text)
+        assert len(on) == 1 and f"{state.family.name} family" in on[0] and "[16, 3, 64]" in on[0], (
+            family,
+            text,
+        )
         assert ours.model.layers_to_capture == [] and not ours.capture_aux_hidden_states
         _same_as_sglang(ours, ref)
         assert state.fused_calls == 4 * 3, f"{family}: {state.fused_calls} fused captures"

@@ -37,7 +37,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "tiny_eagle3"
-OWN_LAYERS = [1, 2, 3, 4, 5, 6, 7]   # SGLang's Llama loop cannot capture layer 0 (<= 0.5.20)
+OWN_LAYERS = [1, 2, 3, 4, 5, 6, 7]  # SGLang's Llama loop cannot capture layer 0 (<= 0.5.20)
 PARTIAL_LAYER = 3
 PROMPTS = {1: 24, 2: 12}
 
@@ -60,6 +60,7 @@ def own_capture(config):
         torch.save({"input_ids": args[0].cpu(), "aux": [a.cpu() for a in aux]}, path + ".tmp")
         os.replace(path + ".tmp", path)
         return hidden
+
     return hook
 
 
@@ -67,26 +68,35 @@ def skip_allreduce(config):
     def hook(module, args, output):
         if os.path.exists(os.path.join(config["dir"], "skip")):
             module.reduce_results = False
+
     return hook
 
 
 def test_hooks(directory: str) -> list:
-    return [{"name": "test_own_capture", "target_modules": ["model"],
-             "hook_factory": "tests.sglang_real.probe_engine:own_capture",
-             "config": {"dir": directory}},
-            {"name": "test_skip_allreduce",
-             "target_modules": [f"model.layers.{PARTIAL_LAYER}.mlp.down_proj"],
-             "hook_factory": "tests.sglang_real.probe_engine:skip_allreduce",
-             "config": {"dir": directory}}]
+    return [
+        {
+            "name": "test_own_capture",
+            "target_modules": ["model"],
+            "hook_factory": "tests.sglang_real.probe_engine:own_capture",
+            "config": {"dir": directory},
+        },
+        {
+            "name": "test_skip_allreduce",
+            "target_modules": [f"model.layers.{PARTIAL_LAYER}.mlp.down_proj"],
+            "hook_factory": "tests.sglang_real.probe_engine:skip_allreduce",
+            "config": {"dir": directory},
+        },
+    ]
 
 
 def cases(work: Path) -> dict:
     from tests.vllm_real.probe_engine import cases as vllm_cases
+
     return vllm_cases(work)
 
 
 def prompts(work: Path, tp: int) -> Path:
-    lines = (DATA / "prompts.jsonl").read_text().splitlines()[:PROMPTS[tp]]
+    lines = (DATA / "prompts.jsonl").read_text().splitlines()[: PROMPTS[tp]]
     path = work / f"prompts_tp{tp}.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -110,13 +120,37 @@ def command_line(work: Path, tp: int, extra=()) -> dict:
     record = work / "cli.json"
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = probe(["--engine", "sglang", "--tp", str(tp), "--target", str(DATA / "target"),
-                      "--draft", str(DATA / "draft_specforge"), "--prompts",
-                      str(prompts(work, tp)), "--dtype", "fp32", "--max-tokens", "64",
-                      "--device", "cpu", "--json", str(record), *ENGINE_ARGS, *extra])
+        code = probe(
+            [
+                "--engine",
+                "sglang",
+                "--tp",
+                str(tp),
+                "--target",
+                str(DATA / "target"),
+                "--draft",
+                str(DATA / "draft_specforge"),
+                "--prompts",
+                str(prompts(work, tp)),
+                "--dtype",
+                "fp32",
+                "--max-tokens",
+                "64",
+                "--device",
+                "cpu",
+                "--json",
+                str(record),
+                *ENGINE_ARGS,
+                *extra,
+            ]
+        )
     print(stderr.getvalue(), file=sys.stderr)
-    return {"exit": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(),
-            "json": json.loads(record.read_text()) if record.exists() else None}
+    return {
+        "exit": code,
+        "stdout": stdout.getvalue(),
+        "stderr": stderr.getvalue(),
+        "json": json.loads(record.read_text()) if record.exists() else None,
+    }
 
 
 def main():
@@ -144,9 +178,17 @@ def main():
     calibration = prompts(work, args.tp)
     # The test hooks write to a directory of their own, given before the engine starts.
     test_dir = _side_channel()
-    target = SglangTarget(DATA / "target", 8, 64, range(9), tp=args.tp, dtype="fp32",
-                          max_tokens=64, engine_args=dict(SERVER),
-                          extra_hooks=test_hooks(test_dir))
+    target = SglangTarget(
+        DATA / "target",
+        8,
+        64,
+        range(9),
+        tp=args.tp,
+        dtype="fp32",
+        max_tokens=64,
+        engine_args=dict(SERVER),
+        extra_hooks=test_hooks(test_dir),
+    )
     out["ranks"] = target.ranks
     out["version"] = target.version
     own_dir = Path(test_dir)
@@ -156,23 +198,40 @@ def main():
         for name, draft in cases(work).items():
             if name not in names:
                 continue
-            report = run_probe(str(DATA / "target"), str(draft), str(calibration),
-                               device="cpu", dtype="fp32", max_tokens=64,
-                               engine_target=target, log=log, progress=False)
+            report = run_probe(
+                str(DATA / "target"),
+                str(draft),
+                str(calibration),
+                device="cpu",
+                dtype="fp32",
+                max_tokens=64,
+                engine_target=target,
+                log=log,
+                progress=False,
+            )
             out[name] = report.to_json()
             print(f"PROBE_SGLANG {name} tp {args.tp}: {report.verdict}", flush=True)
         if args.tp > 1:
             (own_dir / "skip").write_text("")
             try:
-                run_probe(str(DATA / "target"), str(DATA / "draft_specforge"),
-                          str(calibration), device="cpu", dtype="fp32", max_tokens=64,
-                          engine_target=target, log=lambda s: None, progress=False)
+                run_probe(
+                    str(DATA / "target"),
+                    str(DATA / "draft_specforge"),
+                    str(calibration),
+                    device="cpu",
+                    dtype="fp32",
+                    max_tokens=64,
+                    engine_target=target,
+                    log=lambda s: None,
+                    progress=False,
+                )
                 out["partial_sums"] = {"refused": False}
             except (ProbeError, EngineError) as exc:
                 out["partial_sums"] = {"refused": True, "error": str(exc)}
     finally:
         target.close()
         import shutil
+
         shutil.rmtree(test_dir, ignore_errors=True)
     with open(args.json, "w") as f:
         json.dump(out, f)
@@ -207,16 +266,21 @@ def compare_own(target, calibration: Path, own_dir: Path) -> dict:
             assert len(recs) == 1, f"rank {a['rank']}: {len(recs)} own captures of prompt {i}"
             for k, c in enumerate(OWN_LAYERS):
                 if a["rank"] == 0:
-                    assert torch.equal(states[c][0], recs[0]["aux"][k]), \
+                    assert torch.equal(states[c][0], recs[0]["aux"][k]), (
                         f"capture layer {c}: the probe's state differs from SGLang's own"
-                assert torch.equal(a["digest"][c], digest(recs[0]["aux"][k])), \
+                    )
+                assert torch.equal(a["digest"][c], digest(recs[0]["aux"][k])), (
                     f"rank {a['rank']} capture layer {c}: digest differs from SGLang's own"
+                )
                 layers.add(c)
             seen += 1
         assert seen in (0, len(target.answers)), f"prompt {i}: own captures on {seen} ranks"
         compared += bool(seen)
-    return {"forwards_compared": compared, "layers": sorted(layers),
-            "ranks": [a["rank"] for a in target.answers]}
+    return {
+        "forwards_compared": compared,
+        "layers": sorted(layers),
+        "ranks": [a["rank"] for a in target.answers],
+    }
 
 
 if __name__ == "__main__":

@@ -26,26 +26,29 @@ from tests.sglang_real import harness, plugin_scenarios, stubs
 
 NUM_LAYERS = 7
 HIDDEN = 64
-CAPTURE_IDS = (1, 3, 5)   # SpecForge ids: output of layers 1, 3, 5
+CAPTURE_IDS = (1, 3, 5)  # SpecForge ids: output of layers 1, 3, 5
 MAX_TOKENS = 16
 
 
 def _build(dtype, capture_ids=CAPTURE_IDS):
-    return harness.build_model(num_layers=NUM_LAYERS, hidden_size=HIDDEN, dtype=dtype,
-                               capture_ids=capture_ids, seed=3)
+    return harness.build_model(
+        num_layers=NUM_LAYERS, hidden_size=HIDDEN, dtype=dtype, capture_ids=capture_ids, seed=3
+    )
 
 
 def _run(model, num_tokens, mode="extend", seed=0, capture="full"):
     """(the final hidden states handed to SGLang's LogitsProcessor, what the draft
     receives from it: its output's hidden_states)."""
-    call = harness.run(model, harness.make_batch(model, num_tokens, mode, seed=seed,
-                                                 capture=capture))
+    call = harness.run(
+        model, harness.make_batch(model, num_tokens, mode, seed=seed, capture=capture)
+    )
     aux = harness.draft_input(call)
     return call.hidden_states.clone(), None if aux is None else aux.clone()
 
 
 def _install(model, **kwargs):
     from eagle_capture.integrations.sglang.dropin import install_eagle3_capture
+
     return install_eagle3_capture(model, MAX_TOKENS, **kwargs)
 
 
@@ -65,6 +68,7 @@ def _expect_raises(exc_type, fn, match: str) -> str:
 
 # ----------------------------------------------------------------- scenarios
 
+
 def same_as_sglang(dtype_name: str, path: str = "f"):
     """Our buffer vs SGLang's own capture, and the final hidden state vs SGLang's
     own path, over extend / decode / idle batches and several sizes; ``path``
@@ -78,16 +82,22 @@ def same_as_sglang(dtype_name: str, path: str = "f"):
     out = {"cases": [], "max_final_abs_dev": 0.0, "max_aux_abs_dev": 0.0}
     # What the draft receives is SGLang's own LogitsProcessor output: every row in
     # FULL mode (an EAGLE-3 target's forwards), the sampled rows in LAST mode.
-    for num_tokens, mode, capture in ((5, "extend", "full"), (1, "decode", "full"),
-                                      (3, "decode", "full"), (11, "extend", "full"),
-                                      (0, "extend", "full"), (6, "extend", "last"),
-                                      (3, "decode", "last")):
+    for num_tokens, mode, capture in (
+        (5, "extend", "full"),
+        (1, "decode", "full"),
+        (3, "decode", "full"),
+        (11, "extend", "full"),
+        (0, "extend", "full"),
+        (6, "extend", "last"),
+        (3, "decode", "last"),
+    ):
         fused_before, in_slot_before = state.fused_calls, state.slot_residual_calls
         final_ref, aux_ref = _run(ref, num_tokens, mode, seed=num_tokens, capture=capture)
         final, aux = _run(ours, num_tokens, mode, seed=num_tokens, capture=capture)
         rows = 1 if (mode, capture) == ("extend", "last") else num_tokens
-        assert aux is not None and aux.shape == (rows, len(CAPTURE_IDS) * HIDDEN), \
+        assert aux is not None and aux.shape == (rows, len(CAPTURE_IDS) * HIDDEN), (
             f"{mode} {capture}: the draft receives {None if aux is None else tuple(aux.shape)}"
+        )
         if num_tokens:
             assert aux_ref is not None and aux_ref.shape == aux.shape
             assert torch.equal(aux, aux_ref), "aux differs from SGLang's own capture"
@@ -105,14 +115,20 @@ def same_as_sglang(dtype_name: str, path: str = "f"):
         assert state.residual_in_slot is None, "a residual left in a slot was not taken"
         assert state.fallback_calls == 0, f"{state.fallback_calls} fallback captures"
         assert ours.model.layers_to_capture == [] and not ours.capture_aux_hidden_states
-        out["cases"].append({"T": num_tokens, "mode": mode, "capture": capture,
-                             "fused_captures": fused,
-                             "final_abs_dev": final_dev})
+        out["cases"].append(
+            {
+                "T": num_tokens,
+                "mode": mode,
+                "capture": capture,
+                "fused_captures": fused,
+                "final_abs_dev": final_dev,
+            }
+        )
     out["final_scale"] = final_ref.float().abs().max().item() if final_ref.numel() else None
     return out
 
 
-@torch.no_grad()   # as SGLang's model runner calls the model (its norm weights require grad)
+@torch.no_grad()  # as SGLang's model runner calls the model (its norm weights require grad)
 def norm_paths():
     """Every way SGLang calls a captured layer's input norm, on the real RMSNorm
     class: post_residual_addition (added to the residual first, out of place),
@@ -122,7 +138,7 @@ def norm_paths():
     from sglang.srt.layers.layernorm import RMSNorm
 
     model = _build(torch.float32)
-    buffer = _install(model, residual_in_slot=False)   # each call alone (path f: see below)
+    buffer = _install(model, residual_in_slot=False)  # each call alone (path f: see below)
     layer_id = model._eagle_capture.layer_ids[0]
     slot = buffer.slot_of(layer_id)
     norm = model.model.layers[layer_id].input_layernorm
@@ -181,8 +197,9 @@ def norm_paths():
     xo, ro = norm.forward_with_allreduce_fusion(x.clone(), r.clone())
     assert torch.equal(xo, x_ref) and torch.equal(ro, r_ref)
     assert torch.equal(buffer.aux[:4, slot], r_ref)
-    assert (state.fused_calls - fused, state.fallback_calls - fallback) == (1, 0), \
+    assert (state.fused_calls - fused, state.fallback_calls - fallback) == (1, 0), (
         f"stores: fused {state.fused_calls - fused}, fallback {state.fallback_calls - fallback}"
+    )
     out["allreduce_fusion_fallback"] = "SGLang's fallback into forward(): one store"
 
     # a norm configuration our kernel does not reproduce: SGLang's own code runs
@@ -222,8 +239,9 @@ def residual_in_slot():
     layer_ids = state.layer_ids
     posts = [ours.model.layers[i].post_attention_layernorm for i in layer_ids]
     assert all(isinstance(n, RMSNorm) and type(n) is not RMSNorm for n in posts)
-    assert type(ours.model.layers[0].post_attention_layernorm) is RMSNorm, \
+    assert type(ours.model.layers[0].post_attention_layernorm) is RMSNorm, (
         "an uncaptured layer's post norm was swapped"
+    )
 
     # The post norm on a configuration our kernel does not reproduce: SGLang's own
     # code runs on the spare holding a copy of the slot; the capture stays.
@@ -271,11 +289,13 @@ def residual_in_slot():
         ao, r2 = post.forward_with_allreduce_fusion(a.clone(), ro)
     finally:
         RMSNorm.forward_with_allreduce_fusion = original
-    assert seen and seen[0][0] and seen[0][1] != ro.data_ptr(), \
+    assert seen and seen[0][0] and seen[0][1] != ro.data_ptr(), (
         f"SGLang's fusion entry got the strided slot: {seen}"
+    )
     assert torch.equal(ao, a_ref) and torch.equal(r2, r2_ref)
-    assert r2.data_ptr() != ro.data_ptr() and torch.equal(buffer.aux[:4, slot], r_ref), \
+    assert r2.data_ptr() != ro.data_ptr() and torch.equal(buffer.aux[:4, slot], r_ref), (
         "the post norm wrote into the slot"
+    )
     assert state.residual_in_slot is None
     out["post_norm_allreduce_entry"] = "the spare, not the slot; capture kept"
 
@@ -345,9 +365,12 @@ def torch_compiled_install_order(order: str):
     ref, ours = _build(torch.float32), _build(torch.float32)
 
     def piecewise(model):
-        install_torch_compiled(model.model, dynamic_arg_dims={"input_ids": 0},
-                               backend_factory=lambda gm, example_inputs: gm)
-        assert "forward" in vars(model.model)   # SGLang's trampoline is in place
+        install_torch_compiled(
+            model.model,
+            dynamic_arg_dims={"input_ids": 0},
+            backend_factory=lambda gm, example_inputs: gm,
+        )
+        assert "forward" in vars(model.model)  # SGLang's trampoline is in place
 
     if order == "before":
         _install(ours)
@@ -366,13 +389,14 @@ def _piecewise_context():
     """SGLang's switch that makes the install_torch_compiled trampoline run the
     dynamo-compiled layer loop (name and module per line)."""
     from sglang.srt.compilation import compile as compile_module
-    if hasattr(compile_module, "set_compiled"):          # 0.5.9: a context variable
+
+    if hasattr(compile_module, "set_compiled"):  # 0.5.9: a context variable
         return compile_module.set_compiled(True)
-    try:                                                 # 0.5.18 and later
+    try:  # 0.5.18 and later
         from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph import (
             enable_tc_piecewise_cuda_graph as enable,
         )
-    except ImportError:                                  # 0.5.13
+    except ImportError:  # 0.5.13
         from sglang.srt.compilation.piecewise_context_manager import (
             enable_piecewise_cuda_graph as enable,
         )
@@ -421,11 +445,14 @@ def compiled_same_as_sglang(ref, ours, what: str) -> dict:
 
     graphs = {"ref": [], "ours": []}
     for name, model in (("ref", ref), ("ours", ours)):
+
         def backend(gm, example_inputs, _graphs=graphs[name]):
             _graphs.append(gm.code)
             return gm
-        install_torch_compiled(model.model, dynamic_arg_dims={"input_ids": 0},
-                               backend_factory=backend, fullgraph=True)
+
+        install_torch_compiled(
+            model.model, dynamic_arg_dims={"input_ids": 0}, backend_factory=backend, fullgraph=True
+        )
     # One eager forward first, as SGLang's warm-up does: it creates lazily built
     # globals (0.5.23's expert-distribution recorder) that dynamo cannot trace.
     _run(ref, 2)
@@ -442,9 +469,11 @@ def compiled_same_as_sglang(ref, ours, what: str) -> dict:
             except torch._dynamo.exc.Unsupported as e:
                 # SGLang's own loop, without our install, does not trace here.
                 first = str(e).splitlines()[0]
-                return {"skip": f"SGLang {harness.sglang_version()}'s own {what} does not "
-                                f"trace under dynamo with torch {torch.__version__} (this line "
-                                f"pins another torch): {first}"}
+                return {
+                    "skip": f"SGLang {harness.sglang_version()}'s own {what} does not "
+                    f"trace under dynamo with torch {torch.__version__} (this line "
+                    f"pins another torch): {first}"
+                }
             final, aux = _run(ours, num_tokens, seed=num_tokens)
         assert torch.equal(aux, aux_ref), "compiled loop: aux differs from SGLang's own"
         assert torch.equal(final, final_ref), "compiled loop: final hidden differs"
@@ -452,8 +481,9 @@ def compiled_same_as_sglang(ref, ours, what: str) -> dict:
     # Proof that the compiled loop ran: as many whole-loop graphs as SGLang's own
     # (fullgraph: no break; a recompile per new size), each of ours holding our op
     # once per captured layer, and no eager (Python) capture in between.
-    assert graphs["ours"] and len(graphs["ours"]) == len(graphs["ref"]), \
+    assert graphs["ours"] and len(graphs["ours"]) == len(graphs["ref"]), (
         f"graphs traced: ours {len(graphs['ours'])}, SGLang {len(graphs['ref'])}"
+    )
     op_calls = [code.count("eagle_capture.add_rmsnorm_capture") for code in graphs["ours"]]
     assert all(n == captured for n in op_calls), f"capture ops per graph: {op_calls}"
     assert state.fused_calls == eager_captures, "the norms' Python ran: not the compiled loop"
@@ -471,8 +501,16 @@ def layer_id_rules():
     line = line_of(harness.sglang_version())
     assert harness.sglang_version() in line.read_versions
     out = {}
-    for ids in ([1, 3, 5], [2, 3, 5], [0, 3, 5], [-1, 3, 5], [-1, 2, 4], [1, 1, 5], [3, 1, 5],
-                None):
+    for ids in (
+        [1, 3, 5],
+        [2, 3, 5],
+        [0, 3, 5],
+        [-1, 3, 5],
+        [-1, 2, 4],
+        [1, 1, 5],
+        [3, 1, 5],
+        None,
+    ):
         model = _build(torch.float32)
         model.set_eagle3_layers_to_capture(None if ids is None else list(ids))
         got = list(model.model.layers_to_capture)
@@ -480,8 +518,13 @@ def layer_id_rules():
         assert got == predicted, f"ids {ids}: SGLang captures {got}, the doctor says {predicted}"
         try:
             final, aux = _run(model, 3)
-            outcome = ("embedding" if 0 in got else
-                       "dropped" if aux.shape[1] < len(got) * HIDDEN else "captured")
+            outcome = (
+                "embedding"
+                if 0 in got
+                else "dropped"
+                if aux.shape[1] < len(got) * HIDDEN
+                else "captured"
+            )
             if outcome == "embedding":
                 with torch.no_grad():
                     emb = model.model.embed_tokens(harness.make_batch(model, 3, seed=0)[0])
@@ -495,7 +538,7 @@ def layer_id_rules():
         if 0 in got:
             expected = line.layer0
         elif any(layer < 0 for layer in got) or len(set(got)) < len(got):
-            expected = line.missing_capture   # a layer no loop step takes (-1, a duplicate)
+            expected = line.missing_capture  # a layer no loop step takes (-1, a duplicate)
         else:
             expected = "captured"
         assert outcome == expected, f"ids {ids}: SGLang's forward {outcome}, doctor: {expected}"
@@ -517,14 +560,18 @@ def _call_model_rule(cls, module, ids, num_layers=40):
     class TextModel:
         layers_to_capture = None
 
-        def set_eagle3_layers_to_capture(self, layer_ids):   # qwen3_moe, qwen2_moe, ...
+        def set_eagle3_layers_to_capture(self, layer_ids):  # qwen3_moe, qwen2_moe, ...
             self.layers_to_capture = list(layer_ids)
 
     pp = types.SimpleNamespace(is_last_rank=True)
-    shell = types.SimpleNamespace(config=types.SimpleNamespace(num_hidden_layers=num_layers),
-                                  pp_group=pp, model=TextModel(), language_model=TextModel(),
-                                  capture_aux_hidden_states=False)
-    saved = getattr(module, "get_parallel", None)   # minimax_m2 asks the parallel state
+    shell = types.SimpleNamespace(
+        config=types.SimpleNamespace(num_hidden_layers=num_layers),
+        pp_group=pp,
+        model=TextModel(),
+        language_model=TextModel(),
+        capture_aux_hidden_states=False,
+    )
+    saved = getattr(module, "get_parallel", None)  # minimax_m2 asks the parallel state
     if saved is not None:
         module.get_parallel = lambda: types.SimpleNamespace(pp_group=pp)
     try:
@@ -594,30 +641,38 @@ def model_id_rules():
                 continue
             arch = cls.__name__
             if arch in WRAPPERS:
-                assert all(v == ("forwards", list(ids) if ids else None) or ids is None
-                           for ids, v in zip(_RULE_PROBES, got.values())), \
-                    f"{arch} does not forward the ids unchanged: {got}"
+                assert all(
+                    v == ("forwards", list(ids) if ids else None) or ids is None
+                    for ids, v in zip(_RULE_PROBES, got.values())
+                ), f"{arch} does not forward the ids unchanged: {got}"
                 continue
             if arch not in table:
                 not_in_table.append(arch)
                 continue
             rule, owner = table[arch]
             owning = next(c for c in cls.__mro__ if "set_eagle3_layers_to_capture" in c.__dict__)
-            assert f"{owning.__module__.rsplit('.', 1)[-1]}.{owning.__name__}" == owner, \
+            assert f"{owning.__module__.rsplit('.', 1)[-1]}.{owning.__name__}" == owner, (
                 f"{arch}: the method is {owning.__module__}.{owning.__name__}'s, table: {owner}"
+            )
             for ids in _RULE_PROBES:
                 want = apply_rule(rule, ids, 40)
-                assert got[str(ids)] == want, \
+                assert got[str(ids)] == want, (
                     f"{arch} ({owner}), ids {ids}: SGLang sets {got[str(ids)]}, table: {want}"
+                )
             seen[arch] = rule
     if read == version:
-        assert not not_in_table, f"classes of SGLang {version} missing from the table: " \
-                                 f"{not_in_table}"
+        assert not not_in_table, (
+            f"classes of SGLang {version} missing from the table: {not_in_table}"
+        )
         missing = sorted(set(table) - set(seen))
-        assert not missing, f"table rows not found (or not callable) in SGLang {version}: " \
-                            f"{missing}"
-    return {"table": read, "rows_checked": len(seen), "not_in_table": not_in_table,
-            "needs_more_than_a_shell": uncallable, "not_importable_here": not_imported}
+        assert not missing, f"table rows not found (or not callable) in SGLang {version}: {missing}"
+    return {
+        "table": read,
+        "rows_checked": len(seen),
+        "not_in_table": not_in_table,
+        "needs_more_than_a_shell": uncallable,
+        "not_importable_here": not_imported,
+    }
 
 
 def draft_config_reading():
@@ -635,9 +690,11 @@ def draft_config_reading():
     from transformers import PretrainedConfig
 
     from eagle_capture.layer_ids.lines import line_of
+
     try:
         spec_aux = importlib.import_module(
-            "sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state")
+            "sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state"
+        )
     except ImportError:
         spec_aux = None
 
@@ -645,17 +702,21 @@ def draft_config_reading():
     cases = {
         "nested": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}},
         "top_level_only": {"eagle_aux_hidden_state_layer_ids": [1, 2, 4]},
-        "both": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 3, 5]},
-                 "eagle_aux_hidden_state_layer_ids": [1, 2, 4]},
+        "both": {
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 3, 5]},
+            "eagle_aux_hidden_state_layer_ids": [1, 2, 4],
+        },
         "none": {},
     }
     # The draft's path: from the runtime context's spec bag (0.5.20+) or the server
     # arguments (0.5.18).
-    spec = types.SimpleNamespace(speculative_draft_model_path="draft",
-                                 speculative_draft_model_revision=None)
+    spec = types.SimpleNamespace(
+        speculative_draft_model_path="draft", speculative_draft_model_revision=None
+    )
     if spec_aux is None:
-        return _draft_config_reading_in_model_runner(cases, spec, line, SpeculativeAlgorithm,
-                                                     PretrainedConfig)
+        return _draft_config_reading_in_model_runner(
+            cases, spec, line, SpeculativeAlgorithm, PretrainedConfig
+        )
     saved = spec_aux.ModelConfig.from_server_args, getattr(spec_aux, "get_spec", None)
     out = {}
     try:
@@ -664,14 +725,21 @@ def draft_config_reading():
         for name, body in cases.items():
             hf = PretrainedConfig(architectures=["LlamaForCausalLMEagle3"], **body)
             draft = types.SimpleNamespace(
-                hf_config=hf, num_nextn_predict_layers=None, num_hidden_layers=1,
-                num_attention_layers=1, is_hybrid_swa=False, is_deepseek_v4_arch=False)
+                hf_config=hf,
+                num_nextn_predict_layers=None,
+                num_hidden_layers=1,
+                num_attention_layers=1,
+                is_hybrid_swa=False,
+                is_deepseek_v4_arch=False,
+            )
             spec_aux.ModelConfig.from_server_args = staticmethod(lambda *a, **k: draft)
             resolved = spec_aux.resolve_spec_aux_hidden_state_config(
-                server_args=spec, model_config=draft, spec_algorithm=SpeculativeAlgorithm.EAGLE3,
-                is_draft_worker=False)
-            out[name] = _check_reading(name, body, resolved.eagle_aux_hidden_state_layer_ids,
-                                       line)
+                server_args=spec,
+                model_config=draft,
+                spec_algorithm=SpeculativeAlgorithm.EAGLE3,
+                is_draft_worker=False,
+            )
+            out[name] = _check_reading(name, body, resolved.eagle_aux_hidden_state_layer_ids, line)
     finally:
         spec_aux.ModelConfig.from_server_args = saved[0]
         if saved[1] is not None:
@@ -694,8 +762,11 @@ def _draft_config_reading_in_model_runner(cases, server_args, line, algorithm, c
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.FunctionDef) and node.name == "__init__":
             for stmt in ast.walk(node):
-                if (isinstance(stmt, ast.If) and "is_eagle3" in ast.unparse(stmt.test)
-                        and "eagle_aux_hidden_state_layer_ids" in ast.unparse(stmt)):
+                if (
+                    isinstance(stmt, ast.If)
+                    and "is_eagle3" in ast.unparse(stmt.test)
+                    and "eagle_aux_hidden_state_layer_ids" in ast.unparse(stmt)
+                ):
                     block = stmt
                     break
         if block is not None:
@@ -720,8 +791,9 @@ def _check_reading(name, body, got, line) -> str:
     from eagle_capture.layer_ids.lines import read_draft_ids
 
     want = read_draft_ids(dict(body, architectures=["LlamaForCausalLMEagle3"]))
-    assert got == want.read_by_target, \
+    assert got == want.read_by_target, (
         f"{name}: SGLang's target reads {got}, eagle_capture says {want.read_by_target}"
+    )
     model = _build(torch.float32)
     model.set_eagle3_layers_to_capture(None if got is None else list(got))
     layers = list(model.model.layers_to_capture)
@@ -755,7 +827,9 @@ def graph_order():
                     if isinstance(item, ast.FunctionDef):
                         out[item.name] = [
                             (c.lineno, getattr(c.func, "attr", getattr(c.func, "id", "")))
-                            for c in ast.walk(item) if isinstance(c, ast.Call)]
+                            for c in ast.walk(item)
+                            if isinstance(c, ast.Call)
+                        ]
         return out
 
     def first(calls, *names):
@@ -764,30 +838,39 @@ def graph_order():
 
     runner = functions("sglang.srt.model_executor.model_runner", "ModelRunner")
     init = runner["initialize"]
-    if first(init, "init_device_graphs") is not None:      # <= 0.5.17
+    if first(init, "init_device_graphs") is not None:  # <= 0.5.17
         graphs = first(init, "init_device_graphs")
         ids = first(init, "set_eagle3_layers_to_capture", "init_aux_hidden_state_capture")
         before = graphs < ids
-        graph_runner = functions("sglang.srt.model_executor.cuda_graph_runner",
-                                 "CudaGraphRunner")["__init__"]
+        graph_runner = functions("sglang.srt.model_executor.cuda_graph_runner", "CudaGraphRunner")[
+            "__init__"
+        ]
         defaults = first(graph_runner, "set_eagle3_layers_to_capture") is not None
         assert defaults == before, "the graph runner's default ids and the order disagree"
-        how = (f"ModelRunner.initialize: init_device_graphs line {graphs}, the ids line {ids}; "
-               f"CudaGraphRunner sets the defaults: {defaults}")
-    else:                                                    # 0.5.18+: the scheduler's order
+        how = (
+            f"ModelRunner.initialize: init_device_graphs line {graphs}, the ids line {ids}; "
+            f"CudaGraphRunner sets the defaults: {defaults}"
+        )
+    else:  # 0.5.18+: the scheduler's order
         assert first(runner["init_attention_backends"], "configure_aux_hidden_state_capture")
         sched = functions("sglang.srt.managers.scheduler", "Scheduler")
-        where = [name for name, calls in sched.items()
-                 if first(calls, "init_all_cuda_graphs") and first(calls, "init_all_attention_backends")]
+        where = [
+            name
+            for name, calls in sched.items()
+            if first(calls, "init_all_cuda_graphs") and first(calls, "init_all_attention_backends")
+        ]
         assert len(where) == 1, where
         calls = sched[where[0]]
         before = first(calls, "init_all_cuda_graphs") < first(calls, "init_all_attention_backends")
-        how = (f"Scheduler.{where[0]}: init_all_attention_backends (the ids, via "
-               f"configure_aux_hidden_state_capture) {'after' if before else 'before'} "
-               f"init_all_cuda_graphs")
+        how = (
+            f"Scheduler.{where[0]}: init_all_attention_backends (the ids, via "
+            f"configure_aux_hidden_state_capture) {'after' if before else 'before'} "
+            f"init_all_cuda_graphs"
+        )
     line = line_of(harness.sglang_version())
-    assert before == graphs_captured_before_ids(line), \
+    assert before == graphs_captured_before_ids(line), (
         f"graphs before ids: {before} in the wheel, the doctor says {graphs_captured_before_ids(line)}"
+    )
     return {"graphs_before_ids": before, "how": how}
 
 
@@ -796,7 +879,8 @@ def refusals():
     out = {}
     model = _build(torch.float32)
     out["not_enabled"] = _expect_raises(
-        ValueError, lambda: _install(_build_without_capture()), "not enabled")
+        ValueError, lambda: _install(_build_without_capture()), "not enabled"
+    )
     # A draft id of -1 (the user's embedding "fix"): each SGLang line maps it its
     # own way (<= 0.5.12: +1 -> layer 0; >= 0.5.13: kept as -1, never matched).
     emb = _build(torch.float32, capture_ids=(-1, 3))
@@ -831,22 +915,25 @@ def refusals():
     _install(bypass)
     layer_id = _state(bypass).layer_ids[1]
     norm = bypass.model.layers[layer_id].input_layernorm
-    norm.__class__ = type(norm).__mro__[2]    # back to SGLang's RMSNorm
+    norm.__class__ = type(norm).__mro__[2]  # back to SGLang's RMSNorm
     out["bypass"] = _expect_raises(RuntimeError, lambda: _run(bypass, 3), f"[{layer_id}]")
 
     # two-batch overlap: the norm would see half-batches
     # Modes read from SGLang's server arguments, through the accessor this line
     # has (the install must find them: None would mean no refusal at all).
     from eagle_capture.integrations.sglang.server_modes import server_args
+
     args = server_args()
     assert args is not None, "eagle_capture cannot read this SGLang line's server args"
     # (DP attention and an all-to-all MoE are served where each rank's rows stay
     # whole -- an attention-TP group of one rank, as here at world 1: the TP
     # scenarios test the refusal with two, the DP scenarios the capture.)
-    for field, value, match in (("enable_two_batch_overlap", True, "two-batch overlap"),
-                                ("enable_dp_attention", True, None),
-                                ("moe_a2a_backend", "deepep", None),
-                                ("attn_cp_size", 2, "context parallelism")):
+    for field, value, match in (
+        ("enable_two_batch_overlap", True, "two-batch overlap"),
+        ("enable_dp_attention", True, None),
+        ("moe_a2a_backend", "deepep", None),
+        ("attn_cp_size", 2, "context parallelism"),
+    ):
         if not hasattr(args, field):
             out[field] = "not a server argument of this line"
             continue
@@ -868,16 +955,22 @@ def refusals():
     ref_big, too_many = _build(torch.float32), _build(torch.float32)
     _install(too_many)
     state = _state(too_many)
-    for num_tokens, overflows in ((MAX_TOKENS - 1, 0), (MAX_TOKENS, 0), (MAX_TOKENS + 1, 1),
-                                  (MAX_TOKENS + 5, 2)):
+    for num_tokens, overflows in (
+        (MAX_TOKENS - 1, 0),
+        (MAX_TOKENS, 0),
+        (MAX_TOKENS + 1, 1),
+        (MAX_TOKENS + 5, 2),
+    ):
         final_ref, aux_ref = _run(ref_big, num_tokens, seed=num_tokens)
         final, aux = _run(too_many, num_tokens, seed=num_tokens)
         assert torch.equal(aux, aux_ref) and torch.equal(final, final_ref), num_tokens
-        assert state.overflow_forwards == overflows and state.overflow is None, \
+        assert state.overflow_forwards == overflows and state.overflow is None, (
             f"T={num_tokens}: {state.overflow_forwards} forwards past the buffer, want {overflows}"
+        )
         if not overflows:
-            assert torch.equal(state.buffer.aux[:num_tokens].flatten(1), aux_ref), \
+            assert torch.equal(state.buffer.aux[:num_tokens].flatten(1), aux_ref), (
                 f"T={num_tokens}: not captured into the persistent buffer"
+            )
     out["too_many_tokens"] = "served from a buffer of its own for that forward"
     return out
 
@@ -906,7 +999,9 @@ def drop_in_checks():
     assert _state(ours).fallback_calls == fallback + 1, "SGLang's norm path did not run"
     assert torch.equal(aux, aux_ref), "the SGLang-path store went to another slot"
     assert torch.equal(final, final_ref)
-    out["sglang_norm_path_at_layer"] = f"layer {layer_id}: slot {_state(ours).buffer.slot_of(layer_id)}"
+    out["sglang_norm_path_at_layer"] = (
+        f"layer {layer_id}: slot {_state(ours).buffer.slot_of(layer_id)}"
+    )
     return out
 
 
@@ -924,16 +1019,18 @@ def _norm_called_on_part_of_the_batch(path: str) -> str:
             return None
         again[0] = True
         try:
-            module(args[0][:1].clone(), args[1][:1].clone())   # a second call on one row
+            module(args[0][:1].clone(), args[1][:1].clone())  # a second call on one row
         finally:
             again[0] = False
         return None
 
     handle = norm.register_forward_hook(half_batch_again)
     try:
-        return _expect_raises(RuntimeError, lambda: _run(model, 4),
-                              f"layer {layer_id} stored 1 rows" if path == "e" else
-                              "did not take it")
+        return _expect_raises(
+            RuntimeError,
+            lambda: _run(model, 4),
+            f"layer {layer_id} stored 1 rows" if path == "e" else "did not take it",
+        )
     finally:
         handle.remove()
 
@@ -955,8 +1052,12 @@ class _CausalAttention(torch.nn.Module):
         v = v.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
         rep = self.heads // self.kv_heads
         o = torch.nn.functional.scaled_dot_product_attention(
-            q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), is_causal=True,
-            scale=self.scaling)
+            q,
+            k.repeat_interleave(rep, 0),
+            v.repeat_interleave(rep, 0),
+            is_causal=True,
+            scale=self.scaling,
+        )
         return o.transpose(0, 1).reshape(t, -1)
 
 
@@ -988,12 +1089,16 @@ def eagle3_draft_step():
     embeds = torch.randn(t, 64, generator=g) * 0.05
     positions = torch.arange(t)
     mode = types.SimpleNamespace(is_extend=lambda: True, is_draft_extend_v2=lambda: False)
-    batch = types.SimpleNamespace(spec_info=types.SimpleNamespace(hidden_states=aux),
-                                  mm_input_embeds=None, forward_mode=mode,
-                                  contains_mm_inputs=lambda: False)
+    batch = types.SimpleNamespace(
+        spec_info=types.SimpleNamespace(hidden_states=aux),
+        mm_input_embeds=None,
+        forward_mode=mode,
+        contains_mm_inputs=lambda: False,
+    )
     with torch.no_grad():
-        hidden, _ = model.model(torch.zeros(t, dtype=torch.long), positions, batch,
-                                input_embeds=embeds)
+        hidden, _ = model.model(
+            torch.zeros(t, dtype=torch.long), positions, batch, input_embeds=embeds
+        )
         theirs = hidden @ model.lm_head.weight.T
         mine = ours(aux.unsqueeze(0), embeds.unsqueeze(0), positions.unsqueeze(0))[0]
     diff = (theirs - mine).abs().max().item()
@@ -1007,9 +1112,12 @@ def eagle3_draft_step():
     def proposals(states):
         batch.spec_info.hidden_states = states
         with torch.no_grad():
-            h, _ = model.model(torch.zeros(len(states), dtype=torch.long),
-                               torch.arange(len(states)), batch,
-                               input_embeds=embeds[: len(states)])
+            h, _ = model.model(
+                torch.zeros(len(states), dtype=torch.long),
+                torch.arange(len(states)),
+                batch,
+                input_embeds=embeds[: len(states)],
+            )
         return model.hot_token_id[(h @ model.lm_head.weight.T).argmax(-1)]
 
     ref, fused = _build(torch.float32), _build(torch.float32)
@@ -1018,10 +1126,12 @@ def eagle3_draft_step():
     _, aux_fused = _run(fused, t, "extend", seed=5)
     same = torch.equal(proposals(aux_ref), proposals(aux_fused))
     assert same, "the draft proposes other tokens from the drop-in's capture"
-    return {"detail": f"{t} positions: max |logit diff| {diff:.2e} (logits up to "
-                      f"{theirs.abs().max().item():.2f}); tokens equal; the draft's proposals "
-                      f"from SGLang's capture and the drop-in's equal",
-            "max_abs_diff": diff}
+    return {
+        "detail": f"{t} positions: max |logit diff| {diff:.2e} (logits up to "
+        f"{theirs.abs().max().item():.2f}); tokens equal; the draft's proposals "
+        f"from SGLang's capture and the drop-in's equal",
+        "max_abs_diff": diff,
+    }
 
 
 def _force_setattr(obj, name, value) -> None:
@@ -1031,6 +1141,7 @@ def _force_setattr(obj, name, value) -> None:
         setattr(obj, name, value)
     except (AttributeError, TypeError):
         import msgspec
+
         msgspec.structs.force_setattr(obj, name, value)
 
 
@@ -1071,6 +1182,7 @@ def main() -> None:
     harness.setup()
     results = {"version": harness.sglang_version()}
     from tests.sglang_real import family_scenarios  # the other families, same process
+
     every = {**SCENARIOS, **{f"family_{k}": v for k, v in family_scenarios.SCENARIOS.items()}}
     for name, fn in every.items():
         if (args.only and name not in args.only) or name in args.skip:
@@ -1079,8 +1191,11 @@ def main() -> None:
         try:
             results[name] = {"ok": True, **(fn() or {})}
         except Exception as e:  # noqa: BLE001 - reported per scenario
-            results[name] = {"ok": False, "detail": f"{type(e).__name__}: {e}",
-                             "traceback": traceback.format_exc()}
+            results[name] = {
+                "ok": False,
+                "detail": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(),
+            }
         results[name]["seconds"] = round(time.perf_counter() - start, 2)  # the cost, visible
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1, default=str)

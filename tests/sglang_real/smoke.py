@@ -37,10 +37,17 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 def parent(version: str, json_out: str | None) -> int:
     env_sh = os.path.join(ROOT, "tools", "sglang_real_env.sh")
-    overlay = subprocess.run(
-        ["bash", env_sh, version], check=True, stdout=subprocess.PIPE, text=True,
-        env=dict(os.environ, PY=sys.executable),
-    ).stdout.strip().splitlines()[-1]
+    overlay = (
+        subprocess.run(
+            ["bash", env_sh, version],
+            check=True,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PY=sys.executable),
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [overlay, ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
@@ -95,8 +102,7 @@ def child(version: str, json_out: str | None) -> int:
     ok_all = True
     print(f"sglang {results['version']}  torch {torch.__version__}")
     for dtype in (torch.bfloat16, torch.float32):
-        model = harness.build(num_layers=6, hidden=64, dtype=dtype,
-                              capture_ids=(1, 2, 4), seed=1)
+        model = harness.build(num_layers=6, hidden=64, dtype=dtype, capture_ids=(1, 2, 4), seed=1)
         if dtype is torch.bfloat16:
             print("surface:", json.dumps(harness.SURFACE, default=str))
             results["surface"] = dict(harness.SURFACE)
@@ -108,6 +114,7 @@ def child(version: str, json_out: str | None) -> int:
             sig = inspect.signature(type(model.model.layers[i]).forward)
 
             if "residual" in sig.parameters:  # <= 0.5.22: (hidden, residual) args
+
                 def hook(mod, args, kwargs):
                     b = sig.bind(mod, *args, **kwargs)
                     hs, res = b.arguments["hidden_states"], b.arguments["residual"]
@@ -120,8 +127,10 @@ def child(version: str, json_out: str | None) -> int:
                     # ResidualStream.snapshot: pending output + written
                     # residual (a clone when nothing is written yet); no
                     # side effects on the stream.
-                    seen[i] = rb.snapshot(b.arguments["hidden_states"],
-                                          b.arguments["forward_batch"])
+                    seen[i] = rb.snapshot(
+                        b.arguments["hidden_states"], b.arguments["forward_batch"]
+                    )
+
             return hook
 
         handles = [
@@ -129,13 +138,11 @@ def child(version: str, json_out: str | None) -> int:
             for i, layer in enumerate(model.model.layers)
         ]
         tol = 1e-5 if dtype is torch.float32 else 2e-2
-        for T, mode in [(0, "idle"), (1, "extend"), (5, "extend"),
-                        (1, "decode"), (5, "decode")]:
+        for T, mode in [(0, "idle"), (1, "extend"), (5, "extend"), (1, "decode"), (5, "decode")]:
             case = {"dtype": str(dtype).replace("torch.", ""), "T": T, "mode": mode}
             seen.clear()
             try:
-                batch = harness.make_batch(model, T, "extend" if mode == "idle" else mode,
-                                           seed=T)
+                batch = harness.make_batch(model, T, "extend" if mode == "idle" else mode, seed=T)
                 call = harness.run(model, batch)
                 hs, aux = call.hidden_states, call.aux_hidden_states
             except Exception as e:  # report, keep going
@@ -157,16 +164,25 @@ def child(version: str, json_out: str | None) -> int:
             case["aux_type"] = type(aux).__name__
             case["aux_shapes"] = [list(a.shape) for a in aux_list] if aux_list else None
             checks = {}
-            checks["shape"] = (tuple(hs.shape) == (T, 64) and aux_list is not None
-                               and len(aux_list) == len(capture)
-                               and all(a.shape == (T, 64) for a in aux_list))
-            checks["hook_exact"] = aux_list is not None and len(aux_list) == len(capture) and all(
-                i in seen and torch.equal(a, seen[i]) for a, i in zip(aux_list, capture))
+            checks["shape"] = (
+                tuple(hs.shape) == (T, 64)
+                and aux_list is not None
+                and len(aux_list) == len(capture)
+                and all(a.shape == (T, 64) for a in aux_list)
+            )
+            checks["hook_exact"] = (
+                aux_list is not None
+                and len(aux_list) == len(capture)
+                and all(i in seen and torch.equal(a, seen[i]) for a, i in zip(aux_list, capture))
+            )
             # What the draft receives, from SGLang's own LogitsProcessor (FULL
             # mode): the captures side by side, every row.
             drafted = harness.draft_input(call)
-            checks["draft_input"] = aux_list is not None and drafted is not None and \
-                torch.equal(drafted, torch.cat(aux_list, dim=-1))
+            checks["draft_input"] = (
+                aux_list is not None
+                and drafted is not None
+                and torch.equal(drafted, torch.cat(aux_list, dim=-1))
+            )
             ref_final, ref_aux = _reference(model, batch[0], capture)
 
             def close(a, b):
@@ -176,21 +192,26 @@ def child(version: str, json_out: str | None) -> int:
                 return float((a.float() - b.float()).abs().max()) <= tol * scale
 
             checks["ref_aux"] = aux_list is not None and all(
-                close(a, r) for a, r in zip(aux_list, ref_aux))
+                close(a, r) for a, r in zip(aux_list, ref_aux)
+            )
             if T:
                 # Negative control: the same comparison against the residual
                 # one layer later must fail (the check can tell layers apart).
                 _, shifted = _reference(model, batch[0], [c - 1 for c in capture])
                 checks["discriminates"] = aux_list is not None and not any(
-                    close(a, r) for a, r in zip(aux_list, shifted))
+                    close(a, r) for a, r in zip(aux_list, shifted)
+                )
             # IDLE: SGLang skips the final norm (empty tensor either way).
             checks["ref_final"] = close(hs, ref_final) if T else hs.shape[0] == 0
             checks["dtype"] = hs.dtype == dtype and all(a.dtype == dtype for a in aux_list or [])
             # Every SGLang RMSNorm that ran took the pure-torch path.
             from sglang.srt.layers.layernorm import RMSNorm
-            methods = {getattr(m._forward_method, "__name__", None)
-                       for m in model.modules() if isinstance(m, RMSNorm)
-                       and m._forward_method is not None}
+
+            methods = {
+                getattr(m._forward_method, "__name__", None)
+                for m in model.modules()
+                if isinstance(m, RMSNorm) and m._forward_method is not None
+            }
             case["norm_methods"] = sorted(map(str, methods))
             checks["norm_native"] = methods <= {"forward_native"}
             case["checks"] = checks
@@ -212,7 +233,8 @@ def child(version: str, json_out: str | None) -> int:
         results["capture_layer0"] = f"ids [0, 2] -> layers_to_capture {ltc}: ran"
     except Exception as e:
         results["capture_layer0"] = (
-            f"ids [0, 2] -> layers_to_capture {ltc}: {type(e).__name__}: {e}")
+            f"ids [0, 2] -> layers_to_capture {ltc}: {type(e).__name__}: {e}"
+        )
     print("info: capture of layer 0 ->", results["capture_layer0"])
     results["ok"] = ok_all
     print("RESULT", results["version"], "PASS" if ok_all else "FAIL")

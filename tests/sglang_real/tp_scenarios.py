@@ -70,7 +70,7 @@ import sys
 import time
 import traceback
 
-_STARTED = time.monotonic()     # before torch / sglang are imported
+_STARTED = time.monotonic()  # before torch / sglang are imported
 
 import torch  # noqa: E402
 
@@ -78,45 +78,61 @@ from tests.sglang_real import harness  # noqa: E402
 
 NUM_LAYERS = 7
 HIDDEN = 64
-DRAFT_IDS = [1, 3, 5]           # SpecForge ids -> SGLang layers [2, 4, 6]
+DRAFT_IDS = [1, 3, 5]  # SpecForge ids -> SGLang layers [2, 4, 6]
 SEED = 3
 # (T, mode): extend and decode batches of several sizes; the batch seed is T.
 CASES = ((5, "extend"), (1, "decode"), (3, "decode"), (11, "extend"), (16, "extend"))
 # The other families run at TP 2 here: one dense, one MoE (family_models.py's names).
 FAMILY_ARCHS = {"LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}
-REL_TOL = 1e-5                  # TP 2 vs TP 1: fp32 rounding of the split contraction
+REL_TOL = 1e-5  # TP 2 vs TP 1: fp32 rounding of the split contraction
 REF_WAIT_S = 150.0
 
 _ARGS: argparse.Namespace | None = None
 
 
 def _build(arch="DeepseekV3ForCausalLM", set_capture=True):
-    if arch in FAMILY_ARCHS:   # another family's own SGLang class (family_models.py)
+    if arch in FAMILY_ARCHS:  # another family's own SGLang class (family_models.py)
         from tests.sglang_real import family_models
-        return family_models.build(FAMILY_ARCHS[arch], dtype=torch.float32,
-                                   capture_ids=DRAFT_IDS, seed=SEED, num_layers=NUM_LAYERS,
-                                   hidden_size=HIDDEN, set_capture=set_capture,
-                                   standin="row_parallel")
-    return harness.build_model(num_layers=NUM_LAYERS, hidden_size=HIDDEN, dtype=torch.float32,
-                               capture_ids=DRAFT_IDS, seed=SEED, arch=arch,
-                               set_capture=set_capture, standin="row_parallel")
+
+        return family_models.build(
+            FAMILY_ARCHS[arch],
+            dtype=torch.float32,
+            capture_ids=DRAFT_IDS,
+            seed=SEED,
+            num_layers=NUM_LAYERS,
+            hidden_size=HIDDEN,
+            set_capture=set_capture,
+            standin="row_parallel",
+        )
+    return harness.build_model(
+        num_layers=NUM_LAYERS,
+        hidden_size=HIDDEN,
+        dtype=torch.float32,
+        capture_ids=DRAFT_IDS,
+        seed=SEED,
+        arch=arch,
+        set_capture=set_capture,
+        standin="row_parallel",
+    )
 
 
 def _run(model, num_tokens, mode):
     call = harness.run(model, harness.make_batch(model, num_tokens, mode, seed=num_tokens))
-    aux = harness.draft_input(call)   # SGLang's own LogitsProcessor output
+    aux = harness.draft_input(call)  # SGLang's own LogitsProcessor output
     return call.hidden_states.clone(), None if aux is None else aux.clone()
 
 
 def _group():
     """SGLang's TP group (GroupCoordinator) and its gloo cpu_group."""
     from sglang.srt.distributed import get_tp_group
+
     return get_tp_group()
 
 
 def _gather(t: torch.Tensor) -> list[torch.Tensor]:
     """``t`` of every TP rank, over SGLang's TP cpu_group (gloo)."""
     import torch.distributed as dist
+
     group = _group()
     out = [torch.empty_like(t) for _ in range(group.world_size)]
     dist.all_gather(out, t.contiguous(), group=group.cpu_group)
@@ -131,6 +147,7 @@ def _same_on_all_ranks(t: torch.Tensor, what: str) -> None:
 
 def _fingerprint(t: torch.Tensor) -> str:
     import hashlib
+
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
@@ -168,6 +185,7 @@ def _count_all_reduces():
 
 def _has_plugins() -> bool:
     import importlib.util
+
     return importlib.util.find_spec("sglang.srt.plugins") is not None
 
 
@@ -191,9 +209,12 @@ def _install_capture(model, env: dict):
     logging.getLogger("eagle_capture").addHandler(log)
     logging.getLogger("eagle_capture").setLevel(logging.DEBUG)
     model.set_eagle3_layers_to_capture(list(DRAFT_IDS))
-    install_eagle3_capture(model, int(env.get("EAGLE_CAPTURE_MAX_TOKENS", 16)),
-                           fused_allreduce=fused_allreduce(env),
-                           allreduce_table=env.get("EAGLE_CAPTURE_ALLREDUCE_TABLE"))
+    install_eagle3_capture(
+        model,
+        int(env.get("EAGLE_CAPTURE_MAX_TOKENS", 16)),
+        fused_allreduce=fused_allreduce(env),
+        allreduce_table=env.get("EAGLE_CAPTURE_ALLREDUCE_TABLE"),
+    )
     state = harness.text_lm(model)._eagle_capture
     sglang_plugin._setup_verify(state, env)
     return state, log, "install_eagle3_capture by hand (0.5.9 has no plugin system)"
@@ -203,9 +224,14 @@ def _verifying_install(forwards: int):
     """A model with the fused capture and the live self-check of its first
     ``forwards`` eager forwards: (model, state, how it was installed)."""
     model = _build(set_capture=False)
-    state, log, how = _install_capture(model, {"EAGLE_CAPTURE": "1",
-                                               "EAGLE_CAPTURE_MAX_TOKENS": "16",
-                                               "EAGLE_CAPTURE_VERIFY": str(forwards)})
+    state, log, how = _install_capture(
+        model,
+        {
+            "EAGLE_CAPTURE": "1",
+            "EAGLE_CAPTURE_MAX_TOKENS": "16",
+            "EAGLE_CAPTURE_VERIFY": str(forwards),
+        },
+    )
     _detach_log(log)
     return model, state, how
 
@@ -214,6 +240,7 @@ def _sglang_reference(arch="DeepseekV3ForCausalLM"):
     """SGLang's own capture on a model built as the plugin's is, configured by
     SGLang's own step (unhooked) or set_eagle3_layers_to_capture (0.5.9)."""
     from tests.sglang_real import plugin_scenarios as ps
+
     ref = _build(arch, set_capture=False)
     if _has_plugins():
         ps.configure(ref, DRAFT_IDS)
@@ -229,6 +256,7 @@ def _detach_log(log):
 
 # ------------------------------------------------------------------ world 1
 
+
 def reference_tp1():
     """The TP 1 run: SGLang's own capture and final hidden states for CASES,
     saved for the TP 2 ranks (same model, stand-ins, weights, batches)."""
@@ -238,11 +266,12 @@ def reference_tp1():
     assert not callers, f"all-reduces at world 1: {dict(callers)}"
     tmp = _ARGS.ref + f".tmp{os.getpid()}"
     torch.save(out, tmp)
-    os.replace(tmp, _ARGS.ref)        # the ranks see the file complete or not at all
+    os.replace(tmp, _ARGS.ref)  # the ranks see the file complete or not at all
     return {"cases": list(out), "aux_fingerprints": {k: _fingerprint(v[1]) for k, v in out.items()}}
 
 
 # ------------------------------------------------------------------ world 2
+
 
 def tp2_setup():
     """SGLang's own world-2 set-up: the groups, the published ranks, the
@@ -252,21 +281,29 @@ def tp2_setup():
     rank = _ARGS.rank
     group = _group()
     assert dist.is_initialized() and dist.get_world_size() == 2 and dist.get_rank() == rank
-    assert group.world_size == 2 and group.rank_in_group == rank, \
-        (group.world_size, group.rank_in_group)
+    assert group.world_size == 2 and group.rank_in_group == rank, (
+        group.world_size,
+        group.rank_in_group,
+    )
     from sglang.srt.distributed import parallel_state as pstate
-    assert (pstate.get_tensor_model_parallel_world_size(),
-            pstate.get_tensor_model_parallel_rank()) == (2, rank)
+
+    assert (
+        pstate.get_tensor_model_parallel_world_size(),
+        pstate.get_tensor_model_parallel_rank(),
+    ) == (2, rank)
     out = {"init_calls": harness._STATE["init_calls"], "tp_group_ranks": list(group.ranks)}
     try:
         from sglang.srt.runtime_context import get_parallel
-    except ImportError:   # <= 0.5.13: no runtime context; dp_attention's module globals
+    except ImportError:  # <= 0.5.13: no runtime context; dp_attention's module globals
         from sglang.srt.layers import dp_attention
+
         attn = (dp_attention.get_attention_tp_size(), dp_attention.get_attention_tp_rank())
     else:
         parallel = get_parallel()
-        assert (parallel.tp_size, parallel.tp_rank) == (2, rank), \
-            (parallel.tp_size, parallel.tp_rank)
+        assert (parallel.tp_size, parallel.tp_rank) == (2, rank), (
+            parallel.tp_size,
+            parallel.tp_rank,
+        )
         attn = (parallel.attn_tp_size, parallel.attn_tp_rank)
         out["get_parallel"] = {"tp_size": parallel.tp_size, "tp_rank": parallel.tp_rank}
     assert attn == (2, rank), f"attention TP (size, rank) {attn}"
@@ -277,8 +314,10 @@ def tp2_setup():
     emb = lm.model.embed_tokens
     assert emb.weight.shape[0] == emb.num_embeddings_padded // 2, "the embedding is not sharded"
     layers = lm.model.layers
-    out["reduces_itself"] = {"attn": [layer.self_attn.reduces for layer in layers],
-                             "mlp": [layer.mlp.reduces for layer in layers]}
+    out["reduces_itself"] = {
+        "attn": [layer.self_attn.reduces for layer in layers],
+        "mlp": [layer.mlp.reduces for layer in layers],
+    }
     attn = layers[1].self_attn
     assert attn.cols == (32 * rank, 32 * rank + 32)
     assert attn.proj.weight.shape == (HIDDEN, HIDDEN // 2)
@@ -286,8 +325,9 @@ def tp2_setup():
     shards = _gather(attn.proj.weight.data)
     assert not torch.equal(shards[0], shards[1])
     assert torch.equal(torch.cat(shards, dim=1), attn.w), "shards do not make up W"
-    out["standin_shard"] = (f"rank {rank}: input columns {attn.cols}, "
-                            f"weight {tuple(attn.proj.weight.shape)}")
+    out["standin_shard"] = (
+        f"rank {rank}: input columns {attn.cols}, weight {tuple(attn.proj.weight.shape)}"
+    )
     return out
 
 
@@ -315,8 +355,11 @@ def tp2_equals_tp1():
     per_forward = sum(callers.values()) / len(CASES)
 
     ref = _wait_for_tp1()
-    out = {"cases": [], "all_reduces_per_forward": per_forward,
-           "all_reduce_callers": {k: v // len(CASES) for k, v in sorted(callers.items())}}
+    out = {
+        "cases": [],
+        "all_reduces_per_forward": per_forward,
+        "all_reduce_callers": {k: v // len(CASES) for k, v in sorted(callers.items())},
+    }
     worst = 0.0
     for key, (final, aux) in results.items():
         final_1, aux_1 = ref[key]
@@ -328,8 +371,13 @@ def tp2_equals_tp1():
             assert torch.allclose(got, want, rtol=REL_TOL, atol=REL_TOL * want.abs().max().item())
         _same_on_all_ranks(aux, f"{key} SGLang's own aux")
         _same_on_all_ranks(final, f"{key} final hidden")
-        out["cases"].append({"case": key, "aux_fingerprint": _fingerprint(aux),
-                             "bit_equal_to_tp1": bool(torch.equal(aux, aux_1))})
+        out["cases"].append(
+            {
+                "case": key,
+                "aux_fingerprint": _fingerprint(aux),
+                "bit_equal_to_tp1": bool(torch.equal(aux, aux_1)),
+            }
+        )
     out["max_rel_dev_vs_tp1"] = worst
     # No layer asked its MLP / MoE to leave the reduce to a fused next-layer norm
     # or a reduce-scatter (both need GPU kernels / DP attention): the plain path.
@@ -344,7 +392,7 @@ def tp2_equals_tp1():
     attn = harness.text_lm(model).model.layers[1].self_attn
     h = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(9))
     act = 0.5 * torch.tanh(h)
-    partial = act[:, attn.cols[0]:attn.cols[1]] @ attn.proj.weight.t()
+    partial = act[:, attn.cols[0] : attn.cols[1]] @ attn.proj.weight.t()
     parts = _gather(partial)
     full = act @ attn.w.t()
     assert torch.allclose(parts[0] + parts[1], full, rtol=1e-5, atol=1e-6)
@@ -387,14 +435,24 @@ def _allreduce_fusion_stood_in(declines: bool = False):
 
     saved = []
     for name, attr, value in (
-            ("sglang.srt.layers.communicator", "apply_flashinfer_allreduce_fusion", gate),
-            ("sglang.srt.layers.layer_boundary.residual.add_norm", "flashinfer_ar_fusion_applies",
-             gate),
-            ("sglang.srt.layers.layer_boundary.exit", "flashinfer_ar_fusion_applies", gate),
-            ("sglang.srt.layers.layer_boundary.fusions.allreduce", "flashinfer_ar_fusion_applies",
-             gate),
-            ("sglang.srt.layers.flashinfer_comm_fusion", "flashinfer_allreduce_residual_rmsnorm",
-             kernel)):
+        ("sglang.srt.layers.communicator", "apply_flashinfer_allreduce_fusion", gate),
+        (
+            "sglang.srt.layers.layer_boundary.residual.add_norm",
+            "flashinfer_ar_fusion_applies",
+            gate,
+        ),
+        ("sglang.srt.layers.layer_boundary.exit", "flashinfer_ar_fusion_applies", gate),
+        (
+            "sglang.srt.layers.layer_boundary.fusions.allreduce",
+            "flashinfer_ar_fusion_applies",
+            gate,
+        ),
+        (
+            "sglang.srt.layers.flashinfer_comm_fusion",
+            "flashinfer_allreduce_residual_rmsnorm",
+            kernel,
+        ),
+    ):
         try:
             module = importlib.import_module(name)
         except ImportError:
@@ -425,8 +483,9 @@ def tp2_fusion():
     loop_capture = line.first < (0, 5, 18)
     sglang = _sglang_reference()
     ours = _build(set_capture=False)
-    state, log, how = _install_capture(ours, {"EAGLE_CAPTURE": "1",
-                                              "EAGLE_CAPTURE_MAX_TOKENS": "16"})
+    state, log, how = _install_capture(
+        ours, {"EAGLE_CAPTURE": "1", "EAGLE_CAPTURE_MAX_TOKENS": "16"}
+    )
     _detach_log(log)
     out = {"how": how, "sglang_vs_tp1": {}, "dropin_vs_tp1": {}}
     with _allreduce_fusion_stood_in() as calls:
@@ -447,16 +506,19 @@ def tp2_fusion():
             assert rel_d <= REL_TOL, f"{key}: the drop-in's capture is {rel_d:.3g} off TP 1"
             _same_on_all_ranks(aux_d, f"{key} drop-in capture")
             if loop_capture:
-                assert rel_s > 0.05, (f"{key}: SGLang {harness.sglang_version()}'s own capture "
-                                      f"is reduced ({rel_s:.3g} off TP 1), the doctor says "
-                                      f"per-rank partial sums")
+                assert rel_s > 0.05, (
+                    f"{key}: SGLang {harness.sglang_version()}'s own capture "
+                    f"is reduced ({rel_s:.3g} off TP 1), the doctor says "
+                    f"per-rank partial sums"
+                )
             else:
                 assert rel_s <= REL_TOL, f"{key}: SGLang's own capture is {rel_s:.3g} off TP 1"
                 _same_on_all_ranks(aux_s, f"{key} SGLang's own capture")
     assert calls[0] > 0, "the fused path never ran"
     out["fused_kernel_calls"] = calls[0]
-    out["sglang_capture"] = ("per-rank partial sums (the doctor's PROBLEM)" if loop_capture
-                             else "reduced")
+    out["sglang_capture"] = (
+        "per-rank partial sums (the doctor's PROBLEM)" if loop_capture else "reduced"
+    )
     return out
 
 
@@ -471,8 +533,9 @@ def _captured_fusion_inputs(model):
     seen = []
 
     def recording(self, x, residual=None, *args, **kwargs):
-        seen.append((self._eagle_layer_id, x.clone(), None if residual is None
-                     else residual.clone()))
+        seen.append(
+            (self._eagle_layer_id, x.clone(), None if residual is None else residual.clone())
+        )
         return original(self, x, residual, *args, **kwargs)
 
     cls.forward_with_allreduce_fusion = recording
@@ -487,13 +550,15 @@ def _check_reduced_captures(state, seen, num_tokens) -> int:
     its fused norm received (fp32, one add: bit-exact), reduced here by SGLang's
     own TP all-reduce. Returns the number of layers checked."""
     from sglang.srt.distributed import tensor_model_parallel_all_reduce
+
     for layer, partial, residual in seen:
         want = tensor_model_parallel_all_reduce(partial.clone()) + residual
         got = state.buffer.aux[:num_tokens, state.buffer.slot_of(layer)]
         assert torch.equal(got, want), (
             f"layer {layer}: the capture is not all_reduce(partial) + residual (max deviation "
             f"{(got - want).abs().max().item():.3g}; from the partial alone "
-            f"{(got - partial - residual).abs().max().item():.3g})")
+            f"{(got - partial - residual).abs().max().item():.3g})"
+        )
     return len(seen)
 
 
@@ -511,26 +576,41 @@ def tp2_fused_allreduce():
 
     ref_tp1 = _wait_for_tp1()
     sglang = _sglang_reference()
-    table = {"format": "eagle_capture.parallel.paths/1", "hidden_size": HIDDEN,
-             "paths": {"2": [[3, "one_shot"], [5, "nccl"], [16, "engine_fusion"]]}}
+    table = {
+        "format": "eagle_capture.parallel.paths/1",
+        "hidden_size": HIDDEN,
+        "paths": {"2": [[3, "one_shot"], [5, "nccl"], [16, "engine_fusion"]]},
+    }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json_module.dump(table, f)
     try:
         ours = _build(set_capture=False)
-        state, log, how = _install_capture(ours, {
-            "EAGLE_CAPTURE": "1", "EAGLE_CAPTURE_MAX_TOKENS": "16",
-            "EAGLE_CAPTURE_FUSED_ALLREDUCE": "1", "EAGLE_CAPTURE_ALLREDUCE_TABLE": f.name})
+        state, log, how = _install_capture(
+            ours,
+            {
+                "EAGLE_CAPTURE": "1",
+                "EAGLE_CAPTURE_MAX_TOKENS": "16",
+                "EAGLE_CAPTURE_FUSED_ALLREDUCE": "1",
+                "EAGLE_CAPTURE_ALLREDUCE_TABLE": f.name,
+            },
+        )
     finally:
         os.unlink(f.name)
     _detach_log(log)
     reducer = state.allreduce
     assert reducer is not None, f"the fused all-reduce did not install: {log.text()}"
-    assert reducer.one_shot is None   # CPU: no symmetric memory
+    assert reducer.one_shot is None  # CPU: no symmetric memory
     paths = {t: reducer.path_for(t) for t, _ in CASES}
-    assert paths == {5: "nccl", 1: "nccl", 3: "nccl", 11: "engine_fusion",
-                     16: "engine_fusion"}, paths
-    out = {"how": how, "paths": paths, "dropin_vs_tp1": {}, "sglang_kernel_calls": {},
-           "layers_checked": 0}
+    assert paths == {5: "nccl", 1: "nccl", 3: "nccl", 11: "engine_fusion", 16: "engine_fusion"}, (
+        paths
+    )
+    out = {
+        "how": how,
+        "paths": paths,
+        "dropin_vs_tp1": {},
+        "sglang_kernel_calls": {},
+        "layers_checked": 0,
+    }
     with _allreduce_fusion_stood_in() as calls:
         for t, mode in CASES:
             key = f"{t}:{mode}"
@@ -558,8 +638,11 @@ def tp2_fused_allreduce():
             else:
                 assert reducer.calls == {"engine_fusion": fused_here}, (key, reducer.calls)
                 assert ours_calls == sglang_calls, (key, ours_calls, sglang_calls)
-            out["sglang_kernel_calls"][key] = {"sglang_own": sglang_calls, "dropin": ours_calls,
-                                               "captured_layers_fused": fused_here}
+            out["sglang_kernel_calls"][key] = {
+                "sglang_own": sglang_calls,
+                "dropin": ours_calls,
+                "captured_layers_fused": fused_here,
+            }
     return out
 
 
@@ -574,17 +657,27 @@ def tp2_fusion_declines():
     ref_tp1 = _wait_for_tp1()
     sglang = _sglang_reference()
     off = _build(set_capture=False)
-    state_off, log, _ = _install_capture(off, {"EAGLE_CAPTURE": "1",
-                                               "EAGLE_CAPTURE_MAX_TOKENS": "16"})
+    state_off, log, _ = _install_capture(
+        off, {"EAGLE_CAPTURE": "1", "EAGLE_CAPTURE_MAX_TOKENS": "16"}
+    )
     _detach_log(log)
     on = _build(set_capture=False)
-    state_on, log, how = _install_capture(on, {"EAGLE_CAPTURE": "1",
-                                               "EAGLE_CAPTURE_MAX_TOKENS": "16",
-                                               "EAGLE_CAPTURE_FUSED_ALLREDUCE": "1"})
+    state_on, log, how = _install_capture(
+        on,
+        {
+            "EAGLE_CAPTURE": "1",
+            "EAGLE_CAPTURE_MAX_TOKENS": "16",
+            "EAGLE_CAPTURE_FUSED_ALLREDUCE": "1",
+        },
+    )
     _detach_log(log)
     reduces_itself = state_off.fallback_reduces
-    out = {"how": how, "sglang_fallback_reduces": reduces_itself, "sglang_vs_tp1": {},
-           "layers_checked": 0}
+    out = {
+        "how": how,
+        "sglang_fallback_reduces": reduces_itself,
+        "sglang_vs_tp1": {},
+        "layers_checked": 0,
+    }
     with _allreduce_fusion_stood_in(declines=True) as calls:
         for t, mode in CASES:
             key = f"{t}:{mode}"
@@ -624,9 +717,15 @@ def verify_fused_allreduce_tp2():
     records = ps._Records()
     logging.getLogger("eagle_capture").addHandler(records)
     try:
-        state, log, how = _install_capture(model, {
-            "EAGLE_CAPTURE": "1", "EAGLE_CAPTURE_MAX_TOKENS": "16",
-            "EAGLE_CAPTURE_FUSED_ALLREDUCE": "1", "EAGLE_CAPTURE_VERIFY": "3"})
+        state, log, how = _install_capture(
+            model,
+            {
+                "EAGLE_CAPTURE": "1",
+                "EAGLE_CAPTURE_MAX_TOKENS": "16",
+                "EAGLE_CAPTURE_FUSED_ALLREDUCE": "1",
+                "EAGLE_CAPTURE_VERIFY": "3",
+            },
+        )
         _detach_log(log)
         with _allreduce_fusion_stood_in():
             for t, mode in ((5, "extend"), (1, "decode"), (3, "decode")):
@@ -645,17 +744,22 @@ def _plugin_equals_sglang(arch: str):
 
     if arch == "KimiK25ForConditionalGeneration":
         import importlib.util
+
         if importlib.util.find_spec("sglang.srt.models.kimi_k25") is None:
             return {"skip": f"SGLang {harness.sglang_version()} has no kimi_k25.py"}
         from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
+
         if not hasattr(KimiK25ForConditionalGeneration, "set_eagle3_layers_to_capture"):
-            return {"skip": f"SGLang {harness.sglang_version()}'s KimiK25ForConditionalGeneration "
-                            f"has no set_eagle3_layers_to_capture (no EAGLE-3 capture of its own "
-                            f"to replace) and this line has no plugin system"}
+            return {
+                "skip": f"SGLang {harness.sglang_version()}'s KimiK25ForConditionalGeneration "
+                f"has no set_eagle3_layers_to_capture (no EAGLE-3 capture of its own "
+                f"to replace) and this line has no plugin system"
+            }
     ref = _sglang_reference(arch)
     ours = _build(arch, set_capture=False)
-    state, log, how = _install_capture(ours, {"EAGLE_CAPTURE": "1",
-                                              "EAGLE_CAPTURE_MAX_TOKENS": "16"})
+    state, log, how = _install_capture(
+        ours, {"EAGLE_CAPTURE": "1", "EAGLE_CAPTURE_MAX_TOKENS": "16"}
+    )
     try:
         lm = harness.text_lm(ours)
         assert lm.model.layers_to_capture == [] and not lm.capture_aux_hidden_states
@@ -670,16 +774,21 @@ def _plugin_equals_sglang(arch: str):
             assert torch.equal(final, final_ref), f"T={t} {mode}: final hidden differs"
             _same_on_all_ranks(aux, f"T={t} {mode} fused capture")
             prints.append(_fingerprint(aux))
-        assert state.fused_calls == len(cases) * 3 and state.fallback_calls == 0, \
-            (state.fused_calls, state.fallback_calls)
+        assert state.fused_calls == len(cases) * 3 and state.fallback_calls == 0, (
+            state.fused_calls,
+            state.fallback_calls,
+        )
         text = log.text(logging.INFO)
         if _has_plugins():
             assert "fused EAGLE-3 capture ON" in text and "[16, 3, 64]" in text, text
             assert f"TP rank {_ARGS.rank}" in text, text
     finally:
         _detach_log(log)
-    return {"how": how, "aux_fingerprints": prints,
-            "log": [m for _, m in log.lines if "capture ON" in m]}
+    return {
+        "how": how,
+        "aux_fingerprints": prints,
+        "log": [m for _, m in log.lines if "capture ON" in m],
+    }
 
 
 def plugin_tp2():
@@ -748,16 +857,16 @@ def planted_divergence_tp2():
 
     rank = _ARGS.rank
     model = _build(set_capture=False)
-    state, log, how = _install_capture(model, {"EAGLE_CAPTURE": "1",
-                                               "EAGLE_CAPTURE_MAX_TOKENS": "16",
-                                               "EAGLE_CAPTURE_VERIFY": "2"})
+    state, log, how = _install_capture(
+        model, {"EAGLE_CAPTURE": "1", "EAGLE_CAPTURE_MAX_TOKENS": "16", "EAGLE_CAPTURE_VERIFY": "2"}
+    )
     _detach_log(log)
     slot = state.buffer.slot_of(4)
     assert slot == 1
     finish = state.finish_verified_forward
 
     def plant(buffer, num_tokens):
-        if rank == 1:   # after every layer's comparison with SGLang's own passed
+        if rank == 1:  # after every layer's comparison with SGLang's own passed
             buffer.aux[2, slot, 7] += 1.0
         return finish(buffer, num_tokens)
 
@@ -776,12 +885,15 @@ def planted_divergence_tp2():
     assert not any(f"layer {i} (slot" in errors for i in (2, 6)), errors
     info = [m for _, m in records.lines if m.startswith("eagle_capture verify")]
     assert any("NOT identical across the 2 TP ranks" in m for m in info), info
-    out = {"how": how, "self_check_error": errors.splitlines()[0][:300],
-           "self_check_detail": [line.strip() for line in errors.splitlines()[1:3]]}
+    out = {
+        "how": how,
+        "self_check_error": errors.splitlines()[0][:300],
+        "self_check_detail": [line.strip() for line in errors.splitlines()[1:3]],
+    }
 
     # Direct: the installed buffer after a correct forward is consistent; rank 1's
     # slot of layer 6 corrupted in one element is named.
-    _run(model, 6, "extend")          # self-check 2/2 (consistent again)
+    _run(model, 6, "extend")  # self-check 2/2 (consistent again)
     buffer = state.buffer
     check_capture_consistency(buffer, 6, HIDDEN, state.verify_group)
     if rank == 1:
@@ -817,8 +929,11 @@ def verify_switch_back_tp2():
     logging.getLogger("eagle_capture").addHandler(records)
     try:
         final_ref, aux_ref = _run(ref, 5, "extend")
-        with (ps.planted_capture_fault(state.buffer.slot_of(4)) if rank == 1
-              else contextlib.nullcontext()):
+        with (
+            ps.planted_capture_fault(state.buffer.slot_of(4))
+            if rank == 1
+            else contextlib.nullcontext()
+        ):
             final, aux = _run(model, 5, "extend")
     finally:
         _detach_log(records)
@@ -831,8 +946,9 @@ def verify_switch_back_tp2():
     mine = torch.tensor([int(state.disabled), state.verify_left], dtype=torch.int64)
     everyone = [tuple(t.tolist()) for t in _gather(mine)]
     out = {"how": how, "disabled_verify_left_per_rank": everyone}
-    assert len(set(everyone)) == 1 and everyone[0][0] == 1, \
+    assert len(set(everyone)) == 1 and everyone[0][0] == 1, (
         f"the switch back after a self-check mismatch is rank-local: {everyone}"
+    )
     if rank == 0:
         assert "another TP rank" in errors, errors
     # Both ranks switched together: the next forwards are collective-safe.
@@ -852,7 +968,7 @@ WORLD2 = {
     "plugin_kimi_k25_tp2": plugin_kimi_k25_tp2,
     "plugin_llama_tp2": plugin_llama_tp2,
     "plugin_qwen3_moe_tp2": plugin_qwen3_moe_tp2,
-    "tp2_equals_tp1": tp2_equals_tp1,      # late: the TP 1 process has had time to write
+    "tp2_equals_tp1": tp2_equals_tp1,  # late: the TP 1 process has had time to write
     "tp2_fusion": tp2_fusion,
     "tp2_fused_allreduce": tp2_fused_allreduce,
     "tp2_fusion_declines": tp2_fusion_declines,
@@ -868,16 +984,23 @@ def _preimport() -> None:
     import importlib
 
     harness._ensure_stubs()
-    for name in ("sglang.srt.server_args", "sglang.srt.runtime_context",
-                 "sglang.srt.distributed.parallel_state", "sglang.srt.layers.dp_attention",
-                 "sglang.srt.distributed.bootstrap", "sglang.srt.layers.layernorm_sp",
-                 "sglang.srt.layers.moe.utils", "sglang.srt.model_loader.utils",
-                 "sglang.srt.models.deepseek_v2", "sglang.srt.layers.linear",
-                 "sglang.srt.model_executor.forward_batch_info"):
+    for name in (
+        "sglang.srt.server_args",
+        "sglang.srt.runtime_context",
+        "sglang.srt.distributed.parallel_state",
+        "sglang.srt.layers.dp_attention",
+        "sglang.srt.distributed.bootstrap",
+        "sglang.srt.layers.layernorm_sp",
+        "sglang.srt.layers.moe.utils",
+        "sglang.srt.model_loader.utils",
+        "sglang.srt.models.deepseek_v2",
+        "sglang.srt.layers.linear",
+        "sglang.srt.model_executor.forward_batch_info",
+    ):
         try:
             importlib.import_module(name)
         except ImportError:
-            pass   # not in this line
+            pass  # not in this line
 
 
 def _run_world(args, results: dict, write) -> int:
@@ -886,8 +1009,16 @@ def _run_world(args, results: dict, write) -> int:
     status = _run_scenarios(args, results, write)
     if status and args.world == 1:
         with open(args.ref + ".failed", "w") as f:
-            f.write(next((f"{k}: {v['detail']}" for k, v in results.items()
-                          if isinstance(v, dict) and not v.get("ok")), "?"))
+            f.write(
+                next(
+                    (
+                        f"{k}: {v['detail']}"
+                        for k, v in results.items()
+                        if isinstance(v, dict) and not v.get("ok")
+                    ),
+                    "?",
+                )
+            )
     return status
 
 
@@ -896,17 +1027,23 @@ def _run_scenarios(args, results: dict, write) -> int:
         if args.world == 1:
             harness.setup()
         else:
-            harness.setup(tp_size=2, rank=args.rank, init_method=args.init_method,
-                          dist_timeout=args.dist_timeout)
+            harness.setup(
+                tp_size=2,
+                rank=args.rank,
+                init_method=args.init_method,
+                dist_timeout=args.dist_timeout,
+            )
         results["version"] = harness.sglang_version()
         results["setup_seconds"] = round(time.monotonic() - _STARTED, 2)
     except Exception as e:  # noqa: BLE001
-        results["setup"] = {"ok": False, "detail": f"{type(e).__name__}: {e}",
-                            "traceback": traceback.format_exc()}
+        results["setup"] = {
+            "ok": False,
+            "detail": f"{type(e).__name__}: {e}",
+            "traceback": traceback.format_exc(),
+        }
         write()
         return 1
-    return run_each(WORLD1 if args.world == 1 else WORLD2, args.only, results, write,
-                    args.world)
+    return run_each(WORLD1 if args.world == 1 else WORLD2, args.only, results, write, args.world)
 
 
 def run_each(scenarios: dict, only, results: dict, write, world: int) -> int:
@@ -920,8 +1057,11 @@ def run_each(scenarios: dict, only, results: dict, write, world: int) -> int:
         try:
             results[name] = {"ok": True, **(fn() or {})}
         except Exception as e:  # noqa: BLE001 - reported per scenario
-            results[name] = {"ok": False, "detail": f"{type(e).__name__}: {e}",
-                             "traceback": traceback.format_exc()}
+            results[name] = {
+                "ok": False,
+                "detail": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(),
+            }
             write()
             # The peer is inside (or about to enter) a collective this rank will
             # not join: leave now, so that it fails on the closed connection.
@@ -930,7 +1070,8 @@ def run_each(scenarios: dict, only, results: dict, write, world: int) -> int:
         write()
     if world > 1:
         import torch.distributed as dist
-        dist.barrier(group=_group().cpu_group)   # neither rank leaves mid-collective
+
+        dist.barrier(group=_group().cpu_group)  # neither rank leaves mid-collective
     results["process_seconds"] = round(time.monotonic() - _STARTED, 2)
     write()
     return 0
@@ -941,13 +1082,14 @@ def _writer(path: str, results: dict):
         with open(path + ".tmp", "w") as f:
             json.dump(results, f, indent=1, default=str)
         os.replace(path + ".tmp", path)
+
     return write
 
 
 def _exit(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status)     # no interpreter teardown of gloo groups (or of a fork's parent state)
+    os._exit(status)  # no interpreter teardown of gloo groups (or of a fork's parent state)
 
 
 def main(argv=None) -> None:
@@ -958,10 +1100,13 @@ def main(argv=None) -> None:
     parser.add_argument("--init-method", default=None, help="tcp://127.0.0.1:PORT (world 2)")
     parser.add_argument("--ref", required=True, help="the TP 1 captures (.pt)")
     parser.add_argument("--json", required=True)
-    parser.add_argument("--tp1-json", default=None,
-                        help="world 2, rank 0: also run the TP 1 reference, in a process "
-                             "forked after the imports (before any distributed init), "
-                             "writing its results here")
+    parser.add_argument(
+        "--tp1-json",
+        default=None,
+        help="world 2, rank 0: also run the TP 1 reference, in a process "
+        "forked after the imports (before any distributed init), "
+        "writing its results here",
+    )
     parser.add_argument("--only", nargs="*")
     parser.add_argument("--dist-timeout", type=int, default=120)
     _ARGS = args = parser.parse_args(argv)
@@ -969,7 +1114,7 @@ def main(argv=None) -> None:
     if args.tp1_json and args.world == 2 and args.rank == 0:
         _preimport()
         child = os.fork()
-        if child == 0:   # the TP 1 run: a process of its own, world 1
+        if child == 0:  # the TP 1 run: a process of its own, world 1
             args.world, args.rank, args.json, args.only = 1, 0, args.tp1_json, None
             results = {"world": 1, "rank": 0, "forked_from_rank0": True}
             status = _run_world(args, results, _writer(args.json, results))

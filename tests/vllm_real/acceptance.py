@@ -58,21 +58,36 @@ def run_case(name: str, data: str, work: str, prompts: list) -> dict:
     config.update(CASES[name])
     with open(os.path.join(draft, "config.json"), "w") as f:
         json.dump(config, f)
-    llm = LLM(model=os.path.join(data, "target"), skip_tokenizer_init=True, dtype="float32",
-              max_model_len=256, enforce_eager=True, max_num_seqs=16,
-              max_num_batched_tokens=512, gpu_memory_utilization=0.3, disable_log_stats=False,
-              **attention_backend(os.path.join(data, "target")),
-              speculative_config={"method": "eagle3", "model": draft,
-                                  "num_speculative_tokens": 1, **attention_backend(draft)})
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False,
-                                       ignore_eos=True))
+    llm = LLM(
+        model=os.path.join(data, "target"),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        gpu_memory_utilization=0.3,
+        disable_log_stats=False,
+        **attention_backend(os.path.join(data, "target")),
+        speculative_config={
+            "method": "eagle3",
+            "model": draft,
+            "num_speculative_tokens": 1,
+            **attention_backend(draft),
+        },
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False, ignore_eos=True),
+    )
     metrics = llm.get_metrics()
-    result = {"drafts": _counter(metrics, "vllm:spec_decode_num_drafts"),
-              "draft_tokens": _counter(metrics, "vllm:spec_decode_num_draft_tokens"),
-              "accepted": _counter(metrics, "vllm:spec_decode_num_accepted_tokens"),
-              "accepted_per_pos": _per_pos(metrics),
-              "outputs": [list(o.outputs[0].token_ids) for o in outs]}
+    result = {
+        "drafts": _counter(metrics, "vllm:spec_decode_num_drafts"),
+        "draft_tokens": _counter(metrics, "vllm:spec_decode_num_draft_tokens"),
+        "accepted": _counter(metrics, "vllm:spec_decode_num_accepted_tokens"),
+        "accepted_per_pos": _per_pos(metrics),
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+    }
     del llm
     gc.collect()
     return result
@@ -90,8 +105,11 @@ def run_cases(data: str, work: str, out: str, cases, plugin: str) -> None:
         print(f"EAGLE_CAPTURE_CASE {name} plugin {plugin}", flush=True)
         sys.stderr.flush()
         r = results[name] = run_case(name, data, os.path.join(work, name), prompts)
-        print(f"ACCEPTANCE {name} plugin {plugin}: {r['accepted']} of {r['draft_tokens']} draft "
-              f"tokens", flush=True)
+        print(
+            f"ACCEPTANCE {name} plugin {plugin}: {r['accepted']} of {r['draft_tokens']} draft "
+            f"tokens",
+            flush=True,
+        )
     with open(out, "w") as f:
         json.dump(results, f)
 
@@ -101,8 +119,12 @@ def main():
     p.add_argument("--data", required=True)
     p.add_argument("--work", required=True)
     p.add_argument("--json", required=True)
-    p.add_argument("--plugin", choices=("on", "off"), required=True,
-                   help="what EAGLE_CAPTURE says in this process (recorded)")
+    p.add_argument(
+        "--plugin",
+        choices=("on", "off"),
+        required=True,
+        help="what EAGLE_CAPTURE says in this process (recorded)",
+    )
     p.add_argument("--case", action="append", choices=sorted(CASES), required=True)
     args = p.parse_args()
     run_cases(args.data, args.work, args.json, args.case, args.plugin)

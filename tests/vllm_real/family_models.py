@@ -47,26 +47,50 @@ def ffn_stand_in() -> dict:
     return {**FFN_STAND_IN, **(CUDA_WHEEL_FFN_STAND_IN if cuda_wheel.is_cuda_wheel() else {})}
 
 
-def write_config(folder: str, family: str, dtype: str = "float32",
-                 num_layers: int = h.NUM_LAYERS, hidden: int = h.HIDDEN,
-                 vocab: int = h.VOCAB) -> str:
+def write_config(
+    folder: str,
+    family: str,
+    dtype: str = "float32",
+    num_layers: int = h.NUM_LAYERS,
+    hidden: int = h.HIDDEN,
+    vocab: int = h.VOCAB,
+) -> str:
     """A tiny config.json of ``family``: 4 heads, 2 KV heads, 4 experts of which 2
     per token for the MoE families."""
     import transformers
 
     arch, config_class = FAMILIES[family]
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=hidden // 4, max_position_embeddings=2048, rms_norm_eps=1e-6,
-                  tie_word_embeddings=False, architectures=[arch], torch_dtype=dtype)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        architectures=[arch],
+        torch_dtype=dtype,
+    )
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2)
     extra = {
         "qwen3_moe": dict(moe, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
-        "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
-                        layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)),
-        "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2, use_qk_norm=True,
-                           rotary_dim=hidden // 8, scoring_func="sigmoid",
-                           use_routing_bias=True),
+        "gpt_oss": dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=128,
+            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+        ),
+        "minimax_m2": dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            use_qk_norm=True,
+            rotary_dim=hidden // 8,
+            scoring_func="sigmoid",
+            use_routing_bias=True,
+        ),
     }.get(family, {})
     config = getattr(transformers, config_class)(**common, **extra)
     os.makedirs(folder, exist_ok=True)
@@ -116,20 +140,35 @@ def stand_in(model, family: str, seed: int = 1) -> None:
     dtype = next(model.parameters()).dtype
     ffn = ffn_stand_in().get(family)
     for i, layer in enumerate(model.model.layers):
-        setattr(layer, attr, _StandIn(h.StandInAttention(model.config.hidden_size, seed + i,
-                                                         f"model.layers.{i}.{attr}", dtype)))
+        setattr(
+            layer,
+            attr,
+            _StandIn(
+                h.StandInAttention(
+                    model.config.hidden_size, seed + i, f"model.layers.{i}.{attr}", dtype
+                )
+            ),
+        )
         if ffn:
             setattr(layer, ffn, _StandInFFN())
 
 
-def engine_config(folder: str, dtype: str = "float32", tp: int = 1, compiled: bool = False,
-                  draft: str = None):
-    return h.engine_config(folder, dtype=dtype, tp=tp, compiled=compiled, draft=draft,
-                           load_format="dummy")
+def engine_config(
+    folder: str, dtype: str = "float32", tp: int = 1, compiled: bool = False, draft: str = None
+):
+    return h.engine_config(
+        folder, dtype=dtype, tp=tp, compiled=compiled, draft=draft, load_format="dummy"
+    )
 
 
-def load_pair(family: str, folder: str, dtype: str = "float32", tp: int = 1,
-              compiled: bool = False, draft: str = None):
+def load_pair(
+    family: str,
+    folder: str,
+    dtype: str = "float32",
+    tp: int = 1,
+    compiled: bool = False,
+    draft: str = None,
+):
     """((vLLM's own model, its config), (the plugin's model, its config)) with the
     same weights; vLLM's distributed state must be up (harness.init_distributed)."""
     from eagle_capture.integrations.vllm.checked import vllm_class

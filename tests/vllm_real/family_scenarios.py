@@ -20,15 +20,20 @@ IDS = [(2, 4, 5), (0, 4, 8), (3,), (6, 1, 3), tuple(range(9))]
 TOKENS = (1, 7, 33)
 # Built in CI: every family fp32 eager; compiled and TP 2 for one dense, one MoE.
 EAGER = tuple(fm.FAMILIES)
-COMPILED = ("qwen3_moe",)   # a dense family compiled: Llama at TP 2 in allreduce_fusion
+COMPILED = ("qwen3_moe",)  # a dense family compiled: Llama at TP 2 in allreduce_fusion
 TP2 = ("llama", "qwen3_moe")
 
 
 def scenario_names() -> list[str]:
     """scenarios.py's names of these (the tp2 ones run under --rank)."""
     from tests.vllm_real import hf_tensor
-    return ([f"family_{f}" for f in EAGER] + [f"family_compiled_{f}" for f in COMPILED]
-            + ["family_pipeline"] + [f"family_hf_tensor_{f}" for f in hf_tensor.FAMILIES])
+
+    return (
+        [f"family_{f}" for f in EAGER]
+        + [f"family_compiled_{f}" for f in COMPILED]
+        + ["family_pipeline"]
+        + [f"family_hf_tensor_{f}" for f in hf_tensor.FAMILIES]
+    )
 
 
 def _folder(work: str, family: str, dtype: str = "float32") -> str:
@@ -55,16 +60,26 @@ def _compare(ref, ours, ids, tokens) -> dict:
     for n in tokens:
         tok = h.tokens(n, n)
         r, o = h.forward(rm, rvc, tok), h.forward(om, ovc, tok)
-        runs.append({"tokens": n, "count": len(o[1]), "expected": len(r[1]),
-                     "equal": len(r[1]) == len(o[1]) and all(
-                         torch.equal(a, b) for a, b in zip(r[1], o[1])),
-                     "hidden_equal": torch.equal(r[0], o[0]),
-                     "views_of_buffer": state is not None and all(
-                         h.in_buffer(v, state.buffer) for v in o[1])})
-    return {"ids": list(ids), "installed": state is not None,
-            "vllm_capture_off": list(om.model.aux_hidden_state_layers) == [],
-            "fused_calls": state.fused_calls if state else 0,
-            "slot_residual_calls": state.slot_residual_calls if state else 0, "runs": runs}
+        runs.append(
+            {
+                "tokens": n,
+                "count": len(o[1]),
+                "expected": len(r[1]),
+                "equal": len(r[1]) == len(o[1])
+                and all(torch.equal(a, b) for a, b in zip(r[1], o[1])),
+                "hidden_equal": torch.equal(r[0], o[0]),
+                "views_of_buffer": state is not None
+                and all(h.in_buffer(v, state.buffer) for v in o[1]),
+            }
+        )
+    return {
+        "ids": list(ids),
+        "installed": state is not None,
+        "vllm_capture_off": list(om.model.aux_hidden_state_layers) == [],
+        "fused_calls": state.fused_calls if state else 0,
+        "slot_residual_calls": state.slot_residual_calls if state else 0,
+        "runs": runs,
+    }
 
 
 def eager(family: str, work: str, log_lines: list) -> dict:
@@ -80,10 +95,14 @@ def eager(family: str, work: str, log_lines: list) -> dict:
         verified = _compare(ref, ours, (0, 4, 8), (5, 9, 3))
     finally:
         del os.environ["EAGLE_CAPTURE_VERIFY"]
-    return {"type": type(ours[0]).__module__ + "." + type(ours[0]).__name__,
-            "vllm_type": type(ref[0]).__module__ + "." + type(ref[0]).__name__,
-            "cases": cases, "on_lines": on_lines, "verified": verified,
-            "self_check_lines": [m for m in log_lines if "self-check" in m]}
+    return {
+        "type": type(ours[0]).__module__ + "." + type(ours[0]).__name__,
+        "vllm_type": type(ref[0]).__module__ + "." + type(ref[0]).__name__,
+        "cases": cases,
+        "on_lines": on_lines,
+        "verified": verified,
+        "self_check_lines": [m for m in log_lines if "self-check" in m],
+    }
 
 
 def compiled(family: str, work: str) -> dict:
@@ -93,9 +112,12 @@ def compiled(family: str, work: str) -> dict:
     ref, ours = fm.load_pair(family, _folder(work, family), compiled=True)
     case = _compare(ref, ours, (0, 4, 8), (7, 33, 5))
     calls = h.op_calls_in_inductor_code(ours[0].model.compilation_config.local_cache_dir)
-    return {"case": case, "compiled": ours[0]._eagle_capture.compiled,
-            "python_calls": ours[0]._eagle_capture.fused_calls,
-            "op_calls_in_inductor_code": calls}
+    return {
+        "case": case,
+        "compiled": ours[0]._eagle_capture.compiled,
+        "python_calls": ours[0]._eagle_capture.fused_calls,
+        "op_calls_in_inductor_code": calls,
+    }
 
 
 def tp2(family: str, work: str) -> dict:
@@ -103,8 +125,7 @@ def tp2(family: str, work: str) -> dict:
     case = _compare(ref, ours, (0, 4, 8), (9,))
     tok = h.tokens(9, 9)
     captures = h.forward(ours[0], ours[1], tok)[1]
-    return {"type": type(ours[0]).__name__, "case": case,
-            "captures": [t.clone() for t in captures]}
+    return {"type": type(ours[0]).__name__, "case": case, "captures": [t.clone() for t in captures]}
 
 
 def pipeline(work: str) -> dict:
@@ -138,6 +159,7 @@ def pipeline(work: str) -> dict:
 
 
 # ---- vLLM's all-reduce + RMSNorm fusion pass at the captured layers (TP 2) ----
+
 
 def _vllm_fusion_module():
     """vLLM's ``compilation/passes/fusion/allreduce_rms_fusion.py``. Its imports name
@@ -186,8 +208,11 @@ def _as_default_overload(graph) -> None:
         args = [node.kwargs[a.name] for a in schema if a.name in node.kwargs]
         # Trailing arguments equal to their defaults dropped, as torch's dispatcher
         # hands an op's arguments to a Python trace (how AOTAutograd records it).
-        while args and schema[len(args) - 1].has_default_value() \
-                and args[-1] == schema[len(args) - 1].default_value:
+        while (
+            args
+            and schema[len(args) - 1].has_default_value()
+            and args[-1] == schema[len(args) - 1].default_value
+        ):
             args.pop()
         with graph.inserting_before(node):
             call = graph.call_function(default, tuple(args))
@@ -228,8 +253,9 @@ def _counting_pass(dtype):
         def __call__(self, graph):
             module = copy.deepcopy(graph.owning_module)
             _as_default_overload(module.graph)
-            type(self).norms += sum("fused_add_rms_norm" in str(n.target)
-                                    for n in module.graph.nodes)
+            type(self).norms += sum(
+                "fused_add_rms_norm" in str(n.target) for n in module.graph.nodes
+            )
             type(self).matches += patterns.apply(module.graph)
 
         def uuid(self):
@@ -299,9 +325,12 @@ def allreduce_fusion(work: str, rank: int) -> dict:
             model, vc = _compiled_tp2_llama(work, keep, counter)
             h.forward(model, vc, tok)
             state = getattr(model, "_eagle_capture", None)
-            out[name] = {"matches": type(counter).matches, "norms": type(counter).norms,
-                         "keep": state.keep_allreduce_fusion if state else None,
-                         "additional": (vc.additional_config or {}).get("eagle_capture")}
+            out[name] = {
+                "matches": type(counter).matches,
+                "norms": type(counter).norms,
+                "keep": state.keep_allreduce_fusion if state else None,
+                "additional": (vc.additional_config or {}).get("eagle_capture"),
+            }
     finally:
         group.use_custom_op_call = custom_op_call
         functorch_config.check_custom_op_aliasing = aliasing_check
@@ -309,17 +338,24 @@ def allreduce_fusion(work: str, rank: int) -> dict:
     from eagle_capture.integrations.vllm import install as vllm_install
 
     def config(flag):
-        return types.SimpleNamespace(compilation_config=types.SimpleNamespace(
-            pass_config=types.SimpleNamespace(fuse_allreduce_rms=flag)))
+        return types.SimpleNamespace(
+            compilation_config=types.SimpleNamespace(
+                pass_config=types.SimpleNamespace(fuse_allreduce_rms=flag)
+            )
+        )
 
-    out["decision"] = {"flag_compiled": vllm_install.keeps_allreduce_fusion(config(True), True),
-                       "flag_eager": vllm_install.keeps_allreduce_fusion(config(True), False),
-                       "no_flag": vllm_install.keeps_allreduce_fusion(config(False), True),
-                       "flag_unset": vllm_install.keeps_allreduce_fusion(config(None), True)}
+    out["decision"] = {
+        "flag_compiled": vllm_install.keeps_allreduce_fusion(config(True), True),
+        "flag_eager": vllm_install.keeps_allreduce_fusion(config(True), False),
+        "no_flag": vllm_install.keeps_allreduce_fusion(config(False), True),
+        "flag_unset": vllm_install.keeps_allreduce_fusion(config(None), True),
+    }
     # The placement's numbers, on vLLM's CPU all-reduce.
-    (ref, ref_vc), (ours, vc) = (_compiled_tp2_llama(work, None),
-                                 _compiled_tp2_llama(work, True))
+    (ref, ref_vc), (ours, vc) = (_compiled_tp2_llama(work, None), _compiled_tp2_llama(work, True))
     r, o = h.forward(ref, ref_vc, tok), h.forward(ours, vc, tok)
-    out["ours_fusion_kept"]["equal"] = len(o[1]) == len(r[1]) == 3 and all(
-        torch.equal(a, b) for a, b in zip(r[1], o[1])) and torch.equal(r[0], o[0])
+    out["ours_fusion_kept"]["equal"] = (
+        len(o[1]) == len(r[1]) == 3
+        and all(torch.equal(a, b) for a, b in zip(r[1], o[1]))
+        and torch.equal(r[0], o[0])
+    )
     return out

@@ -38,8 +38,9 @@ def _checkpoint(dtype: str) -> str:
 
     folder = os.path.join(WORK, f"ckpt_{dtype}")
     os.makedirs(folder, exist_ok=True)
-    config = tiny_deepseek_v3_config(num_layers=NUM_LAYERS, hidden_size=HIDDEN, vocab_size=512,
-                                     first_k_dense_replace=NUM_LAYERS)
+    config = tiny_deepseek_v3_config(
+        num_layers=NUM_LAYERS, hidden_size=HIDDEN, vocab_size=512, first_k_dense_replace=NUM_LAYERS
+    )
     config.torch_dtype = dtype
     config.to_json_file(os.path.join(folder, "config.json"))
     return folder
@@ -49,12 +50,18 @@ def _engine_config(checkpoint, dtype, compiled):
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(
-        model=checkpoint, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
-        max_model_len=512, max_num_batched_tokens=512, max_num_seqs=8,
+        model=checkpoint,
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        dtype=dtype,
+        max_model_len=512,
+        max_num_batched_tokens=512,
+        max_num_seqs=8,
         enforce_eager=not compiled,
         compilation_config={"custom_ops": ["none"], "cudagraph_mode": "NONE"},
-        kernel_config={"ir_op_priority": {"rms_norm": ["native"],
-                                          "fused_add_rms_norm": ["native"]}},
+        kernel_config={
+            "ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}
+        },
     ).create_engine_config()
 
 
@@ -68,8 +75,9 @@ def _stand_in_attention_class():
     class StandIn(StandInAttention):
         def __init__(self, *args, prefix="", **kwargs):
             config = kwargs.get("config") or kwargs["vllm_config"].model_config.hf_config
-            super().__init__(config.hidden_size, seed=len(prefix), prefix=prefix,
-                             dtype=torch.get_default_dtype())
+            super().__init__(
+                config.hidden_size, seed=len(prefix), prefix=prefix, dtype=torch.get_default_dtype()
+            )
 
     deepseek_v2.DeepseekV2MLAAttention = StandIn
 
@@ -99,11 +107,13 @@ def _pair(dtype="float32", compiled=False):
 
 
 def _compare(r, o):
-    return {"count": [len(r[1]), len(o[1])],
-            "equal": all(torch.equal(a, b) for a, b in zip(r[1], o[1])),
-            "max_abs": max((a.float() - b.float()).abs().max().item() for a, b in zip(r[1], o[1])),
-            "scale": max(a.float().abs().max().item() for a in r[1]),
-            "hidden_max_abs": (r[0].float() - o[0].float()).abs().max().item()}
+    return {
+        "count": [len(r[1]), len(o[1])],
+        "equal": all(torch.equal(a, b) for a, b in zip(r[1], o[1])),
+        "max_abs": max((a.float() - b.float()).abs().max().item() for a, b in zip(r[1], o[1])),
+        "scale": max(a.float().abs().max().item() for a in r[1]),
+        "hidden_max_abs": (r[0].float() - o[0].float()).abs().max().item(),
+    }
 
 
 def eager():
@@ -114,8 +124,11 @@ def eager():
     out = {}
     for dtype in ("float32", "bfloat16"):
         ref, ours = _pair(dtype)
-        out[dtype] = {"type": type(ours[0]).__name__,
-                      "device": str(next(ours[0].parameters()).device), "runs": []}
+        out[dtype] = {
+            "type": type(ours[0]).__name__,
+            "device": str(next(ours[0].parameters()).device),
+            "runs": [],
+        }
         for ids in [(2, 4, 5), (1, 4, 8), (6, 3)]:
             ref[0].set_aux_hidden_state_layers(ids)
             ours[0].set_aux_hidden_state_layers(ids)
@@ -185,8 +198,12 @@ def compiled():
         torch.cuda.synchronize()
         runs.append(dict(tokens=n, **_compare(r, o)))
     state = ours[0]._eagle_capture
-    return {"compiled": state.compiled, "python_calls": state.fused_calls,
-            "mode": int(ours[1].compilation_config.mode), "runs": runs}
+    return {
+        "compiled": state.compiled,
+        "python_calls": state.fused_calls,
+        "mode": int(ours[1].compilation_config.mode),
+        "runs": runs,
+    }
 
 
 # ---- the other families (family_models.py's configs): Llama (dense), Qwen3-MoE
@@ -214,11 +231,12 @@ def _family_stand_ins() -> None:
 
     llama.Attention = qwen3_moe.Attention = _CoreAttentionStandIn
 
-    class DenseBlock(qwen3_moe.Qwen3MoeMLP):   # a class: the model isinstance-checks it
+    class DenseBlock(qwen3_moe.Qwen3MoeMLP):  # a class: the model isinstance-checks it
         def __init__(self, vllm_config, prefix="", **kwargs):
             config = vllm_config.model_config.hf_text_config
-            super().__init__(config.hidden_size, config.moe_intermediate_size,
-                             config.hidden_act, prefix=prefix)
+            super().__init__(
+                config.hidden_size, config.moe_intermediate_size, config.hidden_act, prefix=prefix
+            )
             # What Qwen3MoeForCausalLM reads off its MoE blocks at construction.
             self.experts = torch.nn.Identity()
             self.n_logical_experts = self.n_physical_experts = config.num_experts
@@ -235,8 +253,9 @@ def _family_pair(family, dtype="float32", compiled=False):
     from tests.vllm_real import family_models as fm
     from tests.vllm_real import harness as h
 
-    folder = fm.write_config(os.path.join(WORK, f"{family}_{dtype}"), family, dtype,
-                             hidden=HIDDEN, vocab=512)
+    folder = fm.write_config(
+        os.path.join(WORK, f"{family}_{dtype}"), family, dtype, hidden=HIDDEN, vocab=512
+    )
     vc = _engine_config(folder, dtype, compiled)
     if not _READY:
         h.init_distributed(vc)
@@ -267,7 +286,7 @@ def families():
             runs = fam[f"eager_{dtype}"] = []
             for ids in [(2, 4, 5), (0, 4, 8), (6, 1, 3)]:
                 ref[0].set_aux_hidden_state_layers(ids)
-                os.environ["EAGLE_CAPTURE_ON_PROBLEM"] = "install"   # id 0: served as vLLM does
+                os.environ["EAGLE_CAPTURE_ON_PROBLEM"] = "install"  # id 0: served as vLLM does
                 try:
                     ours[0].set_aux_hidden_state_layers(ids)
                 finally:

@@ -21,12 +21,17 @@ def _stand_in_cuda_extensions() -> None:
     def never(name):
         def call(*args, **kwargs):
             raise RuntimeError(f"{name}: vLLM's CUDA extension is not on this machine")
+
         return call
 
     sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
     fa = types.ModuleType("vllm.vllm_flash_attn")
-    for name in ("compile_flash_attn_varlen_func_from_specs", "flash_attn_varlen_func",
-                 "get_scheduler_metadata", "fa_version_unsupported_reason"):
+    for name in (
+        "compile_flash_attn_varlen_func_from_specs",
+        "flash_attn_varlen_func",
+        "get_scheduler_metadata",
+        "fa_version_unsupported_reason",
+    ):
         setattr(fa, name, never(f"vllm.vllm_flash_attn.{name}"))
     fa.FA2_AVAILABLE = fa.FA3_AVAILABLE = False
     fa.is_fa_version_supported = lambda *args, **kwargs: False
@@ -40,7 +45,7 @@ def _stand_in_cuda_extensions() -> None:
         def __init__(self, name):
             self.name = name
 
-        def __getattr__(self, overload):   # .default, .out, ...
+        def __getattr__(self, overload):  # .default, .out, ...
             if overload.startswith("__"):
                 raise AttributeError(overload)
             return self
@@ -48,8 +53,7 @@ def _stand_in_cuda_extensions() -> None:
         def __call__(self, *args, **kwargs):
             if "support" in self.name:
                 return False
-            raise RuntimeError(f"torch.ops._C.{self.name}: vLLM's CUDA ops are not on this "
-                               f"machine")
+            raise RuntimeError(f"torch.ops._C.{self.name}: vLLM's CUDA ops are not on this machine")
 
     class _Namespace:
         def __getattr__(self, name):

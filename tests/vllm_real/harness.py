@@ -21,7 +21,7 @@ import torch
 from tests.vllm_real import cuda_wheel
 
 HIDDEN = 64
-NUM_LAYERS = 8          # vLLM's default ids (2, 4, 5): distinct
+NUM_LAYERS = 8  # vLLM's default ids (2, 4, 5): distinct
 VOCAB = 128
 
 
@@ -55,8 +55,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_checkpoint(folder: str, dtype: str = "float32", seed: int = 0,
-                     num_layers: int = NUM_LAYERS, dense: bool = False) -> str:
+def write_checkpoint(
+    folder: str,
+    dtype: str = "float32",
+    seed: int = 0,
+    num_layers: int = NUM_LAYERS,
+    dense: bool = False,
+) -> str:
     """A random DeepSeek-V3 checkpoint (transformers' own class, safetensors),
     norm weights spread away from 1 so that a wrong weight shows. ``dense``: no
     MoE layer (a bf16 rounding difference can flip a token's expert choice); always
@@ -70,9 +75,12 @@ def write_checkpoint(folder: str, dtype: str = "float32", seed: int = 0,
     os.makedirs(folder, exist_ok=True)
     if os.path.exists(os.path.join(folder, "model.safetensors")):
         return folder
-    config = tiny_deepseek_v3_config(num_layers=num_layers, hidden_size=HIDDEN,
-                                     vocab_size=VOCAB,
-                                     first_k_dense_replace=num_layers if dense else 2)
+    config = tiny_deepseek_v3_config(
+        num_layers=num_layers,
+        hidden_size=HIDDEN,
+        vocab_size=VOCAB,
+        first_k_dense_replace=num_layers if dense else 2,
+    )
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(config)
     with torch.no_grad():
@@ -93,12 +101,23 @@ def write_draft_config(folder: str, ids=None, num_aux=None) -> str:
     build the engine config)."""
     os.makedirs(folder, exist_ok=True)
     config = {
-        "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-        "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
-        "v_head_dim": 16, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-        "draft_vocab_size": VOCAB, "torch_dtype": "float32",
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 2 * HIDDEN,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 48,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "draft_vocab_size": VOCAB,
+        "torch_dtype": "float32",
     }
     if ids is not None:
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(ids)}
@@ -126,19 +145,36 @@ def attention_backend(model_dir: str) -> dict:
     return {"attention_backend": "CPU_MLA"} if mla and current_platform.is_cpu() else {}
 
 
-def engine_config(checkpoint: str, dtype: str = "float32", tp: int = 1, compiled: bool = False,
-                  draft: str = None, max_num_batched_tokens: int = 256,
-                  load_format: str = "auto"):
+def engine_config(
+    checkpoint: str,
+    dtype: str = "float32",
+    tp: int = 1,
+    compiled: bool = False,
+    draft: str = None,
+    max_num_batched_tokens: int = 256,
+    load_format: str = "auto",
+):
     from vllm.engine.arg_utils import EngineArgs
 
-    kwargs = dict(model=checkpoint, skip_tokenizer_init=True, dtype=dtype, max_model_len=256,
-                  tensor_parallel_size=tp, enforce_eager=not compiled,
-                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
-                  load_format=load_format, **attention_backend(checkpoint))
+    kwargs = dict(
+        model=checkpoint,
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        max_model_len=256,
+        tensor_parallel_size=tp,
+        enforce_eager=not compiled,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=8,
+        load_format=load_format,
+        **attention_backend(checkpoint),
+    )
     if draft is not None:
-        kwargs["speculative_config"] = {"method": "eagle3", "model": draft,
-                                        "num_speculative_tokens": 2,
-                                        **attention_backend(draft)}
+        kwargs["speculative_config"] = {
+            "method": "eagle3",
+            "model": draft,
+            "num_speculative_tokens": 2,
+            **attention_backend(draft),
+        }
     with cuda_wheel.cpu_config():
         return EngineArgs(**kwargs).create_engine_config()
 
@@ -146,8 +182,9 @@ def engine_config(checkpoint: str, dtype: str = "float32", tp: int = 1, compiled
 _DIST = {}
 
 
-def init_distributed(vllm_config, world_size: int = 1, rank: int = 0,
-                     init_method: str = None) -> None:
+def init_distributed(
+    vllm_config, world_size: int = 1, rank: int = 0, init_method: str = None
+) -> None:
     """vLLM's world and model-parallel groups (once per process): gloo on CPU,
     NCCL on a GPU."""
     from vllm.config import set_current_vllm_config
@@ -163,9 +200,12 @@ def init_distributed(vllm_config, world_size: int = 1, rank: int = 0,
     os.environ.setdefault("VLLM_DIST_IDENT", "eagle-capture-" + init_method.rsplit(":", 1)[-1])
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
-            world_size=world_size, rank=rank, local_rank=rank,
+            world_size=world_size,
+            rank=rank,
+            local_rank=rank,
             backend="nccl" if _on_gpu(vllm_config) else "gloo",
-            distributed_init_method=init_method)
+            distributed_init_method=init_method,
+        )
         initialize_model_parallel(world_size, 1)
     vllm_config.kernel_config.ir_op_priority.set_default()
     if not _on_gpu(vllm_config):
@@ -225,17 +265,25 @@ class StandInAttention(torch.nn.Module):
         self.tp = get_tensor_model_parallel_world_size()
         self.rank = get_tensor_model_parallel_rank()
         self.shard = hidden // self.tp
-        self.o_proj = RowParallelLinear(hidden, hidden, bias=False, input_is_parallel=True,
-                                        params_dtype=dtype, prefix=f"{prefix}.o_proj")
-        full = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(seed),
-                           device="cpu") * 0.15
+        self.o_proj = RowParallelLinear(
+            hidden,
+            hidden,
+            bias=False,
+            input_is_parallel=True,
+            params_dtype=dtype,
+            prefix=f"{prefix}.o_proj",
+        )
+        full = (
+            torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(seed), device="cpu")
+            * 0.15
+        )
         cols = slice(self.rank * self.shard, (self.rank + 1) * self.shard)
         with torch.no_grad():
             self.o_proj.weight.copy_(full[:, cols].to(self.o_proj.weight.dtype))
         self.o_proj.quant_method.process_weights_after_loading(self.o_proj)
 
     def forward(self, positions, hidden_states, llama_4_scaling=None):
-        x = hidden_states[:, self.rank * self.shard:(self.rank + 1) * self.shard]
+        x = hidden_states[:, self.rank * self.shard : (self.rank + 1) * self.shard]
         out, _ = self.o_proj(torch.tanh(x).contiguous())
         return out
 
@@ -243,9 +291,12 @@ class StandInAttention(torch.nn.Module):
 def stand_in_attention(model, seed: int = 1) -> None:
     for i, layer in enumerate(model.model.layers):
         if hasattr(layer, "self_attn"):
-            layer.self_attn = StandInAttention(model.config.hidden_size, seed + i,
-                                               f"model.layers.{i}.self_attn",
-                                               model.model.embed_tokens.weight.dtype)
+            layer.self_attn = StandInAttention(
+                model.config.hidden_size,
+                seed + i,
+                f"model.layers.{i}.self_attn",
+                model.model.embed_tokens.weight.dtype,
+            )
 
 
 def forward(model, vllm_config, token_ids):

@@ -22,12 +22,16 @@ import torch
 from tests.vllm_real import family_models as fm
 from tests.vllm_real import harness as h
 
-CAPTURE = (2, 4, 6)            # vLLM's ids are capture layers (the input of layer k)
+CAPTURE = (2, 4, 6)  # vLLM's ids are capture layers (the input of layer k)
 TOKENS = 9
 TOLERANCE = 1e-4
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
-RESIDUAL, NORMED, PRE_RESIDUAL, OTHER = ("residual stream", "normed input",
-                                         "pre-residual output", "other")
+RESIDUAL, NORMED, PRE_RESIDUAL, OTHER = (
+    "residual stream",
+    "normed input",
+    "pre-residual output",
+    "other",
+)
 
 
 class _Attention(torch.nn.Module):
@@ -35,7 +39,7 @@ class _Attention(torch.nn.Module):
 
     def __init__(self, vllm_attention):
         super().__init__()
-        object.__setattr__(self, "inner", vllm_attention)   # not a submodule
+        object.__setattr__(self, "inner", vllm_attention)  # not a submodule
 
     def forward(self, *args, **kwargs):
         x = kwargs.get("hidden_states", args[0] if args else None)
@@ -82,6 +86,7 @@ def measure(family: str, work: str) -> dict:
 
         def attention(layer_index):
             return getattr(model.model.layers[layer_index], attn_attr)
+
     ffn = "mlp"
     for layer in model.model.layers:
         setattr(layer, ffn, _FFN())
@@ -98,8 +103,9 @@ def measure(family: str, work: str) -> dict:
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name in ("model.embed_tokens.weight", "model.norm.weight") or name.endswith(
-                    (".input_layernorm.weight", ".post_attention_layernorm.weight")):
-                p.copy_(mine[name][:p.shape[0]].to(p.dtype))
+                (".input_layernorm.weight", ".post_attention_layernorm.weight")
+            ):
+                p.copy_(mine[name][: p.shape[0]].to(p.dtype))
     ffns = []
     for i, layer in enumerate(hf.model.layers):
         layer.self_attn = _Attention(attention(i))
@@ -110,24 +116,37 @@ def measure(family: str, work: str) -> dict:
         slots = []
         for slot, k in enumerate(CAPTURE):
             got = aux[slot].float()
-            candidates = {RESIDUAL: states[k][0].float(),
-                          NORMED: hf.model.layers[k].input_layernorm(states[k])[0].float(),
-                          PRE_RESIDUAL: ffns[k - 1].last[0].float()}
+            candidates = {
+                RESIDUAL: states[k][0].float(),
+                NORMED: hf.model.layers[k].input_layernorm(states[k])[0].float(),
+                PRE_RESIDUAL: ffns[k - 1].last[0].float(),
+            }
             dist = {n: float((got - ref).abs().max()) for n, ref in candidates.items()}
             nearest = min(dist, key=dist.get)
-            slots.append({"layer": k, "tensor": nearest if dist[nearest] <= TOLERANCE
-                          else OTHER, "max_abs_diff": dist})
+            slots.append(
+                {
+                    "layer": k,
+                    "tensor": nearest if dist[nearest] <= TOLERANCE else OTHER,
+                    "max_abs_diff": dist,
+                }
+            )
     for s in slots:
         others = [v for n, v in s["max_abs_diff"].items() if n != s["tensor"]]
-        assert all(v > 100 * TOLERANCE for v in others), \
+        assert all(v > 100 * TOLERANCE for v in others), (
             f"layer {s['layer']}: the candidates are too close to tell apart: {s['max_abs_diff']}"
+        )
     tensors = {s["tensor"] for s in slots}
-    return {"architecture": arch, "layers": list(CAPTURE),
-            "tensor": tensors.pop() if len(tensors) == 1 else OTHER, "slots": slots}
+    return {
+        "architecture": arch,
+        "layers": list(CAPTURE),
+        "tensor": tensors.pop() if len(tensors) == 1 else OTHER,
+        "slots": slots,
+    }
 
 
 def scenario(family: str, work: str) -> dict:
     result = measure(family, work)
-    assert result["tensor"] == RESIDUAL, \
+    assert result["tensor"] == RESIDUAL, (
         f"vLLM's capture holds the {result['tensor']}, not the residual stream: {result}"
+    )
     return result

@@ -47,8 +47,9 @@ def write_target(folder: Path) -> Path:
 
     from eagle_capture.testing.models import tiny_deepseek_v3_config
 
-    config = tiny_deepseek_v3_config(num_layers=LAYERS, hidden_size=HIDDEN, vocab_size=VOCAB,
-                                     first_k_dense_replace=LAYERS)
+    config = tiny_deepseek_v3_config(
+        num_layers=LAYERS, hidden_size=HIDDEN, vocab_size=VOCAB, first_k_dense_replace=LAYERS
+    )
     config.kv_lora_rank, config.qk_rope_head_dim = 256, 64
     config.head_dim = config.qk_rope_head_dim
     config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
@@ -70,14 +71,22 @@ def write_draft(folder: Path) -> Path:
 
     from eagle_capture.testing import tiny_eagle3
 
-    config = dict(tiny_eagle3.torchspec_mla_config([1, 2, 3]), vocab_size=VOCAB,
-                  draft_vocab_size=DRAFT_VOCAB, hidden_size=HIDDEN, torch_dtype="float32")
+    config = dict(
+        tiny_eagle3.torchspec_mla_config([1, 2, 3]),
+        vocab_size=VOCAB,
+        draft_vocab_size=DRAFT_VOCAB,
+        hidden_size=HIDDEN,
+        torch_dtype="float32",
+    )
     torch.manual_seed(1)
     draft = tiny_eagle3.new_draft(config, "TorchSpec MLA")
     with torch.no_grad():
         for name, p in draft.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
-                    else torch.randn_like(p) / p.shape[-1] ** 0.5)
+            p.copy_(
+                1 + 0.2 * torch.randn_like(p)
+                if name.endswith("norm.weight")
+                else torch.randn_like(p) / p.shape[-1] ** 0.5
+            )
         draft.d2t.copy_(torch.randint(0, VOCAB - DRAFT_VOCAB, (DRAFT_VOCAB,)))
     tiny_eagle3.save_draft(draft, folder, config, "TorchSpec MLA")
     return folder
@@ -101,9 +110,13 @@ class DraftTap:
         def model_out(module, args, kwargs, output):
             positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
             hidden = output[0] if isinstance(output, tuple) else output
-            self._mla_calls.append({**self._mla_pending,
-                                    "positions": positions.detach().clone(),
-                                    "hidden": hidden.detach().float().clone()})
+            self._mla_calls.append(
+                {
+                    **self._mla_pending,
+                    "positions": positions.detach().clone(),
+                    "hidden": hidden.detach().float().clone(),
+                }
+            )
             self._mla_pending = {}
 
         inner.fc.register_forward_pre_hook(fc_in)
@@ -132,24 +145,39 @@ def main():
     from eagle_capture.probe.draft import load_draft
     from tests.vllm_real.harness import attention_backend
 
-    llm = LLM(model=str(target), skip_tokenizer_init=True, dtype="float32",
-              max_model_len=128, enforce_eager=True, max_num_seqs=1,
-              max_num_batched_tokens=128, gpu_memory_utilization=0.3,
-              **attention_backend(str(target)),
-              enable_prefix_caching=False, worker_extension_cls=EXTENSION,
-              speculative_config={"method": "eagle3", "model": str(draft),
-                                  "num_speculative_tokens": 1, **attention_backend(str(draft))})
+    llm = LLM(
+        model=str(target),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=True,
+        max_num_seqs=1,
+        max_num_batched_tokens=128,
+        gpu_memory_utilization=0.3,
+        **attention_backend(str(target)),
+        enable_prefix_caching=False,
+        worker_extension_cls=EXTENSION,
+        speculative_config={
+            "method": "eagle3",
+            "model": str(draft),
+            "num_speculative_tokens": 1,
+            **attention_backend(str(draft)),
+        },
+    )
     cls = llm.collective_rpc("mla_tap_install")[0]
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (40, 17, 64)]
     ours = load_draft(draft, engine="vllm")
     from safetensors.torch import load_file
+
     embed_table = load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"].float()
     out = {"class": cls, "prompts": []}
     for tokens in prompts:
-        llm.generate([{"prompt_token_ids": tokens}],
-                     SamplingParams(max_tokens=2, temperature=0.0, detokenize=False),
-                     use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": tokens}],
+            SamplingParams(max_tokens=2, temperature=0.0, detokenize=False),
+            use_tqdm=False,
+        )
         calls = llm.collective_rpc("mla_tap_take")[0]
         first = next(c for c in calls if len(c["positions"]) == len(tokens))
         aux = torch.tensor(first["aux"])
@@ -164,15 +192,22 @@ def main():
         diff = (theirs - mine).abs().max().item()
         scale = theirs.abs().max().item()
         same = torch.equal(ours.to_target(theirs.argmax(-1)), ours.to_target(mine.argmax(-1)))
-        out["prompts"].append({"tokens": len(tokens), "max_abs_diff": diff, "largest": scale,
-                               "tokens_equal": same, "aux_width": aux.shape[-1],
-                               "positions": [int(positions[0]), int(positions[-1])],
-                               "paired_with_next_token": paired,
-                               "ok": diff <= RTOL * scale and same and paired})
+        out["prompts"].append(
+            {
+                "tokens": len(tokens),
+                "max_abs_diff": diff,
+                "largest": scale,
+                "tokens_equal": same,
+                "aux_width": aux.shape[-1],
+                "positions": [int(positions[0]), int(positions[-1])],
+                "paired_with_next_token": paired,
+                "ok": diff <= RTOL * scale and same and paired,
+            }
+        )
         print(f"MLA_DRAFT vLLM prompt of {len(tokens)}: {out['prompts'][-1]}", flush=True)
     with open(args.json, "w") as f:
         json.dump(out, f)
-    os._exit(0)     # vLLM's atexit hooks would wait on the engine it already shut down
+    os._exit(0)  # vLLM's atexit hooks would wait on the engine it already shut down
 
 
 if __name__ == "__main__":

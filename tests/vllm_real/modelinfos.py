@@ -44,17 +44,17 @@ def main() -> int:
     from eagle_capture.integrations.vllm.plugin import ARCHITECTURES, CHECKED_ARCHITECTURES
 
     start = time.perf_counter()
-    vllm_registry._run_in_subprocess = lambda fn: fn()   # the same inspection, here
+    vllm_registry._run_in_subprocess = lambda fn: fn()  # the same inspection, here
     archs = [*ARCHITECTURES, *CHECKED_ARCHITECTURES, *DRAFTS]
     failed: list[str] = []
-    done = _inspect(ModelRegistry, archs, "vllm.", failed)    # plugin off: vLLM's classes
-    load_general_plugins()                                    # EAGLE_CAPTURE=1: ours
+    done = _inspect(ModelRegistry, archs, "vllm.", failed)  # plugin off: vLLM's classes
+    load_general_plugins()  # EAGLE_CAPTURE=1: ours
     done += _inspect(ModelRegistry, archs, "eagle_capture.", failed)
-    print(f"inspected {len(done)} classes in {time.perf_counter() - start:.1f} s: "
-          + ", ".join(done))
+    print(
+        f"inspected {len(done)} classes in {time.perf_counter() - start:.1f} s: " + ", ".join(done)
+    )
     if failed:
-        print("not inspected here (a run that loads one inspects it itself): "
-              + "; ".join(failed))
+        print("not inspected here (a run that loads one inspects it itself): " + "; ".join(failed))
     return 0
 
 

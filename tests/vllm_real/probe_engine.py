@@ -30,9 +30,9 @@ from eagle_capture.integrations.vllm.probe_capture import ProbeCapture
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "tiny_eagle3"
-EXTENSION = "tests.vllm_real.probe_engine.PartialSums"   # resolved in vLLM's workers
+EXTENSION = "tests.vllm_real.probe_engine.PartialSums"  # resolved in vLLM's workers
 TP2_PROMPTS = 16
-PARTIAL_LAYER = 3          # its MLP's all-reduce is skipped: capture layers 4.. are partial
+PARTIAL_LAYER = 3  # its MLP's all-reduce is skipped: capture layers 4.. are partial
 
 
 class PartialSums(ProbeCapture):
@@ -54,8 +54,12 @@ def cases(work: Path) -> dict:
     lying = work / "draft_converted"
     shutil.copytree(DATA / "draft_specforge", lying, dirs_exist_ok=True)
     (lying / "config.json").write_text(json.dumps(tiny_eagle3.speculators_config([1, 3, 5])))
-    return {"specforge": DATA / "draft_specforge", "speculators": DATA / "draft_speculators",
-            "converted": lying, "mla": DATA / "draft_torchspec_mla"}
+    return {
+        "specforge": DATA / "draft_specforge",
+        "speculators": DATA / "draft_speculators",
+        "converted": lying,
+        "mla": DATA / "draft_torchspec_mla",
+    }
 
 
 def prompts(work: Path, tp: int) -> Path:
@@ -80,13 +84,33 @@ def command_line(work: Path, device: str = "cpu", dtype: str = "fp32") -> dict:
     record = work / "cli.json"
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = probe(["--engine", "vllm", "--target", str(DATA / "target"), "--draft",
-                      str(DATA / "draft_specforge"), "--prompts", str(DATA / "prompts.jsonl"),
-                      "--dtype", dtype, "--max-tokens", "64", "--device", device, "--json",
-                      str(record)])
+        code = probe(
+            [
+                "--engine",
+                "vllm",
+                "--target",
+                str(DATA / "target"),
+                "--draft",
+                str(DATA / "draft_specforge"),
+                "--prompts",
+                str(DATA / "prompts.jsonl"),
+                "--dtype",
+                dtype,
+                "--max-tokens",
+                "64",
+                "--device",
+                device,
+                "--json",
+                str(record),
+            ]
+        )
     print(stderr.getvalue(), file=sys.stderr)
-    return {"exit": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(),
-            "json": json.loads(record.read_text()) if record.exists() else None}
+    return {
+        "exit": code,
+        "stdout": stdout.getvalue(),
+        "stderr": stderr.getvalue(),
+        "json": json.loads(record.read_text()) if record.exists() else None,
+    }
 
 
 def main():
@@ -108,33 +132,56 @@ def main():
         out["cli"] = command_line(work, args.device, args.dtype)
     # TP 2 serves PartialSums; at TP 1 the probe's own extension, the one the command line's
     # engine mixed into vLLM's worker class in this process (vLLM refuses a second one).
-    target = VllmTarget(DATA / "target", 8, 64, range(9), tp=args.tp, dtype=args.dtype,
-                        max_tokens=64, engine_args={"worker_extension_cls": EXTENSION}
-                        if args.tp > 1 else None)
+    target = VllmTarget(
+        DATA / "target",
+        8,
+        64,
+        range(9),
+        tp=args.tp,
+        dtype=args.dtype,
+        max_tokens=64,
+        engine_args={"worker_extension_cls": EXTENSION} if args.tp > 1 else None,
+    )
     out["ranks"] = target.ranks
     names = ["specforge", "speculators", "converted", "mla"] if args.tp == 1 else ["specforge"]
     calibration = str(prompts(work, args.tp))
     for name, draft in cases(work).items():
         if name not in names:
             continue
-        report = run_probe(str(DATA / "target"), str(draft), calibration,
-                           device=args.device, dtype=args.dtype, max_tokens=64,
-                           engine_target=target, log=lambda s: print(s, file=sys.stderr), progress=False)
+        report = run_probe(
+            str(DATA / "target"),
+            str(draft),
+            calibration,
+            device=args.device,
+            dtype=args.dtype,
+            max_tokens=64,
+            engine_target=target,
+            log=lambda s: print(s, file=sys.stderr),
+            progress=False,
+        )
         out[name] = report.to_json()
         print(f"PROBE_ENGINE {name} tp {args.tp}: {report.verdict}", flush=True)
     if args.tp > 1:
         target.llm.collective_rpc("eagle_probe_test_skip_allreduce", args=(PARTIAL_LAYER,))
         try:
-            run_probe(str(DATA / "target"), str(DATA / "draft_specforge"), calibration,
-                      device=args.device, dtype=args.dtype, max_tokens=64,
-                      engine_target=target, log=lambda s: None, progress=False)
+            run_probe(
+                str(DATA / "target"),
+                str(DATA / "draft_specforge"),
+                calibration,
+                device=args.device,
+                dtype=args.dtype,
+                max_tokens=64,
+                engine_target=target,
+                log=lambda s: None,
+                progress=False,
+            )
             out["partial_sums"] = {"refused": False}
         except (ProbeError, EngineError) as exc:
             out["partial_sums"] = {"refused": True, "error": str(exc)}
     target.close()
     with open(args.json, "w") as f:
         json.dump(out, f)
-    os._exit(0)     # vLLM's atexit hooks would wait on the workers it already shut down
+    os._exit(0)  # vLLM's atexit hooks would wait on the workers it already shut down
 
 
 if __name__ == "__main__":

@@ -62,8 +62,9 @@ _listen()
 def _setup(dtype="float32", compiled=False, draft=None, dense=False):
     """(vllm_config, checkpoint) for a fresh model; the first call sets up
     vLLM's distributed state and loads the plugins the way vLLM does."""
-    checkpoint = h.write_checkpoint(os.path.join(WORK, f"ckpt_{dtype}{'_dense' if dense else ''}"),
-                                    dtype=dtype, dense=dense)
+    checkpoint = h.write_checkpoint(
+        os.path.join(WORK, f"ckpt_{dtype}{'_dense' if dense else ''}"), dtype=dtype, dense=dense
+    )
     vc = h.engine_config(checkpoint, dtype=dtype, compiled=compiled, draft=draft)
     h.init_distributed(vc)
     _load_plugins()
@@ -100,6 +101,7 @@ def _run_both(ref, ours, n, seed=None):
 
 # ---------------------------------------------------------------- scenarios
 
+
 def plugin_registry():
     """vLLM's registry hands out the capturing classes (both archs, and the
     language model Kimi-K2.5 / Kimi-VL build through it); names, state_dict keys
@@ -110,15 +112,19 @@ def plugin_registry():
     from vllm.model_executor.models.utils import init_vllm_registered_model
 
     (ref, _), (ours, vc) = _pair()
-    resolved = {arch: ModelRegistry._try_load_model_cls(arch).__name__
-                for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")}
+    resolved = {
+        arch: ModelRegistry._try_load_model_cls(arch).__name__
+        for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+    }
     # Kimi-K2.5 / Kimi-VL: init_vllm_registered_model(..., architectures=["DeepseekV2ForCausalLM"])
     kimi_vc = h.engine_config(os.path.join(WORK, "ckpt_float32"))
     with set_current_vllm_config(kimi_vc), torch.device("cpu"):
-        kimi_lm = init_vllm_registered_model(vllm_config=kimi_vc,
-                                             hf_config=kimi_vc.model_config.hf_config,
-                                             prefix="language_model",
-                                             architectures=["DeepseekV2ForCausalLM"])
+        kimi_lm = init_vllm_registered_model(
+            vllm_config=kimi_vc,
+            hf_config=kimi_vc.model_config.hf_config,
+            prefix="language_model",
+            architectures=["DeepseekV2ForCausalLM"],
+        )
     ref_state, our_state = ref.state_dict(), ours.state_dict()
     return {
         "resolved": resolved,
@@ -128,8 +134,9 @@ def plugin_registry():
         "kimi_language_model": type(kimi_lm).__name__,
         "kimi_isinstance_v2": isinstance(kimi_lm, DeepseekV2ForCausalLM),
         "same_keys": list(ref_state) == list(our_state),
-        "same_weights": all(torch.equal(ref_state[k], our_state[k]) for k in ref_state
-                            if "self_attn" not in k),
+        "same_weights": all(
+            torch.equal(ref_state[k], our_state[k]) for k in ref_state if "self_attn" not in k
+        ),
         "log": [line for line in LOG.lines if "on (EAGLE_CAPTURE=1)" in line],
     }
 
@@ -146,19 +153,22 @@ def same_as_vllm_fp32():
         for n in TOKENS:
             calls, slot_calls = state.fused_calls, state.slot_residual_calls
             r, o = _run_both(ref, ours, n)
-            out.append({
-                "ids": list(ids), "tokens": n,
-                "tuple": isinstance(o, tuple) and isinstance(o[1], list),
-                "count": [len(r[1]), len(o[1])],
-                "hidden_equal": torch.equal(r[0], o[0]),
-                "captures_equal": [torch.equal(a, b) for a, b in zip(r[1], o[1])],
-                "shapes": [list(b.shape) for b in o[1]],
-                "views_of_buffer": all(h.in_buffer(b, state.buffer) for b in o[1]),
-                "nonzero": all(bool(b.abs().sum() > 0) for b in o[1]),
-                "fused_calls": state.fused_calls - calls,
-                "slot_residual_calls": state.slot_residual_calls - slot_calls,
-                "vllm_list_empty": ours[0].model.aux_hidden_state_layers == (),
-            })
+            out.append(
+                {
+                    "ids": list(ids),
+                    "tokens": n,
+                    "tuple": isinstance(o, tuple) and isinstance(o[1], list),
+                    "count": [len(r[1]), len(o[1])],
+                    "hidden_equal": torch.equal(r[0], o[0]),
+                    "captures_equal": [torch.equal(a, b) for a, b in zip(r[1], o[1])],
+                    "shapes": [list(b.shape) for b in o[1]],
+                    "views_of_buffer": all(h.in_buffer(b, state.buffer) for b in o[1]),
+                    "nonzero": all(bool(b.abs().sum() > 0) for b in o[1]),
+                    "fused_calls": state.fused_calls - calls,
+                    "slot_residual_calls": state.slot_residual_calls - slot_calls,
+                    "vllm_list_empty": ours[0].model.aux_hidden_state_layers == (),
+                }
+            )
     return {"runs": out}
 
 
@@ -177,10 +187,11 @@ def same_as_vllm_bf16():
     ref_normed, ref_res = ir.ops.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6, None)
     from eagle_capture import ops
     from eagle_capture.buffer import AuxCaptureBuffer
+
     buf = AuxCaptureBuffer(64, h.HIDDEN, [3], dtype=torch.bfloat16, device="cpu")
     ox, orr = x.clone(), r.clone()
     ops.add_rmsnorm_capture(ox, orr, w, 1e-6, buf.aux, 0, norm_fp32_sum=True)
-    ulp = (ref_normed.float().abs() * 2.0 ** -7).clamp_min(2.0 ** -133)
+    ulp = (ref_normed.float().abs() * 2.0**-7).clamp_min(2.0**-133)
     normed_ulps = ((ox.float() - ref_normed.float()).abs() / ulp).max().item()
 
     ref, ours = _pair("bfloat16", dense=True)
@@ -190,20 +201,28 @@ def same_as_vllm_bf16():
         ours[0].set_aux_hidden_state_layers(ids)
         for n in TOKENS:
             rr, oo = _run_both(ref, ours, n)
-            runs.append({
-                "ids": list(ids), "tokens": n,
-                "first_equal": torch.equal(rr[1][0], oo[1][0]),
-                "max_rel": max(((a.float() - b.float()).abs().max()
-                                / a.float().abs().max()).item() for a, b in zip(rr[1], oo[1])),
-                "hidden_rel": ((rr[0].float() - oo[0].float()).abs().max()
-                               / rr[0].float().abs().max()).item(),
-            })
-    return {"op_capture_equal": torch.equal(buf.aux[:33, 0], ref_res),
-            "op_residual_equal": torch.equal(orr, ref_res),
-            "op_normed_max_ulps": normed_ulps,
-            "provider": ours[0]._eagle_capture.provider,
-            "norm_fp32_sum": ours[0]._eagle_capture.norm_fp32_sum,
-            "runs": runs}
+            runs.append(
+                {
+                    "ids": list(ids),
+                    "tokens": n,
+                    "first_equal": torch.equal(rr[1][0], oo[1][0]),
+                    "max_rel": max(
+                        ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
+                        for a, b in zip(rr[1], oo[1])
+                    ),
+                    "hidden_rel": (
+                        (rr[0].float() - oo[0].float()).abs().max() / rr[0].float().abs().max()
+                    ).item(),
+                }
+            )
+    return {
+        "op_capture_equal": torch.equal(buf.aux[:33, 0], ref_res),
+        "op_residual_equal": torch.equal(orr, ref_res),
+        "op_normed_max_ulps": normed_ulps,
+        "provider": ours[0]._eagle_capture.provider,
+        "norm_fp32_sum": ours[0]._eagle_capture.norm_fp32_sum,
+        "runs": runs,
+    }
 
 
 def refusals():
@@ -215,9 +234,15 @@ def refusals():
     ref, ours = _pair()
     model = ours[0]
     out = {}
-    for name, ids in {"duplicate": (2, 2, 5), "embedding": (0, 4, 5), "past_end": (2, 4, 9),
-                      "negative": (-1, 4, 5), "not_ints": ("2", 4, 5), "empty": (),
-                      "string": "245"}.items():
+    for name, ids in {
+        "duplicate": (2, 2, 5),
+        "embedding": (0, 4, 5),
+        "past_end": (2, 4, 9),
+        "negative": (-1, 4, 5),
+        "not_ints": ("2", 4, 5),
+        "empty": (),
+        "string": "245",
+    }.items():
         try:
             model.set_aux_hidden_state_layers(ids)
             out[name] = "installed"
@@ -240,7 +265,7 @@ def refusals():
         out["incomplete"] = "served"
     except RuntimeError as e:
         out["incomplete"] = str(e)
-    model.set_aux_hidden_state_layers((2, 4, 5))   # a fresh install restores it
+    model.set_aux_hidden_state_layers((2, 4, 5))  # a fresh install restores it
     ref[0].set_aux_hidden_state_layers((2, 4, 5))
     r, o = _run_both(ref, ours, 5)
     out["reinstalled"] = all(torch.equal(a, b) for a, b in zip(r[1], o[1]))
@@ -251,10 +276,13 @@ def refusals():
         ref[0].set_aux_hidden_state_layers((2, 2, 5))
         model.set_aux_hidden_state_layers((2, 2, 5))
         r, o = _run_both(ref, ours, 7)
-        out["install_policy"] = {"state": model._eagle_capture is None,
-                                 "same": torch.equal(r[0], o[0]) and len(r[1]) == len(o[1])
-                                 and all(torch.equal(a, b) for a, b in zip(r[1], o[1])),
-                                 "count": len(o[1])}
+        out["install_policy"] = {
+            "state": model._eagle_capture is None,
+            "same": torch.equal(r[0], o[0])
+            and len(r[1]) == len(o[1])
+            and all(torch.equal(a, b) for a, b in zip(r[1], o[1])),
+            "count": len(o[1]),
+        }
     finally:
         del os.environ["EAGLE_CAPTURE_ON_PROBLEM"]
     # Good ids after that: the fused capture again, vLLM's own list (set by the
@@ -262,9 +290,11 @@ def refusals():
     model.set_aux_hidden_state_layers((2, 4, 5))
     ref[0].set_aux_hidden_state_layers((2, 4, 5))
     r, o = _run_both(ref, ours, 6)
-    out["after_fallback"] = {"fused": model._eagle_capture is not None,
-                             "vllm_list": list(model.model.aux_hidden_state_layers),
-                             "same": all(torch.equal(a, b) for a, b in zip(r[1], o[1]))}
+    out["after_fallback"] = {
+        "fused": model._eagle_capture is not None,
+        "vllm_list": list(model.model.aux_hidden_state_layers),
+        "same": all(torch.equal(a, b) for a, b in zip(r[1], o[1])),
+    }
 
     # Sequence-parallel MoE: vLLM's own capture stays.
     model.model.layers[3].use_sequence_parallel_moe = True
@@ -306,14 +336,16 @@ def self_check():
             _run_both(ref, ours, n)
         ok_lines = [line for line in LOG.lines[start:] if "self-check" in line]
 
-        ours[0].set_aux_hidden_state_layers((2, 4, 8))   # a fresh install, checks again
-        real = {name: getattr(ops, name) for name in ("add_rmsnorm_capture",
-                                                      "add_rmsnorm_into_slot")}
+        ours[0].set_aux_hidden_state_layers((2, 4, 8))  # a fresh install, checks again
+        real = {
+            name: getattr(ops, name) for name in ("add_rmsnorm_capture", "add_rmsnorm_into_slot")
+        }
 
-        def wrong(name):   # the op writes the slot, then the slot is off by one
+        def wrong(name):  # the op writes the slot, then the slot is off by one
             def run(x, residual, weight, eps, aux, slot, norm_fp32_sum=False):
                 real[name](x, residual, weight, eps, aux, slot, norm_fp32_sum=norm_fp32_sum)
-                aux[:x.shape[0], slot] += 1.0
+                aux[: x.shape[0], slot] += 1.0
+
             return run
 
         for name in real:
@@ -327,11 +359,15 @@ def self_check():
             for name, fn in real.items():
                 setattr(ops, name, fn)
         state = ours[0]._eagle_capture
-        return {"ok_lines": ok_lines, "failed_lines": failed, "disabled": state.disabled,
-                "served_vllm_own": torch.equal(r[0], o[0])
-                and all(torch.equal(a, b) for a, b in zip(r[1], o[1])),
-                "after_vllm_own": all(torch.equal(a, b) for a, b in zip(r2[1], o2[1])),
-                "vllm_list_back": list(ours[0].model.aux_hidden_state_layers)}
+        return {
+            "ok_lines": ok_lines,
+            "failed_lines": failed,
+            "disabled": state.disabled,
+            "served_vllm_own": torch.equal(r[0], o[0])
+            and all(torch.equal(a, b) for a, b in zip(r[1], o[1])),
+            "after_vllm_own": all(torch.equal(a, b) for a, b in zip(r2[1], o2[1])),
+            "vllm_list_back": list(ours[0].model.aux_hidden_state_layers),
+        }
     finally:
         del os.environ["EAGLE_CAPTURE_VERIFY"]
 
@@ -350,10 +386,14 @@ def overflow():
         state = ours[0]._eagle_capture
         r, o = _run_both(ref, ours, 33)
         r2, o2 = _run_both(ref, ours, 9)
-        out = {"rows": state.buffer.max_tokens, "overflow_forwards": state.overflow_forwards,
-               "equal": all(torch.equal(a, b) for a, b in zip(r[1] + r2[1], o[1] + o2[1])),
-               "back_in_buffer": all(h.in_buffer(b, state.buffer) for b in o2[1])}
+        out = {
+            "rows": state.buffer.max_tokens,
+            "overflow_forwards": state.overflow_forwards,
+            "equal": all(torch.equal(a, b) for a, b in zip(r[1] + r2[1], o[1] + o2[1])),
+            "back_in_buffer": all(h.in_buffer(b, state.buffer) for b in o2[1]),
+        }
         from eagle_capture.integrations.vllm.sizing import buffer_rows
+
         try:
             buffer_rows(ours[1], compiled=True)
             out["compiled"] = "accepted"
@@ -385,21 +425,27 @@ def compiled():
     runs = []
     for n in (7, 33, 5):
         r, o = _run_both(ref, ours, n)
-        runs.append({"tokens": n, "count": len(o[1]),
-                     "max_abs": max((a - b).abs().max().item() for a, b in zip(r[1], o[1])),
-                     "hidden_max_abs": (r[0] - o[0]).abs().max().item(),
-                     "views_of_buffer": all(h.in_buffer(b, ours[0]._eagle_capture.buffer)
-                                            for b in o[1])})
+        runs.append(
+            {
+                "tokens": n,
+                "count": len(o[1]),
+                "max_abs": max((a - b).abs().max().item() for a, b in zip(r[1], o[1])),
+                "hidden_max_abs": (r[0] - o[0]).abs().max().item(),
+                "views_of_buffer": all(h.in_buffer(b, ours[0]._eagle_capture.buffer) for b in o[1]),
+            }
+        )
     our_dir = ours[0].model.compilation_config.local_cache_dir
     ref_dir = ref[0].model.compilation_config.local_cache_dir
     calls = h.op_calls_in_inductor_code(our_dir)
-    return {"mode": int(ours[1].compilation_config.mode),
-            "compiled": ours[0]._eagle_capture.compiled,
-            "python_calls": ours[0]._eagle_capture.fused_calls,
-            "op_calls_in_inductor_code": calls,
-            "cache_dirs_differ": our_dir is not None and our_dir != ref_dir,
-            "additional_config": ours[1].additional_config.get("eagle_capture"),
-            "runs": runs}
+    return {
+        "mode": int(ours[1].compilation_config.mode),
+        "compiled": ours[0]._eagle_capture.compiled,
+        "python_calls": ours[0]._eagle_capture.fused_calls,
+        "op_calls_in_inductor_code": calls,
+        "cache_dirs_differ": our_dir is not None and our_dir != ref_dir,
+        "additional_config": ours[1].additional_config.get("eagle_capture"),
+        "runs": runs,
+    }
 
 
 def tp2(rank: int, init_method: str):
@@ -419,12 +465,15 @@ def tp2(rank: int, init_method: str):
     ref.set_aux_hidden_state_layers(ids)
     ours.set_aux_hidden_state_layers(ids)
     r, o = _run_both((ref, ref_vc), (ours, vc), 9)
-    torch.save([t.clone() for t in o[1]], os.path.join(os.environ["EAGLE_TP_OUT"],
-                                                       f"rank{rank}.pt"))
-    return {"type": type(ours).__name__,
-            "equal": all(torch.equal(a, b) for a, b in zip(r[1], o[1])) and len(o[1]) == 3,
-            "hidden_equal": torch.equal(r[0], o[0]),
-            "width": list(o[1][0].shape)}
+    torch.save(
+        [t.clone() for t in o[1]], os.path.join(os.environ["EAGLE_TP_OUT"], f"rank{rank}.pt")
+    )
+    return {
+        "type": type(ours).__name__,
+        "equal": all(torch.equal(a, b) for a, b in zip(r[1], o[1])) and len(o[1]) == 3,
+        "hidden_equal": torch.equal(r[0], o[0]),
+        "width": list(o[1][0].shape),
+    }
 
 
 def doctor_rules():
@@ -452,9 +501,12 @@ def doctor_rules():
 
     reading = []
     for name, nested, top, layer_ids in [
-            ("nested", [1, 4, 8], None, None), ("top", None, [2, 5, 7], None),
-            ("both", [1, 4, 8], [2, 5, 7], None), ("none", None, None, None),
-            ("layer_ids", None, None, [3, 4, 6])]:
+        ("nested", [1, 4, 8], None, None),
+        ("top", None, [2, 5, 7], None),
+        ("both", [1, 4, 8], [2, 5, 7], None),
+        ("none", None, None, None),
+        ("layer_ids", None, None, [3, 4, 6]),
+    ]:
         folder = h.write_draft_config(os.path.join(WORK, f"draft_{name}"), ids=nested)
         path = os.path.join(folder, "config.json")
         with open(path) as f:
@@ -468,11 +520,19 @@ def doctor_rules():
         vc, _ = _setup(draft=folder)
         # The V1 runner's reading and model runner V2's (vLLM's default where Triton runs).
         v1 = GPUModelRunner._get_eagle3_aux_layers_from_config(
-            SimpleNamespace(speculative_config=vc.speculative_config))
+            SimpleNamespace(speculative_config=vc.speculative_config)
+        )
         v2 = get_eagle3_aux_layers_from_config(vc.speculative_config)
         draft = read_draft_ids(folder)
-        reading.append({"case": name, "vllm": listed(v1), "doctor": VLLM_V1.read_ids(draft),
-                        "vllm_v2": listed(v2), "doctor_v2": VLLM_V2.read_ids(draft)})
+        reading.append(
+            {
+                "case": name,
+                "vllm": listed(v1),
+                "doctor": VLLM_V1.read_ids(draft),
+                "vllm_v2": listed(v2),
+                "doctor_v2": VLLM_V2.read_ids(draft),
+            }
+        )
 
     (ref, rvc), _ = _pair()
     captured = []
@@ -484,13 +544,17 @@ def doctor_rules():
             def hook(module, args):
                 hidden, residual = args[1], args[2]
                 inputs[idx] = (hidden + residual).clone()
+
             return hook
 
         def keep_final(module, args):
             inputs[len(ref.model.layers)] = (args[0] + args[1]).clone()
 
-        handles = [layer.register_forward_pre_hook(keep(i))
-                   for i, layer in enumerate(ref.model.layers) if i > 0]
+        handles = [
+            layer.register_forward_pre_hook(keep(i))
+            for i, layer in enumerate(ref.model.layers)
+            if i > 0
+        ]
         handles.append(ref.model.norm.register_forward_pre_hook(keep_final))
         try:
             out = h.forward(ref, rvc, h.tokens(7, 3))
@@ -498,20 +562,29 @@ def doctor_rules():
             for handle in handles:
                 handle.remove()
         predicted = sorted(VLLM_LINE.capture_layers(list(ids), 8))
-        captured.append({"ids": list(ids), "predicted": predicted,
-                         "matches": len(out[1]) == len(predicted) and all(
-                             torch.equal(a, inputs[k]) for a, k in zip(out[1], predicted))})
-    return {"reading": reading, "captured": captured,
-            "default_vllm": list(ref.get_eagle3_default_aux_hidden_state_layers()),
-            "default_doctor": default_capture_layers(8)}
+        captured.append(
+            {
+                "ids": list(ids),
+                "predicted": predicted,
+                "matches": len(out[1]) == len(predicted)
+                and all(torch.equal(a, inputs[k]) for a, k in zip(out[1], predicted)),
+            }
+        )
+    return {
+        "reading": reading,
+        "captured": captured,
+        "default_vllm": list(ref.get_eagle3_default_aux_hidden_state_layers()),
+        "default_doctor": default_capture_layers(8),
+    }
 
 
 def _family_tp2(family: str, rank: int):
     """A family at TP 2 (after tp2 set up the two-rank world): equal to vLLM's own on
     this rank; the test compares the ranks' saved captures."""
     result = fs.tp2(family, WORK)
-    torch.save(result.pop("captures"), os.path.join(os.environ["EAGLE_TP_OUT"],
-                                                    f"rank{rank}_{family}.pt"))
+    torch.save(
+        result.pop("captures"), os.path.join(os.environ["EAGLE_TP_OUT"], f"rank{rank}_{family}.pt")
+    )
     return result
 
 
@@ -541,12 +614,14 @@ def id_check():
             resolved[arch] = "not importable on this machine"
             continue
         ours = cls.__module__ == checked.__name__
-        base = cls.__mro__[2] if ours else cls   # ours: (ours, _IdCheck, vLLM's class, ...)
-        resolved[arch] = {"ours": ours, "name": cls.__name__,
-                          "base": f"{base.__module__}.{base.__name__}",
-                          "subclass_of_vllms": issubclass(cls, base) and
-                          base.__module__.startswith("vllm."),
-                          "eagle3": bool(supports_eagle3(cls))}
+        base = cls.__mro__[2] if ours else cls  # ours: (ours, _IdCheck, vLLM's class, ...)
+        resolved[arch] = {
+            "ours": ours,
+            "name": cls.__name__,
+            "base": f"{base.__module__}.{base.__name__}",
+            "subclass_of_vllms": issubclass(cls, base) and base.__module__.startswith("vllm."),
+            "eagle3": bool(supports_eagle3(cls)),
+        }
 
     def write(config):
         with open(os.path.join(folder, "config.json"), "w") as f:
@@ -576,24 +651,39 @@ def id_check():
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        return {"status": status, "vllm_set": list(shell.model.aux_hidden_state_layers),
-                "log": [m for m in LOG.lines if "layer ids" in m or "PROBLEM" in m]}
+        return {
+            "status": status,
+            "vllm_set": list(shell.model.aux_hidden_state_layers),
+            "log": [m for m in LOG.lines if "layer ids" in m or "PROBLEM" in m],
+        }
 
-    speculators = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-                   "speculators_config": {"algorithm": "eagle3"},
-                   "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
-    specforge = {"architectures": ["LlamaForCausalLMEagle3"],
-                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4],
-                                  "use_aux_hidden_state": True}}
-    modelopt = {"architectures": ["LlamaForCausalLMEagle3"],
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4],
-                                 "next_layer_regular": True, "parallel_draft_step": 1}}
+    speculators = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_config": {"algorithm": "eagle3"},
+        "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
+    }
+    specforge = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+            "use_aux_hidden_state": True,
+        },
+    }
+    modelopt = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+            "next_layer_regular": True,
+            "parallel_draft_step": 1,
+        },
+    }
     cases = {}
     write(speculators)
     cases["speculators"] = run((2, 4, 5))
     write(specforge)
-    cases["specforge_v1_runner"] = run((1, 3, 4))      # V1 reads eagle_config's ids
-    cases["specforge_v2_runner"] = run((2, 4, 5))      # V2 reads none: vLLM's defaults
+    cases["specforge_v1_runner"] = run((1, 3, 4))  # V1 reads eagle_config's ids
+    cases["specforge_v2_runner"] = run((2, 4, 5))  # V2 reads none: vLLM's defaults
     cases["specforge_install"] = run((1, 3, 4), {"EAGLE_CAPTURE_ON_PROBLEM": "install"})
     write(modelopt)
     cases["modelopt"] = run((1, 3, 4))
@@ -601,9 +691,14 @@ def id_check():
 
 
 # vLLM's EAGLE-3 text models whose layer loop model_rules runs on a shell.
-VLLM_MODEL_LOOPS = (("llama", "LlamaModel"), ("qwen2", "Qwen2Model"), ("qwen3", "Qwen3Model"),
-                    ("qwen3_moe", "Qwen3MoeModel"), ("gpt_oss", "GptOssModel"),
-                    ("minimax_m2", "MiniMaxM2Model"))   # DeepseekV2: the real model, doctor_rules
+VLLM_MODEL_LOOPS = (
+    ("llama", "LlamaModel"),
+    ("qwen2", "Qwen2Model"),
+    ("qwen3", "Qwen3Model"),
+    ("qwen3_moe", "Qwen3MoeModel"),
+    ("gpt_oss", "GptOssModel"),
+    ("minimax_m2", "MiniMaxM2Model"),
+)  # DeepseekV2: the real model, doctor_rules
 
 
 def model_rules():
@@ -618,12 +713,13 @@ def model_rules():
 
     from eagle_capture.layer_ids.lines import VLLM_LINE
 
-    _setup()   # vLLM's distributed state (the loops ask the pipeline group)
+    _setup()  # vLLM's distributed state (the loops ask the pipeline group)
     n, hidden, tokens = 8, 16, 3
     out = {}
     for module_name, cls_name in VLLM_MODEL_LOOPS:
-        cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module_name}"),
-                      cls_name)
+        cls = getattr(
+            importlib.import_module(f"vllm.model_executor.models.{module_name}"), cls_name
+        )
         seen = {}
 
         class Layer(nn.Module):
@@ -654,16 +750,26 @@ def model_rules():
             seen.clear()
             try:
                 shell._set_aux_hidden_state_layers(ids)
-                result = cls.forward(shell, None, torch.arange(tokens), None,
-                                     inputs_embeds=torch.randn(tokens, hidden))
+                result = cls.forward(
+                    shell,
+                    None,
+                    torch.arange(tokens),
+                    None,
+                    inputs_embeds=torch.randn(tokens, hidden),
+                )
             except Exception as e:  # noqa: BLE001 - needs more than a shell
                 cases.append({"ids": list(ids), "error": f"{type(e).__name__}: {e}"[:200]})
                 continue
             aux = result[1] if isinstance(result, tuple) else []
             predicted = sorted(VLLM_LINE.capture_layers(list(ids), n))
-            cases.append({"ids": list(ids), "predicted": predicted,
-                          "matches": len(aux) == len(predicted) and all(
-                              torch.equal(a, seen[k]) for a, k in zip(aux, predicted))})
+            cases.append(
+                {
+                    "ids": list(ids),
+                    "predicted": predicted,
+                    "matches": len(aux) == len(predicted)
+                    and all(torch.equal(a, seen[k]) for a, k in zip(aux, predicted)),
+                }
+            )
         out[f"{module_name}.{cls_name}"] = cases
     return out
 
@@ -704,7 +810,7 @@ def runner_install():
     path = os.path.join(folder, "config.json")
     with open(path) as f:
         config = json.load(f)
-    config["eagle_aux_hidden_state_layer_ids"] = [1, 4, 8]   # the key both runners read
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 4, 8]  # the key both runners read
     with open(path, "w") as f:
         json.dump(config, f)
     ref, ours = _pair(draft=folder)
@@ -717,24 +823,48 @@ def runner_install():
     runs = []
     for n in (1, 7):
         r, o = _run_both(ref, ours, n)
-        runs.append({"count": [len(r[1]), len(o[1])], "hidden_equal": torch.equal(r[0], o[0]),
-                     "equal": all(torch.equal(a, b) for a, b in zip(r[1], o[1])),
-                     "views_of_buffer": state is not None and all(
-                         h.in_buffer(b, state.buffer) for b in o[1])})
-    return {"parameters": params, "installed": state is not None,
-            "layers": list(state.buffer.layer_ids) if state else None,
-            "vllm_layers": list(ref[0].model.aux_hidden_state_layers), "runs": runs}
+        runs.append(
+            {
+                "count": [len(r[1]), len(o[1])],
+                "hidden_equal": torch.equal(r[0], o[0]),
+                "equal": all(torch.equal(a, b) for a, b in zip(r[1], o[1])),
+                "views_of_buffer": state is not None
+                and all(h.in_buffer(b, state.buffer) for b in o[1]),
+            }
+        )
+    return {
+        "parameters": params,
+        "installed": state is not None,
+        "layers": list(state.buffer.layer_ids) if state else None,
+        "vllm_layers": list(ref[0].model.aux_hidden_state_layers),
+        "runs": runs,
+    }
 
 
-SCENARIOS = {f.__name__: f for f in (plugin_registry, same_as_vllm_fp32, same_as_vllm_bf16,
-                                     refusals, self_check, overflow, compiled, doctor_rules,
-                                     id_check, model_rules, norm_provider, runner_install)}
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        plugin_registry,
+        same_as_vllm_fp32,
+        same_as_vllm_bf16,
+        refusals,
+        self_check,
+        overflow,
+        compiled,
+        doctor_rules,
+        id_check,
+        model_rules,
+        norm_provider,
+        runner_install,
+    )
+}
 
 
 def _family(fn, *args):
     def run():
         _setup()
         return fn(*args)
+
     return run
 
 
@@ -768,7 +898,7 @@ def main(argv=None):
             if name == "tp2":
                 result = tp2(args.rank, args.init_method)
             elif name.startswith("family_tp2_"):
-                result = _family_tp2(name[len("family_tp2_"):], args.rank)
+                result = _family_tp2(name[len("family_tp2_") :], args.rank)
             elif name == "family_allreduce_fusion":
                 result = fs.allreduce_fusion(WORK, args.rank)
             else:

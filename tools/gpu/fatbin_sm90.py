@@ -21,7 +21,7 @@ KIND_PTX, KIND_ELF = 1, 2
 
 
 def section(data: bytes, wanted: str):
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
 
     def header(i):
@@ -30,7 +30,7 @@ def section(data: bytes, wanted: str):
     strings = header(shstrndx)[4]
     for i in range(shnum):
         h = header(i)
-        name = data[strings + h[0]: data.index(b"\0", strings + h[0])].decode()
+        name = data[strings + h[0] : data.index(b"\0", strings + h[0])].decode()
         if name == wanted:
             return h[4], h[5]
     return None
@@ -52,18 +52,21 @@ def compact(data: bytearray, arch: int):
         entry, body_end, entries = pos + header_size, pos + header_size + body_size, []
         while entry < body_end:
             kind, _ever, entry_header, padded = struct.unpack_from("<HHII", data, entry)
-            entry_arch, = struct.unpack_from("<I", data, entry + 28)
-            entries.append((kind, entry_arch, bytes(data[entry:entry + entry_header + padded])))
+            (entry_arch,) = struct.unpack_from("<I", data, entry + 28)
+            entries.append((kind, entry_arch, bytes(data[entry : entry + entry_header + padded])))
             entry += entry_header + padded
         has_elf = any(k == KIND_ELF and a == arch for k, a, _ in entries)
-        keep = [b for k, a, b in entries
-                if (k == KIND_ELF and a == arch) or (k == KIND_PTX and not has_elf)]
+        keep = [
+            b
+            for k, a, b in entries
+            if (k == KIND_ELF and a == arch) or (k == KIND_PTX and not has_elf)
+        ]
         if not keep:  # nothing this GPU loads: keep the smallest entry, the container stays valid
             keep = [min((b for _, _, b in entries), key=len)]
         body = b"".join(keep)
         kept += len(body)
         dropped += body_size - len(body)
-        data[pos + header_size: body_end] = body + bytes(body_size - len(body))
+        data[pos + header_size : body_end] = body + bytes(body_size - len(body))
         struct.pack_into("<Q", data, pos + 8, len(body))
         pos = body_end
     return containers, kept, dropped
@@ -80,8 +83,11 @@ def main(argv=None) -> int:
     containers, kept, dropped = compact(data, args.arch)
     with open(args.dst, "wb") as f:
         f.write(data)
-    print(f"{args.src}: {containers} fatbin containers, kept {kept / 2**20:.1f} MiB "
-          f"(sm_{args.arch}), zeroed {dropped / 2**20:.1f} MiB", file=sys.stderr)
+    print(
+        f"{args.src}: {containers} fatbin containers, kept {kept / 2**20:.1f} MiB "
+        f"(sm_{args.arch}), zeroed {dropped / 2**20:.1f} MiB",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -25,14 +25,16 @@ def main() -> int:
     world = dist.get_world_size()
     calls = bad = 0
     for watchdog in (None, 5.0):
-        ar = symm.SymmAllReduceCapture(160, 7168, torch.bfloat16, device=device,
-                                       table=symm.PathTable({}), watchdog_s=watchdog)
+        ar = symm.SymmAllReduceCapture(
+            160, 7168, torch.bfloat16, device=device, table=symm.PathTable({}), watchdog_s=watchdog
+        )
         weight = torch.ones(7168, dtype=torch.bfloat16, device=device)
         for T in (1, 5, 133, 2, 133):
             g = torch.Generator().manual_seed(T)
             residual = torch.randn(T, 7168, generator=g).bfloat16().to(device)
-            partials = [torch.randn(T, 7168, generator=g).bfloat16().to(device)
-                        for _ in range(world)]
+            partials = [
+                torch.randn(T, 7168, generator=g).bfloat16().to(device) for _ in range(world)
+            ]
             h = torch.stack([p.float() for p in partials]).sum(0).bfloat16()
             _, res_ref = add_rmsnorm_reference(h, residual, weight, 1e-6)
             aux = torch.zeros(T, 3, 7168, dtype=torch.bfloat16, device=device)
@@ -41,7 +43,9 @@ def main() -> int:
             torch.cuda.synchronize()
             calls += 1
             bad += not (torch.equal(r, res_ref) and torch.equal(aux[:, 2], res_ref))
-    print(f"rank {rank}: {'all %d calls ok' % calls if not bad else '%d of %d calls WRONG' % (bad, calls)}")
+    print(
+        f"rank {rank}: {'all %d calls ok' % calls if not bad else '%d of %d calls WRONG' % (bad, calls)}"
+    )
     dist.barrier()
     dist.destroy_process_group()
     return 1 if bad else 0

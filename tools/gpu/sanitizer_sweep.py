@@ -27,11 +27,12 @@ def main() -> int:
     dtypes = [torch.bfloat16] if args.quick else [DTYPES[d] for d in args.dtypes]
     shapes = [(0, 7), (1, 1), (7, 7), (257, 7168), (2048, 7168), (7, 7168), (1, 7168)]
     K, device, n = 3, "cuda", 0
-    for dtype, (T, H), strided, slot in itertools.product(dtypes, shapes, (False, True),
-                                                          range(K)):
+    for dtype, (T, H), strided, slot in itertools.product(dtypes, shapes, (False, True), range(K)):
+
         def rows():
             base = torch.randn(T, 2 * H + 3 if strided else H, device=device).to(dtype)
-            return base[:, 1:H + 1] if strided else base
+            return base[:, 1 : H + 1] if strided else base
+
         h, r = rows(), rows()
         w = torch.randn(H, device=device).to(dtype)
         aux = torch.randn(T + 2, K, H, device=device).to(dtype)

@@ -68,10 +68,12 @@ def main(argv=None) -> int:
         ok = not mangled and not missing
         failed |= not ok
         against = f", all in torch {version}" if provided is not None and not missing else ""
-        print(f"{'ok  ' if ok else 'FAIL'} {os.path.basename(path)}: {len(mangled)} LibTorch C++ "
-              f"symbols, {len(stable)} stable C ABI symbols{against}"
-              + (f"; C++: {' '.join(mangled[:5])}" if mangled else "")
-              + (f"; not in torch {version}: {' '.join(missing[:8])}" if missing else ""))
+        print(
+            f"{'ok  ' if ok else 'FAIL'} {os.path.basename(path)}: {len(mangled)} LibTorch C++ "
+            f"symbols, {len(stable)} stable C ABI symbols{against}"
+            + (f"; C++: {' '.join(mangled[:5])}" if mangled else "")
+            + (f"; not in torch {version}: {' '.join(missing[:8])}" if missing else "")
+        )
     return 1 if failed else 0
 
 

@@ -9,13 +9,13 @@ import torch
 
 __all__ = ["VERIFY_NORM_RTOL", "beyond_rounding", "norm_rtol"]
 
-VERIFY_NORM_RTOL = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9, torch.float32: 2.0 ** -20}
+VERIFY_NORM_RTOL = {torch.bfloat16: 2.0**-6, torch.float16: 2.0**-9, torch.float32: 2.0**-20}
 
 
 def norm_rtol(dtype: torch.dtype) -> float:
     """The normed output's relative tolerance for ``dtype`` (2**-6 for a dtype not
     in the table)."""
-    return VERIFY_NORM_RTOL.get(dtype, 2.0 ** -6)
+    return VERIFY_NORM_RTOL.get(dtype, 2.0**-6)
 
 
 def beyond_rounding(got: torch.Tensor, ref: torch.Tensor) -> bool:

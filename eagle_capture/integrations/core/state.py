@@ -16,21 +16,22 @@ __all__ = ["CaptureState", "SlotResidual"]
 
 class SlotResidual(NamedTuple):
     """A captured layer's residual left in its aux slot by the input norm (path f)."""
+
     layer_id: int
-    view: torch.Tensor    # aux[:T, slot]: the residual the layer's stages see
-    spare: torch.Tensor   # the input norm's incoming residual, dead: the post norm's output
+    view: torch.Tensor  # aux[:T, slot]: the residual the layer's stages see
+    spare: torch.Tensor  # the input norm's incoming residual, dead: the post norm's output
 
 
 class CaptureState:
     """What every engine's capturing norms and model share."""
 
     def __init__(self, buffer: AuxCaptureBuffer) -> None:
-        self.buffer = buffer          # its layer_ids: the captured layers, ascending
+        self.buffer = buffer  # its layer_ids: the captured layers, ascending
         self.stored_rows: dict[int, int] = {}
-        self.fused_calls = 0          # captures done by our fused kernel (tests count these)
-        self.overflow_forwards = 0    # eager forwards larger than the buffer
+        self.fused_calls = 0  # captures done by our fused kernel (tests count these)
+        self.overflow_forwards = 0  # eager forwards larger than the buffer
         self.slot_residual_calls = 0  # input norms that left the residual in the slot
-        self.disabled = False         # switched back to the engine's own capture
+        self.disabled = False  # switched back to the engine's own capture
         # Live self-check (EAGLE_CAPTURE_VERIFY=N): compare with the engine's own.
         self.verify_left = 0
         self.verify_total = 0
@@ -38,8 +39,9 @@ class CaptureState:
         self.verify_mismatches: list[str] = []
         self.verify_norm_dev = 0.0
 
-    def buffer_of(self, num_tokens: int,
-                  current: Optional[AuxCaptureBuffer]) -> tuple[AuxCaptureBuffer, bool]:
+    def buffer_of(
+        self, num_tokens: int, current: Optional[AuxCaptureBuffer]
+    ) -> tuple[AuxCaptureBuffer, bool]:
         """The buffer of an eager forward of ``num_tokens`` tokens, more than the
         persistent buffer's rows: ``current`` where it has exactly those rows, else a
         new one (True: allocated now, counted in ``overflow_forwards``), as the
@@ -47,15 +49,22 @@ class CaptureState:
         if current is not None and current.max_tokens == num_tokens:
             return current, False
         self.overflow_forwards += 1
-        return AuxCaptureBuffer(num_tokens, self.buffer.hidden_size, self.buffer.layer_ids,
-                                dtype=self.buffer.aux.dtype,
-                                device=self.buffer.aux.device), True
+        return AuxCaptureBuffer(
+            num_tokens,
+            self.buffer.hidden_size,
+            self.buffer.layer_ids,
+            dtype=self.buffer.aux.dtype,
+            device=self.buffer.aux.device,
+        ), True
 
     def incomplete(self, stored: dict[int, int], num_tokens: int) -> dict[int, Optional[int]]:
         """The captured layers that did not store ``num_tokens`` rows in this forward:
         layer -> the rows it stored (None: nothing)."""
-        return {layer: stored.get(layer) for layer in self.buffer.layer_ids
-                if stored.get(layer) != num_tokens}
+        return {
+            layer: stored.get(layer)
+            for layer in self.buffer.layer_ids
+            if stored.get(layer) != num_tokens
+        }
 
     def start_verify(self, forwards: int) -> None:
         """Self-check the next ``forwards`` eager forwards."""

@@ -50,11 +50,21 @@ class CapturedLayerAllReduce:
     (``GroupCoordinator.all_reduce``: returns the reduced tensor, in place or
     not). ``calls`` counts the eager calls per path (tests read it)."""
 
-    def __init__(self, world_size: int, reduce, one_shot=None,
-                 table: Optional[PathTable] = None, dtype: Optional[torch.dtype] = None,
-                 hidden_size: Optional[int] = None) -> None:
-        self.world_size, self.reduce, self.one_shot, self.table = (world_size, reduce, one_shot,
-                                                                  table)
+    def __init__(
+        self,
+        world_size: int,
+        reduce,
+        one_shot=None,
+        table: Optional[PathTable] = None,
+        dtype: Optional[torch.dtype] = None,
+        hidden_size: Optional[int] = None,
+    ) -> None:
+        self.world_size, self.reduce, self.one_shot, self.table = (
+            world_size,
+            reduce,
+            one_shot,
+            table,
+        )
         self.dtype, self.hidden_size = dtype, hidden_size
         self.calls: collections.Counter = collections.Counter()
 
@@ -62,34 +72,45 @@ class CapturedLayerAllReduce:
         """The table's (or the default rule's) path, whether or not it can run here."""
         chosen = self.table.path(self.world_size, num_tokens) if self.table is not None else None
         if chosen is None:
-            chosen = (ONE_SHOT if num_tokens <= default_one_shot_max_tokens(self.world_size)
-                      else ENGINE_FUSION)
+            chosen = (
+                ONE_SHOT
+                if num_tokens <= default_one_shot_max_tokens(self.world_size)
+                else ENGINE_FUSION
+            )
         return chosen
 
     def path_for(self, num_tokens: int) -> str:
         chosen = self.measured_path(num_tokens)
-        if chosen == ONE_SHOT and (self.one_shot is None
-                                   or self.one_shot.path_for(num_tokens) != ONE_SHOT):
-            chosen = NCCL   # the kernel cannot run here, or T is above its buffer's rows
+        if chosen == ONE_SHOT and (
+            self.one_shot is None or self.one_shot.path_for(num_tokens) != ONE_SHOT
+        ):
+            chosen = NCCL  # the kernel cannot run here, or T is above its buffer's rows
         return chosen
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether this call's tensors are the ones the paths were set up for
         (the same on every rank: no address or rank-local property)."""
-        return (x.dtype == self.dtype and x.shape[-1] == self.hidden_size
-                and (self.one_shot is None or x.device == self.one_shot.device))
+        return (
+            x.dtype == self.dtype
+            and x.shape[-1] == self.hidden_size
+            and (self.one_shot is None or x.device == self.one_shot.device)
+        )
 
     def describe(self) -> str:
         sizes = (1, 8, 64, 256, 1024, 2048)
         where = ", ".join(f"T={t}: {self.path_for(t)}" for t in sizes)
-        kernel = ("the one kernel on SGLang's TP group" if self.one_shot is not None
-                  else "no one-shot kernel here (its rows take SGLang's all-reduce + the fused op)")
+        kernel = (
+            "the one kernel on SGLang's TP group"
+            if self.one_shot is not None
+            else "no one-shot kernel here (its rows take SGLang's all-reduce + the fused op)"
+        )
         source = self.table.source if self.table is not None else "the default rule"
         return f"captured layers' fused all-reduce: {kernel}; paths ({source}): {where}"
 
 
-def build(max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-          table=None) -> tuple[Optional[CapturedLayerAllReduce], str]:
+def build(
+    max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device, table=None
+) -> tuple[Optional[CapturedLayerAllReduce], str]:
     """The captured layers' all-reduce for this SGLang process, or (None, why not).
 
     Collective on CUDA: every TP rank builds the one kernel's symmetric buffer
@@ -100,35 +121,46 @@ def build(max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.d
     if tp.world_size <= 1:
         return None, "TP 1: there is no all-reduce to fuse"
     try:
-        attn_tp, ep, moe_tp = (ps.get_attn_tp_group().world_size,
-                               ps.get_moe_ep_group().world_size,
-                               ps.get_moe_tp_group().world_size)
+        attn_tp, ep, moe_tp = (
+            ps.get_attn_tp_group().world_size,
+            ps.get_moe_ep_group().world_size,
+            ps.get_moe_tp_group().world_size,
+        )
     except Exception as e:  # noqa: BLE001
         return None, f"SGLang's process groups cannot be read ({e})"
     # SGLang fuses over the attention-TP group (post-attention norms) and the
     # MoE output's group (input norms): both must be the TP group's ranks for
     # one reduction over the TP group to be that sum.
     if attn_tp != tp.world_size:
-        return None, (f"DP attention (attention-TP {attn_tp} of TP {tp.world_size}): the fused "
-                      f"reduction is not over the TP group")
+        return None, (
+            f"DP attention (attention-TP {attn_tp} of TP {tp.world_size}): the fused "
+            f"reduction is not over the TP group"
+        )
     if ep > 1 and moe_tp > 1:
-        return None, (f"expert parallel {ep} x MoE-TP {moe_tp}: the MoE output's reduction "
-                      f"group is not the TP group")
+        return None, (
+            f"expert parallel {ep} x MoE-TP {moe_tp}: the MoE output's reduction "
+            f"group is not the TP group"
+        )
     table = table if table is not None else os.environ.get(TABLE_ENV) or None
     table = PathTable.load(table) if table is not None else None
     if table is not None and table.hidden_size not in (None, hidden_size):
-        raise ValueError(f"eagle_capture: path table {table.source} was measured for "
-                         f"hidden_size {table.hidden_size}, not {hidden_size}")
+        raise ValueError(
+            f"eagle_capture: path table {table.source} was measured for "
+            f"hidden_size {table.hidden_size}, not {hidden_size}"
+        )
     one_shot = None
     if device.type == "cuda":
         from eagle_capture.parallel.symm import SymmAllReduceCapture
+
         probe = CapturedLayerAllReduce(tp.world_size, tp.all_reduce, None, table)
         rows = [t for t in range(1, max_tokens + 1) if probe.measured_path(t) == ONE_SHOT]
-        if rows:   # some T takes the kernel: its buffer holds the largest
-            one_shot = SymmAllReduceCapture(max(rows), hidden_size, dtype, group=tp.device_group,
-                                            device=device, table=table)
-    return CapturedLayerAllReduce(tp.world_size, tp.all_reduce, one_shot, table, dtype,
-                                  hidden_size), ""
+        if rows:  # some T takes the kernel: its buffer holds the largest
+            one_shot = SymmAllReduceCapture(
+                max(rows), hidden_size, dtype, group=tp.device_group, device=device, table=table
+            )
+    return CapturedLayerAllReduce(
+        tp.world_size, tp.all_reduce, one_shot, table, dtype, hidden_size
+    ), ""
 
 
 def fallback_all_reduce(x: torch.Tensor, use_attn_tp_group: Optional[bool]) -> torch.Tensor:
@@ -140,7 +172,7 @@ def fallback_all_reduce(x: torch.Tensor, use_attn_tp_group: Optional[bool]) -> t
 
     initialised = getattr(ps, "model_parallel_is_initialized", None)
     if initialised is not None and not initialised():
-        return x   # a single process (no SGLang groups): nothing to reduce
+        return x  # a single process (no SGLang groups): nothing to reduce
     if use_attn_tp_group is None:
         return ps.get_tp_group().all_reduce(x)
     if use_attn_tp_group:

@@ -63,8 +63,14 @@ from eagle_capture.integrations.sglang.state import CaptureState, WrongCaptureLa
 from eagle_capture.layer_ids import validate
 from eagle_capture.layer_ids.lines import parse_version
 
-__all__ = ["CaptureState", "UnsupportedServer", "WrongCaptureLayers", "install_eagle3_capture",
-           "reapply_after_reconfigure", "text_model_of"]
+__all__ = [
+    "CaptureState",
+    "UnsupportedServer",
+    "WrongCaptureLayers",
+    "install_eagle3_capture",
+    "reapply_after_reconfigure",
+    "text_model_of",
+]
 
 
 def text_model_of(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
@@ -78,17 +84,24 @@ def sglang_version() -> Optional[tuple]:
     """The installed SGLang's version as a tuple (None where it cannot be read:
     then no line-dependent capture, such as a final boundary, is accepted)."""
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         return parse_version(version("sglang"))
     except (PackageNotFoundError, ValueError):
         return None
 
 
-def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
-                           allow_embedding: bool = False, residual_in_slot: bool = True,
-                           fused_allreduce: bool = False, allreduce_table=None,
-                           dtype: Optional[torch.dtype] = None,
-                           device: Optional[torch.device] = None) -> AuxCaptureBuffer:
+def install_eagle3_capture(
+    causal_lm: torch.nn.Module,
+    max_tokens: int,
+    *,
+    allow_embedding: bool = False,
+    residual_in_slot: bool = True,
+    fused_allreduce: bool = False,
+    allreduce_table=None,
+    dtype: Optional[torch.dtype] = None,
+    device: Optional[torch.device] = None,
+) -> AuxCaptureBuffer:
     """Replace SGLang's EAGLE-3 capture in ``causal_lm`` (one of
     :data:`.families.FUSED_ARCHITECTURES`) by the fused one; returns the buffer (``max_tokens`` rows: the most tokens one forward
     runs, chunked prefill and CUDA-graph batches included; an eager forward with
@@ -128,15 +141,21 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
         raise ValueError("eagle_capture: the fused capture is already installed on this model")
     sglang_layers = family.engine_layers(causal_lm)
     if not getattr(causal_lm, "capture_aux_hidden_states", False) or not sglang_layers:
-        raise ValueError("eagle_capture: EAGLE-3 capture is not enabled on this model; install "
-                         "after set_eagle3_layers_to_capture(...) (on the last PP rank)")
+        raise ValueError(
+            "eagle_capture: EAGLE-3 capture is not enabled on this model; install "
+            "after set_eagle3_layers_to_capture(...) (on the last PP rank)"
+        )
     logits = getattr(causal_lm, "logits_processor", None)
     if not isinstance(logits, torch.nn.Module):
         raise TypeError("eagle_capture: the model has no logits_processor module")
-    check_capture_layers(sglang_layers, getattr(model, "start_layer", 0),
-                         getattr(model, "end_layer", len(model.layers)), allow_embedding,
-                         final_boundary=family.captures_final_boundary(sglang_version()),
-                         num_layers=len(model.layers))
+    check_capture_layers(
+        sglang_layers,
+        getattr(model, "start_layer", 0),
+        getattr(model, "end_layer", len(model.layers)),
+        allow_embedding,
+        final_boundary=family.captures_final_boundary(sglang_version()),
+        num_layers=len(model.layers),
+    )
     layer_ids = sorted(sglang_layers)
     refuse_unsupported_modes()
     family.refuse(causal_lm, layer_ids)
@@ -149,14 +168,28 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
             surfaces.append(surface)
     post_norms = [family.post_attention_norm(model, i) for i in layer_ids]
     weight = norms[0].weight
-    buffer = AuxCaptureBuffer(max_tokens, weight.shape[0], layer_ids,
-                              dtype=dtype or weight.dtype, device=device or weight.device)
+    buffer = AuxCaptureBuffer(
+        max_tokens,
+        weight.shape[0],
+        layer_ids,
+        dtype=dtype or weight.dtype,
+        device=device or weight.device,
+    )
     # Hand the LogitsProcessor a packed tensor where its line takes one (0.5.18+:
     # it reads a tensor or a list), else the list it concatenates.
-    packed_tensor = any(hasattr(sys.modules.get(c.__module__), "pack_aux_hidden_states")
-                        for c in type(logits).__mro__)
-    state = CaptureState(buffer, layer_ids, " and ".join(surfaces), packed_tensor,
-                         sglang_layers=sglang_layers, causal_lm=causal_lm, family=family)
+    packed_tensor = any(
+        hasattr(sys.modules.get(c.__module__), "pack_aux_hidden_states")
+        for c in type(logits).__mro__
+    )
+    state = CaptureState(
+        buffer,
+        layer_ids,
+        " and ".join(surfaces),
+        packed_tensor,
+        sglang_layers=sglang_layers,
+        causal_lm=causal_lm,
+        family=family,
+    )
 
     for i, norm in zip(layer_ids, norms):
         norm.__class__ = with_mixin(CapturingNormMixin, type(norm))
@@ -170,8 +203,12 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
     # Nor where a captured norm has no post-attention norm after it (the final
     # boundary): nothing would take the residual from the slot.
     state.scattered_layers = scattered_captures(model, layer_ids)
-    if residual_in_slot and not dp_attention_enabled() and not rows_may_scatter() and \
-            all(n is not None for n in post_norms):
+    if (
+        residual_in_slot
+        and not dp_attention_enabled()
+        and not rows_may_scatter()
+        and all(n is not None for n in post_norms)
+    ):
         for i, norm in zip(layer_ids, post_norms):
             norm.__class__ = with_mixin(SlotResidualPostNormMixin, type(norm))
             norm._eagle_capture = state
@@ -180,16 +217,26 @@ def install_eagle3_capture(causal_lm: torch.nn.Module, max_tokens: int, *,
         state.residual_in_slot_above = allreduce_fusion_max_tokens()
     state.fallback_reduces = allreduce.fallback_reduces()
     if fused_allreduce:
-        why = ("the captured layers' rows are token-scattered over the attention-TP group"
-               if rows_may_scatter() else "")
+        why = (
+            "the captured layers' rows are token-scattered over the attention-TP group"
+            if rows_may_scatter()
+            else ""
+        )
         if not why:
             fusion_rows = allreduce_fusion_max_tokens() or max_tokens
-            state.allreduce, why = allreduce.build(min(max_tokens, fusion_rows), buffer.hidden_size,
-                                                   buffer.aux.dtype, buffer.aux.device,
-                                                   allreduce_table)
+            state.allreduce, why = allreduce.build(
+                min(max_tokens, fusion_rows),
+                buffer.hidden_size,
+                buffer.aux.dtype,
+                buffer.aux.device,
+                allreduce_table,
+            )
         if state.allreduce is None:
-            logger().warning("eagle_capture: the captured layers' fused all-reduce is off (%s): "
-                           "SGLang's all-reduce fusion and a capture copy stay there", why)
+            logger().warning(
+                "eagle_capture: the captured layers' fused all-reduce is off (%s): "
+                "SGLang's all-reduce fusion and a capture copy stay there",
+                why,
+            )
     logits.__class__ = with_mixin(CapturingLogitsMixin, type(logits))
     logits._eagle_capture = state
     family.engine_capture_off(causal_lm)
@@ -210,20 +257,27 @@ def reapply_after_reconfigure(model: torch.nn.Module) -> bool:
     if not isinstance(state, CaptureState):
         return False
     if state.disabled:
-        return True   # SGLang's own capture on by design (self-check mismatch)
+        return True  # SGLang's own capture on by design (self-check mismatch)
     again = family.engine_layers(causal_lm)
     if again and sorted(again) != state.layer_ids:
         raise WrongCaptureLayers(
             f"eagle_capture: SGLang set layers_to_capture to {again} after the fused capture "
             f"was installed for {state.layer_ids}; restart the server (the buffer and CUDA "
-            f"graphs are built for the first set)")
+            f"graphs are built for the first set)"
+        )
     family.engine_capture_off(causal_lm)
     return True
 
 
-def check_capture_layers(layers: list[int], start: int, end: int,
-                          allow_embedding: bool, *, final_boundary: bool = False,
-                          num_layers: Optional[int] = None) -> None:
+def check_capture_layers(
+    layers: list[int],
+    start: int,
+    end: int,
+    allow_embedding: bool,
+    *,
+    final_boundary: bool = False,
+    num_layers: Optional[int] = None,
+) -> None:
     """Refuse layers_to_capture that would not give the draft K distinct, existing
     layers of this stage (the shared validation,
     :func:`eagle_capture.layer_ids.validate.check_capture_layers`): this rank runs
@@ -232,6 +286,11 @@ def check_capture_layers(layers: list[int], start: int, end: int,
     ``num_layers``, ``end`` is taken as the layer count where ``final_boundary``."""
     if num_layers is None and final_boundary:
         num_layers = end
-    validate.check_capture_layers(layers, num_layers=num_layers, final_boundary=final_boundary,
-                                  embedding=allow_embedding, stage=(start, end),
-                                  error=WrongCaptureLayers)
+    validate.check_capture_layers(
+        layers,
+        num_layers=num_layers,
+        final_boundary=final_boundary,
+        embedding=allow_embedding,
+        stage=(start, end),
+        error=WrongCaptureLayers,
+    )

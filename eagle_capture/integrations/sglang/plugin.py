@@ -78,14 +78,18 @@ from eagle_capture.integrations.settings import switch_on as _switch_on
 
 logger = logging.getLogger("eagle_capture")
 
-RESIDUAL_IN_SLOT = "EAGLE_CAPTURE_RESIDUAL_IN_SLOT"   # 1 (default): path f; 0: path e
+RESIDUAL_IN_SLOT = "EAGLE_CAPTURE_RESIDUAL_IN_SLOT"  # 1 (default): path f; 0: path e
 
 # Where each SGLang line sets the layers to capture (module, attribute path).
 HOOK_POINTS = (
-    ("sglang.srt.model_executor.model_runner_components.attention_backend_setup",
-     "configure_aux_hidden_state_capture"),                       # 0.5.18 - 0.5.23
-    ("sglang.srt.model_executor.model_runner",
-     "ModelRunner.init_aux_hidden_state_capture"),                # 0.5.13
+    (
+        "sglang.srt.model_executor.model_runner_components.attention_backend_setup",
+        "configure_aux_hidden_state_capture",
+    ),  # 0.5.18 - 0.5.23
+    (
+        "sglang.srt.model_executor.model_runner",
+        "ModelRunner.init_aux_hidden_state_capture",
+    ),  # 0.5.13
 )
 
 
@@ -107,7 +111,8 @@ def hook_target() -> str:
     raise PluginError(
         f"eagle_capture: this SGLang ({_sglang_version()}) has none of the hook points "
         f"{[f'{m}.{a}' for m, a in HOOK_POINTS]} (read in 0.5.13 - 0.5.23): the fused capture "
-        f"is NOT installed and SGLang's own capture stays")
+        f"is NOT installed and SGLang's own capture stays"
+    )
 
 
 def register() -> None:
@@ -116,41 +121,62 @@ def register() -> None:
     plugin's exceptions, so every failure here is logged as one clear error."""
     try:
         if not _switch_on():
-            logger.info("eagle_capture: SGLang plugin loaded, off (%s=1 turns on the fused "
-                        "EAGLE-3 capture)", SWITCH)
+            logger.info(
+                "eagle_capture: SGLang plugin loaded, off (%s=1 turns on the fused "
+                "EAGLE-3 capture)",
+                SWITCH,
+            )
             return
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         target = hook_target()
-        hook = _after_init_aux if target.endswith("ModelRunner.init_aux_hidden_state_capture") \
+        hook = (
+            _after_init_aux
+            if target.endswith("ModelRunner.init_aux_hidden_state_capture")
             else _after_configure
+        )
         HookRegistry.register(target, hook, HookType.AFTER)
-        logger.info("eagle_capture: on (%s=1): the fused EAGLE-3 capture installs after %s",
-                    SWITCH, target)
+        logger.info(
+            "eagle_capture: on (%s=1): the fused EAGLE-3 capture installs after %s", SWITCH, target
+        )
     except Exception as e:  # noqa: BLE001 - SGLang would log a bare traceback
-        logger.error("eagle_capture: the plugin could not register, SGLang's own capture "
-                     "stays: %s: %s", type(e).__name__, e)
+        logger.error(
+            "eagle_capture: the plugin could not register, SGLang's own capture stays: %s: %s",
+            type(e).__name__,
+            e,
+        )
 
 
 # The hooks: SGLang calls them with the hooked function's result and arguments.
 
-def _after_configure(result, *args, model=None, eagle_use_aux_hidden_state=False,
-                     eagle_aux_hidden_state_layer_ids=None, **kwargs):
+
+def _after_configure(
+    result,
+    *args,
+    model=None,
+    eagle_use_aux_hidden_state=False,
+    eagle_aux_hidden_state_layer_ids=None,
+    **kwargs,
+):
     activate(model, eagle_use_aux_hidden_state, eagle_aux_hidden_state_layer_ids)
 
 
 def _after_init_aux(result, runner, *args, **kwargs):
     if getattr(runner, "is_draft_worker", False):
         return
-    activate(runner.model, getattr(runner, "eagle_use_aux_hidden_state", False),
-             getattr(runner, "eagle_aux_hidden_state_layer_ids", None), runner=runner,
-             server_args=getattr(runner, "server_args", None))
+    activate(
+        runner.model,
+        getattr(runner, "eagle_use_aux_hidden_state", False),
+        getattr(runner, "eagle_aux_hidden_state_layer_ids", None),
+        runner=runner,
+        server_args=getattr(runner, "server_args", None),
+    )
 
 
 # -------------------------------------------------------------------- activate
 
-def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
-             env=os.environ):
+
+def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None, env=os.environ):
     """Install the fused capture on ``model`` if it applies (returns the buffer),
     else log why not and return None. Raises (the server does not start) when the
     layer ids would feed the draft wrongly and ``EAGLE_CAPTURE_ON_PROBLEM`` is
@@ -163,12 +189,15 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     from eagle_capture.integrations.sglang.sizing import describe, read_limits, size_buffer_for
 
     if not eagle3 or model is None:
-        return None   # not the EAGLE-3 target's runner
+        return None  # not the EAGLE-3 target's runner
     site = capture_site(model)
     if site is None:
-        logger.warning("eagle_capture: %s has no .model.layers_to_capture (or a "
-                       ".language_model holding one): its layer ids are not checked and "
-                       "SGLang's own capture stays", type(model).__name__)
+        logger.warning(
+            "eagle_capture: %s has no .model.layers_to_capture (or a "
+            ".language_model holding one): its layer ids are not checked and "
+            "SGLang's own capture stays",
+            type(model).__name__,
+        )
         return None
     causal_lm, num_layers, hidden = site
     path = "" if causal_lm is model else ".language_model"
@@ -176,15 +205,18 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     if family is not None:
         try:
             family.text_model_of(model)
-        except TypeError as e:   # a class of a known name that is not the loop we read
+        except TypeError as e:  # a class of a known name that is not the loop we read
             logger.warning("eagle_capture: %s", e)
             family = None
     if family is not None and dropin.reapply_after_reconfigure(model):
-        logger.info("eagle_capture: layers to capture set again by SGLang; the fused capture "
-                    "stays on")
+        logger.info(
+            "eagle_capture: layers to capture set again by SGLang; the fused capture stays on"
+        )
         return causal_lm._eagle_capture.buffer
-    if not getattr(causal_lm, "capture_aux_hidden_states", False) \
-            or not causal_lm.model.layers_to_capture:
+    if (
+        not getattr(causal_lm, "capture_aux_hidden_states", False)
+        or not causal_lm.model.layers_to_capture
+    ):
         logger.info("eagle_capture: this rank captures nothing (not the last pipeline stage)")
         return None
     policy = on_problem(env)
@@ -201,42 +233,54 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     if family is not None:
         try:
             dropin.check_capture_layers(
-                layers, getattr(causal_lm.model, "start_layer", 0),
-                getattr(causal_lm.model, "end_layer", num_layers), allow_embedding=capture_only,
+                layers,
+                getattr(causal_lm.model, "start_layer", 0),
+                getattr(causal_lm.model, "end_layer", num_layers),
+                allow_embedding=capture_only,
                 final_boundary=family.captures_final_boundary(dropin.sglang_version()),
-                num_layers=len(causal_lm.model.layers))
+                num_layers=len(causal_lm.model.layers),
+            )
         except dropin.WrongCaptureLayers as e:
-            if capture_only:   # nothing to protect: SGLang's own capture answers for it
-                logger.warning("eagle_capture: not installed (capture-only mode, no draft), "
-                               "SGLang's own capture stays: %s",
-                               str(e).replace("eagle_capture: ", "", 1))
+            if capture_only:  # nothing to protect: SGLang's own capture answers for it
+                logger.warning(
+                    "eagle_capture: not installed (capture-only mode, no draft), "
+                    "SGLang's own capture stays: %s",
+                    str(e).replace("eagle_capture: ", "", 1),
+                )
                 return None
             problems.append(str(e).replace("eagle_capture: ", "", 1))
     if capture_only:
-        logger.info("eagle_capture: capture-only mode (--enable-return-aux-hidden-states, no "
-                    "draft): SGLang set layers %s for ids %s; no draft to check them against",
-                    sorted(layers), None if draft_ids is None else list(draft_ids))
+        logger.info(
+            "eagle_capture: capture-only mode (--enable-return-aux-hidden-states, no "
+            "draft): SGLang set layers %s for ids %s; no draft to check them against",
+            sorted(layers),
+            None if draft_ids is None else list(draft_ids),
+        )
     else:
         draft_config = read_draft_config(args)
         if family is not None:
             problems += draft_config_problems(draft_config, layers, hidden)
-        if not problems:   # (a structural problem above already says what is wrong)
-            problems += id_problems(layers, num_layers, draft_config, draft_ids,
-                                    type(model).__name__, version, env)
+        if not problems:  # (a structural problem above already says what is wrong)
+            problems += id_problems(
+                layers, num_layers, draft_config, draft_ids, type(model).__name__, version, env
+            )
 
     if problems and policy == "refuse":
         raise dropin.WrongCaptureLayers(
             "eagle_capture refuses to start this server: the draft would not receive what it "
             "was trained on (SGLang's own capture has the same problem):\n- "
             + "\n- ".join(problems)
-            + f"\nFix the draft config, or set {ON_PROBLEM}=install to serve anyway")
+            + f"\nFix the draft config, or set {ON_PROBLEM}=install to serve anyway"
+        )
     for problem in problems:
-        logger.error("eagle_capture: PROBLEM (%s=install: serving anyway): %s",
-                     ON_PROBLEM, problem)
+        logger.error("eagle_capture: PROBLEM (%s=install: serving anyway): %s", ON_PROBLEM, problem)
     if family is None:
-        logger.info("eagle_capture: %s: layer ids checked; no family adapter has been read "
-                    "against its loop (fused: %s), SGLang's own capture serves this model",
-                    type(model).__name__, ", ".join(FUSED_ARCHITECTURES))
+        logger.info(
+            "eagle_capture: %s: layer ids checked; no family adapter has been read "
+            "against its loop (fused: %s), SGLang's own capture serves this model",
+            type(model).__name__,
+            ", ".join(FUSED_ARCHITECTURES),
+        )
         return None
 
     limits = read_limits(args, runner)
@@ -248,20 +292,26 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
     check_memory(sizing.max_tokens * len(set(layers)) * hidden, causal_lm)
     in_slot = env.get(RESIDUAL_IN_SLOT, "1").strip()
     if in_slot not in ("0", "1"):
-        raise PluginError(f"eagle_capture: {RESIDUAL_IN_SLOT} must be 1 (the residual lives in "
-                          f"the slot: no extra write) or 0 (stored in place and copied into "
-                          f"the slot), got {in_slot!r}")
+        raise PluginError(
+            f"eagle_capture: {RESIDUAL_IN_SLOT} must be 1 (the residual lives in "
+            f"the slot: no extra write) or 0 (stored in place and copied into "
+            f"the slot), got {in_slot!r}"
+        )
     one_kernel = fused_allreduce(env)
     try:
-        buffer = dropin.install_eagle3_capture(model, sizing.max_tokens,
-                                               allow_embedding=capture_only,
-                                               residual_in_slot=in_slot == "1",
-                                               fused_allreduce=one_kernel)
+        buffer = dropin.install_eagle3_capture(
+            model,
+            sizing.max_tokens,
+            allow_embedding=capture_only,
+            residual_in_slot=in_slot == "1",
+            fused_allreduce=one_kernel,
+        )
     except dropin.WrongCaptureLayers:
         if policy == "refuse":
             raise
-        logger.exception("eagle_capture: not installed (%s=install), SGLang's own capture "
-                         "stays", ON_PROBLEM)
+        logger.exception(
+            "eagle_capture: not installed (%s=install), SGLang's own capture stays", ON_PROBLEM
+        )
         return None
     except (dropin.UnsupportedServer, TypeError) as e:
         logger.warning("eagle_capture: not applicable here, SGLang's own capture stays: %s", e)
@@ -282,21 +332,35 @@ def activate(model, eagle3: bool, draft_ids, *, runner=None, server_args=None,
         "eagle_capture: fused EAGLE-3 capture ON (SGLang %s, %s%s, %s family, TP rank %s; %s): "
         "layers %s -> "
         "slots 0..%d, buffer [%d, %d, %d] %s = %.1f MiB on %s (%s); %s%s",
-        version, type(model).__name__, path, family.name, _tp_rank(), _deployment(args, sizing),
+        version,
+        type(model).__name__,
+        path,
+        family.name,
+        _tp_rank(),
+        _deployment(args, sizing),
         list(buffer.layer_ids),
-        buffer.num_captures - 1, buffer.max_tokens, buffer.num_captures, buffer.hidden_size,
-        str(buffer.aux.dtype).replace("torch.", ""), nbytes / 2**20, buffer.aux.device,
-        sizing.reason, _capture_path(state),
+        buffer.num_captures - 1,
+        buffer.max_tokens,
+        buffer.num_captures,
+        buffer.hidden_size,
+        str(buffer.aux.dtype).replace("torch.", ""),
+        nbytes / 2**20,
+        buffer.aux.device,
+        sizing.reason,
+        _capture_path(state),
         f"; self-check of the first {state.verify_total} eager forwards"
-        if state.verify_total else "")
+        if state.verify_total
+        else "",
+    )
     if state.copy_out:
-        logger.info("eagle_capture: responses may return hidden states (mode %s%s): the "
-                    "LogitsProcessor gets a copy of the captures each forward, not the "
-                    "buffer SGLang's asynchronous host copy would read", returned,
-                    ", capture-only" if capture_only else "")
+        logger.info(
+            "eagle_capture: responses may return hidden states (mode %s%s): the "
+            "LogitsProcessor gets a copy of the captures each forward, not the "
+            "buffer SGLang's asynchronous host copy would read",
+            returned,
+            ", capture-only" if capture_only else "",
+        )
     return buffer
-
-
 
 
 def capture_site(model):
@@ -316,8 +380,15 @@ def capture_site(model):
     return None
 
 
-def id_problems(layers, num_layers: int, draft_config: Optional[dict], draft_ids,
-                architecture: str, version: str, env=os.environ) -> list[str]:
+def id_problems(
+    layers,
+    num_layers: int,
+    draft_config: Optional[dict],
+    draft_ids,
+    architecture: str,
+    version: str,
+    env=os.environ,
+) -> list[str]:
     """The start-up id check (:mod:`eagle_capture.layer_ids.startup`): the layers
     SGLang set against what the draft was trained on, in its trainer's convention.
     A problem is returned; an ambiguous or unknown answer is logged as a warning,
@@ -335,19 +406,28 @@ def id_problems(layers, num_layers: int, draft_config: Optional[dict], draft_ids
     if line is not None and rule is not None and draft_ids is not None:
         predicted = sorted(line.capture_layers(list(draft_ids), num_layers))
         if predicted != sorted(layers):
-            logger.warning("eagle_capture: the doctor's rule for %s on SGLang %s predicts layers "
-                           "%s for ids %s, SGLang set %s: the check below uses what SGLang set; "
-                           "the doctor's table needs this model re-read", architecture, version,
-                           predicted, list(draft_ids), sorted(layers))
+            logger.warning(
+                "eagle_capture: the doctor's rule for %s on SGLang %s predicts layers "
+                "%s for ids %s, SGLang set %s: the check below uses what SGLang set; "
+                "the doctor's table needs this model re-read",
+                architecture,
+                version,
+                predicted,
+                list(draft_ids),
+                sorted(layers),
+            )
 
     def fix(expected):
         ids = fix_ids(line, expected, num_layers) if line is not None else None
-        return (f"eagle_config.{IDS_KEY} = {ids}" if ids is not None else
-                f"ids that make SGLang capture layers {expected} "
-                f"(`eagle-capture doctor --engine sglang`)")
+        return (
+            f"eagle_config.{IDS_KEY} = {ids}"
+            if ids is not None
+            else f"ids that make SGLang capture layers {expected} "
+            f"(`eagle-capture doctor --engine sglang`)"
+        )
 
     config = draft_config
-    if config is None and draft_ids is not None:   # the config is not visible: SGLang's ids
+    if config is None and draft_ids is not None:  # the config is not visible: SGLang's ids
         config = {"eagle_config": {IDS_KEY: list(draft_ids)}}
     try:
         verdict = startup.check("SGLang", layers, num_layers, config, architecture, fix, env)
@@ -379,13 +459,15 @@ def check_memory(elements: int, causal_lm) -> None:
             f"eagle_capture: the aux buffer needs {nbytes / 2**20:.0f} MiB but only "
             f"{free / 2**20:.0f} MiB of GPU memory is left after SGLang's KV pool (for "
             f"activations and CUDA graphs): lower --mem-fraction-static by about "
-            f"{nbytes / total + 0.01:.2f}, or set {MAX_TOKENS}")
+            f"{nbytes / total + 0.01:.2f}, or set {MAX_TOKENS}"
+        )
 
 
 def _deployment(args, sizing) -> str:
     """What of the deployment decides how the capture runs, in a few words."""
     try:
         from sglang.srt.distributed import get_tp_group
+
         tp = get_tp_group().world_size
     except Exception:  # noqa: BLE001
         tp = "?"
@@ -398,26 +480,42 @@ def _deployment(args, sizing) -> str:
         attention_tp_size,
         dp_attention_enabled,
     )
+
     dp_attention = dp_attention_enabled()
     backend = getattr(comm, "flashinfer_allreduce_fusion_backend", None)
-    fusion = (backend if backend is not None else
-              "on" if getattr(args, "enable_flashinfer_allreduce_fusion", False) else "off")
+    fusion = (
+        backend
+        if backend is not None
+        else "on"
+        if getattr(args, "enable_flashinfer_allreduce_fusion", False)
+        else "off"
+    )
     if tp == 1 or dp_attention:
         fusion = "n/a"
-    graphs = (f"CUDA graphs up to {sizing.graph_tokens} tokens" if sizing.graph_tokens
-              else "no CUDA graphs seen")
-    dp = (f", DP attention (attention-TP {attention_tp_size()}: each rank captures its own "
-          f"requests' rows)" if dp_attention else "")
-    return (f"TP {tp}{dp}, all-reduce fusion {fusion} (captures its reduced residual_out), "
-            f"{graphs}")
+    graphs = (
+        f"CUDA graphs up to {sizing.graph_tokens} tokens"
+        if sizing.graph_tokens
+        else "no CUDA graphs seen"
+    )
+    dp = (
+        f", DP attention (attention-TP {attention_tp_size()}: each rank captures its own "
+        f"requests' rows)"
+        if dp_attention
+        else ""
+    )
+    return f"TP {tp}{dp}, all-reduce fusion {fusion} (captures its reduced residual_out), {graphs}"
 
 
 def _capture_path(state) -> str:
     fused = f"; {state.allreduce.describe()}" if state.allreduce is not None else ""
     if not state.residual_in_slot_enabled:
         return "residual stored in place and copied into its slot" + fused
-    above = (f" for forwards over {state.residual_in_slot_above} tokens (smaller ones: SGLang's "
-             f"all-reduce fusion size, stored in place and copied)" if state.residual_in_slot_above else "")
+    above = (
+        f" for forwards over {state.residual_in_slot_above} tokens (smaller ones: SGLang's "
+        f"all-reduce fusion size, stored in place and copied)"
+        if state.residual_in_slot_above
+        else ""
+    )
     return f"residual written into its slot, no extra write{above}" + fused
 
 
@@ -448,6 +546,7 @@ def _process_group(getter: str, like):
     ranks; else None."""
     try:
         from sglang.srt.distributed import parallel_state
+
         group = getattr(parallel_state, getter)()
     except Exception:  # noqa: BLE001 - outside a server
         return None
@@ -459,13 +558,16 @@ def _process_group(getter: str, like):
 def _tp_rank() -> Any:
     def rank():
         from sglang.srt.distributed import get_tp_group
+
         return get_tp_group().rank_in_group
+
     return rank_or_unknown(rank)
 
 
 def _sglang_version() -> str:
     try:
         from importlib.metadata import version
+
         return version("sglang")
     except Exception:  # noqa: BLE001
         return "unknown"
@@ -473,24 +575,29 @@ def _sglang_version() -> str:
 
 # ---------------------------------------------------------------- draft config
 
+
 def read_draft_config(server_args) -> Optional[dict]:
     """The draft's ``config.json`` as SGLang will load it (a local folder, or the
     Hugging Face cache); None when it cannot be seen from here."""
     from eagle_capture.layer_ids.startup import find_draft_config
 
-    return find_draft_config(getattr(server_args, "speculative_draft_model_path", None),
-                             getattr(server_args, "speculative_draft_model_revision", None))
+    return find_draft_config(
+        getattr(server_args, "speculative_draft_model_path", None),
+        getattr(server_args, "speculative_draft_model_revision", None),
+    )
 
 
-def draft_config_problems(config: Optional[dict], layers: list[int],
-                          hidden_size: int) -> list[str]:
+def draft_config_problems(config: Optional[dict], layers: list[int], hidden_size: int) -> list[str]:
     """The draft's input width (its fc: number of captured states x target hidden size)
     vs what the target will capture. Which layers those are is the id check's."""
     if config is None:
-        logger.info("eagle_capture: the draft's config.json is not visible here: its input "
-                    "width is not checked")
+        logger.info(
+            "eagle_capture: the draft's config.json is not visible here: its input "
+            "width is not checked"
+        )
         return []
     from eagle_capture.layer_ids.lines import CapturePlanError, read_draft_ids
+
     try:
         draft = read_draft_ids(config)
     except CapturePlanError as e:
@@ -510,5 +617,6 @@ def draft_config_problems(config: Optional[dict], layers: list[int],
         problems.append(
             f"the draft ({arch or 'unknown architecture'}) expects {expected} x "
             f"{target_hidden} input features but the target captures {len(layers)} layers "
-            f"{layers} of width {hidden_size}")
+            f"{layers} of width {hidden_size}"
+        )
     return problems

@@ -64,12 +64,24 @@ def specs(directory: str, layers, num_layers: int) -> list[dict]:
     base = {"hook_factory": FACTORY}
 
     def spec(name, targets, **config):
-        return dict(base, name=name, target_modules=targets,
-                    config=dict(config, dir=str(directory), layers=sorted(layers),
-                                num_layers=num_layers))
+        return dict(
+            base,
+            name=name,
+            target_modules=targets,
+            config=dict(config, dir=str(directory), layers=sorted(layers), num_layers=num_layers),
+        )
+
     out = [spec("eagle_probe_embed", _patterns("embed_tokens"), role="embed")]
-    out += [spec(f"eagle_probe_layer_{c}", _patterns(f"layers.{c}.input_layernorm"),
-                 role="state", layer=c) for c in sorted(layers) if c < num_layers]
+    out += [
+        spec(
+            f"eagle_probe_layer_{c}",
+            _patterns(f"layers.{c}.input_layernorm"),
+            role="state",
+            layer=c,
+        )
+        for c in sorted(layers)
+        if c < num_layers
+    ]
     out.append(spec("eagle_probe_final", _patterns("norm"), role="final"))
     return out
 
@@ -78,6 +90,7 @@ def _tp() -> tuple[int, int]:
     """This process's (TP rank, TP size): SGLang's TP group (parallel_state in every line
     read; 0.5.23's package no longer re-exports the rank helpers)."""
     from sglang.srt.distributed.parallel_state import get_tp_group
+
     group = get_tp_group()
     return group.rank_in_group, group.world_size
 
@@ -98,20 +111,29 @@ class _Capture:
         self.num_layers = int(config["num_layers"])
         self.seq = 0
         self.forward: Optional[dict] = None
-        self.modules: dict = {}      # role -> the module it fired on (one per role)
+        self.modules: dict = {}  # role -> the module it fired on (one per role)
         self.registered: set = set()
 
     def hello(self, config: dict) -> None:
         """Say that this rank registered ``config``'s spec (the probe waits for every
         rank's before it sends a prompt)."""
         rank, tp = _tp()
-        self.registered.add(config["role"] if config["role"] != "state"
-                            else f"layer {config['layer']}")
+        self.registered.add(
+            config["role"] if config["role"] != "state" else f"layer {config['layer']}"
+        )
         path = os.path.join(self.dir, f"hello.{rank}.json")
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump({"rank": rank, "tp": tp, "pid": os.getpid(), "device": _device(),
-                       "specs": sorted(self.registered)}, f)
+            json.dump(
+                {
+                    "rank": rank,
+                    "tp": tp,
+                    "pid": os.getpid(),
+                    "device": _device(),
+                    "specs": sorted(self.registered),
+                },
+                f,
+            )
         os.replace(tmp, path)
 
     def _once(self, role, module) -> None:
@@ -120,7 +142,8 @@ class _Capture:
         seen = self.modules.setdefault(role, id(module))
         if seen != id(module):
             self._current()["errors"].append(
-                f"the hook for {role} ran on two modules ({type(module).__name__})")
+                f"the hook for {role} ran on two modules ({type(module).__name__})"
+            )
 
     def _current(self) -> dict:
         if self.forward is None:
@@ -129,7 +152,7 @@ class _Capture:
 
     def on_embed(self, module, args, output) -> None:
         self._once("embed", module)
-        self.forward = None             # a new forward starts at the embedding
+        self.forward = None  # a new forward starts at the embedding
         fwd = self._current()
         ids = args[0] if args else None
         if isinstance(ids, torch.Tensor):
@@ -140,8 +163,11 @@ class _Capture:
     def _state(self, c: int, args, output) -> None:
         # (normed, residual) after the add: the residual is the stream at c; a call
         # without a residual normalises the stream itself, its input.
-        if isinstance(output, (tuple, list)) and len(output) >= 2 \
-                and isinstance(output[1], torch.Tensor):
+        if (
+            isinstance(output, (tuple, list))
+            and len(output) >= 2
+            and isinstance(output[1], torch.Tensor)
+        ):
             state = output[1]
         else:
             state = args[0]
@@ -161,13 +187,16 @@ class _Capture:
     def _write(self, fwd: dict) -> None:
         rank, tp = _tp()
         states = {c: torch.cat(fwd["states"][c]) for c in self.layers if fwd["states"].get(c)}
-        record = {"rank": rank, "tp": tp, "input_ids": fwd["input_ids"],
-                  "errors": fwd["errors"],
-                  "rows": {c: int(states[c].shape[0]) if c in states else 0
-                           for c in self.layers},
-                  "width": {c: int(states[c].shape[-1]) for c in states},
-                  "digest": {c: digest(s) for c, s in states.items()},
-                  "device": str(next(iter(states.values())).device) if states else "?"}
+        record = {
+            "rank": rank,
+            "tp": tp,
+            "input_ids": fwd["input_ids"],
+            "errors": fwd["errors"],
+            "rows": {c: int(states[c].shape[0]) if c in states else 0 for c in self.layers},
+            "width": {c: int(states[c].shape[-1]) for c in states},
+            "digest": {c: digest(s) for c, s in states.items()},
+            "device": str(next(iter(states.values())).device) if states else "?",
+        }
         if rank == 0:
             record["states"] = {c: s.cpu() for c, s in states.items()}
             record["embeds"] = fwd["embeds"].cpu() if fwd["embeds"] is not None else None

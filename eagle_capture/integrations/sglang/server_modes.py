@@ -12,17 +12,34 @@ import torch
 
 from eagle_capture.integrations.core.errors import UnsupportedServer
 
-__all__ = ["allreduce_fusion_max_tokens", "attention_tp_gather", "attention_tp_size",
-           "aux_capture_only", "capture_only_of_args", "capturing_cuda_graph",
-           "dp_attention_enabled", "ffn_on_rank_rows", "flashinfer_allreduce_unavailable",
-           "in_compiled_region", "refuse_unsupported_modes", "return_hidden_states_mode",
-           "return_mode_of_args", "rows_may_scatter", "runtime_modes", "scattered_captures",
-           "server_args", "UnsupportedServer"]
+__all__ = [
+    "allreduce_fusion_max_tokens",
+    "attention_tp_gather",
+    "attention_tp_size",
+    "aux_capture_only",
+    "capture_only_of_args",
+    "capturing_cuda_graph",
+    "dp_attention_enabled",
+    "ffn_on_rank_rows",
+    "flashinfer_allreduce_unavailable",
+    "in_compiled_region",
+    "refuse_unsupported_modes",
+    "return_hidden_states_mode",
+    "return_mode_of_args",
+    "rows_may_scatter",
+    "runtime_modes",
+    "scattered_captures",
+    "server_args",
+    "UnsupportedServer",
+]
 
 
 def flashinfer_allreduce_unavailable() -> Optional[bool]:
-    fn = getattr(sys.modules.get("sglang.srt.layers.flashinfer_comm_fusion"),
-                 "is_flashinfer_allreduce_unavailable", None)
+    fn = getattr(
+        sys.modules.get("sglang.srt.layers.flashinfer_comm_fusion"),
+        "is_flashinfer_allreduce_unavailable",
+        None,
+    )
     try:
         return bool(fn()) if fn is not None else None
     except Exception:  # noqa: BLE001
@@ -39,9 +56,11 @@ def in_compiled_region() -> bool:
     compile_module = sys.modules.get("sglang.srt.compilation.compile")
     # The trampoline's own switch: the _COMPILE_ENABLED context variable in 0.5.9,
     # is_in_piecewise_cuda_graph() in 0.5.13, is_in_tc_piecewise_cuda_graph() from 0.5.18.
-    flag = (getattr(compile_module, "is_in_tc_piecewise_cuda_graph", None)
-            or getattr(compile_module, "is_in_piecewise_cuda_graph", None)
-            or getattr(getattr(compile_module, "_COMPILE_ENABLED", None), "get", None))
+    flag = (
+        getattr(compile_module, "is_in_tc_piecewise_cuda_graph", None)
+        or getattr(compile_module, "is_in_piecewise_cuda_graph", None)
+        or getattr(getattr(compile_module, "_COMPILE_ENABLED", None), "get", None)
+    )
     try:
         return bool(flag()) if flag is not None else False
     except Exception:  # noqa: BLE001 - a flag we cannot read is "not compiled"
@@ -55,6 +74,7 @@ def allreduce_fusion_max_tokens() -> int:
     fusion is on is not read: a forward it does not take only loses path f."""
     try:
         from sglang.srt.distributed import get_tensor_model_parallel_world_size
+
         tp = get_tensor_model_parallel_world_size()
     except Exception:  # noqa: BLE001 - not an SGLang process (or not initialised)
         return 0
@@ -64,15 +84,17 @@ def allreduce_fusion_max_tokens() -> int:
         limit = getattr(sys.modules.get(name), "FUSE_ALLREDUCE_MAX_BATCH_SIZE", None)
         if isinstance(limit, int):
             return limit
-    return 2048   # the value of every line read (0.5.9 - 0.5.23)
+    return 2048  # the value of every line read (0.5.9 - 0.5.23)
 
 
 def server_args():
     """SGLang's server arguments where this version exposes them (the accessor
     moved: ``runtime_context.get_server_args`` in 0.5.22+, before that
     ``server_args.get_global_server_args``); None outside a server."""
-    for module_name, getter in (("sglang.srt.runtime_context", "get_server_args"),
-                                ("sglang.srt.server_args", "get_global_server_args")):
+    for module_name, getter in (
+        ("sglang.srt.runtime_context", "get_server_args"),
+        ("sglang.srt.server_args", "get_global_server_args"),
+    ):
         fn = getattr(sys.modules.get(module_name), getter, None)
         if fn is None:
             continue
@@ -139,8 +161,9 @@ def return_mode_of_args(args) -> Optional[str]:
     mode = _resolved(args, "return_hidden_states_mode")
     if mode in ("last", "full"):
         return mode
-    if _resolved(args, "enable_return_hidden_states", False) \
-            or _resolved(args, "enable_return_aux_hidden_states", False):
+    if _resolved(args, "enable_return_hidden_states", False) or _resolved(
+        args, "enable_return_aux_hidden_states", False
+    ):
         return "full"
     return None
 
@@ -181,6 +204,7 @@ def runtime_modes() -> dict:
     (every line 0.5.9 - 0.5.23): from 0.5.20 the server-args record keeps only the
     command line, so auto-enabled modes (DeepSeek-V3.2's prefill context
     parallelism turning on DP attention and DeepEP, say) are missing there."""
+
     def call(module_name, fn_name):
         fn = getattr(sys.modules.get(module_name), fn_name, None)
         try:
@@ -196,10 +220,17 @@ def runtime_modes() -> dict:
         "enable_two_batch_overlap": call("sglang.srt.layers.moe.utils", "is_tbo_enabled"),
         "moe_a2a_backend": None if is_none is None or is_none() else getattr(a2a, "value", a2a),
         # 0.5.9 / 0.5.13 have the helper; 0.5.20+ only the parallel context.
-        "attn_cp_size": next((v for v in (call("sglang.srt.layers.dp_attention",
-                                               "get_attention_cp_size"),
-                                          getattr(parallel, "attn_cp_size", None))
-                              if v is not None), None),
+        "attn_cp_size": next(
+            (
+                v
+                for v in (
+                    call("sglang.srt.layers.dp_attention", "get_attention_cp_size"),
+                    getattr(parallel, "attn_cp_size", None),
+                )
+                if v is not None
+            ),
+            None,
+        ),
         "enable_layernorm_sp": getattr(parallel, "enable_layernorm_sp", None),
     }
 
@@ -239,15 +270,15 @@ def scattered_captures(model: torch.nn.Module, layer_ids: list[int]) -> frozense
     dense_on_rank_rows = getattr(args, "moe_dense_tp_size", None) == 1
     out = set()
     for i in layer_ids:
-        modes = getattr(getattr(model.layers[i], "layer_communicator", None),
-                        "layer_scatter_modes", None)
+        modes = getattr(
+            getattr(model.layers[i], "layer_communicator", None), "layer_scatter_modes", None
+        )
         if modes is not None:
             if getattr(modes.layer_input_mode, "name", None) == "SCATTERED":
                 out.add(i)
             continue
         previous = model.layers[i - 1]
-        if (scattered_fn() if getattr(previous, "is_layer_sparse", False)
-                else dense_on_rank_rows):
+        if scattered_fn() if getattr(previous, "is_layer_sparse", False) else dense_on_rank_rows:
             out.add(i)
     return frozenset(out)
 
@@ -277,6 +308,7 @@ def attention_tp_gather(rows: torch.Tensor) -> torch.Tensor:
     """Every attention-TP rank's ``rows`` stacked in rank order, by SGLang's own
     group (``GroupCoordinator.all_gather(dim=0)``: its communicator)."""
     from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
     return get_attn_tp_group().all_gather(rows.contiguous(), dim=0)
 
 
@@ -300,8 +332,10 @@ def refuse_unsupported_modes() -> None:
 
     refused = []
     if mode("enable_two_batch_overlap", False):
-        refused.append("two-batch overlap (enable_two_batch_overlap): the input norm runs on "
-                       "half-batches, each of which would overwrite the slot's first rows")
+        refused.append(
+            "two-batch overlap (enable_two_batch_overlap): the input norm runs on "
+            "half-batches, each of which would overwrite the slot's first rows"
+        )
     # DP attention is served: each rank's input norm sees that rank's own (padded)
     # rows, exactly what SGLang captures there and hands that rank's draft. Rows
     # token-scattered over an attention-TP group of several ranks (an all-to-all
@@ -309,18 +343,26 @@ def refuse_unsupported_modes() -> None:
     # gathered (scattered_captures), which needs the group's size.
     on_rank_rows = ffn_on_rank_rows()
     if attention_tp_size() is None and on_rank_rows:
-        refused.append(f"{on_rank_rows} with an attention-TP group whose size cannot be read: "
-                       f"the captured rows may be scattered over it")
+        refused.append(
+            f"{on_rank_rows} with an attention-TP group whose size cannot be read: "
+            f"the captured rows may be scattered over it"
+        )
     cp = mode("attn_cp_size", 1)
     if cp not in (None, 1):
-        refused.append(f"context parallelism (attn_cp_size={cp}): each rank holds a slice of "
-                       f"the tokens")
+        refused.append(
+            f"context parallelism (attn_cp_size={cp}): each rank holds a slice of the tokens"
+        )
     if mode("enable_layernorm_sp", False):
         # SGLang itself refuses it for DeepSeek / Kimi and for any speculative
         # decoding (0.5.20 - 0.5.23); refused here too, should that change.
-        refused.append("layernorm sequence parallelism (enable_layernorm_sp): the residual is "
-                       "row-sharded over the TP group at the input norm")
+        refused.append(
+            "layernorm sequence parallelism (enable_layernorm_sp): the residual is "
+            "row-sharded over the TP group at the input norm"
+        )
     if refused:
-        raise UnsupportedServer("eagle_capture: install_eagle3_capture does not support "
-                                + "; ".join(refused) + ". Keep SGLang's own capture for this "
-                                "server")
+        raise UnsupportedServer(
+            "eagle_capture: install_eagle3_capture does not support "
+            + "; ".join(refused)
+            + ". Keep SGLang's own capture for this "
+            "server"
+        )

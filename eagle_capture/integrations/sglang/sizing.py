@@ -31,24 +31,25 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 MAX_TOKENS_ENV = "EAGLE_CAPTURE_MAX_TOKENS"
-DEFAULT_MAX_TOKENS = 8192   # SGLang's chunked_prefill_size on an 80 - 160 GB GPU
+DEFAULT_MAX_TOKENS = 8192  # SGLang's chunked_prefill_size on an 80 - 160 GB GPU
 
 
 @dataclass(frozen=True)
 class ServingLimits:
     """SGLang's per-forward limits, None where this process cannot see one."""
+
     chunked_prefill_size: Optional[int] = None
     max_prefill_tokens: Optional[int] = None
     max_running_requests: Optional[int] = None
-    num_draft_tokens: Optional[int] = None          # the largest N (adaptive speculation)
-    decode_graph_max_bs: Optional[int] = None       # verify graphs: max_bs x N tokens
+    num_draft_tokens: Optional[int] = None  # the largest N (adaptive speculation)
+    decode_graph_max_bs: Optional[int] = None  # verify graphs: max_bs x N tokens
     prefill_graph_max_tokens: Optional[int] = None  # prefill / piecewise graphs
 
 
 @dataclass(frozen=True)
 class BufferSize:
     max_tokens: int
-    graph_tokens: int   # the rows CUDA graphs need (a lower bound for any override)
+    graph_tokens: int  # the rows CUDA graphs need (a lower bound for any override)
     reason: str
 
 
@@ -60,16 +61,19 @@ def size_buffer_for(limits: ServingLimits, env=os.environ) -> BufferSize:
     if chunk is not None and chunk > 0:
         terms["chunked_prefill_size"] = chunk
     elif limits.max_prefill_tokens:
-        terms["max_prefill_tokens (chunking off; longer prefills get their own buffer)"] = \
+        terms["max_prefill_tokens (chunking off; longer prefills get their own buffer)"] = (
             limits.max_prefill_tokens
+        )
     n = limits.num_draft_tokens or 1
     if limits.max_running_requests:
-        terms[f"max_running_requests x draft tokens ({limits.max_running_requests} x {n})"] = \
+        terms[f"max_running_requests x draft tokens ({limits.max_running_requests} x {n})"] = (
             limits.max_running_requests * n
+        )
     graph_terms = {}
     if limits.decode_graph_max_bs:
-        graph_terms[f"verify graphs ({limits.decode_graph_max_bs} x {n})"] = \
+        graph_terms[f"verify graphs ({limits.decode_graph_max_bs} x {n})"] = (
             limits.decode_graph_max_bs * n
+        )
     if limits.prefill_graph_max_tokens:
         graph_terms["prefill graphs"] = limits.prefill_graph_max_tokens
     terms.update(graph_terms)
@@ -81,17 +85,22 @@ def size_buffer_for(limits: ServingLimits, env=os.environ) -> BufferSize:
             if rows <= 0:
                 raise ValueError
         except ValueError:
-            raise ValueError(f"{MAX_TOKENS_ENV}={raw!r}: expected a positive number of "
-                             f"tokens") from None
+            raise ValueError(
+                f"{MAX_TOKENS_ENV}={raw!r}: expected a positive number of tokens"
+            ) from None
         if rows < graph_tokens:
             raise ValueError(
                 f"{MAX_TOKENS_ENV}={rows} is below the {graph_tokens} tokens this server's "
                 f"CUDA graphs run in one forward ({', '.join(graph_terms)}): a graph writes "
-                f"its captures at a fixed address, so the buffer must hold them")
+                f"its captures at a fixed address, so the buffer must hold them"
+            )
         return BufferSize(rows, graph_tokens, f"{MAX_TOKENS_ENV}={rows}")
     if not terms:
-        return BufferSize(DEFAULT_MAX_TOKENS, 0,
-                          f"default {DEFAULT_MAX_TOKENS}: no limit readable from SGLang here")
+        return BufferSize(
+            DEFAULT_MAX_TOKENS,
+            0,
+            f"default {DEFAULT_MAX_TOKENS}: no limit readable from SGLang here",
+        )
     rows = max(terms.values())
     why = ", ".join(f"{k} = {v}" for k, v in terms.items())
     return BufferSize(rows, graph_tokens, f"max of {why}")
@@ -119,29 +128,42 @@ def read_limits(server_args=None, runner=None) -> ServingLimits:
     def get(obj, name):
         return getattr(obj, name, None) if obj is not None else None
 
-    decode_bs = _first(get(get(config, "decode"), "max_bs"), get(graph, "cuda_graph_max_bs_decode"),
-                       get(sa, "cuda_graph_max_bs"))
-    prefill_tokens = _first(get(get(config, "prefill"), "max_bs"),
-                            get(graph, "cuda_graph_max_bs_prefill"),
-                            None if get(sa, "disable_piecewise_cuda_graph")
-                            else get(sa, "piecewise_cuda_graph_max_tokens"))
+    decode_bs = _first(
+        get(get(config, "decode"), "max_bs"),
+        get(graph, "cuda_graph_max_bs_decode"),
+        get(sa, "cuda_graph_max_bs"),
+    )
+    prefill_tokens = _first(
+        get(get(config, "prefill"), "max_bs"),
+        get(graph, "cuda_graph_max_bs_prefill"),
+        None
+        if get(sa, "disable_piecewise_cuda_graph")
+        else get(sa, "piecewise_cuda_graph_max_tokens"),
+    )
     if get(graph, "disable_cuda_graph") or get(sa, "disable_cuda_graph"):
         decode_bs = prefill_tokens = None
-    running = _first(get(runner, "max_running_requests"), get(schedule, "max_running_requests"),
-                     get(sa, "max_running_requests"))
+    running = _first(
+        get(runner, "max_running_requests"),
+        get(schedule, "max_running_requests"),
+        get(sa, "max_running_requests"),
+    )
     if decode_bs is not None and running:
-        decode_bs = min(decode_bs, running)   # graphs are captured up to the request pool
+        decode_bs = min(decode_bs, running)  # graphs are captured up to the request pool
     return ServingLimits(
-        chunked_prefill_size=_first(get(schedule, "chunked_prefill_size"),
-                                    get(sa, "chunked_prefill_size")),
-        max_prefill_tokens=_first(get(schedule, "max_prefill_tokens"),
-                                  get(sa, "max_prefill_tokens")),
+        chunked_prefill_size=_first(
+            get(schedule, "chunked_prefill_size"), get(sa, "chunked_prefill_size")
+        ),
+        max_prefill_tokens=_first(
+            get(schedule, "max_prefill_tokens"), get(sa, "max_prefill_tokens")
+        ),
         # The runner's own (per rank, after the KV pool is sized) where it is at hand.
         max_running_requests=running,
-        num_draft_tokens=_first(get(spec, "max_speculative_num_draft_tokens"),
-                                get(spec, "speculative_num_draft_tokens"),
-                                get(sa, "max_speculative_num_draft_tokens"),
-                                get(sa, "speculative_num_draft_tokens")),
+        num_draft_tokens=_first(
+            get(spec, "max_speculative_num_draft_tokens"),
+            get(spec, "speculative_num_draft_tokens"),
+            get(sa, "max_speculative_num_draft_tokens"),
+            get(sa, "speculative_num_draft_tokens"),
+        ),
         decode_graph_max_bs=decode_bs,
         prefill_graph_max_tokens=prefill_tokens,
     )

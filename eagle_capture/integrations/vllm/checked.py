@@ -51,47 +51,70 @@ def check_draft_ids(model, layers, vllm_config=None, env=os.environ) -> None:
 
     if vllm_config is None:
         from vllm.config import get_current_vllm_config
+
         vllm_config = get_current_vllm_config()
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-        else model.config
+    config = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
     num_layers = int(config.num_hidden_layers)
     ids = layer_list(layers, error=WrongCaptureLayers)
     # The served architecture (the registry's key), not the class (ours may wrap it).
-    archs = getattr(getattr(getattr(vllm_config, "model_config", None), "hf_config", None),
-                    "architectures", None) or [type(model).__name__]
+    archs = getattr(
+        getattr(getattr(vllm_config, "model_config", None), "hf_config", None),
+        "architectures",
+        None,
+    ) or [type(model).__name__]
     try:
         verdict = startup.check(
-            "vLLM", ids, num_layers, _draft_config(vllm_config), archs[0],
-            lambda expected: f"eagle_aux_hidden_state_layer_ids = {expected} at the config's "
-                             f"top level", env)
+            "vLLM",
+            ids,
+            num_layers,
+            _draft_config(vllm_config),
+            archs[0],
+            lambda expected: (
+                f"eagle_aux_hidden_state_layer_ids = {expected} at the config's top level"
+            ),
+            env,
+        )
     except ValueError as e:
         raise PluginError(f"eagle_capture: {e}") from None
     if verdict.status == "problem":
-        text = (f"eagle_capture refuses to start this server: the draft would not receive what "
-                f"it was trained on (vLLM's own capture, with or without the plugin): "
-                f"{verdict.text}. Fix the draft config, or set {settings.ON_PROBLEM}=install to "
-                f"serve anyway")
+        text = (
+            f"eagle_capture refuses to start this server: the draft would not receive what "
+            f"it was trained on (vLLM's own capture, with or without the plugin): "
+            f"{verdict.text}. Fix the draft config, or set {settings.ON_PROBLEM}=install to "
+            f"serve anyway"
+        )
         if settings.on_problem(env) == "refuse":
             raise WrongCaptureLayers(text)
-        _log().error("eagle_capture: PROBLEM (%s=install: serving anyway): %s",
-                     settings.ON_PROBLEM, verdict.text)
+        _log().error(
+            "eagle_capture: PROBLEM (%s=install: serving anyway): %s",
+            settings.ON_PROBLEM,
+            verdict.text,
+        )
     elif verdict.status == "ok":
         _log().info("eagle_capture: layer ids: %s", verdict.text)
     else:
         _log().warning("eagle_capture: layer ids %s: %s", verdict.status.upper(), verdict.text)
 
 
-def check_layer_ids(layers, num_layers: int, start_layer: int, end_layer: int,
-                    embedding_id: bool = False) -> list[int]:
+def check_layer_ids(
+    layers, num_layers: int, start_layer: int, end_layer: int, embedding_id: bool = False
+) -> list[int]:
     """The sorted captured layers for vLLM's ids (id k = the input of layer k,
     ``num_layers`` the last layer's output) on the last pipeline stage, which runs
     layers ``[start_layer, end_layer)``, or :class:`WrongCaptureLayers` (the shared
     validation, :func:`eagle_capture.layer_ids.validate.check_capture_layers`).
     ``embedding_id``: the family's loop captures id 0 as the embedding output (else
     it fails there)."""
-    return check_capture_layers(layers, num_layers=num_layers, final_boundary=True,
-                                embedding=embedding_id, stage=(start_layer, end_layer),
-                                error=WrongCaptureLayers)
+    return check_capture_layers(
+        layers,
+        num_layers=num_layers,
+        final_boundary=True,
+        embedding=embedding_id,
+        stage=(start_layer, end_layer),
+        error=WrongCaptureLayers,
+    )
 
 
 class _IdCheck:
@@ -133,8 +156,10 @@ def __getattr__(name: str) -> type:
         cls_name = base.__name__
         # Same name as vLLM's class (its logs and any name check see vLLM's), found here
         # by that name (pickling by reference).
-        made = type(cls_name, (_IdCheck, base), {"__module__": __name__,
-                                                  "__qualname__": cls_name,
-                                                  "__doc__": base.__doc__})
+        made = type(
+            cls_name,
+            (_IdCheck, base),
+            {"__module__": __name__, "__qualname__": cls_name, "__doc__": base.__doc__},
+        )
         _MADE[name] = _MADE[cls_name] = made
     return _MADE[name]

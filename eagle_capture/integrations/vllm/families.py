@@ -23,9 +23,9 @@ from dataclasses import dataclass
 __all__ = ["CARRIED", "FAMILIES", "Family", "LAST_STAGE", "STAGE_RELATIVE", "family_of_arch"]
 
 # What vLLM's loop does with the captures when the model is split over pipeline stages:
-LAST_STAGE = "last stage"        # the earlier stages' captures are dropped: the fused capture
+LAST_STAGE = "last stage"  # the earlier stages' captures are dropped: the fused capture
 #                                  serves the last stage, ids in another stage are refused
-CARRIED = "carried"              # supports_aux_hidden_states_over_pp: earlier stages pack theirs
+CARRIED = "carried"  # supports_aux_hidden_states_over_pp: earlier stages pack theirs
 #                                  into the IntermediateTensors; left to vLLM's own capture
 STAGE_RELATIVE = "stage relative"  # the loop numbers ids from its stage's first layer: at PP > 1
 #                                    it captures other layers than the ids say (refused)
@@ -34,24 +34,36 @@ STAGE_RELATIVE = "stage relative"  # the loop numbers ids from its stage's first
 @dataclass(frozen=True)
 class Family:
     name: str
-    architectures: tuple[str, ...]   # vLLM registry names whose class gets the capture
-    embedding_id: bool               # id 0 = the embedding output (else vLLM's loop fails there)
-    pipeline: str                    # LAST_STAGE, CARRIED or STAGE_RELATIVE
+    architectures: tuple[str, ...]  # vLLM registry names whose class gets the capture
+    embedding_id: bool  # id 0 = the embedding output (else vLLM's loop fails there)
+    pipeline: str  # LAST_STAGE, CARRIED or STAGE_RELATIVE
 
 
 FAMILIES = (
     # DeepseekV2Model.forward: `hidden_states + residual` inline, before layer idx; id 0 has
     # residual None (TypeError). Kimi-K2.5 / Kimi-VL build their language model as
     # DeepseekV2ForCausalLM through the registry.
-    Family("DeepseekV2", ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
-           embedding_id=False, pipeline=LAST_STAGE),
+    Family(
+        "DeepseekV2",
+        ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+        embedding_id=False,
+        pipeline=LAST_STAGE,
+    ),
     # LlamaModel / Qwen2Model (Qwen3Model is Qwen2's; MistralModel is Llama's):
     # EagleModelMixin._maybe_add_hidden_state -- id start_layer on the first stage (the
     # embedding: residual None), id idx + 1 after layer idx; supports_aux_hidden_states_over_pp.
-    Family("Llama", ("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"),
-           embedding_id=True, pipeline=CARRIED),
-    Family("Qwen2 / Qwen3", ("Qwen2ForCausalLM", "Qwen3ForCausalLM"),
-           embedding_id=True, pipeline=CARRIED),
+    Family(
+        "Llama",
+        ("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"),
+        embedding_id=True,
+        pipeline=CARRIED,
+    ),
+    Family(
+        "Qwen2 / Qwen3",
+        ("Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+        embedding_id=True,
+        pipeline=CARRIED,
+    ),
     # Qwen3MoeModel / GptOssModel: the same mixin calls with absolute ids (id start_layer on
     # every stage), no carrying over PP: like DeepseekV2, only the last stage's reach the draft.
     Family("Qwen3-MoE", ("Qwen3MoeForCausalLM",), embedding_id=True, pipeline=LAST_STAGE),

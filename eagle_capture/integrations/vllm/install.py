@@ -46,8 +46,14 @@ from eagle_capture.integrations.vllm.norms import (
 from eagle_capture.integrations.vllm.sizing import buffer_rows
 from eagle_capture.integrations.vllm.state import CaptureState, log
 
-__all__ = ["ADDITIONAL_CONFIG_KEY", "draft_width_problem", "fused_add_rms_norm_provider",
-           "install", "keeps_allreduce_fusion", "uninstall"]
+__all__ = [
+    "ADDITIONAL_CONFIG_KEY",
+    "draft_width_problem",
+    "fused_add_rms_norm_provider",
+    "install",
+    "keeps_allreduce_fusion",
+    "uninstall",
+]
 
 # The key of the install in vLLM's additional_config, which its compile-cache key hashes.
 ADDITIONAL_CONFIG_KEY = "eagle_capture"
@@ -63,14 +69,18 @@ def keeps_allreduce_fusion(vllm_config, compiled: bool) -> bool:
     from vllm.distributed import get_tensor_model_parallel_world_size
 
     pass_config = getattr(getattr(vllm_config, "compilation_config", None), "pass_config", None)
-    return (compiled and bool(getattr(pass_config, "fuse_allreduce_rms", False))
-            and get_tensor_model_parallel_world_size() > 1)
+    return (
+        compiled
+        and bool(getattr(pass_config, "fuse_allreduce_rms", False))
+        and get_tensor_model_parallel_world_size() > 1
+    )
 
 
 def fused_add_rms_norm_provider(like: torch.Tensor) -> str:
     """Which implementation of vLLM's ``fused_add_rms_norm`` runs for tensors
     like ``like`` (its IR op's current priority)."""
     from vllm import ir
+
     op = ir.ops.fused_add_rms_norm
     x = torch.zeros(2, like.shape[-1], dtype=like.dtype, device=like.device)
     return op.dispatch(x, x.clone(), torch.ones_like(x[0]), 1e-6, None).provider
@@ -97,8 +107,10 @@ def draft_width_problem(vllm_config, num_captures: int, hidden_size: int) -> Opt
     expected = getattr(draft, "num_aux_hidden_states", None) or (len(ids) if ids else 3)
     target_hidden = getattr(draft, "target_hidden_size", None) or hidden_size
     if expected != num_captures or target_hidden != hidden_size:
-        return (f"the draft expects {expected} x {target_hidden} input features but the target "
-                f"captures {num_captures} layers of width {hidden_size}")
+        return (
+            f"the draft expects {expected} x {target_hidden} input features but the target "
+            f"captures {num_captures} layers of width {hidden_size}"
+        )
     return None
 
 
@@ -116,39 +128,52 @@ def install(causal_lm, layers) -> CaptureState:
         raise UnsupportedServer(
             f"{pp.world_size} pipeline stages: vLLM's {family.name} loop carries the earlier "
             f"stages' captures to the last one (IntermediateTensors); the fused capture serves "
-            f"one stage")
+            f"one stage"
+        )
     if pp.world_size > 1 and family.pipeline == STAGE_RELATIVE:
         raise WrongCaptureLayers(
             f"eagle_capture: {pp.world_size} pipeline stages: vLLM's {family.name} loop numbers "
             f"the aux ids from its stage's first layer (layers {model.start_layer}.."
             f"{model.end_layer - 1} here), so on the last stage id k captures the input of "
             f"layer start + k, not of layer k: the draft would get other layers than "
-            f"{list(layers)}. Serve without pipeline parallelism")
+            f"{list(layers)}. Serve without pipeline parallelism"
+        )
     if not pp.is_last_rank:
-        raise UnsupportedServer("not the last pipeline stage (vLLM drops aux hidden states "
-                                "captured here; its runner asks only the last stage)")
-    captured = check_layer_ids(layers, num_layers, model.start_layer, model.end_layer,
-                               family.embedding_id)
+        raise UnsupportedServer(
+            "not the last pipeline stage (vLLM drops aux hidden states "
+            "captured here; its runner asks only the last stage)"
+        )
+    captured = check_layer_ids(
+        layers, num_layers, model.start_layer, model.end_layer, family.embedding_id
+    )
     vllm_config = getattr(model, "vllm_config", None) or get_current_vllm_config()
     problem = draft_width_problem(vllm_config, len(captured), hidden)
     if problem:
         raise WrongCaptureLayers(f"eagle_capture: {problem}")
-    check_draft_ids(causal_lm, layers, vllm_config)   # what the draft was trained on
+    check_draft_ids(causal_lm, layers, vllm_config)  # what the draft was trained on
     decoder_layers = [model.layers[i] for i in range(model.start_layer, model.end_layer)]
     if any(getattr(layer, "use_sequence_parallel_moe", False) for layer in decoder_layers):
-        raise UnsupportedServer("sequence-parallel MoE: the captured rows are token-scattered "
-                                "over the TP group and vLLM all-gathers each capture")
-    norms = {i: (model.norm if i == model.end_layer else model.layers[i].input_layernorm)
-             for i in captured}
+        raise UnsupportedServer(
+            "sequence-parallel MoE: the captured rows are token-scattered "
+            "over the TP group and vLLM all-gathers each capture"
+        )
+    norms = {
+        i: (model.norm if i == model.end_layer else model.layers[i].input_layernorm)
+        for i in captured
+    }
     for i, norm in norms.items():
         if not plain_rmsnorm(norm):
-            raise UnsupportedServer(f"layer {i}'s norm is {type(norm).__name__} (the fused "
-                                    f"capture replaces vLLM's plain weighted RMSNorm)")
+            raise UnsupportedServer(
+                f"layer {i}'s norm is {type(norm).__name__} (the fused "
+                f"capture replaces vLLM's plain weighted RMSNorm)"
+            )
     weight = norms[captured[0]].weight
     if weight.device.type not in ops.KERNEL_DEVICE_TYPES | {"cpu"} or torch.version.hip:
-        raise UnsupportedServer(f"the model is on {weight.device} "
-                                f"({'ROCm' if torch.version.hip else weight.device.type}): the "
-                                f"kernels run on CUDA and the CPU path on CPU")
+        raise UnsupportedServer(
+            f"the model is on {weight.device} "
+            f"({'ROCm' if torch.version.hip else weight.device.type}): the "
+            f"kernels run on CUDA and the CPU path on CPU"
+        )
     compiled = not getattr(model, "do_not_compile", True)
     rows, rows_reason = buffer_rows(vllm_config, compiled)
     # Match vLLM's own norm: its native implementation (CPU, and CUDA under
@@ -161,9 +186,12 @@ def install(causal_lm, layers) -> CaptureState:
     state.keep_allreduce_fusion = keeps_allreduce_fusion(vllm_config, compiled)
     state.start_verify(settings.verify_forwards())
     if state.verify_total and compiled:
-        log().warning("eagle_capture: %s=%d needs eager forwards (enforce_eager): the layer "
-                      "loop is compiled here, no self-check runs", settings.VERIFY,
-                      state.verify_total)
+        log().warning(
+            "eagle_capture: %s=%d needs eager forwards (enforce_eager): the layer "
+            "loop is compiled here, no self-check runs",
+            settings.VERIFY,
+            state.verify_total,
+        )
         state.start_verify(0)
     for slot, i in enumerate(captured):
         norm = norms[i]
@@ -171,8 +199,11 @@ def install(causal_lm, layers) -> CaptureState:
         norm._eagle_capture_state = state
         norm._eagle_capture_slot = slot
         norm._eagle_capture_layer = i
-        post = getattr(model.layers[i], "post_attention_layernorm", None) \
-            if i < model.end_layer else None
+        post = (
+            getattr(model.layers[i], "post_attention_layernorm", None)
+            if i < model.end_layer
+            else None
+        )
         if i == model.end_layer:
             norm._eagle_slot_reader = NOBODY
         elif i > 0 and plain_rmsnorm(post):
@@ -181,31 +212,55 @@ def install(causal_lm, layers) -> CaptureState:
             post._eagle_capture_state = state
             post._eagle_capture_layer = i
         else:
-            norm._eagle_slot_reader = None   # path f off: a norm we do not know reads it
+            norm._eagle_slot_reader = None  # path f off: a norm we do not know reads it
     additional = getattr(vllm_config, "additional_config", None)
     if isinstance(additional, dict):
         additional[ADDITIONAL_CONFIG_KEY] = {
-            "layers": captured, "rows": rows, "norm_fp32_sum": norm_fp32_sum,
-            "keep_allreduce_fusion": state.keep_allreduce_fusion}
+            "layers": captured,
+            "rows": rows,
+            "norm_fp32_sum": norm_fp32_sum,
+            "keep_allreduce_fusion": state.keep_allreduce_fusion,
+        }
     elif compiled:
-        log().warning("eagle_capture: vLLM's additional_config is not a dict here: set "
-                      "VLLM_DISABLE_COMPILE_CACHE=1 so that no graph compiled without the "
-                      "capture is loaded")
+        log().warning(
+            "eagle_capture: vLLM's additional_config is not a dict here: set "
+            "VLLM_DISABLE_COMPILE_CACHE=1 so that no graph compiled without the "
+            "capture is loaded"
+        )
     nbytes = buffer.aux.numel() * buffer.aux.element_size()
     default = tuple(captured) == (2, num_layers // 2, num_layers - 3)
     log().info(
         "eagle_capture: fused EAGLE-3 capture ON (vLLM, %s, %s family, TP rank %s): ids %s = "
         "inputs of layers %s%s -> slots 0..%d, buffer [%d, %d, %d] %s = %.1f MiB on %s (%s); "
         "norm as vLLM's %s fused_add_rms_norm (%s sum); %s%s",
-        type(causal_lm).__name__, family.name, _tp_rank(), list(layers), captured,
-        " (vLLM's defaults)" if default else "", len(captured) - 1, rows, len(captured), hidden,
-        str(weight.dtype).replace("torch.", ""), nbytes / 2**20, weight.device, rows_reason,
-        provider, "fp32" if norm_fp32_sum else "rounded",
-        ("traced into vLLM's torch.compile graph" + (
-            " after vLLM's own norm, which its all-reduce + RMSNorm fusion pass keeps fusing"
-            if state.keep_allreduce_fusion else "")) if compiled
+        type(causal_lm).__name__,
+        family.name,
+        _tp_rank(),
+        list(layers),
+        captured,
+        " (vLLM's defaults)" if default else "",
+        len(captured) - 1,
+        rows,
+        len(captured),
+        hidden,
+        str(weight.dtype).replace("torch.", ""),
+        nbytes / 2**20,
+        weight.device,
+        rows_reason,
+        provider,
+        "fp32" if norm_fp32_sum else "rounded",
+        (
+            "traced into vLLM's torch.compile graph"
+            + (
+                " after vLLM's own norm, which its all-reduce + RMSNorm fusion pass keeps fusing"
+                if state.keep_allreduce_fusion
+                else ""
+            )
+        )
+        if compiled
         else "eager, the new residual written into the slot only (no extra write)",
-        f"; self-check of the first {state.verify_total} forwards" if state.verify_total else "")
+        f"; self-check of the first {state.verify_total} forwards" if state.verify_total else "",
+    )
     return state
 
 
@@ -213,14 +268,20 @@ def uninstall(causal_lm) -> None:
     """vLLM's own norms and capture back (a later install starts from them)."""
     state = causal_lm.__dict__.pop("_eagle_capture", None)
     model = causal_lm.model
-    for norm in [getattr(layer, name, None) for layer in model.layers
-                 for name in ("input_layernorm", "post_attention_layernorm")] + \
-            [getattr(model, "norm", None)]:
+    for norm in [
+        getattr(layer, name, None)
+        for layer in model.layers
+        for name in ("input_layernorm", "post_attention_layernorm")
+    ] + [getattr(model, "norm", None)]:
         base = getattr(type(norm), "_eagle_capture_base", None)
         if base is not None:
             norm.__class__ = base
-            for name in ("_eagle_capture_state", "_eagle_capture_slot", "_eagle_capture_layer",
-                         "_eagle_slot_reader"):
+            for name in (
+                "_eagle_capture_state",
+                "_eagle_capture_slot",
+                "_eagle_capture_layer",
+                "_eagle_slot_reader",
+            ):
                 norm.__dict__.pop(name, None)
     if state is not None:
         model.aux_hidden_state_layers = ()
@@ -229,5 +290,7 @@ def uninstall(causal_lm) -> None:
 def _tp_rank():
     def rank():
         from vllm.distributed import get_tensor_model_parallel_rank
+
         return get_tensor_model_parallel_rank()
+
     return rank_or_unknown(rank)

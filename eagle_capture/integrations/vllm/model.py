@@ -45,8 +45,13 @@ from eagle_capture.integrations.vllm.families import family_of_arch
 from eagle_capture.integrations.vllm.install import install, uninstall
 from eagle_capture.integrations.vllm.state import CaptureState, capturing_graph, log
 
-__all__ = ["CaptureState", "EagleCaptureDeepseekV2ForCausalLM",
-           "EagleCaptureDeepseekV3ForCausalLM", "UnsupportedServer", "WrongCaptureLayers"]
+__all__ = [
+    "CaptureState",
+    "EagleCaptureDeepseekV2ForCausalLM",
+    "EagleCaptureDeepseekV3ForCausalLM",
+    "UnsupportedServer",
+    "WrongCaptureLayers",
+]
 
 
 class _FusedCapture:
@@ -56,7 +61,7 @@ class _FusedCapture:
 
     def set_aux_hidden_state_layers(self, layers) -> None:
         model = self.model
-        uninstall(self)   # vLLM may set the layers again: start from vLLM's own model
+        uninstall(self)  # vLLM may set the layers again: start from vLLM's own model
         try:
             state = install(self, layers)
         except UnsupportedServer as e:
@@ -65,42 +70,51 @@ class _FusedCapture:
         except WrongCaptureLayers:
             if settings.on_problem() == "refuse":
                 raise
-            log().exception("eagle_capture: PROBLEM (%s=install): vLLM's own capture serves "
-                            "these ids as it would without the plugin", settings.ON_PROBLEM)
+            log().exception(
+                "eagle_capture: PROBLEM (%s=install): vLLM's own capture serves "
+                "these ids as it would without the plugin",
+                settings.ON_PROBLEM,
+            )
             state = None
         if state is None:
             super().set_aux_hidden_state_layers(layers)
             return
         self._eagle_capture = state
-        model.aux_hidden_state_layers = ()   # vLLM's own add + list never run
+        model.aux_hidden_state_layers = ()  # vLLM's own add + list never run
 
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None,
-                **kwargs):
+    def forward(
+        self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs
+    ):
         state = self._eagle_capture
         if state is None or state.disabled:
-            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds,
-                                   **kwargs)
+            return super().forward(
+                input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs
+            )
         num_tokens = positions.shape[-1]
         eager = not state.compiled and not torch.compiler.is_compiling()
         if eager:
             state.begin(num_tokens)
         elif num_tokens > state.buffer.max_tokens:
-            state.begin(num_tokens)   # raises: a compiled forward cannot overflow
-        hidden_states = super().forward(input_ids, positions, intermediate_tensors,
-                                        inputs_embeds, **kwargs)
+            state.begin(num_tokens)  # raises: a compiled forward cannot overflow
+        hidden_states = super().forward(
+            input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs
+        )
         if isinstance(hidden_states, IntermediateTensors):
             return hidden_states
         if isinstance(hidden_states, tuple):
-            raise RuntimeError("eagle_capture: vLLM's own capture ran next to the fused one "
-                               "(aux_hidden_state_layers was set again after the install)")
+            raise RuntimeError(
+                "eagle_capture: vLLM's own capture ran next to the fused one "
+                "(aux_hidden_state_layers was set again after the install)"
+            )
         views = state.views(num_tokens)
         if eager and not capturing_graph(state.buffer.aux):
             state.check_complete(num_tokens)
             if state.verify_left > 0:
                 _end_verify(self, state, num_tokens)
-                if state.disabled:   # the self-check switched back: vLLM's own result
-                    return super().forward(input_ids, positions, intermediate_tensors,
-                                           inputs_embeds, **kwargs)
+                if state.disabled:  # the self-check switched back: vLLM's own result
+                    return super().forward(
+                        input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs
+                    )
         return hidden_states, views
 
 
@@ -108,18 +122,28 @@ def _end_verify(causal_lm, state: CaptureState, num_tokens: int) -> None:
     mismatches = state.take_verified_forward()
     n = state.verified_forwards
     if mismatches:
-        log().error("eagle_capture: self-check %d/%d FAILED (%d tokens): %s. Switching back "
-                    "to vLLM's own capture", n, state.verify_total, num_tokens,
-                    "; ".join(mismatches))
+        log().error(
+            "eagle_capture: self-check %d/%d FAILED (%d tokens): %s. Switching back "
+            "to vLLM's own capture",
+            n,
+            state.verify_total,
+            num_tokens,
+            "; ".join(mismatches),
+        )
         state.switch_back()
         # vLLM's own set (the mixin families also cache their pipeline layout there).
-        super(_FusedCapture, causal_lm).set_aux_hidden_state_layers(
-            tuple(state.buffer.layer_ids))
+        super(_FusedCapture, causal_lm).set_aux_hidden_state_layers(tuple(state.buffer.layer_ids))
         return
-    log().info("eagle_capture: self-check %d/%d OK (%d tokens): %d captures bit-exact with "
-               "vLLM's hidden_states + residual, normed output within %.3g of vLLM's %s norm",
-               n, state.verify_total, num_tokens, state.buffer.num_captures,
-               state.verify_norm_dev, state.provider)
+    log().info(
+        "eagle_capture: self-check %d/%d OK (%d tokens): %d captures bit-exact with "
+        "vLLM's hidden_states + residual, normed output within %.3g of vLLM's %s norm",
+        n,
+        state.verify_total,
+        num_tokens,
+        state.buffer.num_captures,
+        state.verify_norm_dev,
+        state.provider,
+    )
 
 
 _DEEPSEEK = family_of_arch("DeepseekV2ForCausalLM")
@@ -128,11 +152,13 @@ _DEEPSEEK = family_of_arch("DeepseekV2ForCausalLM")
 class EagleCaptureDeepseekV2ForCausalLM(_FusedCapture, DeepseekV2ForCausalLM):
     """vLLM's DeepseekV2ForCausalLM (and Kimi-K2.5's / Kimi-VL's language model)
     with the fused EAGLE-3 capture."""
+
     _eagle_family = _DEEPSEEK
 
 
 class EagleCaptureDeepseekV3ForCausalLM(_FusedCapture, DeepseekV3ForCausalLM):
     """vLLM's DeepseekV3ForCausalLM (DeepSeek-V3, Kimi-K2) with the fused EAGLE-3 capture."""
+
     _eagle_family = _DEEPSEEK
 
 
@@ -150,13 +176,20 @@ def __getattr__(name: str) -> type:
         family = family_of_arch(name)
     except KeyError:
         raise AttributeError(name) from None
-    if family is _DEEPSEEK:   # the two classes above
+    if family is _DEEPSEEK:  # the two classes above
         raise AttributeError(name)
     base = vllm_class(name)
     if base not in _MADE:
-        _MADE[base] = type(base.__name__, (_FusedCapture, base),
-                           {"__module__": __name__, "__qualname__": base.__name__,
-                            "__doc__": base.__doc__, "_eagle_family": family})
+        _MADE[base] = type(
+            base.__name__,
+            (_FusedCapture, base),
+            {
+                "__module__": __name__,
+                "__qualname__": base.__name__,
+                "__doc__": base.__doc__,
+                "_eagle_family": family,
+            },
+        )
     made = _MADE[base]
-    globals()[base.__name__] = made   # found by its own name too (pickling by reference)
+    globals()[base.__name__] = made  # found by its own name too (pickling by reference)
     return made

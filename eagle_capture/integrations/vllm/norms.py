@@ -38,17 +38,20 @@ def _capture_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
         if eager and not capturing_graph(x):
             state.stored_rows[self._eagle_capture_layer] = x.shape[0]
             if state.verify_left > 0:
-                captured = state.active.aux[:x.shape[0], self._eagle_capture_slot]
+                captured = state.active.aux[: x.shape[0], self._eagle_capture_slot]
                 if not torch.equal(captured, x):
                     state.verify_mismatches.append(
                         f"layer {self._eagle_capture_layer}: capture differs from the "
-                        f"embedding output vLLM captures")
+                        f"embedding output vLLM captures"
+                    )
         return self._eagle_capture_base.forward(self, x, residual)
     reference = None
     if eager and state.verify_left > 0:
         # vLLM's own capture (its expression) and its own norm, on copies.
-        reference = (x + residual, self._eagle_capture_base.forward(self, x.clone(),
-                                                                    residual.clone()))
+        reference = (
+            x + residual,
+            self._eagle_capture_base.forward(self, x.clone(), residual.clone()),
+        )
     aux, slot = state.active.aux, self._eagle_capture_slot
     if state.keep_allreduce_fusion and not eager:
         # vLLM's AllReduceFusionPass matches all_reduce -> its fused_add_rms_norm IR op
@@ -60,22 +63,42 @@ def _capture_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     if eager and state.residual_in_slot and self._eagle_slot_reader is not None:
         # Path f: one write of the new residual, into the slot.
         state.check_slot_consumed()
-        ops.add_rmsnorm_into_slot(x, residual, self.weight, self.variance_epsilon, aux, slot,
-                                  norm_fp32_sum=state.norm_fp32_sum)
-        new_residual = aux[:x.shape[0], slot]
-        if self._eagle_slot_reader == POST_NORM:   # else the final norm's, discarded
+        ops.add_rmsnorm_into_slot(
+            x,
+            residual,
+            self.weight,
+            self.variance_epsilon,
+            aux,
+            slot,
+            norm_fp32_sum=state.norm_fp32_sum,
+        )
+        new_residual = aux[: x.shape[0], slot]
+        if self._eagle_slot_reader == POST_NORM:  # else the final norm's, discarded
             state.pending_slot = SlotResidual(self._eagle_capture_layer, new_residual, residual)
         state.slot_residual_calls += 1
     else:
-        ops.add_rmsnorm_capture(x, residual, self.weight, self.variance_epsilon, aux, slot,
-                                norm_fp32_sum=state.norm_fp32_sum)
+        ops.add_rmsnorm_capture(
+            x,
+            residual,
+            self.weight,
+            self.variance_epsilon,
+            aux,
+            slot,
+            norm_fp32_sum=state.norm_fp32_sum,
+        )
         new_residual = residual
     if eager and not capturing_graph(x):
         state.stored_rows[self._eagle_capture_layer] = x.shape[0]
         state.fused_calls += 1
         if reference is not None:
-            _compare(state, self._eagle_capture_layer, aux[:x.shape[0], slot], x, new_residual,
-                     reference)
+            _compare(
+                state,
+                self._eagle_capture_layer,
+                aux[: x.shape[0], slot],
+                x,
+                new_residual,
+                reference,
+            )
     return x, new_residual
 
 
@@ -85,16 +108,25 @@ def slot_taking_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor] = N
     in-place norm would overwrite the capture), bit-identical to vLLM's."""
     state: CaptureState = self._eagle_capture_state
     pending = state.pending_slot
-    if pending is None or pending.layer_id != self._eagle_capture_layer \
-            or residual is not pending.view:
+    if (
+        pending is None
+        or pending.layer_id != self._eagle_capture_layer
+        or residual is not pending.view
+    ):
         return self._eagle_capture_base.forward(self, x, residual)
     state.pending_slot = None
     spare = pending.spare
     if spare.shape == x.shape and spare.dtype == x.dtype and spare.is_contiguous():
-        ops.add_rmsnorm_out(x, residual, self.weight, self.variance_epsilon, spare,
-                            norm_fp32_sum=state.norm_fp32_sum)
+        ops.add_rmsnorm_out(
+            x,
+            residual,
+            self.weight,
+            self.variance_epsilon,
+            spare,
+            norm_fp32_sum=state.norm_fp32_sum,
+        )
         return x, spare
-    spare = residual.clone()   # vLLM's own norm on a copy (never reached in vLLM 0.32's loops)
+    spare = residual.clone()  # vLLM's own norm on a copy (never reached in vLLM 0.32's loops)
     return self._eagle_capture_base.forward(self, x, spare)
 
 
@@ -102,17 +134,25 @@ def _compare(state: CaptureState, layer: int, captured, normed, residual, refere
     expected, (ref_normed, ref_residual) = reference
     if not torch.equal(captured, expected):
         bad = (captured != expected).any(dim=-1).nonzero().flatten()[:4].tolist()
-        state.verify_mismatches.append(f"layer {layer}: capture differs from vLLM's "
-                                       f"hidden_states + residual (rows {bad}...)")
+        state.verify_mismatches.append(
+            f"layer {layer}: capture differs from vLLM's hidden_states + residual (rows {bad}...)"
+        )
     if not torch.equal(residual, ref_residual):
         state.verify_mismatches.append(f"layer {layer}: new residual differs from vLLM's norm")
-    dev = ((normed.float() - ref_normed.float()).abs()
-           / ref_normed.float().abs().clamp_min(1e-6)).max().item() if normed.numel() else 0.0
+    dev = (
+        ((normed.float() - ref_normed.float()).abs() / ref_normed.float().abs().clamp_min(1e-6))
+        .max()
+        .item()
+        if normed.numel()
+        else 0.0
+    )
     state.verify_norm_dev = max(state.verify_norm_dev, dev)
     rtol = norm_rtol(normed.dtype)
     if beyond_rounding(normed, ref_normed):
-        state.verify_mismatches.append(f"layer {layer}: normed output off vLLM's norm by "
-                                       f"{dev:.3g} (relative, tolerance {rtol:.3g})")
+        state.verify_mismatches.append(
+            f"layer {layer}: normed output off vLLM's norm by "
+            f"{dev:.3g} (relative, tolerance {rtol:.3g})"
+        )
 
 
 # Who reads a captured norm's new residual next, for path f: the layer's post-attention
@@ -135,7 +175,9 @@ def capturing_class(cls: type, forward=_capture_norm) -> type:
     key = (cls, forward)
     if key not in _NORM_CLASSES:
         prefix = "EagleCapture" if forward is _capture_norm else "EagleSlotTaking"
-        _NORM_CLASSES[key] = type(f"{prefix}{cls.__name__}", (cls,),
-                                  {"forward": forward, "_eagle_capture_base": cls,
-                                   "__module__": __name__})
+        _NORM_CLASSES[key] = type(
+            f"{prefix}{cls.__name__}",
+            (cls,),
+            {"forward": forward, "_eagle_capture_base": cls, "__module__": __name__},
+        )
     return _NORM_CLASSES[key]

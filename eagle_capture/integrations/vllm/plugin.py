@@ -51,14 +51,19 @@ def log() -> logging.Logger:
     """The plugin's logger, under vLLM's (:mod:`eagle_capture.integrations.core.log`)."""
     return logger(VLLM_LOGGER)
 
+
 MODEL_MODULE = "eagle_capture.integrations.vllm.model"
 # vLLM architecture -> the capturing class in MODEL_MODULE (same weights): DeepseekV2's two
 # by their own names, each other family's (families.py) under vLLM's class name.
 ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "EagleCaptureDeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "EagleCaptureDeepseekV3ForCausalLM",
-    **{arch: arch for family in FAMILIES if family.name != "DeepseekV2"
-       for arch in family.architectures},
+    **{
+        arch: arch
+        for family in FAMILIES
+        if family.name != "DeepseekV2"
+        for arch in family.architectures
+    },
 }
 
 # vLLM's other EAGLE-3 targets (classes with SupportsEagle3 in vllm 0.32 not in a family;
@@ -68,11 +73,19 @@ ARCHITECTURES = {
 # tests/test_vllm_real.py checks each against vLLM's registry.
 CHECKED_MODULE = "eagle_capture.integrations.vllm.checked"
 CHECKED_ARCHITECTURES = (
-    "Qwen3NextForCausalLM", "Phi3ForCausalLM", "Gemma4ForCausalLM", "Llama4ForCausalLM",
-    "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-    "Qwen3VLMoeForConditionalGeneration", "Llama4ForConditionalGeneration",
-    "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM",
-    "KimiK3ForConditionalGeneration", "KimiK31ForConditionalGeneration",
+    "Qwen3NextForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma4ForCausalLM",
+    "Llama4ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+    "Llama4ForConditionalGeneration",
+    "DeepseekV32ForCausalLM",
+    "DeepseekV4ForCausalLM",
+    "DeepseekV41ForCausalLM",
+    "KimiK3ForConditionalGeneration",
+    "KimiK31ForConditionalGeneration",
 )
 
 
@@ -82,6 +95,7 @@ def vllm_module(module: str) -> str:
     ``vllm.models.deepseek_v4`` (vLLM's ``_resolve_module_name``)."""
     return module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
 
+
 __all__ = ["ARCHITECTURES", "CHECKED_ARCHITECTURES", "PluginError", "register"]
 
 
@@ -90,8 +104,10 @@ def register() -> None:
     logs a plugin's exceptions, so every failure here is one clear error line."""
     try:
         if not switch_on():
-            log().info("eagle_capture: vLLM plugin loaded, off (%s=1 turns on the fused "
-                        "EAGLE-3 capture)", SWITCH)
+            log().info(
+                "eagle_capture: vLLM plugin loaded, off (%s=1 turns on the fused EAGLE-3 capture)",
+                SWITCH,
+            )
             return
         from vllm import ModelRegistry
 
@@ -107,9 +123,16 @@ def register() -> None:
         checked = [arch for arch in CHECKED_ARCHITECTURES if vllms_own(arch)]
         for arch in checked:
             ModelRegistry.register_model(arch, f"{CHECKED_MODULE}:{arch}")
-        log().info("eagle_capture: on (%s=1): vLLM's %s use the fused EAGLE-3 capture; the "
-                    "layer ids of %d other EAGLE-3 architectures are checked at start-up",
-                    SWITCH, ", ".join(fused), len(checked))
+        log().info(
+            "eagle_capture: on (%s=1): vLLM's %s use the fused EAGLE-3 capture; the "
+            "layer ids of %d other EAGLE-3 architectures are checked at start-up",
+            SWITCH,
+            ", ".join(fused),
+            len(checked),
+        )
     except Exception as e:  # noqa: BLE001 - vLLM would log a bare traceback
-        log().error("eagle_capture: the vLLM plugin could not register, vLLM's own capture "
-                     "stays: %s: %s", type(e).__name__, e)
+        log().error(
+            "eagle_capture: the vLLM plugin could not register, vLLM's own capture stays: %s: %s",
+            type(e).__name__,
+            e,
+        )

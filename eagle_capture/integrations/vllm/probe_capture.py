@@ -51,14 +51,20 @@ def pack(t: torch.Tensor) -> dict:
     """A tensor as plain data for ``collective_rpc``'s answer: vLLM's engine-core channel
     (msgpack) sends an untyped result's tensors as bare lists; bytes pass as they are."""
     t = t.detach().contiguous().cpu()
-    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-            "data": t.view(torch.uint8).numpy().tobytes() if t.numel() else b""}
+    return {
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "shape": list(t.shape),
+        "data": t.view(torch.uint8).numpy().tobytes() if t.numel() else b"",
+    }
 
 
 def unpack(d: dict) -> torch.Tensor:
     dtype = getattr(torch, d["dtype"])
-    flat = torch.frombuffer(bytearray(d["data"]), dtype=torch.uint8) if d["data"] \
+    flat = (
+        torch.frombuffer(bytearray(d["data"]), dtype=torch.uint8)
+        if d["data"]
         else torch.empty(0, dtype=torch.uint8)
+    )
     return flat.view(dtype).reshape(d["shape"])
 
 
@@ -71,8 +77,9 @@ def _stream(args, kwargs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     hidden = kwargs.get("hidden_states", kwargs.get("x", floats[0] if floats else None))
     residual = kwargs.get("residual", floats[1] if len(floats) > 1 else None)
     if not isinstance(hidden, torch.Tensor):
-        raise RuntimeError("eagle_capture probe: a decoder layer was called without a hidden "
-                           "states tensor")
+        raise RuntimeError(
+            "eagle_capture probe: a decoder layer was called without a hidden states tensor"
+        )
     return hidden, residual
 
 
@@ -80,18 +87,25 @@ def _decoder_stack(model: nn.Module, num_layers: int) -> tuple[nn.ModuleList, nn
     """The model's decoder layers (the one ModuleList of ``num_layers`` named layers) and
     its final norm (``norm`` beside them): Llama-like families, DeepseekV2, Kimi's
     language model."""
-    found = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m) == num_layers
-             and name.split(".")[-1] in ("layers", "h", "blocks")]
+    found = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList)
+        and len(m) == num_layers
+        and name.split(".")[-1] in ("layers", "h", "blocks")
+    ]
     if len(found) != 1:
-        raise RuntimeError(f"eagle_capture probe: expected one list of {num_layers} decoder "
-                           f"layers in {type(model).__name__}, found {len(found)}")
+        raise RuntimeError(
+            f"eagle_capture probe: expected one list of {num_layers} decoder "
+            f"layers in {type(model).__name__}, found {len(found)}"
+        )
     name, layers = found[0]
     parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     norm = getattr(parent, "norm", None)
     if not isinstance(norm, nn.Module):
-        raise RuntimeError(f"eagle_capture probe: no final norm beside {name} in "
-                           f"{type(model).__name__}")
+        raise RuntimeError(
+            f"eagle_capture probe: no final norm beside {name} in {type(model).__name__}"
+        )
     return layers, norm
 
 
@@ -117,6 +131,7 @@ class ProbeCapture:
                 hidden, residual = _stream(args, kwargs)
                 state = hidden if residual is None else hidden + residual
                 store["states"].setdefault(c, []).append(state.detach().clone())
+
             return hook
 
         def final(module, args, kwargs, output):
@@ -133,9 +148,12 @@ class ProbeCapture:
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
         )
-        return {"rank": get_tensor_model_parallel_rank(),
-                "tp": get_tensor_model_parallel_world_size(),
-                "device": str(next(model.parameters()).device)}
+
+        return {
+            "rank": get_tensor_model_parallel_rank(),
+            "tp": get_tensor_model_parallel_world_size(),
+            "device": str(next(model.parameters()).device),
+        }
 
     def eagle_probe_take(self, token_ids: list) -> dict:
         """This rank's captures of the prompt ``token_ids`` (the rows of the forwards since
@@ -149,13 +167,20 @@ class ProbeCapture:
         n = len(token_ids)
         # Every row since the last call: the prompt's forwards only (one, or its chunks),
         # so exactly n rows per layer; anything else is reported (rows), never trimmed.
-        states = {c: torch.cat(store["states"][c]) if store["states"].get(c)
-                  else torch.empty(0, self._eagle_probe_hidden) for c in store["layers"]}
+        states = {
+            c: torch.cat(store["states"][c])
+            if store["states"].get(c)
+            else torch.empty(0, self._eagle_probe_hidden)
+            for c in store["layers"]
+        }
         final = torch.cat(store["final"]) if store["final"] else None
         store["states"], store["final"] = {}, []
         rows = {c: s.shape[0] for c, s in states.items()}
-        out = {"rows": rows, "width": {c: s.shape[-1] for c, s in states.items()},
-               "digest": {c: pack(digest(s)) for c, s in states.items()}}
+        out = {
+            "rows": rows,
+            "width": {c: s.shape[-1] for c, s in states.items()},
+            "digest": {c: pack(digest(s)) for c, s in states.items()},
+        }
         if final is None or final.shape[0] != n or any(r != n for r in rows.values()):
             out["greedy"] = None
             return out
@@ -164,8 +189,7 @@ class ProbeCapture:
         # rank makes them, in the same order.
         with torch.inference_mode():
             # Chunks bound the [rows, vocabulary] logits (vLLM all-gathers the shards).
-            greedy = [model.compute_logits(final[i:i + 256]).argmax(-1)
-                      for i in range(0, n, 256)]
+            greedy = [model.compute_logits(final[i : i + 256]).argmax(-1) for i in range(0, n, 256)]
             embeds = model.embed_input_ids(torch.as_tensor(token_ids, device=final.device))
         out["greedy"] = pack(torch.cat(greedy))
         if send_states:

@@ -24,11 +24,13 @@ def buffer_rows(vllm_config, compiled: bool, env=os.environ) -> tuple[int, str]:
         if rows < 1:
             raise ValueError
     except ValueError:
-        raise PluginError(f"{settings.MAX_TOKENS}={raw!r}: expected a number of "
-                                   f"tokens >= 1") from None
+        raise PluginError(
+            f"{settings.MAX_TOKENS}={raw!r}: expected a number of tokens >= 1"
+        ) from None
     if rows < limit and compiled:
         raise PluginError(
             f"{settings.MAX_TOKENS}={rows} is below vLLM's max_num_batched_tokens {limit}, and "
             f"a compiled / CUDA-graph forward of more tokens cannot take a buffer of its own: "
-            f"unset it or raise it to {limit}")
+            f"unset it or raise it to {limit}"
+        )
     return rows, f"{settings.MAX_TOKENS}={rows} (vLLM's max_num_batched_tokens {limit})"

@@ -33,14 +33,15 @@ class CaptureState(core.CaptureState):
     captured layer, the rows each stored in the current eager forward, and the
     self-check."""
 
-    def __init__(self, buffer: AuxCaptureBuffer, norm_fp32_sum: bool, provider: str,
-                 compiled: bool) -> None:
+    def __init__(
+        self, buffer: AuxCaptureBuffer, norm_fp32_sum: bool, provider: str, compiled: bool
+    ) -> None:
         super().__init__(buffer)
-        self.active = buffer          # this forward's buffer (an overflow one in eager)
+        self.active = buffer  # this forward's buffer (an overflow one in eager)
         self.norm_fp32_sum = norm_fp32_sum
-        self.provider = provider      # vLLM's fused_add_rms_norm implementation we match
-        self.compiled = compiled      # the layer loop runs under vLLM's torch.compile
-        self.keep_allreduce_fusion = False   # capture after vLLM's norm (keeps_allreduce_fusion)
+        self.provider = provider  # vLLM's fused_add_rms_norm implementation we match
+        self.compiled = compiled  # the layer loop runs under vLLM's torch.compile
+        self.keep_allreduce_fusion = False  # capture after vLLM's norm (keeps_allreduce_fusion)
         # Path f (eager forwards): a captured layer's input norm writes the new
         # residual into its slot only and hands the slot on as the residual; the
         # layer's post-attention norm then writes the next residual into the dead
@@ -63,12 +64,17 @@ class CaptureState(core.CaptureState):
                 f"eagle_capture: a forward of {num_tokens} tokens but the aux buffer has "
                 f"{self.buffer.max_tokens} rows, and a compiled or CUDA-graph forward cannot "
                 f"take a buffer of its own: raise {settings.MAX_TOKENS} to vLLM's "
-                f"max_num_batched_tokens or more")
+                f"max_num_batched_tokens or more"
+            )
         self.active, new = self.buffer_of(num_tokens, self.active)
         if new:
-            log().warning("eagle_capture: a forward of %d tokens exceeds the aux buffer's %d "
-                          "rows: its captures go to a buffer of its own (%d such forwards)",
-                          num_tokens, self.buffer.max_tokens, self.overflow_forwards)
+            log().warning(
+                "eagle_capture: a forward of %d tokens exceeds the aux buffer's %d "
+                "rows: its captures go to a buffer of its own (%d such forwards)",
+                num_tokens,
+                self.buffer.max_tokens,
+                self.overflow_forwards,
+            )
 
     def check_slot_consumed(self) -> None:
         """A residual left in a slot (path f) must have been taken by its layer's
@@ -78,7 +84,8 @@ class CaptureState(core.CaptureState):
             raise RuntimeError(
                 f"eagle_capture: layer {pending.layer_id}'s residual was left in its aux slot "
                 f"but its post-attention norm never took it: this model's layer does something "
-                f"else between its two norms than the loops the plugin was built on")
+                f"else between its two norms than the loops the plugin was built on"
+            )
 
     def check_complete(self, num_tokens: int) -> None:
         """Every captured layer stored ``num_tokens`` rows in this eager forward."""
@@ -88,4 +95,5 @@ class CaptureState(core.CaptureState):
             raise RuntimeError(
                 f"eagle_capture: in a forward of {num_tokens} tokens the captured layers "
                 f"stored {wrong} rows (layer: rows; None = not captured): the draft would get "
-                f"stale rows. Was the model's layer loop or a norm replaced after the install?")
+                f"stale rows. Was the model's layer loop or a norm replaced after the install?"
+            )

@@ -17,8 +17,14 @@ from eagle_capture.integrations.sglang.families.base import Family, UnknownFamil
 
 __all__ = ["FAMILIES", "FUSED_ARCHITECTURES", "Family", "UnknownFamily", "family_of"]
 
-FAMILIES: tuple = (deepseek_v2.FAMILY, llama.FAMILY, qwen_moe.FAMILY, gpt_oss.FAMILY,
-                   glm4_moe.FAMILY, minimax_m2.FAMILY)
+FAMILIES: tuple = (
+    deepseek_v2.FAMILY,
+    llama.FAMILY,
+    qwen_moe.FAMILY,
+    gpt_oss.FAMILY,
+    glm4_moe.FAMILY,
+    minimax_m2.FAMILY,
+)
 
 # Every SGLang class the fused capture installs on.
 FUSED_ARCHITECTURES: tuple = tuple(a for f in FAMILIES for a in f.architectures)
@@ -32,6 +38,8 @@ def family_of(model: torch.nn.Module, *, required: bool = True) -> Optional[Fami
         if name in family.architectures:
             return family
     if required:
-        raise UnknownFamily(f"eagle_capture: no fused capture for SGLang's {name} (families: "
-                            f"{', '.join(FUSED_ARCHITECTURES)}); SGLang's own capture stays")
+        raise UnknownFamily(
+            f"eagle_capture: no fused capture for SGLang's {name} (families: "
+            f"{', '.join(FUSED_ARCHITECTURES)}); SGLang's own capture stays"
+        )
     return None

@@ -54,19 +54,29 @@ class Family:
             inner = getattr(model, attr, None)
             if _looks_like_causal_lm(inner):
                 return inner, f".{attr}"
-        found = ([n for n, child in model.named_children() if _looks_like_causal_lm(child)]
-                 if isinstance(model, torch.nn.Module) else [])
+        found = (
+            [n for n, child in model.named_children() if _looks_like_causal_lm(child)]
+            if isinstance(model, torch.nn.Module)
+            else []
+        )
         known = ", ".join(["the model itself"] + [f".{a}" for a in self.wrappers])
         if found:
-            raise TypeError(f"eagle_capture: {type(model).__name__} holds a {self.name} text model "
-                            f"at .{found[0]}, a wrapper eagle_capture does not know (known: "
-                            f"{known}); keep SGLang's own capture")
-        raise TypeError(f"eagle_capture: expected SGLang's {' / '.join(self.architectures)}, got "
-                        f"{type(model).__name__} (no .model.layers / .model.layers_to_capture)")
+            raise TypeError(
+                f"eagle_capture: {type(model).__name__} holds a {self.name} text model "
+                f"at .{found[0]}, a wrapper eagle_capture does not know (known: "
+                f"{known}); keep SGLang's own capture"
+            )
+        raise TypeError(
+            f"eagle_capture: expected SGLang's {' / '.join(self.architectures)}, got "
+            f"{type(model).__name__} (no .model.layers / .model.layers_to_capture)"
+        )
 
     def captures_final_boundary(self, version: Optional[tuple]) -> bool:
-        return (self.final_boundary_since is not None and version is not None
-                and version >= self.final_boundary_since)
+        return (
+            self.final_boundary_since is not None
+            and version is not None
+            and version >= self.final_boundary_since
+        )
 
     def captured_norm(self, model: torch.nn.Module, layer_id: int) -> tuple[torch.nn.Module, str]:
         """The norm whose new residual is capture ``layer_id`` and the surface it is
@@ -92,16 +102,22 @@ class Family:
         elif self.direct_norm_calls:
             surface, held = f"the {self.name} decoder layer's own call", norm
         else:
-            raise TypeError(f"eagle_capture: decoder layer {layer_id} ({type(layer).__name__}) "
-                            f"has neither layer_communicator (SGLang <= 0.5.20) nor "
-                            f"attn_boundary (SGLang 0.5.22 - 0.5.23): unsupported SGLang version")
+            raise TypeError(
+                f"eagle_capture: decoder layer {layer_id} ({type(layer).__name__}) "
+                f"has neither layer_communicator (SGLang <= 0.5.20) nor "
+                f"attn_boundary (SGLang 0.5.22 - 0.5.23): unsupported SGLang version"
+            )
         if norm is None or held is not norm:
-            raise TypeError(f"eagle_capture: layer {layer_id}'s {surface.split()[0]} calls another "
-                            f"input norm than layer.input_layernorm; unsupported SGLang version")
+            raise TypeError(
+                f"eagle_capture: layer {layer_id}'s {surface.split()[0]} calls another "
+                f"input norm than layer.input_layernorm; unsupported SGLang version"
+            )
         _check_rmsnorm(norm, f"layer {layer_id}'s input norm")
         return norm, surface
 
-    def post_attention_norm(self, model: torch.nn.Module, layer_id: int) -> Optional[torch.nn.Module]:
+    def post_attention_norm(
+        self, model: torch.nn.Module, layer_id: int
+    ) -> Optional[torch.nn.Module]:
         """The captured layer's post-attention norm, if every surface SGLang calls it
         through holds the same RMSNorm, else None (path f then stays off: the final
         boundary has none)."""
@@ -146,8 +162,13 @@ class Family:
 
 def _looks_like_causal_lm(m) -> bool:
     inner = getattr(m, "model", None)
-    return (isinstance(m, torch.nn.Module) and inner is not None and hasattr(inner, "layers")
-            and hasattr(inner, "layers_to_capture") and hasattr(m, "capture_aux_hidden_states"))
+    return (
+        isinstance(m, torch.nn.Module)
+        and inner is not None
+        and hasattr(inner, "layers")
+        and hasattr(inner, "layers_to_capture")
+        and hasattr(m, "capture_aux_hidden_states")
+    )
 
 
 def _check_rmsnorm(norm, what: str) -> None:
@@ -155,5 +176,7 @@ def _check_rmsnorm(norm, what: str) -> None:
         raise TypeError(f"eagle_capture: {what} is missing")
     for attr in NORM_ATTRS:
         if not hasattr(norm, attr):
-            raise TypeError(f"eagle_capture: {what} ({type(norm).__name__}) has no {attr!r}: "
-                            f"not SGLang's RMSNorm")
+            raise TypeError(
+                f"eagle_capture: {what} ({type(norm).__name__}) has no {attr!r}: "
+                f"not SGLang's RMSNorm"
+            )

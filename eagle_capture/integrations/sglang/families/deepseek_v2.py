@@ -8,9 +8,12 @@ from eagle_capture.integrations.sglang.families.base import Family
 
 class DeepseekV2(Family):
     name = "DeepseekV2"
-    architectures = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                     "KimiK25ForConditionalGeneration")
-    wrappers = ("language_model",)   # Kimi-K2.5 (its .model aliases it)
+    architectures = (
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "KimiK25ForConditionalGeneration",
+    )
+    wrappers = ("language_model",)  # Kimi-K2.5 (its .model aliases it)
     direct_norm_calls = False
 
 

@@ -11,13 +11,18 @@ class Glm4Moe(Family):
     architectures = ("Glm4MoeForCausalLM",)
 
     def refuse(self, causal_lm, layer_ids) -> None:
-        fused = [i for i in layer_ids if i < len(causal_lm.model.layers)
-                 and getattr(causal_lm.model.layers[i], "attn_quant_format", "")]
+        fused = [
+            i
+            for i in layer_ids
+            if i < len(causal_lm.model.layers)
+            and getattr(causal_lm.model.layers[i], "attn_quant_format", "")
+        ]
         if fused:
             raise UnsupportedServer(
                 f"eagle_capture: GLM-4 MoE layers {fused} run ROCm aiter's fused RMSNorm + FP8 "
                 f"quant ({causal_lm.model.layers[fused[0]].attn_quant_format}), which does not "
-                f"call the input norm the capture lives in")
+                f"call the input norm the capture lives in"
+            )
 
 
 FAMILY = Glm4Moe()

@@ -6,15 +6,19 @@ preallocated buffer, inside the add + RMSNorm (and, under tensor parallelism, th
 all-reduce) the layer already runs, and checks that the draft gets the layers it was
 trained on.
 
-* the ops (:mod:`eagle_capture.ops`, over the Triton kernels in ``kernels/``) and the
-  aux buffer (:mod:`eagle_capture.buffer`): what every other part builds on;
+* ``ops/`` (:mod:`eagle_capture.ops`: the four ops, their checks, their launcher and
+  the op table) over the Triton kernels in ``kernels/``, and the aux buffer
+  (:mod:`eagle_capture.buffer`): what every other part builds on;
 * ``parallel/``: tensor-parallel capture and the all-reduce fused with it;
-* ``integrations/sglang/``, ``integrations/vllm/``: the plugins that switch the capture
-  on inside SGLang's and vLLM's model code (``EAGLE_CAPTURE=1``), with start-up checks;
+* ``integrations/``: the plugins that switch the capture on inside the engines' model
+  code (``EAGLE_CAPTURE=1``), with start-up checks -- ``core/`` (what both share, no
+  engine imported: capture state, self-check tolerance, errors, loggers),
+  ``sglang/`` (SGLang's plugin, and the drop-in it installs, one adapter per model
+  family) and ``vllm/`` (vLLM's plugin and the capturing model classes it registers);
 * ``layer_ids/``: which layers a draft gets on each engine release, read from the
   engines' code (``eagle-capture doctor``);
 * ``probe/``: which layers a draft was trained on, measured (``eagle-capture probe``);
-* ``cli.py``: the ``eagle-capture`` command line;
+* ``cli/``: the ``eagle-capture`` command line (also ``python -m eagle_capture``);
 * ``testing/``: references, the reference loop, benchmark timers -- never imported by
   the product.
 

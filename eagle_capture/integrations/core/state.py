@@ -1,7 +1,7 @@
 """The capture state both engines' capturing norms share: the persistent buffer,
 the rows each captured layer stored in the current eager forward (the completeness
 check), the buffer of one oversized eager forward, the residual left in a slot
-(path f), and the live self-check's bookkeeping. Each engine subclasses it with
+(the residual-in-slot path), and the live self-check's bookkeeping. Each engine subclasses it with
 what its loop needs (``integrations/<engine>/state.py``) and words its own
 messages."""
 
@@ -15,7 +15,8 @@ __all__ = ["CaptureState", "SlotResidual"]
 
 
 class SlotResidual(NamedTuple):
-    """A captured layer's residual left in its aux slot by the input norm (path f)."""
+    """A captured layer's residual left in its aux slot by the input norm (the
+    residual-in-slot path)."""
 
     layer_id: int
     view: torch.Tensor  # aux[:T, slot]: the residual the layer's stages see

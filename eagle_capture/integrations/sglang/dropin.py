@@ -11,12 +11,13 @@ docs/engine_facts.md section 1. The install
 
 1. swaps each captured norm's *class* for a capturing subclass of its real
    class (names, ``state_dict`` keys, weight loading and ``isinstance``
-   unchanged): the plain call runs our fused add + RMSNorm + slot store (path f:
-   the new residual written into the slot only and handed on as a view; the
-   layer's post-attention norm then writes out of place; path e: a second
-   write into the slot, under torch.compile, where SGLang's all-reduce fusion
-   may run, and where no post-attention norm follows); every other branch runs
-   SGLang's own code, then stores the reduced residual;
+   unchanged): the plain call runs our fused add + RMSNorm + slot store (the
+   residual-in-slot path: the new residual written into the slot only and
+   handed on as a view; the layer's post-attention norm then writes out of
+   place; the slot-copy path: a second write into the slot, under
+   torch.compile, where SGLang's all-reduce fusion may run, and where no
+   post-attention norm follows); every other branch runs SGLang's own code,
+   then stores the reduced residual;
 2. switches the model's own capture off (the family's adapter: layers_to_capture
    emptied, per-layer marks cleared);
 3. swaps the ``LogitsProcessor``'s class so it is handed the packed
@@ -25,7 +26,7 @@ docs/engine_facts.md section 1. The install
 Only classes are swapped, never an instance ``forward``: SGLang's piecewise
 CUDA graphs replace instance forwards, so installing before or after them works.
 
-Beside it: :mod:`.norms` (the capturing norm and logits classes, paths e and f),
+Beside it: :mod:`.norms` (the capturing norm and logits classes, both paths),
 :mod:`.state` (the capture state, the completeness check, the self-check),
 :mod:`.server_modes` (what SGLang's server runs, read through each line's helpers).
 Rows token-scattered over an attention-TP group are all-gathered into the slot
@@ -113,12 +114,12 @@ def install_eagle3_capture(
     captured: a graph captured earlier replays SGLang's own capture. The SGLang
     plugin (:mod:`eagle_capture.integrations.sglang.plugin`) does exactly that.
 
-    ``residual_in_slot`` (path f): where the layer's plain norms run, the input
+    ``residual_in_slot`` (the residual-in-slot path): where the layer's plain norms run, the input
     norm writes the new residual into the slot only and the post-attention norm
     writes the next one out of place, so the capture costs no extra write (eager
     and CUDA graphs; under torch.compile, and for forwards SGLang's all-reduce
     fusion may take at TP > 1, the residual is stored in place and copied once
-    into the slot: path e). False: path e everywhere.
+    into the slot: the slot-copy path). False: the slot-copy path everywhere.
 
     ``fused_allreduce`` (opt-in): where SGLang would fuse a captured layer's
     deferred all-reduce into its input norm (TP > 1), run the project's one

@@ -1,10 +1,11 @@
 """The capturing norms (the mechanism every family shares): subclasses of SGLang's own
 RMSNorm class, swapped in by class so names, ``state_dict`` keys and ``isinstance``
 stay SGLang's. A captured layer's input norm runs the fused add + RMSNorm + slot
-store (path f: the new residual written into the slot only; path e: stored in place
-and copied into the slot) or SGLang's own code and then stores the reduced residual;
-under path f the layer's post-attention norm writes its residual out of place; the
-logits processor is handed the packed ``[T, K*H]`` buffer."""
+store (the residual-in-slot path: the new residual written into the slot only; the
+slot-copy path: stored in place and copied into the slot) or SGLang's own code and then
+stores the reduced residual; on the residual-in-slot path the layer's post-attention
+norm writes its residual out of place; the logits processor is handed the packed
+``[T, K*H]`` buffer."""
 
 import functools
 import inspect
@@ -155,7 +156,7 @@ class CapturingNormMixin:
             and not torch.compiler.is_compiling()
         )
         if in_slot:
-            # Path f: the new residual is written once, into the slot, and handed
+            # The residual-in-slot path: the new residual is written once, into the slot, and handed
             # on as the residual; the incoming one is dead from here (SGLang would
             # overwrite it in place) and becomes the post norm's output.
             state.check_slot_residual_consumed()
@@ -185,7 +186,8 @@ class CapturingNormMixin:
         state.record(self._eagle_layer_id, num_tokens, True, x)
         if reference is not None:
             ref_x, ref_r = reference
-            # A mismatch writes SGLang's residual into the slot (path f's residual).
+            # A mismatch writes SGLang's residual into the slot (the residual-in-slot
+            # path's residual).
             if not state.verify_layer(self._eagle_layer_id, buffer, num_tokens, ref_r, x, ref_x):
                 if not in_slot:
                     residual.copy_(ref_r)
@@ -316,7 +318,7 @@ def _use_attn_tp_group_default(function) -> Optional[bool]:
 
 
 class SlotResidualPostNormMixin:
-    """The post-attention norm of a captured layer under path f: its residual is
+    """The post-attention norm of a captured layer on the residual-in-slot path: its residual is
     the slot, which SGLang's in-place fused_add_rmsnorm would overwrite with the
     next residual. It writes that one into the spare tensor instead (one fused
     add + RMSNorm, out of place), so the capture stays and the layer's output
@@ -358,7 +360,7 @@ class SlotResidualPostNormMixin:
     def forward_with_allreduce_fusion(self, x, residual, *args, **kwargs):
         # FlashInfer's fusion reads the residual and writes a fresh residual_out,
         # but declines a strided one: hand it the spare holding a copy (the
-        # install keeps path f to forwards the fusion does not take).
+        # install keeps the residual-in-slot path to forwards the fusion does not take).
         spare = self._eagle_take_slot(residual)
         if spare is not None:
             spare.copy_(residual)

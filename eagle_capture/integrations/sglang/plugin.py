@@ -78,7 +78,7 @@ from eagle_capture.integrations.settings import switch_on as _switch_on
 
 logger = logging.getLogger("eagle_capture")
 
-RESIDUAL_IN_SLOT = "EAGLE_CAPTURE_RESIDUAL_IN_SLOT"  # 1 (default): path f; 0: path e
+RESIDUAL_IN_SLOT = "EAGLE_CAPTURE_RESIDUAL_IN_SLOT"  # 1 (default): residual-in-slot; 0: slot-copy
 
 # Where each SGLang line sets the layers to capture (module, attribute path).
 HOOK_POINTS = (

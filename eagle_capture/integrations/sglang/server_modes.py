@@ -71,7 +71,7 @@ def allreduce_fusion_max_tokens() -> int:
     """The largest forward SGLang's FlashInfer all-reduce + add + RMSNorm fusion
     may take at a post-attention norm (its FUSE_ALLREDUCE_MAX_BATCH_SIZE, read
     where the running line defines it); 0 at tensor-parallel size 1. Whether the
-    fusion is on is not read: a forward it does not take only loses path f."""
+    fusion is on is not read: a forward it does not take only loses the residual-in-slot path."""
     try:
         from sglang.srt.distributed import get_tensor_model_parallel_world_size
 

@@ -61,8 +61,9 @@ class CaptureState(core.CaptureState):
         # The captured layers' all-reduce when SGLang would fuse it
         # (EAGLE_CAPTURE_FUSED_ALLREDUCE=1; allreduce.CapturedLayerAllReduce).
         self.allreduce = None
-        # Path f (the residual itself lives in the slot; no extra write): off until
-        # install finds the captured layers' post-attention norms. Its input norm
+        # The residual-in-slot path (the residual itself lives in the slot; no
+        # extra write): off until install finds the captured layers'
+        # post-attention norms. Its input norm
         # takes it for forwards above ``residual_in_slot_above`` tokens (at TP > 1,
         # SGLang's FlashInfer all-reduce fusion takes smaller ones and wants a
         # contiguous residual), and leaves ``residual_in_slot`` for the post norm.
@@ -138,7 +139,7 @@ class CaptureState(core.CaptureState):
             )
 
     def check_slot_residual_consumed(self) -> None:
-        """A residual left in a slot (path f) must have been taken by the layer's
+        """A residual left in a slot (the residual-in-slot path) must have been taken by the layer's
         post-attention norm before anything else reads or updates it."""
         pending, self.residual_in_slot = self.residual_in_slot, None
         if pending is not None:

@@ -212,7 +212,7 @@ def install(causal_lm, layers) -> CaptureState:
             post._eagle_capture_state = state
             post._eagle_capture_layer = i
         else:
-            norm._eagle_slot_reader = None  # path f off: a norm we do not know reads it
+            norm._eagle_slot_reader = None  # no residual-in-slot: a norm we do not know reads it
     additional = getattr(vllm_config, "additional_config", None)
     if isinstance(additional, dict):
         additional[ADDITIONAL_CONFIG_KEY] = {

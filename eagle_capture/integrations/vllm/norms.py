@@ -2,10 +2,10 @@
 so names, ``state_dict`` keys and ``isinstance`` stay vLLM's. A captured layer's
 input norm (the final norm for id ``num_layers``) runs the project's add + RMSNorm
 that also stores the new residual into the layer's slot: eager, written into the
-slot only and handed on as the residual (path f), the layer's post-attention norm
-then writing out of place; compiled, in place plus the slot (path e), or after
-vLLM's own norm where its all-reduce fusion pass runs. With the self-check on, each
-call also compares with vLLM's own add and norm on copies."""
+slot only and handed on as the residual (the residual-in-slot path), the layer's
+post-attention norm then writing out of place; compiled, in place plus the slot (the
+slot-copy path), or after vLLM's own norm where its all-reduce fusion pass runs. With
+the self-check on, each call also compares with vLLM's own add and norm on copies."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ __all__ = ["NOBODY", "POST_NORM", "capturing_class", "plain_rmsnorm", "slot_taki
 def _capture_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
     """The capturing norm's call: vLLM's ``RMSNorm(x, residual)`` -> ``(normed,
     new residual)`` with the new residual also stored into this layer's slot:
-    eager, written into the slot only and handed on as the residual (path f);
-    compiled, in place as vLLM's in-place implementations do plus the slot (path
-    e), or after vLLM's own norm where its all-reduce fusion pass runs."""
+    eager, written into the slot only and handed on as the residual (the
+    residual-in-slot path); compiled, in place as vLLM's in-place implementations do
+    plus the slot (the slot-copy path), or after vLLM's own norm where its all-reduce
+    fusion pass runs."""
     state: CaptureState = self._eagle_capture_state
     if state.disabled:
         return self._eagle_capture_base.forward(self, x, residual)
@@ -61,7 +62,7 @@ def _capture_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
         ops.add_capture(new_residual, None, aux, slot)
         return normed, new_residual
     if eager and state.residual_in_slot and self._eagle_slot_reader is not None:
-        # Path f: one write of the new residual, into the slot.
+        # The residual-in-slot path: one write of the new residual, into the slot.
         state.check_slot_consumed()
         ops.add_rmsnorm_into_slot(
             x,
@@ -103,7 +104,7 @@ def _capture_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
 
 
 def slot_taking_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-    """A captured layer's post-attention norm under path f: when ``residual`` is
+    """A captured layer's post-attention norm on the residual-in-slot path: when ``residual`` is
     the slot its input norm left, the next residual goes into the spare (vLLM's
     in-place norm would overwrite the capture), bit-identical to vLLM's."""
     state: CaptureState = self._eagle_capture_state
@@ -155,8 +156,9 @@ def _compare(state: CaptureState, layer: int, captured, normed, residual, refere
         )
 
 
-# Who reads a captured norm's new residual next, for path f: the layer's post-attention
-# norm (swapped to take it), or nobody (the final norm: every family discards it).
+# Who reads a captured norm's new residual next, for the residual-in-slot path: the
+# layer's post-attention norm (swapped to take it), or nobody (the final norm: every
+# family discards it).
 POST_NORM, NOBODY = "post-attention norm", "nobody"
 
 

@@ -1,7 +1,7 @@
 """The capture state one vLLM model's capturing norms and the model share (the
 shared core's, :mod:`eagle_capture.integrations.core.state`, with what vLLM's loops
 need): the buffer and this forward's buffer, the rows each captured layer stored
-in the current eager forward, the residual left in a slot (path f), and the live
+in the current eager forward, the residual left in a slot (the residual-in-slot path), and the live
 self-check. Family-neutral."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class CaptureState(core.CaptureState):
         self.provider = provider  # vLLM's fused_add_rms_norm implementation we match
         self.compiled = compiled  # the layer loop runs under vLLM's torch.compile
         self.keep_allreduce_fusion = False  # capture after vLLM's norm (keeps_allreduce_fusion)
-        # Path f (eager forwards): a captured layer's input norm writes the new
+        # The residual-in-slot path (eager forwards): a captured layer's input norm writes the new
         # residual into its slot only and hands the slot on as the residual; the
         # layer's post-attention norm then writes the next residual into the dead
         # incoming one (``spare``) instead of over the capture.
@@ -77,7 +77,7 @@ class CaptureState(core.CaptureState):
             )
 
     def check_slot_consumed(self) -> None:
-        """A residual left in a slot (path f) must have been taken by its layer's
+        """A residual left in a slot (the residual-in-slot path) must have been taken by its layer's
         post-attention norm before anything else updates it."""
         pending, self.pending_slot = self.pending_slot, None
         if pending is not None:

@@ -4,7 +4,7 @@ A family is the set of SGLang model classes whose layer loop captures the same
 way: :class:`Family` says where the captured norms are (each captured layer's
 input norm, read through the surface that line's layer calls it through; the
 final norm where the family captures the final boundary), which post-attention
-norm can take the residual from the slot (path f), how the model's own capture
+norm can take the residual from the slot (the residual-in-slot path), how the model's own capture
 is switched off and back on, and what the family does differently that the
 fused capture refuses. The mechanism itself (the capturing norms, the state,
 the install) knows no family: :mod:`..dropin`, :mod:`..norms`, :mod:`..state`.
@@ -119,8 +119,8 @@ class Family:
         self, model: torch.nn.Module, layer_id: int
     ) -> Optional[torch.nn.Module]:
         """The captured layer's post-attention norm, if every surface SGLang calls it
-        through holds the same RMSNorm, else None (path f then stays off: the final
-        boundary has none)."""
+        through holds the same RMSNorm, else None (the residual-in-slot path then
+        stays off: the final boundary has none)."""
         if layer_id == len(model.layers):
             return None
         layer = model.layers[layer_id]

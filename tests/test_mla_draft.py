@@ -300,8 +300,8 @@ def test_unknown_draft_class_refused_before_anything_loads(tmp_path, capsys, mon
         raise AssertionError("loaded before the draft class was checked")
 
     monkeypatch.setattr(probe_mod, "load_draft", loaded)
-    monkeypatch.setattr(probe_mod, "_load_target", loaded)
-    monkeypatch.setattr(probe_mod, "_engine_target", loaded)
+    for runner in probe_mod.RUNNERS.values():
+        monkeypatch.setattr(runner, "start", loaded)
     monkeypatch.setattr("eagle_capture.probe.draft.read_weights", loaded)
     for arch in ("Eagle3Qwen3ForCausalLM", "Qwen3DSparkModel"):
         folder = tmp_path / arch

@@ -393,7 +393,7 @@ def test_cli_exit_codes_and_bad_input(tmp_path, capsys, monkeypatch):
     assert main(base[:2] + ["--prompts", str(bad), "--draft", str(DATA / "draft_specforge")]) == 2
     assert "line 1: expected" in capsys.readouterr().err
     # A target that does not fit is refused before it is loaded, with what it needs.
-    monkeypatch.setattr(probe_mod, "_available", lambda device: 1024)
+    monkeypatch.setattr("eagle_capture.probe.target._available", lambda device: 1024)
     assert main(base + ["--draft", str(DATA / "draft_specforge")]) == 2
     assert "does not fit one device" in capsys.readouterr().err
 
@@ -624,6 +624,51 @@ def test_engine_processes_are_spawned(monkeypatch):
     assert seen["method"] == "spawn"
 
 
+def test_every_runner_has_the_runner_interface():
+    """Each --engine's runner is a TargetRunner with nothing left abstract (run_probe asks
+    every runner the same things), named for the engine it is picked for; a runner
+    missing one of the interface's methods cannot be made. The transformers runner on
+    the tiny target: what run_probe reads of a started runner."""
+    import inspect
+
+    from eagle_capture.layer_ids.lines import read_target
+    from eagle_capture.probe.runners import EngineRunner, Setup, TargetRunner
+
+    assert set(probe_mod.RUNNERS) == {"transformers", "vllm", "sglang"}
+    for name, runner in probe_mod.RUNNERS.items():
+        assert issubclass(runner, TargetRunner) and not inspect.isabstract(runner), name
+        assert runner.engine_name == name, (name, runner)
+        assert runner.answers_for == ((name,) if name != "transformers" else ("sglang", "vllm"))
+        assert issubclass(runner, EngineRunner) is (name != "transformers")
+    assert probe_mod.ENGINE_WORDS == {"vllm": "vLLM", "sglang": "SGLang"}
+    # The interface, and what a runner without one of its methods meets: no instance.
+    required = TargetRunner.__abstractmethods__
+    assert required == {"plan", "start", "reset_counts", "run", "measured", "where", "close"}
+    for name in sorted(required):
+        incomplete = type("Incomplete", (TargetRunner,), {m: print for m in required - {name}})
+        with pytest.raises(TypeError, match=f"abstract method.*{name}"):
+            incomplete()
+
+    setup = Setup(
+        TARGET, read_target(TARGET / "config.json"), [2, 4, 6], torch.device("cpu"), "fp32", 16
+    )
+    runner = probe_mod.RUNNERS["transformers"].start(setup, print)
+    try:
+        assert isinstance(runner, TargetRunner)
+        assert runner.tp == 1 and runner.keep == [2, 4, 6] and runner.where() == "cpu"
+        states, greedy, embeds = runner.run([1, 2, 3, 4])
+        assert sorted(states) == [2, 4, 6] and greedy.shape == (1, 4)
+        assert embeds.shape == states[2].shape == (1, 4, 64)
+        assert runner.measured(setup) == {
+            "engine": "transformers",
+            "device": "cpu",
+            "dtype": "fp32",
+        }
+        assert runner.notes({}) == []
+    finally:
+        runner.close()
+
+
 def test_bad_engine_input_is_one_line_exit_2(capsys):
     """What a user can type wrong about the engine mode: exit 2, one line, no traceback."""
     import importlib.util
@@ -677,8 +722,8 @@ def test_bad_input_is_refused_before_anything_loads(tmp_path, capsys, monkeypatc
         raise AssertionError("loaded before the input was checked")
 
     monkeypatch.setattr(probe_mod, "load_draft", loaded)
-    monkeypatch.setattr(probe_mod, "_load_target", loaded)
-    monkeypatch.setattr(probe_mod, "_engine_target", loaded)
+    for runner in probe_mod.RUNNERS.values():
+        monkeypatch.setattr(runner, "start", loaded)
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", loaded)
     oov = tmp_path / "oov.jsonl"
     oov.write_text(
@@ -734,7 +779,7 @@ def test_tp_rule_is_vllms():
     tensor_parallel_size, checked before it loads anything) and gives each rank whole KV
     heads (QKVParallelLinear: KV heads % TP, or TP % KV heads where there are fewer);
     DeepSeek's MLA attention has no KV heads to split. Configs as published."""
-    from eagle_capture.probe.probe import tp_problem
+    from eagle_capture.probe.runners import tp_problem
 
     llama70b = {"num_attention_heads": 64, "num_key_value_heads": 8}
     qwen32b = {"num_attention_heads": 40, "num_key_value_heads": 8}

@@ -51,8 +51,8 @@ def _nothing_loads(monkeypatch):
         raise AssertionError("loaded before the input was checked")
 
     monkeypatch.setattr(probe_mod, "load_draft", loaded)
-    monkeypatch.setattr(probe_mod, "_load_target", loaded)
-    monkeypatch.setattr(probe_mod, "_engine_target", loaded)
+    for runner in probe_mod.RUNNERS.values():
+        monkeypatch.setattr(runner, "start", loaded)
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", loaded)
 
 
@@ -182,7 +182,7 @@ def test_a_draft_the_probe_cannot_read_is_refused_before_sglang_starts(
     def started(*args, **kwargs):
         raise AssertionError("SGLang started")
 
-    monkeypatch.setattr(probe_mod, "_engine_target", started)
+    monkeypatch.setattr(probe_mod.RUNNERS["sglang"], "start", started)
     _installed(tmp_path, monkeypatch, "0.5.23")
     draft = tmp_path / "not_a_draft"
     draft.mkdir()

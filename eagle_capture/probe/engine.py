@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from eagle_capture.integrations.vllm.probe_capture import QUALNAME, digest, unpack
+from eagle_capture.probe.runners import EngineError, EngineRunner, Setup, size
 
 __all__ = [
     "EngineError",
@@ -64,10 +65,6 @@ FIXED_ARGS = {
     "pipeline_parallel_size": "the probe hooks one pipeline stage",
     "data_parallel_size": "the probe runs one replica",
 }
-
-
-class EngineError(ValueError):
-    """The engine cannot run the probe's target as asked: the message says why."""
 
 
 def check_ranks(answers: Sequence[dict], hidden_size: int, num_tokens: int) -> float:
@@ -156,10 +153,38 @@ def _import_vllm():
     return vllm
 
 
-class VllmTarget:
+class VllmTarget(EngineRunner):
     """The target in vLLM's engine: :meth:`run` gives, for one prompt, the states at
     the capture layers ``keep`` ({c: [1, T, H]}), the greedy next token at each
     position [1, T] and the tokens' embeddings [1, T, H] (rank 0's)."""
+
+    engine_name = "vllm"
+    words = "vLLM"
+    answers_for = ("vllm",)
+    holds = "on its device, this process rank 0's on the host"
+
+    @classmethod
+    def check_installed(cls, architecture: str, tp: int, sglang_version: Optional[str]):
+        check_vllm()
+        return sglang_version
+
+    @classmethod
+    def cache(cls, setup: Setup) -> str:
+        kv = kv_cache_bytes(setup.target.num_layers, setup.hidden, setup.max_tokens)
+        return f"a KV cache of {size(kv)} per rank"
+
+    @classmethod
+    def from_setup(cls, setup: Setup) -> "VllmTarget":
+        return cls(
+            setup.folder,
+            setup.target.num_layers,
+            setup.hidden,
+            setup.keep,
+            tp=setup.tp,
+            dtype=setup.dtype,
+            max_tokens=setup.max_tokens,
+            engine_args=setup.engine_args,
+        )
 
     def __init__(
         self,

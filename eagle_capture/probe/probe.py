@@ -28,8 +28,9 @@ the draft's ids:
   layer order). A draft trained so is told how to reorder its ``fc`` columns.
 
 This module checks the input and runs the target and the draft (:func:`run_probe`);
-the readings and their scoring are :mod:`.readings`, the verdict :mod:`.verdict`, the
-command line :mod:`eagle_capture.cli.probe`.
+the target's runners, one interface for all three, are :mod:`.runners`, the readings and
+their scoring :mod:`.readings`, the verdict :mod:`.verdict`, the command line
+:mod:`eagle_capture.cli.probe`.
 
 Agreement = the share of positions t where the draft, given the target's states
 at t and the token at t + 1, proposes the token the target itself predicts at
@@ -47,8 +48,6 @@ tokenizer for text prompts, a target that does not fit the device; prompt files,
 from __future__ import annotations
 
 import json
-import math
-import os
 import sys
 import time
 from importlib import resources
@@ -60,56 +59,27 @@ import torch
 from eagle_capture.layer_ids.lines import CapturePlanError, load_config, read_draft_ids, read_target
 from eagle_capture.layer_ids.trainers import recognise
 from eagle_capture.probe.draft import DraftError, check_draft_class, load_draft
-from eagle_capture.probe.engine import EngineError, check_vllm
+from eagle_capture.probe.engine import VllmTarget
 from eagle_capture.probe.readings import SGLANG_DEFAULT, _sglang_line, candidates, score_readings
+from eagle_capture.probe.runners import DTYPES, EngineError, EngineRunner, Setup
+from eagle_capture.probe.sglang_engine import SglangTarget
+from eagle_capture.probe.target import TransformersTarget
 from eagle_capture.probe.verdict import ProbeReport, judge
 
-__all__ = ["ProbeError", "run_probe"]
+__all__ = ["RUNNERS", "ProbeError", "run_probe"]
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Where the target runs: Hugging Face transformers on one device, or an engine (whose
-# lines alone the report then answers for).
-ENGINES = ("transformers", "vllm", "sglang")
-ENGINE_WORDS = {"vllm": "vLLM", "sglang": "SGLang"}
+# Where the target runs (--engine): Hugging Face transformers on one device, or an
+# engine (whose lines alone the report then answers for); each a
+# :class:`~eagle_capture.probe.runners.TargetRunner`.
+RUNNERS = {"transformers": TransformersTarget, "vllm": VllmTarget, "sglang": SglangTarget}
+ENGINES = tuple(RUNNERS)
+ENGINE_WORDS = {
+    name: runner.words for name, runner in RUNNERS.items() if issubclass(runner, EngineRunner)
+}
 
 
 class ProbeError(ValueError):
     """Input the probe cannot use: the message says what and why."""
-
-
-def _weights_bytes(folder: Path, dtype: torch.dtype) -> int:
-    """The target's weights in ``dtype``: counted from the safetensors headers
-    (no tensor read), else the files' size."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        return sum(f.stat().st_size for f in folder.glob("*.bin"))
-    from safetensors import safe_open
-
-    numel = 0
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                numel += math.prod(h.get_slice(k).get_shape())
-    return numel * torch.empty((), dtype=dtype).element_size()
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 // 10 else f"{n / 2**20:.1f} MiB"
-
-
-def _available(device: torch.device) -> int:
-    """Memory free for the target: the device's free memory, or the host's available
-    memory (Linux's MemAvailable counts reclaimable page cache; free pages alone do not)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def read_prompts(path: Optional[str], vocab_size: Optional[int] = None) -> list[dict]:
@@ -178,49 +148,6 @@ def out_of_vocab(tokens: Sequence[int], vocab_size: Optional[int], where: str) -
         )
 
 
-# The key names vLLM reads a model's KV-head count from, in its order, the attention
-# heads when none is there (ModelArchConfigConvertor.get_total_num_kv_heads, vllm 0.32.0).
-_KV_HEAD_KEYS = (
-    "n_head_kv",
-    "num_kv_heads",
-    "num_key_value_heads",
-    "multi_query_group_num",
-    "num_attention_groups",
-)
-
-
-def tp_problem(text_config: dict, tp: int, engine: str = "vLLM") -> Optional[str]:
-    """Why vLLM cannot split the target (its text model's config) over ``tp`` ranks, or
-    None. vLLM 0.32.0's rules: the attention heads divide over the ranks
-    (ModelConfig.verify_with_parallel_config, before anything loads), and the KV heads
-    either divide over the ranks or the ranks over them (QKVParallelLinear; DeepSeek's
-    MLA attention has no KV heads to split). SGLang's attention asserts the same
-    (LlamaAttention.__init__, llama.py:139-149 in 0.5.9, :183-193 in 0.5.23); ``engine``
-    names the engine in the message."""
-    heads = text_config.get("num_attention_heads")
-    if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0:
-        return None
-    if heads % tp:
-        return (
-            f"the target's {heads} attention heads do not divide over {tp} ranks ({engine} "
-            f"requires num_attention_heads % tensor_parallel_size == 0)"
-        )
-    if "kv_lora_rank" in text_config:
-        return None
-    kv = next((text_config[k] for k in _KV_HEAD_KEYS if text_config.get(k) is not None), heads)
-    if (
-        isinstance(kv, int)
-        and not isinstance(kv, bool)
-        and kv > 0
-        and (tp % kv if tp >= kv else kv % tp)
-    ):
-        return (
-            f"the target's {kv} KV heads and {tp} ranks: {engine} needs one to divide the "
-            f"other (each rank holds whole KV heads)"
-        )
-    return None
-
-
 def _text_config(folder: Path) -> dict:
     """The target's config.json (a multimodal target's text model's ``text_config``)."""
     loaded, _ = load_config(folder / "config.json", "target config")
@@ -245,24 +172,6 @@ def json_problem(path: str) -> Optional[str]:
     return None
 
 
-def _load_target(folder: Path, device, dtype):
-    import transformers
-
-    kwargs = (
-        {"dtype": dtype}
-        if int(transformers.__version__.split(".")[0]) >= 5
-        else {"torch_dtype": dtype}
-    )
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ProbeError(
-            f"--target {folder}: transformers cannot load it as a causal LM "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0]})"
-        ) from None
-    return model.to(device).eval()
-
-
 def _device(device: str) -> torch.device:
     """``--device``: the CPU or a CUDA device that is here."""
     try:
@@ -281,47 +190,6 @@ def _device(device: str) -> torch.device:
                 f"--device {device}: there are {torch.cuda.device_count()} CUDA devices here"
             )
     return dev
-
-
-def _states_bytes(keep, max_tokens: int, hidden: int, itemsize: int) -> int:
-    return len(keep) * max_tokens * (hidden or 0) * itemsize
-
-
-def _transformers_target(
-    target_dir: Path, dev, torch_dtype, tmodel, keep, dtype: str, max_tokens: int, plan: str, log
-):
-    """The target in transformers on one device, the plan logged first (refused with the
-    numbers when it does not fit): a function of a prompt's tokens -> (states, greedy
-    tokens, the target's embeddings)."""
-    from eagle_capture.probe.target import decoder_layers, target_states
-
-    weights = _weights_bytes(target_dir, torch_dtype)
-    need = int(1.2 * weights) + _states_bytes(
-        keep, max_tokens, tmodel.hidden_size, torch_dtype.itemsize
-    )
-    free = _available(dev)
-    log(
-        f"probe: {plan}; needs ~{_size(need)} on {dev} ({_size(weights)} of weights in "
-        f"{dtype}), {_size(free)} free"
-    )
-    if need > free:
-        raise ProbeError(
-            f"the target needs ~{_size(need)} in {dtype} on {dev}, "
-            f"{_size(free)} are free: a target this size does not fit one "
-            f"device (the probe runs the whole target on one); use a machine with "
-            f"more memory, --dtype bf16, or --engine vllm --tp N to run it in "
-            f"vLLM's engine over N GPUs"
-        )
-    model = _load_target(target_dir, dev, torch_dtype)
-    layers = decoder_layers(model, tmodel.num_layers)
-    embed = model.get_input_embeddings()
-
-    def run(tokens):
-        ids = torch.tensor([tokens], device=dev)
-        states, greedy = target_states(model, layers, ids, keep)
-        return states, greedy, embed(ids)
-
-    return run
 
 
 def run_probe(
@@ -346,11 +214,11 @@ def run_probe(
     vLLM's engine at tensor parallel ``tp`` (:mod:`eagle_capture.probe.engine`; ``dtype``
     may be ``"auto"``: the checkpoint's, as vLLM serves it); ``engine="sglang"``: in
     SGLang's engine (:mod:`eagle_capture.probe.sglang_engine`), SGLang's lines shown for
-    the installed version; ``engine_target``: a started
-    :class:`~eagle_capture.probe.engine.VllmTarget` or
-    :class:`~eagle_capture.probe.sglang_engine.SglangTarget` to use (and leave running)."""
+    the installed version; ``engine_target``: a started runner
+    (:class:`~eagle_capture.probe.runners.TargetRunner`, e.g. a
+    :class:`~eagle_capture.probe.engine.VllmTarget`) to use (and leave running)."""
     if engine_target is not None:
-        engine = getattr(engine_target, "engine_name", "vllm")
+        engine = engine_target.engine_name
     target_dir, draft_dir = Path(target), Path(draft)
     for name, d in (("--target", target_dir), ("--draft", draft_dir)):
         if not (d / "config.json").is_file():
@@ -378,24 +246,15 @@ def run_probe(
     n, arch = tmodel.num_layers, tmodel.architecture
     # All the input is checked before anything is loaded or run: a bad option or prompt
     # file costs the user no draft load, no engine start, no model load.
-    if engine in ENGINE_WORDS and engine_target is None:
-        split = tp_problem(text_config, tp, ENGINE_WORDS[engine])
-        if split:
-            raise ProbeError(
-                f"--tp {tp}: {split}: {ENGINE_WORDS[engine]} cannot serve the "
-                f"target at tensor parallel {tp}"
-            )
+    runner_class = RUNNERS[engine]
+    if engine_target is None:
         try:
-            if engine == "vllm":
-                check_vllm()
-            else:
-                from eagle_capture.probe.sglang_engine import check_sglang
-
-                sglang_version = check_sglang(sglang_version, arch, tp)
+            sglang_version = runner_class.check(text_config, arch, tp, sglang_version)
         except EngineError as exc:
             raise ProbeError(str(exc)) from None
-    elif engine == "sglang":
+    else:
         sglang_version = sglang_version or engine_target.version
+        tp = engine_target.tp
     sglang_version = sglang_version or SGLANG_DEFAULT
     try:
         _, rule_notes = _sglang_line(arch, sglang_version)
@@ -449,31 +308,34 @@ def run_probe(
         f"probe: target {target_dir} ({arch}, {n} layers, hidden {tmodel.hidden_size}); draft "
         f"{draft_dir} ({dmodel.spec.format}, {dmodel.spec.num_aux} states in)"
     )
-    plan = f"{len(cands)} readings over {len(prompt_list)} prompts (<= {max_tokens} tokens each)"
-    owned = None
+    setup = Setup(
+        target_dir,
+        tmodel,
+        keep,
+        dev,
+        dtype,
+        max_tokens,
+        tp=tp,
+        engine_args=engine_args,
+        sglang_version=sglang_version,
+        draft_bytes=sum(p.numel() * p.element_size() for p in dmodel.parameters()),
+        plan=f"{len(cands)} readings over {len(prompt_list)} prompts (<= {max_tokens} tokens each)",
+    )
+    # Pick a runner, ask it for the states per prompt, close it (one the caller started
+    # is left running).
+    runner, owned = engine_target, None
     try:
-        if engine in ENGINE_WORDS:
-            target_run, owned, measured = _engine_target(
-                target_dir,
-                tmodel,
-                keep,
-                tp,
-                dtype,
-                max_tokens,
-                engine_args,
-                engine_target,
-                dev,
-                dmodel,
-                plan,
-                log,
-                engine,
-                sglang_version,
-            )
-        else:
-            target_run = _transformers_target(
-                target_dir, dev, torch_dtype, tmodel, keep, dtype, max_tokens, plan, log
-            )
-            measured = {"engine": "transformers", "device": str(dev), "dtype": dtype}
+        try:
+            runner_class.plan(setup, log)
+            if runner is None:
+                runner = owned = runner_class.start(setup, log)
+        except EngineError as exc:
+            raise ProbeError(str(exc)) from None
+        runner.reset_counts()
+        missing = sorted(set(keep) - set(runner.keep))
+        if missing:
+            raise ProbeError(f"the engine's capture does not hold capture layers {missing}")
+        measured = runner.measured(setup)
         dmodel = dmodel.to(dev)
         bar = _progress(len(prompt_list), progress)
         started, scored, first = time.monotonic(), 0, 0.0
@@ -482,7 +344,12 @@ def run_probe(
                 if len(tokens) < 3:
                     bar.update(1)
                     continue
-                states, greedy, embeds = target_run(tokens)
+                try:
+                    states, greedy, embeds = runner.run(tokens)
+                except EngineError as exc:
+                    raise ProbeError(str(exc)) from None
+                states = {c: s.to(dev) for c, s in states.items()}
+                greedy, embeds = greedy.to(dev), embeds.to(dev)
                 if dmodel.embed_tokens is not None:
                     embeds = dmodel.embed_tokens(torch.tensor([tokens], device=dev))
                 agree = score_readings(dmodel, states, greedy, embeds, [c.layers for c in cands])
@@ -505,8 +372,7 @@ def run_probe(
                     )
                 bar.update(1)
         bar.close()
-        if engine in ENGINE_WORDS:
-            notes += _engine_notes(owned or engine_target, measured)
+        notes += runner.notes(measured)
     finally:
         if owned is not None:
             owned.close()
@@ -520,166 +386,10 @@ def run_probe(
         min_margin,
         sglang_version,
         draft_spec=dmodel.spec,
-        engines=(engine,) if engine in ENGINE_WORDS else ("sglang", "vllm"),
+        engines=runner.answers_for,
     )
-    where = (
-        f"{ENGINE_WORDS[engine]}'s engine at tensor parallel {measured['tp']}"
-        if engine in ENGINE_WORDS
-        else dev
-    )
-    log(f"probe: measured in {time.monotonic() - started:.1f} s in {where} ({dtype})")
+    log(f"probe: measured in {time.monotonic() - started:.1f} s in {runner.where()} ({dtype})")
     return report
-
-
-def _engine_target(
-    target_dir: Path,
-    tmodel,
-    keep,
-    tp: int,
-    dtype: str,
-    max_tokens: int,
-    engine_args,
-    engine_target,
-    dev,
-    dmodel,
-    plan: str,
-    log,
-    engine: str = "vllm",
-    sglang_version: str = "",
-):
-    """The target in vLLM's or SGLang's engine (started here unless ``engine_target`` is
-    given): the plan logged first, then (run, the target to close or None, what was
-    measured)."""
-    from eagle_capture.probe.engine import VllmTarget, kv_cache_bytes
-    from eagle_capture.probe.sglang_engine import SglangTarget, stated_settings
-
-    hidden = tmodel.hidden_size or 0
-    tp = engine_target.tp if engine_target is not None else tp
-    itemsize = DTYPES[dtype].itemsize if dtype in DTYPES else _checkpoint_itemsize(target_dir)
-    on_disk = sum(f.stat().st_size for f in target_dir.glob("*.safetensors"))
-    per_rank = _states_bytes(keep, max_tokens, hidden, itemsize)
-    host = per_rank + _states_bytes(keep, max_tokens, hidden, 4)
-    words = ENGINE_WORDS[engine]
-    cache = (
-        f"a KV cache of {_size(kv_cache_bytes(tmodel.num_layers, hidden, max_tokens))} per rank"
-        if engine == "vllm"
-        else f"a KV cache pool of {max_tokens + 1024} tokens (max_total_tokens)"
-    )
-    where = (
-        "on its device, this process rank 0's on the host"
-        if engine == "vllm"
-        else "and copies them to the host; rank 0's pass through a side channel in "
-        "/dev/shm (or the temporary directory) to this process"
-    )
-    log(
-        f"probe: {plan}; the target in {words}'s engine at tensor parallel {tp}, dtype {dtype}: "
-        f"{_size(on_disk)} of weights on disk (~{_size(on_disk // tp)} per rank, as {words} "
-        f"loads them) and {cache} (one prompt at a time); per prompt each rank keeps "
-        f"{len(keep)} states of <= {max_tokens} tokens x {hidden} ({_size(per_rank)}) "
-        f"{where}, with the draft's inputs (~{_size(host)}); the draft "
-        f"({_size(sum(p.numel() * p.element_size() for p in dmodel.parameters()))}) on {dev}"
-    )
-    if engine == "sglang":
-        log(
-            f"probe: SGLang {sglang_version} runs with the settings the capture needs: "
-            f"{stated_settings(sglang_version)}; the first prompt includes the engine's "
-            f"warm-up, the time for all prompts is estimated after the second"
-        )
-    owned = None
-    if engine_target is None:
-        t0 = time.monotonic()
-        try:
-            if engine == "vllm":
-                engine_target = owned = VllmTarget(
-                    target_dir,
-                    tmodel.num_layers,
-                    hidden,
-                    keep,
-                    tp=tp,
-                    dtype=dtype,
-                    max_tokens=max_tokens,
-                    engine_args=engine_args,
-                )
-            else:
-                engine_target = owned = SglangTarget(
-                    target_dir,
-                    tmodel.num_layers,
-                    hidden,
-                    keep,
-                    tp=tp,
-                    dtype=dtype,
-                    max_tokens=max_tokens,
-                    engine_args=engine_args,
-                    version=sglang_version,
-                )
-        except EngineError as exc:
-            raise ProbeError(str(exc)) from None
-        log(
-            f"probe: {words} served the target in {time.monotonic() - t0:.0f} s "
-            f"({engine_target.tp} rank{'s' if engine_target.tp > 1 else ''}, "
-            f"on {engine_target.device})"
-        )
-    engine_target.reset_counts()
-    missing = sorted(set(keep) - set(engine_target.keep))
-    if missing:
-        raise ProbeError(f"the engine's capture does not hold capture layers {missing}")
-
-    def run(tokens):
-        try:
-            states, greedy, embeds = engine_target.run(tokens)
-        except EngineError as exc:
-            raise ProbeError(str(exc)) from None
-        return ({c: s.to(dev) for c, s in states.items()}, greedy.to(dev), embeds.to(dev))
-
-    measured = {
-        "engine": engine,
-        "tp": engine_target.tp,
-        "dtype": dtype,
-        "device": engine_target.device,
-        "hidden_size": hidden,
-    }
-    if engine == "sglang":
-        measured["sglang_version"] = sglang_version
-    return run, owned, measured
-
-
-def _engine_notes(target, measured: dict) -> list[str]:
-    measured.update(
-        ranks_checked=len(target.ranks),
-        prompts=target.prompts,
-        max_rank_difference=target.worst_rank_difference,
-        engine_token_differs=target.engine_disagreements,
-    )
-    words = ENGINE_WORDS[measured["engine"]]
-    notes = [
-        f"measured in {words}'s engine at tensor parallel {target.tp}: every rank's "
-        f"captured states are {measured['hidden_size']} wide (the full hidden size) and "
-        f"equal to rank 0's (largest relative difference "
-        f"{target.worst_rank_difference:.2g}) over {target.prompts} prompts"
-    ]
-    if getattr(target, "other_forwards", 0):
-        measured["other_forwards"] = target.other_forwards
-        notes.append(
-            f"{words} ran {target.other_forwards} forwards of other tokens than the "
-            f"prompts' (of its own, one token each on the lines seen): not scored"
-        )
-    if target.engine_disagreements:
-        notes.append(
-            f"{words}'s own sampled token differs from the probe's greedy token at the "
-            f"last position in {target.engine_disagreements} of {target.prompts} "
-            f"prompts (near-ties in the logits: computed over other rows)"
-        )
-    return notes
-
-
-def _checkpoint_itemsize(folder: Path) -> int:
-    """Bytes per element of the checkpoint's dtype (its config's), 2 when unsaid."""
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return 2
-    name = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    return 4 if "32" in name else 2
 
 
 class _NoBar:

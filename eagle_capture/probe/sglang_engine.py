@@ -28,7 +28,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from eagle_capture.probe.engine import EngineError, check_ranks
+from eagle_capture.probe.engine import check_ranks
+from eagle_capture.probe.runners import EngineError, EngineRunner, Log, Setup
 
 __all__ = [
     "FIRST",
@@ -340,13 +341,53 @@ def _side_channel() -> str:
     return tempfile.mkdtemp(prefix="eagle-probe-", dir=base)
 
 
-class SglangTarget:
+class SglangTarget(EngineRunner):
     """The target in SGLang's engine: :meth:`run` gives, for one prompt, the states at
     the capture layers ``keep`` ({c: [1, T, H]}), the greedy next token at each
     position [1, T] and the tokens' embeddings [1, T, H] (rank 0's). ``extra_hooks``:
     more ``forward_hooks`` specs, registered after the probe's."""
 
     engine_name = "sglang"
+    words = "SGLang"
+    answers_for = ("sglang",)
+    holds = (
+        "and copies them to the host; rank 0's pass through a side channel in "
+        "/dev/shm (or the temporary directory) to this process"
+    )
+
+    @classmethod
+    def check_installed(cls, architecture: str, tp: int, sglang_version: Optional[str]) -> str:
+        return check_sglang(sglang_version, architecture, tp)
+
+    @classmethod
+    def cache(cls, setup: Setup) -> str:
+        return f"a KV cache pool of {setup.max_tokens + 1024} tokens (max_total_tokens)"
+
+    @classmethod
+    def plan(cls, setup: Setup, log: Log) -> None:
+        super().plan(setup, log)
+        log(
+            f"probe: SGLang {setup.sglang_version} runs with the settings the capture needs: "
+            f"{stated_settings(setup.sglang_version)}; the first prompt includes the engine's "
+            f"warm-up, the time for all prompts is estimated after the second"
+        )
+
+    @classmethod
+    def from_setup(cls, setup: Setup) -> "SglangTarget":
+        return cls(
+            setup.folder,
+            setup.target.num_layers,
+            setup.hidden,
+            setup.keep,
+            tp=setup.tp,
+            dtype=setup.dtype,
+            max_tokens=setup.max_tokens,
+            engine_args=setup.engine_args,
+            version=setup.sglang_version,
+        )
+
+    def measured(self, setup: Setup) -> dict:
+        return dict(super().measured(setup), sglang_version=setup.sglang_version)
 
     def __init__(
         self,

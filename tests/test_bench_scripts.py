@@ -522,13 +522,18 @@ def session(tmp_path):
     _write(repo / "tools" / "gpu" / "gpu_session.sh", open(SESSION).read())
     _write(
         repo / "scripts" / "test.sh",
-        'echo "test.sh $*" > "$OUT/test_args"; echo "$OMP_NUM_THREADS" > "$OUT/test_threads"\n'
-        '[ -n "${FAKE_TEST_SLEEP:-}" ] && exec sleep "$FAKE_TEST_SLEEP"\n'
+        'echo "test.sh $*" > "$OUT/test_args"\n'
+        'echo "${OMP_NUM_THREADS:-unset}" > "$OUT/test_threads"\n'
+        # pytest's answer to SIGINT: its summary, then exit status 2
+        'if [ -n "${FAKE_TEST_SLEEP:-}" ]; then\n'
+        "    trap 'echo \"=== 3 passed, 1 skipped (interrupted) ===\"; exit 2' INT\n"
+        '    sleep "$FAKE_TEST_SLEEP" & wait; exit 0\n'
+        "fi\n"
         'cat "$FAKE_TEST_LOG"; exit "$FAKE_TEST_RC"\n',
     )
     _write(
         repo / "scripts" / "bench.sh",
-        'echo "bench.sh $*"\n'
+        'echo "bench.sh $*"; echo "${OMP_NUM_THREADS:-unset}" > "$OUT/bench_threads"\n'
         'case "$*" in *--host-breakdown*) printf "table\\ncProfile of\\nprofile line\\n"\n'
         '                                 exit "$FAKE_HOST_RC" ;; esac\n'
         'exit "$FAKE_BENCH_RC"\n',
@@ -540,6 +545,7 @@ def session(tmp_path):
         " esac\n",
     )
     _write(tmp_path / "bin" / "nvidia-smi", "#!/bin/sh\necho GPU 0: H200\n")
+    _write(tmp_path / "bin" / "nproc", "#!/bin/sh\necho 16\n")  # a GPU machine's CPUs
     log = tmp_path / "pytest.log"
     log.write_text(EXPECTED_LOG)
 
@@ -614,25 +620,38 @@ def test_session_names_the_failed_step(session, kw, failed):
 
 
 def test_session_shares_the_cpus_among_the_test_workers(session):
-    """Each pytest-xdist worker gets its share of the CPUs as torch's thread count, and a
-    test running long dumps its stack (faulthandler_timeout)."""
+    """Each pytest-xdist worker gets its share of the CPUs as torch's thread count (for
+    pytest alone: the timings keep torch's default), and a test running long dumps its
+    stack (faulthandler_timeout)."""
     result, out = session(env_extra={"TEST_WORKERS": "2"})
     assert result.returncode == 0, result.stdout + result.stderr
     args = (out / "test_args").read_text().split()
     assert args[args.index("-n") + 1] == "2" and "faulthandler_timeout=180" in args
-    assert (out / "test_threads").read_text().strip() == str(
-        max(1, len(os.sched_getaffinity(0)) // 2)
-    )
+    assert (out / "test_threads").read_text().strip() == "8"  # 16 CPUs, 2 workers
+    assert (out / "bench_threads").read_text().strip() == "unset"
+    result, out = session(env_extra={"TEST_WORKERS": "2", "OMP_NUM_THREADS": "3"})
+    assert (out / "test_threads").read_text().strip() == "3"  # the caller's setting stands
 
 
 def test_session_interrupts_tests_that_run_too_long(session):
-    """At TESTS_TIMEOUT_S the tests step is interrupted and named as failed; the other
-    steps still run."""
+    """At TESTS_TIMEOUT_S the tests step is interrupted with SIGINT (pytest then prints
+    its summary and writes its record) and named as failed; the other steps still run."""
     result, out = session(env_extra={"FAKE_TEST_SLEEP": "30", "TESTS_TIMEOUT_S": "1"})
     assert result.returncode == 1
     assert "tests INTERRUPTED after 1 s" in result.stdout
+    assert "=== 3 passed, 1 skipped (interrupted) ===" in (out / "tests.log").read_text()
     assert "FAILED: tests (logs in" in result.stdout
     assert (out / "bench.log").exists()
+
+
+@pytest.mark.parametrize("session_limit, lowest, highest", [(400, 390, 400), (0, 60, 60)])
+def test_tests_limit_is_what_is_left_of_the_session(session, session_limit, lowest, highest):
+    """By default the tests run until the session's limit (what the set-up left of it),
+    60 s at the least."""
+    result, _ = session(env_extra={"SESSION_LIMIT_S": str(session_limit)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    limit = re.search(r"tests: interrupted at (\d+) s if not done by then", result.stdout)
+    assert limit and lowest <= int(limit.group(1)) <= highest, result.stdout
 
 
 VLLM_SKIP_LOG = EXPECTED_LOG.replace("63 skipped", "65 skipped").replace(

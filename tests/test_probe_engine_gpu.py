@@ -60,7 +60,7 @@ MAX_FP32_FLIPS = 10
 @pytest.fixture(scope="module", params=["fp32", "bf16"])
 def engine_run(request, tmp_path_factory):
     """One run of tests/vllm_real/probe_engine.py in vLLM's CUDA engine at ``dtype``:
-    the command line (its own engine), then one engine for the three cases."""
+    the command line (its own engine), then one engine for the four cases."""
     dtype = request.param
     work = tmp_path_factory.mktemp(f"probe_engine_cuda_{dtype}")
     out = work / "probe.json"

@@ -246,7 +246,8 @@ def run_probe(
     n, arch = tmodel.num_layers, tmodel.architecture
     # All the input is checked before anything is loaded or run: a bad option or prompt
     # file costs the user no draft load, no engine start, no model load.
-    runner_class = RUNNERS[engine]
+    # (a runner the caller started plans as its own class: a subclass may differ)
+    runner_class = RUNNERS[engine] if engine_target is None else type(engine_target)
     if engine_target is None:
         try:
             sglang_version = runner_class.check(text_config, arch, tp, sglang_version)

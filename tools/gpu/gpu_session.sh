@@ -14,6 +14,9 @@
 #   tests  scripts/test.sh -rs > tests.log. Fails when pytest fails, or when a
 #          test was skipped for a reason a GPU machine should not show (see
 #          EXPECTED_SKIPS below; the message names each such skip).
+#          Interrupted at TESTS_TIMEOUT_S (default: SESSION_LIMIT_S=570 less the time
+#          the session has run), its summary and record kept; each xdist worker's torch
+#          gets its share of the CPUs (OMP_NUM_THREADS, unless set).
 #          On pytest-xdist workers when it is installed (TEST_WORKERS=N, default
 #          half the CPUs up to 8; 1: one process): the whole session then fits
 #          one 600 s device call; timing figures come from the bench step alone.
@@ -120,7 +123,7 @@ visible_gpus() {
 }
 
 tests_step() {
-    local rc gpus verdict workers=()
+    local rc gpus verdict limit threads="${OMP_NUM_THREADS:-}" workers=()
     # pytest-xdist workers, a test file per worker (--dist loadfile keeps a file's GPU
     # tests in one process, in order): TEST_WORKERS=N, else half the CPUs up to 8 when
     # pytest-xdist is there (the whole session then fits one 600 s device call; the
@@ -135,20 +138,31 @@ tests_step() {
             # Each worker's torch and OpenMP threads: the CPUs shared out (torch's default
             # gives every worker every core: 8 x 16 threads on 16 cores, where a run of
             # 2026-12-06 did not finish in 390 s and spawned test ranks got 40% of a core).
-            export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / n > 0 ? $(nproc) / n : 1 ))}
+            # (Set for pytest alone: the bench and host steps keep torch's default.)
+            [[ -n $threads ]] || threads=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 ))
             say "tests on $n pytest-xdist workers"
         else
             say "pytest-xdist is not installed: the tests run in one process"
         fi
     fi
-    # A test running past faulthandler_timeout dumps its stack into the log; at
-    # TESTS_TIMEOUT_S pytest is interrupted (SIGINT: it still prints its summary and writes
-    # the record), so that a slow test cannot eat the call and leave nothing behind.
-    timeout -s INT -k 30 "${TESTS_TIMEOUT_S:-480}" \
+    # A test running past faulthandler_timeout dumps its stack into the log. pytest is
+    # interrupted (SIGINT: it still prints its summary and writes the record) at
+    # TESTS_TIMEOUT_S, by default what is left of SESSION_LIMIT_S (570: a device call's
+    # 600 s, less the copy-out) since the session started (set-up and the vLLM install
+    # count), at least 60 s: a slow test cannot eat the call and leave nothing behind.
+    if [[ -n ${TESTS_TIMEOUT_S:-} ]]; then
+        limit=$TESTS_TIMEOUT_S
+    else
+        limit=$(( ${SESSION_LIMIT_S:-570} - SECONDS )); (( limit < 60 )) && limit=60
+    fi
+    say "tests: interrupted at $limit s if not done by then"
+    env ${threads:+OMP_NUM_THREADS=$threads} timeout -s INT -k 30 "$limit" \
         bash scripts/test.sh -rsE -p no:cacheprovider -o faulthandler_timeout=180 \
         --record "$OUT/test_record.json" "${workers[@]}" > "$OUT/tests.log" 2>&1
     rc=$?
-    (( rc == 124 )) && say "tests INTERRUPTED after ${TESTS_TIMEOUT_S:-480} s (the log's last lines: what ran)"
+    # (137: pytest did not stop within 30 s of the interrupt and was killed)
+    (( rc == 124 || rc == 137 )) && say "tests INTERRUPTED after $limit s: the tests not" \
+        "finished by then are in no count (a stack dump in the log names any past 180 s)"
     echo "tests rc=$rc" >> "$OUT/tests.log"
     tail -n 5 "$OUT/tests.log"
     (( rc == 0 )) || say "tests FAILED: pytest exit status $rc"

@@ -36,13 +36,15 @@ if [ ! -f "$SITE/.whl_ok" ] && ls .whl/*.whl >/dev/null 2>&1; then
     touch "$SITE/.whl_ok"
 fi
 # 0.34.0's cutlass halves: each copied aside when it arrives (a later call's carry may
-# not hold it), unpacked when both are there.
+# not hold it), unpacked when both are there and the wheels are installed (pip's --target
+# install replaces a whole nvidia_cutlass_dsl/ folder: the libraries unpacked before it
+# would be lost).
 NEEDS_CUTLASS=0; [ "$VER" = 0.34.0 ] && NEEDS_CUTLASS=1
 if [ $NEEDS_CUTLASS = 1 ] && [ ! -f "$SITE/.cutlass_ok" ]; then
     for i in 0 1; do
         [ -f ".vllm_cutlass_$i/part$i" ] && cp ".vllm_cutlass_$i/part$i" "$SITE/.cutlass_part$i"
     done
-    if [ -f "$SITE/.cutlass_part0" ] && [ -f "$SITE/.cutlass_part1" ]; then
+    if [ -f "$SITE/.cutlass_part0" ] && [ -f "$SITE/.cutlass_part1" ] && [ -f "$SITE/.whl_ok" ]; then
         cat "$SITE/.cutlass_part0" "$SITE/.cutlass_part1" | tar -xJf - -C "$SITE" \
             || { echo "gpu_vllm_engine: the cutlass libraries did not unpack"; exit 2; }
         rm -f "$SITE"/.cutlass_part? && touch "$SITE/.cutlass_ok"

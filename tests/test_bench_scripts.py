@@ -8,8 +8,10 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -687,6 +689,80 @@ def test_session_with_the_vllm_bundle_installs_it_and_refuses_the_skip(
         assert "installed from the carried bundle" in result.stdout
         assert "FAILED: tests (logs in" in result.stdout
         assert "vLLM's CUDA build is not installed" in result.stdout
+
+
+# ---------------------------------------------------------------- gpu_vllm_engine.sh's install
+
+
+def _wheel(path: Path, name: str, files: dict) -> None:
+    """A minimal wheel of ``files`` (path -> text), enough for pip's --target install."""
+    import zipfile
+
+    info = f"{name}-1.0.dist-info"
+    meta = {
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    entries = {**files, **meta}
+    record = "".join(f"{f},,\n" for f in entries) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path / f"{name}-1.0-py3-none-any.whl", "w") as z:
+        for f, text in {**entries, f"{info}/RECORD": record}.items():
+            z.writestr(f, text)
+
+
+def test_vllm_034_install_keeps_the_cutlass_libraries_whatever_the_order(tmp_path):
+    """vLLM 0.34's bundle arrives over several calls; the cutlass libraries' two halves may
+    come before the wheels. pip's --target install replaces the whole nvidia_cutlass_dsl/
+    folder, so the libraries are unpacked only once the wheels are in: both the wheel's
+    package and the libraries are there at the end."""
+    import tarfile
+
+    repo, site = tmp_path / "repo", tmp_path / "site"
+    (repo / "tools" / "gpu").mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "tools", "gpu", "gpu_vllm_engine.sh"), repo / "tools" / "gpu")
+    engine = repo / ".vllm_engine"
+    engine.mkdir()
+    (engine / "VERSION").write_text("0.34.0\n")
+    stub = tmp_path / "stub"
+    (stub / "vllm").mkdir(parents=True)
+    (stub / "vllm" / "__init__.py").write_text("")
+    with tarfile.open(engine / "vllm_rest.tar.xz", "w:xz") as t:
+        t.add(stub / "vllm", "vllm")
+    libs = tmp_path / "libs" / "nvidia_cutlass_dsl" / "cu13" / "lib"
+    libs.mkdir(parents=True)
+    (libs / "libcute_dsl_runtime.so").write_text("a library")
+    with tarfile.open(tmp_path / "libs.tar.xz", "w:xz") as t:
+        t.add(tmp_path / "libs" / "nvidia_cutlass_dsl", "nvidia_cutlass_dsl")
+    data = (tmp_path / "libs.tar.xz").read_bytes()
+    for i, part in enumerate((data[: len(data) // 2], data[len(data) // 2 :])):
+        (repo / f".vllm_cutlass_{i}").mkdir()
+        (repo / f".vllm_cutlass_{i}" / f"part{i}").write_bytes(part)
+    site.mkdir()
+    (site / ".ok").write_text("")  # the package's own install: not this test's
+    env = dict(
+        os.environ,
+        VLLM_SITE=str(site),
+        PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+    )
+    script = ["bash", str(repo / "tools" / "gpu" / "gpu_vllm_engine.sh"), "--vllm", "0.34.0"]
+    # Call 1: the engine and both halves, no wheels yet.
+    first = subprocess.run(script, env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "not installed yet on this machine: carry .whl" in first.stdout
+    # Call 2: the wheels alone (the halves' folders are not carried again).
+    for i in (0, 1):
+        shutil.rmtree(repo / f".vllm_cutlass_{i}")
+    (repo / ".whl").mkdir()
+    _wheel(
+        repo / ".whl",
+        "nvidia_cutlass_dsl_libs_core",
+        {"nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py": "Float8E4M3FN = 1\n"},
+    )
+    second = subprocess.run(script, env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "vLLM 0.34.0 installed in" in second.stdout
+    assert (site / "nvidia_cutlass_dsl" / "dsl_packages" / "cutlass" / "__init__.py").is_file()
+    assert (site / "nvidia_cutlass_dsl" / "cu13" / "lib" / "libcute_dsl_runtime.so").is_file()
 
 
 # ---------------------------------------------------------------- FlashInfer's norm, the peer

@@ -16,6 +16,7 @@ VER=0.32.0
 if [ "${1:-}" = "--vllm" ]; then VER=${2:?--vllm needs a version}; shift 2; fi
 # 0.32.0 keeps its site folder of before (commands name PYTHONPATH=/tmp/vllm_site).
 SITE=/tmp/vllm_site; [ "$VER" = 0.32.0 ] || SITE=/tmp/vllm_site-$VER
+SITE=${VLLM_SITE:-$SITE}   # (another folder: the install's tests)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$SITE"
 if ls .vllm_engine/*.tar.xz >/dev/null 2>&1; then
     BUNDLE=$(cat .vllm_engine/VERSION 2>/dev/null || echo 0.32.0)

@@ -243,3 +243,26 @@ def once(key: str, build: Callable[[], Any]):
 
 
 PIP_LOCK = threading.Lock()  # one pip at a time in the test venv
+
+
+def run_to_json(jobs, module: str, args: list, env: dict, log, out, timeout_s: float):
+    """``python -m module args``, forked by tests/forkserver.py and tracked by ``jobs`` (the
+    session's end stops it), killed after ``timeout_s``: (its exit status, its log, the
+    JSON it wrote at ``out`` or None)."""
+    import json
+    import subprocess
+
+    import forkserver
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = jobs.track(forkserver.start_process(None, module, list(args), env, root, str(log)))
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return (
+        proc.returncode,
+        log.read_text(errors="replace"),
+        json.loads(out.read_text()) if out.exists() else None,
+    )

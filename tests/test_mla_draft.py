@@ -19,7 +19,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,14 +26,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-import forkserver
 from eagle_capture.probe import probe as probe_mod
 from eagle_capture.probe.draft import DraftError, DraftSpec, load_draft
 from eagle_capture.probe.mla_draft import Eagle3MlaDraft, engine_readings, mla_draft
 from eagle_capture.probe.probe import run_probe
 from eagle_capture.testing import tiny_eagle3
 from engine_env import BASE_ENV, sglang_needs, start_sglang, vllm_needs, vllm_overlay
-from engine_jobs import Job
+from engine_jobs import Job, run_to_json
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "tiny_eagle3"
@@ -372,25 +370,14 @@ def _vllm_job(base: Path, jobs) -> Job:
         )
         env.pop("TRITON_INTERPRET", None)
         env.pop("EAGLE_CAPTURE", None)
-        proc = jobs.track(
-            forkserver.start_process(
-                None,
-                "tests.vllm_real.mla_draft",
-                ["--json", str(out), "--work", str(work)],
-                env,
-                str(ROOT),
-                str(log),
-            )
+        args = ["--json", str(out), "--work", str(work)]
+        code, text, result = run_to_json(
+            jobs, "tests.vllm_real.mla_draft", args, env, log, out, 900
         )
-        try:
-            proc.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        assert proc.returncode == 0 and out.exists(), (
-            f"the vLLM run failed (exit {proc.returncode}):\n{log.read_text()[-5000:]}"
+        assert code == 0 and result is not None, (
+            f"the vLLM run failed (exit {code}):\n{text[-5000:]}"
         )
-        return json.loads(out.read_text())
+        return result
 
     return Job(-90, "mla draft vllm", run, needs=vllm_needs(VLLM_VERSION))
 

@@ -15,17 +15,14 @@ One engine start per run (tests/vllm_real/probe_engine.py); the two runs go in t
 background with the other engine tests (tests/engine_jobs.py).
 """
 
-import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-import forkserver
 from eagle_capture.probe.probe import run_probe
 from engine_env import BASE_ENV, vllm_needs, vllm_overlay
-from engine_jobs import Job
+from engine_jobs import Job, run_to_json
 from tests.vllm_real.harness import link_modelinfos
 
 pytest.importorskip("transformers")
@@ -59,26 +56,8 @@ def _run(base: Path, jobs, tp: int):
     env.pop("EAGLE_CAPTURE", None)
     if tp == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the child itself
-    proc = jobs.track(
-        forkserver.start_process(
-            None,
-            "tests.vllm_real.probe_engine",
-            ["--work", str(work), "--json", str(out), "--tp", str(tp)],
-            env,
-            str(ROOT),
-            str(log),
-        )
-    )
-    try:
-        proc.wait(timeout=900)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    return (
-        proc.returncode,
-        log.read_text(errors="replace"),
-        json.loads(out.read_text()) if out.exists() else None,
-    )
+    args = ["--work", str(work), "--json", str(out), "--tp", str(tp)]
+    return run_to_json(jobs, "tests.vllm_real.probe_engine", args, env, log, out, 900)
 
 
 RUNS = {"probe engine tp1": (1, 1, -100), "probe engine tp2": (2, 2, -150)}

@@ -15,7 +15,6 @@ torch-native attention; tests/sglang_real/probe_engine.py runs it in a child pro
 The runs go in the background with the other engine tests (tests/engine_jobs.py).
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -23,10 +22,9 @@ from pathlib import Path
 
 import pytest
 
-import forkserver
 from eagle_capture.probe.probe import run_probe
 from engine_env import BASE_ENV, _overlay, sglang_needs
-from engine_jobs import PIP_LOCK, Job, once
+from engine_jobs import PIP_LOCK, Job, once, run_to_json
 
 pytest.importorskip("transformers")
 
@@ -95,26 +93,10 @@ def _run(base: Path, jobs, version: str, tp: int, cli_only: bool):
     work = base / f"probe_sglang_{version}_tp{tp}"
     work.mkdir(parents=True, exist_ok=True)
     out, log = work / "probe.json", work / "probe.log"
-    proc = jobs.track(
-        forkserver.start_process(
-            None,
-            "tests.sglang_real.probe_engine",
-            ["--work", str(work), "--json", str(out), "--tp", str(tp)]
-            + (["--cli-only"] if cli_only else []),
-            _env(version, tp),
-            str(ROOT),
-            str(log),
-        )
-    )
-    try:
-        proc.wait(timeout=1500)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    return (
-        proc.returncode,
-        log.read_text(errors="replace"),
-        json.loads(out.read_text()) if out.exists() else None,
+    args = ["--work", str(work), "--json", str(out), "--tp", str(tp)]
+    args += ["--cli-only"] if cli_only else []
+    return run_to_json(
+        jobs, "tests.sglang_real.probe_engine", args, _env(version, tp), log, out, 1500
     )
 
 

@@ -112,45 +112,31 @@ ENGINE_ARGS = [a for key, value in SERVER.items() for a in ("--engine-arg", f"{k
 def command_line(work: Path, tp: int, extra=()) -> dict:
     """``eagle-capture probe --engine sglang`` as a user runs it (its own engine, started and
     shut down by the probe): exit status, stdout, stderr, the --json record."""
-    import contextlib
-    import io
+    from tests.probe_cli import run_cli
 
-    from eagle_capture.cli.probe import main as probe
-
-    record = work / "cli.json"
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = probe(
-            [
-                "--engine",
-                "sglang",
-                "--tp",
-                str(tp),
-                "--target",
-                str(DATA / "target"),
-                "--draft",
-                str(DATA / "draft_specforge"),
-                "--prompts",
-                str(prompts(work, tp)),
-                "--dtype",
-                "fp32",
-                "--max-tokens",
-                "64",
-                "--device",
-                "cpu",
-                "--json",
-                str(record),
-                *ENGINE_ARGS,
-                *extra,
-            ]
-        )
-    print(stderr.getvalue(), file=sys.stderr)
-    return {
-        "exit": code,
-        "stdout": stdout.getvalue(),
-        "stderr": stderr.getvalue(),
-        "json": json.loads(record.read_text()) if record.exists() else None,
-    }
+    return run_cli(
+        [
+            "--engine",
+            "sglang",
+            "--tp",
+            str(tp),
+            "--target",
+            str(DATA / "target"),
+            "--draft",
+            str(DATA / "draft_specforge"),
+            "--prompts",
+            str(prompts(work, tp)),
+            "--dtype",
+            "fp32",
+            "--max-tokens",
+            "64",
+            "--device",
+            "cpu",
+            *ENGINE_ARGS,
+            *extra,
+        ],
+        work / "cli.json",
+    )
 
 
 def main():

@@ -76,41 +76,27 @@ def prompts(work: Path, tp: int) -> Path:
 def command_line(work: Path, device: str = "cpu", dtype: str = "fp32") -> dict:
     """``eagle-capture probe --engine vllm`` as a user runs it (its own engine, started
     and shut down by the probe): exit status, stdout, stderr, the --json record."""
-    import contextlib
-    import io
+    from tests.probe_cli import run_cli
 
-    from eagle_capture.cli.probe import main as probe
-
-    record = work / "cli.json"
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = probe(
-            [
-                "--engine",
-                "vllm",
-                "--target",
-                str(DATA / "target"),
-                "--draft",
-                str(DATA / "draft_specforge"),
-                "--prompts",
-                str(DATA / "prompts.jsonl"),
-                "--dtype",
-                dtype,
-                "--max-tokens",
-                "64",
-                "--device",
-                device,
-                "--json",
-                str(record),
-            ]
-        )
-    print(stderr.getvalue(), file=sys.stderr)
-    return {
-        "exit": code,
-        "stdout": stdout.getvalue(),
-        "stderr": stderr.getvalue(),
-        "json": json.loads(record.read_text()) if record.exists() else None,
-    }
+    return run_cli(
+        [
+            "--engine",
+            "vllm",
+            "--target",
+            str(DATA / "target"),
+            "--draft",
+            str(DATA / "draft_specforge"),
+            "--prompts",
+            str(DATA / "prompts.jsonl"),
+            "--dtype",
+            dtype,
+            "--max-tokens",
+            "64",
+            "--device",
+            device,
+        ],
+        work / "cli.json",
+    )
 
 
 def main():

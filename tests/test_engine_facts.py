@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,46 +22,48 @@ ROOT = Path(__file__).resolve().parents[1]
 WHEELS = Path(os.environ.get("EAGLE_CAPTURE_ENGINE_WHEELS", ROOT / ".cache" / "engine_wheels"))
 
 
+def _fetch(engine: str, version: str) -> str:
+    """``pip download`` of one wheel: '' when it came, else why not."""
+    try:
+        got = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q"]
+            + [f"{engine}=={version}", "-d", str(WHEELS)],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    except subprocess.TimeoutExpired:
+        return f"fetching {engine}=={version} took over 15 minutes"
+    if got.returncode != 0:
+        why = got.stderr.strip().splitlines()[-1:] or "pip failed"
+        return f"cannot fetch the {engine}=={version} wheel to read ({why})"
+    return ""
+
+
 def _fetch_wheels() -> dict:
     WHEELS.mkdir(parents=True, exist_ok=True)
     found = engine_facts.find_wheels(str(WHEELS))
-    for engine, wanted in (
-        ("sglang", engine_facts.SGLANG_RELEASES),
-        ("vllm", engine_facts.VLLM_RELEASES),
-    ):
-        for version in wanted:
-            if version in found[engine]:
-                continue
-            if os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL"):  # no package index there
-                pytest.skip(
-                    f"{engine}=={version}'s wheel is not cached and "
-                    f"EAGLE_CAPTURE_SKIP_SGLANG_REAL is set: the engines' wheels are "
-                    f"not fetched"
-                )
-            try:
-                got = subprocess.run(
-                    [
-                        sys.executable,
-                        "-m",
-                        "pip",
-                        "download",
-                        "--no-deps",
-                        "-q",
-                        f"{engine}=={version}",
-                        "-d",
-                        str(WHEELS),
-                    ],
-                    capture_output=True,
-                    text=True,
-                    timeout=900,
-                )
-            except subprocess.TimeoutExpired:
-                pytest.skip(f"fetching {engine}=={version} took over 15 minutes")
-            if got.returncode != 0:
-                pytest.skip(
-                    f"cannot fetch the {engine}=={version} wheel to read "
-                    f"({got.stderr.strip().splitlines()[-1:] or 'pip failed'})"
-                )
+    missing = [
+        (engine, version)
+        for engine, wanted in (
+            ("sglang", engine_facts.SGLANG_RELEASES),
+            ("vllm", engine_facts.VLLM_RELEASES),
+        )
+        for version in wanted
+        if version not in found[engine]
+    ]
+    if missing and os.environ.get("EAGLE_CAPTURE_SKIP_SGLANG_REAL"):  # no package index there
+        engine, version = missing[0]
+        pytest.skip(
+            f"{engine}=={version}'s wheel is not cached and "
+            f"EAGLE_CAPTURE_SKIP_SGLANG_REAL is set: the engines' wheels are "
+            f"not fetched"
+        )
+    # A few at a time: each download waits on the index and the disk more than the CPU.
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        problems = [why for why in pool.map(lambda ev: _fetch(*ev), missing) if why]
+    if problems:
+        pytest.skip(problems[0])
     return engine_facts.find_wheels(str(WHEELS))
 
 

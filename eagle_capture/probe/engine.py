@@ -173,19 +173,6 @@ class VllmTarget(EngineRunner):
         kv = kv_cache_bytes(setup.target.num_layers, setup.hidden, setup.max_tokens)
         return f"a KV cache of {size(kv)} per rank"
 
-    @classmethod
-    def from_setup(cls, setup: Setup) -> "VllmTarget":
-        return cls(
-            setup.folder,
-            setup.target.num_layers,
-            setup.hidden,
-            setup.keep,
-            tp=setup.tp,
-            dtype=setup.dtype,
-            max_tokens=setup.max_tokens,
-            engine_args=setup.engine_args,
-        )
-
     def __init__(
         self,
         folder: Path,

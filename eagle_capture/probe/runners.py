@@ -230,9 +230,24 @@ class EngineRunner(TargetRunner):
         """The KV cache the engine is asked for, in words."""
 
     @classmethod
-    @abstractmethod
     def from_setup(cls, setup: Setup) -> "EngineRunner":
-        """The engine started for ``setup``."""
+        """The engine started for ``setup`` (a runner's own options: :meth:`options`)."""
+        return cls(
+            setup.folder,
+            setup.target.num_layers,
+            setup.hidden,
+            setup.keep,
+            tp=setup.tp,
+            dtype=setup.dtype,
+            max_tokens=setup.max_tokens,
+            engine_args=setup.engine_args,
+            **cls.options(setup),
+        )
+
+    @classmethod
+    def options(cls, setup: Setup) -> dict:
+        """Constructor options of this engine beyond the common ones."""
+        return {}
 
     @classmethod
     def plan(cls, setup: Setup, log: Log) -> None:

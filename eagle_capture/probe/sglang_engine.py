@@ -373,18 +373,8 @@ class SglangTarget(EngineRunner):
         )
 
     @classmethod
-    def from_setup(cls, setup: Setup) -> "SglangTarget":
-        return cls(
-            setup.folder,
-            setup.target.num_layers,
-            setup.hidden,
-            setup.keep,
-            tp=setup.tp,
-            dtype=setup.dtype,
-            max_tokens=setup.max_tokens,
-            engine_args=setup.engine_args,
-            version=setup.sglang_version,
-        )
+    def options(cls, setup: Setup) -> dict:
+        return {"version": setup.sglang_version}
 
     def measured(self, setup: Setup) -> dict:
         return dict(super().measured(setup), sglang_version=setup.sglang_version)

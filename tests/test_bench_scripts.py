@@ -531,6 +531,9 @@ def session(tmp_path):
         "    trap 'echo \"=== 3 passed, 1 skipped (interrupted) ===\"; exit 2' INT\n"
         '    sleep "$FAKE_TEST_SLEEP" & wait; exit 0\n'
         "fi\n"
+        # the sglang step's own pytest: its log, and the path it ran with
+        'case "$*" in *test_probe_sglang_gpu*) echo "$PYTHONPATH" > "$OUT/sglang_path"\n'
+        '    cat "$FAKE_SGLANG_LOG"; exit "${FAKE_SGLANG_RC:-0}" ;; esac\n'
         'cat "$FAKE_TEST_LOG"; exit "$FAKE_TEST_RC"\n',
     )
     _write(
@@ -682,13 +685,69 @@ def test_session_with_the_vllm_bundle_installs_it_and_refuses_the_skip(
     _write(repo / "tools" / "gpu" / "gpu_vllm_engine.sh", f"echo installed; exit {install_rc}\n")
     result, out = session(log_text=VLLM_SKIP_LOG)
     assert result.returncode == 1
-    assert "NOT RUN" not in result.stdout
+    assert "NOT RUN: the vLLM" not in result.stdout
     if install_rc:
         assert "FAILED: vllm tests" in result.stdout
     else:
         assert "installed from the carried bundle" in result.stdout
         assert "FAILED: tests (logs in" in result.stdout
         assert "vLLM's CUDA build is not installed" in result.stdout
+
+
+SGLANG_SKIP_LOG = EXPECTED_LOG.replace("63 skipped", "65 skipped").replace(
+    "2504 passed",
+    "SKIPPED [2] tests/test_probe_sglang_gpu.py:108: SGLang is not installed (the GPU "
+    "machine: carry tools/gpu/make_sglang_engine_bundle.sh's .sglang_engine and .whl_sglang)"
+    "\n2504 passed",
+)
+
+
+def test_session_without_the_sglang_bundle_says_what_did_not_run(session):
+    """The tests step never has SGLang (its skip is expected); the sglang step, without the
+    bundle, says that its tests did not run."""
+    result, out = session(log_text=SGLANG_SKIP_LOG)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "NOT RUN: the SGLang-engine GPU tests" in result.stdout
+    assert not (out / "sglang_path").exists()
+
+
+@pytest.mark.parametrize(
+    "install_rc, sglang_log, sglang_rc, failed",
+    [
+        (0, "6 passed in 300.0s\n", 0, None),
+        (
+            0,
+            "SKIPPED [6] tests/test_probe_sglang_gpu.py:108: SGLang is not installed\n",
+            0,
+            "skipped",
+        ),
+        (0, "1 failed, 5 passed\n", 1, "pytest exit status 1"),
+        (1, "", 0, "did not install"),
+    ],
+)
+def test_session_with_the_sglang_bundle_runs_its_tests_with_sglang(
+    session, tmp_path, install_rc, sglang_log, sglang_rc, failed
+):
+    """Carried, the bundle is installed and its tests run in a pytest of their own with
+    SGLang's site first on the path; a skip there (SGLang did not import), a failure or an
+    install that fails fails the session's sglang step."""
+    repo = tmp_path / "repo"
+    for folder in (".sglang_engine", ".whl_sglang"):
+        (repo / folder).mkdir()
+    _write(repo / "tools" / "gpu" / "gpu_sglang_engine.sh", f"echo installed; exit {install_rc}\n")
+    log = tmp_path / "sglang.log"
+    log.write_text(sglang_log)
+    result, out = session(
+        log_text=SGLANG_SKIP_LOG,
+        env_extra={"FAKE_SGLANG_LOG": str(log), "FAKE_SGLANG_RC": str(sglang_rc)},
+    )
+    assert "NOT RUN: the SGLang" not in result.stdout
+    if failed is None:
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert (out / "sglang_path").read_text().startswith("/tmp/sglang_site")
+    else:
+        assert result.returncode == 1 and failed in result.stdout, result.stdout
+        assert "FAILED: sglang" in result.stdout
 
 
 # ---------------------------------------------------------------- gpu_vllm_engine.sh's install

@@ -105,11 +105,19 @@ def prompts(work: Path, tp: int) -> Path:
 # SGLang on the CPU: its CPU engine's device, torch-native attention, and a static memory
 # fraction of the host's memory (the default is computed from what is free at start, on a
 # shared CI machine sometimes below what the weights already hold: SGLang refuses then).
-SERVER = {"device": "cpu", "attention_backend": "torch_native", "mem_fraction_static": 0.9}
-ENGINE_ARGS = [a for key, value in SERVER.items() for a in ("--engine-arg", f"{key}={value}")]
+# On a GPU (tests/test_probe_sglang_gpu.py): SGLang's Triton attention (the engine bundle
+# carries no FlashInfer), a modest static fraction beside the transformers reference.
+SERVERS = {
+    "cpu": {"device": "cpu", "attention_backend": "torch_native", "mem_fraction_static": 0.9},
+    "cuda": {"attention_backend": "triton", "mem_fraction_static": 0.3},
+}
 
 
-def command_line(work: Path, tp: int, extra=()) -> dict:
+def engine_args(device: str) -> list:
+    return [a for key, value in SERVERS[device].items() for a in ("--engine-arg", f"{key}={value}")]
+
+
+def command_line(work: Path, tp: int, extra=(), device="cpu", dtype="fp32") -> dict:
     """``eagle-capture probe --engine sglang`` as a user runs it (its own engine, started and
     shut down by the probe): exit status, stdout, stderr, the --json record."""
     from tests.probe_cli import run_cli
@@ -127,12 +135,12 @@ def command_line(work: Path, tp: int, extra=()) -> dict:
             "--prompts",
             str(prompts(work, tp)),
             "--dtype",
-            "fp32",
+            dtype,
             "--max-tokens",
             "64",
             "--device",
-            "cpu",
-            *ENGINE_ARGS,
+            device,
+            *engine_args(device),
             *extra,
         ],
         work / "cli.json",
@@ -145,6 +153,8 @@ def main():
     p.add_argument("--json", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--cli-only", action="store_true", help="the command line alone")
+    p.add_argument("--device", choices=sorted(SERVERS), default="cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -156,7 +166,7 @@ def main():
     out = {}
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
     if args.tp == 1:
-        out["cli"] = command_line(work, 1)
+        out["cli"] = command_line(work, 1, device=args.device, dtype=args.dtype)
     if args.cli_only:
         with open(args.json, "w") as f:
             json.dump(out, f)
@@ -170,9 +180,9 @@ def main():
         64,
         range(9),
         tp=args.tp,
-        dtype="fp32",
+        dtype=args.dtype,
         max_tokens=64,
-        engine_args=dict(SERVER),
+        engine_args=dict(SERVERS[args.device]),
         extra_hooks=test_hooks(test_dir),
     )
     out["ranks"] = target.ranks
@@ -181,6 +191,8 @@ def main():
     try:
         out["own"] = compare_own(target, calibration, own_dir)
         names = ["specforge", "speculators", "converted"] if args.tp == 1 else ["specforge"]
+        if args.device == "cuda":
+            names.append("mla")  # SGLang serves MLA drafts from 0.5.13 (the GPU bundle's line)
         for name, draft in cases(work).items():
             if name not in names:
                 continue
@@ -188,8 +200,8 @@ def main():
                 str(DATA / "target"),
                 str(draft),
                 str(calibration),
-                device="cpu",
-                dtype="fp32",
+                device=args.device,
+                dtype=args.dtype,
                 max_tokens=64,
                 engine_target=target,
                 log=log,

@@ -20,6 +20,9 @@
 #          On pytest-xdist workers when it is installed (TEST_WORKERS=N, default
 #          half the CPUs up to 8; 1: one process): the whole session then fits
 #          one 600 s device call; timing figures come from the bench step alone.
+#   sglang when tools/gpu/make_sglang_engine_bundle.sh's folders are carried (.sglang_engine,
+#          .whl_sglang): SGLang's CUDA build installed (tools/gpu/gpu_sglang_engine.sh) and
+#          the SGLang-engine GPU tests run in a pytest of their own > sglang_tests.log
 #   bench  scripts/bench.sh (benchmarks/capture_latency.py) > bench.log; its FlashInfer
 #          paths (j, k) run where FlashInfer's norm loads: carry .gpu_bundle/ (made here
 #          by FLASHINFER_ONLY=1 bash tools/gpu/make_gpu_bundle.sh) and it is JIT-built there
@@ -45,6 +48,10 @@ EXPECTED_SKIPS=(
 )
 # Added by main() when vLLM's CUDA bundle is not carried (then nothing can install it there).
 VLLM_NOT_CARRIED_SKIP="vLLM's CUDA build is not installed"
+# The tests step never has SGLang (the sglang step runs those tests with it, in their own
+# pytest: SGLang's site stays off the rest of the suite's path).
+EXPECTED_SKIPS+=("SGLang is not installed")
+SGLANG_GPU_TESTS=tests/test_probe_sglang_gpu.py
 
 say() { echo "gpu_session: $*"; }
 
@@ -188,6 +195,32 @@ bench_step() {
     (( rc == 0 ))
 }
 
+# The SGLang-engine GPU tests, with SGLang's CUDA build from the carried engine bundle
+# (tools/gpu/make_sglang_engine_bundle.sh: .sglang_engine, .whl_sglang) > sglang_tests.log.
+sglang_step() {
+    local rc site=/tmp/sglang_site
+    if [[ ! -d .sglang_engine || ! -d .whl_sglang ]]; then
+        say "NOT RUN: the SGLang-engine GPU tests (carry .sglang_engine and .whl_sglang from" \
+            "tools/gpu/make_sglang_engine_bundle.sh to run them)"
+        return 0
+    fi
+    bash tools/gpu/gpu_sglang_engine.sh > "$OUT/sglang_install.log" 2>&1 \
+        || { say "SGLang's engine bundle did not install ($OUT/sglang_install.log)"; return 1; }
+    PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" \
+        LD_LIBRARY_PATH="$site/.lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        timeout -s INT -k 30 "${SGLANG_TESTS_TIMEOUT_S:-540}" \
+        bash scripts/test.sh -rsE -p no:cacheprovider "$SGLANG_GPU_TESTS" \
+        > "$OUT/sglang_tests.log" 2>&1
+    rc=$?
+    tail -n 3 "$OUT/sglang_tests.log"
+    # A skip here means SGLang did not import from the bundle: not a pass.
+    if grep -q "^SKIPPED" "$OUT/sglang_tests.log"; then
+        say "sglang FAILED: its tests skipped ($OUT/sglang_tests.log)"; rc=1
+    fi
+    (( rc == 0 )) || say "sglang FAILED: pytest exit status $rc"
+    return $(( rc != 0 ))
+}
+
 host_step() {
     bash scripts/bench.sh --host-breakdown --out "$OUT" > "$OUT/host.log" 2>&1
     local rc=$?
@@ -230,10 +263,11 @@ main() {
         say "NOT RUN: the vLLM-engine GPU tests (carry .vllm_engine and .whl from" \
             "tools/gpu/make_vllm_engine_bundle.sh to run them)"
     fi
-    # STEPS: the steps to run (default all three; e.g. STEPS=tests after a change the
+    # STEPS: the steps to run (default all four; e.g. STEPS=tests after a change the
     # benchmark's numbers cannot see, to fit a short device budget).
-    local steps=" ${STEPS:-tests bench host} "
+    local steps=" ${STEPS:-tests sglang bench host} "
     [[ $steps == *" tests "* ]] && { tests_step || failed+=(tests); }
+    [[ $steps == *" sglang "* ]] && { sglang_step || failed+=(sglang); }
     [[ $steps == *" bench "* ]] && { bench_step "$@" || failed+=(bench); }
     [[ $steps == *" host "* ]] && { host_step || failed+=(host); }
 

@@ -1,0 +1,153 @@
+"""The probe with its target in SGLang's real engine on a GPU (``--engine sglang``), against
+the probe with its target in transformers on the same GPU: the tiny trained target and
+drafts of tests/data/tiny_eagle3, tensor parallel 1, SGLang's Triton attention.
+
+Needs a CUDA device and SGLang importable (the GPU machine: tools/gpu/gpu_sglang_engine.sh
+installs the engine bundle; tests/test_probe_sglang.py runs the same harness,
+tests/sglang_real/probe_engine.py, in SGLang's CPU engine on every CI run). Skipped elsewhere.
+
+* the probe's states equal SGLang's own EAGLE-3 capture of the same layers in the same
+  forwards, bit for bit, on the GPU;
+* fp32: every reading's hits within a few tokens of transformers' over the same tokens
+  (SGLang's CUDA kernels against transformers': float noise), the same verdicts --
+  CONFIRMED for the three trained drafts (one an MLA draft), MISMATCH naming [2, 4, 6] for
+  the config that lies --, SGLang's line alone reported; the command line as a user runs it;
+* bf16: the same verdicts, agreement within rounding.
+
+``EAGLE_CAPTURE_RECORD=DIR`` keeps each run's JSON there.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("sglang") is None,
+        reason="SGLang is not installed (the GPU machine: carry "
+        "tools/gpu/make_sglang_engine_bundle.sh's .sglang_engine and .whl_sglang)",
+    ),
+]
+
+from eagle_capture.probe.probe import run_probe  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data" / "tiny_eagle3"
+EXPECTED = {
+    "specforge": "CONFIRMED: the draft was trained on capture layers [2, 4, 6]",
+    "speculators": "CONFIRMED: the draft was trained on capture layers [1, 3, 6]",
+    "converted": "MISMATCH: capture layers [2, 4, 6]",
+    "mla": "CONFIRMED: the draft was trained on capture layers [3, 5, 7]",
+}
+# fp32 on a GPU: SGLang's attention and GEMMs against transformers' differ in the last
+# bits; a token whose two best draft logits tie that closely may flip (0.5% of a reading).
+MAX_FP32_FLIP_FRACTION = 0.005
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def engine_run(request, tmp_path_factory):
+    """One run of tests/sglang_real/probe_engine.py in SGLang's engine on the GPU at
+    ``dtype``: the command line (its own engine), then one engine for the four cases."""
+    dtype = request.param
+    work = tmp_path_factory.mktemp(f"probe_sglang_cuda_{dtype}")
+    out = work / "probe.json"
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in [os.environ.get("PYTHONPATH", ""), str(ROOT)] if p),
+    )
+    env.pop("EAGLE_CAPTURE", None)  # the serving plugin stays out of the probe's engine
+    cmd = [sys.executable, "-m", "tests.sglang_real.probe_engine", "--work", str(work)]
+    cmd += ["--json", str(out), "--tp", "1", "--device", "cuda", "--dtype", dtype]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and out.exists(), (
+        f"the engine run failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
+    )
+    record = os.environ.get("EAGLE_CAPTURE_RECORD")
+    if record:
+        Path(record).mkdir(parents=True, exist_ok=True)
+        shutil.copy(out, Path(record) / f"probe_sglang_cuda_{dtype}.json")
+    return dtype, json.loads(out.read_text()), work
+
+
+def _transformers(draft: Path, prompts: Path, dtype: str, version: str) -> dict:
+    return run_probe(
+        str(DATA / "target"),
+        str(draft),
+        str(prompts),
+        device="cuda",
+        dtype=dtype,
+        max_tokens=64,
+        log=lambda s: None,
+        progress=False,
+        sglang_version=version,
+    ).to_json()
+
+
+def _hits(report: dict) -> dict:
+    return {tuple(r["capture_layers"]): (r["hits"], r["tokens"]) for r in report["readings"]}
+
+
+def test_capture_equals_sglangs_own_on_cuda(engine_run):
+    """The probe's state at capture layers 1 - 7 is SGLang's own EAGLE-3 capture of the same
+    forward on the GPU, bit for bit."""
+    _, data, _ = engine_run
+    own = data["own"]
+    assert own["forwards_compared"] >= 5, own
+    assert own["layers"] == [1, 2, 3, 4, 5, 6, 7] and own["ranks"] == [0]
+
+
+def test_sglang_mode_on_cuda_equals_transformers_mode(engine_run):
+    from tests.sglang_real.probe_engine import cases, prompts
+
+    dtype, data, work = engine_run
+    version = data["version"]
+    calibration = prompts(work, 1)
+    for case, draft in cases(work / "drafts").items():
+        engine = data[case]
+        reference = _transformers(draft, calibration, dtype, version)
+        assert engine["verdict_text"].startswith(EXPECTED[case]), (case, engine["verdict_text"])
+        for key in ("verdict", "fixes", "trainer", "ids"):
+            assert engine[key] == reference[key], (case, key)
+        # The SGLang mode answers for SGLang: the reference's line for this version alone.
+        sglang_lines = [e for e in reference["engines"] if e.startswith("SGLang")]
+        assert engine["engines"] == sglang_lines and len(sglang_lines) == 1, case
+        assert engine["ok"] == (
+            reference["verdict"] == "CONFIRMED" and sglang_lines[0].endswith(": OK")
+        ), case
+        mine, theirs = _hits(engine), _hits(reference)
+        assert mine.keys() == theirs.keys()
+        for layers, (hits, tokens) in mine.items():
+            assert tokens == theirs[layers][1], (case, layers)
+            fraction = MAX_FP32_FLIP_FRACTION if dtype == "fp32" else 0.02
+            allowed = int(fraction * tokens)
+            assert abs(hits - theirs[layers][0]) <= allowed, (case, layers, hits, theirs[layers])
+        measured = engine["measured"]
+        assert measured["engine"] == "sglang" and measured["tp"] == 1
+        assert measured["sglang_version"] == version and measured["ranks_checked"] == 1
+        if dtype == "fp32":
+            assert measured["engine_token_differs"] == 0, case
+
+
+def test_command_line_in_sglangs_cuda_engine(engine_run):
+    from tests.sglang_real.probe_engine import prompts
+
+    dtype, data, work = engine_run
+    cli = data["cli"]
+    line = [e for e in cli["json"]["engines"] if e.startswith("SGLang")]
+    assert len(line) == 1 and cli["json"]["engines"] == line
+    assert cli["exit"] == (0 if line[0].endswith(": OK") else 1), cli["stderr"][-3000:]
+    plan = cli["stderr"].index(f"the target in SGLang's engine at tensor parallel 1, dtype {dtype}")
+    assert cli["stderr"].index("SGLang served the target in") > plan
+    assert "trainer: SpecForge" in cli["stdout"] and EXPECTED["specforge"] in cli["stdout"]
+    assert "note: measured in SGLang's engine at tensor parallel 1" in cli["stdout"]
+    reference = _transformers(DATA / "draft_specforge", prompts(work, 1), dtype, data["version"])
+    assert cli["json"]["verdict"] == reference["verdict"]

@@ -568,7 +568,12 @@ def session(tmp_path):
             FAKE_BENCH_RC=str(bench_rc),
             FAKE_HOST_RC=str(host_rc),
         )
-        env.pop("OMP_NUM_THREADS", None)
+        # The session's own settings, as a GPU run of this suite exports them (STEPS=tests
+        # there made every stand-in skip its bench, host and sglang steps).
+        for key in ("OMP_NUM_THREADS", "STEPS", "TEST_WORKERS", "TESTS_TIMEOUT_S"):
+            env.pop(key, None)
+        for key in ("SESSION_LIMIT_S", "SGLANG_TESTS_TIMEOUT_S"):
+            env.pop(key, None)
         env.update(env_extra)
         result = subprocess.run(
             ["bash", str(repo / "tools" / "gpu" / "gpu_session.sh"), *args],

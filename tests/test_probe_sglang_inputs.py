@@ -135,6 +135,28 @@ def test_bad_sglang_input_is_refused_before_anything_loads(tmp_path, capsys, mon
         _one_line_exit_2(capsys, BASE + extra, message)
 
 
+def test_fp32_on_a_gpu_is_refused_before_sglang_starts(tmp_path, capsys, monkeypatch):
+    """SGLang on a GPU runs the target's RMSNorm in sgl_kernel, which has no float32 (an
+    H100 run of 2026-12-06 stopped at the first forward, SGLang 0.5.13): --dtype fp32 there
+    is one line and exit 2 before anything loads; on SGLang's CPU engine fp32 is its own,
+    and bf16 / auto on the GPU go ahead."""
+    _installed(tmp_path, monkeypatch, "0.5.13")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda *a: (9, 0))
+    _nothing_loads(monkeypatch)
+    message = "--dtype fp32 with --engine sglang on a GPU: SGLang runs the target's RMSNorm"
+    _one_line_exit_2(capsys, BASE + ["--dtype", "fp32"], message)
+    _one_line_exit_2(capsys, BASE + ["--dtype", "fp32", "--engine-arg", "device=cuda:1"], message)
+    for extra in (
+        ["--dtype", "fp32", "--engine-arg", "device=cpu"],
+        ["--dtype", "bf16"],
+        ["--dtype", "auto"],
+    ):
+        with pytest.raises(AssertionError, match="loaded before the input was checked"):
+            main(BASE + extra)  # past every check: the first load is reached
+        assert "--dtype fp32 with --engine sglang" not in capsys.readouterr().err
+
+
 def test_a_line_the_probe_cannot_drive(tmp_path, capsys, monkeypatch):
     """SGLang older than 0.5.9: refused, naming the first line it drives."""
     _nothing_loads(monkeypatch)

@@ -250,7 +250,9 @@ def run_probe(
     runner_class = RUNNERS[engine] if engine_target is None else type(engine_target)
     if engine_target is None:
         try:
-            sglang_version = runner_class.check(text_config, arch, tp, sglang_version)
+            sglang_version = runner_class.check(
+                text_config, arch, tp, sglang_version, dtype, engine_args
+            )
         except EngineError as exc:
             raise ProbeError(str(exc)) from None
     else:

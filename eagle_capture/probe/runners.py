@@ -88,7 +88,13 @@ class TargetRunner(ABC):
 
     @classmethod
     def check(
-        cls, text_config: dict, architecture: str, tp: int, sglang_version: Optional[str]
+        cls,
+        text_config: dict,
+        architecture: str,
+        tp: int,
+        sglang_version: Optional[str],
+        dtype: str = "auto",
+        engine_args: Optional[dict] = None,
     ) -> Optional[str]:
         """Refuses (:class:`EngineError`) what this runner cannot run, before anything is
         loaded; the SGLang version the report shows (None: the newest read)."""
@@ -207,14 +213,29 @@ class EngineRunner(TargetRunner):
 
     @classmethod
     def check(
-        cls, text_config: dict, architecture: str, tp: int, sglang_version: Optional[str]
+        cls,
+        text_config: dict,
+        architecture: str,
+        tp: int,
+        sglang_version: Optional[str],
+        dtype: str = "auto",
+        engine_args: Optional[dict] = None,
     ) -> Optional[str]:
         split = tp_problem(text_config, tp, cls.words)
         if split:
             raise EngineError(
                 f"--tp {tp}: {split}: {cls.words} cannot serve the target at tensor parallel {tp}"
             )
-        return cls.check_installed(architecture, tp, sglang_version)
+        version = cls.check_installed(architecture, tp, sglang_version)
+        problem = cls.option_problem(dtype, engine_args or {})
+        if problem:
+            raise EngineError(problem)
+        return version
+
+    @classmethod
+    def option_problem(cls, dtype: str, engine_args: dict) -> Optional[str]:
+        """Why the engine cannot run with this --dtype and these --engine-arg, or None."""
+        return None
 
     @classmethod
     @abstractmethod

@@ -360,6 +360,19 @@ class SglangTarget(EngineRunner):
         return check_sglang(sglang_version, architecture, tp)
 
     @classmethod
+    def option_problem(cls, dtype: str, engine_args: dict) -> Optional[str]:
+        # SGLang's device: its server argument, else the GPU when there is one.
+        device = str(engine_args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype == "fp32" and device.startswith("cuda"):
+            return (
+                "--dtype fp32 with --engine sglang on a GPU: SGLang runs the target's "
+                "RMSNorm in sgl_kernel there, which takes fp16 and bf16 only (float32 "
+                "stops the engine at its first forward); use --dtype bf16, fp16 or auto, "
+                "or leave out --engine for an fp32 probe in transformers"
+            )
+        return None
+
+    @classmethod
     def cache(cls, setup: Setup) -> str:
         return f"a KV cache pool of {setup.max_tokens + 1024} tokens (max_total_tokens)"
 

@@ -154,7 +154,7 @@ def main():
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--cli-only", action="store_true", help="the command line alone")
     p.add_argument("--device", choices=sorted(SERVERS), default="cpu")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

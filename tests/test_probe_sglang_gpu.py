@@ -53,7 +53,7 @@ EXPECTED = {
 MAX_FLIP_FRACTION = 0.02
 
 
-@pytest.fixture(scope="module", params=["bf16", "fp16"])
+@pytest.fixture(scope="module", params=["fp16", "bf16"])
 def engine_run(request, tmp_path_factory):
     """One run of tests/sglang_real/probe_engine.py in SGLang's engine on the GPU at
     ``dtype``: the command line (its own engine), then one engine for the four cases."""

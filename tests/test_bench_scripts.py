@@ -724,7 +724,7 @@ def test_session_without_the_sglang_bundle_says_what_did_not_run(session):
             0,
             "SKIPPED [6] tests/test_probe_sglang_gpu.py:108: SGLang is not installed\n",
             0,
-            "skipped",
+            "its tests skipped",
         ),
         (0, "1 failed, 5 passed\n", 1, "pytest exit status 1"),
         (1, "", 0, "did not install"),

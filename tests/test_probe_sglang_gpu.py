@@ -161,5 +161,5 @@ def test_fp32_is_refused_on_cuda(tmp_path):
         tmp_path / "record.json",
     )
     assert cli["exit"] == 2, cli["stderr"][-3000:]
-    assert "--dtype fp32 with --engine sglang on a GPU" in cli["stderr"]
+    assert "--dtype fp32 with --engine sglang on a machine with a GPU" in cli["stderr"]
     assert len(cli["stderr"].strip().splitlines()) == 1 and cli["json"] is None

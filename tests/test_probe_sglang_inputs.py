@@ -136,22 +136,30 @@ def test_bad_sglang_input_is_refused_before_anything_loads(tmp_path, capsys, mon
 
 
 def test_fp32_on_a_gpu_is_refused_before_sglang_starts(tmp_path, capsys, monkeypatch):
-    """SGLang on a GPU runs the target's RMSNorm in sgl_kernel, which has no float32 (an
-    H100 run of 2026-12-06 stopped at the first forward, SGLang 0.5.13): --dtype fp32 there
-    is one line and exit 2 before anything loads; on SGLang's CPU engine fp32 is its own,
-    and bf16 / auto on the GPU go ahead."""
+    """SGLang runs the target's RMSNorm in sgl_kernel wherever a GPU is visible (its kernels
+    follow the host, not its device argument), and sgl_kernel's has no float32 (an H100 run
+    of 2026-12-06 stopped at the first forward, SGLang 0.5.13): --dtype fp32 there is one
+    line and exit 2 before anything loads, whatever --engine-arg device says, and the runner
+    refuses it when built directly; bf16 / auto on a GPU and fp32 without one go ahead."""
+    from eagle_capture.probe.runners import EngineError
+    from eagle_capture.probe.sglang_engine import SglangTarget
+
     _installed(tmp_path, monkeypatch, "0.5.13")
-    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    gpu = [True]
+    monkeypatch.setattr("torch.cuda.is_available", lambda: gpu[0])
     monkeypatch.setattr("torch.cuda.get_device_capability", lambda *a: (9, 0))
     _nothing_loads(monkeypatch)
-    message = "--dtype fp32 with --engine sglang on a GPU: SGLang runs the target's RMSNorm"
-    _one_line_exit_2(capsys, BASE + ["--dtype", "fp32"], message)
-    _one_line_exit_2(capsys, BASE + ["--dtype", "fp32", "--engine-arg", "device=cuda:1"], message)
-    for extra in (
-        ["--dtype", "fp32", "--engine-arg", "device=cpu"],
-        ["--dtype", "bf16"],
-        ["--dtype", "auto"],
+    message = "--dtype fp32 with --engine sglang on a machine with a GPU: SGLang runs"
+    for extra in ([], ["--engine-arg", "device=cuda:1"], ["--engine-arg", "device=cpu"]):
+        _one_line_exit_2(capsys, BASE + ["--dtype", "fp32"] + extra, message)
+    with pytest.raises(EngineError, match="--dtype fp32 with --engine sglang"):
+        SglangTarget(TARGET, 8, 64, range(9), dtype="fp32", version="0.5.13")
+    for extra, visible in (
+        (["--dtype", "bf16"], True),
+        (["--dtype", "auto"], True),
+        (["--dtype", "fp32"], False),
     ):
+        gpu[0] = visible
         with pytest.raises(AssertionError, match="loaded before the input was checked"):
             main(BASE + extra)  # past every check: the first load is reached
         assert "--dtype fp32 with --engine sglang" not in capsys.readouterr().err

@@ -361,14 +361,14 @@ class SglangTarget(EngineRunner):
 
     @classmethod
     def option_problem(cls, dtype: str, engine_args: dict) -> Optional[str]:
-        # SGLang's device: its server argument, else the GPU when there is one.
-        device = str(engine_args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dtype == "fp32" and device.startswith("cuda"):
+        # SGLang picks its kernels from the host, not from its device argument: wherever a
+        # GPU is visible its RMSNorm is sgl_kernel's (its CPU engine runs only without one).
+        if dtype == "fp32" and torch.cuda.is_available():
             return (
-                "--dtype fp32 with --engine sglang on a GPU: SGLang runs the target's "
-                "RMSNorm in sgl_kernel there, which takes fp16 and bf16 only (float32 "
-                "stops the engine at its first forward); use --dtype bf16, fp16 or auto, "
-                "or leave out --engine for an fp32 probe in transformers"
+                "--dtype fp32 with --engine sglang on a machine with a GPU: SGLang runs the "
+                "target's RMSNorm in sgl_kernel wherever a GPU is visible, which takes fp16 "
+                "and bf16 only (float32 stops the engine at its first forward); use --dtype "
+                "bf16, fp16 or auto, or leave out --engine for an fp32 probe in transformers"
             )
         return None
 
@@ -407,6 +407,9 @@ class SglangTarget(EngineRunner):
     ) -> None:
         from eagle_capture.integrations.sglang.probe_hooks import specs
 
+        problem = self.option_problem(dtype, engine_args or {})
+        if problem:
+            raise EngineError(problem)
         self.num_layers, self.hidden_size = num_layers, hidden_size
         self.keep = sorted(set(keep))
         self.tp = tp

@@ -23,6 +23,8 @@
 #   sglang when tools/gpu/make_sglang_engine_bundle.sh's folders are carried (.sglang_engine,
 #          .whl_sglang): SGLang's CUDA build installed (tools/gpu/gpu_sglang_engine.sh) and
 #          the SGLang-engine GPU tests run in a pytest of their own > sglang_tests.log
+#          (about 4 minutes: with the bundle carried, STEPS="tests sglang" in one call and
+#          STEPS="bench host" in the next; interrupted like the tests step)
 #   bench  scripts/bench.sh (benchmarks/capture_latency.py) > bench.log; its FlashInfer
 #          paths (j, k) run where FlashInfer's norm loads: carry .gpu_bundle/ (made here
 #          by FLASHINFER_ONLY=1 bash tools/gpu/make_gpu_bundle.sh) and it is JIT-built there
@@ -206,12 +208,17 @@ sglang_step() {
     fi
     bash tools/gpu/gpu_sglang_engine.sh > "$OUT/sglang_install.log" 2>&1 \
         || { say "SGLang's engine bundle did not install ($OUT/sglang_install.log)"; return 1; }
+    # Interrupted like the tests step: at what is left of SESSION_LIMIT_S (>= 60 s), or
+    # at SGLANG_TESTS_TIMEOUT_S.
+    local limit=${SGLANG_TESTS_TIMEOUT_S:-$(( ${SESSION_LIMIT_S:-570} - SECONDS ))}
+    (( limit < 60 )) && limit=60
     PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" \
         LD_LIBRARY_PATH="$site/.lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-        timeout -s INT -k 30 "${SGLANG_TESTS_TIMEOUT_S:-540}" \
+        timeout -s INT -k 30 "$limit" \
         bash scripts/test.sh -rsE -p no:cacheprovider "$SGLANG_GPU_TESTS" \
         > "$OUT/sglang_tests.log" 2>&1
     rc=$?
+    (( rc == 124 || rc == 137 )) && say "sglang INTERRUPTED after $limit s"
     tail -n 3 "$OUT/sglang_tests.log"
     # A skip here means SGLang did not import from the bundle: not a pass.
     if grep -q "^SKIPPED" "$OUT/sglang_tests.log"; then

@@ -15,6 +15,7 @@ import pytest
 
 from eagle_capture.layer_ids import engine_facts
 from eagle_capture.layer_ids.rules import SGLANG_MODEL_RULES, WRAPPERS
+from engine_jobs import Job
 
 ROOT = Path(__file__).resolve().parents[1]
 # Wheels are cached here (or where EAGLE_CAPTURE_ENGINE_WHEELS points) and fetched
@@ -67,9 +68,26 @@ def _fetch_wheels() -> dict:
     return engine_facts.find_wheels(str(WHEELS))
 
 
+# The wheels' download (about 1.2 GB, minutes on a cold CI machine) and the generator run in
+# the background with the engine runs (tests/engine_jobs.py) from the session's start,
+# while the other tests run; this module's tests go last with theirs.
+GENERATE = "engine facts from the wheels"
+
+
+def _generate_job() -> Job:
+    return Job(-450, GENERATE, lambda: engine_facts.generate(_fetch_wheels()))
+
+
+def engine_jobs(item, base, jobs) -> list:
+    """The background run a selected test needs (tests/engine_jobs.py)."""
+    return [_generate_job()] if "generated" in item.fixturenames else []
+
+
 @pytest.fixture(scope="module")
-def generated():
-    return engine_facts.generate(_fetch_wheels())
+def generated(engine_jobs):
+    if engine_jobs is None:
+        return _generate_job().run()
+    return engine_jobs.result(GENERATE, _generate_job())
 
 
 def test_the_committed_facts_are_what_the_wheels_say(generated):

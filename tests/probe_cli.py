@@ -25,3 +25,30 @@ def run_cli(argv: list[str], record: Path) -> dict:
         "stderr": stderr.getvalue(),
         "json": json.loads(record.read_text()) if record.exists() else None,
     }
+
+
+def run_engine_harness(module: str, work: Path, dtype: str, record_name: str) -> dict:
+    """One run of an engine harness (``module``: tests.vllm_real.probe_engine or
+    tests.sglang_real.probe_engine) in a child process on the GPU at ``dtype``, tensor
+    parallel 1, its files under ``work``: the JSON it wrote. The serving plugin stays out of
+    the probe's engine; ``EAGLE_CAPTURE_RECORD=DIR`` keeps the JSON as DIR/record_name."""
+    import os
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = work / "probe.json"
+    path = os.pathsep.join(p for p in [os.environ.get("PYTHONPATH", ""), str(root)] if p)
+    env = dict(os.environ, PYTHONPATH=path)
+    env.pop("EAGLE_CAPTURE", None)
+    cmd = [sys.executable, "-m", module, "--work", str(work), "--json", str(out)]
+    cmd += ["--tp", "1", "--device", "cuda", "--dtype", dtype]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and out.exists(), (
+        f"the engine run failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
+    )
+    record = os.environ.get("EAGLE_CAPTURE_RECORD")
+    if record:
+        Path(record).mkdir(parents=True, exist_ok=True)
+        shutil.copy(out, Path(record) / record_name)
+    return json.loads(out.read_text())

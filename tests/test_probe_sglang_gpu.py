@@ -18,11 +18,6 @@ tests/sglang_real/probe_engine.py, in SGLang's CPU engine on every CI run). Skip
 """
 
 import importlib.util
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -39,6 +34,7 @@ pytestmark = [
 ]
 
 from eagle_capture.probe.probe import run_probe  # noqa: E402
+from tests.probe_cli import run_engine_harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "tiny_eagle3"
@@ -59,23 +55,8 @@ def engine_run(request, tmp_path_factory):
     ``dtype``: the command line (its own engine), then one engine for the four cases."""
     dtype = request.param
     work = tmp_path_factory.mktemp(f"probe_sglang_cuda_{dtype}")
-    out = work / "probe.json"
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(p for p in [os.environ.get("PYTHONPATH", ""), str(ROOT)] if p),
-    )
-    env.pop("EAGLE_CAPTURE", None)  # the serving plugin stays out of the probe's engine
-    cmd = [sys.executable, "-m", "tests.sglang_real.probe_engine", "--work", str(work)]
-    cmd += ["--json", str(out), "--tp", "1", "--device", "cuda", "--dtype", dtype]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and out.exists(), (
-        f"the engine run failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
-    )
-    record = os.environ.get("EAGLE_CAPTURE_RECORD")
-    if record:
-        Path(record).mkdir(parents=True, exist_ok=True)
-        shutil.copy(out, Path(record) / f"probe_sglang_cuda_{dtype}.json")
-    return dtype, json.loads(out.read_text()), work
+    module = "tests.sglang_real.probe_engine"
+    return dtype, run_engine_harness(module, work, dtype, f"probe_sglang_cuda_{dtype}.json"), work
 
 
 def _transformers(draft: Path, prompts: Path, dtype: str, version: str) -> dict:

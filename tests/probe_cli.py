@@ -9,6 +9,10 @@ import json
 import sys
 from pathlib import Path
 
+# The skip reason of the GPU tests at tensor parallel 2 (tools/gpu/gpu_session.sh expects it
+# on a machine of one GPU).
+TWO_GPUS = "needs two GPUs (tensor parallel 2 over NCCL)"
+
 
 def run_cli(argv: list[str], record: Path) -> dict:
     """The probe's command line with ``argv`` and ``--json record``: its exit status,
@@ -27,10 +31,10 @@ def run_cli(argv: list[str], record: Path) -> dict:
     }
 
 
-def run_engine_harness(module: str, work: Path, dtype: str, record_name: str) -> dict:
+def run_engine_harness(module: str, work: Path, dtype: str, record_name: str, tp: int = 1) -> dict:
     """One run of an engine harness (``module``: tests.vllm_real.probe_engine or
-    tests.sglang_real.probe_engine) in a child process on the GPU at ``dtype``, tensor
-    parallel 1, its files under ``work``: the JSON it wrote. The serving plugin stays out of
+    tests.sglang_real.probe_engine) in a child process on the GPU at ``dtype`` and tensor
+    parallel ``tp`` (one GPU a rank), its files under ``work``: the JSON it wrote. The serving plugin stays out of
     the probe's engine; ``EAGLE_CAPTURE_RECORD=DIR`` keeps the JSON as DIR/record_name."""
     import os
     import shutil
@@ -42,7 +46,7 @@ def run_engine_harness(module: str, work: Path, dtype: str, record_name: str) ->
     env = dict(os.environ, PYTHONPATH=path)
     env.pop("EAGLE_CAPTURE", None)
     cmd = [sys.executable, "-m", module, "--work", str(work), "--json", str(out)]
-    cmd += ["--tp", "1", "--device", "cuda", "--dtype", dtype]
+    cmd += ["--tp", str(tp), "--device", "cuda", "--dtype", dtype]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and out.exists(), (
         f"the engine run failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"

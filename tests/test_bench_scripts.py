@@ -716,26 +716,36 @@ def test_session_without_the_sglang_bundle_says_what_did_not_run(session):
     assert not (out / "sglang_path").exists()
 
 
+TP2_SKIP = (
+    "SKIPPED [1] tests/test_probe_sglang_gpu.py:162: needs two GPUs (tensor parallel 2 over NCCL)"
+    "\n5 passed, 1 skipped in 300.0s\n"
+)
+
+
 @pytest.mark.parametrize(
-    "install_rc, sglang_log, sglang_rc, failed",
+    "install_rc, sglang_log, sglang_rc, gpus, failed",
     [
-        (0, "6 passed in 300.0s\n", 0, None),
+        (0, "6 passed in 300.0s\n", 0, 1, None),
         (
             0,
             "SKIPPED [6] tests/test_probe_sglang_gpu.py:108: SGLang is not installed\n",
             0,
+            1,
             "its tests skipped",
         ),
-        (0, "1 failed, 5 passed\n", 1, "pytest exit status 1"),
-        (1, "", 0, "did not install"),
+        (0, TP2_SKIP, 0, 1, None),  # the TP 2 test on a one-GPU machine
+        (0, TP2_SKIP, 0, 2, "its tests skipped"),  # ... on two GPUs it must run
+        (0, "1 failed, 5 passed\n", 1, 1, "pytest exit status 1"),
+        (1, "", 0, 1, "did not install"),
     ],
 )
 def test_session_with_the_sglang_bundle_runs_its_tests_with_sglang(
-    session, tmp_path, install_rc, sglang_log, sglang_rc, failed
+    session, tmp_path, install_rc, sglang_log, sglang_rc, gpus, failed
 ):
     """Carried, the bundle is installed and its tests run in a pytest of their own with
-    SGLang's site first on the path; a skip there (SGLang did not import), a failure or an
-    install that fails fails the session's sglang step."""
+    SGLang's site first on the path; a skip there (SGLang did not import; a test needing no
+    more GPUs than the machine has), a failure or an install that fails fails the session's
+    sglang step."""
     repo = tmp_path / "repo"
     for folder in (".sglang_engine", ".whl_sglang"):
         (repo / folder).mkdir()
@@ -743,6 +753,7 @@ def test_session_with_the_sglang_bundle_runs_its_tests_with_sglang(
     log = tmp_path / "sglang.log"
     log.write_text(sglang_log)
     result, out = session(
+        gpus=gpus,
         log_text=SGLANG_SKIP_LOG,
         env_extra={"FAKE_SGLANG_LOG": str(log), "FAKE_SGLANG_RC": str(sglang_rc)},
     )
@@ -752,7 +763,8 @@ def test_session_with_the_sglang_bundle_runs_its_tests_with_sglang(
         assert (out / "sglang_path").read_text().startswith("/tmp/sglang_site")
     else:
         assert result.returncode == 1 and failed in result.stdout, result.stdout
-        assert "FAILED: sglang" in result.stdout
+        # (on two GPUs the stand-in tests step fails too: its canned log is a one-GPU one)
+        assert re.search(r"FAILED: (tests )?sglang", result.stdout), result.stdout
 
 
 # ---------------------------------------------------------------- gpu_vllm_engine.sh's install

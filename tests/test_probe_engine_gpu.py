@@ -37,7 +37,7 @@ pytestmark = [
 ]
 
 from eagle_capture.probe.probe import run_probe  # noqa: E402
-from tests.probe_cli import run_engine_harness  # noqa: E402
+from tests.probe_cli import TWO_GPUS, run_engine_harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "tiny_eagle3"
@@ -63,11 +63,11 @@ def engine_run(request, tmp_path_factory):
     return dtype, run_engine_harness(module, work, dtype, f"probe_engine_cuda_{dtype}.json"), work
 
 
-def _transformers(draft: Path, dtype: str) -> dict:
+def _transformers(draft: Path, dtype: str, prompts: Path = DATA / "prompts.jsonl") -> dict:
     return run_probe(
         str(DATA / "target"),
         str(draft),
-        str(DATA / "prompts.jsonl"),
+        str(prompts),
         device="cuda",
         dtype=dtype,
         max_tokens=64,
@@ -119,3 +119,36 @@ def test_command_line_in_vllms_cuda_engine(engine_run):
     assert "trainer: SpecForge" in cli["stdout"] and EXPECTED["specforge"] in cli["stdout"]
     assert "note: measured in vLLM's engine at tensor parallel 1" in cli["stdout"]
     assert _hits(cli["json"]) == _hits(data["specforge"])
+
+
+@pytest.fixture(scope="module")
+def engine_run_tp2(tmp_path_factory):
+    """TP 2 over NCCL, one GPU a rank (the tiny target's two heads split no further)."""
+    work = tmp_path_factory.mktemp("probe_engine_cuda_tp2")
+    return run_engine_harness(
+        "tests.vllm_real.probe_engine", work, "fp32", "probe_engine_cuda_fp32_tp2.json", tp=2
+    ), work
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=TWO_GPUS)
+def test_tensor_parallel_2_over_nccl(engine_run_tp2, tmp_path):
+    """TP 2 on two GPUs, fp32: both ranks' states the full width and equal (digests); the
+    answer transformers' probe gives on the same prompts, within float noise (another
+    reduction order); one layer's all-reduce switched off -> refused, naming partial sums."""
+    from tests.vllm_real.probe_engine import TP2_PROMPTS, prompts
+
+    data, _ = engine_run_tp2
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    engine = data["specforge"]
+    measured = engine["measured"]
+    assert measured["tp"] == 2 and measured["ranks_checked"] == 2
+    assert measured["prompts"] == TP2_PROMPTS and measured["max_rank_difference"] <= 1e-6
+    reference = _transformers(DATA / "draft_specforge", "fp32", prompts(tmp_path, 2))
+    assert engine["verdict_text"].startswith(EXPECTED["specforge"])
+    assert engine["verdict"] == reference["verdict"] and engine["ids"] == reference["ids"]
+    mine, theirs = _hits(engine), _hits(reference)
+    assert mine.keys() == theirs.keys()
+    for layers, (hits, tokens) in mine.items():
+        assert tokens == theirs[layers][1] and abs(hits - theirs[layers][0]) <= 2, layers
+    assert data["partial_sums"]["refused"], data["partial_sums"]
+    assert "partial sums" in data["partial_sums"]["error"]

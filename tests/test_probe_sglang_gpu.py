@@ -34,7 +34,7 @@ pytestmark = [
 ]
 
 from eagle_capture.probe.probe import run_probe  # noqa: E402
-from tests.probe_cli import run_engine_harness  # noqa: E402
+from tests.probe_cli import TWO_GPUS, run_engine_harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "tiny_eagle3"
@@ -144,3 +144,44 @@ def test_fp32_is_refused_on_cuda(tmp_path):
     assert cli["exit"] == 2, cli["stderr"][-3000:]
     assert "--dtype fp32 with --engine sglang on a machine with a GPU" in cli["stderr"]
     assert len(cli["stderr"].strip().splitlines()) == 1 and cli["json"] is None
+
+
+@pytest.fixture(scope="module")
+def engine_run_tp2(tmp_path_factory):
+    """TP 2 over NCCL, one GPU a rank (the tiny target's two heads split no further)."""
+    work = tmp_path_factory.mktemp("probe_sglang_cuda_tp2")
+    return run_engine_harness(
+        "tests.sglang_real.probe_engine", work, "bf16", "probe_sglang_cuda_bf16_tp2.json", tp=2
+    ), work
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=TWO_GPUS)
+def test_tensor_parallel_2_over_nccl(engine_run_tp2):
+    """TP 2 on two GPUs: both ranks' states equal SGLang's own capture on that rank, bit for
+    bit; both ranks' states the full width and equal; the verdicts and hits of transformers'
+    probe on the same prompts, within rounding; layer 3's MLP all-reduce switched off in
+    every rank -> refused, naming partial sums from capture layer 4."""
+    from tests.sglang_real.probe_engine import PROMPTS, cases, prompts
+
+    data, work = engine_run_tp2
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    own = data["own"]
+    assert own["forwards_compared"] >= 5, own
+    assert own["layers"] == [1, 2, 3, 4, 5, 6, 7] and own["ranks"] == [0, 1]
+    drafts = cases(work / "drafts")
+    for case in ("specforge", "mla"):
+        engine = data[case]
+        measured = engine["measured"]
+        assert measured["tp"] == 2 and measured["ranks_checked"] == 2, case
+        assert measured["prompts"] == PROMPTS[2] and measured["max_rank_difference"] <= 1e-6, case
+        reference = _transformers(drafts[case], prompts(work, 2), "bf16", data["version"])
+        assert engine["verdict_text"].startswith(EXPECTED[case]), engine["verdict_text"]
+        assert engine["verdict"] == reference["verdict"] and engine["ids"] == reference["ids"]
+        mine, theirs = _hits(engine), _hits(reference)
+        assert mine.keys() == theirs.keys(), case
+        for layers, (hits, tokens) in mine.items():
+            assert tokens == theirs[layers][1], (case, layers)
+            assert abs(hits - theirs[layers][0]) <= int(MAX_FLIP_FRACTION * tokens), (case, layers)
+    partial = data["partial_sums"]
+    assert partial["refused"], partial
+    assert "partial sums" in partial["error"] and "capture layer 4" in partial["error"]

@@ -34,13 +34,23 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from eagle_capture.probe.draft_spec import (
+    LLAMA_DRAFTS,
+    MLA_DRAFTS,
+    SPECULATORS_KEYS,
+    DraftError,
+    DraftNorm,
+    DraftSpec,
+    attention_input,
+)
+from eagle_capture.probe.mla_draft import mla_draft
 
 __all__ = [
     "DraftError",
@@ -51,116 +61,6 @@ __all__ = [
     "read_weights",
     "state_dict_for_format",
 ]
-
-
-class DraftError(ValueError):
-    """A draft folder the probe cannot read: the message names what is wrong."""
-
-
-# The draft classes the probe runs: a Llama layer (SGLang's LlamaForCausalLMEagle3, vLLM's
-# Eagle3LlamaForCausalLM under both names, speculators' Eagle3Speculator), or an MLA layer
-# (SGLang's and vLLM's Eagle3DeepseekV2ForCausalLM: probe/mla_draft.py).
-LLAMA_DRAFTS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
-MLA_DRAFTS = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
-SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "transformer_layer_config")
-
-
-@dataclass(frozen=True)
-class DraftSpec:
-    """What the step needs from a draft's config.json."""
-
-    format: str  # "SpecForge", "speculators", "Model Optimizer", "EAGLE-3 (vLLM names)"
-    hidden_size: int
-    target_hidden_size: int
-    num_aux: int  # K: target states concatenated into fc
-    num_layers: int
-    vocab_size: int  # the target's vocabulary (d2t maps into it)
-    draft_vocab_size: int
-    rms_norm_eps: float
-    norm_before_residual: bool = False
-    norm_before_fc: bool = False
-    fc_norm: bool = False
-    layer_config: Optional[dict] = None  # a Llama config dict for the decoder layer(s)
-
-    @classmethod
-    def from_config(cls, config: dict, fmt: str, num_aux: Optional[int] = None) -> "DraftSpec":
-        speculators = fmt == "speculators"
-        layer = dict(config.get("transformer_layer_config") or {}) if speculators else dict(config)
-        if not layer:
-            raise DraftError(
-                "a speculators config without transformer_layer_config: the "
-                "draft layer's sizes are not written anywhere"
-            )
-        for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
-            if not isinstance(layer.get(key), int):
-                raise DraftError(
-                    f"the draft config has no integer {key} "
-                    f"({'transformer_layer_config' if speculators else 'top level'})"
-                )
-        hidden = layer["hidden_size"]
-        vocab = layer.get("vocab_size", config.get("vocab_size"))
-        draft_vocab = config.get("draft_vocab_size") or vocab
-        target_hidden = config.get("target_hidden_size") or hidden
-        eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
-        ids = eagle.get("eagle_aux_hidden_state_layer_ids") or config.get(
-            "eagle_aux_hidden_state_layer_ids"
-        )
-        k = num_aux or config.get("num_aux_hidden_states") or (len(ids) if ids else 3)
-
-        def flag(name, default=False):
-            return bool(eagle.get(name, config.get(name, default)))
-
-        return cls(
-            format=fmt,
-            hidden_size=hidden,
-            target_hidden_size=target_hidden,
-            num_aux=k,
-            num_layers=int(layer.get("num_hidden_layers") or 1),
-            vocab_size=int(vocab),
-            draft_vocab_size=int(draft_vocab),
-            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-            # vLLM reads a speculators config without the key as True (speculators
-            # itself always writes it); the other formats have no such flag: False.
-            norm_before_residual=flag("norm_before_residual", speculators),
-            norm_before_fc=flag("norm_before_fc"),
-            fc_norm=flag("fc_norm"),
-            layer_config=layer,
-        )
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Llama's RMSNorm: statistics in (at least) fp32, the weight applied in the input's dtype.
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-class _Norm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x):
-        return _rms_norm(x, self.weight, self.eps)
-
-
-def attention_input(layer: nn.Module, embeds, hidden, residual, norm_before_residual: bool):
-    """A draft layer's attention input and residual (every EAGLE-3 draft layer, Llama or
-    MLA attention): the first layer concatenates the normed embeddings and the normed fc
-    output, whose residual is the fc output (or its norm with ``norm_before_residual``);
-    a later layer adds its residual and norms the sum."""
-    if not layer.first:
-        residual = hidden + residual
-        return layer.input_layernorm(residual), residual
-    e = layer.input_layernorm(embeds)
-    if norm_before_residual:
-        hidden = layer.hidden_norm(hidden)
-        residual = hidden
-    else:
-        residual = hidden
-        hidden = layer.hidden_norm(hidden)
-    return torch.cat([e, hidden], dim=-1), residual
 
 
 class _Layer(nn.Module):
@@ -191,10 +91,10 @@ class _Layer(nn.Module):
             raise DraftError(
                 f"draft hidden_act {act!r}: only silu (every EAGLE-3 Llama draft) is implemented"
             )
-        self.input_layernorm = _Norm(h, eps)
-        self.post_attention_layernorm = _Norm(h, eps)
+        self.input_layernorm = DraftNorm(h, eps)
+        self.post_attention_layernorm = DraftNorm(h, eps)
         if first:
-            self.hidden_norm = _Norm(h, eps)
+            self.hidden_norm = DraftNorm(h, eps)
 
     def attention(self, x, cos, sin):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -233,17 +133,17 @@ class Eagle3Draft(nn.Module):
         self.spec = spec
         h = spec.hidden_size
         fc_in = spec.target_hidden_size * spec.num_aux
-        self.input_norm = _Norm(fc_in, spec.rms_norm_eps) if spec.norm_before_fc else None
+        self.input_norm = DraftNorm(fc_in, spec.rms_norm_eps) if spec.norm_before_fc else None
         self.fc_norm = (
             nn.ModuleList(
-                _Norm(spec.target_hidden_size, spec.rms_norm_eps) for _ in range(spec.num_aux)
+                DraftNorm(spec.target_hidden_size, spec.rms_norm_eps) for _ in range(spec.num_aux)
             )
             if spec.fc_norm
             else None
         )
         self.fc = nn.Linear(fc_in, h, bias=False)
         self.layers = nn.ModuleList(_Layer(spec, first=(i == 0)) for i in range(spec.num_layers))
-        self.norm = _Norm(h, spec.rms_norm_eps)
+        self.norm = DraftNorm(h, spec.rms_norm_eps)
         self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
         self.embed_tokens: Optional[nn.Embedding] = None
@@ -402,8 +302,6 @@ def load_draft(
         }
     )
     if arch in MLA_DRAFTS:
-        from eagle_capture.probe.mla_draft import mla_draft
-
         draft = mla_draft(config, spec, engine)
     else:
         draft = Eagle3Draft(spec)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_capture.probe.draft import DraftError, DraftSpec, _Norm, attention_input
+from eagle_capture.probe.draft_spec import DraftError, DraftNorm, DraftSpec, attention_input
 
 __all__ = ["MLA_CLASSES", "MlaReading", "Eagle3MlaDraft", "engine_readings", "mla_draft"]
 
@@ -265,12 +265,12 @@ class _MlaLayer(nn.Module):
         qk = self.heads * (self.nope + self.rope_dim)
         if self.q_lora_rank:
             self.q_a_proj = nn.Linear(d_in, self.q_lora_rank, bias=False)
-            self.q_a_layernorm = _Norm(self.q_lora_rank, eps)
+            self.q_a_layernorm = DraftNorm(self.q_lora_rank, eps)
             self.q_b_proj = nn.Linear(self.q_lora_rank, qk, bias=False)
         else:
             self.q_proj = nn.Linear(d_in, qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d_in, self.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_a_layernorm = _Norm(self.kv_lora_rank, eps)
+        self.kv_a_layernorm = DraftNorm(self.kv_lora_rank, eps)
         self.kv_b_proj = nn.Linear(
             self.kv_lora_rank, self.heads * (self.nope + self.v_dim), bias=False
         )
@@ -282,10 +282,10 @@ class _MlaLayer(nn.Module):
         self.gate_proj = nn.Linear(h, inter, bias=False)
         self.up_proj = nn.Linear(h, inter, bias=False)
         self.down_proj = nn.Linear(inter, h, bias=False)
-        self.input_layernorm = _Norm(h, eps)
-        self.post_attention_layernorm = _Norm(h, eps)
+        self.input_layernorm = DraftNorm(h, eps)
+        self.post_attention_layernorm = DraftNorm(h, eps)
         if first:
-            self.hidden_norm = _Norm(h, eps)
+            self.hidden_norm = DraftNorm(h, eps)
 
     def attention(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -334,7 +334,7 @@ class Eagle3MlaDraft(nn.Module):
         fc_in = spec.target_hidden_size * spec.num_aux
         self.fc_norm = (
             nn.ModuleList(
-                _Norm(spec.target_hidden_size, spec.rms_norm_eps) for _ in range(spec.num_aux)
+                DraftNorm(spec.target_hidden_size, spec.rms_norm_eps) for _ in range(spec.num_aux)
             )
             if reading.fc_norm
             else None
@@ -343,7 +343,7 @@ class Eagle3MlaDraft(nn.Module):
         self.layers = nn.ModuleList(
             _MlaLayer(spec, reading, first=(i == 0)) for i in range(spec.num_layers)
         )
-        self.norm = _Norm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = DraftNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
         self.embed_tokens: Optional[nn.Embedding] = None

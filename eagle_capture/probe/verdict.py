@@ -141,7 +141,7 @@ def judge(
     The config's reading stands unless another reading beats it by more than the
     noise (:func:`_threshold`); two config readings (ambiguous ids, or unsorted ids
     in ascending and in the config's slot order) must be told apart by that margin
-    too. ``draft_spec`` (the draft's :class:`~eagle_capture.probe.draft.DraftSpec`)
+    too. ``draft_spec`` (the draft's :class:`~eagle_capture.probe.draft_spec.DraftSpec`)
     names the weights to reorder for a draft trained in the config's slot order;
     ``engines``: the engines whose lines are reported and decide ``ok``."""
     ranked = report.ranked

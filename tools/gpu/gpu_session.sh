@@ -23,8 +23,10 @@
 #   sglang when tools/gpu/make_sglang_engine_bundle.sh's folders are carried (.sglang_engine,
 #          .whl_sglang): SGLang's CUDA build installed (tools/gpu/gpu_sglang_engine.sh) and
 #          the SGLang-engine GPU tests run in a pytest of their own > sglang_tests.log
-#          (about 4 minutes: with the bundle carried, STEPS="tests sglang" in one call and
-#          STEPS="bench host" in the next; interrupted like the tests step)
+#          (about 4 minutes on one GPU: with the bundle carried, STEPS="tests sglang" in one
+#          call and STEPS="bench host" in the next; interrupted like the tests step). On two
+#          GPUs or more, both steps also start the engines again at tensor parallel 2 (the
+#          probe's TP 2 tests): give each step a call of its own there.
 #   bench  scripts/bench.sh (benchmarks/capture_latency.py) > bench.log; its FlashInfer
 #          paths (j, k) run where FlashInfer's norm loads: carry .gpu_bundle/ (made here
 #          by FLASHINFER_ONLY=1 bash tools/gpu/make_gpu_bundle.sh) and it is JIT-built there
@@ -78,13 +80,13 @@ skip_is_expected() {
     (( needed > gpus ))
 }
 
-# check_skips LOG GPUS: read the skips from a pytest -rs log -- folded lines
+# check_skips LOG GPUS [STEP]: read the skips from a pytest -rs log -- folded lines
 # "SKIPPED [N] path:line: reason", or "SKIPPED node-id - reason" under
 # --no-fold-skipped -- and fail, naming them, when any is unexpected on a machine
 # with GPUS GPUs, or when the log's final counts hold more skips than those lines
 # (pytest run without -rs: the reasons cannot be checked).
 check_skips() {
-    local log=$1 gpus=$2
+    local log=$1 gpus=$2 step=${3:-tests}
     local folded='^SKIPPED \[([0-9]+)\] [^ ]+: (.*)$' unfolded='^SKIPPED [^ ]+ - (.*)$'
     local counts='^(=+ )?[0-9]+ (passed|failed|skipped|deselected|xfailed|xpassed|errors?|warnings?)\b.* in [0-9.]+s'
     local line count reason listed=0 total unexpected=()
@@ -109,14 +111,18 @@ check_skips() {
             grep -oE '[0-9]+ skipped' | grep -oE '[0-9]+')
     total=${total:-0}
     if (( ${#unexpected[@]} )); then
-        say "tests FAILED: skipped for a reason not expected on a machine with $gpus GPU(s):"
+        say "$step FAILED: skipped for a reason not expected on a machine with $gpus GPU(s):"
         printf '  %s\n' "${unexpected[@]}"
-        say "expected skips: needing more than $gpus GPU(s), or a reason containing one of:"
-        printf '  %s\n' "${EXPECTED_SKIPS[@]}"
+        if (( ${#EXPECTED_SKIPS[@]} )); then
+            say "expected skips: needing more than $gpus GPU(s), or a reason containing one of:"
+            printf '  %s\n' "${EXPECTED_SKIPS[@]}"
+        else
+            say "expected skips: only tests needing more than $gpus GPU(s)"
+        fi
         return 1
     fi
     if (( total > listed )); then
-        say "tests FAILED: pytest reports $total skipped, the log gives the reasons of $listed" \
+        say "$step FAILED: pytest reports $total skipped, the log gives the reasons of $listed" \
             "(run pytest with -rs)"
         return 1
     fi
@@ -220,14 +226,16 @@ sglang_step() {
     rc=$?
     (( rc == 124 || rc == 137 )) && say "sglang INTERRUPTED after $limit s"
     tail -n 3 "$OUT/sglang_tests.log"
+    (( rc == 0 )) || say "sglang FAILED: pytest exit status $rc"
     # A skip here means SGLang did not import from the bundle: not a pass. Only a test
     # needing more GPUs than this machine has may skip (no other reason is expected).
-    if ! ( EXPECTED_SKIPS=(); check_skips "$OUT/sglang_tests.log" "$(visible_gpus)" ) \
-            > "$OUT/sglang_skips.txt"; then
-        cat "$OUT/sglang_skips.txt"
+    local skips_ok=0
+    ( EXPECTED_SKIPS=(); check_skips "$OUT/sglang_tests.log" "$(visible_gpus)" sglang ) \
+        > "$OUT/sglang_skips.txt" || skips_ok=1
+    cat "$OUT/sglang_skips.txt"
+    if (( skips_ok != 0 )); then
         say "sglang FAILED: its tests skipped ($OUT/sglang_tests.log)"; rc=1
     fi
-    (( rc == 0 )) || say "sglang FAILED: pytest exit status $rc"
     return $(( rc != 0 ))
 }
 

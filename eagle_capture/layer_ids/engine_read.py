@@ -513,7 +513,7 @@ class SGLangFact:
     cls: str  # "llama.LlamaForCausalLM"
     capture: Optional[bool]  # None: could not be read mechanically
     owner: Optional[str] = None  # the class whose method computes the capture layers
-    rule: Optional[str] = None  # a id_rules.RULE_WORDS key; None: unclassified
+    rule: Optional[str] = None  # an id_rules.RULE_WORDS key; None: unclassified
     via: list = field(default_factory=list)  # delegation, outermost first
     why: str = ""
     # The owner's model loop also captures after its last layer (capture layer

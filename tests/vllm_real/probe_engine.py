@@ -32,6 +32,11 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "tiny_eagle3"
 EXTENSION = "tests.vllm_real.probe_engine.PartialSums"  # resolved in vLLM's workers
 TP2_PROMPTS = 16
+# On a GPU: vLLM's start-up check wants this share of each GPU free (default 0.92 in 0.34,
+# 0.9 in 0.32), where the probe's engine needs a few hundred MiB (it sizes its own KV
+# cache); the GPU suite's other workers hold memory on the same GPU meanwhile, as another
+# process may on a user's (who passes the same --engine-arg).
+GPU_SHARE = 0.25
 PARTIAL_LAYER = 3  # its MLP's all-reduce is skipped: capture layers 4.. are partial
 
 
@@ -94,6 +99,7 @@ def command_line(work: Path, device: str = "cpu", dtype: str = "fp32") -> dict:
             "64",
             "--device",
             device,
+            *(["--engine-arg", f"gpu_memory_utilization={GPU_SHARE}"] if device == "cuda" else []),
         ],
         work / "cli.json",
     )
@@ -126,7 +132,10 @@ def main():
         tp=args.tp,
         dtype=args.dtype,
         max_tokens=64,
-        engine_args={"worker_extension_cls": EXTENSION} if args.tp > 1 else None,
+        engine_args={
+            **({"worker_extension_cls": EXTENSION} if args.tp > 1 else {}),
+            **({"gpu_memory_utilization": GPU_SHARE} if args.device == "cuda" else {}),
+        },
     )
     out["ranks"] = target.ranks
     names = ["specforge", "speculators", "converted", "mla"] if args.tp == 1 else ["specforge"]

@@ -20,10 +20,8 @@ the launch's num_warps, grid and ``launch_pdl``. Two sweeps:
                      3 launches per step: l as shipped, with each cache hint the
                      kernel exposes (AUX_CACHE / AUX_EVICT on the slot store,
                      RESIDUAL_EVICT on the residual load), PDL's trigger after
-                     the stores, other warp counts, the slot stored last
-                     (NORMED_FIRST), a persistent grid of 2 or 4 programs per SM
-                     (PERSISTENT); d for reference. Every cell also as a
-                     multiple of k's time (table "x k").
+                     the stores, other warp counts; d for reference. Every cell
+                     also as a multiple of k's time (table "x k").
 
 Kinds (which outputs a launch writes; the letters of capture_latency.py):
   c  add_capture: h + r into the aux slot
@@ -46,7 +44,9 @@ goes to stderr.
 Not swept: knobs the kernel does not have. The fork of the kernel this script
 replaces (tune_variants.py; benchmarks/NOTES.md, results/tune_variants_round*.txt)
 also tried evict_first loads on h and r, .cs (streaming) stores on all outputs,
-and 2 or 4 rows per program; none was adopted. Sweeping them again means adding
+and 2 or 4 rows per program; a persistent grid (1 - 4 programs per SM walking the
+rows, 1 - 3 pipeline stages) and the slot stored after the normed output were
+tried as kernel constexprs on 2026-12-07 (NOTES.md); none was adopted. Sweeping them again means adding
 them to the kernel as constexprs first (as AUX_CACHE, AUX_EVICT, RESIDUAL_EVICT
 and PDL_TRIGGER_LATE were).
 
@@ -138,7 +138,6 @@ class Variant:
     pdl: bool = False  # USE_PDL, launched with launch_pdl=True
     out_of_place: bool = False  # normed and residual outputs to other tensors
     knobs: tuple = ()  # (constexpr, value) pairs: the kernel's cache hints
-    persistent: int = 0  # programs per SM walking the rows (PERSISTENT); 0: one per row
 
     def launch_shape(self, hidden_size: int) -> tuple:
         """(BLOCK_H, num_warps, column blocks) at this hidden size."""
@@ -199,11 +198,6 @@ def flashinfer_sweep(hidden_size: int) -> list:
         Variant("l w/2", "l", num_warps=max(1, warps // 2), pdl=True),
         Variant("l w*2", "l", num_warps=min(32, warps * 2), pdl=True),
         Variant("l aux.el", "l", pdl=True, knobs=(("AUX_EVICT", "evict_last"),)),
-        Variant("l normed1st", "l", pdl=True, knobs=(("NORMED_FIRST", True),)),
-        Variant("l persist2", "l", pdl=True, persistent=2),
-        Variant("l persist4", "l", pdl=True, persistent=4),
-        Variant("l persist2 s2", "l", pdl=True, persistent=2, knobs=(("PERSISTENT_STAGES", 2),)),
-        Variant("l persist1 s3", "l", pdl=True, persistent=1, knobs=(("PERSISTENT_STAGES", 3),)),
         # The peer once more, last: its ratio to the first is the run's noise floor
         # (clock and thermal drift across the cell's variants included).
         Variant("k again", PEER),
@@ -287,20 +281,9 @@ def launch(v: Variant, shape: tuple, inputs: BufferSet, aux: torch.Tensor, slot:
         num_warps=num_warps,
     )
     values.update(v.knobs)
-    programs = h.shape[0]
-    if v.persistent:
-        values["PERSISTENT"] = True
-        programs = min(programs, v.persistent * multiprocessors(h.device))
-    add_rmsnorm_capture_kernel[(programs, col_blocks)](
+    add_rmsnorm_capture_kernel[(h.shape[0], col_blocks)](
         **values, num_warps=num_warps, **({"launch_pdl": True} if v.pdl else {})
     )
-
-
-def multiprocessors(device) -> int:
-    """The GPU's SM count (1 for the interpreter's CPU tensors)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def check_variant(v: Variant, shape: tuple, inputs: BufferSet) -> None:

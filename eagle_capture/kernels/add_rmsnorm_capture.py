@@ -87,7 +87,6 @@ def add_rmsnorm_capture_kernel(
     residual_out_ptr,
     aux_ptr,
     hidden_size,
-    num_rows,
     eps,
     stride_hidden,
     stride_residual,
@@ -106,10 +105,8 @@ def add_rmsnorm_capture_kernel(
     AUX_CACHE: tl.constexpr = "",
     RESIDUAL_EVICT: tl.constexpr = "",
     PDL_TRIGGER_LATE: tl.constexpr = False,
-    PERSISTENT: tl.constexpr = False,
-    PERSISTENT_STAGES: tl.constexpr = 1,
-    NORMED_FIRST: tl.constexpr = False,
 ):
+    row = tl.program_id(0).to(tl.int64)
     # Without the norm, axis 1 walks column blocks; with it, the grid has one.
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < hidden_size
@@ -122,108 +119,7 @@ def add_rmsnorm_capture_kernel(
         # Issued first so its latency overlaps the row loads (decode sizes are
         # latency-bound: one DRAM round trip fewer per launch).
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    else:
-        w = 0.0  # (unused)
-    if PERSISTENT:
-        # A tuning knob (grid of fewer programs than rows, each walking rows
-        # num_programs apart); the ops launch one program per row.
-        # (an int64 start makes the loop's row int64)
-        first_row = tl.program_id(0).to(tl.int64)
-        # (PERSISTENT_STAGES > 1: the next rows' loads in flight during this one's norm)
-        for row in tl.range(first_row, num_rows, tl.num_programs(0), num_stages=PERSISTENT_STAGES):
-            add_rmsnorm_row(
-                row,
-                w,
-                cols,
-                mask,
-                hidden_ptr,
-                residual_ptr,
-                normed_out_ptr,
-                residual_out_ptr,
-                aux_ptr,
-                hidden_size,
-                eps,
-                stride_hidden,
-                stride_residual,
-                stride_normed_out,
-                stride_residual_out,
-                stride_aux_row,
-                aux_slot_offset,
-                HAS_RESIDUAL,
-                APPLY_NORM,
-                STORE_RESIDUAL,
-                CAPTURE,
-                NORM_FP32_SUM,
-                AUX_EVICT,
-                AUX_CACHE,
-                RESIDUAL_EVICT,
-                NORMED_FIRST,
-            )
-    else:
-        add_rmsnorm_row(
-            tl.program_id(0).to(tl.int64),
-            w,
-            cols,
-            mask,
-            hidden_ptr,
-            residual_ptr,
-            normed_out_ptr,
-            residual_out_ptr,
-            aux_ptr,
-            hidden_size,
-            eps,
-            stride_hidden,
-            stride_residual,
-            stride_normed_out,
-            stride_residual_out,
-            stride_aux_row,
-            aux_slot_offset,
-            HAS_RESIDUAL,
-            APPLY_NORM,
-            STORE_RESIDUAL,
-            CAPTURE,
-            NORM_FP32_SUM,
-            AUX_EVICT,
-            AUX_CACHE,
-            RESIDUAL_EVICT,
-            NORMED_FIRST,
-        )
-    if USE_PDL and PDL_TRIGGER_LATE:
-        gdc_launch_dependents()
 
-
-@triton.jit
-def add_rmsnorm_row(
-    row,
-    w,
-    cols,
-    mask,
-    hidden_ptr,
-    residual_ptr,
-    normed_out_ptr,
-    residual_out_ptr,
-    aux_ptr,
-    hidden_size,
-    eps,
-    stride_hidden,
-    stride_residual,
-    stride_normed_out,
-    stride_residual_out,
-    stride_aux_row,
-    aux_slot_offset,
-    HAS_RESIDUAL: tl.constexpr,
-    APPLY_NORM: tl.constexpr,
-    STORE_RESIDUAL: tl.constexpr,
-    CAPTURE: tl.constexpr,
-    NORM_FP32_SUM: tl.constexpr,
-    AUX_EVICT: tl.constexpr,
-    AUX_CACHE: tl.constexpr,
-    RESIDUAL_EVICT: tl.constexpr,
-    NORMED_FIRST: tl.constexpr,
-):
-    """One row of the kernel: load h (and r), then the shared epilogue.
-    ``row`` is an int64 row index; ``w`` the weight's block (unused without
-    the norm)."""
     # Default cache policy: evict_first on these loads measured slower at large T
     # on the H200 (benchmarks/NOTES.md).
     h = tl.load(hidden_ptr + row * stride_hidden + cols, mask=mask, other=0.0)
@@ -236,6 +132,8 @@ def add_rmsnorm_row(
         )
     else:
         r = h
+    if not APPLY_NORM:
+        w = h
     add_rmsnorm_store_row(
         h,
         r,
@@ -259,8 +157,9 @@ def add_rmsnorm_row(
         NORM_FP32_SUM,
         AUX_EVICT,
         AUX_CACHE,
-        NORMED_FIRST,
     )
+    if USE_PDL and PDL_TRIGGER_LATE:
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -287,7 +186,6 @@ def add_rmsnorm_store_row(
     NORM_FP32_SUM: tl.constexpr,
     AUX_EVICT: tl.constexpr,
     AUX_CACHE: tl.constexpr,
-    NORMED_FIRST: tl.constexpr,
 ):
     """The row epilogue both kernels share (this one and the all-reduce kernel):
     ``s = h + r`` (HAS_RESIDUAL; else ``s = h``) in fp32 rounded once to h's
@@ -300,7 +198,7 @@ def add_rmsnorm_store_row(
         s = s_fp32.to(h.dtype)
     else:
         s = h
-    if CAPTURE and not NORMED_FIRST:
+    if CAPTURE:
         tl.store(
             aux_ptr + row * stride_aux_row + aux_slot_offset + cols,
             s,
@@ -322,14 +220,6 @@ def add_rmsnorm_store_row(
             normed_out_ptr + row * stride_normed_out + cols,
             y.to(normed_out_ptr.dtype.element_ty),
             mask=mask,
-        )
-    if CAPTURE and NORMED_FIRST:  # a tuning knob: the slot's store after the others
-        tl.store(
-            aux_ptr + row * stride_aux_row + aux_slot_offset + cols,
-            s,
-            mask=mask,
-            cache_modifier=AUX_CACHE,
-            eviction_policy=AUX_EVICT,
         )
 
 
@@ -402,7 +292,6 @@ def kernel_arguments(
         residual_out_ptr=residual_out if residual_out is not None else hidden,
         aux_ptr=aux if aux is not None else hidden,
         hidden_size=hidden_size,
-        num_rows=num_tokens,
         eps=float(eps),
         stride_hidden=hidden.stride(0),
         stride_residual=residual.stride(0) if residual is not None else 0,
@@ -422,8 +311,5 @@ def kernel_arguments(
         AUX_EVICT="",
         RESIDUAL_EVICT="",
         PDL_TRIGGER_LATE=False,
-        PERSISTENT=False,
-        PERSISTENT_STAGES=1,
-        NORMED_FIRST=False,
     )
     return (num_tokens, col_blocks), values, default_warps if num_warps is None else num_warps

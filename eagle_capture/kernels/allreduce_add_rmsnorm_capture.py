@@ -310,8 +310,7 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
             NORM_FP32_SUM,
             "",
             "",
-            False,
-        )  # no cache hints nor store order, passed explicitly:
+        )  # no cache hints, passed explicitly:
         # Triton 3.6 failed to compile the call that left them to their
         # defaults (its interpreter accepted it)
         row64 += num_programs

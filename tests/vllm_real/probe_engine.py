@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "tiny_eagle3"
 EXTENSION = "tests.vllm_real.probe_engine.PartialSums"  # resolved in vLLM's workers
 TP2_PROMPTS = 16
-# On a GPU: vLLM's start-up check wants this share of each GPU free (default 0.92 in 0.34,
-# 0.9 in 0.32), where the probe's engine needs a few hundred MiB (it sizes its own KV
+# On a GPU: vLLM's start-up check wants this share of each GPU free (default 0.92 in 0.32
+# and 0.34), where the probe's engine needs a few hundred MiB (it sizes its own KV
 # cache); the GPU suite's other workers hold memory on the same GPU meanwhile, as another
 # process may on a user's (who passes the same --engine-arg).
 GPU_SHARE = 0.25

@@ -46,9 +46,9 @@ replaces (tune_variants.py; benchmarks/NOTES.md, results/tune_variants_round*.tx
 also tried evict_first loads on h and r, .cs (streaming) stores on all outputs,
 and 2 or 4 rows per program; a persistent grid (1 - 4 programs per SM walking the
 rows, 1 - 3 pipeline stages) and the slot stored after the normed output were
-tried as kernel constexprs on 2026-12-07 (NOTES.md); none was adopted. Sweeping them again means adding
-them to the kernel as constexprs first (as AUX_CACHE, AUX_EVICT, RESIDUAL_EVICT
-and PDL_TRIGGER_LATE were).
+tried as kernel constexprs on 2026-12-07 (NOTES.md). None was adopted. Sweeping
+them again means adding them to the kernel as constexprs first (as AUX_CACHE,
+AUX_EVICT, RESIDUAL_EVICT and PDL_TRIGGER_LATE were).
 
 Without a GPU the script says so and exits 0; ``--list`` prints a sweep's
 variants and their launch settings (no GPU needed). Results: benchmarks/NOTES.md.

@@ -140,7 +140,8 @@ def unpack(parts: dict, site: Path) -> None:
         shutil.rmtree(site)
     site.mkdir(parents=True)
     with tarfile.open(parts["tree"]) as tar:
-        tar.extractall(site, filter="data")
+        # (the "data" filter where tarfile has one: Python 3.11.4+, 3.12+)
+        tar.extractall(site, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     for wheel in parts["wheels"]:  # a wheel is a zip of its site-packages files
         with zipfile.ZipFile(wheel) as z:
             z.extractall(site)

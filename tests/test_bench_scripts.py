@@ -907,7 +907,13 @@ def _fake_bundle(root, version="9.9.9", wheel=True):
     return bundle
 
 
-def test_flashinfer_bundle_parts_and_unpack(tmp_path):
+@pytest.mark.parametrize("tar_filters", [True, False])
+def test_flashinfer_bundle_parts_and_unpack(tmp_path, monkeypatch, tar_filters):
+    """(tar_filters False: a Python whose tarfile has no extraction filters, 3.11.0 - 3.11.3.)"""
+    import tarfile
+
+    if not tar_filters:
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
     bundle = _fake_bundle(tmp_path)
     parts = fi.bundle_parts(bundle)
     assert parts["version"] == "9.9.9" and len(parts["wheels"]) == 1

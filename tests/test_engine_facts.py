@@ -287,3 +287,40 @@ def test_the_capture_only_mode_as_read():
     assert capture_only.line_for("0.5.24").read_versions == ("0.5.23",)
     with pytest.raises(CapturePlanError, match="came in 0.5.23"):
         capture_only.line_for("0.5.22")
+
+
+def test_wheel_source_parse_retries_another_threads_clash(monkeypatch):
+    """Some CPython 3.11 releases raise SystemError when two threads convert ASTs at once
+    (the wheels are read in a background thread of the suite): the reader tries again."""
+    import ast
+
+    from eagle_capture.layer_ids import engine_read
+
+    real, calls = ast.parse, []
+
+    def clashing(source):
+        calls.append(source)
+        if len(calls) < 3:
+            raise SystemError("AST constructor recursion depth mismatch (before=36, after=203)")
+        return real(source)
+
+    monkeypatch.setattr(ast, "parse", clashing)
+    assert isinstance(engine_read.parse_source("x = 1").body[0], ast.Assign)
+    assert len(calls) == 3
+
+
+def test_wheel_source_parse_gives_up_on_a_lasting_error(monkeypatch):
+    import ast
+
+    from eagle_capture.layer_ids import engine_read
+
+    calls = []
+
+    def broken(source):
+        calls.append(source)
+        raise SystemError("always")
+
+    monkeypatch.setattr(ast, "parse", broken)
+    with pytest.raises(SystemError, match="always"):
+        engine_read.parse_source("x = 1")
+    assert len(calls) == 5

@@ -22,9 +22,32 @@ installed). What is read:
 import ast
 import builtins
 import re
+import threading
 import zipfile
 from dataclasses import dataclass, field
 from typing import Optional
+
+# Some CPython 3.11 releases (3.11.2, Debian 12's, among them) keep the AST converter's
+# recursion depth in state shared by all threads: two threads converting ASTs at once (the wheels read in a
+# background thread while Triton parses a kernel in another) raise "SystemError: AST
+# constructor recursion depth mismatch". Ours go one at a time, and a clash with
+# another thread's is retried: the state is set afresh at each call's start.
+_AST_LOCK = threading.Lock()
+
+
+def _ast_call(fn, *args):
+    for attempt in range(5):
+        try:
+            with _AST_LOCK:
+                return fn(*args)
+        except SystemError:
+            if attempt == 4:
+                raise
+
+
+def parse_source(source: str) -> ast.Module:
+    return _ast_call(ast.parse, source)
+
 
 METHOD = "set_eagle3_layers_to_capture"
 # Probe ids on a 40-layer shell: they tell every rule in id_rules.RULE_WORDS apart
@@ -99,7 +122,7 @@ class Source:
         return mod
 
     def _parse(self, name: str, path: str, package: bool) -> Module:
-        tree = ast.parse(self._files[path])
+        tree = parse_source(self._files[path])
         mod = Module(name, path, tree, package)
         pkg = name if package else name.rsplit(".", 1)[0]
         for node in tree.body:
@@ -475,12 +498,12 @@ _SAFE_BUILTINS = {
 def _execute(run: _Run, owner: ClassRef, fn: ast.FunctionDef, shell: _Shell, args, kwargs):
     """Run the method's body, compiled from its source (annotations and decorators
     dropped: they are not executed for a call), on ``shell``."""
-    fn = ast.parse(ast.unparse(fn)).body[0]  # a fresh copy to strip
+    fn = parse_source(ast.unparse(fn)).body[0]  # a fresh copy to strip
     fn.decorator_list = []
     fn.returns = None
     for a in fn.args.args + fn.args.kwonlyargs + fn.args.posonlyargs:
         a.annotation = None
-    code = compile(ast.Module([fn], []), f"<{owner.module}.{owner.name}>", "exec")
+    code = _ast_call(compile, ast.Module([fn], []), f"<{owner.module}.{owner.name}>", "exec")
 
     def hasattr_(obj, name):
         if isinstance(obj, _Shell):

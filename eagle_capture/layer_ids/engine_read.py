@@ -28,20 +28,21 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 # Some CPython 3.11 releases (3.11.2, Debian 12's, among them) keep the AST converter's
-# recursion depth in state shared by all threads: two threads converting ASTs at once (the wheels read in a
-# background thread while Triton parses a kernel in another) raise "SystemError: AST
-# constructor recursion depth mismatch". Ours go one at a time, and a clash with
-# another thread's is retried: the state is set afresh at each call's start.
+# recursion depth in state shared by all threads: two threads converting ASTs at once
+# (the wheels read in a background thread while Triton parses a kernel in another) raise
+# "SystemError: AST constructor recursion depth mismatch". Ours go one at a time, and a
+# clash with another thread's is tried again: the state is set afresh at each call.
 _AST_LOCK = threading.Lock()
+AST_TRIES = 5
 
 
 def _ast_call(fn, *args):
-    for attempt in range(5):
+    for attempt in range(AST_TRIES):
         try:
             with _AST_LOCK:
                 return fn(*args)
         except SystemError:
-            if attempt == 4:
+            if attempt == AST_TRIES - 1:
                 raise
 
 

@@ -287,6 +287,8 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
         # rounding, the stores, the norm).
         h = acc.to(dtype)
         r = tl.load(residual_ptr + row64 * stride_residual + cols, mask=mask, other=0.0)
+        # The cache hints (the last two, none) passed explicitly: Triton 3.6 failed to
+        # compile the call that left them to their defaults (its interpreter accepted it).
         add_rmsnorm_store_row(
             h,
             r,
@@ -310,9 +312,7 @@ def lamport_allreduce_add_rmsnorm_capture_kernel(
             NORM_FP32_SUM,
             "",
             "",
-        )  # no cache hints, passed explicitly:
-        # Triton 3.6 failed to compile the call that left them to their
-        # defaults (its interpreter accepted it)
+        )
         row64 += num_programs
 
     # Arrive: the last program bumps the epoch for the next launch (which starts

@@ -82,6 +82,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_TOKENS = [1, 8, 16, 64, 256, 1024, 4096, 16384]
 EPS = 1e-6
 SLOTS = 3  # K: slots of every aux buffer; a variants step launches once per slot
+# Elements after each token's SLOTS * H in the aux storage: room for the "padded"
+# layout's longer row (the draft's GEMM reads a row stride above 3H as its lda).
+AUX_PAD = 64
+# Where a launch's slot lies in the aux storage: "interleaved" is the buffer the engines'
+# draft reads ([T, K, H], rows K * H apart); "slot-major" ([K, T, H], each slot's rows
+# contiguous) and "padded" (rows K * H + AUX_PAD apart) are layouts to measure against it.
+AUX_LAYOUTS = ("interleaved", "slot-major", "padded")
 MAX_SETS = 4096  # rotated buffer sets at the most (each is one graph step)
 
 
@@ -139,6 +146,7 @@ class Variant:
     pdl: bool = False  # USE_PDL, launched with launch_pdl=True
     out_of_place: bool = False  # normed and residual outputs to other tensors
     knobs: tuple = ()  # (constexpr, value) pairs: the kernel's cache hints
+    aux_layout: str = "interleaved"  # one of AUX_LAYOUTS
 
     def launch_shape(self, hidden_size: int) -> tuple:
         """(BLOCK_H, num_warps, column blocks) at this hidden size."""
@@ -199,6 +207,10 @@ def flashinfer_sweep(hidden_size: int) -> list:
         Variant("l w/2", "l", num_warps=max(1, warps // 2), pdl=True),
         Variant("l w*2", "l", num_warps=min(32, warps * 2), pdl=True),
         Variant("l aux.el", "l", pdl=True, knobs=(("AUX_EVICT", "evict_last"),)),
+        # The same bytes, the slot's rows laid out otherwise: is T = 16384's residue over
+        # the peer the interleaved rows' DRAM placement, or the write to other rows at all?
+        Variant("l slot-major", "l", pdl=True, aux_layout="slot-major"),
+        Variant("l padded", "l", pdl=True, aux_layout="padded"),
         # The peer once more, last: its ratio to the first is the run's noise floor
         # (clock and thermal drift across the cell's variants included).
         Variant("k again", PEER),
@@ -219,7 +231,8 @@ SWEEPS = {
 
 @dataclass
 class BufferSet:
-    """One step's inputs and outputs: h, r [T, H], w [H], aux [T, SLOTS, H];
+    """One step's inputs and outputs: h, r [T, H], w [H], the aux storage
+    [T, SLOTS * H + AUX_PAD] (``slot_view`` lays a slot out in it);
     ``normed`` and ``res_out`` [T, H] for out-of-place variants (else None)."""
 
     h: torch.Tensor
@@ -246,25 +259,42 @@ def make_set(num_tokens: int, hidden_size: int, dtype, device, out_of_place: boo
         rows(),
         rows(),
         (1 + 0.1 * torch.randn(hidden_size, device=device)).to(dtype),
-        torch.empty(num_tokens, SLOTS, hidden_size, device=device, dtype=dtype),
+        torch.empty(num_tokens, SLOTS * hidden_size + AUX_PAD, device=device, dtype=dtype),
         rows() if out_of_place else None,
         rows() if out_of_place else None,
     )
 
 
 def set_bytes(num_tokens: int, hidden_size: int, elem: int, out_of_place: bool) -> int:
-    return elem * (num_tokens * hidden_size * (2 + SLOTS + 2 * out_of_place) + hidden_size)
+    rows = num_tokens * hidden_size * (2 + SLOTS + 2 * out_of_place)
+    return elem * (rows + num_tokens * AUX_PAD + hidden_size)
+
+
+def slot_view(v: Variant, aux: torch.Tensor, hidden_size: int, slot: int) -> tuple:
+    """(a [T, K, H] view of the aux storage, the slot's index in it) for slot ``slot``
+    in ``v``'s layout. Every layout writes the same T * H elements."""
+    T = aux.shape[0]
+    dense = aux.view(-1)[: T * SLOTS * hidden_size]
+    if v.aux_layout == "interleaved":
+        return dense.view(T, SLOTS, hidden_size), slot
+    if v.aux_layout == "slot-major":
+        return dense.view(SLOTS, T, hidden_size)[slot].unsqueeze(1), 0
+    if v.aux_layout == "padded":
+        return aux[:, : SLOTS * hidden_size].unflatten(1, (SLOTS, hidden_size)), slot
+    raise ValueError(f"{v.name}: no aux layout {v.aux_layout!r} (one of {AUX_LAYOUTS})")
 
 
 def launch(v: Variant, shape: tuple, inputs: BufferSet, aux: torch.Tensor, slot: int) -> None:
-    """One launch of the production kernel: ``inputs``' rows, ``aux[:, slot]``
-    (of FlashInfer's norm for the peer: in place on ``inputs``' rows)."""
+    """One launch of the production kernel: ``inputs``' rows, slot ``slot`` of the aux
+    storage ``aux`` in ``v``'s layout (of FlashInfer's norm for the peer: in place on
+    ``inputs``' rows)."""
     if v.kind == PEER:
         flashinfer_peer()[0](inputs.h, inputs.r, inputs.w, EPS)
         return
     kind = KINDS[v.kind]
     block_h, num_warps, col_blocks = shape
     h, r = inputs.h, inputs.r
+    aux, slot = slot_view(v, aux, h.shape[1], slot)
     normed = inputs.normed if v.out_of_place else h
     res_out = inputs.res_out if v.out_of_place else r
     _, values, num_warps = kernel_arguments(
@@ -297,7 +327,8 @@ def check_variant(v: Variant, shape: tuple, inputs: BufferSet) -> None:
     kind = kind_of(v)
     s32 = inputs.h.float() + inputs.r.float()
     s = s32.to(inputs.h.dtype)
-    stored = {"capture": out.aux[:, 0]} if kind.capture else {}
+    slots, slot = slot_view(v, out.aux, inputs.h.shape[1], 0)
+    stored = {"capture": slots[:, slot]} if kind.capture else {}
     if kind.store_residual:
         stored["residual"] = out.res_out if v.out_of_place else out.r
     for what, got in stored.items():

@@ -169,11 +169,38 @@ def test_flashinfer_sweep_variants_launch_correctly():
 
     torch.manual_seed(0)
     variants = [v for v in tk.flashinfer_sweep(256) if v.kind != tk.PEER]
-    assert {"l aux.cs", "l aux.el", "l late", "l w*2"} <= {v.name for v in variants}
+    assert {"l aux.cs", "l aux.el", "l late", "l w*2", "l slot-major", "l padded"} <= {
+        v.name for v in variants
+    }
     for v in variants:
         v = dataclasses.replace(v, pdl=False)
         inputs = tk.make_set(5, 256, torch.float16, "cpu", v.out_of_place)
         tk.check_variant(v, v.launch_shape(256), inputs)
+
+
+@pytest.mark.parametrize(
+    "layout, row_stride, slot_offsets",
+    [
+        ("interleaved", 3 * 8, [0, 8, 16]),  # the draft's [T, 3H]
+        ("slot-major", 8, [0, 5 * 8, 2 * 5 * 8]),  # each slot's rows contiguous
+        ("padded", 3 * 8 + 64, [0, 8, 16]),  # rows 3H + AUX_PAD apart
+    ],
+)
+def test_aux_layouts_place_a_slot_in_the_storage(layout, row_stride, slot_offsets):
+    """Each layout's view of the aux storage: the row stride and where each slot's
+    first element lies, inside the storage a set allocates."""
+    v = tk.Variant("l", "l", aux_layout=layout)
+    inputs = tk.make_set(5, 8, torch.float32, "cpu", False)
+    base = inputs.aux.data_ptr()
+    for slot, offset in enumerate(slot_offsets):
+        view, index = tk.slot_view(v, inputs.aux, 8, slot)
+        rows = view[:, index]
+        assert rows.shape == (5, 8) and rows.stride() == (row_stride, 1)
+        assert (rows.data_ptr() - base) // 4 == offset
+        last = rows[-1, -1].data_ptr() - base
+        assert last < inputs.aux.numel() * 4
+    with pytest.raises(ValueError, match="no aux layout"):
+        tk.slot_view(tk.Variant("x", "l", aux_layout="diagonal"), inputs.aux, 8, 0)
 
 
 @needs_interpreter

@@ -142,7 +142,7 @@ class Variant:
     name: str
     kind: str  # a key of KINDS
     block_h: Optional[int] = None  # None: launch_config's
-    num_warps: Optional[int] = None  # None: launch_config's
+    num_warps: Optional[int] = None  # None: the op's (launch_config, one_wave_warps at T)
     pdl: bool = False  # USE_PDL, launched with launch_pdl=True
     out_of_place: bool = False  # normed and residual outputs to other tensors
     knobs: tuple = ()  # (constexpr, value) pairs: the kernel's cache hints
@@ -198,6 +198,8 @@ def flashinfer_sweep(hidden_size: int) -> list:
         Variant("k flashinfer", PEER),
         Variant("d pdl", "d", pdl=True),
         Variant("l pdl", "l", pdl=True),
+        # The warps launch_config gives H alone, without the one-wave bands of T
+        Variant("l h-only", "l", num_warps=warps, pdl=True),
         Variant("l", "l"),
         Variant("l aux.cs", "l", pdl=True, knobs=(cs,)),
         Variant("l aux.ef", "l", pdl=True, knobs=(ef,)),
@@ -292,7 +294,7 @@ def launch(v: Variant, shape: tuple, inputs: BufferSet, aux: torch.Tensor, slot:
         flashinfer_peer()[0](inputs.h, inputs.r, inputs.w, EPS)
         return
     kind = KINDS[v.kind]
-    block_h, num_warps, col_blocks = shape
+    block_h, _, col_blocks = shape  # warps: the variant's, else the op's choice at this T
     h, r = inputs.h, inputs.r
     aux, slot = slot_view(v, aux, h.shape[1], slot)
     normed = inputs.normed if v.out_of_place else h
@@ -309,7 +311,7 @@ def launch(v: Variant, shape: tuple, inputs: BufferSet, aux: torch.Tensor, slot:
         norm_fp32_sum=kind.norm_fp32_sum,
         use_pdl=v.pdl,
         block_h=block_h,
-        num_warps=num_warps,
+        num_warps=v.num_warps,
     )
     values.update(v.knobs)
     add_rmsnorm_capture_kernel[(h.shape[0], col_blocks)](
@@ -468,6 +470,10 @@ def list_lines(variants: list, hidden_size: int, launches: int) -> list:
             f"  {v.name:<14} {v.kind:<4} {block_h:>7} {num_warps:>5} {col_blocks:>10} "
             f"{'yes' if v.pdl else 'no':>3} {'yes' if v.out_of_place else 'no':>12}"
         )
+    lines += [
+        "  (warps: launch_config's for H; a variant that does not set them takes the op's "
+        "choice at each T, one_wave_warps)"
+    ]
     lines += ["Kinds:"] + [f"  {k}  {kind.what}" for k, kind in KINDS.items()]
     return lines
 
@@ -597,6 +603,7 @@ def main(argv=None) -> int:
                                 "num_warps": v.num_warps,
                                 "pdl": v.pdl,
                                 "knobs": dict(v.knobs),
+                                "aux_layout": v.aux_layout,
                             }
                             for v in chosen
                         },

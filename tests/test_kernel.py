@@ -176,3 +176,50 @@ def test_launch_config_warps_per_row():
     assert launch_config(7168) == launch_config(7168, True, allreduce=True) == (8192, 16, 1)
     assert launch_config(2048) == (2048, 8, 1) and launch_config(512) == (512, 4, 1)
     assert launch_config(4096, False) == (2048, 4, 2)
+
+
+@pytest.mark.parametrize("sms", [132, 114, 78])
+def test_one_wave_warps_bands(sms):
+    """The T bands where the norm's warps leave the H-only choice, at a device's SM
+    count: BLOCK_H 8192 takes 32 warps for SMs < T <= 2 SMs, BLOCK_H 4096 8 warps
+    for 4 SMs < T <= 6 SMs; everything else (other T, other BLOCK_H, an explicit
+    choice of warps) as launch_config says."""
+    from eagle_capture.kernels import launch_config, one_wave_warps
+
+    def warps(hidden_size, tokens):
+        block_h, num_warps, _ = launch_config(hidden_size)
+        return one_wave_warps(block_h, num_warps, tokens, sms)
+
+    for hidden_size in (5120, 7168, 8192):
+        assert [warps(hidden_size, t) for t in (1, sms, sms + 1, 2 * sms, 2 * sms + 1)] == [
+            16, 16, 32, 32, 16
+        ]
+        assert warps(hidden_size, 16384) == 16
+    for hidden_size in (2880, 4096):
+        bounds = (1, 4 * sms, 4 * sms + 1, 6 * sms, 6 * sms + 1, 16384)
+        assert [warps(hidden_size, t) for t in bounds] == [16, 16, 8, 8, 16, 16]
+    for hidden_size in (2048, 1024, 16384):  # no band measured: the H-only warps
+        block_h, num_warps, _ = launch_config(hidden_size)
+        for t in (sms + 1, 2 * sms, 4 * sms + 1, 6 * sms):
+            assert one_wave_warps(block_h, num_warps, t, sms) == num_warps
+    # The all-reduce kernel's 8 warps at BLOCK_H 4096 are its own measurement.
+    assert one_wave_warps(4096, 8, 4 * sms + 1, sms) == 8
+
+
+def test_kernel_arguments_take_the_band_with_the_norm_only():
+    """kernel_arguments applies the bands to a norm launch of a known T, counted with
+    the given SMs (a CUDA tensor's device when none is given); a CPU launch without
+    SMs, a norm-free capture and an explicit num_warps keep what they had."""
+    from eagle_capture.kernels import kernel_arguments
+
+    h = torch.empty(200, 7168, dtype=torch.bfloat16)
+    w = torch.empty(7168, dtype=torch.bfloat16)
+    aux = torch.empty(200, 3, 7168, dtype=torch.bfloat16)
+    assert kernel_arguments(h, h, w, h, None, aux, slot=1, sms=132)[2] == 32
+    assert kernel_arguments(h, h, w, h, None, aux, slot=1, sms=99)[2] == 16  # T > 2 SMs
+    assert kernel_arguments(h, h, w, h, None, aux, slot=1)[2] == 16  # CPU: no SM count
+    assert kernel_arguments(h, h, w, h, None, aux, slot=1, sms=132, num_warps=4)[2] == 4
+    grid, _, num_warps = kernel_arguments(h, h, None, None, None, aux, slot=1, sms=132)
+    assert (grid, num_warps) == ((200, 4), 4)  # the norm-free capture's column blocks
+    small = torch.empty(600, 2880, dtype=torch.bfloat16)
+    assert kernel_arguments(small, small, w[:2880], small, sms=132)[2] == 8

@@ -11,6 +11,7 @@ from .add_rmsnorm_capture import (
     add_rmsnorm_capture_kernel,
     kernel_arguments,
     launch_config,
+    one_wave_warps,
 )
 
-__all__ = ["HAS_PDL", "add_rmsnorm_capture_kernel", "kernel_arguments", "launch_config"]
+__all__ = ["HAS_PDL", "add_rmsnorm_capture_kernel", "kernel_arguments", "launch_config", "one_wave_warps"]

@@ -59,6 +59,7 @@ no two programs touch the same row.
 import functools
 from typing import Optional
 
+import torch
 import triton
 import triton.language as tl
 
@@ -256,6 +257,37 @@ def launch_config(
     return block_h, num_warps, 1
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``device_index`` (read once: launches are hot)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def one_wave_warps(block_h: int, num_warps: int, num_tokens: int, sms: int) -> int:
+    """``num_warps`` of a norm launch of ``num_tokens`` rows (one program each) on
+    ``sms`` SMs: :func:`launch_config`'s choice for the hidden size, except in the
+    two bands where the grid is one resident wave that choice serves badly
+    (measured on the H100 against FlashInfer's norm, benchmarks/NOTES.md):
+
+    * BLOCK_H 8192, SMs < T <= 2 SMs: 32 warps. Each SM holds one or two rows and
+      the SMs with two set the time; 32 warps keep twice the loads of a row in
+      flight (0.94x FlashInfer's norm at T 232 - 264, where 16 warps took up to
+      1.03x). Past 2 SMs, 1024-thread programs (two per SM) need a second wave.
+    * BLOCK_H 4096, 4 SMs < T <= 6 SMs: 8 warps. Four 512-thread programs fill an
+      SM's 2048 threads, so past 4 SMs rows 16 warps leave a tail wave (1.01 -
+      1.09x at H 2880, T 540 - 660); 256-thread programs (40 registers a thread)
+      fit six, and past 6 SMs the two choices measure alike.
+
+    The norm's reduction tree follows the warps, so at a band's edge a row's
+    normed output may differ in the last bit with the batch's size, as it does
+    in the engines' own norms (vLLM's switches its block size at T = 256)."""
+    if block_h == 8192 and num_warps == 16 and sms < num_tokens <= 2 * sms:
+        return 32
+    if block_h == 4096 and num_warps == 16 and 4 * sms < num_tokens <= 6 * sms:
+        return 8
+    return num_warps
+
+
 def kernel_arguments(
     hidden,
     residual=None,
@@ -270,6 +302,7 @@ def kernel_arguments(
     use_pdl: bool = False,
     block_h: Optional[int] = None,
     num_warps: Optional[int] = None,
+    sms: Optional[int] = None,
 ) -> tuple[tuple, dict, int]:
     """``(grid, {parameter: value}, num_warps)`` of one launch: the one place the
     kernel's arguments are spelled out. Features follow from the outputs given:
@@ -277,11 +310,17 @@ def kernel_arguments(
     residual; ``weight`` + ``normed_out`` -> RMSNorm. An absent pointer is
     ``hidden`` (valid, so the signature never changes; the flags compile its
     accesses away). ``block_h`` / ``num_warps`` override :func:`launch_config`
-    (the tuning sweep)."""
+    and :func:`one_wave_warps` (the tuning sweep); ``sms``: the SMs the rule
+    counts with (None: the device's own; a CPU launch keeps the H-only choice)."""
     num_tokens, hidden_size = hidden.shape
     apply_norm = weight is not None
     # int(): H may be a SymInt under dynamic shapes; BLOCK_H specialises on it.
     default_block, default_warps, col_blocks = launch_config(int(hidden_size), apply_norm)
+    if sms is None and hidden.is_cuda:
+        sms = sm_count(hidden.device.index)
+    # A symbolic T (dynamic shapes) keeps the H-only choice rather than guard on it.
+    if apply_norm and sms is not None and isinstance(num_tokens, int):
+        default_warps = one_wave_warps(default_block, default_warps, num_tokens, sms)
     block_h = default_block if block_h is None else block_h
     col_blocks = col_blocks if block_h == default_block else triton.cdiv(hidden_size, block_h)
     values = dict(

@@ -192,7 +192,11 @@ def test_one_wave_warps_bands(sms):
 
     for hidden_size in (5120, 7168, 8192):
         assert [warps(hidden_size, t) for t in (1, sms, sms + 1, 2 * sms, 2 * sms + 1)] == [
-            16, 16, 32, 32, 16
+            16,
+            16,
+            32,
+            32,
+            16,
         ]
         assert warps(hidden_size, 16384) == 16
     for hidden_size in (2880, 4096):

@@ -14,4 +14,10 @@ from .add_rmsnorm_capture import (
     one_wave_warps,
 )
 
-__all__ = ["HAS_PDL", "add_rmsnorm_capture_kernel", "kernel_arguments", "launch_config", "one_wave_warps"]
+__all__ = [
+    "HAS_PDL",
+    "add_rmsnorm_capture_kernel",
+    "kernel_arguments",
+    "launch_config",
+    "one_wave_warps",
+]

@@ -319,7 +319,7 @@ def kernel_arguments(
     if sms is None and hidden.is_cuda:
         sms = sm_count(hidden.device.index)
     # A symbolic T (dynamic shapes) keeps the H-only choice rather than guard on it.
-    if apply_norm and sms is not None and isinstance(num_tokens, int):
+    if sms is not None and isinstance(num_tokens, int):
         default_warps = one_wave_warps(default_block, default_warps, num_tokens, sms)
     block_h = default_block if block_h is None else block_h
     col_blocks = col_blocks if block_h == default_block else triton.cdiv(hidden_size, block_h)

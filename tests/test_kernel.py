@@ -182,7 +182,7 @@ def test_launch_config_warps_per_row():
 def test_one_wave_warps_bands(sms):
     """The T bands where the norm's warps leave the H-only choice, at a device's SM
     count: BLOCK_H 8192 takes 32 warps for 1.5 SMs < T <= 2 SMs, BLOCK_H 4096 8
-    warps for 4.5 SMs < T <= 6 SMs; everything else (other T, other BLOCK_H, an
+    warps for 4 SMs < T <= 6 SMs; everything else (other T, other BLOCK_H, an
     explicit choice of warps) as launch_config says."""
     from eagle_capture.kernels import launch_config, one_wave_warps
 
@@ -194,13 +194,12 @@ def test_one_wave_warps_bands(sms):
     for hidden_size in (5120, 7168, 8192):
         bounds = (1, sms + 1, low, low + 1, high, high + 1, 16384)
         assert [warps(hidden_size, t) for t in bounds] == [16, 16, 16, 32, 32, 16, 16]
-    low, high = 9 * sms // 2, 6 * sms
     for hidden_size in (2880, 4096):
-        bounds = (1, 4 * sms + 1, low, low + 1, high, high + 1, 16384)
-        assert [warps(hidden_size, t) for t in bounds] == [16, 16, 16, 8, 8, 16, 16]
+        bounds = (1, 4 * sms, 4 * sms + 1, 6 * sms, 6 * sms + 1, 16384)
+        assert [warps(hidden_size, t) for t in bounds] == [16, 16, 8, 8, 16, 16]
     for hidden_size in (2048, 1024, 16384):  # no band measured: the H-only warps
         block_h, num_warps, _ = launch_config(hidden_size)
-        for t in (3 * sms // 2 + 1, 2 * sms, 9 * sms // 2 + 1, 6 * sms):
+        for t in (3 * sms // 2 + 1, 2 * sms, 4 * sms + 1, 6 * sms):
             assert one_wave_warps(block_h, num_warps, t, sms) == num_warps
     # The all-reduce kernel's 8 warps at BLOCK_H 4096 are its own measurement.
     assert one_wave_warps(4096, 8, 5 * sms, sms) == 8

@@ -265,21 +265,20 @@ def sm_count(device_index: int) -> int:
 
 def one_wave_warps(block_h: int, num_warps: int, num_tokens: int, sms: int) -> int:
     """``num_warps`` of a norm launch of ``num_tokens`` rows (one program each) on
-    ``sms`` SMs: :func:`launch_config`'s choice for the hidden size, except in the
-    two bands of T where more than half the SMs run one row more than the rest
-    and that choice serves them badly (measured on the H100 against FlashInfer's
-    norm, benchmarks/NOTES.md):
+    ``sms`` SMs: :func:`launch_config`'s choice for the hidden size, except in two
+    bands of T where the grid's last wave serves that choice badly (measured on
+    the H100 against FlashInfer's norm, benchmarks/NOTES.md):
 
-    * BLOCK_H 8192, 1.5 SMs < T <= 2 SMs: 32 warps. Most SMs hold two rows, and
-      they set the time; 32 warps keep twice a row's loads in flight (0.94x
+    * BLOCK_H 8192, 1.5 SMs < T <= 2 SMs: 32 warps. Most SMs hold two rows and
+      set the time; 32 warps keep twice a row's loads in flight (0.94x
       FlashInfer's norm at T 232 - 264, where 16 warps took up to 1.03x). Past
       2 SMs, 1024-thread programs (two per SM) would need a second wave; below
       1.5 SMs the few SMs with two rows gain less than the warps cost.
-    * BLOCK_H 4096, 4.5 SMs < T <= 6 SMs: 8 warps. Four 512-thread programs fill
-      an SM's 2048 threads, so past 4 SMs 16 warps run a second wave (1.01 -
-      1.02x at H 2880, T 600 - 660); 256-thread programs (40 registers a thread)
-      fit six. A short second wave (T just past 4 SMs) costs less than 8 warps'
-      longer rows (H 4096, T 529: 0.93x against 0.995x).
+    * BLOCK_H 4096, 4 SMs < T <= 6 SMs: 8 warps. Four 512-thread programs fill
+      an SM's 2048 threads, so past 4 SMs 16 warps run a second wave (1.02 -
+      1.03x at H 2880, T 594 - 600); 256-thread programs (40 registers a thread)
+      fit six. At H 4096 just past 4 SMs the short second wave costs less than
+      8 warps' longer rows (T 529: 0.995x against 0.93x), both below the peer.
 
     The norm's reduction tree follows the warps, so at a band's edge a row's
     normed output may differ in the last bit with the batch's size, as in the
@@ -287,7 +286,7 @@ def one_wave_warps(block_h: int, num_warps: int, num_tokens: int, sms: int) -> i
     T = 256, docs/engine_facts.md)."""
     if block_h == 8192 and num_warps == 16 and 3 * sms < 2 * num_tokens <= 4 * sms:
         return 32
-    if block_h == 4096 and num_warps == 16 and 9 * sms < 2 * num_tokens <= 12 * sms:
+    if block_h == 4096 and num_warps == 16 and 4 * sms < num_tokens <= 6 * sms:
         return 8
     return num_warps
 

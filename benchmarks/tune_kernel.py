@@ -68,8 +68,10 @@ import triton
 from eagle_capture.kernels import (
     HAS_PDL,
     add_rmsnorm_capture_kernel,
+    band_sms,
     kernel_arguments,
     launch_config,
+    one_wave_warps,
 )
 from eagle_capture.testing.bench import (
     add_graph_timing_arguments,
@@ -191,7 +193,7 @@ def variants_sweep(hidden_size: int) -> list:
 
 def flashinfer_sweep(hidden_size: int) -> list:
     """The drop-in's in-slot call (l) as shipped and varied, against FlashInfer's norm."""
-    warps = launch_config(hidden_size, True)[1]  # names alike at every H: w/2 = half of it
+    warps = launch_config(hidden_size, True)[1]  # H-only (no bands): w/2 = half of it
     cs, ef = ("AUX_CACHE", ".cs"), ("AUX_EVICT", "evict_first")
     ref = ("RESIDUAL_EVICT", "evict_first")
     return [
@@ -286,6 +288,16 @@ def slot_view(v: Variant, aux: torch.Tensor, hidden_size: int, slot: int) -> tup
     raise ValueError(f"{v.name}: no aux layout {v.aux_layout!r} (one of {AUX_LAYOUTS})")
 
 
+def warps_at(v: Variant, hidden_size: int, tokens: int, sms) -> int:
+    """The warps ``v``'s launch of ``tokens`` rows takes on a device whose bands count
+    ``sms`` SMs (None: no bands there): the variant's own, else the op's choice
+    (launch_config's for H, one_wave_warps' in its bands of T)."""
+    block_h, num_warps, _ = v.launch_shape(hidden_size)
+    if v.num_warps is not None or v.block_h is not None or sms is None:
+        return num_warps
+    return one_wave_warps(block_h, num_warps, tokens, sms)
+
+
 def launch(v: Variant, shape: tuple, inputs: BufferSet, aux: torch.Tensor, slot: int) -> None:
     """One launch of the production kernel: ``inputs``' rows, slot ``slot`` of the aux
     storage ``aux`` in ``v``'s layout (of FlashInfer's norm for the peer: in place on
@@ -294,8 +306,9 @@ def launch(v: Variant, shape: tuple, inputs: BufferSet, aux: torch.Tensor, slot:
         flashinfer_peer()[0](inputs.h, inputs.r, inputs.w, EPS)
         return
     kind = KINDS[v.kind]
-    block_h, _, col_blocks = shape  # warps: the variant's, else the op's choice at this T
+    block_h, _, col_blocks = shape
     h, r = inputs.h, inputs.r
+    num_warps = warps_at(v, h.shape[1], h.shape[0], band_sms(h.device) if h.is_cuda else None)
     aux, slot = slot_view(v, aux, h.shape[1], slot)
     normed = inputs.normed if v.out_of_place else h
     res_out = inputs.res_out if v.out_of_place else r
@@ -311,7 +324,7 @@ def launch(v: Variant, shape: tuple, inputs: BufferSet, aux: torch.Tensor, slot:
         norm_fp32_sum=kind.norm_fp32_sum,
         use_pdl=v.pdl,
         block_h=block_h,
-        num_warps=v.num_warps,
+        num_warps=num_warps,
     )
     values.update(v.knobs)
     add_rmsnorm_capture_kernel[(h.shape[0], col_blocks)](
@@ -583,6 +596,7 @@ def main(argv=None) -> int:
         print("No variant to run.")
         return 0
     tables = {}
+    sms = band_sms(torch.device("cuda", 0))
     for hidden_size in args.hidden_sizes:
         args.hidden_size = hidden_size
         names = {v.name for v in variants}
@@ -608,6 +622,16 @@ def main(argv=None) -> int:
                             for v in chosen
                         },
                         "us_per_step": tables,
+                        # the warps each launch took (the op's change with T in its bands)
+                        "warps": {
+                            H: {
+                                T: {
+                                    v.name: warps_at(v, H, T, sms) for v in chosen if v.kind != PEER
+                                }
+                                for T in args.tokens
+                            }
+                            for H in tables
+                        },
                     },
                     f,
                     indent=1,

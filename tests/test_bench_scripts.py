@@ -178,6 +178,34 @@ def test_flashinfer_sweep_variants_launch_correctly():
         tk.check_variant(v, v.launch_shape(256), inputs)
 
 
+def test_warps_at_takes_the_ops_bands_unless_a_variant_sets_its_own():
+    """The sweeps launch (and record) the warps the op takes: launch_config's for H,
+    one_wave_warps' in its bands of T on a device that has them; a variant's own
+    warps or block always."""
+    by_name = {v.name: v for v in tk.flashinfer_sweep(7168)}
+    shipped, h_only, doubled = by_name["l pdl"], by_name["l h-only"], by_name["l w*2"]
+    assert [tk.warps_at(shipped, 7168, t, 132) for t in (100, 232, 300)] == [16, 32, 16]
+    assert tk.warps_at(shipped, 7168, 232, None) == 16  # no bands on this device
+    assert tk.warps_at(h_only, 7168, 232, 132) == 16
+    assert tk.warps_at(doubled, 7168, 100, 132) == 32
+    assert tk.warps_at(tk.flashinfer_sweep(2880)[2], 2880, 600, 132) == 8
+
+
+@needs_interpreter
+def test_a_sweep_launch_takes_warps_at(monkeypatch):
+    """launch() asks warps_at for its warps, with no bands on a CPU tensor."""
+    asked = []
+
+    def spy(v, hidden_size, tokens, sms):
+        asked.append((v.name, hidden_size, tokens, sms))
+        return tk.launch_config(hidden_size, True)[1]
+
+    monkeypatch.setattr(tk, "warps_at", spy)
+    v = next(v for v in tk.flashinfer_sweep(256) if v.name == "l")
+    tk.check_variant(v, v.launch_shape(256), tk.make_set(5, 256, torch.float16, "cpu", False))
+    assert asked == [("l", 256, 5, None)]
+
+
 @pytest.mark.parametrize(
     "layout, row_stride, slot_offsets",
     [

@@ -36,7 +36,9 @@ if not HAS_CUDA and not INTERPRETED:
 SHAPES = (
     [(0, 7), (1, 1), (3, 7), (17, 1000), (2, 7168)]
     if INTERPRETED
-    else [(t, h) for t in (0, 1, 3, 257) for h in (1, 7, 1000, 7168)] + [(4099, 7168)]
+    else [(t, h) for t in (0, 1, 3, 257) for h in (1, 7, 1000, 7168)]
+    # + a long grid, and one launch in each of one_wave_warps' bands (32 and 8 warps)
+    + [(4099, 7168), (232, 7168), (600, 2880)]
 )
 EPS = 1e-6
 
@@ -205,10 +207,10 @@ def test_one_wave_warps_bands(sms):
     assert one_wave_warps(4096, 8, 5 * sms, sms) == 8
 
 
-def test_kernel_arguments_take_the_band_with_the_norm_only():
-    """kernel_arguments applies the bands to a norm launch of a known T, counted with
-    the given SMs (a CUDA tensor's device when none is given); a CPU launch without
-    SMs, a norm-free capture and an explicit num_warps keep what they had."""
+def test_kernel_arguments_take_the_bands_where_t_and_the_sms_are_known():
+    """kernel_arguments applies the bands to a launch of a known T, counted with the
+    given SMs; a CPU launch without SMs, a caller's block_h or num_warps and the
+    norm-free capture (its column blocks take no band) keep what they had."""
     from eagle_capture.kernels import kernel_arguments
 
     h = torch.empty(200, 7168, dtype=torch.bfloat16)
@@ -218,7 +220,54 @@ def test_kernel_arguments_take_the_band_with_the_norm_only():
     assert kernel_arguments(h, h, w, h, None, aux, slot=1, sms=99)[2] == 16  # T > 2 SMs
     assert kernel_arguments(h, h, w, h, None, aux, slot=1)[2] == 16  # CPU: no SM count
     assert kernel_arguments(h, h, w, h, None, aux, slot=1, sms=132, num_warps=4)[2] == 4
+    assert kernel_arguments(h, h, w, h, None, aux, slot=1, sms=132, block_h=8192)[2] == 16
     grid, _, num_warps = kernel_arguments(h, h, None, None, None, aux, slot=1, sms=132)
-    assert (grid, num_warps) == ((200, 4), 4)  # the norm-free capture's column blocks
+    assert (grid, num_warps) == ((200, 4), 4)
     small = torch.empty(600, 2880, dtype=torch.bfloat16)
     assert kernel_arguments(small, small, w[:2880], small, sms=132)[2] == 8
+
+
+def test_a_cuda_launch_counts_its_device_sms(monkeypatch):
+    """The ops' launches pass no SMs: a CUDA tensor's come from band_sms (traced here
+    as fake CUDA tensors), which answers for Hopper GPUs only and never on ROCm or
+    a host without a GPU."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import eagle_capture.kernels.add_rmsnorm_capture as module
+
+    def launch_warps():
+        with FakeTensorMode():
+            h = torch.empty(232, 7168, dtype=torch.bfloat16, device="cuda")
+            w = torch.empty(7168, dtype=torch.bfloat16, device="cuda")
+            return module.kernel_arguments(h, h, w, h)[2]
+
+    if not torch.cuda.is_available():
+        assert launch_warps() == 16  # no GPU to count: the H-only choice
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "band_sms", lambda device: 132)
+        assert launch_warps() == 32
+        patch.setattr(module, "band_sms", lambda device: None)
+        assert launch_warps() == 16
+
+    # band_sms itself, with the device's properties stood in.
+    props = {
+        0: SimpleNamespace(major=9, multi_processor_count=132),
+        1: SimpleNamespace(major=8, multi_processor_count=108),
+    }
+    module._hopper_sms.cache_clear()
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.cuda, "is_available", lambda: True)
+            patch.setattr(torch.cuda, "get_device_properties", lambda index: props[index])
+            patch.setattr(torch.version, "hip", None)
+            assert module.band_sms(torch.device("cuda", 0)) == 132
+            assert module.band_sms(torch.device("cuda", 1)) is None  # not Hopper: not measured
+            patch.setattr(torch.version, "hip", "6.3")
+            assert module.band_sms(torch.device("cuda", 0)) is None  # ROCm
+            patch.setattr(torch.version, "hip", None)
+            patch.setattr(torch.cuda, "is_available", lambda: False)
+            assert module.band_sms(torch.device("cuda", 0)) is None  # no GPU on this host
+    finally:
+        module._hopper_sms.cache_clear()

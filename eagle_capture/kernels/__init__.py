@@ -9,6 +9,7 @@ package (docs/layout.md).
 from .add_rmsnorm_capture import (
     HAS_PDL,
     add_rmsnorm_capture_kernel,
+    band_sms,
     kernel_arguments,
     launch_config,
     one_wave_warps,
@@ -17,6 +18,7 @@ from .add_rmsnorm_capture import (
 __all__ = [
     "HAS_PDL",
     "add_rmsnorm_capture_kernel",
+    "band_sms",
     "kernel_arguments",
     "launch_config",
     "one_wave_warps",

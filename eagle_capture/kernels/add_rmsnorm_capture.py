@@ -234,10 +234,10 @@ def launch_config(
     thread holds <= 32 fp32 values up to H = 32768 (64 above; not profiled)
     and issues 16-byte accesses; BLOCK_H = 4096 (H 2049 - 4096) takes 16 warps,
     8 values a thread: with 8 warps FlashInfer's norm beat ours by 8% at T = 512,
-    H = 4096 on the H100, and 16 warps were at or below it at every T but 16384
-    there and at H = 2880 (benchmarks/NOTES.md). ``allreduce``: the table the
-    one-shot all-reduce kernel (parallel/symm.py, one program per SM) was
-    measured with, 8 warps at BLOCK_H = 4096.
+    H = 4096 on the H100 (benchmarks/NOTES.md). A launch of T rows may take
+    other warps in two bands of T: :func:`one_wave_warps`. ``allreduce``: the
+    table the one-shot all-reduce kernel (parallel/symm.py, one program per SM)
+    was measured with, 8 warps at BLOCK_H = 4096.
     Without the norm: column blocks of at most COPY_BLOCK_H elements (see
     benchmarks/NOTES.md for the sweep that chose it).
     """
@@ -257,17 +257,30 @@ def launch_config(
     return block_h, num_warps, 1
 
 
+def band_sms(device) -> Optional[int]:
+    """The SMs :func:`one_wave_warps` counts with on CUDA ``device``, or None where
+    its bands were not measured: anything but an NVIDIA Hopper GPU (on ROCm a wave
+    of 64 lanes makes 32 warps 2048 threads, past a block's limit; other NVIDIA
+    generations hold other thread counts per SM), or no GPU at all (fake CUDA
+    tensors traced on a host without one)."""
+    if torch.version.hip is not None or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _hopper_sms(index)
+
+
 @functools.lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
-    """Streaming multiprocessors of CUDA device ``device_index`` (read once: launches are hot)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _hopper_sms(device_index: int) -> Optional[int]:
+    props = torch.cuda.get_device_properties(device_index)  # read once: launches are hot
+    return props.multi_processor_count if props.major == 9 else None
 
 
 def one_wave_warps(block_h: int, num_warps: int, num_tokens: int, sms: int) -> int:
     """``num_warps`` of a norm launch of ``num_tokens`` rows (one program each) on
     ``sms`` SMs: :func:`launch_config`'s choice for the hidden size, except in two
     bands of T where the grid's last wave serves that choice badly (measured on
-    the H100 against FlashInfer's norm, benchmarks/NOTES.md):
+    the H100 against FlashInfer's norm, benchmarks/NOTES.md; applied on Hopper
+    only, :func:`band_sms`):
 
     * BLOCK_H 8192, 1.5 SMs < T <= 2 SMs: 32 warps. Most SMs hold two rows and
       set the time; 32 warps keep twice a row's loads in flight (0.94x
@@ -313,16 +326,18 @@ def kernel_arguments(
     residual; ``weight`` + ``normed_out`` -> RMSNorm. An absent pointer is
     ``hidden`` (valid, so the signature never changes; the flags compile its
     accesses away). ``block_h`` / ``num_warps`` override :func:`launch_config`
-    and :func:`one_wave_warps` (the tuning sweep); ``sms``: the SMs the rule
-    counts with (None: the device's own; a CPU launch keeps the H-only choice)."""
+    and :func:`one_wave_warps` (the tuning sweep); ``sms``: the SMs the bands
+    count with (None: :func:`band_sms` of a CUDA tensor's device; a CPU launch
+    keeps the H-only choice)."""
     num_tokens, hidden_size = hidden.shape
     apply_norm = weight is not None
     # int(): H may be a SymInt under dynamic shapes; BLOCK_H specialises on it.
     default_block, default_warps, col_blocks = launch_config(int(hidden_size), apply_norm)
     if sms is None and hidden.is_cuda:
-        sms = sm_count(hidden.device.index)
-    # A symbolic T (dynamic shapes) keeps the H-only choice rather than guard on it.
-    if sms is not None and isinstance(num_tokens, int):
+        sms = band_sms(hidden.device)
+    # A symbolic T (dynamic shapes) keeps the H-only choice rather than guard on it;
+    # a block_h of the caller's keeps launch_config's warps for it.
+    if sms is not None and isinstance(num_tokens, int) and block_h is None:
         default_warps = one_wave_warps(default_block, default_warps, num_tokens, sms)
     block_h = default_block if block_h is None else block_h
     col_blocks = col_blocks if block_h == default_block else triton.cdiv(hidden_size, block_h)

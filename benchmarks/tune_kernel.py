@@ -71,7 +71,6 @@ from eagle_capture.kernels import (
     band_sms,
     kernel_arguments,
     launch_config,
-    one_wave_warps,
 )
 from eagle_capture.testing.bench import (
     add_graph_timing_arguments,
@@ -290,12 +289,12 @@ def slot_view(v: Variant, aux: torch.Tensor, hidden_size: int, slot: int) -> tup
 
 def warps_at(v: Variant, hidden_size: int, tokens: int, sms) -> int:
     """The warps ``v``'s launch of ``tokens`` rows takes on a device whose bands count
-    ``sms`` SMs (None: no bands there): the variant's own, else the op's choice
-    (launch_config's for H, one_wave_warps' in its bands of T)."""
-    block_h, num_warps, _ = v.launch_shape(hidden_size)
-    if v.num_warps is not None or v.block_h is not None or sms is None:
-        return num_warps
-    return one_wave_warps(block_h, num_warps, tokens, sms)
+    ``sms`` SMs (None: no bands there): kernel_arguments' answer for the variant's
+    own block and warps, else the op's (asked with meta tensors: nothing allocated)."""
+    h = torch.empty(tokens, hidden_size, device="meta")
+    w = h[0] if kind_of(v).apply_norm else None
+    normed = h if w is not None else None
+    return kernel_arguments(h, h, w, normed, block_h=v.block_h, num_warps=v.num_warps, sms=sms)[2]
 
 
 def launch(v: Variant, shape: tuple, inputs: BufferSet, aux: torch.Tensor, slot: int) -> None:
@@ -308,7 +307,7 @@ def launch(v: Variant, shape: tuple, inputs: BufferSet, aux: torch.Tensor, slot:
     kind = KINDS[v.kind]
     block_h, _, col_blocks = shape
     h, r = inputs.h, inputs.r
-    num_warps = warps_at(v, h.shape[1], h.shape[0], band_sms(h.device) if h.is_cuda else None)
+    num_warps = warps_at(v, h.shape[1], h.shape[0], band_sms(h.device.index) if h.is_cuda else None)
     aux, slot = slot_view(v, aux, h.shape[1], slot)
     normed = inputs.normed if v.out_of_place else h
     res_out = inputs.res_out if v.out_of_place else r
@@ -596,7 +595,7 @@ def main(argv=None) -> int:
         print("No variant to run.")
         return 0
     tables = {}
-    sms = band_sms(torch.device("cuda", 0))
+    sms = band_sms(0)
     for hidden_size in args.hidden_sizes:
         args.hidden_size = hidden_size
         names = {v.name for v in variants}

@@ -246,9 +246,9 @@ def test_a_cuda_launch_counts_its_device_sms(monkeypatch):
     if not torch.cuda.is_available():
         assert launch_warps() == 16  # no GPU to count: the H-only choice
     with monkeypatch.context() as patch:
-        patch.setattr(module, "band_sms", lambda device: 132)
+        patch.setattr(module, "band_sms", lambda device_index: 132)
         assert launch_warps() == 32
-        patch.setattr(module, "band_sms", lambda device: None)
+        patch.setattr(module, "band_sms", lambda device_index: None)
         assert launch_warps() == 16
 
     # band_sms itself, with the device's properties stood in.
@@ -256,18 +256,20 @@ def test_a_cuda_launch_counts_its_device_sms(monkeypatch):
         0: SimpleNamespace(major=9, multi_processor_count=132),
         1: SimpleNamespace(major=8, multi_processor_count=108),
     }
-    module._hopper_sms.cache_clear()
+    module.band_sms.cache_clear()
     try:
         with monkeypatch.context() as patch:
             patch.setattr(torch.cuda, "is_available", lambda: True)
             patch.setattr(torch.cuda, "get_device_properties", lambda index: props[index])
             patch.setattr(torch.version, "hip", None)
-            assert module.band_sms(torch.device("cuda", 0)) == 132
-            assert module.band_sms(torch.device("cuda", 1)) is None  # not Hopper: not measured
+            assert module.band_sms(0) == 132
+            assert module.band_sms(1) is None  # not Hopper: not measured
+            module.band_sms.cache_clear()
             patch.setattr(torch.version, "hip", "6.3")
-            assert module.band_sms(torch.device("cuda", 0)) is None  # ROCm
+            assert module.band_sms(0) is None  # ROCm
+            module.band_sms.cache_clear()
             patch.setattr(torch.version, "hip", None)
             patch.setattr(torch.cuda, "is_available", lambda: False)
-            assert module.band_sms(torch.device("cuda", 0)) is None  # no GPU on this host
+            assert module.band_sms(0) is None  # no GPU on this host
     finally:
-        module._hopper_sms.cache_clear()
+        module.band_sms.cache_clear()

@@ -257,21 +257,17 @@ def launch_config(
     return block_h, num_warps, 1
 
 
-def band_sms(device) -> Optional[int]:
-    """The SMs :func:`one_wave_warps` counts with on CUDA ``device``, or None where
-    its bands were not measured: anything but an NVIDIA Hopper GPU (on ROCm a wave
-    of 64 lanes makes 32 warps 2048 threads, past a block's limit; other NVIDIA
-    generations hold other thread counts per SM), or no GPU at all (fake CUDA
-    tensors traced on a host without one)."""
+@functools.lru_cache(maxsize=None)
+def band_sms(device_index: int) -> Optional[int]:
+    """The SMs :func:`one_wave_warps` counts with on CUDA device ``device_index``
+    (read once: launches are hot), or None where its bands were not measured:
+    anything but an NVIDIA Hopper GPU (on ROCm a wave of 64 lanes makes 32 warps
+    2048 threads, past a block's limit; other NVIDIA generations hold other
+    thread counts per SM), or no GPU at all (fake CUDA tensors traced on a host
+    without one)."""
     if torch.version.hip is not None or not torch.cuda.is_available():
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _hopper_sms(index)
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper_sms(device_index: int) -> Optional[int]:
-    props = torch.cuda.get_device_properties(device_index)  # read once: launches are hot
+    props = torch.cuda.get_device_properties(device_index)
     return props.multi_processor_count if props.major == 9 else None
 
 
@@ -334,7 +330,7 @@ def kernel_arguments(
     # int(): H may be a SymInt under dynamic shapes; BLOCK_H specialises on it.
     default_block, default_warps, col_blocks = launch_config(int(hidden_size), apply_norm)
     if sms is None and hidden.is_cuda:
-        sms = band_sms(hidden.device)
+        sms = band_sms(hidden.device.index)
     # A symbolic T (dynamic shapes) keeps the H-only choice rather than guard on it;
     # a block_h of the caller's keeps launch_config's warps for it.
     if sms is not None and isinstance(num_tokens, int) and block_h is None:

@@ -16,6 +16,17 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One torch (OpenMP) thread per process, here and in every process the tests start
+    # (they inherit it), unless the caller set OMP_NUM_THREADS: the background engine
+    # runs keep more processes busy than there are cores, and torch's OpenMP threads
+    # spin-wait at every parallel region's barrier for a peer that has no core -- on the
+    # tiny tensors of these tests that spinning is most of the CPU time. 2-core machine,
+    # tests/test_probe.py beside two busy processes: 72 CPU-s and 87 s with torch's 2
+    # threads, 29 CPU-s and 44 s with one (36 CPU-s, 27 s alone). GPU machines keep
+    # torch's default.
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 

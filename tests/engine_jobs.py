@@ -106,17 +106,22 @@ class EngineJobs:
     def _next(self):
         """The first queued job, in priority order, whose set-ups are built, if it fits
         the free slots (a job heavier than the whole budget runs when everything is
-        free); None when stopping."""
+        free); None when stopping. While the first one waits for the whole budget to
+        come free, and no test waits for it yet, the next ones that fit start instead
+        (the slots it waits for would idle until the last running job ends)."""
         with self._lock:
             while True:
                 if self._stopping:
                     return None
                 ready = [job for job in sorted(self._queue, key=_by_priority) if self._ready(job)]
-                if ready and min(ready[0].weight, self.slots) <= self._free:
-                    job, need = ready[0], min(ready[0].weight, self.slots)
-                    self._queue.remove(job)
-                    self._free -= need
-                    return job, need
+                for job in ready:
+                    need = min(job.weight, self.slots)
+                    if need <= self._free:
+                        self._queue.remove(job)
+                        self._free -= need
+                        return job, need
+                    if need < self.slots or job.priority == float("-inf"):
+                        break  # it waits for a few slots only, or a test waits for it
                 self._lock.wait()
 
     def _build_needs(self) -> None:

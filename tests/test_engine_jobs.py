@@ -25,6 +25,37 @@ def test_runs_go_longest_first_and_a_result_waits_for_its_run():
     jobs.stop()
 
 
+def test_lighter_runs_start_while_a_run_waits_for_every_slot():
+    """A run heavier than the budget waits for every slot; the runs after it that fit
+    start meanwhile, unless a test already waits for the heavy one."""
+    order, gate, light_ran = [], threading.Event(), threading.Event()
+    jobs = EngineJobs(slots=2)
+    jobs.submit(Job(-9, "first", lambda: (gate.wait(5), order.append("first"))))
+    jobs.submit(Job(-8, "heavy", lambda: order.append("heavy"), weight=4))
+    jobs.submit(Job(-1, "light", lambda: (order.append("light"), light_ran.set())))
+    jobs.start()
+    assert light_ran.wait(5), "the light run did not start beside the first one"
+    assert order == ["light"]
+    gate.set()
+    jobs.result("heavy")
+    assert order == ["light", "first", "heavy"]
+    jobs.stop()
+
+    order, gate, first_ran = [], threading.Event(), threading.Event()
+    jobs = EngineJobs(slots=2)
+    jobs.submit(Job(-9, "first", lambda: (first_ran.set(), gate.wait(5), order.append("first"))))
+    jobs.start()
+    assert first_ran.wait(5)
+    jobs.submit(Job(float("-inf"), "heavy", lambda: order.append("heavy"), weight=4))  # awaited
+    jobs.submit(Job(-1, "light", lambda: order.append("light")))
+    time.sleep(0.3)
+    assert order == []  # nothing jumps ahead of a run a test waits for
+    gate.set()
+    jobs.result("light")
+    assert order == ["first", "heavy", "light"]
+    jobs.stop()
+
+
 def test_a_run_waits_for_its_set_up_and_a_failure_reaches_every_test():
     built = []
     jobs = EngineJobs(slots=2)

@@ -274,9 +274,9 @@ def band_sms(device_index: int) -> Optional[int]:
 def one_wave_warps(block_h: int, num_warps: int, num_tokens: int, sms: int) -> int:
     """``num_warps`` of a norm launch of ``num_tokens`` rows (one program each) on
     ``sms`` SMs: :func:`launch_config`'s choice for the hidden size, except in two
-    bands of T where the grid's last wave serves that choice badly (measured on
-    the H100 against FlashInfer's norm, benchmarks/NOTES.md; applied on Hopper
-    only, :func:`band_sms`):
+    bands of T where the grid's last wave serves that choice badly (set on the
+    H100 against FlashInfer's norm and measured alike on the H200,
+    benchmarks/NOTES.md; applied on Hopper only, :func:`band_sms`):
 
     * BLOCK_H 8192, 1.5 SMs < T <= 2 SMs: 32 warps. Most SMs hold two rows and
       set the time; 32 warps keep twice a row's loads in flight (0.94x

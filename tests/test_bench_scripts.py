@@ -37,6 +37,7 @@ def _load(name):
 
 tk = _load("tune_kernel")
 cl = _load("capture_latency")
+dl = _load("draft_layout")
 
 
 def run_script(*args, env=None):
@@ -335,6 +336,66 @@ def test_sweep_with_a_stand_in_timer(monkeypatch, capsys):
         assert num_sets * tk.set_bytes(T, 256, 2, True) >= 4 * (64 << 10) and num_sets >= 3
     assert err.count("broken: AssertionError: broken: normed output rel err") == 2
     assert timed == [(sets[1], 8, 30)] * 3 + [(sets[4], 8, 30)] * 3
+
+
+# ---------------------------------------------------------------- draft_layout
+
+
+def test_draft_layout_help_and_without_gpu(capsys, monkeypatch):
+    result = run_script("benchmarks/draft_layout.py", "--help")
+    assert result.returncode == 0 and "slot-major" in result.stdout
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert dl.main([]) == 0
+    assert "no CUDA GPU here, nothing measured" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--tokens", "0"], ["--hidden-size", "0"], ["--dtype", "x"]])
+def test_draft_layout_refuses_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        dl.parse_args(argv)
+    assert exc.value.code == 2
+
+
+@needs_interpreter
+def test_draft_layout_fc_reads_the_rows_the_capture_wrote():
+    """In each layout the draft's fc reads the slots where the capture's launches
+    put them: slot k of token t is h_k[t] + r_k[t], and both layouts' fc equal
+    the [T, 3H] GEMM of those rows (fp32: the three-GEMM sum to rounding)."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    T, H = 5, 64
+    inputs = [tk.make_set(T, H, torch.float32, "cpu", False) for _ in range(tk.SLOTS)]
+    weight = torch.randn(H, tk.SLOTS * H)
+    want_rows = torch.cat([i.h + i.r for i in inputs], dim=1)  # [T, 3H] before any launch
+    want = want_rows @ weight.t()
+    for layout, v in dl.LAYOUTS.items():
+        v = dataclasses.replace(v, pdl=False)  # the interpreter has no PDL
+        aux = torch.full_like(inputs[0].aux, float("nan"))
+        for k, one in enumerate(inputs):
+            tk.launch(v, v.launch_shape(H), one.clone(), aux, k)
+        rows = dl.slots_of(layout, aux, H)
+        got_rows = rows if layout == "interleaved" else rows.transpose(0, 1).reshape(T, -1)
+        assert torch.equal(got_rows, want_rows), layout
+        out = torch.full((T, H), float("nan"))
+        dl.draft_fc(layout, rows, weight, out)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+
+
+def test_draft_layout_check_catches_a_wrong_fc(monkeypatch):
+    weight = (torch.randn(32, 3 * 32) * 0.1).to(torch.bfloat16)
+    one = tk.make_set(4, 32, torch.bfloat16, "cpu", False)
+    assert dl.check_fc(weight, one, 32) < 1e-2  # bf16 rounding only
+    real = dl.draft_fc
+
+    def drops_a_slot(layout, x, w, out):
+        real(layout, x, w, out)
+        if layout == "slot-major":
+            out.sub_(x[2] @ w[:, 64:].t())
+
+    monkeypatch.setattr(dl, "draft_fc", drops_a_slot)
+    with pytest.raises(AssertionError, match="fc differ"):
+        dl.check_fc(weight, one, 32)
 
 
 # ---------------------------------------------------------------- capture_latency --host-breakdown

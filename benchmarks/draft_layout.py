@@ -8,7 +8,8 @@ slot store cheaper at large T (benchmarks/NOTES.md), but no single GEMM reads
 that storage as [T, 3H]: the best a draft could do with cuBLAS is three GEMMs
 accumulating into one output, ``x0 W0^T + x1 W1^T + x2 W2^T`` (W_k the k-th H
 columns of fc's weight). Per H and T this script times, under CUDA-graph
-replay (medians, buffer sets rotated past 4 x L2 as in tune_kernel.py):
+replay (medians, buffer sets rotated past 4 x L2 as in tune_kernel.py; --rounds
+times each cell again with the layouts in the other order, and takes the median):
 
   capture     the three in-slot launches of the SGLang drop-in (tune_kernel's
               ``l pdl``, the production kernel), in each layout
@@ -22,6 +23,7 @@ exits 0. Results: benchmarks/RESULTS.md, benchmarks/NOTES.md.
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -40,6 +42,7 @@ LAYOUTS = {
     "slot-major": tk.Variant("l slot-major", "l", pdl=True, aux_layout="slot-major"),
 }
 DEFAULT_TOKENS = [1, 64, 1024, 4096, 16384]
+WHAT = ("capture", "fc", "step")
 
 
 def slots_of(layout: str, aux: torch.Tensor, hidden_size: int) -> torch.Tensor:
@@ -87,7 +90,9 @@ def check_fc(weight: torch.Tensor, one_set: tk.BufferSet, hidden_size: int) -> f
 
 
 def measure(args, hidden_size: int, T: int) -> dict:
-    """{what: {layout: median us per step}} at one H and T."""
+    """{what: {layout: us per step}} at one H and T: the median over --rounds of
+    each cell's median, the layouts timed in turn, first one then the other (a
+    GEMM-bound step drifts with the GPU's clocks: one order would favour one)."""
     device, dtype = torch.device("cuda"), tk.DTYPES[args.dtype]
     elem = torch.tensor([], dtype=dtype).element_size()
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
@@ -105,7 +110,7 @@ def measure(args, hidden_size: int, T: int) -> dict:
         one.aux.normal_()
     outs = [torch.empty(T, hidden_size, device=device, dtype=dtype) for _ in sets]
     check_fc(weight, sets[0], hidden_size)
-    cells = {"capture": {}, "fc": {}, "step": {}}
+    steps = {}
     for layout, v in LAYOUTS.items():
         shape = v.launch_shape(hidden_size)
         tk.check_variant(v, shape, sets[0])
@@ -114,11 +119,21 @@ def measure(args, hidden_size: int, T: int) -> dict:
         def fc(i, layout=layout):
             draft_fc(layout, slots_of(layout, sets[i].aux, hidden_size), weight, outs[i])
 
-        fcs = [lambda i=i: fc(i) for i in range(num_sets)]
-        both = [lambda i=i: (capture[i](), fc(i)) for i in range(num_sets)]
-        for what, steps in (("capture", capture), ("fc", fcs), ("step", both)):
-            cells[what][layout] = time_graph_replay(steps, args.steps_per_graph, args.replays)
-    return cells
+        steps[layout] = {
+            "capture": capture,
+            "fc": [lambda i=i, fc=fc: fc(i) for i in range(num_sets)],
+            "step": [lambda i=i, c=capture, fc=fc: (c[i](), fc(i)) for i in range(num_sets)],
+        }
+    times = {what: {layout: [] for layout in LAYOUTS} for what in WHAT}
+    for r in range(args.rounds):
+        for layout in list(LAYOUTS)[:: 1 if r % 2 == 0 else -1]:
+            for what in WHAT:
+                us = time_graph_replay(steps[layout][what], args.steps_per_graph, args.replays)
+                times[what][layout].append(us)
+    return {
+        what: {layout: statistics.median(t) for layout, t in by_layout.items()}
+        for what, by_layout in times.items()
+    }
 
 
 def parse_args(argv=None):
@@ -134,10 +149,17 @@ def parse_args(argv=None):
         one_set_note="one set per step",
         steps_note="every buffer set once where there are more",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="time every cell this many times, the layouts' order reversed each round; "
+        "cells are the median (default 2)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the cells to PATH")
     args = p.parse_args(argv)
-    if min(args.hidden_size) < 1 or min(args.tokens) < 1 or args.replays < 1:
-        p.error("--hidden-size, --tokens and --replays must be at least 1")
+    if min(min(args.hidden_size), min(args.tokens), args.replays, args.rounds) < 1:
+        p.error("--hidden-size, --tokens, --replays and --rounds must be at least 1")
     return args
 
 
@@ -153,7 +175,7 @@ def main(argv=None) -> int:
     device = f"{props.name}  torch {torch.__version__}  triton {tk.triton.__version__}"
     print(f"device: {device}; {args.dtype}; K = {tk.SLOTS}; us per step (median)")
     head = f"{'H':>5} {'T':>6} " + " ".join(
-        f"{what + ' ' + lay[:5]:>14}" for what in ("capture", "fc", "step") for lay in LAYOUTS
+        f"{what + ' ' + lay[:5]:>14}" for what in WHAT for lay in LAYOUTS
     )
     print(head + f" {'step: slot-major - interleaved':>31}", flush=True)
     table = {}
@@ -162,9 +184,7 @@ def main(argv=None) -> int:
             cells = measure(args, H, T)
             torch.cuda.empty_cache()  # the cell's buffers, before the next T's
             table.setdefault(H, {})[T] = cells
-            line = " ".join(
-                f"{cells[what][lay]:14.2f}" for what in ("capture", "fc", "step") for lay in LAYOUTS
-            )
+            line = " ".join(f"{cells[what][lay]:14.2f}" for what in WHAT for lay in LAYOUTS)
             step = cells["step"]
             delta = step["slot-major"] - step["interleaved"]
             print(

@@ -349,7 +349,9 @@ def test_draft_layout_help_and_without_gpu(capsys, monkeypatch):
     assert "no CUDA GPU here, nothing measured" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["--tokens", "0"], ["--hidden-size", "0"], ["--dtype", "x"]])
+@pytest.mark.parametrize(
+    "argv", [["--tokens", "0"], ["--hidden-size", "0"], ["--dtype", "x"], ["--rounds", "0"]]
+)
 def test_draft_layout_refuses_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         dl.parse_args(argv)
@@ -396,6 +398,32 @@ def test_draft_layout_check_catches_a_wrong_fc(monkeypatch):
     monkeypatch.setattr(dl, "draft_fc", drops_a_slot)
     with pytest.raises(AssertionError, match="fc differ"):
         dl.check_fc(weight, one, 32)
+
+
+@needs_interpreter
+def test_draft_layout_rounds_alternate_the_layouts(monkeypatch):
+    """measure() times every cell in both layouts each round, the order reversed
+    each round: a timer that drifts up with every timing (a GEMM-bound step on a
+    warming GPU) favours neither layout."""
+    import dataclasses
+
+    calls = []
+
+    def drifting_timer(steps, steps_per_graph, replays):
+        steps[0]()  # one step's launches and GEMM, under the interpreter
+        calls.append(len(steps))
+        return float(len(calls))
+
+    monkeypatch.setattr(dl, "torch", _CudaOnCpu(64 << 10))
+    monkeypatch.setattr(tk, "torch", _CudaOnCpu(64 << 10))
+    monkeypatch.setattr(dl, "time_graph_replay", drifting_timer)
+    no_pdl = {k: dataclasses.replace(v, pdl=False) for k, v in dl.LAYOUTS.items()}
+    monkeypatch.setattr(dl, "LAYOUTS", no_pdl)
+    args = dl.parse_args(["--dtype", "fp16", "--rounds", "2"])
+    cells = dl.measure(args, 64, 3)
+    assert len(calls) == 2 * len(dl.LAYOUTS) * len(dl.WHAT)
+    for what in dl.WHAT:
+        assert cells[what]["interleaved"] == cells[what]["slot-major"], what
 
 
 # ---------------------------------------------------------------- capture_latency --host-breakdown

@@ -158,9 +158,12 @@ def test_the_data_agrees_with_the_rule_table_run_on_each_wheel(version):
     for arch, (rule, owner) in SGLANG_MODEL_RULES[version].items():
         fact = engine_facts.target("sglang", version, arch)
         assert fact is not None, f"{arch} is not registered in SGLang {version}'s data"
-        assert (fact["capture"], fact.get("rule"), fact.get("owner")) == (True, rule, owner), (
+        assert (fact.get("rule"), fact.get("owner")) == (rule, owner), (
             f"SGLang {version} {arch}: data {fact}, rule table {(rule, owner)}"
         )
+        # The table runs the method; the data also asks whether the model's loop reads
+        # what it sets (GLM-5's MTP draft class: its one-layer model never captures).
+        assert fact["capture"] is True or "never reads" in fact["why"], fact
 
 
 @pytest.mark.parametrize("version", sorted(SGLANG_MODEL_RULES))
@@ -215,6 +218,101 @@ def test_sglang_delegation_to_an_inner_language_model_is_followed():
     # model's method stores the layers it is given; the wrapper adds 1).
     fact = engine_facts.target("sglang", "0.5.23", "Qwen3_5ForConditionalGeneration")
     assert (fact["rule"], fact["owner"]) == ("+1", "qwen3_vl.Qwen3VLForConditionalGeneration")
+
+
+def test_sglang_ids_handed_to_a_model_that_never_reads_them_capture_nothing():
+    """SGLang 0.5.13 - 0.5.20's Qwen3.5 wrappers: Qwen3VL's method stores the ids in the
+    text model's layers_to_capture, but that model's loop captures only the layers
+    flagged _is_layer_to_capture (set by set_dflash_layers_to_capture alone): nothing
+    is captured. 0.5.22 calls the text model's own method, which sets the flags. The
+    flag-based MoE loops flag their layers in the EAGLE-3 method too; the MTP / NextN
+    draft classes inherit the method, but their one-layer models never capture."""
+    for arch in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
+        for version in ("0.5.13", "0.5.18", "0.5.20"):
+            fact = engine_facts.target("sglang", version, arch)
+            assert fact["capture"] is False, (version, fact)
+            assert "which that model never reads" in fact["why"]
+            assert "_is_layer_to_capture" in fact["why"]
+        for version in ("0.5.22", "0.5.23"):
+            assert engine_facts.target("sglang", version, arch)["capture"] is True
+    for version in engine_facts.SGLANG_RELEASES:
+        for arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM"):
+            assert engine_facts.target("sglang", version, arch)["capture"] is True
+        assert (
+            engine_facts.target("sglang", version, "DeepseekV3ForCausalLMNextN")["capture"] is False
+        )
+    assert engine_facts.target("sglang", "0.5.20", "Qwen3NextForCausalLM")["capture"] is True
+
+
+_WRAPPER = """
+class Wrapper:
+    def __init__(self, config):
+        self.model = TextModel(config)
+
+    def set_eagle3_layers_to_capture(self, layer_ids=None):
+        if layer_ids is None:
+            n = self.config.num_hidden_layers
+            layer_ids = [1, n // 2 - 1, n - 4]
+        {body}
+
+EntryClass = [Wrapper]
+"""
+_TEXT_MODEL = """
+class TextModel:
+    def __init__(self, config):
+        self.layers_to_capture = []
+
+    def set_eagle3_layers_to_capture(self, layers_to_capture):
+        self.layers_to_capture = layers_to_capture
+        for layer_id in self.layers_to_capture:
+            setattr(self.layers[layer_id], "_is_layer_to_capture", True)
+
+    def set_dflash_layers_to_capture(self, layers_to_capture):
+        self.layers_to_capture = layers_to_capture
+        for layer_id in self.layers_to_capture:
+            setattr(self.layers[layer_id], "_is_layer_to_capture", True)
+
+    def forward(self, x):
+        aux = []
+        for i, layer in enumerate(self.layers):
+            {loop}
+            x = layer(x)
+        return x, aux
+"""
+_STORE = "self.model.layers_to_capture = [i + 1 for i in layer_ids]"
+_CALL = "self.model.set_eagle3_layers_to_capture([i + 1 for i in layer_ids])"
+_READS_FLAGS = 'if getattr(layer, "_is_layer_to_capture", False): aux.append(x)'
+_READS_LIST = "if i in self.layers_to_capture: aux.append(x)"
+
+
+@pytest.mark.parametrize(
+    "body, loop, captures",
+    [
+        (_STORE, _READS_FLAGS, False),  # SGLang 0.5.13 - 0.5.20's Qwen3.5 wrappers
+        (_CALL, _READS_FLAGS, True),  # 0.5.22: the text model's own method flags its layers
+        (_STORE, _READS_LIST, True),  # Llama's loop reads the list
+        (_STORE, "pass", False),  # a model that never captures (the NextN drafts)
+    ],
+)
+def test_a_store_no_loop_reads_captures_nothing(tmp_path, body, loop, captures):
+    """The reader follows the ids to the model that holds them and asks whether its
+    code reads them (the list, or the flags where the method set them) anywhere but in
+    its set-up methods."""
+    import zipfile
+
+    from eagle_capture.layer_ids.engine_read import read_sglang
+
+    wheel = tmp_path / "sglang-0.0.0-py3-none-any.whl"
+    source = _WRAPPER.format(body=body) + _TEXT_MODEL.format(loop=loop)
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("sglang/srt/models/__init__.py", "")
+        z.writestr("sglang/srt/models/toy.py", source)
+    fact = read_sglang(str(wheel))["targets"]["Wrapper"]
+    assert fact["capture"] is captures, fact
+    if captures:
+        assert fact["rule"] == "+1"
+    else:
+        assert "toy.TextModel.layers_to_capture, which that model never reads" in fact["why"]
 
 
 def test_sglang_classes_without_the_method_cannot_capture():

@@ -81,6 +81,19 @@ def test_verdict_exit_and_fix(name, capsys):
         assert out["trainer"] == case["ground_truth"]["trainer"]
 
 
+@pytest.mark.parametrize(
+    "name", [n for n in NAMES if "sglang_by_release" in _case(n)[1]["expected"]]
+)
+def test_sglang_verdict_on_each_release(name, capsys):
+    """Where a line's releases differ (a target class that captures on some only), the
+    user who names the release gets that release's verdict."""
+    path, case = _case(name)
+    for version, want in case["expected"]["sglang_by_release"].items():
+        code, out = _json(capsys, path, case, "--engine", "sglang", "--sglang-version", version)
+        assert out["engines"]["sglang"]["verdict"] == want, (version, out["engines"]["sglang"])
+        assert code == (0 if want == "OK" else 1), version
+
+
 @pytest.mark.parametrize("name", [n for n in NAMES if "vllm_runner_v1" in _case(n)[1]["expected"]])
 def test_served_with_vllms_v1_runner(name, capsys):
     """The V1 runner reads eagle_config's ids as capture layers: one layer early for

@@ -51,6 +51,8 @@ def parse_source(source: str) -> ast.Module:
 
 
 METHOD = "set_eagle3_layers_to_capture"
+# The per-layer flag the flag-based loops read instead of ``layers_to_capture``.
+LAYER_FLAG = "_is_layer_to_capture"
 # Probe ids on a 40-layer shell: they tell every rule in id_rules.RULE_WORDS apart
 # (None: the defaults; ids[0] == 1 or not; the largest == num_layers or not).
 PROBE_LAYERS = 40
@@ -319,6 +321,11 @@ class _Shell:
         self._attrs[name] = value
         if name == "layers_to_capture":
             self._run.captures.append((self._path, list(value)))
+            self._run.holders[self._path] = self._cls
+        elif name == LAYER_FLAG and value:
+            # self.<model>.layers[i]._is_layer_to_capture = True: the model's loop reads
+            # the flags, not the list (qwen2_moe, qwen3_next)
+            self._run.flagged.add(self._path.rsplit(".layers[", 1)[0])
 
     def __call__(self, *args, **kwargs):
         return _Shell(self._run, None, f"{self._path}()")
@@ -330,6 +337,8 @@ class _Run:
     def __init__(self, src: Source, top: ClassRef):
         self.src = src
         self.captures: list = []
+        self.holders: dict = {}  # path -> class of the object given layers_to_capture
+        self.flagged: set = set()  # paths of the models whose layers got LAYER_FLAG
         self.chain: list = []  # (owner ClassRef, whether it got the caller's ids)
         self.top = top
 
@@ -581,6 +590,65 @@ def captures_final_boundary(src: Source, classes) -> bool:
     return False
 
 
+# Methods that only set the capture up (they read the list they were just given):
+# a read there is not the model loop's.
+_SETUP = re.compile(r"^(__init__|set_\w*layers_to_capture)$")
+
+
+def _reads(src: Source, cls: ClassRef) -> set:
+    """What the code around ``cls`` reads to capture, outside set-up methods: "list"
+    (``self.layers_to_capture``) and / or "flags" (``LAYER_FLAG``). Every module of
+    the class's MRO is read whole (a loop may live in a module-level helper)."""
+    found = set()
+    modules = {c.module for c in src.mro(cls) if isinstance(c, ClassRef)}
+    for name in modules:
+        mod = src.module(name)
+        if mod is None:
+            continue
+        skipped = {
+            id(n)
+            for fn in ast.walk(mod.tree)
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and _SETUP.match(fn.name)
+            for n in ast.walk(fn)
+        }
+        for node in ast.walk(mod.tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                if node.attr == "layers_to_capture":
+                    found.add("list")
+                elif node.attr == LAYER_FLAG:
+                    found.add("flags")
+            elif isinstance(node, ast.Constant) and node.value == LAYER_FLAG:
+                found.add("flags")  # getattr(layer, "_is_layer_to_capture", False)
+    return found
+
+
+def _dead_store(src: Source, run: "_Run") -> Optional[str]:
+    """Why the ids the method stored never reach a model loop, or None when they
+    do or the holder's class is not known. The store is dead when the object given
+    ``layers_to_capture`` belongs to code that reads neither that list nor, where the
+    method flagged its layers, the flags (SGLang 0.5.13 - 0.5.20's Qwen3.5 wrappers:
+    Qwen3VL's method sets the language model's list, whose loop reads only the flags
+    that set_dflash_layers_to_capture sets)."""
+    path = run.captures[-1][0]
+    holder = run.holders.get(path)
+    if holder is None:
+        return None
+    reads = _reads(src, holder)
+    if "list" in reads or ("flags" in reads and path in run.flagged):
+        return None
+    loop = (
+        f"its loop captures only the layers flagged {LAYER_FLAG}, which this method does not set"
+        if "flags" in reads
+        else "it reads neither the list nor per-layer flags outside its set-up methods"
+    )
+    return (
+        f"hands the ids to {holder.short(SGLANG_MODELS)}.layers_to_capture, which that "
+        f"model never reads: nothing is captured ({loop})"
+    )
+
+
 def sglang_fact(src: Source, arch: str, ref: ClassRef) -> SGLangFact:
     """Whether ``ref`` captures for an EAGLE-3 draft, and by which rule."""
     from eagle_capture.layer_ids.id_rules import RULE_WORDS, apply_rule
@@ -628,6 +696,9 @@ def sglang_fact(src: Source, arch: str, ref: ClassRef) -> SGLangFact:
         ),
         None,
     )
+    dead = _dead_store(src, run)
+    if dead is not None:  # the method's rule, kept: the ids it sets, which nothing reads
+        return SGLangFact(arch, short, False, owner, rule, via, why=dead)
     fact = SGLangFact(
         arch,
         short,

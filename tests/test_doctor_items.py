@@ -1226,3 +1226,55 @@ def test_a_line_measured_to_capture_another_tensor(tmp_path, capsys, monkeypatch
         "fixes it: serve with vLLM 0.32.0"
         in out
     ), out
+
+
+# vLLM's Transformers modeling backend --------------------------------------------------------
+
+
+def test_vllm_without_a_class_of_its_own_says_its_transformers_backend_serves_it(tmp_path, capsys):
+    """A target vLLM registers no class for (Hunyuan's dense model, which SGLang registers
+    without set_eagle3_layers_to_capture): vLLM serves it through its Transformers modeling
+    backend, SupportsEagle3 with vLLM's own id rule (read from each wheel). The vLLM
+    verdict says so, and SGLang's CANNOT CAPTURE points there instead of saying no engine
+    can. A class vLLM registers gets no such note; a name no engine registers is flagged."""
+    path = tmp_path / "draft.json"
+    path.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        32,
+        "--target-architecture",
+        "HunYuanDenseV1ForCausalLM",
+    )
+    assert code == 1
+    assert (
+        "vLLM 0.32.0, 0.33.0, 0.34.0 register no model class of their own as "
+        "HunYuanDenseV1ForCausalLM: vLLM serves it, if at all, through its Transformers "
+        "modeling backend (transformers.TransformersForCausalLM, SupportsEagle3 through "
+        "transformers.base.Base" in out
+    )
+    assert "it can on vLLM 0.32.0, 0.33.0, 0.34.0 through its Transformers modeling" in out
+    assert "no SGLang or vLLM release read can" not in out
+    assert "check it" not in out  # SGLang registers the name
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        32,
+        "--target-architecture",
+        "Qwen3ForCausalLM",
+    )
+    assert "Transformers modeling backend" not in out
+    _, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        32,
+        "--target-architecture",
+        "FooBarForCausalLM",
+    )
+    assert "as FooBarForCausalLM (no engine registers the name: check it)" in out

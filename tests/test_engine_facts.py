@@ -203,6 +203,22 @@ def test_vllm_without_supports_eagle3_cannot_capture():
     )
 
 
+def test_vllm_transformers_backend_is_read_from_each_wheel():
+    """What serves an architecture vLLM registers no class of its own for: its
+    Transformers modeling backend (registry.py _TRANSFORMERS_BACKEND_MODELS), whose
+    TransformersForCausalLM is SupportsEagle3 through transformers/base.py Base."""
+    for version in engine_facts.VLLM_RELEASES:
+        assert engine_facts.transformers_backend(version) == {
+            "class": "transformers.TransformersForCausalLM",
+            "capture": True,
+            "owner": "transformers.base.Base",
+        }
+    assert engine_facts.vllm_fallback_releases("HunYuanDenseV1ForCausalLM") == list(
+        engine_facts.VLLM_RELEASES
+    )
+    assert engine_facts.vllm_fallback_releases("LlamaForCausalLM") == []
+
+
 def test_sglang_delegation_to_an_inner_language_model_is_followed():
     """Llama 4's multimodal class hands the ids to a Llama4ForCausalLM, which inherits
     LlamaForCausalLM's method (+1): models/mllama4.py, models/llama4.py."""

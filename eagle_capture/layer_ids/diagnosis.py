@@ -519,6 +519,9 @@ def diagnose(
         lines = vllm_lines(draft)
         if vllm_runner:  # the runner the user serves with: only that one
             lines = [line for line in lines if line.runner in (vllm_runner.upper(), "V1 and V2")]
+        fallback = vllm_fallback_note(architecture)
+        if fallback:
+            notes.append(fallback)
     else:
         if capture == "return-aux":
             lines = [capture_only.line_for(sglang_version)]
@@ -975,6 +978,29 @@ def _vllm_releases(line) -> list[str]:
     return [v.split()[0] for v in line.read_versions]
 
 
+def vllm_fallback_note(architecture: Optional[str]) -> Optional[str]:
+    """What serves ``architecture`` on the vLLM releases read that register no class of
+    their own for it (their Transformers modeling backend, as read), or None."""
+    if not architecture:
+        return None
+    fallback = engine_facts.vllm_fallback_releases(architecture)
+    if not fallback:
+        return None
+    backend = engine_facts.transformers_backend(fallback[-1])
+    typo = (
+        ""
+        if engine_facts.registered_anywhere(architecture)
+        else " (no engine registers the name: check it)"
+    )
+    return (
+        f"vLLM {', '.join(fallback)} register no model class of their own as {architecture}"
+        f"{typo}: vLLM serves it, if at all, through its Transformers modeling backend "
+        f"({backend['class']}, SupportsEagle3 through {backend['owner']}: capture layer k "
+        f"is the input of layer k, as for vLLM's own classes; read). Whether that backend "
+        f"runs this model was not read"
+    )
+
+
 def _lines_that_capture(architecture: str) -> str:
     """Where a target class can feed an EAGLE-3 draft, among the releases read."""
     where = engine_facts.capturing_releases(architecture)
@@ -997,6 +1023,12 @@ def _lines_that_capture(architecture: str) -> str:
     close()
     if where["vllm"]:
         parts.append("vLLM " + ", ".join(where["vllm"]))
+    fallback = engine_facts.vllm_fallback_releases(architecture)
+    if fallback:
+        parts.append(
+            f"vLLM {', '.join(fallback)} through its Transformers modeling backend, if that "
+            f"runs this model"
+        )
     if not parts:
         return (
             "no SGLang or vLLM release read can (SGLang 0.5.9 - 0.5.23, vLLM 0.32 - 0.34): "

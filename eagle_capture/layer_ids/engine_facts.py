@@ -107,6 +107,23 @@ def capture_only_releases() -> list[str]:
     return [v for v in releases("sglang") if load()["sglang"][v].get("capture_only")]
 
 
+def transformers_backend(release: str) -> Optional[dict]:
+    """vLLM ``release``'s Transformers modeling backend (what serves an architecture it
+    registers no class of its own for), as read; None where it was not."""
+    return load()["vllm"][release].get("transformers_backend")
+
+
+def vllm_fallback_releases(architecture: str) -> list[str]:
+    """The vLLM releases read that register no class of their own as ``architecture``
+    and whose Transformers modeling backend can capture (would serve it, if at all)."""
+    return [
+        v
+        for v in releases("vllm")
+        if target("vllm", v, architecture) is None
+        and (transformers_backend(v) or {}).get("capture")
+    ]
+
+
 def capturing_releases(architecture: str) -> dict[str, list[str]]:
     """Per engine, the releases read whose class for ``architecture`` can capture."""
     return {
@@ -160,6 +177,9 @@ def dumps(facts: dict) -> str:
                 lines.append(f'      "speculative": {json.dumps(rel["speculative"])},')
             if "capture_only" in rel:
                 lines.append(f'      "capture_only": {json.dumps(rel["capture_only"])},')
+            if "transformers_backend" in rel:
+                backend = json.dumps(rel["transformers_backend"])
+                lines.append(f'      "transformers_backend": {backend},')
             lines.append('      "targets": {')
             targets = list(rel["targets"].items())
             for ti, (arch, fact) in enumerate(targets):
@@ -188,6 +208,11 @@ def drift(generated: dict, committed: dict) -> list[str]:
                 out.append(
                     f"{engine} {version} capture_only: {c.get('capture_only')} -> "
                     f"{g.get('capture_only')}"
+                )
+            if g.get("transformers_backend") != c.get("transformers_backend"):
+                out.append(
+                    f"{engine} {version} transformers_backend: "
+                    f"{c.get('transformers_backend')} -> {g.get('transformers_backend')}"
                 )
             if g["eagle3_drafts"] != c["eagle3_drafts"] or g.get("speculative") != c.get(
                 "speculative"

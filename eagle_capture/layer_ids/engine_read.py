@@ -858,6 +858,28 @@ def vllm_fact(src: Source, ref) -> dict:
     return out
 
 
+def vllm_transformers_backend(src: Source) -> Optional[dict]:
+    """The fact of vLLM's Transformers modeling backend for text models
+    (``_TRANSFORMERS_BACKEND_MODELS["TransformersForCausalLM"]``): what serves an
+    architecture vLLM registers no class of its own for. None where the table or the
+    entry is absent."""
+    mod = src.module(f"{VLLM_MODELS}.registry")
+    for node in mod.tree.body:
+        if not (
+            isinstance(node, ast.Assign)
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id == "_TRANSFORMERS_BACKEND_MODELS"
+            and isinstance(node.value, ast.Dict)
+        ):
+            continue
+        for k, v in zip(node.value.keys, node.value.values):
+            if isinstance(k, ast.Constant) and k.value == "TransformersForCausalLM":
+                module, cls = (e.value for e in v.elts[:2])
+                module = module if "." in module else f"{VLLM_MODELS}.{module}"
+                return vllm_fact(src, src.resolve(module, cls) or (module, cls))
+    return None
+
+
 def read_vllm(wheel: str) -> dict:
     src = Source(wheel, ("vllm/model_executor/models/", "vllm/models/"))
     targets, spec = vllm_registry(src)
@@ -871,5 +893,6 @@ def read_vllm(wheel: str) -> dict:
         "eagle3_drafts": drafts,
         "registered": len(targets) + len(spec),
         "speculative": sorted(spec),
+        "transformers_backend": vllm_transformers_backend(src),
         "targets": {a: vllm_fact(src, ref) for a, ref in sorted(targets.items())},
     }

@@ -45,9 +45,10 @@ Not swept: knobs the kernel does not have. The fork of the kernel this script
 replaces (tune_variants.py; benchmarks/NOTES.md, results/tune_variants_round*.txt)
 also tried evict_first loads on h and r, .cs (streaming) stores on all outputs,
 and 2 or 4 rows per program; a persistent grid (1 - 4 programs per SM walking the
-rows, 1 - 3 pipeline stages), the slot stored after the normed output and a row in
-two power-of-two pieces (H 5120 as 4096 + 1024) were tried as kernel constexprs on
-2026-12-07 (NOTES.md). None was adopted. Sweeping
+rows, 1 - 3 pipeline stages), the slot stored after the normed output, a row in
+two power-of-two pieces (H 5120 as 4096 + 1024) and TMA stores of the slot's and the
+normed row were tried as kernel constexprs on 2026-12-07 (NOTES.md; the TMA patch is
+in results/2026-12-07-h100-session6/). None was adopted. Sweeping
 them again means adding them to the kernel as constexprs first (as AUX_CACHE,
 AUX_EVICT, RESIDUAL_EVICT and PDL_TRIGGER_LATE were).
 

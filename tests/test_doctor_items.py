@@ -1144,28 +1144,27 @@ def test_a_class_some_releases_of_a_line_lack(tmp_path, capsys):
 def test_a_loop_that_captures_the_final_boundary(tmp_path, capsys):
     """SpecForge ids ending at the last layer's output (output convention: [1, 12, 25] of
     26 layers -> capture layers [2, 13, 26]). Gemma 3's SGLang loop captures after its last
-    layer (the engine facts): OK; Llama's does not: the capture of layer 26 never happens
-    and SGLang's first forward fails."""
+    layer (the engine facts): OK on 0.5.13 - 0.5.17; from 0.5.18 its loop captures each
+    layer's branch output, not the residual stream: CANNOT CAPTURE. Llama's does not
+    capture layer 26: it never happens and SGLang's first forward fails."""
     path = _specforge(tmp_path, [1, 12, 25])
-    base = [
-        "--draft-config",
-        path,
-        "--num-layers",
-        26,
-        "--engine",
-        "sglang",
-        "--sglang-version",
-        "0.5.23",
-        "--id-convention",
-        "output",
-    ]
-    code, out, _ = _doctor(
-        capsys, *base, "--target-architecture", "Gemma3ForCausalLM", explain=False
-    )
+    base = ["--draft-config", path, "--num-layers", 26, "--engine", "sglang"]
+    base += ["--id-convention", "output", "--sglang-version"]
+    said = {
+        (arch, version): _doctor(
+            capsys, *base, version, "--target-architecture", arch, explain=False
+        )[:2]
+        for arch, version in (
+            ("Gemma3ForCausalLM", "0.5.13"),
+            ("Gemma3ForCausalLM", "0.5.23"),
+            ("LlamaForCausalLM", "0.5.23"),
+        )
+    }
+    code, out = said["Gemma3ForCausalLM", "0.5.13"]
     assert code == 0 and "captures [2, 13, 26]: OK" in out, out
-    code, out, _ = _doctor(
-        capsys, *base, "--target-architecture", "LlamaForCausalLM", explain=False
-    )
+    code, out = said["Gemma3ForCausalLM", "0.5.23"]
+    assert code == 1 and "captures a layer's branch output, not the residual stream" in out, out
+    code, out = said["LlamaForCausalLM", "0.5.23"]
     assert code == 1 and "captures [2, 13, 26]: PROBLEM (FAILS at the first forward" in out, out
 
 

@@ -162,8 +162,11 @@ def test_the_data_agrees_with_the_rule_table_run_on_each_wheel(version):
             f"SGLang {version} {arch}: data {fact}, rule table {(rule, owner)}"
         )
         # The table runs the method; the data also asks whether the model's loop reads
-        # what it sets (GLM-5's MTP draft class: its one-layer model never captures).
-        assert fact["capture"] is True or "never reads" in fact["why"], fact
+        # what it sets (GLM-5's MTP draft class: its one-layer model never captures) and
+        # captures the residual stream (Gemma 3 from 0.5.18: the branch output).
+        assert fact["capture"] is True or any(
+            w in fact["why"] for w in ("never reads", "not the residual stream")
+        ), fact
 
 
 @pytest.mark.parametrize("version", sorted(SGLANG_MODEL_RULES))
@@ -260,6 +263,19 @@ def test_sglang_ids_handed_to_a_model_that_never_reads_them_capture_nothing():
     assert engine_facts.target("sglang", "0.5.20", "Qwen3NextForCausalLM")["capture"] is True
 
 
+def _toy_sglang(tmp_path, source: str) -> dict:
+    """The reader's target facts for a wheel whose one model file is ``source``."""
+    import zipfile
+
+    from eagle_capture.layer_ids.engine_read import read_sglang
+
+    wheel = tmp_path / "sglang-0.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("sglang/srt/models/__init__.py", "")
+        z.writestr("sglang/srt/models/toy.py", source)
+    return read_sglang(str(wheel))["targets"]
+
+
 _WRAPPER = """
 class Wrapper:
     def __init__(self, config):
@@ -314,21 +330,69 @@ def test_a_store_no_loop_reads_captures_nothing(tmp_path, body, loop, captures):
     """The reader follows the ids to the model that holds them and asks whether its
     code reads them (the list, or the flags where the method set them) anywhere but in
     its set-up methods."""
-    import zipfile
-
-    from eagle_capture.layer_ids.engine_read import read_sglang
-
-    wheel = tmp_path / "sglang-0.0.0-py3-none-any.whl"
     source = _WRAPPER.format(body=body) + _TEXT_MODEL.format(loop=loop)
-    with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr("sglang/srt/models/__init__.py", "")
-        z.writestr("sglang/srt/models/toy.py", source)
-    fact = read_sglang(str(wheel))["targets"]["Wrapper"]
+    fact = _toy_sglang(tmp_path, source)["Wrapper"]
     assert fact["capture"] is captures, fact
     if captures:
         assert fact["rule"] == "+1"
     else:
         assert "toy.TextModel.layers_to_capture, which that model never reads" in fact["why"]
+
+
+_DEFERRED_LOOP = """
+class TextModel:
+    def __init__(self, config):
+        self.layers_to_capture = []
+
+    def forward(self, hidden_states):
+        aux, residual = [], None
+        for i, layer in enumerate(self.layers):
+            if i in self.layers_to_capture:
+                {capture}
+            hidden_states, residual = layer(hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states, aux
+"""
+
+
+@pytest.mark.parametrize(
+    "capture, captures",
+    [
+        # SGLang 0.5.18+'s Gemma 3: its layers defer the residual add to the next norm
+        ("aux.append(hidden_states)", False),
+        # Llama, Qwen, DeepSeek: the stream is the branch plus the pending residual
+        ("aux.append(hidden_states + residual if residual is not None else hidden_states)", True),
+        # no add pending before the first layer
+        (
+            "if residual is None:\n                    aux.append(hidden_states)\n"
+            "                else:\n                    aux.append(hidden_states + residual)",
+            True,
+        ),
+    ],
+)
+def test_a_loop_that_captures_the_branch_not_the_stream_cannot_feed_a_draft(
+    tmp_path, capture, captures
+):
+    source = _WRAPPER.format(body=_STORE) + _DEFERRED_LOOP.format(capture=capture)
+    fact = _toy_sglang(tmp_path, source)["Wrapper"]
+    assert fact["capture"] is captures, fact
+    assert fact["rule"] == "+1"
+    if not captures:
+        assert (
+            "branch output, not the residual stream: toy.py TextModel.forward (line" in fact["why"]
+        )
+
+
+def test_gemma3_captures_the_branch_from_0_5_18():
+    """SGLang 0.5.18+'s gemma3_causal.py: Gemma3DecoderLayer returns (hidden_states,
+    residual) with the add deferred to the next norm, and Gemma3TextModel.forward appends
+    the bare hidden_states. 0.5.13's layers add the residual themselves."""
+    for arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
+        assert engine_facts.target("sglang", "0.5.13", arch)["capture"] is True
+        for version in ("0.5.18", "0.5.20", "0.5.22", "0.5.23"):
+            fact = engine_facts.target("sglang", version, arch)
+            assert fact["capture"] is False and "gemma3_causal.py" in fact["why"], fact
+            assert fact["final_boundary"] is True  # the loop's, as read
 
 
 def test_sglang_classes_without_the_method_cannot_capture():

@@ -649,6 +649,85 @@ def _dead_store(src: Source, run: "_Run") -> Optional[str]:
     )
 
 
+def _branch_appends(fn: ast.FunctionDef) -> list:
+    """Lines where ``fn`` (a model loop) captures a layer's branch output instead of the
+    residual stream: its layers return ``hidden_states, residual`` (the add deferred to
+    the next fused add + norm, which the final ``self.norm(hidden_states, residual)``
+    shows) and a capture under ``... in self.layers_to_capture`` appends the bare
+    ``hidden_states`` -- not ``hidden_states + residual``, and not in a branch where
+    ``residual is None`` (no add pending there)."""
+    deferred = any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "norm"
+        and len(n.args) >= 2
+        and isinstance(n.args[1], ast.Name)
+        and n.args[1].id == "residual"
+        for n in ast.walk(fn)
+    )
+    outputs = set()
+    for n in ast.walk(fn):
+        if (
+            isinstance(n, ast.Assign)
+            and isinstance(n.targets[0], ast.Tuple)
+            and isinstance(n.value, ast.Call)
+        ):
+            names = [e.id for e in n.targets[0].elts if isinstance(e, ast.Name)]
+            if "residual" in names[1:]:
+                outputs.add(names[0])
+    if not (deferred and outputs):
+        return []
+    no_add_pending = {
+        id(node)
+        for n in ast.walk(fn)
+        if isinstance(n, ast.If) and ast.unparse(n.test).strip() == "residual is None"
+        for stmt in n.body
+        for node in ast.walk(stmt)
+    }
+    lines = []
+    for n in ast.walk(fn):
+        if not (isinstance(n, ast.If) and "layers_to_capture" in ast.unparse(n.test)):
+            continue
+        for c in ast.walk(n):
+            if (
+                isinstance(c, ast.Call)
+                and isinstance(c.func, ast.Attribute)
+                and c.func.attr == "append"
+                and c.args
+                and isinstance(c.args[0], ast.Name)
+                and c.args[0].id in outputs
+                and id(c) not in no_add_pending
+            ):
+                lines.append(c.lineno)
+    return sorted(set(lines))
+
+
+def _branch_capture(src: Source, run: "_Run") -> Optional[str]:
+    """Why the model loop that reads the ids captures the wrong tensor (each layer's
+    branch output, its residual add deferred: SGLang 0.5.18+'s Gemma 3), or None. Read
+    in the methods of the class that holds the ids (and its bases), set-up left out."""
+    holder = run.holders.get(run.captures[-1][0])
+    if holder is None:
+        return None
+    for c in src.mro(holder):
+        if not isinstance(c, ClassRef):
+            continue
+        for fn in src.classdef(c).body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or _SETUP.match(fn.name):
+                continue
+            lines = _branch_appends(fn)
+            if lines:
+                where = src.module(c.module).path.rsplit("/", 1)[-1]
+                return (
+                    f"captures a layer's branch output, not the residual stream: "
+                    f"{where} {c.name}.{fn.name} (line {', '.join(map(str, lines))}) appends "
+                    f"hidden_states while its layers return (hidden_states, residual) with the "
+                    f"add deferred to the next norm, so the draft gets the branch, not the "
+                    f"stream it was trained on"
+                )
+    return None
+
+
 def sglang_fact(src: Source, arch: str, ref: ClassRef) -> SGLangFact:
     """Whether ``ref`` captures for an EAGLE-3 draft, and by which rule."""
     from eagle_capture.layer_ids.id_rules import RULE_WORDS, apply_rule
@@ -696,18 +775,16 @@ def sglang_fact(src: Source, arch: str, ref: ClassRef) -> SGLangFact:
         ),
         None,
     )
+    # The method's rule is kept where the loop fails the draft: the ids it sets, which
+    # nothing reads or which pick the wrong tensor (that loop's final boundary, too).
     dead = _dead_store(src, run)
-    if dead is not None:  # the method's rule, kept: the ids it sets, which nothing reads
+    if dead is not None:
         return SGLangFact(arch, short, False, owner, rule, via, why=dead)
-    fact = SGLangFact(
-        arch,
-        short,
-        True,
-        owner,
-        rule,
-        via,
-        final_boundary=captures_final_boundary(src, [ref] + [c for _, c in chain] + [chain[-1][0]]),
-    )
+    final_boundary = captures_final_boundary(src, [ref] + [c for _, c in chain] + [chain[-1][0]])
+    branch = _branch_capture(src, run)
+    if branch is not None:
+        return SGLangFact(arch, short, False, owner, rule, via, branch, final_boundary)
+    fact = SGLangFact(arch, short, True, owner, rule, via, final_boundary=final_boundary)
     if rule is None:
         fact.why = "unclassified: " + "; ".join(f"ids {k} -> {v}" for k, v in results.items())
     return fact

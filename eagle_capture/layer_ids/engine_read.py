@@ -624,17 +624,14 @@ def _reads(src: Source, cls: ClassRef) -> set:
     return found
 
 
-def _dead_store(src: Source, run: "_Run") -> Optional[str]:
+def _dead_store(src: Source, run: "_Run", path: str, holder: ClassRef) -> Optional[str]:
     """Why the ids the method stored never reach a model loop, or None when they
-    do or the holder's class is not known. The store is dead when the object given
+    do. The store is dead when the object given
     ``layers_to_capture`` belongs to code that reads neither that list nor, where the
     method flagged its layers, the flags (SGLang 0.5.13 - 0.5.20's Qwen3.5 wrappers:
     Qwen3VL's method sets the language model's list, whose loop reads only the flags
-    that set_dflash_layers_to_capture sets)."""
-    path = run.captures[-1][0]
-    holder = run.holders.get(path)
-    if holder is None:
-        return None
+    that set_dflash_layers_to_capture sets). ``path``: the object given the list,
+    ``holder`` its class."""
     reads = _reads(src, holder)
     if "list" in reads or ("flags" in reads and path in run.flagged):
         return None
@@ -702,13 +699,11 @@ def _branch_appends(fn: ast.FunctionDef) -> list:
     return sorted(set(lines))
 
 
-def _branch_capture(src: Source, run: "_Run") -> Optional[str]:
+def _branch_capture(src: Source, holder: ClassRef) -> Optional[str]:
     """Why the model loop that reads the ids captures the wrong tensor (each layer's
     branch output, its residual add deferred: SGLang 0.5.18+'s Gemma 3), or None. Read
-    in the methods of the class that holds the ids (and its bases), set-up left out."""
-    holder = run.holders.get(run.captures[-1][0])
-    if holder is None:
-        return None
+    in the methods of ``holder``, the class that holds the ids (and its bases), set-up
+    left out."""
     for c in src.mro(holder):
         if not isinstance(c, ClassRef):
             continue
@@ -777,11 +772,14 @@ def sglang_fact(src: Source, arch: str, ref: ClassRef) -> SGLangFact:
     )
     # The method's rule is kept where the loop fails the draft: the ids it sets, which
     # nothing reads or which pick the wrong tensor (that loop's final boundary, too).
-    dead = _dead_store(src, run)
+    # (Where the holder's class is not known, neither is asked.)
+    path = run.captures[-1][0]
+    holder = run.holders.get(path)
+    dead = _dead_store(src, run, path, holder) if holder is not None else None
     if dead is not None:
         return SGLangFact(arch, short, False, owner, rule, via, why=dead)
     final_boundary = captures_final_boundary(src, [ref] + [c for _, c in chain] + [chain[-1][0]])
-    branch = _branch_capture(src, run)
+    branch = _branch_capture(src, holder) if holder is not None else None
     if branch is not None:
         return SGLangFact(arch, short, False, owner, rule, via, branch, final_boundary)
     fact = SGLangFact(arch, short, True, owner, rule, via, final_boundary=final_boundary)
@@ -848,28 +846,25 @@ _VLLM_TABLES_SKIPPED = (
 )
 
 
-def vllm_registry(src: Source) -> tuple[dict, dict]:
-    """(targets, speculative) architecture -> ClassRef-or-None from registry.py's
-    literal tables (``"Arch": ("module", "Class")``); modules without a dot are
-    under ``vllm.model_executor.models``."""
+def _vllm_tables(src: Source) -> dict[str, dict]:
+    """registry.py's literal tables in file order: ``{table: {arch: ClassRef, or
+    (module, class) where the class is not found}}`` from ``"Arch": ("module",
+    "Class")`` entries; modules without a dot are under ``vllm.model_executor.models``."""
     mod = src.module(f"{VLLM_MODELS}.registry")
-    targets, spec = {}, {}
+    tables = {}
     for node in mod.tree.body:
         target = (
             node.targets[0]
             if isinstance(node, ast.Assign)
             else (node.target if isinstance(node, ast.AnnAssign) else None)
         )
-        if (
-            not (
-                isinstance(target, ast.Name)
-                and isinstance(node.value, ast.Dict)
-                and target.id.endswith("_MODELS")
-            )
-            or target.id in _VLLM_TABLES_SKIPPED
+        if not (
+            isinstance(target, ast.Name)
+            and isinstance(node.value, ast.Dict)
+            and target.id.endswith("_MODELS")
         ):
             continue
-        into = spec if target.id == "_SPECULATIVE_DECODING_MODELS" else targets
+        table = tables.setdefault(target.id, {})
         for k, v in zip(node.value.keys, node.value.values):
             if not (
                 isinstance(k, ast.Constant)
@@ -880,7 +875,17 @@ def vllm_registry(src: Source) -> tuple[dict, dict]:
                 continue
             module, cls = v.elts[0].value, v.elts[1].value
             module = module if "." in module else f"{VLLM_MODELS}.{module}"
-            into[k.value] = src.resolve(module, cls) or (module, cls)
+            table[k.value] = src.resolve(module, cls) or (module, cls)
+    return tables
+
+
+def vllm_registry(src: Source) -> tuple[dict, dict]:
+    """(targets, speculative) architecture -> ClassRef-or-(module, class) from
+    registry.py's tables, those of _VLLM_TABLES_SKIPPED left out."""
+    targets, spec = {}, {}
+    for name, table in _vllm_tables(src).items():
+        if name not in _VLLM_TABLES_SKIPPED:
+            (spec if name == "_SPECULATIVE_DECODING_MODELS" else targets).update(table)
     return targets, spec
 
 
@@ -940,21 +945,8 @@ def vllm_transformers_backend(src: Source) -> Optional[dict]:
     (``_TRANSFORMERS_BACKEND_MODELS["TransformersForCausalLM"]``): what serves an
     architecture vLLM registers no class of its own for. None where the table or the
     entry is absent."""
-    mod = src.module(f"{VLLM_MODELS}.registry")
-    for node in mod.tree.body:
-        if not (
-            isinstance(node, ast.Assign)
-            and isinstance(node.targets[0], ast.Name)
-            and node.targets[0].id == "_TRANSFORMERS_BACKEND_MODELS"
-            and isinstance(node.value, ast.Dict)
-        ):
-            continue
-        for k, v in zip(node.value.keys, node.value.values):
-            if isinstance(k, ast.Constant) and k.value == "TransformersForCausalLM":
-                module, cls = (e.value for e in v.elts[:2])
-                module = module if "." in module else f"{VLLM_MODELS}.{module}"
-                return vllm_fact(src, src.resolve(module, cls) or (module, cls))
-    return None
+    ref = _vllm_tables(src).get("_TRANSFORMERS_BACKEND_MODELS", {}).get("TransformersForCausalLM")
+    return vllm_fact(src, ref) if ref is not None else None
 
 
 def read_vllm(wheel: str) -> dict:

@@ -1164,6 +1164,13 @@ def test_a_loop_that_captures_the_final_boundary(tmp_path, capsys):
     assert code == 0 and "captures [2, 13, 26]: OK" in out, out
     code, out = said["Gemma3ForCausalLM", "0.5.23"]
     assert code == 1 and "captures a layer's branch output, not the residual stream" in out, out
+    # Read in the code, and measured running it (data/capture_tensors.json): --explain
+    # says both.
+    code, out, _ = _doctor(
+        capsys, *base, "0.5.23", "--target-architecture", "Gemma3ForCausalLM", explain=True
+    )
+    assert "(measured in 0.5.23's own model code against transformers' hidden_states: " in out
+    assert "the draft receives the pre-residual output)" in " ".join(out.split()), out
     code, out = said["LlamaForCausalLM", "0.5.23"]
     assert code == 1 and "captures [2, 13, 26]: PROBLEM (FAILS at the first forward" in out, out
 
@@ -1172,7 +1179,8 @@ def test_a_line_measured_to_capture_another_tensor(tmp_path, capsys, monkeypatch
     """Right ids, wrong tensor: a line whose capture was measured (its model code on CPU
     against transformers' hidden_states, data/capture_tensors.json) to hold another tensor
     than the residual stream is a PROBLEM that names the tensor and says no id fixes it;
-    --write-config refuses. Every line measured so far captures the residual stream."""
+    --write-config refuses. (Measured so: Gemma 3 from SGLang 0.5.18, which the engine facts
+    already call CANNOT CAPTURE; here a Llama line is made to say it.)"""
     from eagle_capture.layer_ids import tensors
 
     path = _specforge(tmp_path, [1, 23, 44])

@@ -1073,6 +1073,13 @@ def target_cannot_capture(
     elif fact.get("why"):
         short = f"{fact['class']}: {fact['why'].split(':')[0]}"
         why = f"{where}: the target's class {fact['class']} {fact['why']}"
+        held = {r: tensors.measured(engine, r, architecture) for r in cannot}
+        held = {r: t for r, t in held.items() if t and t != tensors.RESIDUAL}
+        if held:  # read in the code and measured running it: say both
+            why += (
+                f" (measured in {', '.join(held)}'s own model code against transformers' "
+                f"hidden_states: the draft receives the {sorted(set(held.values()))[0]})"
+            )
     else:
         short = f"{fact['class']} has no set_eagle3_layers_to_capture"
         why = (

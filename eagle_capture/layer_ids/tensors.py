@@ -16,6 +16,8 @@ from typing import Optional
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "capture_tensors.json")
 RESIDUAL = "residual stream"
+# A layer's branch output before it is added to the stream (the MLP's, or the norm after it).
+PRE_RESIDUAL = "pre-residual output"
 
 
 @functools.lru_cache(maxsize=None)

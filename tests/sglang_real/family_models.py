@@ -24,6 +24,10 @@ FAMILIES = {
     "gpt_oss": ("gpt_oss", "GptOssForCausalLM", "GptOssConfig"),
     "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig"),
     "minimax_m2": ("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMaxM2Config"),
+    # Gemma 3's text model: a scaled embedding and four norms a layer; from 0.5.18 its
+    # layers hand the residual add to the next layer's norm (hf_tensor.py measures what
+    # that does to the capture).
+    "gemma3": ("gemma3_causal", "Gemma3ForCausalLM", "Gemma3TextConfig"),
 }
 
 # The decoder layer's feed-forward attribute where it is not ``mlp``.
@@ -83,6 +87,9 @@ def tiny_config(family: str, num_layers: int, hidden_size: int, vocab_size: int 
             use_qk_norm=False,
             partial_rotary_factor=0.5,
         ),
+        # Gemma 3's checkpoints scale the global layers' rope linearly (27B: factor 8),
+        # which 0.5.13's class reads.
+        "gemma3": dict(rope_scaling={"rope_type": "linear", "factor": 8.0}),
         "minimax_m2": dict(
             num_local_experts=4,
             num_experts_per_tok=2,

@@ -785,10 +785,18 @@ def make_config(
     return tiny_deepseek_v3_config(num_layers, hidden_size, vocab_size, first_k_dense_replace)
 
 
+# Gemma's norms scale by (1 + weight) and are not RMSNorm subclasses.
+GEMMA_NORMS = ("GemmaRMSNorm", "Gemma3RMSNorm")
+
+
 def _norms(model):
     from sglang.srt.layers.layernorm import RMSNorm
 
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, RMSNorm)]
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, RMSNorm) or type(m).__name__ in GEMMA_NORMS
+    ]
 
 
 # Model classes the harness builds (SGLang's own; the text model inside is

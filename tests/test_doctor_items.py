@@ -1145,8 +1145,9 @@ def test_a_loop_that_captures_the_final_boundary(tmp_path, capsys):
     """SpecForge ids ending at the last layer's output (output convention: [1, 12, 25] of
     26 layers -> capture layers [2, 13, 26]). Gemma 3's SGLang loop captures after its last
     layer (the engine facts): OK on 0.5.13 - 0.5.17; from 0.5.18 its loop captures each
-    layer's branch output, not the residual stream: CANNOT CAPTURE. Llama's does not
-    capture layer 26: it never happens and SGLang's first forward fails."""
+    layer's branch output, not the residual stream: CANNOT CAPTURE. Gemma 4's multimodal
+    class hands the ids to its text model, whose loop captures layer 26 too: OK. Llama's
+    does not capture layer 26: it never happens and SGLang's first forward fails."""
     path = _specforge(tmp_path, [1, 12, 25])
     base = ["--draft-config", path, "--num-layers", 26, "--engine", "sglang"]
     base += ["--id-convention", "output", "--sglang-version"]
@@ -1158,8 +1159,14 @@ def test_a_loop_that_captures_the_final_boundary(tmp_path, capsys):
             ("Gemma3ForCausalLM", "0.5.13"),
             ("Gemma3ForCausalLM", "0.5.23"),
             ("LlamaForCausalLM", "0.5.23"),
+            # Gemma 4's multimodal class: the ids go to its text model in another module
+            ("Gemma4ForConditionalGeneration", "0.5.13"),
+            ("Gemma4ForConditionalGeneration", "0.5.23"),
         )
     }
+    for version in ("0.5.13", "0.5.23"):
+        code, out = said["Gemma4ForConditionalGeneration", version]
+        assert code == 0 and "captures [2, 13, 26]: OK" in out, out
     code, out = said["Gemma3ForCausalLM", "0.5.13"]
     assert code == 0 and "captures [2, 13, 26]: OK" in out, out
     code, out = said["Gemma3ForCausalLM", "0.5.23"]

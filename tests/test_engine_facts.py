@@ -263,16 +263,19 @@ def test_sglang_ids_handed_to_a_model_that_never_reads_them_capture_nothing():
     assert engine_facts.target("sglang", "0.5.20", "Qwen3NextForCausalLM")["capture"] is True
 
 
-def _toy_sglang(tmp_path, source: str) -> dict:
-    """The reader's target facts for a wheel whose one model file is ``source``."""
+def _toy_sglang(tmp_path, source) -> dict:
+    """The reader's target facts for a wheel whose one model file is ``source`` (or
+    whose model files are ``source``: {module: source})."""
     import zipfile
 
     from eagle_capture.layer_ids.engine_read import read_sglang
 
+    files = source if isinstance(source, dict) else {"toy": source}
     wheel = tmp_path / "sglang-0.0.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr("sglang/srt/models/__init__.py", "")
-        z.writestr("sglang/srt/models/toy.py", source)
+        for module, text in files.items():
+            z.writestr(f"sglang/srt/models/{module}.py", text)
     return read_sglang(str(wheel))["targets"]
 
 
@@ -393,6 +396,51 @@ def test_gemma3_captures_the_branch_from_0_5_18():
             fact = engine_facts.target("sglang", version, arch)
             assert fact["capture"] is False and "gemma3_causal.py" in fact["why"], fact
             assert fact["final_boundary"] is True  # the loop's, as read
+
+
+_TEXT_MODEL_FINAL = """
+class TextModel:
+    def __init__(self, config):
+        self.layers_to_capture = []
+
+    def forward(self, hidden_states):
+        aux = []
+        num_layers = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            if i in self.layers_to_capture:
+                aux.append(hidden_states)
+            hidden_states = layer(hidden_states)
+        {after}
+        return hidden_states, aux
+"""
+
+
+@pytest.mark.parametrize(
+    "after, boundary",
+    [
+        ("if num_layers in self.layers_to_capture: aux.append(hidden_states)", True),
+        ("pass", False),
+    ],
+)
+def test_the_final_boundary_of_a_text_model_in_another_module(tmp_path, after, boundary):
+    """A multimodal class that stores the ids on a text model defined in another module
+    (SGLang's gemma4_mm.py -> gemma4_causal.py), with no delegation to a method of it: the
+    final-boundary capture is the text model's loop's, read there."""
+    wrapper = "from sglang.srt.models.causal import TextModel\n" + _WRAPPER.format(body=_STORE)
+    files = {"mm": wrapper, "causal": _TEXT_MODEL_FINAL.format(after=after)}
+    fact = _toy_sglang(tmp_path, files)["Wrapper"]
+    assert fact["capture"] is True and fact["rule"] == "+1", fact
+    assert fact.get("final_boundary", False) is boundary, fact
+
+
+def test_gemma4_multimodal_captures_the_final_boundary():
+    """SGLang 0.5.13+'s Gemma4ForConditionalGeneration stores the ids (+1) on its
+    language_model, a gemma4_causal.py Gemma4TextModel whose loop captures after its last
+    layer (``if num_layers in self.layers_to_capture``): capture layer n is captured."""
+    for version in ("0.5.13", "0.5.18", "0.5.20", "0.5.22", "0.5.23"):
+        for arch in ("Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration"):
+            fact = engine_facts.target("sglang", version, arch)
+            assert fact["capture"] is True and fact["final_boundary"] is True, (version, fact)
 
 
 def test_sglang_classes_without_the_method_cannot_capture():

@@ -778,7 +778,11 @@ def sglang_fact(src: Source, arch: str, ref: ClassRef) -> SGLangFact:
     dead = _dead_store(src, run, path, holder) if holder is not None else None
     if dead is not None:
         return SGLangFact(arch, short, False, owner, rule, via, why=dead)
-    final_boundary = captures_final_boundary(src, [ref] + [c for _, c in chain] + [chain[-1][0]])
+    # The loop is the holder's (the object given the ids: Gemma 4's multimodal class
+    # hands them to its text model, in another module, without a delegation chain).
+    final_boundary = captures_final_boundary(
+        src, [ref] + [c for _, c in chain] + [chain[-1][0]] + ([holder] if holder else [])
+    )
     branch = _branch_capture(src, holder) if holder is not None else None
     if branch is not None:
         return SGLangFact(arch, short, False, owner, rule, via, branch, final_boundary)

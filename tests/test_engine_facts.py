@@ -556,3 +556,42 @@ def test_wheel_source_parse_gives_up_on_a_lasting_error(monkeypatch):
     with pytest.raises(SystemError, match="always"):
         engine_read.parse_source(SENTINEL_SOURCE)
     assert len(calls) == engine_read.AST_TRIES
+
+
+@pytest.mark.parametrize(
+    "read, found",
+    [
+        ("if self.draft_runner.model.hot_token_id is not None: pass", True),
+        ("x = self.draft_model_runner.model.hot_token_id", True),  # 0.5.9's v1 worker
+        ('if getattr(self.draft_runner.model, "hot_token_id", None) is None: pass', False),
+        ("x = self.target_worker.model.hot_token_id", False),
+    ],
+)
+def test_what_the_eagle3_worker_reads_of_the_draft(tmp_path, read, found):
+    """SGLang's EAGLE-3 worker reads the draft model's hot_token_id with no fallback; a
+    getattr with a default, or another model's attribute, is not such a read."""
+    import zipfile
+
+    from eagle_capture.layer_ids.engine_read import sglang_eagle3_draft_attribute
+
+    wheel = tmp_path / "sglang-0.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(
+            "sglang/srt/speculative/eagle_worker_v2.py",
+            f"class EAGLEWorker:\n    def init_lm_head(self):\n        {read}\n",
+        )
+    got = sglang_eagle3_draft_attribute(str(wheel))
+    if found:
+        assert got == {"attribute": "hot_token_id", "where": "speculative/eagle_worker_v2.py:3"}
+    else:
+        assert got is None
+
+
+def test_every_sglang_eagle3_worker_needs_hot_token_id():
+    """Read in each wheel: the worker's unguarded read of the draft's hot_token_id, which
+    only SGLang's EAGLE-3 draft classes set (llama_eagle3, kimi_k25_eagle3): a draft named
+    as a target model (LlamaForCausalLM) fails there."""
+    for version in engine_facts.SGLANG_RELEASES:
+        needs = engine_facts.eagle3_draft_attribute(version)
+        assert needs["attribute"] == "hot_token_id", (version, needs)
+        assert needs["where"].startswith("speculative/eagle_worker"), needs

@@ -218,6 +218,21 @@ def test_capture_holds_the_residual_stream(version, family, engine_jobs):
     assert tensors.measured("sglang", version, arch) == result["tensor"]
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_draft_named_as_the_target_has_no_hot_token_id(version, engine_jobs):
+    """SGLang builds its target Llama for a draft whose architectures says
+    LlamaForCausalLM (the original EAGLE-3 checkpoints), and that model has no
+    hot_token_id -- which the line's EAGLE-3 worker reads (engine facts): the doctor's
+    CANNOT LOAD for such drafts rests on both."""
+    from eagle_capture.layer_ids import engine_facts
+
+    result = engine_jobs.result(f"sglang {version} scenarios").get("family_draft_named_as_target")
+    assert result is not None and result["ok"], result
+    assert result["class"] == "sglang.srt.models.llama.LlamaForCausalLM", result
+    assert result["hot_token_id"] is False, result
+    assert engine_facts.eagle3_draft_attribute(version)["attribute"] == "hot_token_id"
+
+
 def test_gpu_scenarios_dry_run(engine_jobs):
     """The H200 script's scenarios (tests/sglang_real/gpu_scenarios.py, run on the GPU by
     tools/gpu/gpu_sglang_real.sh) kept runnable: the same checks on CPU at H = 64 through

@@ -259,31 +259,35 @@ def test_specforge_history_without_the_target_architecture(capsys, tmp_path):
 
 def test_safeailab_and_unrecognised_configs(tmp_path, capsys):
     """SafeAILab EAGLE: no ids, layers hard-coded = the engines' defaults: OK with no
-    --accept-defaults. An unrecognised config whose ids are the input-convention
-    default is ambiguous; other ids are read in the output convention, said as
-    assumed."""
+    --accept-defaults on vLLM (which loads LlamaForCausalLM as Eagle3LlamaForCausalLM);
+    SGLang builds its target Llama for that name, which has no hot_token_id: CANNOT
+    LOAD, with the architecture to write. An unrecognised config whose ids are the
+    input-convention default is ambiguous; other ids are read in the output convention,
+    said as assumed."""
     path = tmp_path / "safeailab.json"
-    path.write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "num_hidden_layers": 1,
-                "draft_vocab_size": 32000,
-                "hidden_size": 4096,
-            }
-        )
-    )
-    code, out, _ = _doctor(
-        capsys,
-        "--draft-config",
-        path,
-        "--num-layers",
-        32,
-        "--target-architecture",
-        "LlamaForCausalLM",
-    )
-    assert code == 0, out
+
+    def draft(architecture):
+        one_layer = {"num_hidden_layers": 1, "draft_vocab_size": 32000, "hidden_size": 4096}
+        path.write_text(json.dumps({"architectures": [architecture], **one_layer}))
+
+    args = ["--draft-config", path, "--num-layers", 32]
+    draft("LlamaForCausalLM")
+    code, out, _ = _doctor(capsys, *args, "--target-architecture", "LlamaForCausalLM")
+    assert code == 1 and "summary: SGLang: CANNOT LOAD; vLLM: OK (exit 1)" in out, out
     assert "SafeAILab EAGLE" in out and "hard-coded" in out
+    assert "aux_hidden_state_layers = [2, 16, 29] -> OK" in out
+    assert (
+        "its EAGLE-3 worker reads the draft's hot_token_id at start-up "
+        "(speculative/eagle_worker_v2.py:366 in 0.5.23)" in " ".join(out.split())
+    ), out
+    assert "Fix: set the draft config's architectures to LlamaForCausalLMEagle3" in " ".join(
+        out.split()
+    )
+    code, out, _ = _doctor(capsys, *args, "--engine", "vllm")
+    assert code == 0, out
+    draft("LlamaForCausalLMEagle3")  # SGLang's own draft format, the same weights: loads
+    code, out, _ = _doctor(capsys, *args, "--engine", "sglang", "--accept-defaults")
+    assert "CANNOT LOAD" not in out, out
     unknown = tmp_path / "unknown.json"
     unknown.write_text(
         json.dumps(

@@ -825,15 +825,55 @@ def _cannot_capture(v: LineVerdict, cannot: Optional["CannotCapture"]) -> LineVe
     return replace(v, ok=False, lines=[cannot.text] + v.lines, brief=cannot.short)
 
 
+def _sglang_loads_as_target(arch: str, line=None) -> Optional[str]:
+    """Why SGLang cannot serve an EAGLE-3 draft written in the original EAGLE format,
+    its architecture the target's (``LlamaForCausalLM``: vLLM loads it as
+    ``Eagle3LlamaForCausalLM``), or None. SGLang has no such renaming: it builds the
+    model class it registers for the name, and its EAGLE-3 worker then reads the
+    draft's ``hot_token_id`` (engine facts: ``eagle3_draft_attribute``), which only its
+    EAGLE-3 draft classes set."""
+    releases = _sglang_releases(line, None) if line is not None else engine_facts.releases("sglang")
+    drafts = {a for r in releases for a in engine_facts.load()["sglang"][r]["eagle3_drafts"]}
+    # An EAGLE-3 draft architecture in the original format: vLLM registers Eagle3 + it.
+    if arch in drafts or f"Eagle3{arch}" not in draft_architectures():
+        return None
+    hits = [
+        (r, needs)
+        for r in releases
+        if engine_facts.target("sglang", r, arch) is not None
+        and (needs := engine_facts.eagle3_draft_attribute(r)) is not None
+    ]
+    if not hits:
+        return None
+    release, needs = hits[-1]
+    fix = (
+        "set the draft config's architectures to LlamaForCausalLMEagle3 (SGLang's EAGLE-3 "
+        "Llama draft, the same weights)"
+        if arch == "LlamaForCausalLM"
+        else f"export the draft as one of SGLang's EAGLE-3 draft classes ({', '.join(sorted(drafts))})"
+    )
+    return (
+        f"SGLang cannot load this draft, {arch} being a target model's name, not one of its "
+        f"EAGLE-3 drafts ({', '.join(sorted(drafts))}): SGLang builds the model it registers "
+        f"for {arch}, and its EAGLE-3 worker reads the draft's {needs['attribute']} at "
+        f"start-up ({needs['where']} in {release}), which only its EAGLE-3 draft classes set "
+        f"(AttributeError). Fix: {fix}; vLLM loads {arch} as its Eagle3{arch}"
+    )
+
+
 def cannot_load(engine: str, draft: Optional[DraftIds], line=None) -> Optional[str]:
     """Why ``engine`` (its release ``line``, where the registry changed) cannot load
     the draft (its class is not registered there: the engine facts), or None."""
     if draft is None or not draft.architecture:
         return None
     arch = draft.architecture
+    if engine == "sglang":
+        as_target = _sglang_loads_as_target(arch, line)
+        if as_target is not None:
+            return as_target
     # Judged: the EAGLE-3 draft formats some release read registers, and EAGLE-3 names
-    # that no release of either engine registers at all. (Other names are not judged:
-    # SGLang rewrites some draft architectures before it looks them up.)
+    # that no release of either engine registers at all. (Other names are not judged,
+    # beyond SGLang's target classes above.)
     unknown = "eagle3" in arch.lower() and not engine_facts.registered_anywhere(arch)
     if not (arch in draft_architectures() or unknown):
         return None

@@ -13,7 +13,10 @@
   (vLLM also lists ``speculative``: every architecture of its speculative-decoding
   table);
 * SGLang's ``capture_only``: whether the release has the capture-only mode
-  (``--enable-return-aux-hidden-states``, a server-argument field).
+  (``--enable-return-aux-hidden-states``, a server-argument field);
+* SGLang's ``eagle3_draft_attribute``: what its EAGLE-3 worker reads of the draft
+  model with no fallback (``hot_token_id``, with file:line): a draft architecture
+  that resolves to a target model class, not one of ``eagle3_drafts``, fails there.
 
 Regenerate after a new engine release (and review the diff)::
 
@@ -107,6 +110,12 @@ def capture_only_releases() -> list[str]:
     return [v for v in releases("sglang") if load()["sglang"][v].get("capture_only")]
 
 
+def eagle3_draft_attribute(release: str) -> Optional[dict]:
+    """What SGLang ``release``'s EAGLE-3 worker reads of the draft model with no
+    fallback (``{"attribute", "where"}``), as read; None where nothing was found."""
+    return load()["sglang"][release].get("eagle3_draft_attribute")
+
+
 def transformers_backend(release: str) -> Optional[dict]:
     """vLLM ``release``'s Transformers modeling backend (what serves an architecture it
     registers no class of its own for), as read; None where it was not."""
@@ -177,6 +186,9 @@ def dumps(facts: dict) -> str:
                 lines.append(f'      "speculative": {json.dumps(rel["speculative"])},')
             if "capture_only" in rel:
                 lines.append(f'      "capture_only": {json.dumps(rel["capture_only"])},')
+            if "eagle3_draft_attribute" in rel:
+                needs = json.dumps(rel["eagle3_draft_attribute"])
+                lines.append(f'      "eagle3_draft_attribute": {needs},')
             if "transformers_backend" in rel:
                 backend = json.dumps(rel["transformers_backend"])
                 lines.append(f'      "transformers_backend": {backend},')
@@ -208,6 +220,11 @@ def drift(generated: dict, committed: dict) -> list[str]:
                 out.append(
                     f"{engine} {version} capture_only: {c.get('capture_only')} -> "
                     f"{g.get('capture_only')}"
+                )
+            if g.get("eagle3_draft_attribute") != c.get("eagle3_draft_attribute"):
+                out.append(
+                    f"{engine} {version} eagle3_draft_attribute: "
+                    f"{c.get('eagle3_draft_attribute')} -> {g.get('eagle3_draft_attribute')}"
                 )
             if g.get("transformers_backend") != c.get("transformers_backend"):
                 out.append(

@@ -816,6 +816,43 @@ def sglang_capture_only(wheel: str) -> bool:
     return False
 
 
+def _draft_model_reads(node: ast.AST) -> Optional[str]:
+    """``X`` when ``node`` is a plain load of ``<...>.draft_runner.model.X``."""
+    if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)):
+        return None
+    model = node.value
+    if (
+        isinstance(model, ast.Attribute)
+        and model.attr == "model"
+        and isinstance(model.value, ast.Attribute)
+        and model.value.attr in ("draft_runner", "draft_model_runner")
+    ):
+        return node.attr
+    return None
+
+
+def sglang_eagle3_draft_attribute(wheel: str) -> Optional[dict]:
+    """What SGLang's EAGLE-3 worker reads of the draft model without a fallback: the
+    first ``self.draft_(model_)runner.model.hot_token_id`` attribute load (not a ``getattr``
+    with a default) in ``sglang/srt/speculative/``. A draft class without it -- a target
+    model class named as the draft's architecture -- fails the worker's start-up with
+    AttributeError. ``{"attribute", "where"}``, or None where no such read is found."""
+    with zipfile.ZipFile(wheel) as z:
+        names = sorted(
+            n for n in z.namelist() if n.startswith("sglang/srt/speculative/") and n.endswith(".py")
+        )
+        for name in names:
+            try:
+                tree = ast.parse(z.read(name).decode("utf-8-sig", errors="replace"))
+            except SyntaxError:
+                continue
+            for node in ast.walk(tree):
+                if _draft_model_reads(node) == "hot_token_id":
+                    where = f"{name.removeprefix('sglang/srt/')}:{node.lineno}"
+                    return {"attribute": "hot_token_id", "where": where}
+    return None
+
+
 def read_sglang(wheel: str) -> dict:
     src = Source(wheel, ("sglang/srt/models/",))
     registry = sglang_registry(src)
@@ -830,6 +867,7 @@ def read_sglang(wheel: str) -> dict:
         "eagle3_drafts": drafts,
         "registered": len(registry),
         "capture_only": sglang_capture_only(wheel),
+        "eagle3_draft_attribute": sglang_eagle3_draft_attribute(wheel),
         "targets": targets,
     }
 

@@ -208,7 +208,24 @@ def refusals():
     return out
 
 
+def draft_named_as_target() -> dict:
+    """An EAGLE-3 draft in the original format names the target's architecture
+    (``LlamaForCausalLM``): what SGLang's registry builds for that name, and whether it
+    has the ``hot_token_id`` SGLang's EAGLE-3 worker reads of every draft (the engine
+    facts' ``eagle3_draft_attribute``)."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    cls, _ = ModelRegistry.resolve_model_cls(["LlamaForCausalLM"])
+    model = family_models.build("llama", num_layers=1, set_capture=False)
+    assert type(model) is cls, (type(model), cls)
+    return {
+        "class": f"{cls.__module__}.{cls.__name__}",
+        "hot_token_id": hasattr(model, "hot_token_id"),
+    }
+
+
 SCENARIOS = {
+    "draft_named_as_target": draft_named_as_target,
     "final_boundary": final_boundary,
     "switch_back": switch_back,
     "fp8_input_quant": fp8_input_quant,

@@ -1271,3 +1271,57 @@ def test_vllm_without_a_class_of_its_own_says_its_transformers_backend_serves_it
     assert (
         "as FooBarForCausalLM (no engine registers the name: check it)" in said["FooBarForCausalLM"]
     )
+
+
+def _speculators(tmp_path, ids, model_type="llama", **layer):
+    """A speculators-format draft (its layout: the ids at the top level, the draft's
+    layer in transformer_layer_config), as speculators' issue 1065 posted one."""
+    path = tmp_path / f"speculators_{model_type}_{len(ids)}.json"
+    path.write_text(
+        json.dumps(
+            {
+                "architectures": ["Eagle3DraftModel"],
+                "speculators_model_type": "eagle3",
+                "speculators_version": "0.8.0.dev0",
+                "speculators_config": {"algorithm": "eagle3"},
+                "eagle_aux_hidden_state_layer_ids": ids,
+                "transformer_layer_config": {
+                    "model_type": model_type,
+                    "hidden_size": 4096,
+                    **layer,
+                },
+            }
+        )
+    )
+    return path
+
+
+def test_vllm_cannot_load_a_draft_whose_fc_it_sizes_otherwise(tmp_path, capsys):
+    """A speculators Llama draft trained on 4 states (ids at the top level): vLLM's
+    Eagle3LlamaForCausalLM sizes its fc from num_aux_hidden_states, else eagle_config's
+    ids, else 3 (read in each wheel), so the checkpoint's fc does not load: CANNOT LOAD,
+    fix the count in transformer_layer_config. It said OK (exit 0). With the count, or
+    as a Qwen3 draft (whose class reads the top-level ids), it loads."""
+    base = ["--num-layers", 94, "--target-architecture", "Qwen3MoeForCausalLM"]
+    base += ["--engine", "vllm"]
+    path = _speculators(tmp_path, [2, 46, 91, 93])
+    code, out, _ = _doctor(capsys, "--draft-config", path, *base)
+    assert code == 1 and "summary: vLLM: CANNOT LOAD (exit 1)" in out, out
+    assert (
+        "vLLM cannot load this draft, its fc trained on 4 hidden states ([2, 46, 91, 93]) "
+        "and vLLM's Eagle3LlamaForCausalLM sized for 3: models/llama_eagle3.py:216 (0.34.0) "
+        "takes the count from num_aux_hidden_states, else "
+        "eagle_config.eagle_aux_hidden_state_layer_ids, else 3" in out
+    ), out
+    assert 'Fix: add "num_aux_hidden_states": 4 to transformer_layer_config' in out
+    # The header says the ids vLLM reads even where the draft does not load.
+    assert "vLLM reads the top-level eagle_aux_hidden_state_layer_ids: [2, 46, 91, 93]" in out
+    for fixed in (
+        _speculators(tmp_path, [2, 46, 91, 93], num_aux_hidden_states=4),
+        _speculators(tmp_path, [2, 46, 91, 93], model_type="qwen3"),
+    ):
+        code, out, _ = _doctor(capsys, "--draft-config", fixed, *base)
+        assert code == 0 and "CANNOT LOAD" not in out, out
+    # SGLang's format with 4 ids in eagle_config: vLLM's class reads them.
+    code, out, _ = _doctor(capsys, "--draft-config", _specforge(tmp_path, [1, 45, 90, 92]), *base)
+    assert "CANNOT LOAD" not in out, out

@@ -595,3 +595,86 @@ def test_every_sglang_eagle3_worker_needs_hot_token_id():
         needs = engine_facts.eagle3_draft_attribute(version)
         assert needs["attribute"] == "hot_token_id", (version, needs)
         assert needs["where"].startswith("speculative/eagle_worker"), needs
+
+
+_VLLM_DRAFT = """
+class Model:
+    def __init__(self, config):
+        self.config = config
+        eagle_config = getattr(self.config, "eagle_config", None) or {}
+        self.norm_before_fc = eagle_config.get("norm_before_fc", False)
+        {body}
+        self.fc_input_size = 64 * self.num_aux
+
+
+class Eagle3ToyForCausalLM:
+    def __init__(self, config):
+        self.model = Model(config)
+"""
+
+
+@pytest.mark.parametrize(
+    "body, reads",
+    [
+        # vLLM's Llama / DeepSeek drafts: the count, else eagle_config's ids, else 3
+        (
+            'self.num_aux = getattr(self.config, "num_aux_hidden_states", None)\n'
+            "        if self.num_aux is None:\n"
+            '            layer_ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")\n'
+            "            self.num_aux = len(layer_ids) if layer_ids else 3",
+            ["num_aux_hidden_states", "eagle_config.eagle_aux_hidden_state_layer_ids"],
+        ),
+        # Qwen3's: the top-level ids too, before eagle_config's
+        (
+            'ids = getattr(self.config, "eagle_aux_hidden_state_layer_ids", None) or '
+            'eagle_config.get("eagle_aux_hidden_state_layer_ids")\n'
+            "        self.num_aux = len(ids) if ids else 3",
+            ["eagle_aux_hidden_state_layer_ids", "eagle_config.eagle_aux_hidden_state_layer_ids"],
+        ),
+    ],
+)
+def test_how_a_vllm_draft_class_sizes_its_fc(tmp_path, body, reads):
+    """The keys read into the count (not the norm flags read beside them), in order, and
+    the default; file:line of the default."""
+    import zipfile
+
+    from eagle_capture.layer_ids.engine_read import read_vllm
+
+    wheel = tmp_path / "vllm-0.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("vllm/model_executor/models/__init__.py", "")
+        z.writestr(
+            "vllm/model_executor/models/registry.py",
+            '_SPECULATIVE_DECODING_MODELS = {"Eagle3ToyForCausalLM": '
+            '("toy_eagle3", "Eagle3ToyForCausalLM")}\n',
+        )
+        z.writestr("vllm/model_executor/models/toy_eagle3.py", _VLLM_DRAFT.replace("{body}", body))
+    fc = read_vllm(str(wheel))["eagle3_draft_fc"]["toy_eagle3.Eagle3ToyForCausalLM"]
+    assert fc["reads"] == reads and fc["default"] == 3, fc
+    assert fc["where"].startswith("toy_eagle3.py:"), fc
+
+
+def test_vllm_draft_fc_width_per_release():
+    """Read in each vLLM wheel: Llama's and DeepSeek's EAGLE-3 drafts size the fc from
+    num_aux_hidden_states, else eagle_config's ids, never the top-level ids (where
+    speculators' format puts them); Qwen3's reads those too. speculators' drafts get
+    Eagle3LlamaForCausalLM (model_type llama, the default) or Eagle3Qwen3ForCausalLM."""
+    nested_only = ["num_aux_hidden_states", "eagle_config.eagle_aux_hidden_state_layer_ids"]
+    for release in engine_facts.VLLM_RELEASES:
+        facts = engine_facts.load()["vllm"][release]["eagle3_draft_fc"]
+        assert facts["llama_eagle3.Eagle3LlamaForCausalLM"]["reads"] == nested_only
+        assert facts["deepseek_eagle3.Eagle3DeepseekV2ForCausalLM"]["reads"] == nested_only
+        assert (
+            "eagle_aux_hidden_state_layer_ids"
+            in (facts["qwen3_eagle3.Eagle3Qwen3ForCausalLM"]["reads"])
+        )
+        assert engine_facts.vllm_speculators_eagle3(release) == {
+            "archs": {"qwen3": "Eagle3Qwen3ForCausalLM", "llama": "Eagle3LlamaForCausalLM"},
+            "model_type_default": "llama",
+        }
+        width = engine_facts.vllm_draft_fc(
+            release,
+            "Eagle3LlamaForCausalLM",
+            {"eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4]}.get,
+        )
+        assert width[0] == 3, width  # the top-level ids are not read

@@ -68,6 +68,7 @@ LINE_SCENARIOS = (
     "id_check",
     "norm_provider",
     "runner_install",
+    "draft_fc_width",
 )
 
 pytestmark = pytest.mark.skipif(
@@ -521,6 +522,31 @@ def test_doctor_vllm_rule_is_vllms(results):
     for case in r["captured"]:
         assert case["matches"], case  # id k: the input of layer k
     assert r["default_vllm"] == r["default_doctor"] == [2, 4, 5]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_draft_fc_width_is_vllms(engine_jobs, version):
+    """The width vLLM's own EAGLE-3 draft class gives its fc (built from each config as
+    vLLM parses it, speculators' format included) is the doctor's: a speculators Llama
+    draft with 4 top-level ids gets an fc for 3 (CANNOT LOAD, the fix its count in
+    transformer_layer_config, which then gives 4); Qwen3's class reads the top-level ids;
+    the MLA draft eagle_config's."""
+    r = _result(_line_results(engine_jobs, "vllm scenarios", version), "draft_fc_width")
+    widths = {name: case["vllm_width"] for name, case in r.items() if name != "release"}
+    assert widths == {
+        "speculators_llama_4": 3,
+        "speculators_llama_3": 3,
+        "speculators_llama_4_counted": 4,
+        "speculators_qwen3_4": 4,
+        "nested_4": 4,
+    }, r
+    for name, case in r.items():
+        if name == "release":
+            continue
+        wrong = case["vllm_width"] != case["trained"]
+        assert (case["doctor_cannot_load"] is not None) is wrong, (name, case)
+    fix = r["speculators_llama_4"]["doctor_cannot_load"]
+    assert '"num_aux_hidden_states": 4 to transformer_layer_config' in fix, fix
 
 
 def test_doctor_vllm_rule_is_every_models_loop(results):

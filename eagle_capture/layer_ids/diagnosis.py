@@ -652,8 +652,8 @@ def diagnose(
             (
                 by_reading[0][0],
                 [
-                    LineVerdict(line, [], False, [text], status="CANNOT LOAD")
-                    for line, text in zip(lines, cannot_on)
+                    LineVerdict(line, [], False, [text], ids=lids, status="CANNOT LOAD")
+                    for line, text, lids in zip(lines, cannot_on, line_ids)
                 ],
             )
         ]
@@ -673,7 +673,9 @@ def diagnose(
             (
                 reading,
                 [
-                    LineVerdict(v.line, [], False, [text], status="CANNOT LOAD") if text else v
+                    LineVerdict(v.line, [], False, [text], ids=v.ids, status="CANNOT LOAD")
+                    if text
+                    else v
                     for v, text in zip(vs, cannot_on)
                 ],
             )
@@ -819,6 +821,7 @@ def _cannot_capture(v: LineVerdict, cannot: Optional["CannotCapture"]) -> LineVe
             False,
             [cannot.text] + (v.lines if v.status else []),
             fix=cannot.remedy,
+            ids=v.ids,
             status="CANNOT CAPTURE",
             brief=cannot.short,
         )
@@ -932,6 +935,72 @@ def cannot_load(engine: str, draft: Optional[DraftIds], line=None) -> Optional[s
                 else " Serve it with SGLang if it registers it, or convert it to a vLLM format "
                 "(speculators' converter)"
             )
+        )
+    if engine == "vllm":
+        return _vllm_fc_mismatch(draft, releases)
+    return None
+
+
+def _vllm_fc_mismatch(draft: DraftIds, releases) -> Optional[str]:
+    """Why vLLM cannot load a draft whose fc was trained on another number of hidden
+    states than its EAGLE-3 class sizes the fc for (engine facts: ``eagle3_draft_fc``,
+    read per release), or None. The draft's fc takes as many states as it has ids
+    (none: the three defaults); a speculators-format draft's config as vLLM sees it is
+    its transformer_layer_config plus the top-level ids (``speculators_eagle3``)."""
+    trained = draft.trained
+    if not trained:
+        return None
+    raw = draft.raw
+    for release in reversed(releases):
+        speculators = engine_facts.vllm_speculators_eagle3(release)
+        if "speculators_config" in raw and isinstance(raw.get("transformer_layer_config"), dict):
+            if speculators is None:
+                continue
+            view = dict(raw["transformer_layer_config"])
+            if raw.get("eagle_aux_hidden_state_layer_ids"):
+                view["eagle_aux_hidden_state_layer_ids"] = raw["eagle_aux_hidden_state_layer_ids"]
+            model_type = view.get("model_type", speculators["model_type_default"])
+            loaded = speculators["archs"].get(model_type)
+            where = "transformer_layer_config, which vLLM builds the draft's config from"
+        else:
+            view, where = raw, "the draft config"
+            arch = draft.architecture or ""
+            loaded = (
+                arch if arch.startswith("Eagle3") or arch.endswith("Eagle3") else f"Eagle3{arch}"
+            )
+
+        def read(key, view=view):
+            if key.startswith("eagle_config."):
+                nested = view.get("eagle_config")
+                return nested.get(key.split(".", 1)[1]) if isinstance(nested, dict) else None
+            return view.get(key)
+
+        sized = engine_facts.vllm_draft_fc(release, loaded or "", read)
+        if sized is None:
+            continue
+        width, cls, rule = sized
+        if width == len(trained):
+            return None
+        count_key = next(
+            (
+                k
+                for k in ("num_aux_hidden_states", *rule["reads"])
+                if k in rule["reads"] and not k.endswith("_ids")
+            ),
+            None,
+        )
+        fix = (
+            f'add "{count_key}": {len(trained)} to {where}'
+            if count_key and "." not in count_key
+            else f"write the ids where {cls} reads them"
+        )
+        reads = ", else ".join(rule["reads"])
+        return (
+            f"vLLM cannot load this draft, its fc trained on {len(trained)} hidden states "
+            f"({trained}) and vLLM's {loaded} sized for {width}: "
+            f"models/{rule['where']} ({release}) takes the count from {reads}, else "
+            f"{rule['default']}, and the checkpoint's fc weight does not fit (a shape "
+            f"assertion while loading). Fix: {fix}"
         )
     return None
 

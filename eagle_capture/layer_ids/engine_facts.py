@@ -16,7 +16,11 @@
   (``--enable-return-aux-hidden-states``, a server-argument field);
 * SGLang's ``eagle3_draft_attribute``: what its EAGLE-3 worker reads of the draft
   model with no fallback (``hot_token_id``, with file:line): a draft architecture
-  that resolves to a target model class, not one of ``eagle3_drafts``, fails there.
+  that resolves to a target model class, not one of ``eagle3_drafts``, fails there;
+* vLLM's ``eagle3_draft_fc``: per EAGLE-3 draft class, the config keys its fc's width
+  (how many hidden states it takes) is read from, in order, and the default; and
+  ``speculators_eagle3``: the class it builds for a speculators-format draft, per model
+  type (``transformer_layer_config``, the draft's config as vLLM sees it).
 
 Regenerate after a new engine release (and review the diff)::
 
@@ -116,6 +120,37 @@ def eagle3_draft_attribute(release: str) -> Optional[dict]:
     return load()["sglang"][release].get("eagle3_draft_attribute")
 
 
+def vllm_fc_width(release: str, cls: str) -> Optional[dict]:
+    """How vLLM ``release``'s EAGLE-3 draft class ``cls`` ("module.Class") sizes its fc
+    (``{"reads", "default", "where"}``), as read; None where not."""
+    return (load()["vllm"][release].get("eagle3_draft_fc") or {}).get(cls)
+
+
+def vllm_draft_fc(release: str, architecture: str, read) -> Optional[tuple[int, str, dict]]:
+    """How many hidden states vLLM ``release``'s EAGLE-3 class for the draft architecture
+    ``architecture`` (as vLLM names it: ``Eagle3LlamaForCausalLM``) sizes its fc for, given
+    ``read(key)`` -> the draft config's value for a key of the class's rule
+    ("eagle_config.K" for the nested dict; None where absent): ``(width, class, rule)``,
+    or None where the class or its rule was not read."""
+    cls = load()["vllm"][release]["eagle3_drafts"].get(architecture)
+    rule = vllm_fc_width(release, cls) if cls else None
+    if rule is None:
+        return None
+    for key in rule["reads"]:
+        value = read(key)
+        if key.endswith("_ids") and value:  # ``len(ids) if ids else N``
+            return len(value), cls, rule
+        if not key.endswith("_ids") and value is not None:  # a count, where given
+            return int(value), cls, rule
+    return rule["default"], cls, rule
+
+
+def vllm_speculators_eagle3(release: str) -> Optional[dict]:
+    """vLLM ``release``'s classes for speculators-format EAGLE-3 drafts, per model type
+    (``{"archs", "model_type_default"}``), as read."""
+    return load()["vllm"][release].get("speculators_eagle3")
+
+
 def transformers_backend(release: str) -> Optional[dict]:
     """vLLM ``release``'s Transformers modeling backend (what serves an architecture it
     registers no class of its own for), as read; None where it was not."""
@@ -189,6 +224,9 @@ def dumps(facts: dict) -> str:
             if "eagle3_draft_attribute" in rel:
                 needs = json.dumps(rel["eagle3_draft_attribute"])
                 lines.append(f'      "eagle3_draft_attribute": {needs},')
+            for key in ("eagle3_draft_fc", "speculators_eagle3"):
+                if key in rel:
+                    lines.append(f"      {json.dumps(key)}: {json.dumps(rel[key])},")
             if "transformers_backend" in rel:
                 backend = json.dumps(rel["transformers_backend"])
                 lines.append(f'      "transformers_backend": {backend},')
@@ -221,11 +259,9 @@ def drift(generated: dict, committed: dict) -> list[str]:
                     f"{engine} {version} capture_only: {c.get('capture_only')} -> "
                     f"{g.get('capture_only')}"
                 )
-            if g.get("eagle3_draft_attribute") != c.get("eagle3_draft_attribute"):
-                out.append(
-                    f"{engine} {version} eagle3_draft_attribute: "
-                    f"{c.get('eagle3_draft_attribute')} -> {g.get('eagle3_draft_attribute')}"
-                )
+            for key in ("eagle3_draft_attribute", "eagle3_draft_fc", "speculators_eagle3"):
+                if g.get(key) != c.get(key):
+                    out.append(f"{engine} {version} {key}: {c.get(key)} -> {g.get(key)}")
             if g.get("transformers_backend") != c.get("transformers_backend"):
                 out.append(
                     f"{engine} {version} transformers_backend: "

@@ -991,6 +991,154 @@ def vllm_transformers_backend(src: Source) -> Optional[dict]:
     return vllm_fact(src, ref) if ref is not None else None
 
 
+def _config_key(node: ast.AST, nested: set) -> Optional[str]:
+    """The draft-config key a node reads: ``getattr(self.config, "K", ...)`` -> "K";
+    ``<eagle_config>.get("K")`` (a name bound to the nested dict) -> "eagle_config.K"."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    f = node.func
+    if (
+        isinstance(f, ast.Name)
+        and f.id == "getattr"
+        and len(node.args) >= 2
+        and isinstance(node.args[0], ast.Attribute)
+        and node.args[0].attr == "config"
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
+        return node.args[1].value
+    if (
+        isinstance(f, ast.Attribute)
+        and f.attr == "get"
+        and isinstance(f.value, ast.Name)
+        and f.value.id in nested
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ):
+        return f"eagle_config.{node.args[0].value}"
+    return None
+
+
+def _target_name(node: ast.AST) -> Optional[str]:
+    """``x`` of ``x = ...`` or ``self.x = ...``."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def vllm_fc_width(src: Source, ref: ClassRef) -> Optional[dict]:
+    """How vLLM's EAGLE-3 draft class ``ref`` sizes its fc (the hidden states it takes,
+    concatenated), read in its module: the function that ends in ``len(ids) if ids else
+    N``; the draft-config keys it reads before that, in order (a count, or a list of ids
+    whose length counts), and N. ``{"reads": [...], "default": N, "where": "file:line"}``,
+    or None where no such rule is found. A checkpoint whose fc was trained on another
+    count does not load (the weight's shape)."""
+    mod = src.module(ref.module)
+    if mod is None:
+        return None
+    for fn in ast.walk(mod.tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        default = next(
+            (
+                n
+                for n in ast.walk(fn)
+                if isinstance(n, ast.IfExp)
+                and isinstance(n.body, ast.Call)
+                and isinstance(n.body.func, ast.Name)
+                and n.body.func.id == "len"
+                and isinstance(n.orelse, ast.Constant)
+                and isinstance(n.orelse.value, int)
+            ),
+            None,
+        )
+        if default is None:
+            continue
+        nested = {"eagle_config"}
+        for n in ast.walk(fn):  # eagle_config = getattr(self.config, "eagle_config", ...) or {}
+            if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name):
+                if any(_config_key(c, set()) == "eagle_config" for c in ast.walk(n.value)):
+                    nested.add(n.targets[0].id)
+        # The count's variable, and the ids it is the length of: what feeds them.
+        feeds = {
+            _target_name(n.targets[0])
+            for n in ast.walk(fn)
+            if isinstance(n, ast.Assign) and n.value is default
+        }
+        feeds |= {n.id for n in ast.walk(default) if isinstance(n, ast.Name)} - {"len"}
+        reads = []
+        assigns = sorted(
+            (
+                n
+                for n in ast.walk(fn)
+                if isinstance(n, ast.Assign)
+                and _target_name(n.targets[0]) in feeds
+                and n.lineno <= default.lineno
+            ),
+            key=lambda n: n.lineno,
+        )
+        for assign in assigns:
+            calls = sorted(
+                (c for c in ast.walk(assign.value) if isinstance(c, ast.Call)),
+                key=lambda c: (c.lineno, c.col_offset),
+            )
+            for call in calls:
+                key = _config_key(call, nested)
+                if key and key != "eagle_config" and key not in reads:
+                    reads.append(key)
+        if not reads:
+            continue
+        path = mod.path.split("/models/", 1)[-1]
+        return {
+            "reads": reads,
+            "default": default.orelse.value,
+            "where": f"{path}:{default.lineno}",
+        }
+    return None
+
+
+SPECULATORS_ALGOS = "vllm/transformers_utils/configs/speculators/algos.py"
+
+
+def vllm_speculators_eagle3(wheel: str) -> Optional[dict]:
+    """The class vLLM builds for a speculators-format EAGLE-3 draft, per its
+    transformer_layer_config's model_type: ``update_eagle3``'s literal
+    ``eagle3_arch_map`` (and the model_type assumed when there is none). The draft's
+    config as vLLM sees it is that transformer_layer_config, plus the top-level ids
+    ``update_eagle3`` copies in. None where not found."""
+    with zipfile.ZipFile(wheel) as z:
+        if SPECULATORS_ALGOS not in z.namelist():
+            return None
+        tree = ast.parse(z.read(SPECULATORS_ALGOS).decode("utf-8-sig", errors="replace"))
+    for fn in ast.walk(tree):
+        if not (isinstance(fn, ast.FunctionDef) and fn.name == "update_eagle3"):
+            continue
+        archs, assumed = None, None
+        for n in ast.walk(fn):
+            if (
+                isinstance(n, ast.Assign)
+                and isinstance(n.targets[0], ast.Name)
+                and n.targets[0].id == "eagle3_arch_map"
+                and isinstance(n.value, ast.Dict)
+            ):
+                archs = {k.value: v.value for k, v in zip(n.value.keys, n.value.values)}
+            if (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr == "get"
+                and len(n.args) == 2
+                and isinstance(n.args[0], ast.Constant)
+                and n.args[0].value == "model_type"
+                and isinstance(n.args[1], ast.Constant)
+            ):
+                assumed = n.args[1].value
+        if archs:
+            return {"archs": archs, "model_type_default": assumed}
+    return None
+
+
 def read_vllm(wheel: str) -> dict:
     src = Source(wheel, ("vllm/model_executor/models/", "vllm/models/"))
     targets, spec = vllm_registry(src)
@@ -999,9 +1147,17 @@ def read_vllm(wheel: str) -> dict:
         for a, ref in sorted(spec.items())
         if isinstance(ref, ClassRef) and ref.name.startswith("Eagle3")
     }
+    fc = {}
+    for ref in spec.values():
+        if isinstance(ref, ClassRef) and ref.name.startswith("Eagle3"):
+            width = vllm_fc_width(src, ref)
+            if width is not None:
+                fc[ref.short(VLLM_MODELS)] = width
     return {
         "wheel": wheel.rsplit("/", 1)[-1],
         "eagle3_drafts": drafts,
+        "eagle3_draft_fc": dict(sorted(fc.items())),
+        "speculators_eagle3": vllm_speculators_eagle3(wheel),
         "registered": len(targets) + len(spec),
         "speculative": sorted(spec),
         "transformers_backend": vllm_transformers_backend(src),

@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -476,6 +477,91 @@ def tp2(rank: int, init_method: str):
     }
 
 
+def _speculators_draft(folder: str, ids, model_type: str = "llama", **layer) -> str:
+    """A speculators-format EAGLE-3 draft config (speculators' layout: the ids at the top
+    level, the draft's own layer in transformer_layer_config)."""
+    os.makedirs(folder, exist_ok=True)
+    config = {
+        "architectures": ["Eagle3DraftModel"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.8.0",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 2}],
+            "verifier": {"architectures": ["DeepseekV3ForCausalLM"], "name_or_path": "target"},
+        },
+        "draft_vocab_size": h.VOCAB,
+        "eagle_aux_hidden_state_layer_ids": list(ids),
+        "transformer_layer_config": {
+            "model_type": model_type,
+            "vocab_size": h.VOCAB,
+            "hidden_size": h.HIDDEN,
+            "intermediate_size": 2 * h.HIDDEN,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "head_dim": h.HIDDEN // 4,
+            "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-6,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+            **layer,
+        },
+    }
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+def draft_fc_width():
+    """How many hidden states vLLM's own EAGLE-3 draft class sizes its fc for, against the
+    doctor's engine facts (``eagle3_draft_fc``, ``speculators_eagle3``): each draft config
+    parsed by vLLM's engine config (its speculators converter included), the class its
+    registry resolves built in vLLM's config context, the fc's input width read off the
+    built module; the doctor's verdict on the same file."""
+    from vllm import ModelRegistry
+    from vllm.config import set_current_vllm_config
+
+    from eagle_capture.layer_ids import engine_facts
+    from eagle_capture.layer_ids.diagnosis import _vllm_fc_mismatch
+    from eagle_capture.layer_ids.lines import read_draft_ids
+
+    numbers = re.match(r"(\d+)\.(\d+)\.(\d+)", vllm.__version__).groups()
+    release = engine_facts.read_release("vllm", tuple(map(int, numbers)))
+    cases = {
+        "speculators_llama_4": _speculators_draft(os.path.join(WORK, "spec4"), [1, 3, 5, 7]),
+        "speculators_llama_3": _speculators_draft(os.path.join(WORK, "spec3"), [1, 4, 7]),
+        "speculators_llama_4_counted": _speculators_draft(
+            os.path.join(WORK, "spec4n"), [1, 3, 5, 7], num_aux_hidden_states=4
+        ),
+        "speculators_qwen3_4": _speculators_draft(
+            os.path.join(WORK, "spec4q"), [1, 3, 5, 7], model_type="qwen3"
+        ),
+        "nested_4": h.write_draft_config(os.path.join(WORK, "nested4"), ids=[1, 3, 5, 7]),
+    }
+    out = {"release": release}
+    for name, folder in cases.items():
+        vc, _ = _setup(draft=folder)
+        hf = vc.speculative_config.draft_model_config.hf_config
+        cls, arch = ModelRegistry.resolve_model_cls(
+            hf.architectures, vc.speculative_config.draft_model_config
+        )
+        with set_current_vllm_config(vc), torch.device("cpu"):
+            model = cls(vllm_config=vc, prefix="")
+        fc = next(m for n, m in model.named_modules() if n.endswith("fc"))
+        with open(os.path.join(folder, "config.json")) as f:
+            raw = json.load(f)
+        draft = read_draft_ids(raw)
+        out[name] = {
+            "architecture": arch,
+            "vllm_width": fc.weight.shape[1] // h.HIDDEN,
+            "trained": len(draft.trained),
+            "doctor_cannot_load": _vllm_fc_mismatch(draft, [release]),
+        }
+    return out
+
+
 def doctor_rules():
     """The doctor's vLLM rule (eagle_capture.layer_ids.lines.VLLMLine) against
     vLLM's own code: the ids vLLM's model runner reads from a draft config
@@ -856,6 +942,7 @@ SCENARIOS = {
         model_rules,
         norm_provider,
         runner_install,
+        draft_fc_width,
     )
 }
 

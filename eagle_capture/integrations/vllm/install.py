@@ -24,6 +24,7 @@ device the kernels do not run on.
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import torch
@@ -97,14 +98,39 @@ def _nested_ids(draft) -> Optional[list]:
     return eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
 
 
+def _draft_fc_width(draft) -> int:
+    """How many hidden states vLLM's EAGLE-3 class for ``draft`` sizes its fc for: the
+    class's own rule, read from this vLLM's wheel (engine facts ``eagle3_draft_fc``:
+    Llama's and DeepSeek's drafts take ``num_aux_hidden_states``, else eagle_config's ids'
+    count, else 3; Qwen3's also the top-level ids); where this release or class was not
+    read, Llama's rule."""
+    import vllm
+
+    from eagle_capture.layer_ids import engine_facts
+
+    def read(key):
+        if key.startswith("eagle_config."):
+            nested = getattr(draft, "eagle_config", None)
+            return nested.get(key.split(".", 1)[1]) if isinstance(nested, dict) else None
+        return getattr(draft, key, None)
+
+    # "0.32.0+cpu", "0.34.0rc2.dev5": the release numbers
+    version = re.match(r"(\d+)\.(\d+)\.(\d+)", vllm.__version__)
+    release = version and engine_facts.read_release("vllm", tuple(map(int, version.groups())))
+    archs = getattr(draft, "architectures", None) or [""]
+    sized = engine_facts.vllm_draft_fc(release, archs[0], read) if release else None
+    if sized is not None:
+        return sized[0]
+    ids = _nested_ids(draft)
+    return getattr(draft, "num_aux_hidden_states", None) or (len(ids) if ids else 3)
+
+
 def draft_width_problem(vllm_config, num_captures: int, hidden_size: int) -> Optional[str]:
-    """The draft's fc input (vLLM's Eagle3 drafts: ``num_aux_hidden_states``, else
-    the eagle_config ids' count, else 3) vs what the target captures."""
+    """The draft's fc input (:func:`_draft_fc_width`) vs what the target captures."""
     draft = _draft_hf_config(vllm_config)
     if draft is None:
         return None
-    ids = _nested_ids(draft)
-    expected = getattr(draft, "num_aux_hidden_states", None) or (len(ids) if ids else 3)
+    expected = _draft_fc_width(draft)
     target_hidden = getattr(draft, "target_hidden_size", None) or hidden_size
     if expected != num_captures or target_hidden != hidden_size:
         return (

@@ -409,3 +409,48 @@ def test_a_misspelt_key_is_named_as_ignored(tmp_path, capsys):
         and "a misspelling?" in out
     )
     assert code == 1  # no ids the engines read: their defaults, unverified
+
+
+def test_a_reading_that_names_a_missing_layer_is_dropped(tmp_path, capsys):
+    """Ids ending at the layer count ([24, 30, 36] of GPT-OSS-120B's 36 layers, NVIDIA's
+    published Eagle3-v3 head): as output-convention ids they would name capture layer 37,
+    past the last layer's output; only the input reading (36: the final boundary) names
+    layers that exist. An unrecognised config is read so (not ASSUMED output), a Model
+    Optimizer one is no longer AMBIGUOUS; SGLang 0.5.18+'s GPT-OSS keeps such ids as given:
+    OK there."""
+    from eagle_capture.layer_ids.lines import read_draft_ids
+
+    path = tmp_path / "draft.json"
+    modelopt = {"norm_before_fc": True, "next_layer_regular": True, "use_aux_hidden_state": True}
+    for extra, trainer in (({"norm_before_fc": True}, ""), (modelopt, "NVIDIA Model Optimizer")):
+        eagle = {"eagle_aux_hidden_state_layer_ids": [24, 30, 36], **extra}
+        path.write_text(
+            json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": eagle})
+        )
+        p = recognise(read_draft_ids(path), 36, "GptOssForCausalLM")
+        assert p.trainer == trainer, p
+        assert [r.expected for r in p.readings] == [(24, 30, 36)], p
+        assert any("it would name capture layer(s) [37], past the output" in n for n in p.notes)
+    assert p.decided_by == "markers"
+    code, out, _ = _doctor(
+        capsys,
+        "--draft-config",
+        path,
+        "--num-layers",
+        36,
+        "--target-architecture",
+        "GptOssForCausalLM",
+        "--engine",
+        "sglang",
+        "--sglang-version",
+        "0.5.23",
+    )
+    assert code == 0 and "layers_to_capture = [24, 30, 36] -> OK" in out, out
+    # Past the layer count whichever way they are read: the assumed reading stays, and
+    # the verdict says the layers do not exist.
+    eagle = {"eagle_aux_hidden_state_layer_ids": [2, 40, 50], "norm_before_fc": True}
+    path.write_text(
+        json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": eagle})
+    )
+    p = recognise(read_draft_ids(path), 36, "GptOssForCausalLM")
+    assert p.decided_by == "assumed" and [r.expected for r in p.readings] == [(3, 41, 51)], p

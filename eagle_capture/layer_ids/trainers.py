@@ -123,7 +123,9 @@ class Provenance:
     field: str  # where they are
     readings: tuple[Reading, ...]  # one: decided; more: ambiguous
     notes: tuple[str, ...] = field(default_factory=tuple)
-    decided_by: str = "markers"  # "markers" | "--id-convention" | "assumed"
+    # "markers" | "--id-convention" | "assumed" | "layer count" (the other reading
+    # names layers the target does not have)
+    decided_by: str = "markers"
 
     @property
     def ambiguous(self) -> bool:
@@ -154,9 +156,11 @@ class Provenance:
                 else f"capture layers {list(r.expected)} (outputs of layers "
                 f"{[c - 1 for c in r.expected]})"
             )
-            by = {"--id-convention": " (as --id-convention says)", "assumed": " (ASSUMED)"}.get(
-                self.decided_by, ""
-            )
+            by = {
+                "--id-convention": " (as --id-convention says)",
+                "assumed": " (ASSUMED)",
+                "layer count": " (the only reading that names existing layers)",
+            }.get(self.decided_by, "")
             how = f"read as {r.label}{by}: trained on {layers}" + (f"; {r.why}" if r.why else "")
         return f"trainer: {who}; {ids}; {how}"
 
@@ -174,9 +178,11 @@ class Provenance:
         elif self.ambiguous:
             trained = "trained on capture layers " + " or ".join(layers) + ": AMBIGUOUS"
         else:
-            by = {"--id-convention": ", as --id-convention says", "assumed": ", ASSUMED"}.get(
-                self.decided_by, ""
-            )
+            by = {
+                "--id-convention": ", as --id-convention says",
+                "assumed": ", ASSUMED",
+                "layer count": ", the only reading that names existing layers",
+            }.get(self.decided_by, "")
             trained = f"trained on capture layers {layers[0][:-1]}{by})"
         return f"trainer: {who}; {ids}; {trained}"
 
@@ -452,18 +458,44 @@ def recognise(
     else:
         if ids is not None and sorted(ids) == in_default(num_layers):
             readings = (_out(ids), _in(ids, "the input-convention default"))
+        elif ids is not None and max(ids) == num_layers:
+            # id num_layers names the last layer's output only as an input-convention
+            # id (the final boundary); as an output one it names a layer that is not there.
+            readings = (_out(ids), _in(ids))
         else:
             readings = (_out(ids),)
+        readings, dropped = _existing(readings, num_layers)
         return Provenance(
             "",
             "",
             ids,
             where,
             readings,
-            tuple(notes),
-            "markers" if len(readings) > 1 else "assumed",
+            tuple(notes + dropped),
+            "markers" if len(readings) > 1 else "layer count" if dropped else "assumed",
         )
-    return Provenance(trainer, evidence, ids, where, readings, tuple(notes))
+    readings, dropped = _existing(readings, num_layers)
+    return Provenance(trainer, evidence, ids, where, readings, tuple(notes + dropped))
+
+
+def _existing(readings, num_layers: int) -> tuple[tuple[Reading, ...], list[str]]:
+    """The readings whose capture layers all exist in a target of ``num_layers`` layers
+    (capture layer c = the input of layer c; c = num_layers: the last layer's output),
+    and a note for each one dropped; all of them where none is left (the ids are then
+    wrong whichever way they are read, which the verdict says)."""
+    kept = tuple(
+        r for r in readings if r.expected is None or max(r.expected, default=0) <= num_layers
+    )
+    if not kept or len(kept) == len(readings):
+        return tuple(readings), []
+    notes = [
+        f"not read as the {r.label.split(' (')[0]}: it would name capture layer(s) "
+        f"{[c for c in r.expected if c > num_layers]}, past the output of the last of "
+        f"{num_layers} layers"
+        for r in readings
+        if r not in kept
+    ]
+    return kept, notes
 
 
 def recorded_capture_layers(config: dict, source: str = "the draft config") -> Optional[list[int]]:

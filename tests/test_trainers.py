@@ -432,19 +432,9 @@ def test_a_reading_that_names_a_missing_layer_is_dropped(tmp_path, capsys):
         assert [r.expected for r in p.readings] == [(24, 30, 36)], p
         assert any("it would name capture layer(s) [37], past the output" in n for n in p.notes)
     assert p.decided_by == "markers"
-    code, out, _ = _doctor(
-        capsys,
-        "--draft-config",
-        path,
-        "--num-layers",
-        36,
-        "--target-architecture",
-        "GptOssForCausalLM",
-        "--engine",
-        "sglang",
-        "--sglang-version",
-        "0.5.23",
-    )
+    target = ["--num-layers", 36, "--target-architecture", "GptOssForCausalLM"]
+    line = ["--engine", "sglang", "--sglang-version", "0.5.23"]
+    code, out, _ = _doctor(capsys, "--draft-config", path, *target, *line)
     assert code == 0 and "layers_to_capture = [24, 30, 36] -> OK" in out, out
     # Past the layer count whichever way they are read: the assumed reading stays, and
     # the verdict says the layers do not exist.

@@ -1325,3 +1325,25 @@ def test_vllm_cannot_load_a_draft_whose_fc_it_sizes_otherwise(tmp_path, capsys):
     # SGLang's format with 4 ids in eagle_config: vLLM's class reads them.
     code, out, _ = _doctor(capsys, "--draft-config", _specforge(tmp_path, [1, 45, 90, 92]), *base)
     assert "CANNOT LOAD" not in out, out
+
+
+def test_longcat_flash_counts_its_layers_in_num_layers(tmp_path, capsys):
+    """LongCat-Flash's config names num_layers (28) and no num_hidden_layers; both engines
+    read num_layers (the engine facts). The doctor read only num_hidden_layers and refused
+    the config (exit 2). SpecForge's LongCat template (no ids, trained through SGLang's
+    defaults) is then OK on SGLang: [2, 14, 25]."""
+    draft = os.path.join(
+        os.path.dirname(__file__),
+        "data",
+        "published_configs",
+        "specforge_longcat_flash.config.json",
+    )
+    fields = {"architectures": ["LongcatFlashForCausalLM"], "hidden_size": 6144, "num_layers": 28}
+    for model_type in ({"model_type": "longcat_flash"}, {}):  # its own copy names none
+        target = tmp_path / "target.json"
+        target.write_text(json.dumps({**fields, **model_type}))
+        code, out, _ = _doctor(
+            capsys, "--draft-config", draft, "--target-config", target, "--engine", "sglang"
+        )
+        assert code == 0 and "(LongcatFlashForCausalLM, 28 layers, hidden size 6144)" in out, out
+        assert "layers_to_capture = [2, 14, 25] -> OK" in out, out

@@ -678,3 +678,17 @@ def test_vllm_draft_fc_width_per_release():
             {"eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4]}.get,
         )
         assert width[0] == 3, width  # the top-level ids are not read
+
+
+def test_where_vllm_reads_a_models_layer_count():
+    """Read in each vLLM wheel (model_arch_config_convertor.py): LongCat-Flash's layer count
+    is its num_layers (its num_hidden_layers counts two sublayers a layer), also for a
+    config that names no model type (config.py's _ARCHITECTURE_TO_MODEL_TYPE); other
+    targets' is num_hidden_layers."""
+    for release in engine_facts.VLLM_RELEASES:
+        read = engine_facts.load()["vllm"][release]["layer_count"]
+        assert read["fields"]["longcat_flash"] == "num_layers", read
+        assert read["model_types"]["LongcatFlashForCausalLM"] == "longcat_flash", read
+    assert engine_facts.layer_count_field("longcat_flash") == "num_layers"
+    assert engine_facts.layer_count_field(None, "LongcatFlashForCausalLM") == "num_layers"
+    assert engine_facts.layer_count_field("llama", "LlamaForCausalLM") is None

@@ -20,7 +20,9 @@
 * vLLM's ``eagle3_draft_fc``: per EAGLE-3 draft class, the config keys its fc's width
   (how many hidden states it takes) is read from, in order, and the default; and
   ``speculators_eagle3``: the class it builds for a speculators-format draft, per model
-  type (``transformer_layer_config``, the draft's config as vLLM sees it).
+  type (``transformer_layer_config``, the draft's config as vLLM sees it); and
+  ``layer_count``: the config field a model type's layer count is read from where it is
+  not ``num_hidden_layers`` (LongCat-Flash: ``num_layers``).
 
 Regenerate after a new engine release (and review the diff)::
 
@@ -145,6 +147,15 @@ def vllm_draft_fc(release: str, architecture: str, read) -> Optional[tuple[int, 
     return rule["default"], cls, rule
 
 
+def layer_count_field(model_type: Optional[str], architecture: str = "") -> Optional[str]:
+    """The config field the newest vLLM read takes a model's layer count from where it is
+    not ``num_hidden_layers`` (LongCat-Flash: ``num_layers``), by ``model_type``, else
+    by the architecture of a config that names no model type; None: num_hidden_layers."""
+    read = (load()["vllm"][releases("vllm")[-1]].get("layer_count")) or {}
+    model_type = model_type or read.get("model_types", {}).get(architecture)
+    return read.get("fields", {}).get(model_type) if model_type else None
+
+
 def vllm_speculators_eagle3(release: str) -> Optional[dict]:
     """vLLM ``release``'s classes for speculators-format EAGLE-3 drafts, per model type
     (``{"archs", "model_type_default"}``), as read."""
@@ -224,7 +235,7 @@ def dumps(facts: dict) -> str:
             if "eagle3_draft_attribute" in rel:
                 needs = json.dumps(rel["eagle3_draft_attribute"])
                 lines.append(f'      "eagle3_draft_attribute": {needs},')
-            for key in ("eagle3_draft_fc", "speculators_eagle3"):
+            for key in ("eagle3_draft_fc", "speculators_eagle3", "layer_count"):
                 if key in rel:
                     lines.append(f"      {json.dumps(key)}: {json.dumps(rel[key])},")
             if "transformers_backend" in rel:
@@ -259,7 +270,12 @@ def drift(generated: dict, committed: dict) -> list[str]:
                     f"{engine} {version} capture_only: {c.get('capture_only')} -> "
                     f"{g.get('capture_only')}"
                 )
-            for key in ("eagle3_draft_attribute", "eagle3_draft_fc", "speculators_eagle3"):
+            for key in (
+                "eagle3_draft_attribute",
+                "eagle3_draft_fc",
+                "speculators_eagle3",
+                "layer_count",
+            ):
                 if g.get(key) != c.get(key):
                     out.append(f"{engine} {version} {key}: {c.get(key)} -> {g.get(key)}")
             if g.get("transformers_backend") != c.get("transformers_backend"):

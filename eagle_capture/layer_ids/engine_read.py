@@ -1139,6 +1139,87 @@ def vllm_speculators_eagle3(wheel: str) -> Optional[dict]:
     return None
 
 
+CONVERTORS = "vllm/transformers_utils/model_arch_config_convertor.py"
+VLLM_CONFIG = "vllm/transformers_utils/config.py"
+
+
+def _text_config_field(fn: ast.FunctionDef) -> Optional[str]:
+    """``X`` where ``fn`` returns ``self.hf_text_config.X`` or
+    ``getattr(self.hf_text_config, "X", ...)``."""
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.Return) or node.value is None:
+            continue
+        v = node.value
+        if (
+            isinstance(v, ast.Attribute)
+            and isinstance(v.value, ast.Attribute)
+            and v.value.attr == "hf_text_config"
+        ):
+            return v.attr
+        if (
+            isinstance(v, ast.Call)
+            and isinstance(v.func, ast.Name)
+            and v.func.id == "getattr"
+            and len(v.args) >= 2
+            and isinstance(v.args[0], ast.Attribute)
+            and v.args[0].attr == "hf_text_config"
+            and isinstance(v.args[1], ast.Constant)
+        ):
+            return v.args[1].value
+    return None
+
+
+def vllm_layer_count(wheel: str) -> Optional[dict]:
+    """Where vLLM reads a model's layer count from when it is not ``num_hidden_layers``:
+    ``{"fields": {model_type: field}}`` from model_arch_config_convertor.py's
+    MODEL_ARCH_CONFIG_CONVERTORS (the classes whose ``get_num_hidden_layers`` returns
+    another field of the text config: LongCat-Flash's ``num_layers``, whose
+    ``num_hidden_layers`` counts two sublayers a layer), and ``{"model_types":
+    {architecture: model_type}}`` for configs that carry none (config.py's
+    _ARCHITECTURE_TO_MODEL_TYPE). None where the file is not there."""
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        if CONVERTORS not in names:
+            return None
+        tree = ast.parse(z.read(CONVERTORS).decode("utf-8-sig", errors="replace"))
+        config = (
+            ast.parse(z.read(VLLM_CONFIG).decode("utf-8-sig", errors="replace"))
+            if VLLM_CONFIG in names
+            else None
+        )
+    field_of = {}
+    for cls in tree.body:
+        if isinstance(cls, ast.ClassDef):
+            for fn in cls.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == "get_num_hidden_layers":
+                    field = _text_config_field(fn)
+                    if field and field != "num_hidden_layers":
+                        field_of[cls.name] = field
+    fields = {}
+    for node in tree.body:
+        if (
+            isinstance(node, (ast.Assign, ast.AnnAssign))
+            and isinstance(node.value, ast.Dict)
+            and "CONVERTORS"
+            in ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
+        ):
+            for k, v in zip(node.value.keys, node.value.values):
+                if isinstance(k, ast.Constant) and isinstance(v, ast.Name) and v.id in field_of:
+                    fields[k.value] = field_of[v.id]
+    model_types = {}
+    for node in config.body if config is not None else []:
+        if (
+            isinstance(node, (ast.Assign, ast.AnnAssign))
+            and isinstance(node.value, ast.Dict)
+            and "_ARCHITECTURE_TO_MODEL_TYPE"
+            in ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
+        ):
+            for k, v in zip(node.value.keys, node.value.values):
+                if isinstance(k, ast.Constant) and isinstance(v, ast.Constant):
+                    model_types[k.value] = v.value
+    return {"fields": dict(sorted(fields.items())), "model_types": model_types}
+
+
 def read_vllm(wheel: str) -> dict:
     src = Source(wheel, ("vllm/model_executor/models/", "vllm/models/"))
     targets, spec = vllm_registry(src)
@@ -1158,6 +1239,7 @@ def read_vllm(wheel: str) -> dict:
         "eagle3_drafts": drafts,
         "eagle3_draft_fc": dict(sorted(fc.items())),
         "speculators_eagle3": vllm_speculators_eagle3(wheel),
+        "layer_count": vllm_layer_count(wheel),
         "registered": len(targets) + len(spec),
         "speculative": sorted(spec),
         "transformers_backend": vllm_transformers_backend(src),

@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Sequence, Union
 
+from eagle_capture.layer_ids import engine_facts
+
 # The wheels whose code the rules were read from and run against.
 NEWEST_READ = (0, 5, 23)
 OLDEST_READ = (0, 5, 9)
@@ -436,9 +438,15 @@ def read_target(config: Union[dict, str, os.PathLike]) -> TargetModel:
     loaded, source = load_config(config, "target config")
     arch = _architecture(loaded)
     text = loaded.get("text_config") if isinstance(loaded.get("text_config"), dict) else loaded
-    layers = text.get("num_hidden_layers")
+    # Where the engines read the layer count for this model (the engine facts: LongCat-
+    # Flash's num_layers, its num_hidden_layers, where present, counting two per layer).
+    field = "num_hidden_layers"
+    other = engine_facts.layer_count_field(text.get("model_type") or loaded.get("model_type"), arch)
+    if other is not None and other in text:
+        field = other
+    layers = text.get(field)
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 4:
-        where = "text_config.num_hidden_layers" if text is not loaded else "num_hidden_layers"
+        where = f"text_config.{field}" if text is not loaded else field
         raise CapturePlanError(
             f"{source}: {where} must be an integer >= 4, got {layers!r}"
             + (

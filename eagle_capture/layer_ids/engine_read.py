@@ -1169,6 +1169,19 @@ def _text_config_field(fn: ast.FunctionDef) -> Optional[str]:
     return None
 
 
+def _module_dict(tree: ast.Module, name: str) -> list:
+    """The (key, value) nodes of the dict literal a module assigns to ``name``."""
+    for node in tree.body:
+        target = (
+            node.targets[0]
+            if isinstance(node, ast.Assign)
+            else (node.target if isinstance(node, ast.AnnAssign) else None)
+        )
+        if isinstance(target, ast.Name) and target.id == name and isinstance(node.value, ast.Dict):
+            return list(zip(node.value.keys, node.value.values))
+    return []
+
+
 def vllm_layer_count(wheel: str) -> Optional[dict]:
     """Where vLLM reads a model's layer count from when it is not ``num_hidden_layers``:
     ``{"fields": {model_type: field}}`` from model_arch_config_convertor.py's
@@ -1195,28 +1208,16 @@ def vllm_layer_count(wheel: str) -> Optional[dict]:
                     field = _text_config_field(fn)
                     if field and field != "num_hidden_layers":
                         field_of[cls.name] = field
-    fields = {}
-    for node in tree.body:
-        if (
-            isinstance(node, (ast.Assign, ast.AnnAssign))
-            and isinstance(node.value, ast.Dict)
-            and "CONVERTORS"
-            in ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
-        ):
-            for k, v in zip(node.value.keys, node.value.values):
-                if isinstance(k, ast.Constant) and isinstance(v, ast.Name) and v.id in field_of:
-                    fields[k.value] = field_of[v.id]
-    model_types = {}
-    for node in config.body if config is not None else []:
-        if (
-            isinstance(node, (ast.Assign, ast.AnnAssign))
-            and isinstance(node.value, ast.Dict)
-            and "_ARCHITECTURE_TO_MODEL_TYPE"
-            in ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
-        ):
-            for k, v in zip(node.value.keys, node.value.values):
-                if isinstance(k, ast.Constant) and isinstance(v, ast.Constant):
-                    model_types[k.value] = v.value
+    fields = {
+        k.value: field_of[v.id]
+        for k, v in _module_dict(tree, "MODEL_ARCH_CONFIG_CONVERTORS")
+        if isinstance(k, ast.Constant) and isinstance(v, ast.Name) and v.id in field_of
+    }
+    model_types = {
+        k.value: v.value
+        for k, v in (_module_dict(config, "_ARCHITECTURE_TO_MODEL_TYPE") if config else [])
+        if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)
+    }
     return {"fields": dict(sorted(fields.items())), "model_types": model_types}
 
 

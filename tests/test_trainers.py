@@ -285,6 +285,13 @@ def test_safeailab_and_unrecognised_configs(tmp_path, capsys):
     )
     code, out, _ = _doctor(capsys, *args, "--engine", "vllm")
     assert code == 0, out
+    # The same shape came out of speculators' 2025 research pipeline (hidden_states[3],
+    # [L // 2 + 1], [-3]): said in the short answer too, the reason in the note.
+    doctor.main([str(a) for a in args] + ["--engine", "vllm"])  # the short answer
+    out = " ".join(capsys.readouterr().out.split())
+    assert "or [3, 17, 30] if speculators' 2025 research pipeline trained it" in out, out
+    p = recognise(read_draft_ids(path), 32, "LlamaForCausalLM")
+    assert any("capture layers [3, 17, 30], one layer past [2, 16, 29]" in n for n in p.notes)
     draft("LlamaForCausalLMEagle3")  # SGLang's own draft format, the same weights: loads
     code, out, _ = _doctor(capsys, *args, "--engine", "sglang", "--accept-defaults")
     assert "CANNOT LOAD" not in out, out

@@ -102,6 +102,29 @@ def out_default(num_layers: int) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
+def speculators_research_layers(num_layers: int) -> list[int]:
+    """The capture layers speculators' 2025 research pipeline trained on
+    (research/eagle3/ge_data/*sharegpt.py at v0.2.0: transformers' hidden_states[3],
+    [num_layers // 2 + 1] and [-3], the last being the input of layer num_layers - 2),
+    the pipeline its README says reproduces RedHatAI's early drafts; removed 2025-11."""
+    return [3, num_layers // 2 + 1, num_layers - 2]
+
+
+RESEARCH_NOTE = "The same config"
+
+
+def _research_note(num_layers: int, shape: str) -> str:
+    return (
+        f"{RESEARCH_NOTE} ({shape}) also came out of speculators' 2025 research pipeline "
+        f"(research/eagle3, "
+        f"removed 2025-11; RedHatAI's early drafts), which trained on transformers' "
+        f"hidden_states[3], [L // 2 + 1], [-3] = capture layers "
+        f"{speculators_research_layers(num_layers)}, one layer past "
+        f"{in_default(num_layers)}: if it trained this draft, the engines' defaults feed it "
+        f"one layer early. Measure it with `eagle-capture probe`"
+    )
+
+
 @dataclass(frozen=True)
 class Reading:
     """One way to read the draft's ids: the capture layers it was trained on."""
@@ -126,6 +149,9 @@ class Provenance:
     # "markers" | "--id-convention" | "assumed" | "layer count" (the other reading
     # names layers the target does not have)
     decided_by: str = "markers"
+    # Another trainer whose configs look the same, in a few words for the short answer
+    # (its note says the rest)
+    caveat: str = ""
 
     @property
     def ambiguous(self) -> bool:
@@ -184,7 +210,8 @@ class Provenance:
                 "layer count": ", the only reading that names existing layers",
             }.get(self.decided_by, "")
             trained = f"trained on capture layers {layers[0][:-1]}{by})"
-        return f"trainer: {who}; {ids}; {trained}"
+        caveat = f"; {self.caveat}" if self.caveat else ""
+        return f"trainer: {who}; {ids}; {trained}{caveat}"
 
 
 def _shifted(ids, by: int) -> Optional[tuple[int, ...]]:
@@ -394,6 +421,7 @@ def recognise(
             notes.append(
                 "speculators wrote null: its converter does not read the source draft's ids"
             )
+            notes.append(_research_note(num_layers, "a speculators draft with no ids"))
     elif trainer in NO_ID_DEFAULTS and ids is None:
         readings = (
             Reading(
@@ -455,6 +483,7 @@ def recognise(
         )
     elif trainer == "SafeAILab EAGLE":
         readings = (_in(in_default(num_layers), "hard-coded in SafeAILab's EAGLE-3 training"),)
+        notes.append(_research_note(num_layers, "SafeAILab's shape"))
     else:
         if ids is not None and sorted(ids) == in_default(num_layers):
             readings = (_out(ids), _in(ids, "the input-convention default"))
@@ -475,7 +504,15 @@ def recognise(
             "markers" if len(readings) > 1 else "layer count" if dropped else "assumed",
         )
     readings, dropped = _existing(readings, num_layers)
-    return Provenance(trainer, evidence, ids, where, readings, tuple(notes + dropped))
+    caveat = (
+        f"or {speculators_research_layers(num_layers)} if speculators' 2025 research "
+        f"pipeline trained it (note below: --explain)"
+        if any(n.startswith(RESEARCH_NOTE) for n in notes)
+        else ""
+    )
+    return Provenance(
+        trainer, evidence, ids, where, readings, tuple(notes + dropped), caveat=caveat
+    )
 
 
 def _existing(readings, num_layers: int) -> tuple[tuple[Reading, ...], list[str]]:

@@ -78,7 +78,9 @@ def test_the_users_config_minus_one(tmp_path, capsys):
     assert code == 1
     assert "layers_to_capture = [0, 30, 58]" in out  # 0.5.9: always +1
     assert "residual None (TypeError)" in out
-    assert "2 of 3 slots ([T, 2*H]) without an error" in out  # 0.5.13 drops -1 silently
+    # 0.5.13's loop drops -1 silently; SGLang's draft then fails on the narrower input
+    assert "without an error, and hands the draft 2 of 3 slots ([T, 2*H])" in out
+    assert "the draft's fc, sized for 3, FAILS at its first forward" in out
     assert "the packer gets 2 of 3 captures (RuntimeError)" in out  # 0.5.18+
     assert "SpecForge requires non-negative ids" in out and "[1, 29, 57]" in out
     assert out.count("-> PROBLEM") == 3

@@ -163,9 +163,10 @@ def diagnose_line(
         )
         if line.missing_capture == "dropped":
             return problem(
-                f"{what}: the loop captures each existing layer once and hands the "
-                f"draft {taken} of {len(capture)} slots ([T, {taken}*H]) without an "
-                f"error: the draft's input is wrong"
+                f"{what}: the loop captures each existing layer once, without an error, "
+                f"and hands the draft {taken} of {len(capture)} slots ([T, {taken}*H]); "
+                f"the draft's fc, sized for {len(capture)}, FAILS at its first forward "
+                f"(RuntimeError)"
             )
         if line.engine == "vLLM":
             return problem(

@@ -1193,8 +1193,9 @@ def target_cannot_capture(
     else:
         short = f"{fact['class']} has no set_eagle3_layers_to_capture"
         why = (
-            f"{where}: the target's class {short} (nor its bases), so the model runner's "
-            f"call fails at start-up (AttributeError)"
+            f"{where}: the target's class {short} (nor its bases), so the server stops at "
+            f"start-up where the model runner calls it (AttributeError; SGLang 0.5.23 checks "
+            f"first and raises a ValueError naming the method)"
         )
     whole = len(cannot) == len(releases)
     if not whole:

@@ -24,11 +24,12 @@ FAMILIES = {
     "gpt_oss": ("gpt_oss", "GptOssForCausalLM", "GptOssConfig"),
     "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig"),
     "minimax_m2": ("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMaxM2Config"),
-    # Gemma 3's text model: a scaled embedding and four norms a layer; from 0.5.18 its
-    # layers hand the residual add to the next layer's norm (hf_tensor.py measures what
-    # that does to the capture).
-    "gemma3": ("gemma3_causal", "Gemma3ForCausalLM", "Gemma3TextConfig"),
 }
+# Built the same way but no family of the plugin's (what hf_tensor.py measures): Gemma 3's
+# text model, a scaled embedding and four norms a layer; from 0.5.18 its layers hand the
+# residual add to the next layer's norm.
+MEASURED_ONLY = {"gemma3": ("gemma3_causal", "Gemma3ForCausalLM", "Gemma3TextConfig")}
+MODELS = {**FAMILIES, **MEASURED_ONLY}
 
 # The decoder layer's feed-forward attribute where it is not ``mlp``.
 FFN_ATTR = {"minimax_m2": "block_sparse_moe"}
@@ -43,7 +44,7 @@ def tiny_config(family: str, num_layers: int, hidden_size: int, vocab_size: int 
     harness._ensure_stubs()  # before transformers is first imported (stubs.py says why)
     import transformers
 
-    module, entry, config_class = FAMILIES[family]
+    module, entry, config_class = MODELS[family]
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -147,7 +148,7 @@ def build(
     standin = standin or ("tanh" if world == 1 else "row_parallel")
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-    module, entry, _ = FAMILIES[family]
+    module, entry, _ = MODELS[family]
     if family in GPU_ONLY_IMPORTS:
         from tests.sglang_real import stubs
 

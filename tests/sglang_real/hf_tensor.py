@@ -215,7 +215,7 @@ def scenario(family: str) -> dict:
         "DeepseekV3ForCausalLM": "deepseek_v2",
         "KimiK25ForConditionalGeneration": "kimi_k25",
     }.get(FAMILIES[family][0])
-    module = module or family_models.FAMILIES[family][0]
+    module = module or family_models.MODELS[family][0]
     harness._ensure_stubs()  # before SGLang's model code is imported
     cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), FAMILIES[family][0])
     if not hasattr(cls, "set_eagle3_layers_to_capture"):

@@ -1313,7 +1313,7 @@ def test_vllm_cannot_load_a_draft_whose_fc_it_sizes_otherwise(tmp_path, capsys):
         "takes the count from num_aux_hidden_states, else "
         "eagle_config.eagle_aux_hidden_state_layer_ids, else 3" in out
     ), out
-    assert 'Fix: add "num_aux_hidden_states": 4 to transformer_layer_config' in out
+    assert 'Fix: add "num_aux_hidden_states": 4 in transformer_layer_config' in out
     # The header says the ids vLLM reads even where the draft does not load.
     assert "vLLM reads the top-level eagle_aux_hidden_state_layer_ids: [2, 46, 91, 93]" in out
     for fixed in (
@@ -1347,3 +1347,79 @@ def test_longcat_flash_counts_its_layers_in_num_layers(tmp_path, capsys):
         )
         assert code == 0 and "(LongcatFlashForCausalLM, 28 layers, hidden size 6144)" in out, out
         assert "layers_to_capture = [2, 14, 25] -> OK" in out, out
+
+
+@pytest.mark.parametrize(
+    "config, target",
+    [
+        # an empty id list, no trainer's markers
+        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [], "norm_before_fc": True}}, {}),
+        # counts and ids of the wrong type where vLLM sizes the fc
+        (
+            {
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 16, 28]},
+                "num_aux_hidden_states": "three",
+            },
+            {},
+        ),
+        (
+            {
+                "speculators_config": {"algorithm": "eagle3"},
+                "eagle_aux_hidden_state_layer_ids": [2, 16, 29],
+                "transformer_layer_config": {"model_type": ["llama"]},
+            },
+            {},
+        ),
+        # a target whose model_type is not a name
+        (
+            {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}},
+            {"model_type": ["llama"]},
+        ),
+    ],
+)
+def test_odd_values_get_an_answer_not_a_traceback(tmp_path, capsys, config, target):
+    draft = tmp_path / "draft.json"
+    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], **config}))
+    target_path = tmp_path / "target.json"
+    target_path.write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32, **target})
+    )
+    code, out, err = _doctor(capsys, "--draft-config", draft, "--target-config", target_path)
+    assert code in (0, 1, 2) and "Traceback" not in out + err, (out, err)
+    assert out or err.startswith("error: "), err
+
+
+def test_vllm_fc_fix_names_the_count_its_class_reads_first(tmp_path, capsys):
+    """The count is read before the ids (so 3 beats 4 ids), and the fix sets the count
+    the draft's class reads first: Llama's num_aux_hidden_states (there already: set);
+    Qwen3's num_aux_layers. A draft with no aux states builds no fc: nothing to load."""
+    base = ["--num-layers", 32, "--target-architecture", "LlamaForCausalLM", "--engine", "vllm"]
+    counted = tmp_path / "counted.json"
+    eagle = {"eagle_aux_hidden_state_layer_ids": [1, 8, 16, 28]}
+    counted.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "eagle_config": eagle,
+                "num_aux_hidden_states": 3,
+            }
+        )
+    )
+    code, out, _ = _doctor(capsys, "--draft-config", counted, *base)
+    assert code == 1 and "Eagle3LlamaForCausalLM sized for 3" in out, out
+    assert 'Fix: set "num_aux_hidden_states": 4 in the draft config' in out, out
+    qwen3 = _speculators(tmp_path, [2, 9, 17, 29], model_type="qwen3", num_aux_hidden_states=3)
+    code, out, _ = _doctor(capsys, "--draft-config", qwen3, *base)
+    assert "Eagle3Qwen3ForCausalLM sized for 3" in out, out
+    assert 'Fix: add "num_aux_layers": 4 in transformer_layer_config' in out, out
+    no_aux = tmp_path / "no_aux.json"
+    no_aux.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "eagle_config": {**eagle, "use_aux_hidden_state": False},
+            }
+        )
+    )
+    code, out, _ = _doctor(capsys, "--draft-config", no_aux, *base)
+    assert "CANNOT LOAD" not in out, out

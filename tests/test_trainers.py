@@ -277,8 +277,8 @@ def test_safeailab_and_unrecognised_configs(tmp_path, capsys):
     assert "SafeAILab EAGLE" in out and "hard-coded" in out
     assert "aux_hidden_state_layers = [2, 16, 29] -> OK" in out
     assert (
-        "its EAGLE-3 worker reads the draft's hot_token_id at start-up "
-        "(speculative/eagle_worker_v2.py:366 in 0.5.23)" in " ".join(out.split())
+        "(it reads the draft's hot_token_id, speculative/eagle_worker_v2.py:366 in 0.5.23): "
+        "AttributeError at start-up" in " ".join(out.split())
     ), out
     assert "Fix: set the draft config's architectures to LlamaForCausalLMEagle3" in " ".join(
         out.split()
@@ -437,7 +437,10 @@ def test_a_reading_that_names_a_missing_layer_is_dropped(tmp_path, capsys):
         p = recognise(read_draft_ids(path), 36, "GptOssForCausalLM")
         assert p.trainer == trainer, p
         assert [r.expected for r in p.readings] == [(24, 30, 36)], p
-        assert any("it would name capture layer(s) [37], past the output" in n for n in p.notes)
+        assert any(
+            "it would name capture layer(s) [37], outside the embedding (0) to the output" in n
+            for n in p.notes
+        )
     assert p.decided_by == "markers"
     target = ["--num-layers", 36, "--target-architecture", "GptOssForCausalLM"]
     line = ["--engine", "sglang", "--sglang-version", "0.5.23"]
@@ -451,3 +454,17 @@ def test_a_reading_that_names_a_missing_layer_is_dropped(tmp_path, capsys):
     )
     p = recognise(read_draft_ids(path), 36, "GptOssForCausalLM")
     assert p.decided_by == "assumed" and [r.expected for r in p.readings] == [(3, 41, 51)], p
+
+
+def test_an_embedding_id_is_never_read_as_capture_layer_minus_one(tmp_path):
+    """Ids [-1, 16, 32] of 32 layers: as output-convention ids -1 is the embedding
+    (capture layer 0) and 32 names a 33rd layer; as input-convention ids -1 names
+    nothing. Neither reading names only existing layers: the assumed one stays, and no
+    reading of capture layer -1 is offered."""
+    path = tmp_path / "draft.json"
+    eagle = {"eagle_aux_hidden_state_layer_ids": [-1, 16, 32], "norm_before_fc": True}
+    path.write_text(
+        json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": eagle})
+    )
+    p = recognise(read_draft_ids(path), 32, "LlamaForCausalLM")
+    assert [r.expected for r in p.readings] == [(0, 17, 33)] and p.decided_by == "assumed", p

@@ -530,7 +530,7 @@ def test_draft_fc_width_is_vllms(engine_jobs, version):
     vLLM parses it, speculators' format included) is the doctor's: a speculators Llama
     draft with 4 top-level ids gets an fc for 3 (CANNOT LOAD, the fix its count in
     transformer_layer_config, which then gives 4); Qwen3's class reads the top-level ids;
-    the MLA draft eagle_config's."""
+    the MLA draft eagle_config's, after its count; the vLLM plugin's check the same."""
     r = _result(_line_results(engine_jobs, "vllm scenarios", version), "draft_fc_width")
     widths = {name: case["vllm_width"] for name, case in r.items() if name != "release"}
     assert widths == {
@@ -539,14 +539,18 @@ def test_draft_fc_width_is_vllms(engine_jobs, version):
         "speculators_llama_4_counted": 4,
         "speculators_qwen3_4": 4,
         "nested_4": 4,
+        "nested_4_counted_3": 3,
     }, r
     for name, case in r.items():
         if name == "release":
             continue
+        # the vLLM plugin's start-up check sizes the draft as vLLM does (Qwen3's class
+        # reads the top-level ids; Llama's rule would have said 3 and refused)
+        assert case["plugin_width"] == case["vllm_width"], (name, case)
         wrong = case["vllm_width"] != case["trained"]
         assert (case["doctor_cannot_load"] is not None) is wrong, (name, case)
     fix = r["speculators_llama_4"]["doctor_cannot_load"]
-    assert '"num_aux_hidden_states": 4 to transformer_layer_config' in fix, fix
+    assert '"num_aux_hidden_states": 4 in transformer_layer_config' in fix, fix
 
 
 def test_doctor_vllm_rule_is_every_models_loop(results):

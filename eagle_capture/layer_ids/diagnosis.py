@@ -854,14 +854,15 @@ def _sglang_loads_as_target(arch: str, line=None) -> Optional[str]:
         "set the draft config's architectures to LlamaForCausalLMEagle3 (SGLang's EAGLE-3 "
         "Llama draft, the same weights)"
         if arch == "LlamaForCausalLM"
-        else f"export the draft as one of SGLang's EAGLE-3 draft classes ({', '.join(sorted(drafts))})"
+        else f"serve it with vLLM, or export it in one of SGLang's EAGLE-3 draft formats "
+        f"({', '.join(sorted(drafts))}) where its layers are theirs"
     )
     return (
         f"SGLang cannot load this draft, {arch} being a target model's name, not one of its "
         f"EAGLE-3 drafts ({', '.join(sorted(drafts))}): SGLang builds the model it registers "
-        f"for {arch}, and its EAGLE-3 worker reads the draft's {needs['attribute']} at "
-        f"start-up ({needs['where']} in {release}), which only its EAGLE-3 draft classes set "
-        f"(AttributeError). Fix: {fix}; vLLM loads {arch} as its Eagle3{arch}"
+        f"for {arch}, and its EAGLE-3 worker sets the draft up with what only those classes "
+        f"have (it reads the draft's {needs['attribute']}, {needs['where']} in {release}): "
+        f"AttributeError at start-up. Fix: {fix}; vLLM loads {arch} as its Eagle3{arch}"
     )
 
 
@@ -949,19 +950,25 @@ def _vllm_fc_mismatch(draft: DraftIds, releases) -> Optional[str]:
     (none: the three defaults); a speculators-format draft's config as vLLM sees it is
     its transformer_layer_config plus the top-level ids (``speculators_eagle3``)."""
     trained = draft.trained
-    if not trained:
+    if not trained or not draft.use_aux:  # no aux states: the draft builds no fc
         return None
     raw = draft.raw
+    speculators_format = raw.get("speculators_config") is not None
+    if speculators_format and (
+        raw.get("speculators_model_type", "eagle3") != "eagle3"
+        or not isinstance(raw.get("transformer_layer_config"), dict)
+    ):
+        return None  # another speculators algorithm, or a config vLLM refuses itself
     for release in reversed(releases):
         speculators = engine_facts.vllm_speculators_eagle3(release)
-        if "speculators_config" in raw and isinstance(raw.get("transformer_layer_config"), dict):
+        if speculators_format:
             if speculators is None:
                 continue
             view = dict(raw["transformer_layer_config"])
             if raw.get("eagle_aux_hidden_state_layer_ids"):
                 view["eagle_aux_hidden_state_layer_ids"] = raw["eagle_aux_hidden_state_layer_ids"]
             model_type = view.get("model_type", speculators["model_type_default"])
-            loaded = speculators["archs"].get(model_type)
+            loaded = speculators["archs"].get(model_type) if isinstance(model_type, str) else None
             where = "transformer_layer_config, which vLLM builds the draft's config from"
         else:
             view, where = raw, "the draft config"
@@ -982,23 +989,19 @@ def _vllm_fc_mismatch(draft: DraftIds, releases) -> Optional[str]:
         width, cls, rule = sized
         if width == len(trained):
             return None
+        # The count the class reads first decides (Qwen3's: num_aux_layers).
         count_key = next(
-            (
-                k
-                for k in ("num_aux_hidden_states", *rule["reads"])
-                if k in rule["reads"] and not k.endswith("_ids")
-            ),
-            None,
+            (k for k in rule["reads"] if not k.endswith("_ids") and "." not in k), None
         )
         fix = (
-            f'add "{count_key}": {len(trained)} to {where}'
-            if count_key and "." not in count_key
+            f'{"set" if count_key in view else "add"} "{count_key}": {len(trained)} in {where}'
+            if count_key
             else f"write the ids where {cls} reads them"
         )
         reads = ", else ".join(rule["reads"])
         return (
             f"vLLM cannot load this draft, its fc trained on {len(trained)} hidden states "
-            f"({trained}) and vLLM's {loaded} sized for {width}: "
+            f"({trained}) and vLLM's {cls.split('.')[-1]} sized for {width}: "
             f"models/{rule['where']} ({release}) takes the count from {reads}, else "
             f"{rule['default']}, and the checkpoint's fc weight does not fit (a shape "
             f"assertion while loading). Fix: {fix}"

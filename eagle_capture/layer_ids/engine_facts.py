@@ -140,10 +140,16 @@ def vllm_draft_fc(release: str, architecture: str, read) -> Optional[tuple[int, 
         return None
     for key in rule["reads"]:
         value = read(key)
-        if key.endswith("_ids") and value:  # ``len(ids) if ids else N``
+        if key.endswith("_ids"):  # ``len(ids) if ids else N``
+            if not value:
+                continue
+            if not isinstance(value, list):
+                return None  # not a list of ids: vLLM's own len() would stop first
             return len(value), cls, rule
-        if not key.endswith("_ids") and value is not None:  # a count, where given
-            return int(value), cls, rule
+        if value is not None:  # a count, where given
+            if isinstance(value, bool) or not isinstance(value, int):
+                return None  # not a count vLLM could size a layer with
+            return value, cls, rule
     return rule["default"], cls, rule
 
 
@@ -152,8 +158,9 @@ def layer_count_field(model_type: Optional[str], architecture: str = "") -> Opti
     not ``num_hidden_layers`` (LongCat-Flash: ``num_layers``), by ``model_type``, else
     by the architecture of a config that names no model type; None: num_hidden_layers."""
     read = (load()["vllm"][releases("vllm")[-1]].get("layer_count")) or {}
-    model_type = model_type or read.get("model_types", {}).get(architecture)
-    return read.get("fields", {}).get(model_type) if model_type else None
+    if not isinstance(model_type, str):  # absent, or not a name a config could hold
+        model_type = read.get("model_types", {}).get(architecture)
+    return read.get("fields", {}).get(model_type) if isinstance(model_type, str) else None
 
 
 def vllm_speculators_eagle3(release: str) -> Optional[dict]:

@@ -843,7 +843,7 @@ def sglang_eagle3_draft_attribute(wheel: str) -> Optional[dict]:
         )
         for name in names:
             try:
-                tree = ast.parse(z.read(name).decode("utf-8-sig", errors="replace"))
+                tree = parse_source(z.read(name).decode("utf-8-sig", errors="replace"))
             except SyntaxError:
                 continue
             for node in ast.walk(tree):
@@ -1111,7 +1111,7 @@ def vllm_speculators_eagle3(wheel: str) -> Optional[dict]:
     with zipfile.ZipFile(wheel) as z:
         if SPECULATORS_ALGOS not in z.namelist():
             return None
-        tree = ast.parse(z.read(SPECULATORS_ALGOS).decode("utf-8-sig", errors="replace"))
+        tree = parse_source(z.read(SPECULATORS_ALGOS).decode("utf-8-sig", errors="replace"))
     for fn in ast.walk(tree):
         if not (isinstance(fn, ast.FunctionDef) and fn.name == "update_eagle3"):
             continue
@@ -1194,9 +1194,9 @@ def vllm_layer_count(wheel: str) -> Optional[dict]:
         names = set(z.namelist())
         if CONVERTORS not in names:
             return None
-        tree = ast.parse(z.read(CONVERTORS).decode("utf-8-sig", errors="replace"))
+        tree = parse_source(z.read(CONVERTORS).decode("utf-8-sig", errors="replace"))
         config = (
-            ast.parse(z.read(VLLM_CONFIG).decode("utf-8-sig", errors="replace"))
+            parse_source(z.read(VLLM_CONFIG).decode("utf-8-sig", errors="replace"))
             if VLLM_CONFIG in names
             else None
         )

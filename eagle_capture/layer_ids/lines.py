@@ -442,8 +442,8 @@ def read_target(config: Union[dict, str, os.PathLike]) -> TargetModel:
     # Flash's num_layers, its num_hidden_layers, where present, counting two per layer).
     field = "num_hidden_layers"
     other = engine_facts.layer_count_field(text.get("model_type") or loaded.get("model_type"), arch)
-    if other is not None and other in text:
-        field = other
+    if other is not None and other in text and field not in text:
+        field = other  # (SGLang's own LongCat config takes num_hidden_layers where given)
     layers = text.get(field)
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 4:
         where = f"text_config.{field}" if text is not loaded else field

@@ -487,7 +487,7 @@ def recognise(
     else:
         if ids is not None and sorted(ids) == in_default(num_layers):
             readings = (_out(ids), _in(ids, "the input-convention default"))
-        elif ids is not None and max(ids) == num_layers:
+        elif ids and min(ids) >= 0 and max(ids) == num_layers:
             # id num_layers names the last layer's output only as an input-convention
             # id (the final boundary); as an output one it names a layer that is not there.
             readings = (_out(ids), _in(ids))
@@ -521,14 +521,14 @@ def _existing(readings, num_layers: int) -> tuple[tuple[Reading, ...], list[str]
     and a note for each one dropped; all of them where none is left (the ids are then
     wrong whichever way they are read, which the verdict says)."""
     kept = tuple(
-        r for r in readings if r.expected is None or max(r.expected, default=0) <= num_layers
+        r for r in readings if r.expected is None or all(0 <= c <= num_layers for c in r.expected)
     )
     if not kept or len(kept) == len(readings):
         return tuple(readings), []
     notes = [
         f"not read as the {r.label.split(' (')[0]}: it would name capture layer(s) "
-        f"{[c for c in r.expected if c > num_layers]}, past the output of the last of "
-        f"{num_layers} layers"
+        f"{[c for c in r.expected if not 0 <= c <= num_layers]}, outside the embedding "
+        f"(0) to the output of the last of {num_layers} layers"
         for r in readings
         if r not in kept
     ]

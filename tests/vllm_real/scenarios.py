@@ -523,6 +523,7 @@ def draft_fc_width():
     from vllm import ModelRegistry
     from vllm.config import set_current_vllm_config
 
+    from eagle_capture.integrations.vllm.install import _draft_fc_width
     from eagle_capture.layer_ids import engine_facts
     from eagle_capture.layer_ids.diagnosis import _vllm_fc_mismatch
     from eagle_capture.layer_ids.lines import read_draft_ids
@@ -539,6 +540,10 @@ def draft_fc_width():
             os.path.join(WORK, "spec4q"), [1, 3, 5, 7], model_type="qwen3"
         ),
         "nested_4": h.write_draft_config(os.path.join(WORK, "nested4"), ids=[1, 3, 5, 7]),
+        # the count is read before the ids: 3 wins over 4 ids
+        "nested_4_counted_3": h.write_draft_config(
+            os.path.join(WORK, "nested4c3"), ids=[1, 3, 5, 7], num_aux=3
+        ),
     }
     out = {"release": release}
     for name, folder in cases.items():
@@ -556,6 +561,7 @@ def draft_fc_width():
         out[name] = {
             "architecture": arch,
             "vllm_width": fc.weight.shape[1] // h.HIDDEN,
+            "plugin_width": _draft_fc_width(hf),
             "trained": len(draft.trained),
             "doctor_cannot_load": _vllm_fc_mismatch(draft, [release]),
         }

@@ -1227,7 +1227,7 @@ def test_a_line_measured_to_capture_another_tensor(tmp_path, capsys, monkeypatch
     code, _, err = _doctor(
         capsys, *argv, "--sglang-version", "0.5.23", "--write-config", tmp_path / "x.json"
     )
-    assert code == 2 and "the problem above is not in the ids" in err, err
+    assert code == 2 and "the problem is not in the ids (the doctor without" in err, err
     # vLLM's lines the same way (its measured releases: 0.32.0, 0.34.0).
     assert measured["vllm"]["0.34.0"]["LlamaForCausalLM"] == tensors.RESIDUAL
     wrong["vllm"]["0.34.0"]["LlamaForCausalLM"] = "pre-residual output"

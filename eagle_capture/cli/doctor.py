@@ -306,7 +306,8 @@ def single_fix(diagnosis: Diagnosis) -> Optional[list[int]]:
     if None in fixes:
         raise CapturePlanError(
             f"--write-config: no id list fixes this draft on "
-            f"{diagnosis.engine_name} (the problem above is not in the ids)"
+            f"{diagnosis.engine_name}: the problem is not in the ids (the doctor without "
+            f"--write-config says what it is)"
         )
     if len(fixes) > 1:
         raise CapturePlanError(

@@ -278,7 +278,10 @@ def test_sglangs_registry_per_line(tmp_path, capsys):
     ]
     code, out, _ = _doctor(capsys, *argv)
     assert code == 1 and "summary: SGLang: PROBLEM (exit 1)" in out
-    assert "0.5.12 (read from 0.5.9): layers_to_capture = [] -> CANNOT LOAD" in out
+    assert (
+        "0.5.12 (read from 0.5.9): layers_to_capture: not reached (the draft does not load) -> CANNOT LOAD"
+        in out
+    )
     assert "registered from 0.5.13 on (not in 0.5.9)" in out
     assert out.count("layers_to_capture = [2, 30, 58] -> OK") == 2
     code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.13")
@@ -289,7 +292,8 @@ def test_a_target_class_that_cannot_capture_on_a_line(tmp_path, capsys):
     """SGLang 0.5.9's KimiK25ForConditionalGeneration has no set_eagle3_layers_to_capture
     (models/kimi_k25.py; the model runner calls it when EAGLE-3 is on): that line cannot
     serve any EAGLE-3 draft for Kimi-K2.5, whatever the ids or the draft's class. Both
-    causes are said, the target's first; the remedy names where it can."""
+    causes are said, the draft's first (no target or ids serve a draft the line cannot
+    load); the remedy names where it can."""
     path = _kimi_mla_draft(tmp_path)
     argv = [
         "--draft-config",
@@ -305,17 +309,21 @@ def test_a_target_class_that_cannot_capture_on_a_line(tmp_path, capsys):
     ]
     code, out, _ = _doctor(capsys, *argv)
     assert code == 1 and "summary: SGLang: PROBLEM (exit 1)" in out
-    assert "0.5.12 (read from 0.5.9): layers_to_capture = [] -> CANNOT CAPTURE" in out
     assert (
-        "SGLang 0.5.9: the target's class kimi_k25.KimiK25ForConditionalGeneration has no "
-        "set_eagle3_layers_to_capture" in out
+        "0.5.12 (read from 0.5.9): layers_to_capture: not reached (the draft does not load) -> CANNOT LOAD"
+        in out
     )
-    assert "registered from 0.5.13 on (not in 0.5.9)" in out  # the draft's, after
+    assert "registered from 0.5.13 on (not in 0.5.9)" in out
+    assert out.index("registered from 0.5.13 on") < out.index(
+        "SGLang 0.5.9: the target's class kimi_k25.KimiK25ForConditionalGeneration has no "
+        "set_eagle3_layers_to_capture"
+    )  # the target's, after
     assert "it can on SGLang 0.5.13 - 0.5.23; vLLM 0.32.0, 0.33.0, 0.34.0" in out
     assert out.count("-> OK") == 2
     code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.12", explain=False)
-    assert code == 1 and "summary: SGLang: CANNOT CAPTURE (exit 1)" in out
-    assert "verdict (SGLang): CANNOT CAPTURE" in out and "-> it can on SGLang 0.5.13" in out
+    assert code == 1 and "summary: SGLang: CANNOT LOAD (exit 1)" in out
+    assert "verdict (SGLang): CANNOT LOAD" in out
+    assert "-> it loads, and the target captures, on SGLang 0.5.13 - 0.5.23" in out, out
     code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.13")
     assert code == 0 and "CANNOT" not in out
     # --write-config: no ids fix it, said in one line
@@ -1423,3 +1431,89 @@ def test_vllm_fc_fix_names_the_count_its_class_reads_first(tmp_path, capsys):
     )
     code, out, _ = _doctor(capsys, "--draft-config", no_aux, *base)
     assert "CANNOT LOAD" not in out, out
+
+
+def test_a_draft_no_engine_loads_is_cannot_load_whatever_the_target(tmp_path, capsys):
+    """A draft class no release read registers (SpecForge's Qwen3MoeForCausalLMEagle3
+    template) for a target that cannot capture on some SGLang lines (Qwen3.5's, before
+    0.5.22): every line says CANNOT LOAD, on both engines and for any --sglang-version,
+    and nothing sends the user to a release where the draft does not load."""
+    path = tmp_path / "moe_draft.json"
+    path.write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLMEagle3"]}))
+    argv = ["--draft-config", path, "--num-layers", 48]
+    argv += ["--target-architecture", "Qwen3_5MoeForConditionalGeneration"]
+    code, out, _ = _doctor(capsys, *argv)
+    assert code == 1 and "summary: SGLang: CANNOT LOAD; vLLM: CANNOT LOAD (exit 1)" in out, out
+    # where the target captures is said, with the draft loading on none of them
+    assert (
+        "it can on SGLang 0.5.22, 0.5.23; vLLM 0.32.0, 0.33.0, 0.34.0 (of the releases "
+        "read), none of which loads this draft" in out
+    ), out
+    assert "it loads" not in out
+    for version in ("0.5.9", "0.5.13", "0.5.23"):
+        code, out, _ = _doctor(
+            capsys, *argv, "--engine", "sglang", "--sglang-version", version, explain=False
+        )
+        assert code == 1 and "summary: SGLang: CANNOT LOAD (exit 1)" in out, (version, out)
+
+
+def test_the_remedy_names_only_releases_that_load_the_draft(tmp_path, capsys):
+    """A speculators draft (vLLM loads it, SGLang does not) for Qwen3.5: SGLang's lines
+    cannot load it; where the target captures and the draft loads is vLLM only."""
+    config = json.load(open(SPECULATORS))
+    config["eagle_aux_hidden_state_layer_ids"] = [2, 24, 45]
+    path = tmp_path / "speculators.json"
+    path.write_text(json.dumps(config))
+    argv = ["--draft-config", path, "--num-layers", 48]
+    argv += ["--target-architecture", "Qwen3_5MoeForConditionalGeneration"]
+    code, out, _ = _doctor(capsys, *argv, "--engine", "sglang", explain=False)
+    assert code == 1 and "summary: SGLang: CANNOT LOAD (exit 1)" in out, out
+    assert "-> it loads, and the target captures, on vLLM 0.32.0, 0.33.0, 0.34.0" in out, out
+    assert "SGLang 0.5.22" not in out
+
+
+def test_write_config_applies_a_load_edit(tmp_path, capsys):
+    """Where only the config stands between the engine and the draft, --write-config
+    writes the edit the fix names, and the written file passes: SGLang, a SafeAILab
+    EAGLE-3 config (architectures LlamaForCausalLM, SGLang's target class) renamed to
+    LlamaForCausalLMEagle3; vLLM, a speculators draft with 4 ids, the count its class
+    reads written into transformer_layer_config (vLLM's own class built from such a
+    file: tests/test_vllm_real.py)."""
+    safeailab = tmp_path / "safeailab.json"
+    one_layer = {"num_hidden_layers": 1, "draft_vocab_size": 32000, "hidden_size": 4096}
+    safeailab.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **one_layer}))
+    fixed = tmp_path / "fixed.json"
+    argv = ["--num-layers", 32, "--target-architecture", "LlamaForCausalLM"]
+    code, out, _ = _doctor(
+        capsys, "--draft-config", safeailab, *argv, "--engine", "sglang", "--write-config", fixed
+    )
+    assert code == 1 and 'architectures = ["LlamaForCausalLMEagle3"]' in out, out
+    written = json.load(open(fixed))
+    assert written.pop("architectures") == ["LlamaForCausalLMEagle3"]
+    assert written.pop("eagle_capture")["trained_capture_layers"] == [2, 16, 29]
+    assert written == {**one_layer}
+    code, out, _ = _doctor(capsys, "--draft-config", fixed, *argv)
+    assert code == 0 and "summary: SGLang: OK; vLLM: OK (exit 0)" in out, out
+
+    config = json.load(open(SPECULATORS))
+    config["eagle_aux_hidden_state_layer_ids"] = [2, 30, 45, 58]
+    four = tmp_path / "four.json"
+    four.write_text(json.dumps(config))
+    argv = ["--num-layers", 61, "--target-architecture", "DeepseekV3ForCausalLM"]
+    code, out, _ = _doctor(
+        capsys, "--draft-config", four, *argv, "--engine", "vllm", "--write-config", fixed
+    )
+    assert code == 1 and "transformer_layer_config.num_aux_hidden_states = 4" in out, out
+    written = json.load(open(fixed))
+    assert written["transformer_layer_config"].pop("num_aux_hidden_states") == 4
+    assert written.pop("eagle_capture")["trained_capture_layers"] == [2, 30, 45, 58]
+    assert written == config
+    code, out, _ = _doctor(capsys, "--draft-config", fixed, *argv, "--engine", "vllm")
+    assert code == 0 and "summary: vLLM: OK (exit 0)" in out, out
+    # A draft no config edit serves (no engine registers its class): refused, one line.
+    moe = tmp_path / "moe.json"
+    moe.write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLMEagle3"]}))
+    code, _, err = _doctor(
+        capsys, "--draft-config", moe, *argv, "--engine", "vllm", "--write-config", fixed
+    )
+    assert code == 2 and "no id list fixes this draft" in err and len(err.splitlines()) == 1

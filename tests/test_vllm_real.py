@@ -530,9 +530,11 @@ def test_draft_fc_width_is_vllms(engine_jobs, version):
     vLLM parses it, speculators' format included) is the doctor's: a speculators Llama
     draft with 4 top-level ids gets an fc for 3 (CANNOT LOAD, the fix its count in
     transformer_layer_config, which then gives 4); Qwen3's class reads the top-level ids;
-    the MLA draft eagle_config's, after its count; the vLLM plugin's check the same."""
+    the MLA draft eagle_config's, after its count; the vLLM plugin's check the same; the
+    config the doctor's --write-config writes for the 4-id draft loads with an fc for 4."""
     r = _result(_line_results(engine_jobs, "vllm scenarios", version), "draft_fc_width")
-    widths = {name: case["vllm_width"] for name, case in r.items() if name != "release"}
+    meta = ("release", "written_exit")
+    widths = {name: case["vllm_width"] for name, case in r.items() if name not in meta}
     assert widths == {
         "speculators_llama_4": 3,
         "speculators_llama_3": 3,
@@ -540,9 +542,11 @@ def test_draft_fc_width_is_vllms(engine_jobs, version):
         "speculators_qwen3_4": 4,
         "nested_4": 4,
         "nested_4_counted_3": 3,
+        "speculators_llama_4_written": 4,
     }, r
+    assert r["written_exit"] == 1, r  # (the draft as it was: CANNOT LOAD)
     for name, case in r.items():
-        if name == "release":
+        if name in meta:
             continue
         # the vLLM plugin's start-up check sizes the draft as vLLM does (Qwen3's class
         # reads the top-level ids; Llama's rule would have said 3 and refused)

@@ -56,11 +56,18 @@ import argparse
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from dataclasses import replace
+from typing import Callable, Optional, Sequence
 
 from eagle_capture.layer_ids import capture_only, deployment
 from eagle_capture.layer_ids.deployment import wrap as _wrap
-from eagle_capture.layer_ids.diagnosis import Diagnosis, LineVerdict, diagnose
+from eagle_capture.layer_ids.diagnosis import (
+    ConfigEdit,
+    Diagnosis,
+    LineVerdict,
+    diagnose,
+    load_edit,
+)
 from eagle_capture.layer_ids.lines import (
     IDS_KEY,
     CapturePlanError,
@@ -78,7 +85,7 @@ from eagle_capture.layer_ids.trainers import (
     recognise,
 )
 
-__all__ = ["as_json", "build_parser", "main", "single_fix", "write_config"]
+__all__ = ["as_json", "build_parser", "load_edits", "main", "single_fix", "write_config"]
 
 
 def _engines(text: str) -> tuple[str, ...]:
@@ -162,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--write-config",
         metavar="PATH",
-        help="with one --engine: write the draft config to PATH with the fix applied "
-        "in the field that engine reads (nothing else changed)",
+        help="with one --engine: write the draft config to PATH with the fix applied: "
+        "the ids in the field that engine reads, and the edit that lets it load the "
+        "draft where the config is what stops it (nothing else changed)",
     )
     deployment.add_arguments(p)
     return p
@@ -221,8 +229,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
         check_id_range(draft, num_layers)
         provenance = recognise(draft, num_layers, architecture, args.id_convention)
-        diagnoses = [
-            diagnose(
+
+        def judge(engine: str, draft: DraftIds, provenance: Optional[Provenance]) -> Diagnosis:
+            return diagnose(
                 VLLMLine().read_ids(draft)
                 if engine == "vllm"
                 else args.return_aux_ids
@@ -241,11 +250,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 vllm_runner=args.vllm_runner if engine == "vllm" else None,
                 capture=capture,
             )
-            for engine in engines
-        ]
+
+        diagnoses = [judge(engine, draft, provenance) for engine in engines]
         code = 0 if all(d.exit_ok for d in diagnoses) else 1
         written = (
-            write_config(draft, diagnoses[0], args.write_config) if args.write_config else None
+            write_config(
+                draft,
+                diagnoses[0],
+                args.write_config,
+                # the edited config judged again, read as the draft was trained (its provenance)
+                lambda edited: judge(engines[0], edited, provenance),
+            )
+            if args.write_config
+            else None
         )
     except CapturePlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -318,25 +335,52 @@ def single_fix(diagnosis: Diagnosis) -> Optional[list[int]]:
     return list(fixes.pop())
 
 
-def write_config(draft: DraftIds, diagnosis: Diagnosis, path: str) -> str:
-    """Write the draft's config with the fix in the field ``diagnosis``'s engine
-    reads (SGLang: eagle_config's; vLLM: the top-level key); what was done, in words."""
-    ids = single_fix(diagnosis)
+def load_edits(draft: DraftIds, diagnosis: Diagnosis) -> list[ConfigEdit]:
+    """The config edits (not ids) that let the lines that cannot load the draft load it:
+    one edit shared by every such line that decides, else none (nothing to apply)."""
+    failing = [v for v in diagnosis.verdicts if v.decides and v.status == "CANNOT LOAD"]
+    edits = [load_edit(diagnosis.engine, draft, v.line) for v in failing]
+    if not edits or None in edits or len(set(map(repr, edits))) > 1:
+        return []
+    return [edits[0]]
+
+
+def write_config(
+    draft: DraftIds,
+    diagnosis: Diagnosis,
+    path: str,
+    judge: Optional[Callable[[DraftIds], Diagnosis]] = None,
+) -> str:
+    """Write the draft's config with the fix: the config edit that lets the engine load
+    it (:func:`load_edits`; the edited config then ``judge``-d again), and the ids in the
+    field ``diagnosis``'s engine reads (SGLang: eagle_config's; vLLM: the top-level key);
+    what was done, in words."""
     config = json.loads(json.dumps(draft.raw))
-    if ids is None:
-        what = "nothing to fix: the config is written unchanged"
-    else:
+    done = []
+    edits = load_edits(draft, diagnosis) if judge is not None else []
+    for edit in edits:
+        holder = config
+        for key in edit.keys[:-1]:
+            holder = holder.setdefault(key, {})
+        holder[edit.keys[-1]] = edit.value
+        done.append(f"{'.'.join(edit.keys)} = {json.dumps(edit.value)}")
+    if edits:
+        edited = read_draft_ids(config)
+        diagnosis = judge(replace(edited, source=draft.source))
+    ids = single_fix(diagnosis)
+    reading = diagnosis.provenance.readings[0]
+    if ids is not None:
         if diagnosis.engine == "vllm":
             config[IDS_KEY] = ids
-            what = f"top-level {IDS_KEY} = {ids}"
+            done.append(f"top-level {IDS_KEY} = {ids}")
         else:
             eagle = config.get("eagle_config")
             config["eagle_config"] = dict(eagle or {}, **{IDS_KEY: ids})
-            what = f"eagle_config.{IDS_KEY} = {ids}"
-        # The new ids follow one engine line's rule, not the trainer's convention that the
-        # config's markers still name: record what they were written for, so that the
+            done.append(f"eagle_config.{IDS_KEY} = {ids}")
+    if (ids is not None or edits) and reading.expected is not None:
+        # The new ids follow one engine line's rule, and an edited config may no longer
+        # carry the trainer's markers: record what they were written for, so that the
         # doctor (and the probe) read this file back the same way.
-        reading = diagnosis.provenance.readings[0]
         lines = [
             v.line.title if v.line.engine == "vLLM" else v.line.name
             for v in diagnosis.verdicts
@@ -347,7 +391,8 @@ def write_config(draft: DraftIds, diagnosis: Diagnosis, path: str) -> str:
             "read_as": reading.label,
             "ids_written_for": f"{diagnosis.engine_name} {', '.join(lines)}",
         }
-        what += f"; {RECORD_KEY}.{RECORD_LAYERS} = {list(reading.expected)} recorded"
+        done.append(f"{RECORD_KEY}.{RECORD_LAYERS} = {list(reading.expected)} recorded")
+    what = "; ".join(done) or "nothing to fix: the config is written unchanged"
     try:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)

@@ -325,7 +325,8 @@ class Diagnosis:
         if v.brief:
             remedy = (
                 f" -> {v.fix}"
-                if v.status == "CANNOT CAPTURE" or (self.capture == "return-aux" and v.fix_ids)
+                if v.status in ("CANNOT CAPTURE", "CANNOT LOAD")
+                or (self.capture == "return-aux" and v.fix_ids)
                 else ""
             )
             return f"{status} ({v.brief}){remedy}"
@@ -336,7 +337,9 @@ class Diagnosis:
         elif len(why) > 90:
             why = why[: why.find(":", 20) if ":" in why[20:] else 90].rstrip(" ,;")
         fix = (
-            ""
+            f" -> {v.fix}"
+            if v.status == "CANNOT LOAD" and v.fix
+            else ""
             if not v.fix_ids
             else (f" -> {v.fix}" if self.capture == "return-aux" else f" -> write {v.fix_ids}")
         )
@@ -388,7 +391,10 @@ class Diagnosis:
             )
         ]
         name = "aux_hidden_state_layers" if v.line.engine == "vLLM" else "layers_to_capture"
-        out.append(f"{indent}  {name} = {v.capture_layers} -> {status}")
+        if v.status == "CANNOT LOAD":  # the capture is never set up: nothing to show
+            out.append(f"{indent}  {name}: not reached (the draft does not load) -> {status}")
+        else:
+            out.append(f"{indent}  {name} = {v.capture_layers} -> {status}")
         if not v.decides:
             out.append(
                 _wrap(
@@ -399,7 +405,8 @@ class Diagnosis:
                 )
             )
         out += [_wrap(text, indent + "    ", indent + "      ") for text in v.lines]
-        if not v.ok and v.fix and v.status != "CANNOT CAPTURE":  # (its text says where)
+        # (a line that cannot capture or load says its remedy in its text)
+        if not v.ok and v.fix and v.status not in ("CANNOT CAPTURE", "CANNOT LOAD"):
             out.append(_wrap(f"fix for this line: {v.fix}", indent + "    ", indent + "      "))
         return out
 
@@ -414,7 +421,7 @@ class Diagnosis:
                 f"EAGLE-3 draft on the lines shown, whatever the ids; {remedy}"
             )
         if kind == "CANNOT LOAD":
-            return f"CANNOT LOAD: {self.engine_name} cannot load this draft format (above)"
+            return f"CANNOT LOAD: {self.engine_name} cannot load this draft (above)"
         if kind == "AMBIGUOUS":
             return (
                 "AMBIGUOUS: what the draft receives is right or wrong depending on how "
@@ -653,7 +660,15 @@ def diagnose(
             (
                 by_reading[0][0],
                 [
-                    LineVerdict(line, [], False, [text], ids=lids, status="CANNOT LOAD")
+                    LineVerdict(
+                        line,
+                        [],
+                        False,
+                        [text],
+                        fix=_load_remedy(engine, draft, line, architecture),
+                        ids=lids,
+                        status="CANNOT LOAD",
+                    )
                     for line, text, lids in zip(lines, cannot_on, line_ids)
                 ],
             )
@@ -674,7 +689,15 @@ def diagnose(
             (
                 reading,
                 [
-                    LineVerdict(v.line, [], False, [text], ids=v.ids, status="CANNOT LOAD")
+                    LineVerdict(
+                        v.line,
+                        [],
+                        False,
+                        [text],
+                        fix=_load_remedy(engine, draft, v.line, architecture),
+                        ids=v.ids,
+                        status="CANNOT LOAD",
+                    )
                     if text
                     else v
                     for v, text in zip(vs, cannot_on)
@@ -685,7 +708,7 @@ def diagnose(
     # The target's class itself cannot capture (no draft, no ids change that); a draft
     # that takes no aux states never asks it to.
     capture_on = [
-        None if no_aux else target_cannot_capture(engine, line, architecture, sglang_version)
+        None if no_aux else target_cannot_capture(engine, line, architecture, sglang_version, draft)
         for line in lines
     ]
     if any(capture_on):
@@ -722,12 +745,12 @@ def diagnose(
     deploy_brief: list[str] = []
     deploy_ok = True
     if deploy is not None:
-        # A line where the target's class cannot capture at all has no deployment to assess
-        # (its CANNOT CAPTURE above says so).
+        # A line where the target's class cannot capture at all, or the draft does not load,
+        # has no deployment to assess (its CANNOT CAPTURE / CANNOT LOAD above says so).
         live = [
             (line, v.capture_layers)
             for line, v in zip(lines, verdicts)
-            if v.status != "CANNOT CAPTURE"
+            if v.status not in ("CANNOT CAPTURE", "CANNOT LOAD")
         ]
         if engine == "vllm":
             report = deployment.assess_vllm(deploy, live[0][1] if live else [], num_layers)
@@ -815,12 +838,16 @@ def _cannot_capture(v: LineVerdict, cannot: Optional["CannotCapture"]) -> LineVe
     """``v`` for a target class that cannot capture on (part of) its line."""
     if cannot is None:
         return v
-    if cannot.whole:  # the draft's own CANNOT LOAD, if any, is said after
+    if v.status == "CANNOT LOAD":
+        # The draft's format decides first: no target, ids or release of this line serves
+        # it. The target's own failure there is said after.
+        return replace(v, lines=v.lines + [cannot.text])
+    if cannot.whole:
         return LineVerdict(
             v.line,
             [],
             False,
-            [cannot.text] + (v.lines if v.status else []),
+            [cannot.text],
             fix=cannot.remedy,
             ids=v.ids,
             status="CANNOT CAPTURE",
@@ -829,14 +856,48 @@ def _cannot_capture(v: LineVerdict, cannot: Optional["CannotCapture"]) -> LineVe
     return replace(v, ok=False, lines=[cannot.text] + v.lines, brief=cannot.short)
 
 
-def _sglang_loads_as_target(arch: str, line=None) -> Optional[str]:
+@dataclass(frozen=True)
+class ConfigEdit:
+    """A change to the draft config, not to its ids, that lets an engine load it
+    (``--write-config`` applies it): ``value`` at the key path ``keys``."""
+
+    keys: tuple[str, ...]
+    value: object
+    said: str  # the change in words, as the fix says it
+
+
+def load_edit(engine: str, draft: Optional[DraftIds], line=None) -> Optional[ConfigEdit]:
+    """The config edit that lets ``engine`` (its ``line``) load ``draft`` where only the
+    config stands in the way (a draft named as its target for SGLang, an fc count vLLM
+    does not read), or None."""
+    if draft is None or not draft.architecture:
+        return None
+    if engine == "sglang":
+        if draft.architecture == "LlamaForCausalLM" and _sglang_loads_as_target(
+            draft.architecture, line
+        ):
+            return ConfigEdit(
+                ("architectures",),
+                ["LlamaForCausalLMEagle3"],
+                "set the draft config's architectures to LlamaForCausalLMEagle3 (SGLang's "
+                "EAGLE-3 Llama draft, the same weights)",
+            )
+        return None
+    found = _vllm_fc_sizing(draft, _vllm_releases(line if line is not None else VLLM_LINE))
+    return found[1] if found else None
+
+
+def _sglang_loads_as_target(arch: str, line=None, releases=None) -> Optional[str]:
     """Why SGLang cannot serve an EAGLE-3 draft written in the original EAGLE format,
     its architecture the target's (``LlamaForCausalLM``: vLLM loads it as
     ``Eagle3LlamaForCausalLM``), or None. SGLang has no such renaming: it builds the
     model class it registers for the name, and its EAGLE-3 worker then reads the
     draft's ``hot_token_id`` (engine facts: ``eagle3_draft_attribute``), which only its
     EAGLE-3 draft classes set."""
-    releases = _sglang_releases(line, None) if line is not None else engine_facts.releases("sglang")
+    if releases is None:
+        releases = (
+            _sglang_releases(line, None) if line is not None else engine_facts.releases("sglang")
+        )
     drafts = {a for r in releases for a in engine_facts.load()["sglang"][r]["eagle3_drafts"]}
     # An EAGLE-3 draft architecture in the original format: vLLM registers Eagle3 + it.
     if arch in drafts or f"Eagle3{arch}" not in draft_architectures():
@@ -851,8 +912,8 @@ def _sglang_loads_as_target(arch: str, line=None) -> Optional[str]:
         return None
     release, needs = hits[-1]
     fix = (
-        "set the draft config's architectures to LlamaForCausalLMEagle3 (SGLang's EAGLE-3 "
-        "Llama draft, the same weights)"
+        "set the draft config's architectures to LlamaForCausalLMEagle3 (SGLang's "
+        "EAGLE-3 Llama draft, the same weights)"
         if arch == "LlamaForCausalLM"
         else f"serve it with vLLM, or export it in one of SGLang's EAGLE-3 draft formats "
         f"({', '.join(sorted(drafts))}) where its layers are theirs"
@@ -866,14 +927,15 @@ def _sglang_loads_as_target(arch: str, line=None) -> Optional[str]:
     )
 
 
-def cannot_load(engine: str, draft: Optional[DraftIds], line=None) -> Optional[str]:
-    """Why ``engine`` (its release ``line``, where the registry changed) cannot load
-    the draft (its class is not registered there: the engine facts), or None."""
+def cannot_load(engine: str, draft: Optional[DraftIds], line=None, releases=None) -> Optional[str]:
+    """Why ``engine`` (its release ``line``, or the ``releases`` read named, where the
+    registry changed) cannot load the draft (its class is not registered there: the
+    engine facts), or None."""
     if draft is None or not draft.architecture:
         return None
     arch = draft.architecture
     if engine == "sglang":
-        as_target = _sglang_loads_as_target(arch, line)
+        as_target = _sglang_loads_as_target(arch, line, releases)
         if as_target is not None:
             return as_target
     # Judged: the EAGLE-3 draft formats some release read registers, and EAGLE-3 names
@@ -889,9 +951,12 @@ def cannot_load(engine: str, draft: Optional[DraftIds], line=None) -> Optional[s
         else ""
     )
     if engine == "sglang":
-        releases = (
-            _sglang_releases(line, None) if line is not None else engine_facts.releases("sglang")
-        )
+        if releases is None:
+            releases = (
+                _sglang_releases(line, None)
+                if line is not None
+                else engine_facts.releases("sglang")
+            )
         if any(engine_facts.registers_draft("sglang", r, arch) for r in releases):
             return None
         since = engine_facts.draft_class("sglang", arch)
@@ -922,7 +987,8 @@ def cannot_load(engine: str, draft: Optional[DraftIds], line=None) -> Optional[s
     # vLLM names an EAGLE-3 draft's class "Eagle3" + its architecture unless the name
     # already starts or ends with Eagle3 (transformers_utils/configs/eagle.py).
     loaded = arch if arch.startswith("Eagle3") or arch.endswith("Eagle3") else f"Eagle3{arch}"
-    releases = _vllm_releases(line if line is not None else VLLM_LINE)
+    if releases is None:
+        releases = _vllm_releases(line if line is not None else VLLM_LINE)
     if (
         engine == "vllm"
         and "speculators_config" not in draft.raw
@@ -944,11 +1010,18 @@ def cannot_load(engine: str, draft: Optional[DraftIds], line=None) -> Optional[s
 
 
 def _vllm_fc_mismatch(draft: DraftIds, releases) -> Optional[str]:
+    """Why vLLM cannot load the draft's fc (:func:`_vllm_fc_sizing`), or None."""
+    found = _vllm_fc_sizing(draft, releases)
+    return found[0] if found else None
+
+
+def _vllm_fc_sizing(draft: DraftIds, releases) -> Optional[tuple[str, Optional[ConfigEdit]]]:
     """Why vLLM cannot load a draft whose fc was trained on another number of hidden
     states than its EAGLE-3 class sizes the fc for (engine facts: ``eagle3_draft_fc``,
-    read per release), or None. The draft's fc takes as many states as it has ids
-    (none: the three defaults); a speculators-format draft's config as vLLM sees it is
-    its transformer_layer_config plus the top-level ids (``speculators_eagle3``)."""
+    read per release), and the count to write; None when it fits. The draft's fc takes
+    as many states as it has ids (none: the three defaults); a speculators-format
+    draft's config as vLLM sees it is its transformer_layer_config plus the top-level
+    ids (``speculators_eagle3``)."""
     trained = draft.trained
     if not trained or not draft.use_aux:  # no aux states: the draft builds no fc
         return None
@@ -970,8 +1043,9 @@ def _vllm_fc_mismatch(draft: DraftIds, releases) -> Optional[str]:
             model_type = view.get("model_type", speculators["model_type_default"])
             loaded = speculators["archs"].get(model_type) if isinstance(model_type, str) else None
             where = "transformer_layer_config, which vLLM builds the draft's config from"
+            at: tuple[str, ...] = ("transformer_layer_config",)
         else:
-            view, where = raw, "the draft config"
+            view, where, at = raw, "the draft config", ()
             arch = draft.architecture or ""
             loaded = (
                 arch if arch.startswith("Eagle3") or arch.endswith("Eagle3") else f"Eagle3{arch}"
@@ -1004,7 +1078,8 @@ def _vllm_fc_mismatch(draft: DraftIds, releases) -> Optional[str]:
             f"({trained}) and vLLM's {cls.split('.')[-1]} sized for {width}: "
             f"models/{rule['where']} ({release}) takes the count from {reads}, else "
             f"{rule['default']}, and the checkpoint's fc weight does not fit (a shape "
-            f"assertion while loading). Fix: {fix}"
+            f"assertion while loading). Fix: {fix}",
+            ConfigEdit(at + (count_key,), len(trained), fix) if count_key else None,
         )
     return None
 
@@ -1114,9 +1189,56 @@ def vllm_fallback_note(architecture: Optional[str]) -> Optional[str]:
     )
 
 
-def _lines_that_capture(architecture: str) -> str:
-    """Where a target class can feed an EAGLE-3 draft, among the releases read."""
-    where = engine_facts.capturing_releases(architecture)
+def _lines_that_capture(architecture: str, draft: Optional[DraftIds] = None) -> str:
+    """Where a target class can feed an EAGLE-3 draft, among the releases read, and
+    (given the ``draft``) where that engine release also loads the draft."""
+    anywhere = _capturing(architecture, None)
+    if not anywhere:
+        return (
+            "no SGLang or vLLM release read can (SGLang 0.5.9 - 0.5.23, vLLM 0.32 - 0.34): "
+            "serve it without EAGLE-3, or with a draft for another target"
+        )
+    loading = _capturing(architecture, draft)
+    if loading:
+        return "it can on " + "; ".join(loading) + " (of the releases read)"
+    return (
+        f"it can on {'; '.join(anywhere)} (of the releases read), none of which loads this "
+        f"draft (above): export it in a format one of them loads"
+    )
+
+
+def _load_remedy(engine: str, draft: DraftIds, line, architecture: str) -> str:
+    """What serves a draft that ``engine``'s ``line`` cannot load: the config edit
+    where one does, else the releases read that load it (and capture for the target)."""
+    edit = load_edit(engine, draft, line)
+    if edit is not None:
+        return edit.said
+    parts = _capturing(architecture, draft)
+    if not parts:
+        return ""
+    return (
+        ("it loads, and the target captures, on " if architecture else "it loads on ")
+        + "; ".join(parts)
+        + " (of the releases read)"
+    )
+
+
+def _capturing(architecture: str, draft: Optional[DraftIds]) -> list[str]:
+    """The engine releases read whose class for ``architecture`` can capture (and that
+    load ``draft``, where given), a phrase each: whole SGLang lines as ranges."""
+    if architecture:
+        where = engine_facts.capturing_releases(architecture)
+        fallback = engine_facts.vllm_fallback_releases(architecture)
+    else:  # no target named: every release read, for where the draft loads
+        where = {engine: engine_facts.releases(engine) for engine in ("sglang", "vllm")}
+        fallback = []
+    if draft is not None:
+
+        def loads(engine: str, found: list[str]) -> list[str]:
+            return [r for r in found if not cannot_load(engine, draft, None, [r])]
+
+        where = {engine: loads(engine, found) for engine, found in where.items()}
+        fallback = loads("vllm", fallback)
     parts, run = [], []  # run: consecutive lines that capture on every release read
 
     def close():
@@ -1136,26 +1258,25 @@ def _lines_that_capture(architecture: str) -> str:
     close()
     if where["vllm"]:
         parts.append("vLLM " + ", ".join(where["vllm"]))
-    fallback = engine_facts.vllm_fallback_releases(architecture)
     if fallback:
         parts.append(
             f"vLLM {', '.join(fallback)} through its Transformers modeling backend, if that "
             f"runs this model"
         )
-    if not parts:
-        return (
-            "no SGLang or vLLM release read can (SGLang 0.5.9 - 0.5.23, vLLM 0.32 - 0.34): "
-            "serve it without EAGLE-3, or with a draft for another target"
-        )
-    return "it can on " + "; ".join(parts) + " (of the releases read)"
+    return parts
 
 
 def target_cannot_capture(
-    engine: str, line, architecture: str, sglang_version: Optional[str] = None
+    engine: str,
+    line,
+    architecture: str,
+    sglang_version: Optional[str] = None,
+    draft: Optional[DraftIds] = None,
 ) -> Optional["CannotCapture"]:
     """Why the target's class cannot feed an EAGLE-3 draft on ``line`` (from the
     engine facts), and whether that holds for the whole line (False: only some of
-    its releases read); None when it can, or when that is not known."""
+    its releases read); None when it can, or when that is not known. The remedy
+    names only releases that also load ``draft``."""
     if not architecture:
         return None
     releases = _vllm_releases(line) if engine == "vllm" else _sglang_releases(line, sglang_version)
@@ -1205,7 +1326,7 @@ def target_cannot_capture(
         can = [r for r in releases if r not in cannot and (facts[r] or {}).get("capture")]
         why += f"; {', '.join(can)} capture" if can else ""
         short += f" on {', '.join(cannot)}" + (f"; {', '.join(can)} capture" if can else "")
-    remedy = _lines_that_capture(architecture)
+    remedy = _lines_that_capture(architecture, draft)
     return CannotCapture(
         f"{why}. It cannot feed an EAGLE-3 draft there, whatever the ids; {remedy}",
         whole,

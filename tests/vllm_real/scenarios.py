@@ -545,7 +545,16 @@ def draft_fc_width():
             os.path.join(WORK, "nested4c3"), ids=[1, 3, 5, 7], num_aux=3
         ),
     }
-    out = {"release": release}
+    # The config `doctor --write-config` writes for the 4-id speculators draft (its load
+    # edit: the count in transformer_layer_config), built by vLLM like the others.
+    from eagle_capture.cli import doctor as doctor_cli
+
+    written = os.path.join(WORK, "spec4w")
+    os.makedirs(written, exist_ok=True)
+    argv = ["--draft-config", cases["speculators_llama_4"], "--num-layers", str(h.NUM_LAYERS)]
+    argv += ["--engine", "vllm", "--write-config", os.path.join(written, "config.json")]
+    out = {"release": release, "written_exit": doctor_cli.main(argv)}
+    cases["speculators_llama_4_written"] = written
     for name, folder in cases.items():
         vc, _ = _setup(draft=folder)
         hf = vc.speculative_config.draft_model_config.hf_config

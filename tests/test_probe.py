@@ -137,6 +137,23 @@ def test_ambiguous_ids_decided_by_measurement(tmp_path):
     )
 
 
+def test_a_speculators_draft_without_ids_is_measured(tmp_path):
+    """A draft converted to speculators' format with no ids (null, as speculators' own
+    trainer also wrote before 0.5.0): the config reads two ways ([3, 5, 6] or the
+    defaults [2, 4, 5]); the probe measures both and their neighbours and names the
+    layers this one was trained on ([2, 4, 6]) and the ids to write."""
+    config = tiny_eagle3.speculators_config([1, 3, 5])
+    config["eagle_aux_hidden_state_layer_ids"] = None
+    draft = _variant(tmp_path, "draft_specforge", config)
+    provenance = recognise(read_draft_ids(draft / "config.json"), 8, "LlamaForCausalLM")
+    assert [r.expected for r in provenance.readings] == [(3, 5, 6), (2, 4, 5)]
+    report = _probe(draft)
+    assert report.verdict.startswith("MISMATCH: capture layers [2, 4, 6]"), report.format()
+    engines = "\n".join(report.engines)
+    assert "write the top-level eagle_aux_hidden_state_layer_ids = [2, 4, 6]" in engines
+    assert not report.ok
+
+
 def test_no_ids_checks_the_engines_default(tmp_path):
     """A config without ids: the engines feed their default [2, 4, 5]; the probe
     says that is not what the draft was trained on."""

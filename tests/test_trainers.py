@@ -468,3 +468,56 @@ def test_an_embedding_id_is_never_read_as_capture_layer_minus_one(tmp_path):
     )
     p = recognise(read_draft_ids(path), 32, "LlamaForCausalLM")
     assert [r.expected for r in p.readings] == [(0, 17, 33)] and p.decided_by == "assumed", p
+
+
+def test_a_speculators_draft_without_ids_is_read_both_ways(capsys):
+    """speculators writes no ids in two histories one layer apart: its own trainer of
+    0.3.0 - 0.4.0.1 took each named layer's output (capture layers [3, L // 2 + 1, L - 2],
+    as its 2025 research pipeline), its converter given no ids leaves a SafeAILab or
+    SpecForge draft trained on the defaults (this file: the converter's own output for an
+    id-less SpecForge export). AMBIGUOUS on vLLM, with the fix under the reading it belongs
+    to; --accept-defaults decides for the defaults. (It was UNVERIFIED, with a note that
+    blamed only the converter.)"""
+    path = _path("speculators", "Eagle3Converter_from_specforge_no_ids_arg.config.json")
+    argv = ["--draft-config", path, "--num-layers", 61, "--target-architecture"]
+    argv += ["DeepseekV3ForCausalLM", "--engine", "vllm"]
+    code, out, _ = _doctor(capsys, *argv)
+    assert code == 1 and "summary: vLLM: AMBIGUOUS (exit 1)" in out, out
+    p = recognise(read_draft_ids(path), 61, "DeepseekV3ForCausalLM")
+    assert [r.expected for r in p.readings] == [(3, 31, 59), (2, 30, 58)]
+    assert "custom_worker.py" in p.readings[0].why and "eagle3_converter.py" in p.readings[1].why
+    assert "aux_hidden_state_layers = [2, 30, 58]" in out and "= [3, 31, 59]" in out
+    assert "--accept-defaults if it was trained on the engines' defaults" in out
+    code, out, _ = _doctor(capsys, *argv, "--accept-defaults")
+    assert code == 0 and "summary: vLLM: OK (exit 0)" in out, out
+    assert "as --accept-defaults says" in out
+    doctor.main([str(a) for a in argv] + ["--json", "--accept-defaults"])
+    answer = json.loads(capsys.readouterr().out)
+    assert [r["trained_capture_layers"] for r in answer["readings"]] == [[2, 30, 58]]
+
+
+@pytest.mark.parametrize("version", range(4))
+def test_the_research_pipelines_templates_are_recognised(version, tmp_path, capsys):
+    """speculators' 2025 research pipeline copied its train/*.json into every draft it
+    trained: each version read is recognised as shipped, read as the layers its data
+    generation took (hidden_states[3], [L // 2 + 1], [-3]); vLLM's defaults are one layer
+    early in every slot (it was OK, exit 0, read as SafeAILab's). The same config edited
+    is SafeAILab's shape again, with the note (the first version, with target_vocab_size
+    for draft_vocab_size, no one's)."""
+    from eagle_capture.layer_ids.trainers import _templates
+
+    template = _templates()["speculators research pipeline"]["templates"][version]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(template["config"]))
+    n = 32 if "llama" in template["file"] else 36
+    code, out, _ = _doctor(capsys, "--draft-config", path, "--num-layers", n, "--engine", "vllm")
+    want = [3, n // 2 + 1, n - 2]
+    assert code == 1 and "trainer: speculators research pipeline" in out, out
+    assert "MISMATCH" in out and f"its default GPU runner reads no other key) = {want}" in out
+    edited = dict(template["config"], max_position_embeddings=4096)
+    path.write_text(json.dumps(edited))
+    p = recognise(read_draft_ids(path), n, "LlamaForCausalLM")
+    if "draft_vocab_size" in edited:
+        assert p.trainer == "SafeAILab EAGLE" and p.caveat
+    else:
+        assert p.trainer == ""

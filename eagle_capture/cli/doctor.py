@@ -82,6 +82,7 @@ from eagle_capture.layer_ids.trainers import (
     RECORD_KEY,
     RECORD_LAYERS,
     Provenance,
+    defaults_accepted,
     recognise,
 )
 
@@ -229,6 +230,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
         check_id_range(draft, num_layers)
         provenance = recognise(draft, num_layers, architecture, args.id_convention)
+        if args.accept_defaults:
+            provenance = defaults_accepted(provenance, num_layers)
 
         def judge(engine: str, draft: DraftIds, provenance: Optional[Provenance]) -> Diagnosis:
             return diagnose(

@@ -33,7 +33,13 @@ from eagle_capture.layer_ids.lines import (
 )
 from eagle_capture.layer_ids.rules import SHIFT_ALWAYS, ModelRule, model_rule_of
 from eagle_capture.layer_ids.startup import slot_order_problem
-from eagle_capture.layer_ids.trainers import CONVENTIONS, Provenance, Reading, recognise
+from eagle_capture.layer_ids.trainers import (
+    CONVENTIONS,
+    Provenance,
+    Reading,
+    defaults_accepted,
+    recognise,
+)
 
 __all__ = [
     "CannotCapture",
@@ -422,6 +428,13 @@ class Diagnosis:
             )
         if kind == "CANNOT LOAD":
             return f"CANNOT LOAD: {self.engine_name} cannot load this draft (above)"
+        if kind == "AMBIGUOUS" and self.provenance is not None and self.provenance.ids is None:
+            return (
+                "AMBIGUOUS: the config names no ids, and the runs that write none trained on "
+                "different layers (each reading above); measure them with `eagle-capture "
+                "probe`, or pass --accept-defaults if it was trained on the engines' defaults "
+                "(exit 1 until then)"
+            )
         if kind == "AMBIGUOUS":
             return (
                 "AMBIGUOUS: what the draft receives is right or wrong depending on how "
@@ -553,6 +566,8 @@ def diagnose(
     if provenance is None:
         bare = draft if draft is not None else DraftIds(ids, None, "", "the ids given")
         provenance = recognise(bare, num_layers, architecture, convention)
+    if accept_defaults:
+        provenance = defaults_accepted(provenance, num_layers)
     notes += list(provenance.notes)
     trained = provenance.ids
     if (

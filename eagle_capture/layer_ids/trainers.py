@@ -43,14 +43,17 @@ An unrecognised config is read in the output convention, said as assumed;
 ids equal to the input-convention default then are ambiguous.
 """
 
+import functools
+import json
+import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from eagle_capture.layer_ids.lines import CapturePlanError
 from eagle_capture.layer_ids.rules import SHIFT_ALWAYS, apply_rule, sglang_model_rule
 
-__all__ = ["Provenance", "Reading", "recognise", "CONVENTIONS"]
+__all__ = ["Provenance", "Reading", "defaults_accepted", "recognise", "CONVENTIONS"]
 
 CONVENTIONS = ("auto", "output", "input")
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
@@ -103,11 +106,35 @@ def out_default(num_layers: int) -> list[int]:
 
 
 def speculators_research_layers(num_layers: int) -> list[int]:
-    """The capture layers speculators' 2025 research pipeline trained on
-    (research/eagle3/ge_data/*sharegpt.py at v0.2.0: transformers' hidden_states[3],
-    [num_layers // 2 + 1] and [-3], the last being the input of layer num_layers - 2),
-    the pipeline its README says reproduces RedHatAI's early drafts; removed 2025-11."""
+    """The capture layers speculators trained on before it wrote ids: its 2025 research
+    pipeline (research/eagle3/ge_data/*sharegpt.py at v0.2.0: transformers'
+    hidden_states[3], [num_layers // 2 + 1] and [-3], the last being the input of layer
+    num_layers - 2; removed 2025-11), and its own trainer from 0.3.0 to 0.4.0.1
+    (data_generation/custom_worker.py: the output of each of layers [2, n // 2, n - 3],
+    hidden_states + residual after the layer ran; scripts/train.py wrote no ids)."""
     return [3, num_layers // 2 + 1, num_layers - 2]
+
+
+# Trainer templates copied verbatim into every checkpoint they trained (the data file
+# says where each was read): a draft config equal to one is that trainer's.
+TEMPLATES = os.path.join(os.path.dirname(__file__), "data", "trainer_templates.json")
+
+
+@functools.lru_cache(maxsize=None)
+def _templates() -> dict:
+    with open(TEMPLATES, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _template_of(config: dict) -> Optional[tuple[str, dict]]:
+    """(trainer, template) when ``config`` is one of the trainer templates as shipped
+    (the doctor's own record aside), else None."""
+    bare = {k: v for k, v in config.items() if k != RECORD_KEY}
+    for trainer, entry in _templates().items():
+        for template in entry["templates"]:
+            if template["config"] == bare:
+                return trainer, template
+    return None
 
 
 RESEARCH_NOTE = "The same config"
@@ -146,8 +173,8 @@ class Provenance:
     field: str  # where they are
     readings: tuple[Reading, ...]  # one: decided; more: ambiguous
     notes: tuple[str, ...] = field(default_factory=tuple)
-    # "markers" | "--id-convention" | "assumed" | "layer count" (the other reading
-    # names layers the target does not have)
+    # "markers" | "--id-convention" | "--accept-defaults" | "assumed" | "layer count"
+    # (the other reading names layers the target does not have)
     decided_by: str = "markers"
     # Another trainer whose configs look the same, in a few words for the short answer
     # (its note says the rest)
@@ -184,6 +211,7 @@ class Provenance:
             )
             by = {
                 "--id-convention": " (as --id-convention says)",
+                "--accept-defaults": " (as --accept-defaults says)",
                 "assumed": " (ASSUMED)",
                 "layer count": " (the only reading that names existing layers)",
             }.get(self.decided_by, "")
@@ -206,6 +234,7 @@ class Provenance:
         else:
             by = {
                 "--id-convention": ", as --id-convention says",
+                "--accept-defaults": ", as --accept-defaults says",
                 "assumed": ", ASSUMED",
                 "layer count": ", the only reading that names existing layers",
             }.get(self.decided_by, "")
@@ -268,6 +297,10 @@ def _markers(config: dict) -> tuple[str, str]:
             "architectures LlamaForCausalLMEagle3"
             + (", eagle_config = {ids, use_aux_hidden_state}" if eagle else ", no eagle_config")
         )
+    template = _template_of(config)
+    if template is not None:
+        trainer, found = template
+        return trainer, f"its {found['file']} as shipped (commit {found['commit'][:8]})"
     if (
         arch == "LlamaForCausalLM"
         and "draft_vocab_size" in config
@@ -418,10 +451,32 @@ def recognise(
                 f"measure it with `eagle-capture probe`"
             )
         if ids is None:
-            notes.append(
-                "speculators wrote null: its converter does not read the source draft's ids"
+            # Two histories write no ids, one layer apart (speculators_research_layers):
+            # only the probe tells them apart.
+            readings = (
+                Reading(
+                    "speculators' own training (before it wrote ids)",
+                    tuple(speculators_research_layers(num_layers)),
+                    "speculators 0.3.0 - 0.4.0.1 trained on each named layer's output "
+                    f"(layers {[c - 1 for c in speculators_research_layers(num_layers)]}: "
+                    "data_generation/custom_worker.py) and wrote no ids (scripts/train.py); "
+                    "its 2025 research pipeline (RedHatAI's early drafts) took the same layers",
+                ),
+                Reading(
+                    "a draft converted without ids (trained on the defaults)",
+                    tuple(in_default(num_layers)),
+                    "speculators' converter writes no ids unless given them "
+                    "(convert/eagle/eagle3_converter.py): a SafeAILab EAGLE-3 or an id-less "
+                    "SpecForge draft converted so was trained on the engines' defaults",
+                ),
             )
-            notes.append(_research_note(num_layers, "a speculators draft with no ids"))
+            notes.append(
+                "speculators wrote no ids: a draft from its own trainer before 0.5.0 (or its "
+                "2025 research pipeline) was trained one layer past the engines' defaults, "
+                "a draft converted from SafeAILab's or SpecForge's defaults on them. Only the "
+                "draft's training run can say which: measure it with `eagle-capture probe`, "
+                "or pass --accept-defaults if it was trained on the defaults"
+            )
     elif trainer in NO_ID_DEFAULTS and ids is None:
         readings = (
             Reading(
@@ -481,6 +536,16 @@ def recognise(
             "SGLang's EAGLE-3 target reads no target_layer_ids (only eagle_config's "
             f"{IDS_KEY}); vLLM's V2 runner reads them, adding 1"
         )
+    elif trainer == "speculators research pipeline":
+        readings = (
+            Reading(
+                "the research pipeline's layers (hidden_states[3], [L // 2 + 1], [-3])",
+                tuple(speculators_research_layers(num_layers)),
+                "its train/*.json is copied into every checkpoint it trained "
+                "(research/eagle3/convert.sh), its data took those states "
+                "(ge_data/*sharegpt.py)",
+            ),
+        )
     elif trainer == "SafeAILab EAGLE":
         readings = (_in(in_default(num_layers), "hard-coded in SafeAILab's EAGLE-3 training"),)
         notes.append(_research_note(num_layers, "SafeAILab's shape"))
@@ -513,6 +578,18 @@ def recognise(
     return Provenance(
         trainer, evidence, ids, where, readings, tuple(notes + dropped), caveat=caveat
     )
+
+
+def defaults_accepted(provenance: Provenance, num_layers: int) -> Provenance:
+    """``provenance`` under --accept-defaults: a draft with no ids read more than one way
+    (a speculators draft) is read as trained on the engines' defaults, where that is one
+    of its readings."""
+    if provenance.ids is not None or not provenance.ambiguous:
+        return provenance
+    kept = tuple(r for r in provenance.readings if r.expected == tuple(in_default(num_layers)))
+    if not kept:
+        return provenance
+    return replace(provenance, readings=kept, decided_by="--accept-defaults")
 
 
 def _existing(readings, num_layers: int) -> tuple[tuple[Reading, ...], list[str]]:

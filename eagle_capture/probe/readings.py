@@ -148,12 +148,14 @@ def candidates(
     for label, _, layers in _engine_captures(draft, num_layers, architecture, sglang_version):
         add(layers, label + " captures")
     add(defaults, "the engines' default")
-    base = sorted(readings[0].expected) if readings else defaults
-    for k in range(len(base)):
-        for d in (-1, 1):
-            moved = list(base)
-            moved[k] += d
-            add(moved, f"config, layer {base[k]} -> {base[k] + d}")
+    # One layer off in one slot, around each config reading (two when the config reads
+    # two ways: a draft trained next to the second is as likely as next to the first).
+    for base in [sorted(r.expected) for r in readings] or [defaults]:
+        for k in range(len(base)):
+            for d in (-1, 1):
+                moved = list(base)
+                moved[k] += d
+                add(moved, f"config, layer {base[k]} -> {base[k] + d}")
     return list(found.values()), notes
 
 

@@ -190,7 +190,14 @@ def judge(
                 else f"; {list(runner.layers)} agrees {pct(runner)}, within the "
                 f"{100 * need:.1f} points that noise allows"
             )
-        if report.provenance.ambiguous:
+        if report.provenance.ambiguous and report.provenance.ids is None:
+            # (no ids: the readings are the runs that write none, not conventions)
+            report.fixes.append(
+                f"the config names no ids, and the runs that write none trained on different "
+                f"layers: this draft was trained on {want}; write them (below) so that the "
+                f"doctor and the plugins read it without a guess"
+            )
+        elif report.provenance.ambiguous:
             conv = "output" if "output" in which else "input"
             report.fixes.append(
                 f"the config's ids are ambiguous; this draft's are in the {conv} convention: "

@@ -521,3 +521,20 @@ def test_the_research_pipelines_templates_are_recognised(version, tmp_path, caps
         assert p.trainer == "SafeAILab EAGLE" and p.caveat
     else:
         assert p.trainer == ""
+
+
+def test_specforge_without_ids_names_its_seven_weeks(capsys):
+    """SpecForge's online trainer took [1, L // 2, L - 4] for a config without ids from
+    2025-09-01 to 2025-10-20 (the fix: bdbea66b): a draft trained then has its middle slot
+    a layer past the engines' default. The config cannot say when it was trained: the
+    reading stays the default (every other path), the short answer says the other, the
+    note says why and points at the probe."""
+    path = os.path.join(os.path.dirname(DATA), "published_configs", "specforge_phi4.config.json")
+    draft = read_draft_ids(path)
+    assert draft.read_by_target is None  # (SpecForge's phi-4 template names no ids)
+    p = recognise(draft, 40, "Phi3ForCausalLM")
+    assert [r.expected for r in p.readings] == [(2, 20, 37)]
+    assert "or [2, 21, 37] if SpecForge's online trainer of 2025-09-01 - 2025-10-20" in p.caveat
+    assert any("94d67101 - bdbea66b" in n and "eagle-capture probe" in n for n in p.notes)
+    named = os.path.join(os.path.dirname(path), "specforge_kimi_k25.config.json")
+    assert not recognise(read_draft_ids(named), 61).caveat  # trained on the ids it names

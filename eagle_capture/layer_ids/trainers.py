@@ -152,6 +152,28 @@ def _research_note(num_layers: int, shape: str) -> str:
     )
 
 
+def specforge_window_layers(num_layers: int) -> list[int]:
+    """The capture layers SpecForge's online trainer took for a draft config without ids
+    from 94d67101 (2025-09-01) to bdbea66b (2025-10-20): specforge/core/eagle3.py's
+    default [1, num_layers // 2, num_layers - 4] as hidden_states[id + 1], the middle
+    one a layer past the engines' default (its offline and SGLang paths took theirs)."""
+    return [2, num_layers // 2 + 1, num_layers - 3]
+
+
+SPECFORGE_WINDOW_NOTE = "SpecForge's online trainer"
+
+
+def _specforge_window_note(num_layers: int) -> str:
+    return (
+        f"{SPECFORGE_WINDOW_NOTE} (its Hugging Face target) took "
+        f"[1, L // 2, L - 4] for a config without ids from 2025-09-01 to 2025-10-20 "
+        f"(specforge/core/eagle3.py, 94d67101 - bdbea66b): capture layers "
+        f"{specforge_window_layers(num_layers)}, the middle one a layer past "
+        f"{in_default(num_layers)}. A draft trained online in those weeks gets its middle "
+        f"slot one layer early from the engines' defaults: measure it with `eagle-capture probe`"
+    )
+
+
 @dataclass(frozen=True)
 class Reading:
     """One way to read the draft's ids: the capture layers it was trained on."""
@@ -488,6 +510,8 @@ def recognise(
             ),
         )
         where = f"none written; {NO_ID_DEFAULTS[trainer]} {out_default(num_layers)}"
+        if "SpecForge" in trainer:
+            notes.append(_specforge_window_note(num_layers))
     elif trainer == "SpecForge":
         readings = _specforge_readings(ids, num_layers, architecture)
     elif trainer == "NVIDIA Model Optimizer":
@@ -573,6 +597,9 @@ def recognise(
         f"or {speculators_research_layers(num_layers)} if speculators' 2025 research "
         f"pipeline trained it (note below: --explain)"
         if any(n.startswith(RESEARCH_NOTE) for n in notes)
+        else f"or {specforge_window_layers(num_layers)} if SpecForge's online trainer of "
+        f"2025-09-01 - 2025-10-20 trained it (note below: --explain)"
+        if any(n.startswith(SPECFORGE_WINDOW_NOTE) for n in notes)
         else ""
     )
     return Provenance(

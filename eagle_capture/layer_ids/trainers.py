@@ -221,12 +221,17 @@ class Provenance:
                     + (f" ({r.why})" if r.why else "")
                     for r in self.readings
                 )
-                + ". --id-convention output|input decides; until then no single fix is given"
+                + (
+                    ". The probe decides (--accept-defaults: the defaults); until then no "
+                    "single fix is given"
+                    if self.ids is None
+                    else ". --id-convention output|input decides; until then no single fix is given"
+                )
             )
         else:
             r = self.readings[0]
             layers = (
-                "unknown (no ids)"
+                ""
                 if r.expected is None
                 else f"capture layers {list(r.expected)} (outputs of layers "
                 f"{[c - 1 for c in r.expected]})"
@@ -237,7 +242,11 @@ class Provenance:
                 "assumed": " (ASSUMED)",
                 "layer count": " (the only reading that names existing layers)",
             }.get(self.decided_by, "")
-            how = f"read as {r.label}{by}: trained on {layers}" + (f"; {r.why}" if r.why else "")
+            how = (
+                f"read as {r.label}{by}: the layers it was trained on are unknown (no ids)"
+                if r.expected is None
+                else f"read as {r.label}{by}: trained on {layers}"
+            ) + (f"; {r.why}" if r.why else "")
         return f"trainer: {who}; {ids}; {how}"
 
     def brief(self) -> str:

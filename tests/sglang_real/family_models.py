@@ -12,6 +12,8 @@ transformers' own config classes.
 
 from __future__ import annotations
 
+import re
+
 from tests.sglang_real import harness
 
 # family -> (SGLang module, EntryClass, transformers config class)
@@ -28,8 +30,20 @@ FAMILIES = {
 # Built the same way but no family of the plugin's (what hf_tensor.py measures): Gemma 3's
 # text model, a scaled embedding and four norms a layer; from 0.5.18 its layers hand the
 # residual add to the next layer's norm.
-MEASURED_ONLY = {"gemma3": ("gemma3_causal", "Gemma3ForCausalLM", "Gemma3TextConfig")}
+MEASURED_ONLY = {
+    "gemma3": ("gemma3_causal", "Gemma3ForCausalLM", "Gemma3TextConfig"),
+    # Gemma 4's text model: Gemma 3's four norms a layer, then the per-layer embedding
+    # (PLE) added to the stream and the whole stream scaled by the layer's layer_scalar.
+    "gemma4": ("gemma4_causal", "Gemma4ForCausalLM", "Gemma4TextConfig"),
+    # Its multimodal class (the checkpoints' architecture): the same text model as its
+    # ``language_model``, built from a Gemma4Config with that text config and a one-layer
+    # vision tower (no image in the batch), run through its own forward.
+    "gemma4_mm": ("gemma4_mm", "Gemma4ForConditionalGeneration", "Gemma4TextConfig"),
+}
 MODELS = {**FAMILIES, **MEASURED_ONLY}
+
+# A family built as another's text model inside a multimodal class.
+TEXT_OF = {"gemma4_mm": "gemma4"}
 
 # The decoder layer's feed-forward attribute where it is not ``mlp``.
 FFN_ATTR = {"minimax_m2": "block_sparse_moe"}
@@ -91,6 +105,20 @@ def tiny_config(family: str, num_layers: int, hidden_size: int, vocab_size: int 
         # Gemma 3's checkpoints scale the global layers' rope linearly (27B: factor 8),
         # which 0.5.13's class reads.
         "gemma3": dict(rope_scaling={"rope_type": "linear", "factor": 8.0}),
+        # Gemma 4 as its small checkpoints (E2B / E4B): sliding and full layers, the
+        # per-layer embedding (PLE), the last layers sharing an earlier layer's KV cache.
+        "gemma4": dict(
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"]
+            * (num_layers // 3)
+            + ["sliding_attention"] * (num_layers % 3 - 1)
+            + ["full_attention"] * (num_layers % 3 > 0),
+            sliding_window=4,
+            global_head_dim=hidden_size // 4,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=vocab_size,
+            num_kv_shared_layers=2,
+            enable_moe_block=False,
+        ),
         "minimax_m2": dict(
             num_local_experts=4,
             num_experts_per_tok=2,
@@ -99,7 +127,7 @@ def tiny_config(family: str, num_layers: int, hidden_size: int, vocab_size: int 
             scoring_func="sigmoid",
             use_routing_bias=True,
         ),
-    }.get(family, {})
+    }.get(TEXT_OF.get(family, family), {})
     cls = getattr(transformers, config_class, None)
     if cls is None:
         # A transformers older than the family (0.5.9's pin has no MiniMaxM2Config):
@@ -125,6 +153,59 @@ def _without_cute_dsl_dual_gemm() -> None:
     for obj in vars(dual_gemm).values():
         if isinstance(obj, type) and "_select_mode" in vars(obj):
             obj._select_mode = lambda self, *args, **kwargs: None
+
+
+# Gemma 4's weights outside attention and MLP that are not RMSNorms (harness._norms
+# seeds those): the per-layer embedding (PLE) path and each layer's scalar.
+GEMMA4_EXTRA = re.compile(
+    r"model\.(embed_tokens_per_layer|per_layer_model_projection|per_layer_projection_norm)"
+    r"\.weight|model\.layers\.\d+\.(per_layer_input_gate|per_layer_projection"
+    r"|post_per_layer_input_norm)\.weight|model\.layers\.\d+\.layer_scalar"
+)
+
+
+def _seed_gemma4(text, g) -> None:
+    """Random PLE weights (an embedding N(0, 1), projections N(0, 1/fan_in), norms
+    around 1) and layer scalars in [0.5, 1.5): a capture that missed the PLE add or
+    the scaling would then differ from the stream (checkpoints' scalars are not 1).
+    ``text``: the text model, its weights named as a causal LM's (``model.``...)."""
+    import torch
+
+    named = {**dict(text.named_parameters("model")), **dict(text.named_buffers("model"))}
+    for name, w in sorted(named.items()):
+        if not GEMMA4_EXTRA.fullmatch(name):
+            continue
+        if name.endswith("layer_scalar"):
+            value = 0.5 + torch.rand(w.shape, generator=g)
+        elif name.endswith("norm.weight"):
+            value = 1.0 + 0.1 * torch.randn(w.shape, generator=g)
+        elif "embed_tokens" in name:
+            value = torch.randn(w.shape, generator=g)
+        else:
+            value = torch.randn(w.shape, generator=g) / w.shape[1] ** 0.5
+        w.copy_(value.to(w.dtype))
+
+
+def _multimodal_config(family: str, text_config):
+    """The config ``family``'s SGLang class is built from: the text config, or for
+    Gemma 4's multimodal class a Gemma4Config holding it and a one-layer vision tower."""
+    if family != "gemma4_mm":
+        return text_config
+    import transformers
+
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    cfg = transformers.Gemma4Config(
+        text_config=text_config.to_dict(), vision_config=vision.to_dict(), audio_config=None
+    )
+    cfg.architectures = [MODELS[family][1]]
+    return cfg
 
 
 def build(
@@ -158,22 +239,27 @@ def build(
     StandIn, RowParallelStandIn = harness._define_modules()
     torch.manual_seed(seed)
     with set_default_torch_dtype(dtype), torch.device("cpu"):
-        model = cls(cfg, quant_config=None)
+        model = cls(_multimodal_config(family, cfg), quant_config=None)
     model.eval()
+    # The text model: ``model`` of a causal LM, ``language_model`` of Gemma 4's multimodal
+    # class (which keeps its own lm_head and LogitsProcessor).
+    text = model.model if "model" in model._modules else model.language_model
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        emb = model.model.embed_tokens.weight
+        emb = text.embed_tokens.weight
         if world == 1:
             emb.copy_(torch.randn(emb.shape, generator=g).to(emb.dtype))
         else:
-            embed = model.model.embed_tokens
+            embed = text.embed_tokens
             full = torch.randn((embed.num_embeddings_padded, emb.shape[1]), generator=g)
             embed.weight_loader(emb, full[: embed.org_vocab_size].to(emb.dtype))
         for _, norm in harness._norms(model):
             w = norm.weight
             w.copy_((1.0 + 0.1 * torch.randn(w.shape, generator=g)).to(w.dtype))
+        if TEXT_OF.get(family, family) == "gemma4":
+            _seed_gemma4(text, g)
     ffn = FFN_ATTR.get(family, "mlp")
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(text.layers):
         attn_real, ffn_real = layer.self_attn, getattr(layer, ffn)
         if standin == "tanh":
             layer.self_attn = StandIn(hidden_size, seed * 1000 + 2 * i, "attn", attn_real)
@@ -198,8 +284,16 @@ def build(
                         harness._reduces_itself("mlp", ffn_real),
                     ),
                 )
-    model.logits_processor = harness._observed_logits_processor(model.config)
-    harness._seed_lm_head(model, seed)
+    model.logits_processor = harness._observed_logits_processor(cfg)
+    if "model" in model._modules:
+        harness._seed_lm_head(model, seed)
+    else:
+        import types
+
+        harness._seed_lm_head(types.SimpleNamespace(lm_head=model.lm_head, model=text), seed)
+        # harness.run / make_batch find the LogitsProcessor and config on harness.text_lm
+        # (the language model): the model's own processor, the same object.
+        text.logits_processor = model.logits_processor
     if set_capture:
         model.set_eagle3_layers_to_capture(list(capture_ids))
     model._harness_dtype = dtype

@@ -47,6 +47,10 @@ FAMILIES = {
     # transformers class is remote code: the text model's, DeepseekV3.
     "kimi_k25": ("KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM"),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3ForCausalLM"),
+    "gemma4": ("Gemma4ForCausalLM", "Gemma4ForCausalLM"),
+    # Gemma 4's multimodal class hands the ids to its text model (language_model): a text
+    # prompt against transformers' text model, the one a Gemma 4 draft is trained on.
+    "gemma4_mm": ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM"),
 }
 DEEPSEEK = ("deepseek_v2", "deepseek_v3", "kimi_k25")
 # What the measurement says the capture holds (the doctor's data has the same words).
@@ -84,13 +88,23 @@ class _Same(torch.nn.Module):
         return (out, None) if self.attention else out
 
 
-def _hf_model(family: str, sglang_lm):
-    """transformers' model of ``sglang_lm``'s config, SGLang's embedding and norm
-    weights, SGLang's stand-ins in the attention and MLP slots."""
+def _text(model):
+    """(SGLang's text model, its config, its weights named as a causal LM's:
+    ``model.``...): the causal LM's ``model``, or Gemma 4's multimodal
+    ``language_model`` (a text model itself)."""
+    lm = harness.text_lm(model)
+    text, prefix = (lm.model, "") if "model" in lm._modules else (lm, "model.")
+    named = {**dict(lm.named_parameters()), **dict(lm.named_buffers())}
+    return text, lm.config, {prefix + name: t for name, t in named.items()}
+
+
+def _hf_model(family: str, text, cfg, state: dict):
+    """transformers' model of SGLang's text model ``text`` (config ``cfg``), SGLang's
+    embedding and norm weights (``state``, named as a causal LM's), SGLang's stand-ins
+    in the attention and MLP slots."""
     import transformers
 
     _, arch = FAMILIES[family]
-    cfg = sglang_lm.config
     if family in DEEPSEEK:
         # A fresh copy of the config the harness built SGLang's model from (SGLang
         # rewrites its own copy's rope type to one transformers does not know).
@@ -106,17 +120,19 @@ def _hf_model(family: str, sglang_lm):
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = getattr(transformers, arch)(cfg).eval()
-    state = dict(sglang_lm.named_parameters())
     with torch.no_grad():
-        for name, p in hf.named_parameters():
+        for name, p in [*hf.named_parameters(), *hf.named_buffers()]:
             # Every norm of the decoder layer itself (Gemma: four; the attention's own
-            # norms are stood in with it), the embedding, the final norm.
-            if name in ("model.embed_tokens.weight", "model.norm.weight") or re.fullmatch(
-                r"model\.layers\.\d+\.\w*layernorm\.weight", name
+            # norms are stood in with it), the embedding, the final norm; Gemma 4: the
+            # per-layer embedding's weights and each layer's scalar.
+            if (
+                name in ("model.embed_tokens.weight", "model.norm.weight")
+                or re.fullmatch(r"model\.layers\.\d+\.\w*layernorm\.weight", name)
+                or family_models.GEMMA4_EXTRA.fullmatch(name)
             ):
                 p.copy_(state[name].to(p.dtype))
     ffn = family_models.FFN_ATTR.get(family, "mlp")
-    for mine, theirs in zip(hf.model.layers, sglang_lm.model.layers):
+    for mine, theirs in zip(hf.model.layers, text.layers):
         mine.self_attn = _Same(theirs.self_attn, attention=True)
         mine.mlp = _Same(getattr(theirs, ffn), attention=False)
     return hf
@@ -128,6 +144,26 @@ def _branch(layer):
     return getattr(layer, "post_feedforward_layernorm", None) or layer.mlp
 
 
+def _controls(hf, states, ple, k, got) -> dict:
+    """Gemma 4's layer ends ``(stream + ple) * layer_scalar``: the residual stream
+    without the previous layer's scaling and without its per-layer-embedding add, to
+    show the measurement tells a capture that missed either apart (max abs diff of
+    the slot to each; not candidates of the result). Empty for other families."""
+    import torch
+
+    prev = hf.model.layers[k - 1] if k >= 1 else None
+    scalar = getattr(prev, "layer_scalar", None)
+    if scalar is None:
+        return {}
+    with torch.no_grad():
+        unscaled = states[k][0].float() / scalar.float()
+        controls = {"stream before layer_scalar": float((got - unscaled).abs().max())}
+        if k - 1 in ple:
+            before = unscaled - ple[k - 1][0].float()
+            controls["stream before the per-layer input"] = float((got - before).abs().max())
+    return {"controls": controls}
+
+
 def measure(family: str) -> dict:
     """What each slot SGLang hands the draft holds, against transformers."""
     with torch.no_grad():
@@ -136,14 +172,14 @@ def measure(family: str) -> dict:
 
 def _measure(family: str) -> dict:
     model = _sglang_model(family)
-    lm = harness.text_lm(model)
-    layers = sorted(lm.model.layers_to_capture)
+    text, cfg, state = _text(model)
+    layers = sorted(text.layers_to_capture)
     batch = harness.make_batch(model, TOKENS, "extend", seed=5)
     call = harness.run(model, batch)
     aux = harness.draft_input(call)
     assert aux is not None, "SGLang handed the draft no aux"
-    hidden = lm.config.hidden_size
-    hf = _hf_model(family, lm)
+    hidden = cfg.hidden_size
+    hf = _hf_model(family, text, cfg, state)
     outputs = {}
 
     def keep(i):
@@ -155,6 +191,16 @@ def _measure(family: str) -> dict:
     hooks = [
         _branch(layer).register_forward_hook(keep(i)) for i, layer in enumerate(hf.model.layers)
     ]
+    # Gemma 4: the per-layer embedding's contribution each layer adds after its FFN branch
+    # (post_per_layer_input_norm's output), for the controls below.
+    ple = {}
+    for i, layer in enumerate(hf.model.layers):
+        if getattr(layer, "post_per_layer_input_norm", None) is not None:
+            hooks.append(
+                layer.post_per_layer_input_norm.register_forward_hook(
+                    lambda m, a, o, i=i: ple.__setitem__(i, o)
+                )
+            )
     with torch.no_grad():
         out = hf.model(input_ids=batch[0][None], output_hidden_states=True)
     for h in hooks:
@@ -183,6 +229,7 @@ def _measure(family: str) -> dict:
                 "layer": k,
                 "tensor": nearest if dist[nearest] <= TOLERANCE else OTHER,
                 "max_abs_diff": dist,
+                **_controls(hf, states, ple, k, got),
             }
         )
     tensors = {s["tensor"] for s in slots}
@@ -196,6 +243,7 @@ def _measure(family: str) -> dict:
     # Distinct candidates, or the measurement tells nothing apart.
     for s in slots:
         others = [v for name, v in s["max_abs_diff"].items() if name != s["tensor"]]
+        others += list(s.get("controls", {}).values())
         assert all(v > 100 * TOLERANCE for v in others), (
             f"layer {s['layer']}: the candidates are too close to tell apart: {s['max_abs_diff']}"
         )
@@ -204,11 +252,13 @@ def _measure(family: str) -> dict:
 
 def scenario(family: str) -> dict:
     """The measurement. A class without set_eagle3_layers_to_capture on this line
-    (Kimi-K2.5 and Gemma 3 on 0.5.9) captures nothing: said, not measured (the engine
-    facts carry it). Whether the tensor is the residual stream the draft was trained
-    on is the test's to judge (tests/test_sglang_real.py): Gemma 3 from 0.5.18 is
-    measured to hold something else."""
+    (Kimi-K2.5 and Gemma 3 on 0.5.9) captures nothing, and a model the line does not
+    have (Gemma 4 before 0.5.13) is not built: said, not measured (the engine facts
+    carry it). Whether the tensor is the residual stream the draft was trained on is
+    the test's to judge (tests/test_sglang_real.py): Gemma 3 from 0.5.18 is measured
+    to hold something else."""
     import importlib
+    import importlib.util
 
     module = {
         "DeepseekV2ForCausalLM": "deepseek_v2",
@@ -217,6 +267,12 @@ def scenario(family: str) -> dict:
     }.get(FAMILIES[family][0])
     module = module or family_models.MODELS[family][0]
     harness._ensure_stubs()  # before SGLang's model code is imported
+    if importlib.util.find_spec(f"sglang.srt.models.{module}") is None:
+        return {
+            "architecture": FAMILIES[family][0],
+            "tensor": None,
+            "why": f"no sglang.srt.models.{module} on this line",
+        }
     cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), FAMILIES[family][0])
     if not hasattr(cls, "set_eagle3_layers_to_capture"):
         return {

@@ -174,8 +174,8 @@ def test_a_wrapper_has_the_rule_of_the_class_it_forwards_to(version):
     for wrapper, inner in WRAPPERS.items():
         fact = engine_facts.target("sglang", version, wrapper)
         if version == "0.5.9":
-            # Kimi-K2.5's wrapper has no set_eagle3_layers_to_capture before 0.5.13
-            # (models/kimi_k25.py): the forwarding starts there.
+            # Kimi-K2.5's wrapper has no set_eagle3_layers_to_capture before 0.5.10
+            # (models/kimi_k25.py:841 there): the forwarding starts there.
             assert fact["capture"] is False
             continue
         want = engine_facts.target("sglang", version, inner)

@@ -83,7 +83,7 @@ def test_the_users_config_minus_one(tmp_path, capsys):
     assert "the draft's fc, sized for 3, FAILS at its first forward" in out
     assert "the packer gets 2 of 3 captures (RuntimeError)" in out  # 0.5.18+
     assert "SpecForge requires non-negative ids" in out and "[1, 29, 57]" in out
-    assert out.count("-> PROBLEM") == 3
+    assert out.count("-> PROBLEM") == 4  # 0.5.14 - 0.5.16 drop it as 0.5.13 does
 
 
 def test_specforge_default_ids_are_fine_everywhere(tmp_path, capsys):
@@ -91,7 +91,7 @@ def test_specforge_default_ids_are_fine_everywhere(tmp_path, capsys):
         capsys, "--draft-config", _config(tmp_path, [1, 29, 57]), "--num-layers", 61
     )
     assert code == 0
-    assert out.count("layers_to_capture = [2, 30, 58] -> OK") == 3
+    assert out.count("layers_to_capture = [2, 30, 58] -> OK") == 4
     assert "PROBLEM" not in out and "fix for this line" not in out
 
 
@@ -113,11 +113,11 @@ def test_input_convention_ids_shift_differently_per_line(tmp_path, capsys):
     )
     assert code == 1
     assert "layers_to_capture = [3, 30, 58] -> OK" in out
-    assert out.count("layers_to_capture = [2, 29, 57] -> PROBLEM") == 2
+    assert out.count("layers_to_capture = [2, 29, 57] -> PROBLEM") == 3
     assert "the draft expects the output of layer 2 (input to layer 3" in out
     assert (
         out.count("fix for this line: eagle_config.eagle_aux_hidden_state_layer_ids = [3, 30, 58]")
-        == 2
+        == 3
     )
 
 
@@ -128,7 +128,7 @@ def test_the_fix_differs_per_line(tmp_path, capsys):
         capsys, "--draft-config", _config(tmp_path, [2, 30, 58]), "--num-layers", 61
     )
     assert code == 1 and "layers_to_capture = [3, 31, 59] -> OK" in out
-    assert out.count("= [3, 31, 59]") == 2 + 1  # two fixes and the OK line
+    assert out.count("= [3, 31, 59]") == 3 + 1  # three fixes and the OK line
     for line in SGLANG_LINES:
         ids = diagnosis.fix_ids(line, [3, 31, 59], 61)
         assert sorted(line.capture_layers(ids, 61)) == [3, 31, 59], (line.name, ids)
@@ -177,7 +177,7 @@ def test_top_level_ids_are_ignored_by_the_target(tmp_path, capsys):
     assert "IGNORES it" in out
     # The ids to write, by this target's rule (DeepseekV2 assumed: [1, 20, 40] +1 on every line).
     assert "Write eagle_config.eagle_aux_hidden_state_layer_ids = [1, 20, 40]" in out
-    assert out.count("layers_to_capture = [2, 30, 58] -> PROBLEM") == 3
+    assert out.count("layers_to_capture = [2, 30, 58] -> PROBLEM") == 4
     assert "the draft expects the output of layer 20" in out
     # The defaults coincide with them: what the draft receives is right (but noted).
     code, out, _ = _doctor(
@@ -190,12 +190,12 @@ def test_top_level_ids_are_ignored_by_the_target(tmp_path, capsys):
 
 
 def test_duplicate_ids(tmp_path, capsys):
-    """[1, 1, 57]: the loop (<= 0.5.17) captures layer 2 once, [T, 2*H], silently;
-    the packer (0.5.18+) raises."""
+    """[1, 1, 57]: the loop or list (<= 0.5.16) captures layer 2 once, [T, 2*H], silently;
+    the packer (0.5.17+) raises."""
     code, out, _ = _doctor(
         capsys, "--draft-config", _config(tmp_path, [1, 1, 57]), "--num-layers", 61
     )
-    assert code == 1 and out.count("-> PROBLEM") == 3
+    assert code == 1 and out.count("-> PROBLEM") == 4
     assert "named twice (duplicate ids)" in out and "[T, 2*H]" in out
     assert "the packer gets 2 of 3 captures (RuntimeError)" in out
     assert "name a layer twice" in out
@@ -206,11 +206,13 @@ def test_versions(tmp_path, capsys):
     for version, name in (
         ("0.5.9", "0.5.9 - 0.5.12"),
         ("0.5.12", "0.5.9 - 0.5.12"),
-        ("0.5.13", "0.5.13 - 0.5.17"),
-        ("0.5.17", "0.5.13 - 0.5.17"),
-        ("0.5.18", "0.5.18 - 0.5.23"),
-        ("0.5.23", "0.5.18 - 0.5.23"),
-        ("0.6.0", "0.5.18 - 0.5.23"),
+        ("0.5.13", "0.5.13"),
+        ("0.5.14", "0.5.14 - 0.5.16"),
+        ("0.5.16", "0.5.14 - 0.5.16"),
+        ("0.5.17", "0.5.17 - 0.5.23"),
+        ("0.5.18", "0.5.17 - 0.5.23"),
+        ("0.5.23", "0.5.17 - 0.5.23"),
+        ("0.6.0", "0.5.17 - 0.5.23"),
     ):
         assert line_of(version).name == name, version
     config = _config(tmp_path, [1, 29, 57])
@@ -283,7 +285,7 @@ def test_configs_read_as_sglang_does(tmp_path, capsys):
 def test_deployment_tp8_with_the_fusion(tmp_path, capsys):
     """The seed's deployment: TP 8 on Hopper, fusion auto (on for DeepSeek-V3 /
     Kimi): the loop's capture before the fused norm takes partial sums on the
-    lines that capture in the loop; reduced from 0.5.18."""
+    lines that capture in the loop; reduced from 0.5.14."""
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "config.json").write_text(json.dumps(KIMI_TARGET))
     config = _config(tmp_path, [1, 29, 57])
@@ -291,11 +293,11 @@ def test_deployment_tp8_with_the_fusion(tmp_path, capsys):
         capsys, "--draft-config", config, "--target-config", tmp_path / "t", "--tp", 8
     )
     assert code == 1
-    # 0.5.13 - 0.5.17 only: Kimi-K2.5 cannot capture on 0.5.9 - 0.5.12 at all (CANNOT CAPTURE
-    # on that line; no deployment rows for a line with nothing to capture).
-    assert out.count("per-rank partial sums") == 1
-    assert "CANNOT CAPTURE" in out and "has no set_eagle3_layers_to_capture" in out
-    assert "SGLang 0.5.9 - 0.5.12: SGLang's own capture" not in out
+    # The lines whose loop captures hidden_states + residual: 0.5.9 - 0.5.12 (Kimi-K2.5 can
+    # capture from 0.5.10; 0.5.9's class has no set_eagle3_layers_to_capture: CANNOT CAPTURE
+    # there: said per release) and 0.5.13.
+    assert out.count("per-rank partial sums") == 2
+    assert "has no set_eagle3_layers_to_capture" in out and "0.5.10, 0.5.11, 0.5.12 capture" in out
     assert "after the fused all-reduce + add + RMSNorm, reduced" in out
     code, out, _ = _doctor(
         capsys,

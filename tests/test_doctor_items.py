@@ -171,7 +171,7 @@ def test_use_aux_hidden_state_false(tmp_path, capsys):
         "DeepseekV3ForCausalLM",
     )
     assert code == 0, out
-    assert out.count("SGLang feeds the draft the target's last hidden state") == 3  # each line
+    assert out.count("SGLang feeds the draft the target's last hidden state") == 4  # each line
     assert "vLLM feeds the draft the target's last hidden state" in out
     assert "layers_to_capture = [] -> OK" in out and "fix for this line" not in out
     # No ids and no trainer known (the ids would not be read): still OK, not UNVERIFIED.
@@ -260,8 +260,9 @@ def _kimi_mla_draft(tmp_path):
 
 def test_sglangs_registry_per_line(tmp_path, capsys):
     """SGLang's Kimi-K2.5 EAGLE-3 class (Eagle3DeepseekV2ForCausalLM, Model Optimizer's and
-    TorchSpec's Kimi format) is in the 0.5.13 wheel and later, not in 0.5.9: that line
-    cannot load the draft, the later ones judge its ids."""
+    TorchSpec's Kimi format) is in the 0.5.12 wheel and later, not in 0.5.9 - 0.5.11: the
+    0.5.9 - 0.5.12 line cannot load the draft (0.5.12 alone can), the later ones judge its
+    ids."""
     path = _kimi_mla_draft(tmp_path)
     # (DeepSeek-V3's class captures on every line; Kimi-K2.5's from 0.5.13, below)
     argv = [
@@ -279,13 +280,15 @@ def test_sglangs_registry_per_line(tmp_path, capsys):
     code, out, _ = _doctor(capsys, *argv)
     assert code == 1 and "summary: SGLang: PROBLEM (exit 1)" in out
     assert (
-        "0.5.12 (read from 0.5.9): layers_to_capture: not reached (the draft does not load) -> CANNOT LOAD"
-        in out
+        "0.5.12 (read from 0.5.9, 0.5.10, 0.5.11, 0.5.12): layers_to_capture: not reached "
+        "(the draft does not load) -> CANNOT LOAD" in out
     )
-    assert "registered from 0.5.13 on (not in 0.5.9)" in out
-    assert out.count("layers_to_capture = [2, 30, 58] -> OK") == 2
-    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.13")
+    assert "registered from 0.5.12 on (not in 0.5.9, 0.5.10, 0.5.11)" in out
+    assert out.count("layers_to_capture = [2, 30, 58] -> OK") == 3
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.12")
     assert code == 0 and "CANNOT LOAD" not in out
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.11")
+    assert code == 1 and "registered from 0.5.12 on (not in 0.5.11)" in out
 
 
 def test_a_target_class_that_cannot_capture_on_a_line(tmp_path, capsys):
@@ -309,22 +312,26 @@ def test_a_target_class_that_cannot_capture_on_a_line(tmp_path, capsys):
     ]
     code, out, _ = _doctor(capsys, *argv)
     assert code == 1 and "summary: SGLang: PROBLEM (exit 1)" in out
+    # (0.5.10 - 0.5.12's class forwards the ids, models/kimi_k25.py:841 in 0.5.10; the
+    # draft's class is registered from 0.5.12: the line cannot load it as a whole)
     assert (
-        "0.5.12 (read from 0.5.9): layers_to_capture: not reached (the draft does not load) -> CANNOT LOAD"
-        in out
+        "0.5.12 (read from 0.5.9, 0.5.10, 0.5.11, 0.5.12): layers_to_capture: not reached "
+        "(the draft does not load) -> CANNOT LOAD" in out
     )
-    assert "registered from 0.5.13 on (not in 0.5.9)" in out
-    assert out.index("registered from 0.5.13 on") < out.index(
+    assert "registered from 0.5.12 on (not in 0.5.9, 0.5.10, 0.5.11)" in out  # the draft's
+    assert out.index("registered from 0.5.12 on") < out.index(
         "SGLang 0.5.9: the target's class kimi_k25.KimiK25ForConditionalGeneration has no "
         "set_eagle3_layers_to_capture"
     )  # the target's, after
-    assert "it can on SGLang 0.5.13 - 0.5.23; vLLM 0.32.0, 0.33.0, 0.34.0" in out
-    assert out.count("-> OK") == 2
-    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.12", explain=False)
+    assert "it can on SGLang 0.5.12; SGLang 0.5.13 - 0.5.23; vLLM 0.32.0, 0.33.0, 0.34.0" in out, (
+        out
+    )
+    assert out.count("-> OK") == 3
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.9", explain=False)
     assert code == 1 and "summary: SGLang: CANNOT LOAD (exit 1)" in out
     assert "verdict (SGLang): CANNOT LOAD" in out
-    assert "-> it loads, and the target captures, on SGLang 0.5.13 - 0.5.23" in out, out
-    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.13")
+    assert "-> it loads, and the target captures, on SGLang 0.5.12; SGLang 0.5.13" in out, out
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.12")
     assert code == 0 and "CANNOT" not in out
     # --write-config: no ids fix it, said in one line
     code, _, err = _doctor(
@@ -468,8 +475,9 @@ def test_a_deployment_problem_under_a_no_id_draft_is_a_problem(tmp_path, capsys)
 
 
 def test_release_boundaries_are_inclusive(tmp_path, capsys):
-    """gpt_oss keeps ids whose max is num_layers from 0.5.18 (the wheel read at exactly
-    that version); 0.5.17 still adds 1 and names a layer that does not exist."""
+    """gpt_oss keeps ids whose max is num_layers from 0.5.17 (the wheel read at exactly
+    that version, models/gpt_oss.py:1335-1343); 0.5.16 still adds 1 and names a layer that
+    does not exist."""
     path = _specforge(tmp_path, [1, 12, 24])
     argv = [
         "--draft-config",
@@ -483,9 +491,9 @@ def test_release_boundaries_are_inclusive(tmp_path, capsys):
         "--id-convention",
         "input",
     ]
-    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.18")
-    assert code == 0 and "layers_to_capture = [1, 12, 24] -> OK" in out
     code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.17")
+    assert code == 0 and "layers_to_capture = [1, 12, 24] -> OK" in out
+    code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.16")
     assert code == 1 and "layers_to_capture = [2, 13, 25] -> PROBLEM" in out
 
 
@@ -872,7 +880,7 @@ def test_every_doctor_transcript_in_the_docs_is_current(capsys):
 
 
 def test_a_deployment_that_runs_eagle_capture(capsys):
-    """The seed's deployment: Kimi-K2.5 at TP 8 on SGLang 0.5.13 - 0.5.17 with the FlashInfer
+    """The seed's deployment: Kimi-K2.5 at TP 8 on SGLang 0.5.9 - 0.5.13 with the FlashInfer
     all-reduce fusion on (auto on Hopper), the right ids. SGLang's own capture holds per-rank
     partial sums there: PROBLEM, exit 1 -- unless the server runs eagle-capture's capture
     (--capture eagle-capture, or its alias --eagle-capture), which captures the reduced value:
@@ -1081,8 +1089,8 @@ def test_a_draft_class_no_engine_registers_cannot_load(tmp_path, capsys):
     assert code == 1 and "summary: SGLang: CANNOT LOAD; vLLM: CANNOT LOAD (exit 1)" in out
     assert "no SGLang model class is registered as Eagle3Qwen3MoeForCausalLM" in out
     assert "no vLLM EAGLE-3 model is registered as Eagle3Qwen3MoeForCausalLM" in out
-    # (three SGLang lines; vLLM's two runners, which read these nested ids differently)
-    assert out.count("No release read of either engine registers it") == 5
+    # (four SGLang lines; vLLM's two runners, which read these nested ids differently)
+    assert out.count("No release read of either engine registers it") == 6
     # A registered one, on both engines:
     path.write_text(
         json.dumps(
@@ -1105,10 +1113,10 @@ def test_a_draft_class_no_engine_registers_cannot_load(tmp_path, capsys):
 
 
 def test_a_class_some_releases_of_a_line_lack(tmp_path, capsys):
-    """SGLang registers Qwen3_5ForCausalLM from 0.5.18 (models/qwen3_5_text.py), with a
+    """SGLang registers Qwen3_5ForCausalLM from 0.5.17 (models/qwen3_5_text.py), with a
     set_eagle3_layers_to_capture from 0.5.22: earlier lines serve it, if at all, through
-    the Transformers fallback (no method): CANNOT CAPTURE; the 0.5.18 - 0.5.23 line is a
-    PROBLEM on its first two releases; --sglang-version picks the release."""
+    the Transformers fallback (no method): CANNOT CAPTURE; the 0.5.17 - 0.5.23 line is a
+    PROBLEM on its first five releases; --sglang-version picks the release."""
     path = tmp_path / "d.json"
     path.write_text(
         json.dumps(
@@ -1135,13 +1143,14 @@ def test_a_class_some_releases_of_a_line_lack(tmp_path, capsys):
         code == 1
         and out.count(
             "CANNOT CAPTURE (Qwen3_5ForCausalLM is registered from "
-            "0.5.18 on) -> it can on SGLang 0.5.22, 0.5.23"
+            "0.5.17 on) -> it can on SGLang 0.5.22, 0.5.23"
         )
-        == 2
+        == 3
     )
     assert (
         "captures [2, 24, 45]: PROBLEM (qwen3_5_text.Qwen3_5ForCausalLM has no "
-        "set_eagle3_layers_to_capture on 0.5.18, 0.5.20; 0.5.22, 0.5.23 capture)" in out
+        "set_eagle3_layers_to_capture on 0.5.17, 0.5.18, 0.5.19, 0.5.20, 0.5.21; 0.5.22, "
+        "0.5.23 capture)" in out
     )
     code, out, _ = _doctor(capsys, *argv, "--sglang-version", "0.5.20", explain=False)
     assert code == 1 and "summary: SGLang: CANNOT CAPTURE (exit 1)" in out
@@ -1152,7 +1161,7 @@ def test_a_class_some_releases_of_a_line_lack(tmp_path, capsys):
 def test_a_loop_that_captures_the_final_boundary(tmp_path, capsys):
     """SpecForge ids ending at the last layer's output (output convention: [1, 12, 25] of
     26 layers -> capture layers [2, 13, 26]). Gemma 3's SGLang loop captures after its last
-    layer (the engine facts): OK on 0.5.13 - 0.5.17; from 0.5.18 its loop captures each
+    layer (the engine facts): OK on 0.5.12 - 0.5.16; from 0.5.17 its loop captures each
     layer's branch output, not the residual stream: CANNOT CAPTURE. Gemma 4's multimodal
     class hands the ids to its text model, whose loop captures layer 26 too: OK. Llama's
     does not capture layer 26: it never happens and SGLang's first forward fails."""

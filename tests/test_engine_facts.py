@@ -163,7 +163,7 @@ def test_the_data_agrees_with_the_rule_table_run_on_each_wheel(version):
         )
         # The table runs the method; the data also asks whether the model's loop reads
         # what it sets (GLM-5's MTP draft class: its one-layer model never captures) and
-        # captures the residual stream (Gemma 3 from 0.5.18: the branch output).
+        # captures the residual stream (Gemma 3 from 0.5.17: the branch output).
         assert fact["capture"] is True or any(
             w in fact["why"] for w in ("never reads", "not the residual stream")
         ), fact
@@ -174,8 +174,8 @@ def test_a_wrapper_has_the_rule_of_the_class_it_forwards_to(version):
     for wrapper, inner in WRAPPERS.items():
         fact = engine_facts.target("sglang", version, wrapper)
         if version == "0.5.9":
-            # Kimi-K2.5's wrapper has no set_eagle3_layers_to_capture before 0.5.13
-            # (models/kimi_k25.py): the forwarding starts there.
+            # Kimi-K2.5's wrapper has no set_eagle3_layers_to_capture before 0.5.10
+            # (models/kimi_k25.py:841 there): the forwarding starts there.
             assert fact["capture"] is False
             continue
         want = engine_facts.target("sglang", version, inner)
@@ -386,13 +386,16 @@ def test_a_loop_that_captures_the_branch_not_the_stream_cannot_feed_a_draft(
         )
 
 
-def test_gemma3_captures_the_branch_from_0_5_18():
-    """SGLang 0.5.18+'s gemma3_causal.py: Gemma3DecoderLayer returns (hidden_states,
+def test_gemma3_captures_the_branch_from_0_5_17():
+    """SGLang 0.5.17+'s gemma3_causal.py: Gemma3DecoderLayer returns (hidden_states,
     residual) with the add deferred to the next norm, and Gemma3TextModel.forward appends
-    the bare hidden_states. 0.5.13's layers add the residual themselves."""
+    the bare hidden_states. 0.5.12 - 0.5.16's layers add the residual themselves (0.5.12:
+    the first with set_eagle3_layers_to_capture)."""
     for arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
-        assert engine_facts.target("sglang", "0.5.13", arch)["capture"] is True
-        for version in ("0.5.18", "0.5.20", "0.5.22", "0.5.23"):
+        assert engine_facts.target("sglang", "0.5.11", arch)["capture"] is False
+        for version in ("0.5.12", "0.5.13", "0.5.14", "0.5.15", "0.5.16"):
+            assert engine_facts.target("sglang", version, arch)["capture"] is True, version
+        for version in ("0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"):
             fact = engine_facts.target("sglang", version, arch)
             assert fact["capture"] is False and "gemma3_causal.py" in fact["why"], fact
             assert fact["final_boundary"] is True  # the loop's, as read
@@ -461,13 +464,13 @@ def test_code_that_cannot_be_read_mechanically_says_why():
 
 def test_draft_registries():
     assert engine_facts.registers_draft("sglang", "0.5.9", "LlamaForCausalLMEagle3")
-    assert not engine_facts.registers_draft("sglang", "0.5.9", "Eagle3DeepseekV2ForCausalLM")
-    assert engine_facts.registers_draft("sglang", "0.5.13", "Eagle3DeepseekV2ForCausalLM")
+    assert not engine_facts.registers_draft("sglang", "0.5.11", "Eagle3DeepseekV2ForCausalLM")
+    assert engine_facts.registers_draft("sglang", "0.5.12", "Eagle3DeepseekV2ForCausalLM")
     assert engine_facts.registers_draft("vllm", "0.32.0", "PEagleDraftModel")
     assert not engine_facts.registers_draft("vllm", "0.34.0", "PEagleDraftModel")
     assert "Eagle3Qwen3ForCausalLM" in engine_facts.eagle3_drafts()
     assert engine_facts.draft_class("sglang", "Eagle3DeepseekV2ForCausalLM") == (
-        "0.5.13",
+        "0.5.12",
         "kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM",
     )
     assert engine_facts.registered_anywhere("DeepSeekMTPModel")  # vLLM, speculative
@@ -476,8 +479,8 @@ def test_draft_registries():
 
 def test_the_final_boundary_is_read_from_each_loop():
     """Loops that capture after their last layer (capture layer num_layers): Gemma 3 / 4
-    from 0.5.13 (``if num_layers in self.layers_to_capture``), GPT-OSS from 0.5.18 (0.5.18 -
-    0.5.20: each layer's output, ``i + 1 in ...``; 0.5.22+: ``self.end_layer in ...``);
+    from 0.5.12 (``if num_layers in self.layers_to_capture``), GPT-OSS from 0.5.17 (0.5.17 -
+    0.5.20: each layer's output, ``i + 1 in ...``; 0.5.21+: ``self.end_layer in ...``);
     Llama's and DeepseekV2's loops capture only before a layer."""
     from eagle_capture.layer_ids.engine_read import FINAL_BOUNDARY
 
@@ -486,8 +489,9 @@ def test_the_final_boundary_is_read_from_each_loop():
 
     assert boundary("0.5.13", "Gemma3ForCausalLM") and boundary("0.5.23", "Gemma4ForCausalLM")
     assert boundary("0.5.23", "Gemma3ForConditionalGeneration")  # delegated to Gemma3's loop
-    assert not boundary("0.5.13", "GptOssForCausalLM")
-    assert boundary("0.5.18", "GptOssForCausalLM") and boundary("0.5.23", "GptOssForCausalLM")
+    assert boundary("0.5.12", "Gemma3ForCausalLM") and boundary("0.5.12", "Gemma4ForCausalLM")
+    assert not boundary("0.5.16", "GptOssForCausalLM")
+    assert boundary("0.5.17", "GptOssForCausalLM") and boundary("0.5.21", "GptOssForCausalLM")
     for arch in ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM"):
         assert not any(boundary(v, arch) for v in engine_facts.SGLANG_RELEASES), arch
     for text, captured in [

@@ -114,7 +114,7 @@ def test_cli_is_the_doctor(tmp_path, capsys):
     deepseek = ["--num-layers", "61", "--target-architecture", "DeepseekV3ForCausalLM"]
     assert main(["--draft-config", str(config), *deepseek, "--engine", "sglang"]) == 0
     out = capsys.readouterr().out
-    assert out.count("captures [2, 30, 58]: OK") == 3
+    assert out.count("captures [2, 30, 58]: OK") == 4
     # vLLM's V1 runner takes these nested ids one layer early (V2, its default, reads none).
     assert main(["--draft-config", str(config), *deepseek, "--vllm-runner", "v1"]) == 1
     assert "captures [1, 29, 57]: PROBLEM -> write [2, 30, 58]" in " ".join(

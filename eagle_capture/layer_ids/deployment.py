@@ -99,10 +99,16 @@ class Deployment:
             return self.allreduce_fusion == "on", f"--allreduce-fusion {self.allreduce_fusion}"
         arch = self.architecture or "DeepseekV3ForCausalLM"
         on = arch in FUSION_AUTO_ARCHS and self.gpu in ("hopper", "blackwell")
+        # Read: server_args.py::_handle_model_specific_adjustments up to 0.5.14, the
+        # override pass arg_groups/overrides.py from 0.5.15.
+        old_where = "server_args.py::_handle_model_specific_adjustments"
+        new_where = "arg_groups/overrides.py::_flashinfer_allreduce_fusion_auto_enable"
         where = (
-            "server_args.py::_handle_model_specific_adjustments"
-            if line.first < (0, 5, 18)
-            else "arg_groups/overrides.py::_flashinfer_allreduce_fusion_auto_enable"
+            old_where
+            if line.last < (0, 5, 15)
+            else new_where
+            if line.first >= (0, 5, 15)
+            else f"0.5.14: {old_where}; 0.5.15+: {new_where}"
         )
         return on, (
             f"auto: {'on' if on else 'off'} for {arch}"
@@ -272,7 +278,11 @@ def assess(
         report.lines.append(lr)
         rows = lr.rows
         old = line.first < (0, 5, 13)  # 0.5.9 - 0.5.12
-        loop_capture = line.first < (0, 5, 18)  # hidden_states + residual in the model loop
+        # hidden_states + residual in the model loop (0.5.9 - 0.5.13); from 0.5.14 the
+        # layer captures the residual after its input norm (deepseek_v2.py
+        # DeepseekV2DecoderLayer.forward -> communicator.py
+        # prepare_attn_and_capture_last_layer_outputs)
+        loop_capture = line.first < (0, 5, 14)
         # Tensor parallelism and the fused all-reduce.
         if deploy.tp > 1 and not deploy.dp_attention:  # (DP attention: its own rows below)
             fused, why = deploy.fusion_on(line)
@@ -365,7 +375,7 @@ def assess(
             if outside:
                 how = (
                     "the loop hands the draft fewer slots, no error"
-                    if loop_capture
+                    if line.missing_capture == "dropped"
                     else "the packer raises 'captured k of N' at the first forward"
                 )
                 rows.append(
@@ -636,7 +646,9 @@ def _rows_of_each_rank(line: SGLangLine, deploy: Deployment) -> list[Row]:
             )
         )
     if scattered:
-        if line.first < (0, 5, 18) and line.first >= (0, 5, 13) and deploy.moe_dense_tp == 1:
+        # 0.5.13's loop captures the rank's slice as is; from 0.5.14 the communicator
+        # gathers it first (_communicate_simple_fn in prepare_attn_and_capture_...).
+        if (0, 5, 13) <= line.first < (0, 5, 14) and deploy.moe_dense_tp == 1:
             rows.append(
                 Row(
                     SGLANG,

@@ -591,7 +591,10 @@ def diagnose(
         config_problems.append(unsorted)
     # Per line (SGLang's registry grew); every line: no id notes either.
     # (the capture-only mode loads no draft)
-    cannot_on = [None if aux_only else cannot_load(engine, draft, line) for line in lines]
+    cannot_on = [
+        None if aux_only else cannot_load(engine, draft, line, sglang_version=sglang_version)
+        for line in lines
+    ]
     cannot = cannot_on[0] if all(cannot_on) else None
     if cannot:
         pass  # no note on ids for a file this engine cannot load
@@ -942,7 +945,13 @@ def _sglang_loads_as_target(arch: str, line=None, releases=None) -> Optional[str
     )
 
 
-def cannot_load(engine: str, draft: Optional[DraftIds], line=None, releases=None) -> Optional[str]:
+def cannot_load(
+    engine: str,
+    draft: Optional[DraftIds],
+    line=None,
+    releases=None,
+    sglang_version: Optional[str] = None,
+) -> Optional[str]:
     """Why ``engine`` (its release ``line``, or the ``releases`` read named, where the
     registry changed) cannot load the draft (its class is not registered there: the
     engine facts), or None."""
@@ -968,18 +977,22 @@ def cannot_load(engine: str, draft: Optional[DraftIds], line=None, releases=None
     if engine == "sglang":
         if releases is None:
             releases = (
-                _sglang_releases(line, None)
+                _sglang_releases(line, sglang_version)
                 if line is not None
                 else engine_facts.releases("sglang")
             )
-        if any(engine_facts.registers_draft("sglang", r, arch) for r in releases):
+        # Every release of the line must register it (a line whose later releases do, e.g.
+        # Eagle3DeepseekV2ForCausalLM in 0.5.12 of 0.5.9 - 0.5.12, names those that do not;
+        # --sglang-version picks one release).
+        lacking = [r for r in releases if not engine_facts.registers_draft("sglang", r, arch)]
+        if not lacking:
             return None
         since = engine_facts.draft_class("sglang", arch)
         if since is not None:
             return (
                 f"SGLang cannot load this draft format on this line: {arch} "
                 f"(models/{since[1].split('.')[0]}.py) is registered from {since[0]} on "
-                f"(not in {releases[0]}). Serve it with a later SGLang, or with vLLM"
+                f"(not in {', '.join(lacking)}). Serve it with a later SGLang, or with vLLM"
             )
         newest = engine_facts.releases("sglang")[-1]
         speculators = arch == "Eagle3Speculator" or "speculators_config" in draft.raw

@@ -43,8 +43,11 @@ from typing import Optional
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "engine_facts.json")
 
-# The releases read: the wheels the doctor's lines rest on.
-SGLANG_RELEASES = ("0.5.9", "0.5.13", "0.5.18", "0.5.20", "0.5.22", "0.5.23")
+# The releases read: the wheels the doctor's lines rest on. SGLang: every release from
+# 0.5.9 to 0.5.23 (its post releases 0.5.10.post1, 0.5.12.post1, 0.5.13.post1 and
+# 0.5.15.post1 are not read: they generate the facts of their base release, but for the
+# line of eagle_worker_v2.py that reads hot_token_id, and the doctor reads X.Y.Z.postN as X.Y.Z).
+SGLANG_RELEASES = tuple(f"0.5.{n}" for n in range(9, 24))
 VLLM_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
 
 

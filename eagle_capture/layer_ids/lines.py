@@ -115,10 +115,15 @@ class SGLangLine:
         return self.first <= version <= self.last
 
 
+# Where DeepseekV2's capture changed (deepseek_v2.py of each wheel read):
+# 0.5.13 reads ids[0] == 1 (set_eagle3_layers_to_capture: +1 only then);
+# 0.5.14 captures through layer_communicator.prepare_attn_and_capture_last_layer_outputs,
+# the residual after the input norm (layer 0: prepare_attn sets residual = the embedding);
+# 0.5.17 collects into AuxHiddenStatePacker, whose finalize() asserts K of K captures.
 SGLANG_LINES = (
     SGLangLine(
         "0.5.9 - 0.5.12",
-        ("0.5.9",),
+        ("0.5.9", "0.5.10", "0.5.11", "0.5.12"),
         (0, 5, 9),
         (0, 5, 12),
         shift_always=True,
@@ -126,18 +131,27 @@ SGLANG_LINES = (
         missing_capture="dropped",
     ),
     SGLangLine(
-        "0.5.13 - 0.5.17",
+        "0.5.13",
         ("0.5.13",),
         (0, 5, 13),
-        (0, 5, 17),
+        (0, 5, 13),
         shift_always=False,
         layer0="crash",
         missing_capture="dropped",
     ),
     SGLangLine(
-        "0.5.18 - 0.5.23",
-        ("0.5.18", "0.5.20", "0.5.22", "0.5.23"),
-        (0, 5, 18),
+        "0.5.14 - 0.5.16",
+        ("0.5.14", "0.5.15", "0.5.16"),
+        (0, 5, 14),
+        (0, 5, 16),
+        shift_always=False,
+        layer0="embedding",
+        missing_capture="dropped",
+    ),
+    SGLangLine(
+        "0.5.17 - 0.5.23",
+        ("0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"),
+        (0, 5, 17),
         NEWEST_READ,
         shift_always=False,
         layer0="embedding",

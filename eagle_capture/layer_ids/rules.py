@@ -11,7 +11,7 @@ in its own way. Three rules are in the wheels read (0.5.9 - 0.5.23):
 * ``+1 if ids[0] == 1`` -- DeepseekV2 from 0.5.13 and glm4_moe_lite: ids are read
   in the output convention only when they start at layer 1 (SpecForge's default),
   else taken as capture layers (the input convention);
-* ``kept at the final boundary`` -- gpt_oss (0.5.18+): ids whose largest is
+* ``kept at the final boundary`` -- gpt_oss (0.5.17+): ids whose largest is
   num_layers are taken as capture layers (the loop captures the final boundary
   after the last layer), others + 1.
 
@@ -270,8 +270,9 @@ SGLANG_MODEL_RULES: dict[str, dict[str, tuple[str, str]]] = {
     },
 }
 
-# Wrapper architecture -> the architecture whose rule it forwards to (checked by the
-# CI scenario on each wheel where the wrapper has the method: 0.5.13 on).
+# Wrapper architecture -> the architecture whose rule it forwards to (the wrapper has the
+# method from 0.5.10, models/kimi_k25.py:841; checked by the CI scenario on each wheel run
+# where it has it: 0.5.13 on).
 WRAPPERS = {"KimiK25ForConditionalGeneration": "DeepseekV3ForCausalLM"}
 
 

@@ -239,7 +239,12 @@ def judge(
         sglang = label.startswith("SGLang")
         if ("sglang" if sglang else "vllm") not in engines:
             continue
-        cannot = cannot_load("sglang" if sglang else "vllm", draft, line if sglang else None)
+        cannot = cannot_load(
+            "sglang" if sglang else "vllm",
+            draft,
+            line if sglang else None,
+            sglang_version=sglang_version,
+        )
         if cannot:
             # No class for the format: no ids help there (the doctor's words).
             report.ok = False

@@ -337,7 +337,9 @@ def assess(
                     )
                 )
             else:
-                unreduced = line.first < (0, 5, 22)
+                # layers/layernorm.py: 0.5.14 - 0.5.20 fall back to the bare norm when
+                # FlashInfer declines; 0.5.21 all-reduces first.
+                unreduced = line.first < (0, 5, 21)
                 rows.append(
                     Row(
                         SGLANG,
@@ -345,9 +347,9 @@ def assess(
                         f"TP {deploy.tp} with the fusion ({why}): the capture takes the residual "
                         f"after the fused all-reduce + add + RMSNorm, reduced"
                         + (
-                            "; on 0.5.18 - 0.5.20, if FlashInfer's workspace cannot be set up in a "
+                            "; on 0.5.14 - 0.5.20, if FlashInfer's workspace cannot be set up in a "
                             "forward, the fallback runs the norm without the all-reduce for that "
-                            "forward: hidden states and capture unreduced (0.5.22+ all-reduce first)"
+                            "forward: hidden states and capture unreduced (0.5.21+ all-reduce first)"
                             if unreduced
                             else ""
                         ),

@@ -183,7 +183,7 @@ def fallback_all_reduce(x: torch.Tensor, use_attn_tp_group: Optional[bool]) -> t
 
 def fallback_reduces() -> bool:
     """Whether the running SGLang line all-reduces before its norm when FlashInfer
-    declines (0.5.22+: ``deferred_post_experts_all_reduce``); <= 0.5.20 only its
+    declines (0.5.21+: ``deferred_post_experts_all_reduce``); <= 0.5.20 only its
     ROCm aiter route does."""
     layernorm = sys.modules.get("sglang.srt.layers.layernorm")
     fused = getattr(layernorm, "_forward_with_allreduce_fusion", None)

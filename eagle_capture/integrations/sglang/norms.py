@@ -218,7 +218,7 @@ class CapturingNormMixin:
         unavailable = flashinfer_allreduce_unavailable() if eager else None
         if eager:
             # When FlashInfer declines, SGLang calls this norm's forward() (our
-            # capturing one, after an all-reduce from 0.5.22; before that, forward()
+            # capturing one, after an all-reduce from 0.5.21; before that, forward()
             # reduces first): it then stores the capture itself.
             state.in_allreduce_fusion = self._eagle_layer_id
             state.fusion_group_arg = _use_attn_tp_group_arg(

@@ -55,7 +55,7 @@ class CaptureState(core.CaptureState):
         self.stored_in_fusion = False  # ... whose fallback already stored the capture
         self.fusion_group_arg = None  # ... and its use_attn_tp_group (None: 0.5.9's TP)
         # Whether SGLang's fusion all-reduces before its fallback norm when FlashInfer
-        # declines (0.5.22+); where not, the captured norm reduces first.
+        # declines (0.5.21+); where not, the captured norm reduces first.
         self.fallback_reduces = True
         self.reduced_on_decline = 0
         # The captured layers' all-reduce when SGLang would fuse it

@@ -38,8 +38,8 @@ case "$VER" in
     # transformers checks huggingface-hub / tokenizers ranges at import time;
     # the overlay carries versions inside them (the venv's may be newer).
     0.5.9)         TF=4.57.1; EXTRA="huggingface_hub>=0.34,<1.0 tokenizers>=0.22,<=0.23.0" ;;
-    0.5.13)        TF=5.8.1;  EXTRA="huggingface_hub>=1.5,<2.0 tokenizers>=0.22,<=0.23.0" ;;
-    0.5.18|0.5.20) TF=5.12.1; EXTRA="huggingface_hub>=1.5,<2.0 tokenizers>=0.22,<=0.23.0" ;;
+    0.5.13|0.5.14) TF=5.8.1;  EXTRA="huggingface_hub>=1.5,<2.0 tokenizers>=0.22,<=0.23.0" ;;
+    0.5.17|0.5.18|0.5.20) TF=5.12.1; EXTRA="huggingface_hub>=1.5,<2.0 tokenizers>=0.22,<=0.23.0" ;;
     0.5.22|0.5.23) TF=5.19.0; EXTRA="huggingface_hub>=1.31,<3.0 tokenizers>=0.23.1,<0.24" ;;
     *) echo "sglang_real_env.sh: no transformers pin known for sglang $VER" >&2; exit 2 ;;
 esac

@@ -205,6 +205,7 @@ sys.modules.setdefault("kernels", None)
 # Version-specific extra stubs (names whose absence breaks that version's
 # module-level imports).
 EXTRA_STUBS = {
+    "0.5.17": ("xgrammar",),
     "0.5.18": ("xgrammar",),
     "0.5.20": ("xgrammar",),
     "0.5.22": ("xgrammar",),

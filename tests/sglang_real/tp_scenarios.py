@@ -471,16 +471,16 @@ def tp2_fusion():
     """(f) TP 2 with SGLang's all-reduce fusion on (gate and kernel stood in, see
     _allreduce_fusion_stood_in): SGLang's own capture vs the TP 1 run, per line,
     and the drop-in's. The doctor's verdicts (eagle_capture/layer_ids/deployment.py) say:
-    0.5.9 - 0.5.17 capture hidden_states + residual in the loop BEFORE the layer
+    0.5.9 - 0.5.13 capture hidden_states + residual in the loop BEFORE the layer
     whose fused input norm completes the previous layer's deferred all-reduce,
     so a captured layer after a deferring one holds per-rank partial sums; from
-    0.5.18 the capture reads the reduced residual. The drop-in captures the
+    0.5.14 the layer captures the reduced residual after its input norm. The drop-in captures the
     fused norm's reduced residual_out on every line. Both must hold here."""
     from eagle_capture.layer_ids.lines import line_of
 
     ref_tp1 = _wait_for_tp1()
     line = line_of(harness.sglang_version())
-    loop_capture = line.first < (0, 5, 18)
+    loop_capture = line.first < (0, 5, 14)  # (deployment.py's rows say the same)
     sglang = _sglang_reference()
     ours = _build(set_capture=False)
     state, log, how = _install_capture(

@@ -20,9 +20,9 @@ from typing import ClassVar, Optional, Sequence, Union
 
 from eagle_capture.layer_ids import engine_facts
 
-# The wheels whose code the rules were read from and run against.
-NEWEST_READ = (0, 5, 23)
-OLDEST_READ = (0, 5, 9)
+# The wheels whose code the rules were read from (engine_facts: a constant, no file read).
+NEWEST_READ = tuple(int(p) for p in engine_facts.SGLANG_RELEASES[-1].split("."))
+OLDEST_READ = tuple(int(p) for p in engine_facts.SGLANG_RELEASES[0].split("."))
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 # Target architectures whose text model is SGLang's DeepseekV2 loop.
 TARGET_ARCHITECTURES = (
@@ -115,6 +115,11 @@ class SGLangLine:
         return self.first <= version <= self.last
 
 
+def _read_in(first: tuple[int, ...], last: tuple[int, ...]) -> tuple[str, ...]:
+    """The releases read between ``first`` and ``last`` (a line's read_versions)."""
+    return tuple(v for v in engine_facts.SGLANG_RELEASES if first <= parse_version(v) <= last)
+
+
 # Where DeepseekV2's capture changed (deepseek_v2.py of each wheel read):
 # 0.5.13 reads ids[0] == 1 (set_eagle3_layers_to_capture: +1 only then);
 # 0.5.14 captures through layer_communicator.prepare_attn_and_capture_last_layer_outputs,
@@ -123,7 +128,7 @@ class SGLangLine:
 SGLANG_LINES = (
     SGLangLine(
         "0.5.9 - 0.5.12",
-        ("0.5.9", "0.5.10", "0.5.11", "0.5.12"),
+        _read_in((0, 5, 9), (0, 5, 12)),
         (0, 5, 9),
         (0, 5, 12),
         shift_always=True,
@@ -132,7 +137,7 @@ SGLANG_LINES = (
     ),
     SGLangLine(
         "0.5.13",
-        ("0.5.13",),
+        _read_in((0, 5, 13), (0, 5, 13)),
         (0, 5, 13),
         (0, 5, 13),
         shift_always=False,
@@ -141,7 +146,7 @@ SGLANG_LINES = (
     ),
     SGLangLine(
         "0.5.14 - 0.5.16",
-        ("0.5.14", "0.5.15", "0.5.16"),
+        _read_in((0, 5, 14), (0, 5, 16)),
         (0, 5, 14),
         (0, 5, 16),
         shift_always=False,
@@ -150,7 +155,7 @@ SGLANG_LINES = (
     ),
     SGLangLine(
         "0.5.17 - 0.5.23",
-        ("0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"),
+        _read_in((0, 5, 17), NEWEST_READ),
         (0, 5, 17),
         NEWEST_READ,
         shift_always=False,

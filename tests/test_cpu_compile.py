@@ -9,6 +9,10 @@ with eager: the captures and the residual bit-exactly, the normed output
 within one ulp of its dtype.
 """
 
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -128,22 +132,35 @@ def test_cpu_ops_opcheck(name):
     torch.library.opcheck(getattr(torch.ops.eagle_capture, name).default, args)
 
 
-@pytest.mark.xfail(
-    raises=Exception,
-    strict=False,
-    reason="pytorch/pytorch#196570: Inductor C++ outer-loop fusion, KeyError 'bufN'",
-)
+# The upstream repro in a child interpreter: Inductor's failure there never reaches this
+# process, so pytest never renders its deep traceback (parsing Inductor's large sources
+# under CPython 3.11.7 once crashed the whole run with "AST constructor recursion depth
+# mismatch", an INTERNALERROR that hid every later result).
+UPSTREAM_REPRO = """
+import torch
+
+def f(x, out):
+    y = x * 2
+    out.copy_(y)
+    x.copy_(y * y.sum(-1, keepdim=True))
+
+torch.compile(f)(torch.randn(5, 64), torch.randn(5, 64))
+"""
+
+
 def test_upstream_repro_plain_torch():
-    """The upstream bug without eagle_capture. When this passes (XPASS), a torch
-    with the fix is installed and the CPU ops could be decomposed again."""
-    torch._dynamo.reset()
-
-    def f(x, out):
-        y = x * 2
-        out.copy_(y)
-        x.copy_(y * y.sum(-1, keepdim=True))
-
-    torch.compile(f)(torch.randn(5, 64), torch.randn(5, 64))
+    """The upstream bug (pytorch/pytorch#196570: Inductor C++ outer-loop fusion,
+    KeyError 'bufN') without eagle_capture. When this passes, a torch with the fix
+    is installed and the CPU ops could be decomposed again."""
+    run = subprocess.run(
+        [sys.executable, "-c", UPSTREAM_REPRO], capture_output=True, text=True, timeout=600
+    )
+    if run.returncode == 0:
+        return
+    upstream = re.search(r"InductorError: KeyError: 'buf\d+'", run.stderr)
+    # Any other failure is a real one: show it rather than call it the known bug.
+    assert upstream, f"the repro failed otherwise:\n{run.stderr[-3000:]}"
+    pytest.xfail(f"pytorch/pytorch#196570 still in torch {torch.__version__}: {upstream[0]}")
 
 
 # ----------------------------------------------------------------------------

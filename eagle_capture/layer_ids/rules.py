@@ -73,9 +73,10 @@ class ModelRule:
 # Per wheel read: architecture (a model file's EntryClass) -> (rule, the
 # "file.Class" whose set_eagle3_layers_to_capture it runs). Taken by calling
 # each class's own method on a shell (the CI scenario model_id_rules does the
-# same and compares); a class whose method needs more than a shell is left out.
-# The doctor reads the generated engine facts, which hold every class; these rows
-# are checked against them.
+# same and compares on the wheels it runs; 0.5.14 and 0.5.17, the first release of
+# their lines, were run the same way once); a class whose method needs more than a
+# shell is left out. The doctor reads the generated engine facts, which hold every
+# class; these rows are checked against them on every column.
 SGLANG_MODEL_RULES: dict[str, dict[str, tuple[str, str]]] = {
     "0.5.9": {
         "ApertusForCausalLM": (SHIFT_ALWAYS, "apertus.ApertusForCausalLM"),
@@ -125,6 +126,80 @@ SGLANG_MODEL_RULES: dict[str, dict[str, tuple[str, str]]] = {
         "LlamaForCausalLM": (SHIFT_ALWAYS, "llama.LlamaForCausalLM"),
         "LongcatFlashForCausalLM": (SHIFT_ALWAYS, "longcat_flash.LongcatFlashForCausalLM"),
         "MiniMaxM2ForCausalLM": (SHIFT_ALWAYS, "minimax_m2.MiniMaxM2ForCausalLM"),
+        "Phi3ForCausalLM": (SHIFT_ALWAYS, "llama.LlamaForCausalLM"),
+        "Qwen2ForCausalLM": (SHIFT_ALWAYS, "qwen2.Qwen2ForCausalLM"),
+        "Qwen2MoeForCausalLM": (SHIFT_ALWAYS, "qwen2_moe.Qwen2MoeForCausalLM"),
+        "Qwen2_5_VLForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration",
+        ),
+        "Qwen3ForCausalLM": (SHIFT_ALWAYS, "qwen3.Qwen3ForCausalLM"),
+        "Qwen3MoeForCausalLM": (SHIFT_ALWAYS, "qwen3_moe.Qwen3MoeForCausalLM"),
+        "Qwen3NextForCausalLM": (SHIFT_ALWAYS, "qwen3_next.Qwen3NextForCausalLM"),
+        "Qwen3VLForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "qwen3_vl.Qwen3VLForConditionalGeneration",
+        ),
+    },
+    "0.5.14": {
+        "ApertusForCausalLM": (SHIFT_ALWAYS, "apertus.ApertusForCausalLM"),
+        "BailingMoEForCausalLM": (SHIFT_ALWAYS, "bailing_moe.BailingMoEForCausalLM"),
+        "BailingMoeForCausalLM": (SHIFT_ALWAYS, "bailing_moe.BailingMoEForCausalLM"),
+        "BailingMoeV2ForCausalLM": (SHIFT_ALWAYS, "bailing_moe.BailingMoEForCausalLM"),
+        "DeepseekV2ForCausalLM": (SHIFT_IF_FIRST_IS_1, "deepseek_v2.DeepseekV2ForCausalLM"),
+        "DeepseekV32ForCausalLM": (SHIFT_IF_FIRST_IS_1, "deepseek_v2.DeepseekV2ForCausalLM"),
+        "DeepseekV3ForCausalLM": (SHIFT_IF_FIRST_IS_1, "deepseek_v2.DeepseekV2ForCausalLM"),
+        "ExaoneMoEForCausalLM": (SHIFT_ALWAYS, "exaone_moe.ExaoneMoEForCausalLM"),
+        "Gemma3ForCausalLM": (SHIFT_ALWAYS, "gemma3_causal.Gemma3ForCausalLM"),
+        "Gemma4ForCausalLM": (SHIFT_ALWAYS, "gemma4_causal.Gemma4ForCausalLM"),
+        "Glm4MoeForCausalLM": (SHIFT_ALWAYS, "glm4_moe.Glm4MoeForCausalLM"),
+        "Glm4MoeLiteForCausalLM": (SHIFT_IF_FIRST_IS_1, "glm4_moe_lite.Glm4MoeLiteForCausalLM"),
+        "GlmMoeDsaForCausalLM": (SHIFT_IF_FIRST_IS_1, "deepseek_v2.DeepseekV2ForCausalLM"),
+        "GptOssForCausalLM": (SHIFT_ALWAYS, "gpt_oss.GptOssForCausalLM"),
+        "IQuestCoderForCausalLM": (SHIFT_ALWAYS, "llama.LlamaForCausalLM"),
+        "InternLM3ForCausalLM": (SHIFT_ALWAYS, "llama.LlamaForCausalLM"),
+        "LlamaForCausalLM": (SHIFT_ALWAYS, "llama.LlamaForCausalLM"),
+        "LongcatFlashForCausalLM": (SHIFT_ALWAYS, "longcat_flash.LongcatFlashForCausalLM"),
+        "MiniMaxM2ForCausalLM": (SHIFT_ALWAYS, "minimax_m2.MiniMaxM2ForCausalLM"),
+        "Phi3ForCausalLM": (SHIFT_ALWAYS, "llama.LlamaForCausalLM"),
+        "Qwen2ForCausalLM": (SHIFT_ALWAYS, "qwen2.Qwen2ForCausalLM"),
+        "Qwen2MoeForCausalLM": (SHIFT_ALWAYS, "qwen2_moe.Qwen2MoeForCausalLM"),
+        "Qwen2_5_VLForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration",
+        ),
+        "Qwen3ForCausalLM": (SHIFT_ALWAYS, "qwen3.Qwen3ForCausalLM"),
+        "Qwen3MoeForCausalLM": (SHIFT_ALWAYS, "qwen3_moe.Qwen3MoeForCausalLM"),
+        "Qwen3NextForCausalLM": (SHIFT_ALWAYS, "qwen3_next.Qwen3NextForCausalLM"),
+        "Qwen3VLForConditionalGeneration": (
+            SHIFT_ALWAYS,
+            "qwen3_vl.Qwen3VLForConditionalGeneration",
+        ),
+    },
+    "0.5.17": {
+        "ApertusForCausalLM": (SHIFT_ALWAYS, "apertus.ApertusForCausalLM"),
+        "BailingMoEForCausalLM": (SHIFT_ALWAYS, "bailing_moe.BailingMoEForCausalLM"),
+        "BailingMoeForCausalLM": (SHIFT_ALWAYS, "bailing_moe.BailingMoEForCausalLM"),
+        "BailingMoeV2ForCausalLM": (SHIFT_ALWAYS, "bailing_moe.BailingMoEForCausalLM"),
+        "DeepseekV2ForCausalLM": (SHIFT_IF_FIRST_IS_1, "deepseek_v2.DeepseekV2ForCausalLM"),
+        "DeepseekV32ForCausalLM": (SHIFT_IF_FIRST_IS_1, "deepseek_v2.DeepseekV2ForCausalLM"),
+        "DeepseekV3ForCausalLM": (SHIFT_IF_FIRST_IS_1, "deepseek_v2.DeepseekV2ForCausalLM"),
+        "EmbeddingGemmaModel": (SHIFT_ALWAYS, "gemma3_causal.Gemma3ForCausalLM"),
+        "ExaoneMoEForCausalLM": (SHIFT_ALWAYS, "exaone_moe.ExaoneMoEForCausalLM"),
+        "Gemma3ForCausalLM": (SHIFT_ALWAYS, "gemma3_causal.Gemma3ForCausalLM"),
+        "Gemma4ForCausalLM": (SHIFT_ALWAYS, "gemma4_causal.Gemma4ForCausalLM"),
+        "Glm4MoeForCausalLM": (SHIFT_ALWAYS, "glm4_moe.Glm4MoeForCausalLM"),
+        "Glm4MoeLiteForCausalLM": (SHIFT_IF_FIRST_IS_1, "glm4_moe_lite.Glm4MoeLiteForCausalLM"),
+        "GlmMoeDsaForCausalLM": (SHIFT_IF_FIRST_IS_1, "deepseek_v2.DeepseekV2ForCausalLM"),
+        "GlmMoeDsaForCausalLMNextN": (SHIFT_IF_FIRST_IS_1, "deepseek_v2.DeepseekV2ForCausalLM"),
+        "GptOssForCausalLM": (KEEP_FINAL_BOUNDARY, "gpt_oss.GptOssForCausalLM"),
+        "IQuestCoderForCausalLM": (SHIFT_ALWAYS, "llama.LlamaForCausalLM"),
+        "InternLM3ForCausalLM": (SHIFT_ALWAYS, "llama.LlamaForCausalLM"),
+        "LlamaForCausalLM": (SHIFT_ALWAYS, "llama.LlamaForCausalLM"),
+        "LongcatFlashForCausalLM": (SHIFT_ALWAYS, "longcat_flash.LongcatFlashForCausalLM"),
+        "MiniMaxM2ForCausalLM": (SHIFT_ALWAYS, "minimax_m2.MiniMaxM2ForCausalLM"),
+        # Its method sets ids its model never reads (0.5.17: the loop reads its own flags).
+        "MiniMaxM3SparseForCausalLM": (SHIFT_ALWAYS, "minimax_m3.MiniMaxM3SparseForCausalLM"),
         "Phi3ForCausalLM": (SHIFT_ALWAYS, "llama.LlamaForCausalLM"),
         "Qwen2ForCausalLM": (SHIFT_ALWAYS, "qwen2.Qwen2ForCausalLM"),
         "Qwen2MoeForCausalLM": (SHIFT_ALWAYS, "qwen2_moe.Qwen2MoeForCausalLM"),

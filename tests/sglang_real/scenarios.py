@@ -677,11 +677,11 @@ def model_id_rules():
 
 def draft_config_reading():
     """Where the target reads the draft's ids, by running this wheel's own reader
-    (0.5.18+: ``spec_aux_hidden_state._resolve_eagle_aux_hidden_state``; loading
+    (0.5.17+: ``spec_aux_hidden_state._resolve_eagle_aux_hidden_state``; loading
     the draft's config from disk stood in by a ``PretrainedConfig`` of the dict) on
     nested, top-level-only and both-keys configs: what it returns must be what
     ``eagle_capture.layer_ids.lines.read_draft_ids`` says the target reads, and the
-    layers SGLang then sets must be the doctor's. (0.5.9 / 0.5.13 read inline in
+    layers SGLang then sets must be the doctor's. (Up to 0.5.16 the ids are read inline in
     ``ModelRunner.__init__``: that block of its source is executed.)"""
     import importlib
     import types
@@ -748,38 +748,51 @@ def draft_config_reading():
 
 
 def _draft_config_reading_in_model_runner(cases, server_args, line, algorithm, config_class):
-    """<= 0.5.17 read the ids inline in ``ModelRunner.__init__``: that block of the
-    wheel's source (the ``if self.spec_algorithm.is_eagle3() ...`` statement that
-    loads the draft config) is executed as is, with the runner's ``self`` and the
-    draft config's loading stood in."""
+    """<= 0.5.16 read the ids inline in ``ModelRunner.__init__``: the statement of that
+    method holding the read (0.5.9 / 0.5.13: ``if self.spec_algorithm.is_eagle3() ...``;
+    0.5.14 - 0.5.16: an ``if`` on any EAGLE draft that loads the draft's config through
+    ``self._build_model_config`` for KV sizing, with the EAGLE-3 read nested in it) is
+    executed from the wheel's source as is, with the runner's ``self`` and the draft
+    config's loading stood in (both ways of loading it answer the same stand-in)."""
     import ast
     import importlib.util
     import types
 
     path = importlib.util.find_spec("sglang.srt.model_executor.model_runner").origin
     text = open(path).read()
-    block = None
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
-            for stmt in ast.walk(node):
-                if (
-                    isinstance(stmt, ast.If)
-                    and "is_eagle3" in ast.unparse(stmt.test)
-                    and "eagle_aux_hidden_state_layer_ids" in ast.unparse(stmt)
-                ):
-                    block = stmt
-                    break
-        if block is not None:
-            break
+    runner_class = next(
+        n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "ModelRunner"
+    )
+    init = next(
+        n for n in runner_class.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"
+    )
+    block = next(
+        (
+            stmt
+            for stmt in init.body
+            if isinstance(stmt, ast.If)
+            and "self.eagle_aux_hidden_state_layer_ids =" in ast.unparse(stmt)
+        ),
+        None,
+    )
     assert block is not None, "ModelRunner.__init__ reads no eagle_aux_hidden_state_layer_ids"
     code = compile(ast.Module(body=[block], type_ignores=[]), path, "exec")
     out = {"reader": f"ModelRunner.__init__, line {block.lineno} (executed from the source)"}
     for name, body in cases.items():
         hf = config_class(architectures=["LlamaForCausalLMEagle3"], **body)
-        draft = types.SimpleNamespace(hf_config=hf)
-        runner = types.SimpleNamespace(spec_algorithm=algorithm.EAGLE3, is_draft_worker=False)
+        draft = types.SimpleNamespace(
+            hf_config=hf, num_nextn_predict_layers=None, num_hidden_layers=1, num_attention_layers=1
+        )
+        runner = types.SimpleNamespace(
+            spec_algorithm=algorithm.EAGLE3,
+            is_draft_worker=False,
+            _build_model_config=lambda *a, **k: draft,
+        )
         model_config = types.SimpleNamespace(from_server_args=lambda *a, **k: draft)
         exec(code, {"self": runner, "server_args": server_args, "ModelConfig": model_config})
+        assert hasattr(runner, "eagle_aux_hidden_state_layer_ids"), (
+            f"{name}: the block at line {block.lineno} did not reach the read"
+        )
         out[name] = _check_reading(name, body, runner.eagle_aux_hidden_state_layer_ids, line)
     return out
 

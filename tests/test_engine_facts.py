@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -74,8 +75,28 @@ def _fetch_wheels() -> dict:
 GENERATE = "engine facts from the wheels"
 
 
+def _generate_in_a_child() -> dict:
+    """The generator's own command in a child process, never in a thread of this one:
+    CPython 3.11 keeps the AST converter's recursion depth in state all threads share, so
+    the wheels parsed beside this process's own parses (pytest rendering a failure,
+    Triton's interpreter reading a kernel) made the other side raise "AST constructor
+    recursion depth mismatch" (a CI run ended in an INTERNALERROR that way)."""
+    _fetch_wheels()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "engine_facts.json"
+        run = subprocess.run(
+            [sys.executable, "-m", "eagle_capture.layer_ids.engine_facts"]
+            + ["--wheel-dir", str(WHEELS), "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        assert run.returncode == 0, f"the generator failed:\n{run.stderr[-3000:]}"
+        return json.loads(out.read_text(encoding="utf-8"))
+
+
 def _generate_job() -> Job:
-    return Job(-450, GENERATE, lambda: engine_facts.generate(_fetch_wheels()))
+    return Job(-450, GENERATE, _generate_in_a_child)
 
 
 def engine_jobs(item, base, jobs) -> list:

@@ -1244,7 +1244,11 @@ def test_a_line_measured_to_capture_another_tensor(tmp_path, capsys, monkeypatch
     code, _, err = _doctor(
         capsys, *argv, "--sglang-version", "0.5.23", "--write-config", tmp_path / "x.json"
     )
-    assert code == 2 and "the problem is not in the ids (the doctor without" in err, err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert (
+        "no id list fixes this draft on SGLang (0.5.17 - 0.5.23: captures the normed input, "
+        "not the residual stream; no id fixes it" in err
+    ), err
     # vLLM's lines the same way (its measured releases: 0.32.0, 0.34.0).
     assert measured["vllm"]["0.34.0"]["LlamaForCausalLM"] == tensors.RESIDUAL
     wrong["vllm"]["0.34.0"]["LlamaForCausalLM"] = "pre-residual output"
@@ -1526,3 +1530,44 @@ def test_write_config_applies_a_load_edit(tmp_path, capsys):
         capsys, "--draft-config", moe, *argv, "--engine", "vllm", "--write-config", fixed
     )
     assert code == 2 and "no id list fixes this draft" in err and len(err.splitlines()) == 1
+
+
+def test_ids_naming_the_embedding_point_at_the_probe(tmp_path, capsys):
+    """The field's case: Kimi-K2.5's draft config edited to [-1, 2, 30] (id -1: the
+    embedding output, which its training never saw). The short answer says the ids
+    probably were edited and names the probe; --write-config writes no embedding
+    capture without --allow-embedding, and then only for the lines that can take it."""
+    examples = os.path.join(HERE, "..", "examples")
+    argv = [
+        "--draft-config",
+        os.path.join(examples, "kimi_k25_draft_config.json"),
+        "--target-config",
+        os.path.join(examples, "kimi_k25_target_config.json"),
+        "--engine",
+        "sglang",
+    ]
+    hint = "id -1 names the embedding output, which drafts are rarely trained on"
+    code, out, _ = _doctor(capsys, *argv, explain=False)
+    assert code == 1 and hint in out and "`eagle-capture probe` measures" in out, out
+    code, out, _ = _doctor(capsys, *argv, "--allow-embedding", explain=False)
+    assert hint not in out, out
+    assert "0.5.14 - 0.5.16: captures [-1, 2, 30]: PROBLEM" in out and "-> write [0, 3, 31]" in out
+
+    written = tmp_path / "fixed.json"
+    code, _, err = _doctor(capsys, *argv, "--write-config", written)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "the draft's ids name the embedding output (capture layer 0)" in err, err
+    assert "eagle-capture probe" in err and "--allow-embedding only if" in err, err
+    assert not written.exists()
+    # Allowed: 0.5.9 - 0.5.12 cannot load it and 0.5.13's loop cannot capture layer 0,
+    # so one list for every line is refused, naming them; one release is written.
+    code, _, err = _doctor(capsys, *argv, "--allow-embedding", "--write-config", written)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "(0.5.9 - 0.5.12: CANNOT LOAD; 0.5.13: no ids make it capture" in err, err
+    assert "pass --sglang-version to write the ids for a release" in err, err
+    assert not written.exists()
+    code, _, _ = _doctor(
+        capsys, *argv, "--allow-embedding", "--sglang-version", "0.5.20", "--write-config", written
+    )
+    config = json.loads(written.read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 31]

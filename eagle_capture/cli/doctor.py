@@ -281,7 +281,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for diagnosis in diagnoses:
             out += ["", diagnosis.format(with_provenance=False)]
     else:
-        out.append(_wrap(provenance.brief(), "", "  "))
+        embedding = (
+            f"; id {min(provenance.ids)} names the embedding output, which drafts are rarely "
+            f"trained on (the ids were probably edited): `eagle-capture probe` measures the "
+            f"layers it was trained on"
+            if provenance.names_embedding and not args.allow_embedding
+            else ""
+        )
+        out.append(_wrap(provenance.brief() + embedding, "", "  "))
         for diagnosis in diagnoses:
             out += [diagnosis.brief()]
         out.append("(why, slot by slot, and what each answer rests on: --explain)")
@@ -324,11 +331,7 @@ def single_fix(diagnosis: Diagnosis) -> Optional[list[int]]:
             f"trained on (`eagle-capture probe` measures them)"
         )
     if None in fixes:
-        raise CapturePlanError(
-            f"--write-config: no id list fixes this draft on "
-            f"{diagnosis.engine_name}: the problem is not in the ids (the doctor without "
-            f"--write-config says what it is)"
-        )
+        raise CapturePlanError(_no_id_fix(diagnosis, trained, fixes - {None}))
     if len(fixes) > 1:
         raise CapturePlanError(
             f"--write-config: the {diagnosis.engine_name} lines need different "
@@ -336,6 +339,32 @@ def single_fix(diagnosis: Diagnosis) -> Optional[list[int]]:
             f"--sglang-version to choose the release you serve with"
         )
     return list(fixes.pop())
+
+
+def _no_id_fix(diagnosis: Diagnosis, trained, fixable: set) -> str:
+    """Why no id list can be written: the draft's layers include the embedding (its
+    ids are the likelier error), or which lines no ids fix, and why."""
+    stuck = [v for v in diagnosis.verdicts if v.decides and not v.fix_ids]
+    if trained and 0 in trained and any(v.fix is None and not v.status for v in stuck):
+        # diagnose_line writes no fix for a draft read as trained on the embedding
+        # unless --allow-embedding says it was.
+        return (
+            "--write-config: the draft's ids name the embedding output (capture layer 0), "
+            "which drafts are rarely trained on (the ids were probably edited): measure "
+            "the layers it was trained on with `eagle-capture probe`; pass "
+            "--allow-embedding only if it was trained on the embedding"
+        )
+    why = "; ".join(
+        f"{v.line.title if v.line.engine == 'vLLM' else v.line.name}: "
+        f"{v.status or v.brief or 'no ids make it capture the layers the draft was trained on'}"
+        for v in stuck
+    )
+    also = (
+        "; pass --sglang-version to write the ids for a release whose line they fix"
+        if fixable and diagnosis.engine == "sglang"
+        else ""
+    )
+    return f"--write-config: no id list fixes this draft on {diagnosis.engine_name} ({why}){also}"
 
 
 def load_edits(draft: DraftIds, diagnosis: Diagnosis) -> list[ConfigEdit]:

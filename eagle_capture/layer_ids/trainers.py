@@ -206,6 +206,15 @@ class Provenance:
     def ambiguous(self) -> bool:
         return len({r.expected for r in self.readings}) > 1
 
+    @property
+    def names_embedding(self) -> bool:
+        """Its ids name the embedding output: a negative id, read in the output convention."""
+        return (
+            bool(self.ids)
+            and min(self.ids) < 0
+            and any(r.convention == "output" and r.expected for r in self.readings)
+        )
+
     def describe(self) -> str:
         who = (
             f"{self.trainer} (recognised from {self.evidence})"

@@ -27,11 +27,12 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Optional
 
-# Some CPython 3.11 releases (3.11.2, Debian 12's, among them) keep the AST converter's
-# recursion depth in state shared by all threads: two threads converting ASTs at once
-# (the wheels read in a background thread while Triton parses a kernel in another) raise
-# "SystemError: AST constructor recursion depth mismatch". Ours go one at a time, and a
-# clash with another thread's is tried again: the state is set afresh at each call.
+# CPython 3.11 (3.11.2 and 3.11.7 seen) keeps the AST converter's recursion depth in state
+# shared by all threads: two threads converting ASTs at once (the wheels read in a
+# background thread while Triton parses a kernel in another) raise "SystemError: AST
+# constructor recursion depth mismatch". Ours go one at a time, and a clash with another
+# thread's is tried again (the state is set afresh at each call); the other thread's parse
+# is not ours to retry, so the test suite reads the wheels in a child process.
 _AST_LOCK = threading.Lock()
 AST_TRIES = 5
 

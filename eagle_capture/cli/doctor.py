@@ -355,7 +355,7 @@ def _no_id_fix(diagnosis: Diagnosis, trained, fixable: set) -> str:
             "--allow-embedding only if it was trained on the embedding"
         )
     why = "; ".join(
-        f"{v.line.title if v.line.engine == 'vLLM' else v.line.name}: "
+        f"{v.line.title}: "
         f"{v.status or v.brief or 'no ids make it capture the layers the draft was trained on'}"
         for v in stuck
     )
@@ -413,11 +413,7 @@ def write_config(
         # The new ids follow one engine line's rule, and an edited config may no longer
         # carry the trainer's markers: record what they were written for, so that the
         # doctor (and the probe) read this file back the same way.
-        lines = [
-            v.line.title if v.line.engine == "vLLM" else v.line.name
-            for v in diagnosis.verdicts
-            if v.decides
-        ]
+        lines = [v.line.title for v in diagnosis.verdicts if v.decides]
         config[RECORD_KEY] = {
             RECORD_LAYERS: list(reading.expected),
             "read_as": reading.label,
@@ -441,7 +437,7 @@ def as_json(
 
     def line(v: LineVerdict) -> dict:
         return {
-            "line": v.line.title if v.line.engine == "vLLM" else v.line.name,
+            "line": v.line.title,
             "ids_read": v.ids,
             "capture_layers": v.capture_layers,
             "status": v.status or ("OK" if v.ok else "PROBLEM"),

@@ -304,7 +304,7 @@ class Diagnosis:
         out = [_wrap(self._reads(), "", "  ")]
         readings = self.by_reading or [(None, self.verdicts)]
         for i, v in enumerate(readings[0][1]):
-            title = v.line.title if v.line.engine == "vLLM" else v.line.name
+            title = v.line.title
             answers = [self._brief_answer(vs[i]) for _, vs in readings]
             if len(readings) > 1 and len(set(answers)) > 1:
                 answer = "; ".join(
@@ -388,7 +388,7 @@ class Diagnosis:
             if self.unknown
             else "OK"
         )
-        title = v.line.title if v.line.engine == "vLLM" else v.line.name
+        title = v.line.title
         out = [
             _wrap(
                 f"{v.line.engine} {title} (read from {', '.join(v.line.read_versions)}):",

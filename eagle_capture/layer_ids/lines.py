@@ -91,6 +91,11 @@ class SGLangLine:
     engine: ClassVar[str] = "SGLang"
 
     @property
+    def title(self) -> str:
+        """How answers name the line (VLLMLine's says which runner)."""
+        return self.name
+
+    @property
     def last_layer_capturable(self) -> bool:
         """Capture layer num_layers (the final boundary): only gpt_oss's loop has it."""
         return self.model is not None and self.model.final_boundary
@@ -115,9 +120,13 @@ class SGLangLine:
         return self.first <= version <= self.last
 
 
-def _read_in(first: tuple[int, ...], last: tuple[int, ...]) -> tuple[str, ...]:
-    """The releases read between ``first`` and ``last`` (a line's read_versions)."""
-    return tuple(v for v in engine_facts.SGLANG_RELEASES if first <= parse_version(v) <= last)
+def _release_line(first: tuple[int, int, int], last: tuple[int, int, int], **behaviour):
+    """The line of releases ``first`` - ``last``: its name and the releases read in it
+    follow from the range (engine_facts.SGLANG_RELEASES); ``behaviour`` is what its
+    DeepseekV2 loop does (SGLangLine's shift_always, layer0, missing_capture)."""
+    name = _dotted(first) if first == last else f"{_dotted(first)} - {_dotted(last)}"
+    read = tuple(v for v in engine_facts.SGLANG_RELEASES if first <= parse_version(v) <= last)
+    return SGLangLine(name, read, first, last, **behaviour)
 
 
 # Where DeepseekV2's capture changed (deepseek_v2.py of each wheel read):
@@ -126,41 +135,17 @@ def _read_in(first: tuple[int, ...], last: tuple[int, ...]) -> tuple[str, ...]:
 # the residual after the input norm (layer 0: prepare_attn sets residual = the embedding);
 # 0.5.17 collects into AuxHiddenStatePacker, whose finalize() asserts K of K captures.
 SGLANG_LINES = (
-    SGLangLine(
-        "0.5.9 - 0.5.12",
-        _read_in((0, 5, 9), (0, 5, 12)),
-        (0, 5, 9),
-        (0, 5, 12),
-        shift_always=True,
-        layer0="crash",
-        missing_capture="dropped",
+    _release_line(
+        (0, 5, 9), (0, 5, 12), shift_always=True, layer0="crash", missing_capture="dropped"
     ),
-    SGLangLine(
-        "0.5.13",
-        _read_in((0, 5, 13), (0, 5, 13)),
-        (0, 5, 13),
-        (0, 5, 13),
-        shift_always=False,
-        layer0="crash",
-        missing_capture="dropped",
+    _release_line(
+        (0, 5, 13), (0, 5, 13), shift_always=False, layer0="crash", missing_capture="dropped"
     ),
-    SGLangLine(
-        "0.5.14 - 0.5.16",
-        _read_in((0, 5, 14), (0, 5, 16)),
-        (0, 5, 14),
-        (0, 5, 16),
-        shift_always=False,
-        layer0="embedding",
-        missing_capture="dropped",
+    _release_line(
+        (0, 5, 14), (0, 5, 16), shift_always=False, layer0="embedding", missing_capture="dropped"
     ),
-    SGLangLine(
-        "0.5.17 - 0.5.23",
-        _read_in((0, 5, 17), NEWEST_READ),
-        (0, 5, 17),
-        NEWEST_READ,
-        shift_always=False,
-        layer0="embedding",
-        missing_capture="error",
+    _release_line(
+        (0, 5, 17), NEWEST_READ, shift_always=False, layer0="embedding", missing_capture="error"
     ),
 )
 

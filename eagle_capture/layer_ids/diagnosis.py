@@ -1223,8 +1223,9 @@ def _lines_that_capture(architecture: str, draft: Optional[DraftIds] = None) -> 
     anywhere = _capturing(architecture, None)
     if not anywhere:
         return (
-            "no SGLang or vLLM release read can (SGLang 0.5.9 - 0.5.23, vLLM 0.32 - 0.34): "
-            "serve it without EAGLE-3, or with a draft for another target"
+            f"no SGLang or vLLM release read can (SGLang {engine_facts.SGLANG_RELEASES[0]} - "
+            f"{engine_facts.SGLANG_RELEASES[-1]}, vLLM {VLLM_LINE.name}): serve it without "
+            f"EAGLE-3, or with a draft for another target"
         )
     loading = _capturing(architecture, draft)
     if loading:
